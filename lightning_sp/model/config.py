@@ -1,0 +1,124 @@
+"""The GPT configuration: one dataclass, one docstring per field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_sp.errors import ConfigError, divisors
+
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+Recompute = Literal["none", "selective", "full"]
+
+
+@dataclass
+class GPTConfig:
+    """A GPT-3 style decoder (paper §3): learned positions, pre-LayerNorm, GeLU MLP, tied
+    input/output embeddings, dropout after the embedding, on attention probabilities and on
+    both residual branches."""
+
+    vocab_size: int = 50257
+    """Vocabulary size of the tokenizer (v). The embedding is padded to a multiple of
+    ``make_vocab_size_divisible_by * tensor_parallel_size``; padded entries never receive
+    probability."""
+
+    seq_length: int = 2048
+    """Sequence length (s): tokens per sample, and the number of learned positions."""
+
+    hidden_size: int = 768
+    """Hidden size (h)."""
+
+    num_layers: int = 12
+    """Number of transformer layers (L)."""
+
+    num_heads: int = 12
+    """Number of attention heads (a); must divide hidden_size and be divisible by the
+    tensor-parallel size."""
+
+    ffn_hidden_size: int | None = None
+    """Width of the MLP's inner layer; default 4 * hidden_size."""
+
+    hidden_dropout: float = 0.1
+    """Dropout probability after the embedding and on both residual branches."""
+
+    attention_dropout: float = 0.1
+    """Dropout probability on the attention probabilities."""
+
+    sequence_parallel: bool = False
+    """Shard LayerNorm, dropout and residual activations along the sequence over the
+    tensor-parallel group (paper §4.2.2). Needs seq_length divisible by the TP size."""
+
+    recompute: Recompute = "selective"
+    """Activation recomputation: ``none`` stores everything; ``selective`` recomputes only
+    the attention core (QKᵀ, softmax, its dropout, attention over V) in backward (paper §5);
+    ``full`` keeps only each layer's input and recomputes the whole layer."""
+
+    layernorm_eps: float = 1e-5
+    """Epsilon of every LayerNorm."""
+
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation; the two output projections of
+    each layer use init_std / sqrt(2 * num_layers)."""
+
+    make_vocab_size_divisible_by: int = 128
+    """The padded vocabulary is a multiple of this times the tensor-parallel size."""
+
+    seed: int = 1234
+    """Seed of the weight initialisation and of the dropout streams. A model built from the
+    same seed has the same weights under every parallel layout."""
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def padded_vocab_size(self, tensor_parallel_size: int = 1) -> int:
+        """The vocabulary rounded up to a multiple of ``make_vocab_size_divisible_by * t``."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
+        return -(-self.vocab_size // multiple) * multiple
+
+    def validate(self, tensor_parallel_size: int = 1) -> None:
+        """Raise :class:`ConfigError` (one line: field, value, what is valid) on a bad config."""
+        t = tensor_parallel_size
+        for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if self.recompute not in RECOMPUTE_POLICIES:
+            raise ConfigError(
+                f"recompute={self.recompute!r} is not a recompute policy; "
+                f"valid: {', '.join(RECOMPUTE_POLICIES)}"
+            )
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"{name}={value!r} must be in [0, 1)")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
+                f"num_heads must be one of {divisors(self.hidden_size)}"
+            )
+        if self.hidden_size % t:
+            raise ConfigError(
+                f"hidden_size={self.hidden_size} is not divisible by tensor_parallel_size={t}; "
+                f"tensor_parallel_size must be one of {divisors(self.hidden_size)}"
+            )
+        if self.num_heads % t:
+            raise ConfigError(
+                f"num_heads={self.num_heads} is not divisible by tensor_parallel_size={t}; "
+                f"tensor_parallel_size must be one of {divisors(self.num_heads)}"
+            )
+        if self.ffn_size % t:
+            raise ConfigError(
+                f"ffn_hidden_size={self.ffn_size} is not divisible by tensor_parallel_size={t}; "
+                f"tensor_parallel_size must be one of {divisors(self.ffn_size)}"
+            )
+        if self.sequence_parallel and self.seq_length % t:
+            raise ConfigError(
+                f"seq_length={self.seq_length} is not divisible by tensor_parallel_size={t} "
+                f"with sequence_parallel=True; use a seq_length that is a multiple of {t} "
+                "or sequence_parallel=False"
+            )

@@ -1,0 +1,283 @@
+"""GPT in ``[s, b, h]`` layout, built from tensor- and sequence-parallel layers.
+
+A ``GPT`` is one rank's shard: its tensor-parallel slice of the layers ``layer_range`` (all of
+them unless pipeline parallelism splits the stack), with the embedding if it holds the first
+layer and the final LayerNorm + output layer if it holds the last.
+
+Bytes a layer saves for backward (2-byte activations, 1-byte masks; paper §4.1), which the
+code below keeps to exactly:
+
+* LayerNorm 1 and 2: their inputs, 2sbh each
+* attention: QKV input 2sbh; Q, K, V 6sbh (one storage); softmax output 2as²b; its dropout
+  mask as²b and output 2as²b; projection input 2sbh; residual dropout mask sbh
+* MLP: fc1 input 2sbh; GeLU input 8sbh; fc2 input 8sbh; residual dropout mask sbh
+
+Tensor parallelism divides what lives inside the attention and MLP blocks by t; sequence
+parallelism divides the rest; ``selective`` drops the 5as²b; ``full`` keeps the input only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.recompute import recompute
+from lightning_sp.parallel.init import ShardSpec, initialize_parameter, mark_parameter
+from lightning_sp.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_parallel_linear,
+    vocab_parallel_cross_entropy,
+)
+from lightning_sp.parallel.random import RNGStreams, dropout
+from lightning_sp.parallel.state import ParallelState
+
+
+def _layer_norm(config: GPTConfig, sequence_parallel: bool, **kwargs: object) -> nn.LayerNorm:
+    norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps, **kwargs)
+    mark_parameter(norm.weight, init="ones", sequence_parallel=sequence_parallel)
+    mark_parameter(norm.bias, init="zeros", sequence_parallel=sequence_parallel)
+    return norm
+
+
+def attention_core(
+    q: Tensor, k: Tensor, v: Tensor, dropout_p: float, generator: torch.Generator, training: bool
+) -> Tensor:
+    """Causal softmax(QKᵀ/√d) V with dropout on the probabilities: the part ``selective``
+    recomputes. ``q, k, v``: ``[b·a/t, s, d]`` -> ``[b·a/t, s, d]``."""
+    s = q.shape[1]
+    causal = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
+    scores = torch.baddbmm(  # [b·a/t, s, s]; baddbmm saves only q and k
+        causal.expand(q.shape[0], s, s), q, k.transpose(1, 2), alpha=1.0 / math.sqrt(q.shape[-1])
+    )
+    probs = torch.softmax(scores, dim=-1)  # saves its output
+    probs = dropout(probs, dropout_p, generator, training)  # saves a 1-byte mask
+    return torch.bmm(probs, v)  # saves probs and v
+
+
+class Attention(nn.Module):
+    """Self-attention, heads split over the tensor-parallel group.
+
+    ``[s/t or s, b, h] -> [s/t or s, b, h]`` (before the residual dropout).
+    """
+
+    def __init__(
+        self, config: GPTConfig, state: ParallelState, rng: RNGStreams, **kwargs: object
+    ) -> None:
+        super().__init__()
+        sp = config.sequence_parallel
+        self.local_heads = config.num_heads // state.tensor_parallel_size
+        self.head_dim = config.head_dim
+        self.dropout_p = config.attention_dropout
+        self.selective = config.recompute == "selective"
+        self.rng = rng
+        out_std = config.init_std / math.sqrt(2 * config.num_layers)
+        # rows ordered [head][q|k|v][head_dim], so a shard of rows is whole heads
+        self.qkv = ColumnParallelLinear(
+            config.hidden_size, 3 * config.hidden_size, state,
+            sequence_parallel=sp, init_std=config.init_std, **kwargs,
+        )  # fmt: skip
+        self.proj = RowParallelLinear(
+            config.hidden_size, config.hidden_size, state,
+            sequence_parallel=sp, init_std=out_std, **kwargs,
+        )  # fmt: skip
+
+    def _core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return attention_core(q, k, v, self.dropout_p, self.rng.sharded, self.training)
+
+    def forward(self, x: Tensor) -> Tensor:
+        qkv = self.qkv(x)  # [s, b, 3h/t]
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.local_heads, 3 * self.head_dim)
+        # three views of one storage: [s, b, a/t, d] -> [b·a/t, s, d]
+        q, k, v = (
+            y.reshape(s, b * self.local_heads, self.head_dim).transpose(0, 1)
+            for y in qkv.split(self.head_dim, dim=-1)
+        )
+        if self.selective and self.training and torch.is_grad_enabled():
+            context = recompute(self._core, self.rng, q, k, v)
+        else:
+            context = self._core(q, k, v)
+        context = context.transpose(0, 1).reshape(s, b, self.local_heads * self.head_dim)
+        return self.proj(context)  # [s/t or s, b, h]
+
+
+class MLP(nn.Module):
+    """h -> 4h (column parallel) -> GeLU -> h (row parallel)."""
+
+    def __init__(self, config: GPTConfig, state: ParallelState, **kwargs: object) -> None:
+        super().__init__()
+        sp = config.sequence_parallel
+        out_std = config.init_std / math.sqrt(2 * config.num_layers)
+        self.fc1 = ColumnParallelLinear(
+            config.hidden_size, config.ffn_size, state,
+            sequence_parallel=sp, init_std=config.init_std, **kwargs,
+        )  # fmt: skip
+        self.fc2 = RowParallelLinear(
+            config.ffn_size, config.hidden_size, state,
+            sequence_parallel=sp, init_std=out_std, **kwargs,
+        )  # fmt: skip
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(nn.functional.gelu(self.fc1(x)))  # [s, b, 4h/t] inside
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LayerNorm transformer layer: ``x + drop(attn(ln1(x)))``, then the same with MLP.
+
+    ``[s/t, b, h]`` under sequence parallelism, else ``[s, b, h]``, in and out.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        state: ParallelState,
+        rng: RNGStreams,
+        layer_number: int,
+        **kwargs: object,
+    ) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        sp = config.sequence_parallel
+        self.ln1 = _layer_norm(config, sp, **kwargs)
+        self.attention = Attention(config, state, rng, **kwargs)
+        self.ln2 = _layer_norm(config, sp, **kwargs)
+        self.mlp = MLP(config, state, **kwargs)
+        self.rng = rng
+        self.dropout_p = config.hidden_dropout
+        # a residual stream sharded along s draws its masks per rank; a replicated one must not
+        self.residual_generator = rng.sharded if sp else rng.replicated
+        self.full_recompute = config.recompute == "full"
+
+    def _forward(self, x: Tensor) -> Tensor:
+        drop = self.dropout_p, self.residual_generator, self.training
+        x = x + dropout(self.attention(self.ln1(x)), *drop)
+        return x + dropout(self.mlp(self.ln2(x)), *drop)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.full_recompute and self.training and torch.is_grad_enabled():
+            return recompute(self._forward, self.rng, x)
+        return self._forward(x)
+
+
+class GPT(nn.Module):
+    """One rank's shard of a GPT (see module docstring).
+
+    ``forward(input_ids [b, s], labels [b, s]) -> mean cross-entropy loss`` (fp32 scalar).
+    Weights are initialised from ``config.seed`` so that every layout holds slices of the
+    same model; only this rank's shard is ever allocated.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        state: ParallelState,
+        *,
+        layer_range: range | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        config.validate(state.tensor_parallel_size)
+        self.config, self.state = config, state
+        self.layer_range = layer_range if layer_range is not None else range(config.num_layers)
+        self.has_embedding = self.layer_range.start == 0
+        self.has_head = self.layer_range.stop == config.num_layers
+        self.rng = RNGStreams(config.seed, state)
+        kwargs = {"dtype": dtype, "device": device if device is not None else state.device}
+        sp, group = config.sequence_parallel, state.tp_group
+        self.sequence_parallel, self.tp_group = sp, group
+        self.padded_vocab_size = config.padded_vocab_size(state.tensor_parallel_size)
+        # the embedding table is also the output layer's weight (tied); a stage that has only
+        # the head still owns a copy, whose gradients pipeline parallelism sums with stage 0's
+        if self.has_embedding or self.has_head:
+            self.word_embeddings = VocabParallelEmbedding(
+                self.padded_vocab_size, config.hidden_size, state,
+                sequence_parallel=sp, init_std=config.init_std, **kwargs,
+            )  # fmt: skip
+        if self.has_embedding:
+            self.position_embeddings = nn.Parameter(
+                torch.empty(config.seq_length, config.hidden_size, **kwargs)
+            )
+            mark_parameter(self.position_embeddings, std=config.init_std, sequence_parallel=sp)
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, state, self.rng, n, **kwargs) for n in self.layer_range
+        )
+        if self.has_head:
+            self.final_norm = _layer_norm(config, sp, **kwargs)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """(Re-)initialise every parameter of this shard from ``config.seed``."""
+        for name, param in self.named_parameters():
+            initialize_parameter(param, self.global_name(name), self.config.seed)
+
+    def global_name(self, name: str) -> str:
+        """A parameter's name in the unsharded, unsplit model (global layer numbers)."""
+        if name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            return f"layers.{self.layers[int(index)].layer_number}.{rest}"
+        return name
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Token + position embeddings with dropout: ``[b, s] -> [s/t or s, b, h]``."""
+        ids = input_ids.t()  # [s, b]
+        x = self.word_embeddings(ids)  # [s/t, b, h] under SP (ḡ), else [s, b, h] (f̄)
+        positions = self.position_embeddings[: ids.shape[0]]
+        if self.sequence_parallel:
+            shard = x.shape[0]
+            positions = positions[self.state.tensor_parallel_rank * shard :][:shard]
+        x = x + positions.unsqueeze(1)
+        generator = self.rng.sharded if self.sequence_parallel else self.rng.replicated
+        return dropout(x, self.config.hidden_dropout, generator, self.training)
+
+    def forward_layers(self, x: Tensor) -> Tensor:
+        """Run this shard's transformer layers: ``[s/t or s, b, h]`` in and out."""
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def loss(self, x: Tensor, labels: Tensor) -> Tensor:
+        """Final LayerNorm, output layer (tied embedding) and mean cross entropy.
+
+        ``x``: ``[s/t or s, b, h]``; ``labels``: ``[b, s]``; returns an fp32 scalar.
+        """
+        x = self.final_norm(x)
+        logits = column_parallel_linear(  # [s, b, v/t], never gathered over the vocabulary
+            x, self.word_embeddings.weight, None, self.tp_group, self.sequence_parallel
+        )
+        losses = vocab_parallel_cross_entropy(  # [s, b]
+            logits,
+            labels.t(),
+            self.word_embeddings.vocab_start,
+            self.config.vocab_size,
+            self.tp_group,
+        )
+        return losses.mean()
+
+    def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+        if not (self.has_embedding and self.has_head):
+            raise RuntimeError("GPT.forward needs the whole stack; run stages through the pipeline")
+        self._check_sequence(input_ids)
+        return self.loss(self.forward_layers(self.embed(input_ids)), labels)
+
+    def _check_sequence(self, input_ids: Tensor) -> None:
+        s, t = input_ids.shape[-1], self.state.tensor_parallel_size
+        if s > self.config.seq_length:
+            raise ValueError(
+                f"input sequence length {s} exceeds seq_length={self.config.seq_length}"
+            )
+        if self.sequence_parallel and s % t:
+            raise ValueError(
+                f"input sequence length {s} is not divisible by tensor_parallel_size={t} "
+                "with sequence_parallel=True"
+            )
+
+
+def shard_spec(param: Tensor) -> ShardSpec:
+    """Where ``param`` (a parameter of a :class:`GPT`) sits in the full model's tensor."""
+    return getattr(param, "shard", ShardSpec())

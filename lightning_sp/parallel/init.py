@@ -1,0 +1,82 @@
+"""Layout-independent weight initialisation.
+
+A parameter shard is filled so that it equals the matching slice of the same parameter
+initialised in one process from the same seed, whatever the tensor- or pipeline-parallel
+layout: each index along the sharded dimension draws from its own generator, seeded by
+``(seed, parameter name, index)``. A rank therefore initialises only its own shard (no full
+model is ever materialised), in time proportional to the shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sp.parallel.random import derive_seed
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a local parameter sits inside its full (unsharded) tensor.
+
+    ``dim`` is the sharded dimension (``None``: replicated over the tensor-parallel group) and
+    ``start`` the offset of this shard along it.
+    """
+
+    dim: int | None = None
+    start: int = 0
+
+    def full_slice(self, full: Tensor, local_shape: torch.Size) -> Tensor:
+        """The slice of ``full`` that this shard holds (clipped to ``full``'s size)."""
+        if self.dim is None:
+            return full
+        length = min(local_shape[self.dim], full.shape[self.dim] - self.start)
+        return full.narrow(self.dim, self.start, max(length, 0))
+
+
+def mark_parameter(
+    param: nn.Parameter,
+    *,
+    shard: ShardSpec = ShardSpec(),
+    init: str = "normal",
+    std: float = 0.0,
+    sequence_parallel: bool = False,
+) -> nn.Parameter:
+    """Attach sharding and initialisation metadata to ``param``.
+
+    ``init`` is ``"normal"`` (mean 0, ``std``), ``"zeros"`` or ``"ones"``.
+    ``sequence_parallel`` marks a replicated parameter that is applied to a sequence shard, so
+    its gradient is a partial sum per tensor-parallel rank and must be all-reduced over them.
+    """
+    param.shard = shard  # type: ignore[attr-defined]
+    param.init = init  # type: ignore[attr-defined]
+    param.init_std = std  # type: ignore[attr-defined]
+    param.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
+    return param
+
+
+@torch.no_grad()
+def initialize_parameter(param: Tensor, name: str, seed: int) -> None:
+    """Fill ``param`` (a shard marked by :func:`mark_parameter`) reproducibly from ``seed``."""
+    kind = getattr(param, "init", "normal")
+    if param.device.type == "meta":
+        return
+    if kind == "zeros":
+        param.zero_()
+        return
+    if kind == "ones":
+        param.fill_(1.0)
+        return
+    std: float = param.init_std  # type: ignore[attr-defined]
+    shard: ShardSpec = param.shard  # type: ignore[attr-defined]
+    generator = torch.Generator(device="cpu")
+    if shard.dim is None:
+        generator.manual_seed(derive_seed(seed, name))
+        param.copy_(torch.randn(param.shape, generator=generator).mul_(std))
+        return
+    for i in range(param.shape[shard.dim]):
+        generator.manual_seed(derive_seed(seed, name, shard.start + i))
+        row = param.select(shard.dim, i)
+        row.copy_(torch.randn(row.shape, generator=generator).mul_(std))

@@ -1,0 +1,89 @@
+"""Random-number streams for dropout, and dropout with a 1-byte mask.
+
+Two streams per rank (paper §4.2.2, Megatron's "model-parallel RNG"):
+
+* ``replicated``: seeded identically on every rank of a tensor-parallel group. Dropout on a
+  tensor that is replicated over the group (the residual dropouts without sequence
+  parallelism, the embedding dropout) must draw the same mask everywhere, or the replicas
+  diverge.
+* ``sharded``: seeded differently per tensor-parallel rank. Dropout on a tensor whose shards
+  differ per rank (attention probabilities in the TP region; every dropout under sequence
+  parallelism) must draw independent masks, or the shards are correlated.
+
+Both depend on the pipeline and data-parallel coordinates, so replicas see independent masks.
+Recomputation snapshots and restores both streams, which replays identical masks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import Tensor
+
+from lightning_sp.parallel.state import ParallelState
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed that is a stable function of ``parts`` (not Python's salted ``hash``)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class RNGStreams:
+    """The ``replicated`` and ``sharded`` dropout generators of one rank."""
+
+    def __init__(self, seed: int, state: ParallelState) -> None:
+        device = state.device if state.device.type != "meta" else torch.device("cpu")
+        pp, dp, tp = (
+            state.pipeline_parallel_rank,
+            state.data_parallel_rank,
+            state.tensor_parallel_rank,
+        )
+        self.replicated = torch.Generator(device=device)
+        self.replicated.manual_seed(derive_seed(seed, "replicated", pp, dp))
+        self.sharded = torch.Generator(device=device)
+        self.sharded.manual_seed(derive_seed(seed, "sharded", pp, dp, tp))
+
+    def get_state(self) -> tuple[Tensor, Tensor]:
+        """Snapshot both generators (a copy, safe to keep)."""
+        return self.replicated.get_state(), self.sharded.get_state()
+
+    def set_state(self, states: tuple[Tensor, Tensor]) -> None:
+        """Restore both generators from :meth:`get_state`."""
+        self.replicated.set_state(states[0])
+        self.sharded.set_state(states[1])
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"replicated": self.replicated.get_state(), "sharded": self.sharded.get_state()}
+
+    def load_state_dict(self, state_dict: dict[str, Tensor]) -> None:
+        self.set_state((state_dict["replicated"], state_dict["sharded"]))
+
+
+class _Dropout(torch.autograd.Function):
+    """Inverted dropout that saves only a ``bool`` mask (1 byte per element).
+
+    ``F.dropout`` on CPU saves a 2-byte noise tensor; the paper counts 1 byte.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, p: float, generator: torch.Generator) -> Tensor:
+        keep = 1.0 - p
+        mask = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+        mask.bernoulli_(keep, generator=generator)
+        ctx.scale = 1.0 / keep
+        ctx.save_for_backward(mask)
+        return torch.mul(x, mask).mul_(ctx.scale)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (mask,) = ctx.saved_tensors
+        return torch.mul(grad, mask).mul_(ctx.scale), None, None
+
+
+def dropout(x: Tensor, p: float, generator: torch.Generator, training: bool = True) -> Tensor:
+    """Dropout with probability ``p`` drawn from ``generator``; identity if ``p == 0`` or eval."""
+    if not training or p == 0.0:
+        return x
+    return _Dropout.apply(x, p, generator)

@@ -1,0 +1,155 @@
+"""Parallel state: the sizes, coordinates and process groups of one rank.
+
+Ranks are laid out on a 3-D ``DeviceMesh`` with dimensions ``("pp", "dp", "tp")``. The tensor
+parallel dimension varies fastest, so the ``t`` ranks of one tensor-parallel group are adjacent
+(on one node, where NVLink is). A ``ParallelState`` is built once and passed explicitly to
+everything that communicates; nothing in this package keeps process groups in globals.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_sp.errors import ConfigError, divisors
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def check_layout(world_size: int, tensor_parallel_size: int, pipeline_parallel_size: int) -> int:
+    """Validate a (t, p) layout against a world size and return the data-parallel size."""
+    for name, value in (
+        ("tensor_parallel_size", tensor_parallel_size),
+        ("pipeline_parallel_size", pipeline_parallel_size),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r} must be a positive integer")
+    model_parallel = tensor_parallel_size * pipeline_parallel_size
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tensor_parallel_size * "
+            f"pipeline_parallel_size = {tensor_parallel_size} * {pipeline_parallel_size} = "
+            f"{model_parallel}; t * p must be one of {divisors(world_size)}"
+        )
+    return world_size // model_parallel
+
+
+def _group_options(backend: str, timeout: datetime.timedelta) -> tuple[str, object] | None:
+    """Backend options that carry ``timeout`` into the mesh's sub-groups."""
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    options._timeout = timeout
+    return backend, options
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """Where this rank sits in the tensor / pipeline / data parallel layout.
+
+    Groups are ``None`` for a dimension of size one, and always ``None`` in :meth:`single`,
+    so code that communicates is a no-op without a process group.
+    """
+
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    tensor_parallel_rank: int
+    pipeline_parallel_rank: int
+    data_parallel_rank: int
+    tp_group: dist.ProcessGroup | None
+    pp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    device: torch.device
+    mesh: DeviceMesh | None = None
+
+    @classmethod
+    def single(cls, device: str | torch.device = "cpu") -> ParallelState:
+        """The state of a lone process: every size is one, no process group is needed."""
+        return cls(1, 1, 1, 0, 0, 0, None, None, None, torch.device(device), None)
+
+    @classmethod
+    def from_process_group(
+        cls,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        device: str | torch.device | None = None,
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    ) -> ParallelState:
+        """Build the state from the initialised default process group.
+
+        Every rank must call this with the same arguments. Sub-groups are created with
+        ``timeout`` so that a collective that never completes raises instead of hanging.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ParallelState.from_process_group needs torch.distributed to be initialised "
+                "(torch.distributed.init_process_group); use ParallelState.single() for one process"
+            )
+        world_size = dist.get_world_size()
+        dp = check_layout(world_size, tensor_parallel_size, pipeline_parallel_size)
+        backend = dist.get_backend()
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if backend == "nccl"
+                else torch.device("cpu")
+            )
+        device = torch.device(device)
+        options = _group_options(backend, timeout)
+        mesh = init_device_mesh(
+            device.type,
+            (pipeline_parallel_size, dp, tensor_parallel_size),
+            mesh_dim_names=("pp", "dp", "tp"),
+            backend_override=(
+                {name: options for name in ("pp", "dp", "tp")} if options is not None else None
+            ),
+        )
+        coords = mesh.get_coordinate()
+        assert coords is not None
+        pp_rank, dp_rank, tp_rank = coords
+
+        def group(name: str, size: int) -> dist.ProcessGroup | None:
+            return mesh.get_group(name) if size > 1 else None
+
+        return cls(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=dp,
+            tensor_parallel_rank=tp_rank,
+            pipeline_parallel_rank=pp_rank,
+            data_parallel_rank=dp_rank,
+            tp_group=group("tp", tensor_parallel_size),
+            pp_group=group("pp", pipeline_parallel_size),
+            dp_group=group("dp", dp),
+            device=device,
+            mesh=mesh,
+        )
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank holds the first pipeline stage (the embedding)."""
+        return self.pipeline_parallel_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the last pipeline stage (final LayerNorm, output layer, loss)."""
+        return self.pipeline_parallel_rank == self.pipeline_parallel_size - 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    def __repr__(self) -> str:
+        return (
+            f"ParallelState(tp={self.tensor_parallel_rank}/{self.tensor_parallel_size}, "
+            f"pp={self.pipeline_parallel_rank}/{self.pipeline_parallel_size}, "
+            f"dp={self.data_parallel_rank}/{self.data_parallel_size}, device={self.device})"
+        )

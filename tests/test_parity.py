@@ -1,0 +1,94 @@
+"""Every tensor/sequence-parallel layout and recompute policy equals one float64 process.
+
+Real gloo ranks; each rank compares its own shard with the matching slice of a reference it
+builds itself from the same seed (nothing is pickled between processes).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_sp import GPT, ParallelState
+
+from models import (
+    assert_matches_reference,
+    batch,
+    loss_and_grads,
+    reference_model,
+    relative_error,
+    tiny_config,
+)
+from spawn import run_distributed
+
+POLICIES = ("none", "selective", "full")
+RTOL = 1e-10
+
+
+def _parity_worker(rank: int, world_size: int) -> None:
+    state = ParallelState.from_process_group(tensor_parallel_size=world_size)
+    config = tiny_config()
+    ids, labels = batch(config)
+    reference = reference_model(config)
+    ref_loss = loss_and_grads(reference, ids, labels)
+    for sequence_parallel, recompute in itertools.product((False, True), POLICIES):
+        case = f"t={world_size} sp={sequence_parallel} recompute={recompute}"
+        cfg = tiny_config(sequence_parallel=sequence_parallel, recompute=recompute)
+        model = GPT(cfg, state, dtype=torch.float64)
+        loss = loss_and_grads(model, ids, labels)
+        assert relative_error(loss, ref_loss) <= RTOL, f"{case}: loss {loss} vs {ref_loss}"
+        compared = assert_matches_reference(model, reference, RTOL, case)
+        assert compared == len(list(model.parameters())) > 0
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_layouts_match_single_process_float64(world_size: int) -> None:
+    run_distributed(_parity_worker, world_size)
+
+
+def _assert_replicated_grads_agree(model: GPT, grads: dict, state: ParallelState) -> None:
+    """Parameters replicated over the TP group (LayerNorms, row-parallel biases, positions)
+    must get identical gradients on every TP rank, or the replicas drift apart."""
+    for name, param in model.named_parameters():
+        if param.shard.dim is not None:
+            continue
+        grad = grads[name]
+        gathered = [torch.empty_like(grad) for _ in range(state.tensor_parallel_size)]
+        dist.all_gather(gathered, grad, group=state.tp_group)
+        assert all(torch.equal(g, gathered[0]) for g in gathered), f"{name}: replicas diverged"
+
+
+def _dropout_worker(rank: int, world_size: int) -> None:
+    """With dropout, the three policies draw and replay identical masks."""
+    state = ParallelState.from_process_group(tensor_parallel_size=world_size)
+    for sequence_parallel in (False, True):
+        results = []
+        for recompute in POLICIES:
+            cfg = tiny_config(
+                sequence_parallel=sequence_parallel, recompute=recompute,
+                hidden_dropout=0.2, attention_dropout=0.3,
+            )  # fmt: skip
+            model = GPT(cfg, state, dtype=torch.float64)
+            ids, labels = batch(cfg)
+            losses = [loss_and_grads(model, ids, labels) for _ in range(2)]
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            results.append((recompute, losses, grads))
+        base_policy, base_losses, base_grads = results[0]
+        assert base_losses[0] != base_losses[1], "dropout drew the same masks twice"
+        for policy, losses, grads in results[1:]:
+            case = f"t={world_size} sp={sequence_parallel}: {policy} vs {base_policy}"
+            for a, b in zip(losses, base_losses, strict=True):
+                assert relative_error(a, b) <= 1e-12, f"{case}: loss {a} vs {b}"
+            for name, grad in grads.items():
+                err = relative_error(grad, base_grads[name])
+                assert err <= 1e-12, f"{case}: {name} gradient relative error {err:.2e}"
+        if world_size > 1:
+            _assert_replicated_grads_agree(model, base_grads, state)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_recompute_policies_replay_identical_dropout(world_size: int) -> None:
+    run_distributed(_dropout_worker, world_size)
