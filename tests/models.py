@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lightning_sp import GPT, GPTConfig, ParallelState
-from lightning_sp.parallel.layers import allreduce_sequence_parallel_grads
+from lightning_sp.parallel.grads import allreduce_sequence_parallel_grads
 
 
 def tiny_config(**overrides: object) -> GPTConfig:

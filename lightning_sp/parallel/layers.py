@@ -291,28 +291,3 @@ def vocab_parallel_cross_entropy(
     (unpadded) vocabulary, so padded columns never receive probability.
     """
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, vocab_size, group)
-
-
-def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """Parameters whose gradients are partial sums over the tensor-parallel group."""
-    return [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
-
-
-def allreduce_sequence_parallel_grads(module: nn.Module, state: ParallelState) -> None:
-    """Sum the gradients of sequence-parallel parameters over the tensor-parallel group.
-
-    Under sequence parallelism the LayerNorm weights and biases, the row-parallel biases and
-    the position embedding see only this rank's sequence shard, so each rank holds a partial
-    gradient. Call once after the backward passes of a step (one coalesced all-reduce).
-    """
-    if state.tp_group is None:
-        return
-    grads = [p.grad for p in sequence_parallel_parameters(module) if p.grad is not None]
-    if not grads:
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=state.tp_group)
-    for grad, reduced in zip(
-        grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
-    ):
-        grad.copy_(reduced)

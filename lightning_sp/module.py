@@ -1,0 +1,219 @@
+"""``GPTModule``: the LightningModule that trains a ``lightning_sp.GPT``.
+
+The model is created in ``configure_model``, directly as this rank's shard (no full model is
+ever materialised), from the parallel state of the ``megatron_sp`` strategy, or as a whole
+model on one process under any other strategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+from torch.optim import Optimizer
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from lightning_sp.errors import ConfigError
+from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.gpt import GPT
+from lightning_sp.optim import build_adamw
+from lightning_sp.parallel.grads import clip_grad_norm_
+from lightning_sp.parallel.state import ParallelState
+from lightning_sp.strategy import MegatronSPStrategy
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with linear warm-up and cosine decay (GPT-3's schedule)."""
+
+    lr: float = 3e-4
+    """Peak learning rate, reached after warmup_steps."""
+
+    min_lr: float = 3e-5
+    """Learning rate at the end of the cosine decay (and after it)."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to weight matrices only."""
+
+    beta1: float = 0.9
+    """Adam β1."""
+
+    beta2: float = 0.95
+    """Adam β2."""
+
+    eps: float = 1e-8
+    """Adam ε."""
+
+    warmup_steps: int = 100
+    """Steps of linear warm-up from 0 to lr."""
+
+    decay_steps: int | None = None
+    """Steps until the cosine decay reaches min_lr; default: the trainer's max_steps."""
+
+
+def lr_multiplier(step: int, peak: float, floor: float, warmup: int, decay: int) -> float:
+    """Learning-rate factor at ``step``: linear warm-up, cosine decay to ``floor / peak``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if step >= decay:
+        return floor / peak
+    progress = (step - warmup) / max(1, decay - warmup)
+    return (floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))) / peak
+
+
+class GPTModule(LightningModule):
+    """Trains a GPT shard: next-token loss, AdamW, validation loss and perplexity.
+
+    Args:
+        config: The model (``lightning_sp.GPTConfig``). Under ``megatron_sp`` the strategy's
+            ``sequence_parallel`` decides that field.
+        optimizer: AdamW and learning-rate schedule settings.
+    """
+
+    def __init__(
+        self, config: GPTConfig | None = None, optimizer: OptimizerConfig | None = None
+    ) -> None:
+        super().__init__()
+        self.config = config if config is not None else GPTConfig()
+        self.optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
+        self.config.validate()
+        self.save_hyperparameters(
+            {
+                "config": dataclasses.asdict(self.config),
+                "optimizer": dataclasses.asdict(self.optimizer_config),
+            }
+        )
+        self.gpt: GPT | None = None
+        self.val_loss = MeanMetric()
+
+    # -- model -------------------------------------------------------------------------------
+
+    @property
+    def parallel_state(self) -> ParallelState:
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, MegatronSPStrategy):
+            return strategy.parallel_state
+        return ParallelState.single(self.device)
+
+    @override
+    def configure_model(self) -> None:
+        if self.gpt is not None:
+            return
+        config = self.config
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, MegatronSPStrategy):
+            config = dataclasses.replace(config, sequence_parallel=strategy.sequence_parallel)
+        self._check_vocabulary(config)
+        state = self.parallel_state
+        self.gpt = GPT(config, state, dtype=torch.get_default_dtype(), device=state.device)
+
+    def _check_vocabulary(self, config: GPTConfig) -> None:
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
+        tokens = getattr(datamodule, "vocab_size", None)
+        if tokens is not None and tokens > config.vocab_size:
+            raise ConfigError(
+                f"model.config.vocab_size={config.vocab_size} is smaller than the tokenizer's "
+                f"vocabulary of {tokens} tokens; set model.config.vocab_size >= {tokens}"
+            )
+
+    def _require_model(self) -> GPT:
+        if self.gpt is None:
+            raise RuntimeError("the model is created in configure_model; run it through a Trainer")
+        return self.gpt
+
+    # -- steps -------------------------------------------------------------------------------
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self._require_model()(batch["input_ids"], batch["labels"])
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        loss = self._require_model()(batch["input_ids"], batch["labels"])
+        self.val_loss.update(loss)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(loss), prog_bar=True)
+
+    # -- optimisation ------------------------------------------------------------------------
+
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        cfg = self.optimizer_config
+        optimizer = build_adamw(
+            self._require_model(), cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps
+        )
+        decay = cfg.decay_steps or max(self.trainer.max_steps, cfg.warmup_steps + 1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: lr_multiplier(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, decay),
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+    @override
+    def configure_gradient_clipping(
+        self,
+        optimizer: Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip by the true global norm over all shards (replicated parameters counted once)."""
+        if not gradient_clip_val:
+            return
+        if gradient_clip_algorithm not in (None, "norm"):
+            raise ConfigError(
+                f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not supported; use 'norm'"
+            )
+        norm = clip_grad_norm_(
+            self._require_model().parameters(), gradient_clip_val, self.parallel_state
+        )
+        self.log("train/grad_norm", norm, prog_bar=False)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _vocabulary_identity(self) -> dict[str, Any]:
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
+        return {
+            "vocab_size": self.config.vocab_size,
+            "tokenizer": getattr(datamodule, "tokenizer_id", None),
+        }
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["rng_streams"] = self._require_model().rng.state_dict()
+        checkpoint["vocabulary"] = self._vocabulary_identity()
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved, current = checkpoint.get("vocabulary", {}), self._vocabulary_identity()
+        if saved and saved["vocab_size"] != current["vocab_size"]:
+            raise ConfigError(
+                f"model.config.vocab_size={current['vocab_size']} does not match the "
+                f"checkpoint's vocab_size={saved['vocab_size']}; use the checkpoint's vocabulary"
+            )
+        if (
+            saved.get("tokenizer")
+            and current["tokenizer"]
+            and saved["tokenizer"] != current["tokenizer"]
+        ):
+            raise ConfigError(
+                f"data tokenizer {current['tokenizer']!r} does not match the checkpoint's "
+                f"tokenizer {saved['tokenizer']!r}; resume with the tokenizer it was trained with"
+            )
+        if checkpoint.get("rng_streams") is not None:
+            self._require_model().rng.load_state_dict(checkpoint["rng_streams"])

@@ -1,0 +1,108 @@
+"""AdamW as Megatron trains: low-precision weights, fp32 gradients, fp32 master weights.
+
+The model keeps bf16 (or fp16) parameters, so activations stay 2 bytes and the paper's
+accounting holds. Every parameter gets an fp32 ``main_grad`` buffer; a post-accumulate-grad
+hook adds each fresh low-precision gradient into it and frees ``param.grad``, so gradient
+accumulation over micro-batches happens in fp32. AdamW updates fp32 master copies of the
+weights and writes them back, rounded, into the model.
+
+For fp32 models none of this is needed: :func:`build_adamw` returns a plain ``AdamW``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def _accumulate_into_main_grad(param: Tensor) -> None:
+    param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
+    param.grad = None
+
+
+class MasterWeightAdamW(torch.optim.AdamW):
+    """AdamW on fp32 master weights of low-precision model parameters.
+
+    ``param_groups`` are given with the *model* parameters; the optimizer holds fp32 masters
+    in their place. Its ``state_dict`` includes the masters, so a resumed run continues from
+    the exact fp32 weights.
+    """
+
+    def __init__(self, param_groups: Iterable[dict[str, Any]], **defaults: Any) -> None:
+        self.model_params: list[Tensor] = []
+        master_groups = []
+        for group in param_groups:
+            masters = []
+            for p in group["params"]:
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)  # type: ignore[attr-defined]
+                p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+                master = p.detach().float().clone().requires_grad_(True)
+                masters.append(master)
+                self.model_params.append(p)
+            master_groups.append({**group, "params": masters})
+        super().__init__(master_groups, **defaults)
+
+    def _masters(self) -> list[Tensor]:
+        return [m for group in self.param_groups for m in group["params"]]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for master, p in zip(self._masters(), self.model_params, strict=True):
+            master.grad = p.main_grad  # type: ignore[attr-defined]
+        super().step()
+        for master, p in zip(self._masters(), self.model_params, strict=True):
+            p.copy_(master)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model_params:
+            p.main_grad.zero_()  # type: ignore[attr-defined]
+            p.grad = None
+        for master in self._masters():
+            master.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["master_weights"] = [m.detach().clone() for m in self._masters()]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        masters = state_dict.pop("master_weights")
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for master, saved, p in zip(self._masters(), masters, self.model_params, strict=True):
+                master.copy_(saved)
+                p.copy_(saved)
+
+
+def build_adamw(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on biases, LayerNorms, 1-D params).
+
+    fp32 models get ``torch.optim.AdamW``; low-precision models get
+    :class:`MasterWeightAdamW` (fp32 gradients and master weights).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
+    cls = MasterWeightAdamW if low_precision else torch.optim.AdamW
+    return cls(groups, lr=lr, betas=betas, eps=eps)

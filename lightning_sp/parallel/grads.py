@@ -1,0 +1,116 @@
+"""Finishing gradients after backward: the reductions a parallel layout needs, and the true
+global gradient norm.
+
+Gradients live in ``param.main_grad`` (fp32 accumulation buffer) when the optimizer keeps
+fp32 master weights, else in ``param.grad``; :func:`grad_of` hides the difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_sp.parallel.state import ParallelState
+
+
+def grad_of(param: Tensor) -> Tensor | None:
+    """The gradient the optimizer will use: ``main_grad`` if present, else ``grad``."""
+    main = getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
+
+
+def _all_reduce_coalesced(
+    tensors: list[Tensor], group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType
+) -> None:
+    """All-reduce ``tensors`` in place, one collective per dtype."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group_tensors in by_dtype.values():
+        flat = torch._utils._flatten_dense_tensors(group_tensors)
+        dist.all_reduce(flat, op=op, group=group)
+        for t, reduced in zip(
+            group_tensors, torch._utils._unflatten_dense_tensors(flat, group_tensors), strict=True
+        ):
+            t.copy_(reduced)
+
+
+def allreduce_sequence_parallel_grads(module: nn.Module, state: ParallelState) -> None:
+    """Sum the gradients of sequence-parallel parameters over the tensor-parallel group.
+
+    Under sequence parallelism the LayerNorm weights and biases, the row-parallel biases and
+    the position embedding see only this rank's sequence shard, so each rank holds a partial
+    gradient. Call once after the backward passes of a step.
+    """
+    if state.tp_group is None:
+        return
+    grads = [
+        g
+        for p in module.parameters()
+        if getattr(p, "sequence_parallel", False) and (g := grad_of(p)) is not None
+    ]
+    if grads:
+        _all_reduce_coalesced(grads, state.tp_group, dist.ReduceOp.SUM)
+
+
+def average_data_parallel_grads(module: nn.Module, state: ParallelState) -> None:
+    """Average every gradient over the data-parallel group (replicas see different data)."""
+    if state.dp_group is None:
+        return
+    grads = [g for p in module.parameters() if (g := grad_of(p)) is not None]
+    if grads:
+        _all_reduce_coalesced(grads, state.dp_group, dist.ReduceOp.SUM)
+        for g in grads:
+            g.div_(state.data_parallel_size)
+
+
+def finalize_grads(module: nn.Module, state: ParallelState) -> None:
+    """All reductions between the last backward and the optimizer step, in order."""
+    allreduce_sequence_parallel_grads(module, state)
+    average_data_parallel_grads(module, state)
+
+
+def _counted_once(param: Tensor, state: ParallelState) -> bool:
+    """Whether this rank contributes ``param`` to the global norm.
+
+    A shard of a tensor-parallel parameter is unique to its rank; a parameter replicated over
+    the tensor-parallel group is counted on TP rank 0 only; a pipeline stage's copy of the
+    tied embedding (``pipeline_copy``) is counted on the stage that owns the original.
+    """
+    if getattr(param, "pipeline_copy", False):
+        return False
+    shard = getattr(param, "shard", None)
+    return (shard is not None and shard.dim is not None) or state.tensor_parallel_rank == 0
+
+
+def global_grad_norm(params: Iterable[Tensor], state: ParallelState) -> Tensor:
+    """The L2 norm of the whole model's gradient, over all TP and PP shards (fp32 scalar).
+
+    Data-parallel replicas hold identical gradients after averaging, so they are not summed.
+    """
+    params = list(params)
+    device = params[0].device if params else state.device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        g = grad_of(p)
+        if g is not None and _counted_once(p, state):
+            total += g.detach().float().pow(2).sum()
+    for group in (state.tp_group, state.pp_group):
+        if group is not None:
+            dist.all_reduce(total, group=group)
+    return total.sqrt()
+
+
+def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, state: ParallelState) -> Tensor:
+    """Scale every gradient so the global norm is at most ``max_norm``; return the norm."""
+    params = list(params)
+    norm = global_grad_norm(params, state)
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        g = grad_of(p)
+        if g is not None:
+            g.mul_(coefficient.to(g.dtype))
+    return norm

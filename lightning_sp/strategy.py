@@ -1,0 +1,381 @@
+"""``MegatronSPStrategy``: tensor, sequence (and, shaped for it, pipeline) parallelism for
+Lightning, registered as ``"megatron_sp"``.
+
+The strategy owns the process groups. It starts the default process group the way
+Lightning's DDP does (so Lightning's launchers work: its own subprocess/spawn launchers,
+SLURM, torchrun), builds a :class:`~lightning_sp.ParallelState` on a ``("pp", "dp", "tp")``
+device mesh, and hands it to the LightningModule's ``configure_model``. It wraps nothing:
+after the last backward of a step it sums sequence-parallel gradients over the TP group and
+averages all gradients over the DP group, then lets the optimizer step.
+
+Checkpoints are directories: one file per (tp, pp) model shard with its optimizer state,
+one per rank with its RNG streams, and ``meta.pt`` with Lightning's loop state.
+"""
+
+from __future__ import annotations
+
+import datetime
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import (
+    _MultiProcessingLauncher,
+    _SubprocessScriptLauncher,
+)
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_sp.errors import ConfigError
+from lightning_sp.parallel.grads import finalize_grads
+from lightning_sp.parallel.state import ParallelState, check_layout
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+META_FILE = "meta.pt"
+
+
+def shard_file(tp_rank: int, pp_rank: int) -> str:
+    """File name of one model-parallel shard's weights and optimizer state in a checkpoint."""
+    return f"model_tp{tp_rank:02d}_pp{pp_rank:03d}.pt"
+
+
+def rng_file(global_rank: int) -> str:
+    return f"rng_rank{global_rank:05d}.pt"
+
+
+class MegatronSPStrategy(ParallelStrategy):
+    """Tensor + sequence (+ pipeline) parallel training of a ``lightning_sp.GPT``.
+
+    Args:
+        tensor_parallel_size: Ranks in one tensor-parallel group (t). They should share a node.
+        pipeline_parallel_size: Pipeline stages (p). The data-parallel size is
+            world size / (t * p).
+        sequence_parallel: Shard LayerNorm/dropout activations along the sequence over the
+            tensor-parallel group (paper §4.2.2). Overrides the model config's field.
+        num_microbatches: Micro-batches per optimizer step; each step's batch (per
+            data-parallel rank) is split into this many.
+        virtual_pipeline_size: Model chunks per pipeline stage (m) for the interleaved
+            schedule; 1 is plain 1F1B.
+        timeout: Seconds a collective may wait before it fails (every process group).
+        process_group_backend: ``gloo`` or ``nccl``; by default chosen from the device.
+        start_method: ``popen`` (re-run the script per rank, as ``ddp``) or ``spawn``.
+    """
+
+    strategy_name = "megatron_sp"
+
+    def __init__(
+        self,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        sequence_parallel: bool = True,
+        num_microbatches: int = 1,
+        virtual_pipeline_size: int = 1,
+        timeout: float = 600.0,
+        process_group_backend: str | None = None,
+        start_method: str = "popen",
+        **kwargs: Any,
+    ) -> None:
+        if kwargs:
+            name = next(iter(kwargs))
+            raise ConfigError(
+                f"MegatronSPStrategy got an unknown argument {name}={kwargs[name]!r}; valid: "
+                "tensor_parallel_size, pipeline_parallel_size, sequence_parallel, "
+                "num_microbatches, virtual_pipeline_size, timeout, process_group_backend, "
+                "start_method"
+            )
+        super().__init__()
+        for name, value in (
+            ("tensor_parallel_size", tensor_parallel_size),
+            ("pipeline_parallel_size", pipeline_parallel_size),
+            ("num_microbatches", num_microbatches),
+            ("virtual_pipeline_size", virtual_pipeline_size),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if start_method not in ("popen", "spawn"):
+            raise ConfigError(f"start_method={start_method!r} is not one of popen, spawn")
+        if num_microbatches > 1 and pipeline_parallel_size == 1:
+            raise ConfigError(
+                f"num_microbatches={num_microbatches} splits a step over pipeline stages, but "
+                "pipeline_parallel_size=1; for gradient accumulation use "
+                f"trainer.accumulate_grad_batches={num_microbatches}"
+            )
+        if pipeline_parallel_size > 1:
+            raise ConfigError(
+                f"pipeline_parallel_size={pipeline_parallel_size}: pipeline parallelism is not "
+                "implemented yet; use pipeline_parallel_size=1"
+            )
+        self.tensor_parallel_size = tensor_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.sequence_parallel = sequence_parallel
+        self.num_microbatches = num_microbatches
+        self.virtual_pipeline_size = virtual_pipeline_size
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self._process_group_backend = process_group_backend
+        self._start_method = start_method
+        self._parallel_state: ParallelState | None = None
+        self._num_nodes = 1
+
+    # -- layout ------------------------------------------------------------------------------
+
+    @property
+    def parallel_state(self) -> ParallelState:
+        """This rank's :class:`ParallelState` (available from ``configure_model`` on)."""
+        if self._parallel_state is None:
+            raise RuntimeError("the parallel state exists once the processes have started")
+        return self._parallel_state
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # data is sharded over data-parallel replicas only: TP/PP ranks of one replica share it
+        state = self.parallel_state
+        return {"num_replicas": state.data_parallel_size, "rank": state.data_parallel_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        # runs when the Trainer is built: a bad layout fails before any process starts
+        check_layout(
+            self.num_nodes * self.num_processes,
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+        )
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self._start_method == "spawn":
+            self._launcher = _MultiProcessingLauncher(self, start_method="spawn")
+        else:
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    @override
+    def setup_environment(self) -> None:
+        world_size = self.num_nodes * self.num_processes
+        check_layout(world_size, self.tensor_parallel_size, self.pipeline_parallel_size)
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self.timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self._parallel_state = ParallelState.from_process_group(
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            device=self.root_device,
+            timeout=self.timeout,
+        )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(
+                self.node_rank * self.num_processes + self.local_rank
+            )
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run the closure (forward + backward), finish the gradients, then step.
+
+        The reductions run inside the closure, so Lightning's gradient clipping, which
+        follows the closure, sees the finished gradients.
+        """
+        module = model if model is not None else self.lightning_module
+        assert module is not None
+
+        def closure_then_reduce() -> Any:
+            result = closure()
+            finalize_grads(module, self.parallel_state)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+
+    # -- collectives Lightning asks for ------------------------------------------------------
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
+
+    @override
+    def reduce(
+        self,
+        tensor: Tensor | Any,
+        group: Any | None = None,
+        reduce_op: ReduceOp | str | None = "mean",
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return True
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None
+    ) -> None:
+        """Write a checkpoint directory (see module docstring); every rank calls this."""
+        path = Path(self.broadcast(str(filepath)))
+        state = self.parallel_state
+        if self.is_global_zero:
+            if path.is_file():
+                path.unlink()
+            path.mkdir(parents=True, exist_ok=True)
+        self.barrier()
+        shard = {
+            "state_dict": checkpoint.pop("state_dict"),
+            "optimizer_states": checkpoint.pop("optimizer_states", []),
+        }
+        if state.data_parallel_rank == 0:
+            torch.save(
+                shard, path / shard_file(state.tensor_parallel_rank, state.pipeline_parallel_rank)
+            )
+        torch.save(checkpoint.pop("rng_streams", None), path / rng_file(self.global_rank))
+        if self.is_global_zero:
+            torch.save(checkpoint, path / META_FILE)
+        self.barrier()
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: str | Path, weights_only: bool | None = None
+    ) -> dict:
+        path = Path(checkpoint_path)
+        state = self.parallel_state
+        if not (path / META_FILE).is_file():
+            raise ConfigError(
+                f"ckpt_path={str(path)!r} is not a megatron_sp checkpoint directory "
+                f"(no {META_FILE}); give a directory saved by this strategy"
+            )
+        checkpoint = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+        shard_path = path / shard_file(state.tensor_parallel_rank, state.pipeline_parallel_rank)
+        if not shard_path.is_file():
+            raise ConfigError(
+                f"ckpt_path={str(path)!r} has no shard {shard_path.name}: it was saved with a "
+                "different tensor/pipeline layout; resume with the layout it was saved with"
+            )
+        checkpoint.update(torch.load(shard_path, map_location="cpu", weights_only=False))
+        rng_path = path / rng_file(self.global_rank)
+        if rng_path.is_file():
+            checkpoint["rng_streams"] = torch.load(rng_path, map_location="cpu", weights_only=False)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "megatron_sp", cls, description="Megatron tensor/sequence parallelism (popen launcher)"
+        )
+        strategy_registry.register(
+            "megatron_sp_spawn",
+            cls,
+            description="Megatron tensor/sequence parallelism (spawn launcher)",
+            start_method="spawn",
+        )
+
+
+def register() -> None:
+    """Register ``"megatron_sp"`` and ``"megatron_sp_spawn"`` in Lightning's registry."""
+    if "megatron_sp" not in StrategyRegistry:
+        MegatronSPStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,49 @@
+"""Gradient finishing and clipping equal one float64 process on the whole batch.
+
+t=2 x dp=2 on four gloo ranks: each data-parallel replica sees half of the batch; after
+``finalize_grads`` (SP sums over TP, averaging over DP) every shard equals its slice of the
+reference gradient, the global norm equals the reference's norm, and clipping scales to it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_sp import GPT, ParallelState
+from lightning_sp.parallel.grads import clip_grad_norm_, finalize_grads, global_grad_norm
+from models import assert_matches_reference, batch, reference_model, tiny_config
+from spawn import run_distributed
+
+
+def _worker(rank: int, world_size: int) -> None:
+    state = ParallelState.from_process_group(tensor_parallel_size=2)
+    config = tiny_config(sequence_parallel=True, recompute="selective")
+    ids, labels = batch(config, batch_size=4)
+    reference = reference_model(config)
+    reference(ids, labels).backward()
+    ref_norm = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(p.grad) for p in reference.parameters()])
+    )
+
+    model = GPT(config, state, dtype=torch.float64)
+    half = slice(2 * state.data_parallel_rank, 2 * state.data_parallel_rank + 2)
+    model(ids[half], labels[half]).backward()
+    finalize_grads(model, state)
+    assert_matches_reference(model, reference, 1e-10, "dp-averaged")
+
+    norm = global_grad_norm(model.parameters(), state)
+    torch.testing.assert_close(norm.double(), ref_norm, rtol=1e-6, atol=0)
+
+    max_norm = 0.5 * ref_norm.item()
+    clip_grad_norm_(model.parameters(), max_norm, state)
+    for p in reference.parameters():
+        p.grad.mul_(max_norm / (ref_norm.item() + 1e-6))
+    assert_matches_reference(model, reference, 1e-6, "clipped")
+    clipped = global_grad_norm(model.parameters(), state)
+    torch.testing.assert_close(
+        clipped.double(), torch.tensor(max_norm, dtype=torch.float64), rtol=1e-5, atol=0
+    )
+
+
+def test_dp_tp_gradients_norm_and_clipping_match_single_process() -> None:
+    run_distributed(_worker, 4)
