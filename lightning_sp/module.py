@@ -109,12 +109,19 @@ class GPTModule(LightningModule):
         strategy = self._trainer.strategy if self._trainer is not None else None
         if isinstance(strategy, MegatronSPStrategy):
             config = dataclasses.replace(config, sequence_parallel=strategy.sequence_parallel)
-        self._check_vocabulary(config)
+        self._check_data(config)
         state = self.parallel_state
         self.gpt = GPT(config, state, dtype=torch.get_default_dtype(), device=state.device)
 
-    def _check_vocabulary(self, config: GPTConfig) -> None:
+    def _check_data(self, config: GPTConfig) -> None:
+        """The data must fit the model: fail before any step if it does not."""
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
+        seq_length = getattr(datamodule, "seq_length", None)
+        if seq_length is not None and seq_length != config.seq_length:
+            raise ConfigError(
+                f"data.seq_length={seq_length} differs from model.config.seq_length="
+                f"{config.seq_length}; give both the same value (the CLI links them)"
+            )
         tokens = getattr(datamodule, "vocab_size", None)
         if tokens is not None and tokens > config.vocab_size:
             raise ConfigError(

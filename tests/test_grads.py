@@ -11,6 +11,7 @@ import torch
 
 from lightning_sp import GPT, ParallelState
 from lightning_sp.parallel.grads import clip_grad_norm_, finalize_grads, global_grad_norm
+
 from models import assert_matches_reference, batch, reference_model, tiny_config
 from spawn import run_distributed
 

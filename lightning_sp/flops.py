@@ -1,0 +1,174 @@
+"""FLOPs of one training iteration (paper Appendix A) and the peak FLOP/s of a device.
+
+Only matrix multiplications are counted, as in the paper. With ``B`` the global batch size,
+``s`` the sequence length, ``h`` the hidden size, ``f`` the MLP width, ``L`` the number of
+layers and ``v`` the vocabulary, one layer's forward pass costs
+
+* QKV projection ``6Bsh²``, attention scores QKᵀ ``2Bs²h``, attention over V ``2Bs²h``,
+  output projection ``2Bsh²``: ``8Bsh² + 4Bs²h``;
+* MLP ``h -> f -> h``: ``4Bshf`` (``16Bsh²`` for the GPT-3 width ``f = 4h``);
+
+and the output layer (logits) ``2Bshv``. Backward costs twice the forward (gradients of both
+the inputs and the weights), so the model FLOPs of an iteration are three times the forward.
+For ``f = 4h`` this is the paper's ``72BsLh²(1 + s/(6h) + v/(12hL))``.
+
+*Model* FLOPs count what the model needs, independent of the implementation; *hardware*
+FLOPs add what the recompute policy executes a second time in backward (MFU vs HFU).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from lightning_sp.errors import ConfigError
+from lightning_sp.model.config import RECOMPUTE_POLICIES, GPTConfig
+
+__all__ = [
+    "forward_flops_per_iteration",
+    "hardware_flops_per_iteration",
+    "measure_peak_flops",
+    "model_flops_per_iteration",
+    "peak_flops",
+]
+
+
+def _check_batch(global_batch_size: int) -> None:
+    if not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ConfigError(f"global_batch_size={global_batch_size!r} must be a positive integer")
+
+
+def _layer_forward_flops(config: GPTConfig, batch_size: int) -> tuple[int, int]:
+    """``(all matmuls, attention core only)`` of one layer's forward, for ``batch_size``
+    sequences of ``config.seq_length`` tokens."""
+    b, s, h, f = batch_size, config.seq_length, config.hidden_size, config.ffn_size
+    attention_core = 4 * b * s * s * h  # QKᵀ and probs·V: two matmuls of 2Bs²h
+    projections = 8 * b * s * h * h  # QKV (6Bsh²) and the output projection (2Bsh²)
+    mlp = 4 * b * s * h * f  # fc1 and fc2, 2Bshf each
+    return projections + attention_core + mlp, attention_core
+
+
+def forward_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> float:
+    """Matmul FLOPs of one forward pass over ``global_batch_size`` sequences of
+    ``config.seq_length`` tokens: ``L·(8Bsh² + 4Bshf + 4Bs²h) + 2Bshv``.
+
+    ``v`` is the true ``config.vocab_size`` (padding rows of the embedding are not model
+    FLOPs); ``f`` is ``config.ffn_size``.
+    """
+    _check_batch(global_batch_size)
+    layer, _ = _layer_forward_flops(config, global_batch_size)
+    logits = 2 * global_batch_size * config.seq_length * config.hidden_size * config.vocab_size
+    return float(config.num_layers * layer + logits)
+
+
+def model_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward, no recomputation).
+
+    Equals the paper's ``72·B·s·L·h²·(1 + s/(6h) + v/(12·h·L))`` (Appendix A), which
+    assumes the GPT-3 MLP width ``ffn_size = 4h``; for another width the MLP term is
+    ``12·B·s·h·f`` per layer instead of ``48·B·s·h²`` (three times ``4Bshf``).
+
+    ``v`` is the true ``config.vocab_size``, not the vocabulary padded for tensor
+    parallelism: the padded rows compute logits nobody asked for, so they are not model FLOPs
+    (they make the measured matmul count ``(v_padded - v)·6Bsh`` larger). ``s`` is
+    ``config.seq_length``; pass a config with the sequence length actually run if it is
+    shorter.
+    """
+    return 3.0 * forward_flops_per_iteration(config, global_batch_size)
+
+
+def hardware_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> float:
+    """FLOPs the hardware executes in one iteration: model FLOPs plus the forward work that
+    ``config.recompute`` runs again during backward.
+
+    * ``none``: nothing is recomputed, equal to :func:`model_flops_per_iteration`.
+    * ``full``: every layer's forward runs twice (the logits are not recomputed), so each
+      layer costs 4x its forward instead of 3x: ``96·B·s·L·h²·(1 + s/(6h) + v/(16·h·L))``
+      for ``ffn_size = 4h``, about 4/3 of the model FLOPs for large ``h``.
+    * ``selective``: only the attention core is recomputed. Its forward is the two
+      ``s x s`` matmuls QKᵀ and probs·V, ``2·B·s²·h`` each, so ``4·B·s²·h·L`` is added
+      (softmax and dropout are not matmuls and are not counted, as everywhere here). That is
+      ``s/(18h)`` in units of ``72BsLh²``: relative to the model FLOPs the overhead is
+      ``(s/(18h)) / (1 + s/(6h) + v/(12hL))``, 0.90% for GPT-3 175B (s=2048, h=12288) and
+      0.54% for MT-NLG 530B (h=20480). The paper's "2.7%" and "1.6%" are the same recomputed
+      FLOPs relative to one *forward* pass, ``4Bs²h / (24Bsh² + 4Bs²h) = s/(6h + s)``
+      (2.70% and 1.64%); ``tests/test_flops.py`` checks both readings.
+    """
+    model = model_flops_per_iteration(config, global_batch_size)
+    if config.recompute not in RECOMPUTE_POLICIES:
+        raise ConfigError(
+            f"recompute={config.recompute!r} is not a recompute policy; "
+            f"valid: {', '.join(RECOMPUTE_POLICIES)}"
+        )
+    if config.recompute == "none":
+        return model
+    layer, attention_core = _layer_forward_flops(config, global_batch_size)
+    extra = layer if config.recompute == "full" else attention_core
+    return model + float(config.num_layers * extra)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_peak_flops(
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    size: int = 1024,
+    seconds: float = 0.5,
+) -> float:
+    """This machine's GEMM rate in FLOP/s: ``size x size`` matmuls in ``dtype`` on ``device``.
+
+    One warm-up matmul, then batches of matmuls (doubling in length, the device synchronised
+    after each batch) until at least ``seconds`` of ``time.perf_counter`` have passed. Each
+    matmul counts ``2·size³`` FLOPs. Used as the "peak" where no datasheet value is known
+    (CPUs), so MFU there means "fraction of what a large square matmul achieves".
+    Returns a positive finite number.
+    """
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"size={size!r} must be a positive integer")
+    if not seconds > 0:
+        raise ValueError(f"seconds={seconds!r} must be positive")
+    device = torch.device(device)
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
+    b = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    torch.matmul(a, b, out=out)  # warm-up: kernel selection, thread pool start
+    _synchronize(device)
+    iterations, batch = 0, 1
+    start = time.perf_counter()
+    while True:
+        for _ in range(batch):
+            torch.matmul(a, b, out=out)
+        _synchronize(device)
+        iterations += batch
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            break
+        batch *= 2
+    flops = 2.0 * size**3 * iterations / elapsed
+    if not (math.isfinite(flops) and flops > 0):  # pragma: no cover - a timer of zero resolution
+        raise RuntimeError(f"could not measure the matmul rate ({iterations} in {elapsed} s)")
+    return flops
+
+
+def peak_flops(device: torch.device | str, dtype: torch.dtype) -> float:
+    """Peak FLOP/s of one ``device`` for matmuls in ``dtype``.
+
+    On accelerators, the datasheet value Lightning knows
+    (:func:`lightning.fabric.utilities.throughput.get_available_flops`, e.g. 312e12 for an
+    A100 in bf16). Where that is unknown (it returns ``None``), and always on CPU, the rate
+    :func:`measure_peak_flops` measures on this machine.
+    """
+    device = torch.device(device)
+    if device.type != "cpu":
+        from lightning.fabric.utilities.throughput import get_available_flops
+
+        available = get_available_flops(device, dtype)
+        if available:
+            return float(available)
+    return measure_peak_flops(dtype=dtype, device=device)

@@ -1,0 +1,128 @@
+"""The strategy under a real Lightning Trainer: 2 spawned CPU ranks, real data, real logs,
+real checkpoints."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_sp import GPTConfig, GPTModule, MegatronSPStrategy, OptimizerConfig
+from lightning_sp.data import TextDataModule
+
+TEXT = (
+    "def add(a, b):\n    return a + b\n\n"
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
+    "for i in range(10):\n    print(i * i)\n\n"
+)
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i in range(8):
+        (folder / f"doc{i}.py").write_text(TEXT * (4 + i))
+    return folder
+
+
+class AssertReplicasInSync(Callback):
+    """At the end of training every parameter equals its replicas: across DP ranks (all
+    parameters) and across TP ranks (parameters replicated over TP)."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: GPTModule) -> None:
+        state = trainer.strategy.parallel_state
+        for name, p in pl_module.gpt.named_parameters():
+            groups = [state.dp_group]
+            if p.shard.dim is None:
+                groups.append(state.tp_group)
+            for group in groups:
+                if group is None:
+                    continue
+                copies = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(copies, p.detach().contiguous(), group=group)
+                assert all(torch.equal(c, copies[0]) for c in copies), f"{name} diverged"
+
+
+def model(**overrides: Any) -> GPTModule:
+    fields = dict(
+        vocab_size=257, seq_length=64, hidden_size=64, num_layers=2, num_heads=4,
+        hidden_dropout=0.1, attention_dropout=0.1, recompute="selective",
+    )  # fmt: skip
+    fields.update(overrides)
+    return GPTModule(GPTConfig(**fields), OptimizerConfig(lr=3e-3, warmup_steps=5, min_lr=3e-4))
+
+
+def trainer(tmp_path: Path, name: str, t: int, max_steps: int, **kwargs: Any) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=MegatronSPStrategy(tensor_parallel_size=t, start_method="spawn"),
+        max_steps=max_steps,
+        logger=CSVLogger(tmp_path, name=name, version=0),
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        gradient_clip_val=1.0,
+        **kwargs,
+    )
+
+
+def logged(tmp_path: Path, name: str, key: str) -> dict[int, float]:
+    """``{step: value}`` of one metric from the CSV logs."""
+    with open(tmp_path / name / "version_0" / "metrics.csv") as fh:
+        return {int(r["step"]): float(r[key]) for r in csv.DictReader(fh) if r.get(key)}
+
+
+def data(corpus: Path, batch_size: int = 4) -> TextDataModule:
+    return TextDataModule(paths=str(corpus), seq_length=64, batch_size=batch_size, val_fraction=0.1)
+
+
+@pytest.mark.parametrize("t", [2, 1], ids=["tp2-sp", "dp2"])
+def test_training_reduces_loss_and_keeps_replicas_in_sync(
+    tmp_path: Path, corpus: Path, t: int
+) -> None:
+    trainer(tmp_path, "run", t, max_steps=40, callbacks=[AssertReplicasInSync()],
+            enable_checkpointing=False).fit(model(), data(corpus))  # fmt: skip
+    losses = logged(tmp_path, "run", "train/loss")
+    first, last = losses[min(losses)], losses[max(losses)]
+    assert max(losses) == 39
+    assert last < 0.6 * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
+
+
+def test_resume_is_exact(tmp_path: Path, corpus: Path) -> None:
+    every_10 = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1,
+                               filename="{step}")  # fmt: skip
+    trainer(tmp_path, "straight", 2, max_steps=20, callbacks=[every_10]).fit(model(), data(corpus))
+    at_10, at_20 = tmp_path / "ckpt" / "step=10.ckpt", tmp_path / "ckpt" / "step=20.ckpt"
+    assert at_10.is_dir() and at_20.is_dir()
+
+    again = ModelCheckpoint(dirpath=tmp_path / "resumed", every_n_train_steps=10, save_top_k=-1,
+                            filename="{step}")  # fmt: skip
+    trainer(tmp_path, "resumed", 2, max_steps=20, callbacks=[again]).fit(
+        model(), data(corpus), ckpt_path=str(at_10)
+    )
+    straight, resumed = (
+        logged(tmp_path, "straight", "train/loss"),
+        logged(tmp_path, "resumed", "train/loss"),
+    )
+    assert min(resumed) == 10, "the resumed run did not start at step 10"
+    for step in range(10, 20):
+        assert resumed[step] == pytest.approx(straight[step], abs=1e-6), f"step {step}"
+    for shard in sorted(at_20.glob("model_*.pt")):
+        a = torch.load(shard, weights_only=False)["state_dict"]
+        b = torch.load(tmp_path / "resumed" / "step=20.ckpt" / shard.name, weights_only=False)[
+            "state_dict"
+        ]
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"{shard.name}: {key} differs after resume"
