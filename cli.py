@@ -9,22 +9,29 @@ from __future__ import annotations
 
 import sys
 
+from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
 import lightning_sp  # noqa: F401  (registers the "megatron_sp" strategy)
 from lightning_sp.data import TextDataModule
+from lightning_sp.errors import ConfigError
 from lightning_sp.module import GPTModule
 
 
 def _default_loggers() -> list[dict]:
-    loggers = [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "logs"}}]
+    """CSV logs under logs/csv, and TensorBoard logs under logs/tensorboard when installed."""
+
+    def logger(name: str, folder: str) -> dict:
+        path = f"lightning.pytorch.loggers.{name}"
+        return {"class_path": path, "init_args": {"save_dir": "logs", "name": folder}}
+
+    loggers = [logger("CSVLogger", "csv")]
     try:
         import tensorboard  # noqa: F401
     except ImportError:
         return loggers
-    tb = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": "logs"}}
-    return [*loggers, tb]
+    return [*loggers, logger("TensorBoardLogger", "tensorboard")]
 
 
 class GPTCLI(LightningCLI):
@@ -37,13 +44,20 @@ class GPTCLI(LightningCLI):
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "estimate":
+    """Run a subcommand; ``argv`` defaults to the command line."""
+    # the config dataclasses document each field in a docstring under it: show those in --help
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "estimate":
         from lightning_sp.planner import main as estimate
 
-        sys.exit(estimate(argv[1:]))
+        sys.exit(estimate(args[1:]))
     GPTCLI(GPTModule, TextDataModule, args=argv, save_config_kwargs={"overwrite": True})
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as error:  # a bad config: one line, no traceback
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -71,9 +71,9 @@ class ActivationMemoryMonitor(Callback):
 
     * ``memory/activation_bytes_per_layer``: mean over this rank's layers, as measured
     * ``memory/activation_bytes_per_layer_formula``: Table 2 for the running layout (``s``,
-      ``b`` from the batch, ``h``, ``a`` from the config, ``t`` from ``gpt.state``,
-      sequence parallelism and recompute policy from the config). Table 2 assumes 16-bit
-      activations: with fp32 activations the ratio is about 2.
+      ``b`` from the batch, ``h``, ``a``, FFN width and dropouts from the config, ``t`` from
+      ``gpt.state``, each layer's recompute policy), generalised to the parameters' element
+      size (Table 2 itself assumes 2-byte activations; fp32 runs count 4).
     * ``memory/activation_bytes_ratio``: measured / formula
     * ``memory/activation_bytes_total``: everything saved, including embedding and head
     * ``memory/peak_allocated_bytes``: on CUDA, ``torch.cuda.max_memory_allocated`` over the
@@ -181,15 +181,25 @@ class ActivationMemoryMonitor(Callback):
         gpt = _gpt(pl_module)
         config, state = gpt.config, gpt.state
         per_layer = [report.bytes_of(f"layers.{i}") for i in range(len(gpt.layers))]
-        formula = activation_bytes_per_layer(
-            s,
-            b,
-            config.hidden_size,
-            config.num_heads,
-            state.tensor_parallel_size,
-            sequence_parallel=config.sequence_parallel,
-            recompute=config.recompute,
-        )
+        element_bytes = next(gpt.parameters()).element_size()
+        # the paper's formula for this model: its activation dtype, which dropouts exist, its
+        # FFN width, and each layer's own policy (recompute_num_layers mixes full/selective)
+        formula = sum(
+            activation_bytes_per_layer(
+                s,
+                b,
+                config.hidden_size,
+                config.num_heads,
+                state.tensor_parallel_size,
+                sequence_parallel=config.sequence_parallel,
+                recompute=layer.recompute,
+                ffn_hidden_size=config.ffn_size,
+                activation_bytes=element_bytes,
+                hidden_dropout=config.hidden_dropout > 0,
+                attention_dropout=config.attention_dropout > 0,
+            )
+            for layer in gpt.layers
+        ) / len(gpt.layers)
         self.last_per_layer, self.last_formula = per_layer, formula
         self.last_total, self.last_report = report.total_bytes, report
         if per_layer:

@@ -1,12 +1,40 @@
-"""The paper's activation-memory formulas (Table 2), in bytes.
+"""Activation and model-state memory: the paper's formulas, and the same bytes measured at
+full scale without the memory.
 
-Symbols as in the paper: s sequence length, b micro-batch, h hidden size, a heads, t tensor
-parallel size. Activations are 2 bytes, dropout masks 1 byte.
+Formulas (Korthikanti et al. §4, Table 2, eq. 5, §4.5), in bytes. Symbols as in the paper:
+s sequence length, b micro-batch, h hidden size, a heads, t tensor-parallel size, p pipeline
+size, m model chunks per pipeline rank (interleaving), L layers, v vocabulary. The paper stores
+activations in 2 bytes and dropout masks in 1; both are parameters here, as are the MLP width
+(the paper's 4h) and whether each dropout is on.
+
+Measurement (:func:`measure_activations`): one rank's shard of the real :class:`GPT` — rank 0,
+i.e. tensor-parallel rank 0 on the first pipeline stage — is built under ``FakeTensorMode``
+with a ``"fake"`` process group of the full world size, and run forward in training mode
+under :class:`SavedTensorTracker`. The bytes are what the model's own autograd graph saves;
+no formula enters that path. A 175B-parameter shard traces in well under a second, in no
+memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_sp.activations import UNTRACKED, SavedTensorTracker
 from lightning_sp.errors import ConfigError
+from lightning_sp.model.config import RECOMPUTE_POLICIES, GPTConfig
+from lightning_sp.parallel.state import ParallelState
+
+ACTIVATION_BYTES = 2
+"""Bytes per stored activation element in the paper (fp16/bf16)."""
+
+MASK_BYTES = 1
+"""Bytes per dropout-mask element in the paper (a ``bool`` mask)."""
 
 TABLE2_ROWS = (
     "no_parallelism",
@@ -16,6 +44,24 @@ TABLE2_ROWS = (
     "tensor_sequence_parallel_selective",
     "full_recompute",
 )
+
+TABLE2_SETTINGS: dict[str, tuple[bool, str]] = {
+    "no_parallelism": (False, "none"),  # evaluated at t = 1
+    "tensor_parallel": (False, "none"),
+    "tensor_sequence_parallel": (True, "none"),
+    "tensor_parallel_selective": (False, "selective"),
+    "tensor_sequence_parallel_selective": (True, "selective"),
+    "full_recompute": (False, "full"),  # the paper's 2sbh: the full layer input on every rank
+}
+"""Table 2 row -> ``(sequence_parallel, recompute)`` that realises it."""
+
+FIGURE7_ROWS = (
+    "tensor_sequence_parallel",
+    "tensor_parallel_selective",
+    "tensor_sequence_parallel_selective",
+    "full_recompute",
+)
+"""The bars of the paper's Figure 7, each a percentage of the ``tensor_parallel`` baseline."""
 
 
 def table2_row(sequence_parallel: bool, recompute: str, tensor_parallel_size: int) -> str:
@@ -28,6 +74,11 @@ def table2_row(sequence_parallel: bool, recompute: str, tensor_parallel_size: in
     return base + ("_selective" if recompute == "selective" else "")
 
 
+def _check_policy(recompute: str) -> None:
+    if recompute not in RECOMPUTE_POLICIES:
+        raise ConfigError(f"recompute={recompute!r} is not one of {', '.join(RECOMPUTE_POLICIES)}")
+
+
 def activation_bytes_per_layer(
     s: int,
     b: int,
@@ -37,18 +88,422 @@ def activation_bytes_per_layer(
     *,
     sequence_parallel: bool = False,
     recompute: str = "none",
+    ffn_hidden_size: int | None = None,
+    activation_bytes: float = ACTIVATION_BYTES,
+    mask_bytes: float = MASK_BYTES,
+    hidden_dropout: bool = True,
+    attention_dropout: bool = True,
 ) -> float:
-    """Activation bytes one transformer layer stores on one rank (paper Table 2).
+    """Activation bytes one transformer layer stores on one rank (paper Table 2, generalised).
 
-    ``full`` recompute stores the layer input, ``2sbh`` (``2sbh/t`` under sequence parallelism,
-    where the input is the sequence shard).
+    With the defaults (2-byte activations, 1-byte masks, MLP width 4h, dropout on) this is
+    Table 2 exactly. In general, with ``e = activation_bytes``, ``k = mask_bytes``,
+    ``f = ffn_hidden_size``:
+
+    * outside the tensor-parallel region (replicated over t, or split by t under sequence
+      parallelism): the inputs of LayerNorm 1, the QKV linear, LayerNorm 2 and fc1, ``4e·sbh``,
+      and the two residual dropout masks ``2k·sbh`` — the paper's ``10sbh``;
+    * inside it (split by t): Q, K, V ``3e·sbh``, the projection input ``e·sbh``, the GeLU and
+      fc2 inputs ``2e·sbf`` — the paper's ``24sbh``;
+    * the attention scores (split by t, dropped by ``selective``): softmax output, dropout
+      mask and dropout output, ``(2e + k)·as²b`` — the paper's ``5as²b``; ``e·as²b`` without
+      attention dropout (the softmax output is then the tensor multiplied with V).
+
+    ``full`` recompute stores the layer input only: ``e·sbh``, or ``e·sbh/t`` under sequence
+    parallelism, where the input is the sequence shard. LayerNorm's per-row mean and rstd
+    (``O(sb)``) are neglected, as in the paper.
     """
-    if recompute not in ("none", "selective", "full"):
-        raise ConfigError(f"recompute={recompute!r} is not one of none, selective, full")
-    sbh = s * b * h
+    _check_policy(recompute)
+    f = ffn_hidden_size or 4 * h
+    sbh, e = s * b * h, activation_bytes
     if recompute == "full":
-        return 2 * sbh / t if sequence_parallel else 2 * sbh
-    attention_scores = 0.0 if recompute == "selective" else 5 * a * s / (h * t)
-    if sequence_parallel:
-        return sbh * (34 / t + attention_scores)
-    return sbh * (10 + 24 / t + attention_scores)
+        return e * sbh / t if sequence_parallel else e * sbh
+    masks = 2 * mask_bytes if hidden_dropout else 0.0
+    outside = (4 * e + masks) * sbh
+    inside = 4 * e * sbh + 2 * e * s * b * f
+    if recompute == "selective":
+        scores = 0.0
+    else:
+        per_score = 2 * e + mask_bytes if attention_dropout else e
+        scores = per_score * a * s * s * b
+    return (outside / t if sequence_parallel else outside) + (inside + scores) / t
+
+
+def table2_bytes_per_layer(row: str, s: int, b: int, h: int, a: int, t: int = 1) -> float:
+    """The bytes of a Table 2 row by name (``no_parallelism`` is evaluated at ``t = 1``)."""
+    if row not in TABLE2_SETTINGS:
+        raise ConfigError(f"row={row!r} is not a Table 2 row; valid: {', '.join(TABLE2_ROWS)}")
+    sequence_parallel, recompute = TABLE2_SETTINGS[row]
+    return activation_bytes_per_layer(
+        s, b, h, a, 1 if row == "no_parallelism" else t,
+        sequence_parallel=sequence_parallel, recompute=recompute,
+    )  # fmt: skip
+
+
+def figure7_percentages(s: int, b: int, h: int, a: int, t: int) -> dict[str, float]:
+    """Figure 7: each of :data:`FIGURE7_ROWS` as a percentage of the ``tensor_parallel`` row."""
+    baseline = table2_bytes_per_layer("tensor_parallel", s, b, h, a, t)
+    return {
+        row: 100.0 * table2_bytes_per_layer(row, s, b, h, a, t) / baseline for row in FIGURE7_ROWS
+    }
+
+
+# -- pipeline parallelism: the first stage (eq. 5, interleaving) --------------------------------
+
+
+def interleave_factor(p: int, m: int = 1) -> float:
+    """How many layers' worth the first stage holds, in units of L (paper §4.4).
+
+    ``1`` under 1F1B (eq. 5: the first stage holds ``L/p`` layers for ``p`` micro-batches in
+    flight); ``1 + (p - 1)/(p·m)`` under the interleaved schedule with ``m > 1`` model chunks.
+    """
+    if m == 1:
+        return 1.0
+    return 1.0 + (p - 1) / (p * m)
+
+
+def chunk_forwards_in_flight(p: int, m: int = 1, num_microbatches: int | None = None) -> int:
+    """Forward passes of model chunks whose activations the first stage holds at its peak.
+
+    1F1B (``m = 1``): ``p`` micro-batches through the stage's one chunk (fewer if there are
+    fewer micro-batches). Interleaved (Megatron's schedule): ``2(p-1) + (m-1)p`` warm-up
+    forwards plus one, i.e. ``p·m + p - 1`` chunk forwards, capped by the ``n·m`` there are.
+    Times ``L/(p·m)`` layers per chunk this is eq. 5's ``L`` and the interleaved
+    ``L(1 + (p-1)/(p·m))``.
+    """
+    n = num_microbatches if num_microbatches is not None else p
+    if m == 1:
+        return min(p, n)
+    return min(p * m + p - 1, n * m)
+
+
+def layers_in_flight(
+    num_layers: int, p: int, m: int = 1, num_microbatches: int | None = None
+) -> float:
+    """Layers' worth of activations the first pipeline stage holds: ``L`` (eq. 5), ``L·(1 +
+    (p-1)/(p·m))`` interleaved, less when there are fewer micro-batches than that needs."""
+    return num_layers / (p * m) * chunk_forwards_in_flight(p, m, num_microbatches)
+
+
+def first_stage_activation_bytes(
+    bytes_per_layer: float,
+    num_layers: int,
+    p: int = 1,
+    m: int = 1,
+    num_microbatches: int | None = None,
+    extra_bytes: float = 0.0,
+) -> float:
+    """Activation bytes of the first pipeline stage (eq. 5 × the interleaving factor) plus
+    ``extra_bytes`` (:func:`extra_activation_bytes`, §4.5)."""
+    return bytes_per_layer * layers_in_flight(num_layers, p, m, num_microbatches) + extra_bytes
+
+
+def embedding_activation_bytes(
+    s: int,
+    b: int,
+    h: int,
+    t: int = 1,
+    *,
+    sequence_parallel: bool = True,
+    mask_bytes: float = MASK_BYTES,
+    hidden_dropout: bool = True,
+) -> float:
+    """Bytes the input embedding saves per micro-batch (§4.5): its dropout mask, ``sbh/t``
+    under sequence parallelism, ``sbh`` without (the token ids, ``O(sb)``, are neglected)."""
+    if not hidden_dropout:
+        return 0.0
+    return mask_bytes * s * b * h / (t if sequence_parallel else 1)
+
+
+def output_activation_bytes(
+    s: int,
+    b: int,
+    h: int,
+    v: int,
+    t: int = 1,
+    *,
+    sequence_parallel: bool = True,
+    activation_bytes: float = ACTIVATION_BYTES,
+    logit_bytes: float = 4,
+) -> float:
+    """Bytes the final LayerNorm, output layer and cross entropy save per micro-batch (§4.5).
+
+    Final LayerNorm input ``2sbh/t`` and output-layer input ``2sbh/t`` under sequence
+    parallelism (``2sbh`` each without), and the fp32 softmax over this rank's vocabulary
+    shard ``4sbv/t``. ``v`` is the (padded) vocabulary the output layer has.
+    """
+    e = activation_bytes
+    inputs = 2 * e * s * b * h / (t if sequence_parallel else 1)
+    return inputs + logit_bytes * s * b * v / t
+
+
+def extra_activation_bytes(
+    s: int,
+    b: int,
+    h: int,
+    v: int,
+    t: int = 1,
+    p: int = 1,
+    *,
+    sequence_parallel: bool = True,
+    microbatches_in_flight: int | None = None,
+    mask_bytes: float = MASK_BYTES,
+    activation_bytes: float = ACTIVATION_BYTES,
+    hidden_dropout: bool = True,
+) -> float:
+    """§4.5's extras on the first stage: the embedding's dropout masks for the micro-batches in
+    flight (``sbhp/t``), plus, only when the first stage is also the last (``p = 1``), the final
+    LayerNorm, output layer and loss of one micro-batch (``4sbh/t·(1 + v/h)``)."""
+    in_flight = microbatches_in_flight if microbatches_in_flight is not None else p
+    extra = in_flight * embedding_activation_bytes(
+        s, b, h, t, sequence_parallel=sequence_parallel, mask_bytes=mask_bytes,
+        hidden_dropout=hidden_dropout,
+    )  # fmt: skip
+    if p == 1:
+        extra += output_activation_bytes(
+            s, b, h, v, t, sequence_parallel=sequence_parallel, activation_bytes=activation_bytes
+        )
+    return extra
+
+
+# -- parameters, gradients, optimizer state ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelStatePrecision:
+    """Bytes kept per parameter by mixed-precision Adam (Megatron's, and ``lightning_sp.optim``'s
+    :class:`MasterWeightAdamW`; no distributed optimizer, so nothing is sharded over data
+    parallelism). The defaults sum to 18 bytes per parameter."""
+
+    param_bytes: float = 2
+    """The model's low-precision (bf16) weights."""
+
+    grad_bytes: float = 4
+    """The fp32 gradient-accumulation buffer (``main_grad``); the bf16 ``.grad`` is freed as
+    soon as it has been added into it, so it is not counted."""
+
+    master_bytes: float = 4
+    """The optimizer's fp32 master copy of the weights."""
+
+    optimizer_bytes: float = 8
+    """Adam's fp32 first and second moments, 4 bytes each."""
+
+    @property
+    def bytes_per_parameter(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
+
+
+MIXED_PRECISION_ADAM = ModelStatePrecision()
+
+
+def layer_parameter_count(h: int, t: int = 1, ffn_hidden_size: int | None = None) -> int:
+    """Parameters of one transformer layer on one tensor-parallel rank.
+
+    Split by t: QKV ``3h² + 3h``, projection ``h²``, fc1 ``fh + f``, fc2 ``fh``. Replicated: the
+    projection and fc2 biases ``2h`` and both LayerNorms ``4h``. At ``f = 4h, t = 1`` this is
+    ``12h² + 13h``.
+    """
+    f = ffn_hidden_size or 4 * h
+    return (4 * h * h + 2 * f * h + 3 * h + f) // t + 6 * h
+
+
+def stage_parameter_count(
+    config: GPTConfig,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    stage: int = 0,
+) -> int:
+    """Parameters on one rank of pipeline stage ``stage`` (tensor-parallel shards counted once).
+
+    A stage holds ``L/p`` layers; the first also the word embedding (``v_pad/t × h``, the
+    padded vocabulary) and the learned positions (``s × h``, replicated); the last its own copy
+    of the tied word embedding (the output layer) and the final LayerNorm ``2h``.
+    """
+    t, p = tensor_parallel_size, pipeline_parallel_size
+    h = config.hidden_size
+    count = config.num_layers // p * layer_parameter_count(h, t, config.ffn_size)
+    if stage == 0 or stage == p - 1:
+        count += config.padded_vocab_size(t) // t * h
+    if stage == 0:
+        count += config.seq_length * h
+    if stage == p - 1:
+        count += 2 * h
+    return count
+
+
+def parameters_per_rank(
+    config: GPTConfig, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1
+) -> int:
+    """The most parameters any rank holds (the first stage: embedding, positions, ``L/p``
+    layers; with ``p = 1`` also the final LayerNorm)."""
+    p = pipeline_parallel_size
+    return max(
+        stage_parameter_count(config, tensor_parallel_size, p, stage) for stage in {0, p - 1}
+    )
+
+
+def model_parameter_count(config: GPTConfig) -> int:
+    """Parameters of the whole model (tied embedding, vocabulary padded as at t = 1)."""
+    return stage_parameter_count(config, 1, 1, 0)
+
+
+def model_state_bytes(
+    num_parameters: int, precision: ModelStatePrecision = MIXED_PRECISION_ADAM
+) -> float:
+    """Weights + gradients + optimizer state for ``num_parameters`` parameters on one rank."""
+    return num_parameters * precision.bytes_per_parameter
+
+
+# -- measurement under fake tensors ------------------------------------------------------------
+
+
+@dataclass
+class ActivationMeasurement:
+    """Activation bytes measured on rank 0's shard of the real model, for one micro-batch."""
+
+    per_layer_bytes: list[int] = field(default_factory=list)
+    """Bytes each traced transformer layer saved for backward (parameters excluded)."""
+
+    embedding_bytes: int = 0
+    """Bytes the input embedding saved (dropout mask, token ids)."""
+
+    head_bytes: int | None = None
+    """Bytes the final LayerNorm, output layer and loss saved (``None``: not traced)."""
+
+    @property
+    def bytes_per_layer(self) -> int:
+        """The largest per-layer figure among the traced layers (all are equal in practice)."""
+        return max(self.per_layer_bytes)
+
+
+@contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """Make this process rank 0 of a ``world_size`` world on the ``"fake"`` backend, whose
+    collectives do nothing, and tear it down on exit.
+
+    Refuses to run when a default process group already exists (it would be replaced).
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "cannot measure under a fake process group: torch.distributed is already "
+            "initialised in this process (measure before init_process_group, or use the formulas)"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _fake_parameters(module: nn.Module) -> None:
+    """Replace every (meta) parameter and buffer of ``module`` by a CPU fake tensor of the same
+    shape, dtype and attributes. Call under ``FakeTensorMode``."""
+    for mod in module.modules():
+        for name, param in list(mod._parameters.items()):
+            if param is None:
+                continue
+            fake = nn.Parameter(
+                torch.empty(param.shape, dtype=param.dtype, device="cpu"),
+                requires_grad=param.requires_grad,
+            )
+            fake.__dict__.update(param.__dict__)  # shard / init / sequence_parallel tags
+            mod._parameters[name] = fake
+        for name, buf in list(mod._buffers.items()):
+            if buf is not None:
+                mod._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device="cpu")
+
+
+def _trace(
+    config: GPTConfig,
+    state: ParallelState,
+    micro_batch_size: int,
+    layers: int,
+    head: bool,
+    dtype: torch.dtype,
+) -> ActivationMeasurement:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_sp.model.gpt import GPT
+
+    s, b, t = config.seq_length, micro_batch_size, state.tensor_parallel_size
+    # built on "meta" so that no initialisation runs (initialize_parameter skips meta; under
+    # fake tensors its row-by-row loop takes ~30 s for one 175B layer), then made fake
+    gpt = GPT(config, state, layer_range=range(0, layers), dtype=dtype, device="meta")
+    last = config.num_layers
+    tail = (
+        GPT(config, state, layer_range=range(last - 1, last), dtype=dtype, device="meta")
+        if head
+        else None
+    )
+    result = ActivationMeasurement()
+    with FakeTensorMode():
+        _fake_parameters(gpt)
+        gpt.train()
+        ids = torch.zeros(b, s, dtype=torch.long)
+        with SavedTensorTracker.for_model(gpt) as tracker:
+            out = gpt.forward_layers(gpt.embed(ids))
+        report = tracker.report
+        result.per_layer_bytes = [report.bytes_of(f"layers.{i}") for i in range(layers)]
+        result.embedding_bytes = report.bytes_of(UNTRACKED)
+        del out
+        if tail is not None:
+            _fake_parameters(tail)
+            tail.train()
+            shard = s // t if config.sequence_parallel else s
+            x = torch.empty(shard, b, config.hidden_size, dtype=dtype, requires_grad=True)
+            with SavedTensorTracker(exclude=list(tail.parameters())) as tracker:
+                loss = tail.loss(x, ids)
+            result.head_bytes = tracker.report.total_bytes
+            del loss
+    return result
+
+
+def measure_activations(
+    config: GPTConfig,
+    *,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    micro_batch_size: int = 1,
+    layers: int = 1,
+    head: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+) -> ActivationMeasurement:
+    """Measure, for one micro-batch, the activation bytes rank 0 of a ``t × p × d`` layout saves:
+    per transformer layer (the first ``layers`` layers, traced in training mode with the
+    config's dropout and recompute policy), for the embedding, and with ``head`` for the final
+    LayerNorm + output layer + loss (traced on a separate last-layer shard).
+
+    Runs under ``FakeTensorMode`` and a fake process group of ``t·p·d`` ranks (see
+    :func:`fake_world`): costs no activation memory and no weight initialisation; needs
+    ``torch.distributed`` not to be initialised in this process.
+    """
+    t, p = tensor_parallel_size, pipeline_parallel_size
+    if not 1 <= layers <= config.num_layers:
+        raise ConfigError(f"layers={layers} must be between 1 and num_layers={config.num_layers}")
+    config.validate(t)
+    with fake_world(t * p * data_parallel_size):
+        state = ParallelState.from_process_group(t, p, device="cpu")
+        return _trace(config, state, micro_batch_size, layers, head, dtype)
+
+
+def measure_policies(
+    config: GPTConfig,
+    combos: list[tuple[bool, str]],
+    **kwargs: object,
+) -> dict[tuple[bool, str], ActivationMeasurement]:
+    """:func:`measure_activations` for each ``(sequence_parallel, recompute)`` in ``combos``."""
+    return {
+        (sp, rc): measure_activations(
+            replace(config, sequence_parallel=sp, recompute=rc),  # type: ignore[arg-type]
+            **kwargs,  # type: ignore[arg-type]
+        )
+        for sp, rc in combos
+    }
+
+
+def gigabytes(nbytes: float) -> float:
+    """Bytes in GB (10⁹ bytes, as device memory is quoted)."""
+    return nbytes / 1e9

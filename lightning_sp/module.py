@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 from torchmetrics import MeanMetric
@@ -57,6 +58,10 @@ class OptimizerConfig:
     """Steps until the cosine decay reaches min_lr; default: the trainer's max_steps."""
 
 
+_DEFAULT_MODEL = GPTConfig()
+_DEFAULT_OPTIMIZER = OptimizerConfig()
+
+
 def lr_multiplier(step: int, peak: float, floor: float, warmup: int, decay: int) -> float:
     """Learning-rate factor at ``step``: linear warm-up, cosine decay to ``floor / peak``."""
     if step < warmup:
@@ -77,11 +82,11 @@ class GPTModule(LightningModule):
     """
 
     def __init__(
-        self, config: GPTConfig | None = None, optimizer: OptimizerConfig | None = None
+        self, config: GPTConfig = _DEFAULT_MODEL, optimizer: OptimizerConfig = _DEFAULT_OPTIMIZER
     ) -> None:
         super().__init__()
-        self.config = config if config is not None else GPTConfig()
-        self.optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
+        self.config = dataclasses.replace(config)
+        self.optimizer_config = dataclasses.replace(optimizer)
         self.config.validate()
         self.save_hyperparameters(
             {
@@ -111,7 +116,36 @@ class GPTModule(LightningModule):
             config = dataclasses.replace(config, sequence_parallel=strategy.sequence_parallel)
         self._check_data(config)
         state = self.parallel_state
+        if config.recompute == "auto":
+            config = self._resolve_auto_recompute(config, state)
         self.gpt = GPT(config, state, dtype=torch.get_default_dtype(), device=state.device)
+
+    def _resolve_auto_recompute(self, config: GPTConfig, state: ParallelState) -> GPTConfig:
+        """Pick the least recomputation that fits this device (the memory planner)."""
+        from lightning_sp.planner import DEFAULT_DEVICE_BYTES, resolve_recompute
+
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        microbatches = getattr(strategy, "num_microbatches", 1)
+        batch_size = getattr(getattr(self._trainer, "datamodule", None), "batch_size", microbatches)
+        device_bytes = (
+            torch.cuda.get_device_properties(state.device).total_memory
+            if state.device.type == "cuda"
+            else DEFAULT_DEVICE_BYTES
+        )
+        choice = resolve_recompute(
+            config,
+            tensor_parallel_size=state.tensor_parallel_size,
+            pipeline_parallel_size=state.pipeline_parallel_size,
+            virtual_pipeline_size=getattr(strategy, "virtual_pipeline_size", 1),
+            num_microbatches=microbatches,
+            micro_batch_size=max(1, batch_size // microbatches),
+            data_parallel_size=state.data_parallel_size,
+            device_bytes=device_bytes,
+        )
+        rank_zero_info(f"recompute=auto: {choice.describe()}")
+        return dataclasses.replace(
+            config, recompute=choice.recompute, recompute_num_layers=choice.recompute_num_layers
+        )
 
     def _check_data(self, config: GPTConfig) -> None:
         """The data must fit the model: fail before any step if it does not."""

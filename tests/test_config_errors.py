@@ -75,3 +75,21 @@ def test_input_longer_than_positions() -> None:
     ids = torch.zeros(1, 17, dtype=torch.long)
     with pytest.raises(ValueError, match="input sequence length 17 exceeds seq_length=16"):
         model(ids, ids)
+
+
+def test_auto_recompute_must_be_resolved_before_building() -> None:
+    _raises(r"recompute='auto' must be resolved", GPT, tiny_config(recompute="auto"), _state(1))
+
+
+def test_module_resolves_auto_recompute() -> None:
+    from lightning_sp import GPTModule
+
+    module = GPTModule(tiny_config(recompute="auto"))
+    module.configure_model()  # a tiny model fits an 80 GB device: no recomputation at all
+    assert [layer.recompute for layer in module.gpt.layers] == ["none", "none"]
+
+
+def test_recompute_num_layers_mixes_full_and_selective() -> None:
+    model = GPT(tiny_config(num_layers=3, recompute="full", recompute_num_layers=2), _state(1))
+    assert [layer.recompute for layer in model.layers] == ["full", "full", "selective"]
+    assert [layer.attention.selective for layer in model.layers] == [False, False, True]

@@ -24,7 +24,9 @@ from models import (
 )
 from spawn import run_distributed
 
-POLICIES = ("none", "selective", "full")
+# (recompute, recompute_num_layers): full on layer 0 only and selective on layer 1 is the mix
+# that recompute: auto picks when full on every layer is more than needed
+POLICIES = (("none", None), ("selective", None), ("full", None), ("full", 1))
 RTOL = 1e-10
 
 
@@ -34,9 +36,11 @@ def _parity_worker(rank: int, world_size: int) -> None:
     ids, labels = batch(config)
     reference = reference_model(config)
     ref_loss = loss_and_grads(reference, ids, labels)
-    for sequence_parallel, recompute in itertools.product((False, True), POLICIES):
-        case = f"t={world_size} sp={sequence_parallel} recompute={recompute}"
-        cfg = tiny_config(sequence_parallel=sequence_parallel, recompute=recompute)
+    for sequence_parallel, (recompute, layers) in itertools.product((False, True), POLICIES):
+        case = f"t={world_size} sp={sequence_parallel} recompute={recompute}/{layers}"
+        cfg = tiny_config(
+            sequence_parallel=sequence_parallel, recompute=recompute, recompute_num_layers=layers
+        )
         model = GPT(cfg, state, dtype=torch.float64)
         loss = loss_and_grads(model, ids, labels)
         assert relative_error(loss, ref_loss) <= RTOL, f"{case}: loss {loss} vs {ref_loss}"
@@ -66,16 +70,16 @@ def _dropout_worker(rank: int, world_size: int) -> None:
     state = ParallelState.from_process_group(tensor_parallel_size=world_size)
     for sequence_parallel in (False, True):
         results = []
-        for recompute in POLICIES:
+        for recompute, layers in POLICIES:
             cfg = tiny_config(
                 sequence_parallel=sequence_parallel, recompute=recompute,
-                hidden_dropout=0.2, attention_dropout=0.3,
+                recompute_num_layers=layers, hidden_dropout=0.2, attention_dropout=0.3,
             )  # fmt: skip
             model = GPT(cfg, state, dtype=torch.float64)
             ids, labels = batch(cfg)
             losses = [loss_and_grads(model, ids, labels) for _ in range(2)]
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-            results.append((recompute, losses, grads))
+            results.append((f"{recompute}/{layers}", losses, grads))
         base_policy, base_losses, base_grads = results[0]
         assert base_losses[0] != base_losses[1], "dropout drew the same masks twice"
         for policy, losses, grads in results[1:]:

@@ -8,7 +8,7 @@ from typing import Literal
 from lightning_sp.errors import ConfigError, divisors
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "full", "auto"]
 
 
 @dataclass
@@ -51,7 +51,13 @@ class GPTConfig:
     recompute: Recompute = "selective"
     """Activation recomputation: ``none`` stores everything; ``selective`` recomputes only
     the attention core (QKᵀ, softmax, its dropout, attention over V) in backward (paper §5);
-    ``full`` keeps only each layer's input and recomputes the whole layer."""
+    ``full`` keeps only each layer's input and recomputes the whole layer; ``auto`` picks
+    the least recomputation that fits the device memory (resolved by the memory planner when
+    the model is configured)."""
+
+    recompute_num_layers: int | None = None
+    """With recompute=full, fully recompute only the first N layers of each model chunk and
+    use selective recomputation on the others; None: every layer."""
 
     layernorm_eps: float = 1e-5
     """Epsilon of every LayerNorm."""
@@ -75,6 +81,14 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    def layer_recompute(self, index_in_chunk: int) -> str:
+        """The policy one layer runs: ``full`` for the first ``recompute_num_layers`` layers of
+        a chunk (all, if None) and ``selective`` for the rest; otherwise ``recompute``."""
+        if self.recompute != "full":
+            return self.recompute
+        limit = self.recompute_num_layers
+        return "full" if limit is None or index_in_chunk < limit else "selective"
+
     def padded_vocab_size(self, tensor_parallel_size: int = 1) -> int:
         """The vocabulary rounded up to a multiple of ``make_vocab_size_divisible_by * t``."""
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
@@ -87,10 +101,14 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
-        if self.recompute not in RECOMPUTE_POLICIES:
+        if self.recompute not in (*RECOMPUTE_POLICIES, "auto"):
             raise ConfigError(
                 f"recompute={self.recompute!r} is not a recompute policy; "
-                f"valid: {', '.join(RECOMPUTE_POLICIES)}"
+                f"valid: {', '.join(RECOMPUTE_POLICIES)}, auto"
+            )
+        if self.recompute_num_layers is not None and self.recompute_num_layers < 0:
+            raise ConfigError(
+                f"recompute_num_layers={self.recompute_num_layers} must be >= 0 or null"
             )
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)

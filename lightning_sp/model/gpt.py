@@ -23,6 +23,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from lightning_sp.errors import ConfigError
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.recompute import recompute
 from lightning_sp.parallel.init import ShardSpec, initialize_parameter, mark_parameter
@@ -66,14 +67,19 @@ class Attention(nn.Module):
     """
 
     def __init__(
-        self, config: GPTConfig, state: ParallelState, rng: RNGStreams, **kwargs: object
+        self,
+        config: GPTConfig,
+        state: ParallelState,
+        rng: RNGStreams,
+        selective: bool,
+        **kwargs: object,
     ) -> None:
         super().__init__()
         sp = config.sequence_parallel
         self.local_heads = config.num_heads // state.tensor_parallel_size
         self.head_dim = config.head_dim
         self.dropout_p = config.attention_dropout
-        self.selective = config.recompute == "selective"
+        self.selective = selective
         self.rng = rng
         out_std = config.init_std / math.sqrt(2 * config.num_layers)
         # rows ordered [head][q|k|v][head_dim], so a shard of rows is whole heads
@@ -138,20 +144,22 @@ class TransformerLayer(nn.Module):
         state: ParallelState,
         rng: RNGStreams,
         layer_number: int,
+        recompute: str,
         **kwargs: object,
     ) -> None:
         super().__init__()
         self.layer_number = layer_number
+        self.recompute = recompute
         sp = config.sequence_parallel
         self.ln1 = _layer_norm(config, sp, **kwargs)
-        self.attention = Attention(config, state, rng, **kwargs)
+        self.attention = Attention(config, state, rng, recompute == "selective", **kwargs)
         self.ln2 = _layer_norm(config, sp, **kwargs)
         self.mlp = MLP(config, state, **kwargs)
         self.rng = rng
         self.dropout_p = config.hidden_dropout
         # a residual stream sharded along s draws its masks per rank; a replicated one must not
         self.residual_generator = rng.sharded if sp else rng.replicated
-        self.full_recompute = config.recompute == "full"
+        self.full_recompute = recompute == "full"
 
     def _forward(self, x: Tensor) -> Tensor:
         drop = self.dropout_p, self.residual_generator, self.training
@@ -183,6 +191,11 @@ class GPT(nn.Module):
     ) -> None:
         super().__init__()
         config.validate(state.tensor_parallel_size)
+        if config.recompute == "auto":
+            raise ConfigError(
+                "recompute='auto' must be resolved before the model is built "
+                "(lightning_sp.planner.resolve_recompute; GPTModule does it)"
+            )
         self.config, self.state = config, state
         self.layer_range = layer_range if layer_range is not None else range(config.num_layers)
         self.has_embedding = self.layer_range.start == 0
@@ -204,8 +217,12 @@ class GPT(nn.Module):
                 torch.empty(config.seq_length, config.hidden_size, **kwargs)
             )
             mark_parameter(self.position_embeddings, std=config.init_std, sequence_parallel=sp)
+        start = self.layer_range.start
         self.layers = nn.ModuleList(
-            TransformerLayer(config, state, self.rng, n, **kwargs) for n in self.layer_range
+            TransformerLayer(
+                config, state, self.rng, n, config.layer_recompute(n - start), **kwargs
+            )
+            for n in self.layer_range
         )
         if self.has_head:
             self.final_norm = _layer_norm(config, sp, **kwargs)
