@@ -14,7 +14,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_sp import GPTConfig, GPTModule, MegatronSPStrategy, OptimizerConfig
+from lightning_sp import ConfigError, GPTConfig, GPTModule, MegatronSPStrategy, OptimizerConfig
 from lightning_sp.data import TextDataModule
 
 TEXT = (
@@ -126,3 +126,41 @@ def test_resume_is_exact(tmp_path: Path, corpus: Path) -> None:
         assert a.keys() == b.keys()
         for key in a:
             assert torch.equal(a[key], b[key]), f"{shard.name}: {key} differs after resume"
+
+
+def test_bf16_run_logs_activation_bytes_equal_to_table2(tmp_path: Path, corpus: Path) -> None:
+    """bf16 weights and activations (fp32 master weights in the optimizer), TP=2 + SP,
+    selective recompute: the monitor's measured bytes per layer equal the paper's 34 sbh / t."""
+    from lightning_sp.callbacks import ActivationMemoryMonitor
+
+    run = trainer(tmp_path, "bf16", 2, max_steps=6, precision="bf16-true",
+                  callbacks=[ActivationMemoryMonitor()], enable_checkpointing=False)  # fmt: skip
+    run.fit(model(hidden_size=128), data(corpus))
+    measured = logged(tmp_path, "bf16", "memory/activation_bytes_per_layer")
+    formula = logged(tmp_path, "bf16", "memory/activation_bytes_per_layer_formula")
+    s, b, h, t = 64, 4, 128, 2
+    assert set(measured) == set(range(6))
+    for step in measured:
+        assert formula[step] == 34 * s * b * h / t  # Table 2, TP + SP + selective
+        assert measured[step] == pytest.approx(formula[step], rel=0.01)
+    losses = logged(tmp_path, "bf16", "train/loss")
+    assert losses[5] < losses[0]
+
+
+def test_resume_with_another_vocabulary_fails_before_training(tmp_path: Path, corpus: Path) -> None:
+    checkpoints = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", every_n_train_steps=2, filename="{step}"
+    )
+    trainer(tmp_path, "first", 2, max_steps=2, callbacks=[checkpoints]).fit(model(), data(corpus))
+    with pytest.raises(
+        Exception, match=r"vocab_size=384 does not match the checkpoint's vocab_size=257"
+    ):
+        trainer(tmp_path, "second", 2, max_steps=4, enable_checkpointing=False).fit(
+            model(vocab_size=384), data(corpus), ckpt_path=str(tmp_path / "ckpt" / "step=2.ckpt")
+        )
+    assert not (tmp_path / "second" / "version_0" / "metrics.csv").exists(), "training started"
+
+
+def test_unknown_strategy_argument_is_one_clear_line() -> None:
+    with pytest.raises(ConfigError, match=r"unknown argument tensor_paralel_size=2; valid: "):
+        MegatronSPStrategy(tensor_paralel_size=2)

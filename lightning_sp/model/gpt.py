@@ -200,7 +200,7 @@ class GPT(nn.Module):
         self.layer_range = layer_range if layer_range is not None else range(config.num_layers)
         self.has_embedding = self.layer_range.start == 0
         self.has_head = self.layer_range.stop == config.num_layers
-        self.rng = RNGStreams(config.seed, state)
+        self.rng = RNGStreams(config.seed, state, chunk=self.layer_range.start)
         kwargs = {"dtype": dtype, "device": device if device is not None else state.device}
         sp, group = config.sequence_parallel, state.tp_group
         self.sequence_parallel, self.tp_group = sp, group

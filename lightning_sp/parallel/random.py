@@ -33,7 +33,9 @@ def derive_seed(*parts: object) -> int:
 class RNGStreams:
     """The ``replicated`` and ``sharded`` dropout generators of one rank."""
 
-    def __init__(self, seed: int, state: ParallelState) -> None:
+    def __init__(self, seed: int, state: ParallelState, chunk: int = 0) -> None:
+        """``chunk`` tells apart the model chunks one rank holds under an interleaved pipeline
+        schedule (the chunk's first layer index serves)."""
         device = state.device if state.device.type != "meta" else torch.device("cpu")
         pp, dp, tp = (
             state.pipeline_parallel_rank,
@@ -41,9 +43,9 @@ class RNGStreams:
             state.tensor_parallel_rank,
         )
         self.replicated = torch.Generator(device=device)
-        self.replicated.manual_seed(derive_seed(seed, "replicated", pp, dp))
+        self.replicated.manual_seed(derive_seed(seed, "replicated", pp, dp, chunk))
         self.sharded = torch.Generator(device=device)
-        self.sharded.manual_seed(derive_seed(seed, "sharded", pp, dp, tp))
+        self.sharded.manual_seed(derive_seed(seed, "sharded", pp, dp, tp, chunk))
 
     def get_state(self) -> tuple[Tensor, Tensor]:
         """Snapshot both generators (a copy, safe to keep)."""
