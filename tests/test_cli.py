@@ -23,13 +23,17 @@ def run(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.Complete
     )
 
 
-def test_fit_tiny_config_trains_logs_and_checkpoints(tmp_path: Path) -> None:
-    result = run(
-        [CLI, "fit", "--config", TINY, "--trainer.max_steps", "4", "--data.max_documents", "30",
+QUICK = ["--trainer.max_steps", "4", "--data.max_documents", "30",
          "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "2",
-         "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false"],
-        tmp_path,
-    )  # fmt: skip
+         "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false"]  # fmt: skip
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+@pytest.mark.parametrize("launcher", ["lightning", "torchrun"])
+def test_fit_tiny_config_trains_logs_and_checkpoints(tmp_path: Path, launcher: str) -> None:
+    """Lightning's own launcher re-runs the script per rank; torchrun starts the ranks itself."""
+    prefix = TORCHRUN if launcher == "torchrun" else []
+    result = run([*prefix, CLI, "fit", "--config", TINY, *QUICK], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = list((tmp_path / "logs" / "csv").glob("version_*/metrics.csv"))
     assert metrics, "no CSV logs"
