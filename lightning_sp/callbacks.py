@@ -21,15 +21,26 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_sp.activations import ActivationReport, SavedTensorTracker
+from lightning_sp.activations import ActivationReport, LiveActivationTracker, SavedTensorTracker
 from lightning_sp.flops import hardware_flops_per_iteration, model_flops_per_iteration, peak_flops
-from lightning_sp.memory import activation_bytes_per_layer
+from lightning_sp.memory import activation_bytes_per_layer, layers_in_flight
 from lightning_sp.model.gpt import GPT
+from lightning_sp.pipeline import Pipeline
 
 __all__ = ["ActivationMemoryMonitor", "MFUMonitor"]
 
 
+def _pipeline(pl_module: LightningModule) -> Pipeline | None:
+    pipeline = getattr(pl_module, "pipeline", None)
+    return pipeline if isinstance(pipeline, Pipeline) else None
+
+
 def _gpt(pl_module: LightningModule) -> GPT:
+    """The module's GPT, or under pipeline parallelism its first model chunk (every chunk
+    has the same config and parallel state)."""
+    pipeline = _pipeline(pl_module)
+    if pipeline is not None:
+        return pipeline.chunks[0]
     gpt = getattr(pl_module, "gpt", None)
     if not isinstance(gpt, GPT):
         raise AttributeError(
@@ -96,6 +107,9 @@ class ActivationMemoryMonitor(Callback):
         self.last_formula: float | None = None
         self.last_total: int | None = None
         self.last_report: ActivationReport | None = None
+        self.last_stage_peak: int | None = None
+        self.last_stage_formula: float | None = None
+        self._live: LiveActivationTracker | None = None
 
     # -- tracker lifetime -------------------------------------------------------------------
 
@@ -111,11 +125,18 @@ class ActivationMemoryMonitor(Callback):
             tracker.__exit__(None, None, None)
         return tracker
 
+    def _stop_all(self) -> None:
+        """Leave both trackers (the forward one and, under a pipeline, the live one)."""
+        self._stop()
+        live, self._live = self._live, None
+        if live is not None:
+            live.__exit__(None, None, None)
+
     @override
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._stop()  # a previous step that never reached backward or batch end
+        self._stop_all()  # a previous step that never reached backward or batch end
         self._shape = None
         if trainer.global_step % self.log_every_n_steps:
             return
@@ -126,6 +147,17 @@ class ActivationMemoryMonitor(Callback):
         if device.type == "cuda":
             self._cuda_device = device
             torch.cuda.reset_peak_memory_stats(device)
+        pipeline = _pipeline(pl_module)
+        if pipeline is not None:  # the schedule runs forward and backward inside the step
+            modules = {
+                f"chunks.{c}.layers.{i}": layer
+                for c, chunk in enumerate(pipeline.chunks)
+                for i, layer in enumerate(chunk.layers)
+            }
+            live = LiveActivationTracker(modules, exclude=list(pipeline.parameters()))
+            live.__enter__()
+            self._live = live
+            return
         tracker = SavedTensorTracker.for_model(gpt)
         tracker.__enter__()
         self._tracker = tracker
@@ -148,6 +180,11 @@ class ActivationMemoryMonitor(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        live, self._live = self._live, None  # under a pipeline: the whole step was followed
+        if live is not None:
+            live.__exit__(None, None, None)
+            if self._shape is not None:
+                self.report_pipeline_stage_peak(pl_module, live.peak_bytes, *self._shape)
         self._stop()  # no backward ran (e.g. training_step returned None): nothing is logged
         if self._cuda_device is not None and self._shape is not None:
             peak = torch.cuda.max_memory_allocated(self._cuda_device)
@@ -158,11 +195,11 @@ class ActivationMemoryMonitor(Callback):
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
     ) -> None:
-        self._stop()
+        self._stop_all()
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._stop()
+        self._stop_all()
 
     # -- reporting --------------------------------------------------------------------------
 
@@ -179,12 +216,24 @@ class ActivationMemoryMonitor(Callback):
 
     def _record(self, pl_module: LightningModule, report: ActivationReport, b: int, s: int) -> None:
         gpt = _gpt(pl_module)
-        config, state = gpt.config, gpt.state
         per_layer = [report.bytes_of(f"layers.{i}") for i in range(len(gpt.layers))]
-        element_bytes = next(gpt.parameters()).element_size()
         # the paper's formula for this model: its activation dtype, which dropouts exist, its
         # FFN width, and each layer's own policy (recompute_num_layers mixes full/selective)
-        formula = sum(
+        formula = self._formula_per_layer(gpt, b, s)
+        self.last_per_layer, self.last_formula = per_layer, formula
+        self.last_total, self.last_report = report.total_bytes, report
+        if per_layer:
+            measured = sum(per_layer) / len(per_layer)
+            self._log(pl_module, "activation_bytes_per_layer", measured, b)
+            self._log(pl_module, "activation_bytes_per_layer_formula", formula, b)
+            self._log(pl_module, "activation_bytes_ratio", measured / formula, b)
+        self._log(pl_module, "activation_bytes_total", float(report.total_bytes), b)
+
+    def _formula_per_layer(self, gpt: GPT, b: int, s: int) -> float:
+        """Table 2 for this model, averaged over ``gpt``'s layers (see ``_record``)."""
+        config, state = gpt.config, gpt.state
+        element_bytes = next(gpt.parameters()).element_size()
+        return sum(
             activation_bytes_per_layer(
                 s,
                 b,
@@ -200,30 +249,27 @@ class ActivationMemoryMonitor(Callback):
             )
             for layer in gpt.layers
         ) / len(gpt.layers)
-        self.last_per_layer, self.last_formula = per_layer, formula
-        self.last_total, self.last_report = report.total_bytes, report
-        if per_layer:
-            measured = sum(per_layer) / len(per_layer)
-            self._log(pl_module, "activation_bytes_per_layer", measured, b)
-            self._log(pl_module, "activation_bytes_per_layer_formula", formula, b)
-            self._log(pl_module, "activation_bytes_ratio", measured / formula, b)
-        self._log(pl_module, "activation_bytes_total", float(report.total_bytes), b)
-        self.report_pipeline_stage_peak(pl_module, report, b, s)
 
     def report_pipeline_stage_peak(
-        self, pl_module: LightningModule, report: ActivationReport, b: int, s: int
-    ) -> float | None:
-        """Peak bytes of live activations on this pipeline stage; ``None`` (nothing logged)
-        until pipeline parallelism exists.
-
-        With pipeline parallelism one micro-batch's forward is what ``report`` measures, but
-        a stage holds the activations of several in-flight micro-batches: under 1F1B stage
-        ``i`` of ``p`` keeps ``min(p - i, num_microbatches)`` of them (the first stage ``p``,
-        which is the paper's ``L/p · p = L`` layers' worth). Report that here, e.g. as
-        ``memory/pipeline_stage_peak_bytes``, once the schedule is known to the callback;
-        the measured per-micro-batch bytes are ``report.total_bytes``.
-        """
-        return None
+        self, pl_module: LightningModule, peak_bytes: int, b: int, s: int
+    ) -> None:
+        """Log the peak of live saved activations on this pipeline stage during the step
+        (``memory/pipeline_stage_peak_bytes``) and, on the first stage, the paper's value
+        beside it: the per-layer bytes of one micro-batch times the layers' worth in flight
+        (eq. 5, ``L``; interleaved ``L·(1 + (p-1)/(p·m))``), embedding extras left out."""
+        self._log(pl_module, "pipeline_stage_peak_bytes", float(peak_bytes), b)
+        pipeline = _pipeline(pl_module)
+        if pipeline is None or not pipeline.state.is_first_stage:
+            return
+        gpt, n = pipeline.chunks[0], pipeline.num_microbatches
+        state = gpt.state
+        in_flight = layers_in_flight(
+            gpt.config.num_layers, state.pipeline_parallel_size, len(pipeline.chunks), n
+        )
+        formula = self._formula_per_layer(gpt, b // n, s) * in_flight
+        self.last_stage_peak, self.last_stage_formula = peak_bytes, formula
+        self._log(pl_module, "pipeline_stage_peak_formula", formula, b)
+        self._log(pl_module, "pipeline_stage_peak_ratio", peak_bytes / formula, b)
 
 
 class MFUMonitor(Callback):

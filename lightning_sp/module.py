@@ -2,7 +2,9 @@
 
 The model is created in ``configure_model``, directly as this rank's shard (no full model is
 ever materialised), from the parallel state of the ``megatron_sp`` strategy, or as a whole
-model on one process under any other strategy.
+model on one process under any other strategy. With pipeline parallelism (``p > 1``) it is a
+:class:`~lightning_sp.pipeline.Pipeline` of this rank's model chunks, and a training step runs
+the whole schedule (forward and backward of every micro-batch) inside ``training_step``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from lightning_sp.model.gpt import GPT
 from lightning_sp.optim import build_adamw
 from lightning_sp.parallel.grads import clip_grad_norm_
 from lightning_sp.parallel.state import ParallelState
+from lightning_sp.pipeline import Pipeline, check_batch
 from lightning_sp.strategy import MegatronSPStrategy
 
 
@@ -94,7 +97,8 @@ class GPTModule(LightningModule):
                 "optimizer": dataclasses.asdict(self.optimizer_config),
             }
         )
-        self.gpt: GPT | None = None
+        self.gpt: GPT | None = None  # the model when there is no pipeline (p = 1)
+        self.pipeline: Pipeline | None = None  # this rank's model chunks when p > 1
         self.val_loss = MeanMetric()
 
     # -- model -------------------------------------------------------------------------------
@@ -106,9 +110,16 @@ class GPTModule(LightningModule):
             return strategy.parallel_state
         return ParallelState.single(self.device)
 
+    @property
+    def chunks(self) -> list[GPT]:
+        """This rank's model chunks: the one GPT, or the pipeline stage's chunks."""
+        if self.pipeline is not None:
+            return list(self.pipeline.chunks)
+        return [self._require_model()]
+
     @override
     def configure_model(self) -> None:
-        if self.gpt is not None:
+        if self.gpt is not None or self.pipeline is not None:
             return
         config = self.config
         strategy = self._trainer.strategy if self._trainer is not None else None
@@ -118,7 +129,29 @@ class GPTModule(LightningModule):
         state = self.parallel_state
         if config.recompute == "auto":
             config = self._resolve_auto_recompute(config, state)
-        self.gpt = GPT(config, state, dtype=torch.get_default_dtype(), device=state.device)
+        dtype = torch.get_default_dtype()
+        if state.pipeline_parallel_size == 1:
+            self.gpt = GPT(config, state, dtype=dtype, device=state.device)
+            return
+        assert isinstance(strategy, MegatronSPStrategy)
+        if self._trainer is not None and self._trainer.accumulate_grad_batches != 1:
+            raise ConfigError(
+                f"trainer.accumulate_grad_batches={self._trainer.accumulate_grad_batches} with "
+                "pipeline_parallel_size > 1; the schedule accumulates over num_microbatches, "
+                "use accumulate_grad_batches=1"
+            )
+        batch_size = getattr(getattr(self._trainer, "datamodule", None), "batch_size", None)
+        if batch_size is not None:  # this replica's batch splits into the micro-batches
+            check_batch(batch_size, strategy.num_microbatches)
+        self.pipeline = Pipeline(
+            config,
+            state,
+            num_microbatches=strategy.num_microbatches,
+            virtual_pipeline_size=strategy.virtual_pipeline_size,
+            dtype=dtype,
+            device=state.device,
+            timeout=strategy.timeout,
+        )
 
     def _resolve_auto_recompute(self, config: GPTConfig, state: ParallelState) -> GPTConfig:
         """Pick the least recomputation that fits this device (the memory planner)."""
@@ -168,18 +201,41 @@ class GPTModule(LightningModule):
             raise RuntimeError("the model is created in configure_model; run it through a Trainer")
         return self.gpt
 
+    def _loss(self, batch: dict[str, Tensor], train: bool) -> Tensor:
+        ids, labels = batch["input_ids"], batch["labels"]
+        if self.pipeline is None:
+            return self._require_model()(ids, labels)
+        if train:  # the schedule runs forward and backward of every micro-batch
+            self.optimizers().zero_grad()  # see optimizer_zero_grad
+            return self.pipeline.train_step(ids, labels)
+        return self.pipeline.eval_step(ids, labels)
+
     # -- steps -------------------------------------------------------------------------------
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self._require_model()(batch["input_ids"], batch["labels"])
+        loss = self._loss(batch, train=True)
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     @override
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """Backward of the loss; under pipeline parallelism the schedule has already run it
+        inside ``training_step`` (the hooks around backward still run)."""
+        if self.pipeline is None:
+            super().backward(loss, *args, **kwargs)
+
+    @override
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Optimizer) -> None:
+        """Lightning zeroes gradients between ``training_step`` and ``backward``; under
+        pipeline parallelism backward has already run by then, so ``training_step`` zeroes
+        them before the schedule instead."""
+        if self.pipeline is None:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+    @override
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        loss = self._require_model()(batch["input_ids"], batch["labels"])
-        self.val_loss.update(loss)
+        self.val_loss.update(self._loss(batch, train=False))
 
     @override
     def on_validation_epoch_end(self) -> None:
@@ -193,9 +249,8 @@ class GPTModule(LightningModule):
     @override
     def configure_optimizers(self) -> dict[str, Any]:
         cfg = self.optimizer_config
-        optimizer = build_adamw(
-            self._require_model(), cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps
-        )
+        model = self.pipeline if self.pipeline is not None else self._require_model()
+        optimizer = build_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps)
         decay = cfg.decay_steps or max(self.trainer.max_steps, cfg.warmup_steps + 1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
@@ -220,9 +275,7 @@ class GPTModule(LightningModule):
             raise ConfigError(
                 f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not supported; use 'norm'"
             )
-        norm = clip_grad_norm_(
-            self._require_model().parameters(), gradient_clip_val, self.parallel_state
-        )
+        norm = clip_grad_norm_(self.parameters(), gradient_clip_val, self.parallel_state)
         self.log("train/grad_norm", norm, prog_bar=False)
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -236,7 +289,11 @@ class GPTModule(LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["rng_streams"] = self._require_model().rng.state_dict()
+        checkpoint["rng_streams"] = (
+            self.pipeline.rng_state_dict()
+            if self.pipeline is not None
+            else self._require_model().rng.state_dict()
+        )
         checkpoint["vocabulary"] = self._vocabulary_identity()
 
     @override
@@ -256,5 +313,8 @@ class GPTModule(LightningModule):
                 f"data tokenizer {current['tokenizer']!r} does not match the checkpoint's "
                 f"tokenizer {saved['tokenizer']!r}; resume with the tokenizer it was trained with"
             )
-        if checkpoint.get("rng_streams") is not None:
-            self._require_model().rng.load_state_dict(checkpoint["rng_streams"])
+        streams = checkpoint.get("rng_streams")
+        if streams is not None and self.pipeline is not None:
+            self.pipeline.load_rng_state_dict(streams)
+        elif streams is not None:
+            self._require_model().rng.load_state_dict(streams)

@@ -53,6 +53,7 @@ from lightning_sp.memory import (
 )
 from lightning_sp.model.config import RECOMPUTE_POLICIES, GPTConfig
 from lightning_sp.parallel.state import check_layout
+from lightning_sp.pipeline import check_pipeline
 
 DEFAULT_DEVICE_BYTES = 80e9
 """An A100 80GB, in bytes."""
@@ -178,23 +179,7 @@ class TrainingLayout:
                 f"num_layers={layers} is not divisible by pipeline_parallel_size={p} (layers per "
                 f"stage); pipeline_parallel_size must be one of {divisors(layers)}"
             )
-        if layers % (p * m):
-            raise ConfigError(
-                f"num_layers={layers} is not divisible by pipeline_parallel_size * "
-                f"virtual_pipeline_size = {p} * {m} = {p * m} (layers per model chunk); "
-                f"virtual_pipeline_size must be one of {divisors(layers // p)}"
-            )
-        if m > 1 and p == 1:
-            raise ConfigError(
-                f"virtual_pipeline_size={m} needs pipeline_parallel_size > 1 (interleaving "
-                "splits a pipeline stage); use virtual_pipeline_size=1"
-            )
-        if m > 1 and self.num_microbatches < p:
-            raise ConfigError(
-                f"num_microbatches={self.num_microbatches} is smaller than "
-                f"pipeline_parallel_size={p}; the interleaved schedule (virtual_pipeline_size={m})"
-                f" needs num_microbatches >= {p}"
-            )
+        check_pipeline(layers, p, m, self.num_microbatches)  # the rules the trainer enforces
         if self.batch_size % self.num_microbatches:
             raise ConfigError(
                 f"data.batch_size={self.batch_size} is not divisible by "

@@ -5,8 +5,10 @@ The strategy owns the process groups. It starts the default process group the wa
 Lightning's DDP does (so Lightning's launchers work: its own subprocess/spawn launchers,
 SLURM, torchrun), builds a :class:`~lightning_sp.ParallelState` on a ``("pp", "dp", "tp")``
 device mesh, and hands it to the LightningModule's ``configure_model``. It wraps nothing:
-after the last backward of a step it sums sequence-parallel gradients over the TP group and
-averages all gradients over the DP group, then lets the optimizer step.
+after the last backward of a step it sums sequence-parallel gradients over the TP group, the
+tied embedding's two copies over the first and last pipeline stage, and averages all
+gradients over the DP group, then lets the optimizer step. With pipeline parallelism the
+LightningModule's ``pipeline`` (a :class:`~lightning_sp.pipeline.Pipeline`) runs the schedule.
 
 Checkpoints are directories: one file per (tp, pp) model shard with its optimizer state,
 one per rank with its RNG streams, and ``meta.pt`` with Lightning's loop state.
@@ -46,6 +48,7 @@ from typing_extensions import override
 from lightning_sp.errors import ConfigError
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState, check_layout
+from lightning_sp.pipeline import Pipeline, check_pipeline_schedule
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -119,11 +122,7 @@ class MegatronSPStrategy(ParallelStrategy):
                 "pipeline_parallel_size=1; for gradient accumulation use "
                 f"trainer.accumulate_grad_batches={num_microbatches}"
             )
-        if pipeline_parallel_size > 1:
-            raise ConfigError(
-                f"pipeline_parallel_size={pipeline_parallel_size}: pipeline parallelism is not "
-                "implemented yet; use pipeline_parallel_size=1"
-            )
+        check_pipeline_schedule(pipeline_parallel_size, virtual_pipeline_size, num_microbatches)
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self.sequence_parallel = sequence_parallel
@@ -259,7 +258,11 @@ class MegatronSPStrategy(ParallelStrategy):
 
         def closure_then_reduce() -> Any:
             result = closure()
-            finalize_grads(module, self.parallel_state)
+            pipeline = getattr(module, "pipeline", None)
+            if isinstance(pipeline, Pipeline):  # also sums the tied embedding's two copies
+                pipeline.finalize_grads()
+            else:
+                finalize_grads(module, self.parallel_state)
             return result
 
         return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)

@@ -71,3 +71,19 @@ def assert_matches_reference(model: GPT, reference: nn.Module, rtol: float, what
         assert err <= rtol, f"{what} {name}: gradient relative error {err:.3e} > {rtol}"
         compared += 1
     return compared
+
+
+def max_gradient_error(model: nn.Module, reference: nn.Module) -> tuple[float, str]:
+    """The largest relative gradient error of ``model``'s shards against ``reference`` (same
+    slicing as :func:`assert_matches_reference`), and the parameter it occurs in."""
+    reference_params = dict(reference.named_parameters())
+    worst, worst_name = 0.0, ""
+    for name, param in model.named_parameters():
+        ref_grad = param.shard.full_slice(
+            reference_params[model.global_name(name)].grad, param.shape
+        )
+        rows = tuple(slice(0, n) for n in ref_grad.shape)
+        err = relative_error(param.grad[rows].to(ref_grad.dtype), ref_grad)
+        if err >= worst:
+            worst, worst_name = err, name
+    return worst, worst_name

@@ -171,9 +171,9 @@ def test_log_every_n_steps_and_measured_peak(tmp_path: Path) -> None:
     measured_steps: list[int] = []
 
     class Spy(ActivationMemoryMonitor):
-        def report_pipeline_stage_peak(self, pl_module, report, b, s):  # type: ignore[no-untyped-def]
+        def _record(self, pl_module, report, b, s):  # type: ignore[no-untyped-def]
             measured_steps.append(pl_module.global_step)
-            return super().report_pipeline_stage_peak(pl_module, report, b, s)
+            return super()._record(pl_module, report, b, s)
 
     memory = Spy(log_every_n_steps=2, prog_bar=False)
     mfu = MFUMonitor(window_size=2, log_every_n_steps=2)

@@ -48,6 +48,17 @@ def test_fit_tiny_config_trains_logs_and_checkpoints(tmp_path: Path, launcher: s
     ]
 
 
+def test_fit_tiny_pipeline_config(tmp_path: Path) -> None:
+    """configs/tiny_pp.yaml: 4 processes, t=2 x p=2, interleaved m=2 (a few steps here)."""
+    config = str(ROOT / "configs" / "tiny_pp.yaml")
+    result = run([CLI, "fit", "--config", config, *QUICK], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = tmp_path / "checkpoints" / "tiny_pp" / "last.ckpt"
+    assert sorted(p.name for p in checkpoint.glob("model_*.pt")) == [
+        f"model_tp{t:02d}_pp{p:03d}.pt" for t in range(2) for p in range(2)
+    ]
+
+
 def test_help_documents_every_option(tmp_path: Path) -> None:
     result = run([CLI, "fit", "--help"], tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

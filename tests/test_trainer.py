@@ -60,11 +60,23 @@ def model(**overrides: Any) -> GPTModule:
     return GPTModule(GPTConfig(**fields), OptimizerConfig(lr=3e-3, warmup_steps=5, min_lr=3e-4))
 
 
-def trainer(tmp_path: Path, name: str, t: int, max_steps: int, **kwargs: Any) -> L.Trainer:
+LAYOUTS = {  # name -> (devices, strategy arguments)
+    "tp2-sp": (2, {"tensor_parallel_size": 2}),
+    "dp2": (2, {"tensor_parallel_size": 1}),
+    "single": (1, {"tensor_parallel_size": 1}),
+    "pp2-interleaved": (
+        2,
+        {"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "num_microbatches": 4},
+    ),
+}
+
+
+def trainer(tmp_path: Path, name: str, layout: str, max_steps: int, **kwargs: Any) -> L.Trainer:
+    devices, strategy = LAYOUTS[layout]
     return L.Trainer(
         accelerator="cpu",
-        devices=2,
-        strategy=MegatronSPStrategy(tensor_parallel_size=t, start_method="spawn"),
+        devices=devices,
+        strategy=MegatronSPStrategy(**strategy, start_method="spawn"),
         max_steps=max_steps,
         logger=CSVLogger(tmp_path, name=name, version=0),
         log_every_n_steps=1,
@@ -87,11 +99,11 @@ def data(corpus: Path, batch_size: int = 4) -> TextDataModule:
     return TextDataModule(paths=str(corpus), seq_length=64, batch_size=batch_size, val_fraction=0.1)
 
 
-@pytest.mark.parametrize("t", [2, 1], ids=["tp2-sp", "dp2"])
+@pytest.mark.parametrize("layout", ["tp2-sp", "dp2"])
 def test_training_reduces_loss_and_keeps_replicas_in_sync(
-    tmp_path: Path, corpus: Path, t: int
+    tmp_path: Path, corpus: Path, layout: str
 ) -> None:
-    trainer(tmp_path, "run", t, max_steps=40, callbacks=[AssertReplicasInSync()],
+    trainer(tmp_path, "run", layout, max_steps=40, callbacks=[AssertReplicasInSync()],
             enable_checkpointing=False).fit(model(), data(corpus))  # fmt: skip
     losses = logged(tmp_path, "run", "train/loss")
     first, last = losses[min(losses)], losses[max(losses)]
@@ -99,17 +111,20 @@ def test_training_reduces_loss_and_keeps_replicas_in_sync(
     assert last < 0.6 * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
 
 
-def test_resume_is_exact(tmp_path: Path, corpus: Path) -> None:
+@pytest.mark.parametrize("layout", ["tp2-sp", "pp2-interleaved"])
+def test_resume_is_exact(tmp_path: Path, corpus: Path, layout: str) -> None:
     every_10 = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1,
                                filename="{step}")  # fmt: skip
-    trainer(tmp_path, "straight", 2, max_steps=20, callbacks=[every_10]).fit(model(), data(corpus))
+    trainer(tmp_path, "straight", layout, max_steps=20, callbacks=[every_10]).fit(
+        model(num_layers=4), data(corpus)
+    )
     at_10, at_20 = tmp_path / "ckpt" / "step=10.ckpt", tmp_path / "ckpt" / "step=20.ckpt"
     assert at_10.is_dir() and at_20.is_dir()
 
     again = ModelCheckpoint(dirpath=tmp_path / "resumed", every_n_train_steps=10, save_top_k=-1,
                             filename="{step}")  # fmt: skip
-    trainer(tmp_path, "resumed", 2, max_steps=20, callbacks=[again]).fit(
-        model(), data(corpus), ckpt_path=str(at_10)
+    trainer(tmp_path, "resumed", layout, max_steps=20, callbacks=[again]).fit(
+        model(num_layers=4), data(corpus), ckpt_path=str(at_10)
     )
     straight, resumed = (
         logged(tmp_path, "straight", "train/loss"),
@@ -133,7 +148,7 @@ def test_bf16_run_logs_activation_bytes_equal_to_table2(tmp_path: Path, corpus: 
     selective recompute: the monitor's measured bytes per layer equal the paper's 34 sbh / t."""
     from lightning_sp.callbacks import ActivationMemoryMonitor
 
-    run = trainer(tmp_path, "bf16", 2, max_steps=6, precision="bf16-true",
+    run = trainer(tmp_path, "bf16", "tp2-sp", max_steps=6, precision="bf16-true",
                   callbacks=[ActivationMemoryMonitor()], enable_checkpointing=False)  # fmt: skip
     run.fit(model(hidden_size=128), data(corpus))
     measured = logged(tmp_path, "bf16", "memory/activation_bytes_per_layer")
@@ -151,11 +166,13 @@ def test_resume_with_another_vocabulary_fails_before_training(tmp_path: Path, co
     checkpoints = ModelCheckpoint(
         dirpath=tmp_path / "ckpt", every_n_train_steps=2, filename="{step}"
     )
-    trainer(tmp_path, "first", 2, max_steps=2, callbacks=[checkpoints]).fit(model(), data(corpus))
+    trainer(tmp_path, "first", "tp2-sp", max_steps=2, callbacks=[checkpoints]).fit(
+        model(), data(corpus)
+    )
     with pytest.raises(
         Exception, match=r"vocab_size=384 does not match the checkpoint's vocab_size=257"
     ):
-        trainer(tmp_path, "second", 2, max_steps=4, enable_checkpointing=False).fit(
+        trainer(tmp_path, "second", "tp2-sp", max_steps=4, enable_checkpointing=False).fit(
             model(vocab_size=384), data(corpus), ckpt_path=str(tmp_path / "ckpt" / "step=2.ckpt")
         )
     assert not (tmp_path / "second" / "version_0" / "metrics.csv").exists(), "training started"
@@ -164,3 +181,24 @@ def test_resume_with_another_vocabulary_fails_before_training(tmp_path: Path, co
 def test_unknown_strategy_argument_is_one_clear_line() -> None:
     with pytest.raises(ConfigError, match=r"unknown argument tensor_paralel_size=2; valid: "):
         MegatronSPStrategy(tensor_paralel_size=2)
+
+
+def test_pipeline_trains_exactly_like_one_process(tmp_path: Path, corpus: Path) -> None:
+    """p=2 with m=2 interleaved chunks and 4 micro-batches against one process on the same
+    batches (dropout 0, fp32): the same loss at every step; the activation monitor reports
+    the first stage's peak beside eq. 5 x (1 + (p-1)/(p*m))."""
+    from lightning_sp.callbacks import ActivationMemoryMonitor
+
+    def run(name: str, layout: str, callbacks: list) -> dict[int, float]:
+        net = model(num_layers=4, hidden_dropout=0.0, attention_dropout=0.0)
+        trainer(tmp_path, name, layout, max_steps=8, callbacks=callbacks,
+                enable_checkpointing=False).fit(net, data(corpus))  # fmt: skip
+        return logged(tmp_path, name, "train/loss")
+
+    single = run("single", "single", [])
+    piped = run("piped", "pp2-interleaved", [ActivationMemoryMonitor()])
+    assert sorted(piped) == list(range(8))
+    for step, loss in single.items():
+        assert piped[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
+    ratio = logged(tmp_path, "piped", "memory/pipeline_stage_peak_ratio")
+    assert ratio and all(r == pytest.approx(1.0, abs=0.05) for r in ratio.values()), ratio

@@ -1,0 +1,429 @@
+"""Pipeline parallelism: GPT stages run by ``torch.distributed.pipelining`` (paper §4.4).
+
+The ``L`` layers are split into ``p·m`` chunks of ``L/(p·m)`` layers (``p`` pipeline ranks,
+``m`` model chunks per rank). As in Megatron-LM's interleaved schedule, chunk ``c`` of
+pipeline rank ``r`` is virtual stage ``v = c·p + r`` and holds layers ``[v·L/(p·m),
+(v+1)·L/(p·m))``; with ``m = 1`` that is the plain split into ``p`` stages. Each chunk is a
+:class:`~lightning_sp.model.gpt.GPT` built with its ``layer_range``, so tensor and sequence
+parallelism (their collectives on the TP group) run unchanged inside every stage. Virtual
+stage 0 holds the embedding, virtual stage ``p·m − 1`` the final LayerNorm, the output layer
+(a copy of the tied embedding) and the loss.
+
+What crosses a stage boundary is the hidden state in the layout the layers use: the sequence
+shard ``[s/t, b, h]`` under sequence parallelism, else ``[s, b, h]`` (batch on dim 1). The
+global batch ``[B, s]`` is split into ``n`` micro-batches along dim 0.
+
+Schedules are torch's: :class:`~torch.distributed.pipelining.Schedule1F1B` for ``m = 1`` and
+:class:`~torch.distributed.pipelining.ScheduleInterleaved1F1B` for ``m > 1``. Stage shapes are
+given statically (no metadata-inference pass, which would run a real forward and backward and
+draw dropout masks), so a schedule is built per micro-batch shape on first use and cached.
+
+Gradients: each micro-batch's loss is divided by ``n`` inside the loss function and the
+schedule's own gradient scaling is off (``scale_grads=False``: it divides ``param.grad``
+only, which misses gradients that hooks have already moved into fp32 ``main_grad``). After
+:meth:`Pipeline.train_step` every parameter holds the gradient of the mean loss over the
+whole batch, exactly as one process computing the batch at once would.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+from lightning_sp.errors import ConfigError, divisors
+from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.gpt import GPT
+from lightning_sp.parallel import grads as grad_utils
+from lightning_sp.parallel.state import DEFAULT_TIMEOUT, ParallelState
+
+ScheduleName = Literal["auto", "1f1b", "interleaved"]
+SCHEDULES = ("auto", "1f1b", "interleaved")
+
+
+# -- configuration checks -----------------------------------------------------------------------
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
+
+
+def check_pipeline_schedule(
+    pipeline_parallel_size: int,
+    virtual_pipeline_size: int = 1,
+    num_microbatches: int = 1,
+    schedule: str = "auto",
+) -> str:
+    """Validate the schedule part of a pipeline layout (what the strategy knows) and return
+    the schedule it runs: ``"1f1b"``, ``"interleaved"`` or ``"none"`` (``p = 1``:
+    micro-batches run one after another).
+
+    Raises :class:`ConfigError` (one line: field, value, what is valid) when there are fewer
+    micro-batches than pipeline stages (torch's ``Schedule1F1B`` needs ``n ≥ p``), or, with
+    interleaving, when ``n`` is not a multiple of ``p`` (Megatron's rule; torch's
+    ``ScheduleInterleaved1F1B`` would otherwise change its round size and keep more
+    micro-batches in flight than the paper's factor).
+    """
+    p, m, n = pipeline_parallel_size, virtual_pipeline_size, num_microbatches
+    _positive_int("pipeline_parallel_size", p)
+    _positive_int("virtual_pipeline_size", m)
+    _positive_int("num_microbatches", n)
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"schedule={schedule!r} is not a schedule; valid: {', '.join(SCHEDULES)}")
+    if m > 1 and p == 1:
+        raise ConfigError(
+            f"virtual_pipeline_size={m} interleaves model chunks over pipeline stages, but "
+            "pipeline_parallel_size=1; use virtual_pipeline_size=1"
+        )
+    if schedule == "1f1b" and m > 1:
+        raise ConfigError(
+            f"schedule='1f1b' runs one model chunk per stage, but virtual_pipeline_size={m}; "
+            "use schedule='interleaved' (or 'auto') or virtual_pipeline_size=1"
+        )
+    if p == 1:
+        return "none"
+    if n < p:
+        raise ConfigError(
+            f"num_microbatches={n} is fewer than pipeline_parallel_size={p}; the 1F1B and "
+            f"interleaved schedules need num_microbatches >= {p}"
+        )
+    if m > 1 and n % p:
+        raise ConfigError(
+            f"num_microbatches={n} is not a multiple of pipeline_parallel_size={p}, which the "
+            f"interleaved schedule (virtual_pipeline_size={m}) needs; use a multiple of {p}"
+        )
+    if m > 1 or schedule == "interleaved":
+        return "interleaved"
+    return "1f1b"
+
+
+def check_pipeline(
+    num_layers: int,
+    pipeline_parallel_size: int,
+    virtual_pipeline_size: int = 1,
+    num_microbatches: int = 1,
+    schedule: str = "auto",
+) -> str:
+    """:func:`check_pipeline_schedule`, and ``num_layers`` divisible by ``p·m`` (every model
+    chunk gets the same number of layers); returns the schedule."""
+    name = check_pipeline_schedule(
+        pipeline_parallel_size, virtual_pipeline_size, num_microbatches, schedule
+    )
+    p, m = pipeline_parallel_size, virtual_pipeline_size
+    chunks = p * m
+    if num_layers % chunks:
+        valid = [d for d in divisors(num_layers) if d % p == 0]
+        raise ConfigError(
+            f"num_layers={num_layers} is not divisible by pipeline_parallel_size * "
+            f"virtual_pipeline_size = {p} * {m} = {chunks}; p * m must be one of "
+            f"{valid or divisors(num_layers)}"
+        )
+    return name
+
+
+def check_batch(global_batch_size: int, num_microbatches: int, data_parallel_size: int = 1) -> int:
+    """The micro-batch size of a global batch split over ``data_parallel_size`` replicas and
+    ``num_microbatches`` micro-batches; :class:`ConfigError` unless it divides evenly."""
+    _positive_int("global_batch_size", global_batch_size)
+    _positive_int("num_microbatches", num_microbatches)
+    _positive_int("data_parallel_size", data_parallel_size)
+    split = num_microbatches * data_parallel_size
+    if global_batch_size % split:
+        raise ConfigError(
+            f"global batch size {global_batch_size} is not divisible by num_microbatches * "
+            f"data_parallel_size = {num_microbatches} * {data_parallel_size} = {split}; use a "
+            f"multiple of {split}"
+        )
+    return global_batch_size // split
+
+
+def chunk_layer_ranges(
+    num_layers: int, pipeline_parallel_size: int, virtual_pipeline_size: int, rank: int
+) -> list[range]:
+    """The layers of each model chunk of pipeline rank ``rank``, in virtual-stage order:
+    chunk ``c`` is virtual stage ``c·p + rank`` (Megatron's interleaved layout)."""
+    p, m = pipeline_parallel_size, virtual_pipeline_size
+    per_chunk = num_layers // (p * m)
+    return [range((c * p + rank) * per_chunk, (c * p + rank + 1) * per_chunk) for c in range(m)]
+
+
+# -- stage modules --------------------------------------------------------------------------------
+
+
+class _Stage(nn.Module):
+    """What ``PipelineStage`` runs for one chunk: ids ``[b, s]`` (first virtual stage) or the
+    hidden state ``[s/t or s, b, h]`` in, the hidden state out. The last stage's head and loss
+    run in the schedule's loss function (:meth:`GPT.loss`), where the labels are."""
+
+    def __init__(self, chunk: GPT) -> None:
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.chunk.has_embedding:
+            x = self.chunk.embed(x)  # [b, s] -> [s/t or s, b, h]
+        return self.chunk.forward_layers(x)  # [s/t or s, b, h]
+
+
+class Pipeline(nn.Module):
+    """One rank's model chunks and the pipeline schedule that trains them.
+
+    Every rank of a pipeline (all ``tp`` and ``pp`` ranks of one data-parallel replica) calls
+    :meth:`train_step` / :meth:`eval_step` with the same batch: the first stage reads the token
+    ids, the last stage the labels, and every stage the batch's shape.
+
+    Args:
+        config: The model. ``config.recompute`` must be resolved (not ``auto``).
+        state: This rank's parallel state; ``pipeline_parallel_size`` is ``p``.
+        num_microbatches: Micro-batches per step (``n``); the batch given to a step must be
+            divisible by it.
+        virtual_pipeline_size: Model chunks per pipeline rank (``m``); ``m > 1`` interleaves.
+        dtype, device: Of the parameters (default: torch's default dtype, ``state.device``).
+        schedule: ``"auto"`` (1F1B for ``m = 1``, interleaved for ``m > 1``), ``"1f1b"`` or
+            ``"interleaved"``.
+        timeout: Of the process group that sums the tied embedding's gradient (``p > 2``).
+
+    Attributes:
+        chunks: This rank's ``m`` :class:`GPT` chunks in virtual-stage order (state-dict keys
+            ``chunks.<c>.<GPT parameter name>``).
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        state: ParallelState,
+        *,
+        num_microbatches: int,
+        virtual_pipeline_size: int = 1,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        schedule: ScheduleName = "auto",
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__()
+        p, m = state.pipeline_parallel_size, virtual_pipeline_size
+        self.schedule_name = check_pipeline(config.num_layers, p, m, num_microbatches, schedule)
+        self.config, self.state = config, state
+        self.num_microbatches = num_microbatches
+        self.virtual_pipeline_size = m
+        ranges = chunk_layer_ranges(config.num_layers, p, m, state.pipeline_parallel_rank)
+        self.chunks = nn.ModuleList(
+            GPT(config, state, layer_range=r, dtype=dtype, device=device) for r in ranges
+        )
+        self.stage_indices = [c * p + state.pipeline_parallel_rank for c in range(m)]
+        self.has_embedding = self.chunks[0].has_embedding
+        self.has_head = self.chunks[-1].has_head
+        if p > 1 and self.has_head:
+            # the output layer's copy of the tied embedding: its gradient is summed with stage
+            # 0's, and the global norm counts the original only
+            self.chunks[-1].word_embeddings.weight.pipeline_copy = True
+        # plain lists, so the chunks are registered once (under ``chunks``)
+        self._stage_modules = [_Stage(chunk) for chunk in self.chunks]
+        self._schedules: dict[tuple, object] = {}
+        self._embedding_group = self._make_embedding_group(timeout)
+
+    # -- layout --------------------------------------------------------------------------------
+
+    def _make_embedding_group(self, timeout: datetime.timedelta) -> dist.ProcessGroup | None:
+        """The group of the two ranks (first and last stage, same tp/dp coordinates) that hold
+        a copy of the tied embedding; ``None`` on other ranks and without pipelining."""
+        state = self.state
+        p = state.pipeline_parallel_size
+        if p == 1:
+            return None
+        if p == 2:
+            return state.pp_group
+        assert state.mesh is not None
+        ranks = state.mesh.mesh  # [pp, dp, tp] -> global rank
+        mine = None
+        # every rank creates every group, in the same order (new_group is collective)
+        for d in range(ranks.shape[1]):
+            for t in range(ranks.shape[2]):
+                pair = [int(ranks[0, d, t]), int(ranks[p - 1, d, t])]
+                group = dist.new_group(pair, timeout=timeout)
+                if dist.get_rank() in pair:
+                    mine = group
+        return mine if (self.has_embedding or self.has_head) else None
+
+    @property
+    def _device(self) -> torch.device:
+        return next(self.chunks[0].parameters()).device
+
+    @property
+    def _loss_dtype(self) -> torch.dtype:
+        """fp32 for bf16/fp16 models (the cross entropy runs in fp32), else the model's."""
+        return torch.promote_types(next(self.chunks[0].parameters()).dtype, torch.float32)
+
+    def _hidden_shape(self, micro_batch: int, seq: int) -> tuple[int, int, int]:
+        t = self.state.tensor_parallel_size
+        s_local = seq // t if self.config.sequence_parallel else seq
+        return (s_local, micro_batch, self.config.hidden_size)  # [s/t or s, b, h]
+
+    def _check_inputs(self, input_ids: Tensor, labels: Tensor | None) -> int:
+        """Validate a batch ``[B, s]``; return the micro-batch size ``B / n``."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} differs from input_ids "
+                f"{tuple(input_ids.shape)}"
+            )
+        batch, seq = input_ids.shape
+        micro = check_batch(batch, self.num_microbatches)
+        t = self.state.tensor_parallel_size
+        if seq > self.config.seq_length:
+            raise ValueError(
+                f"input sequence length {seq} exceeds seq_length={self.config.seq_length}"
+            )
+        if self.config.sequence_parallel and seq % t:
+            raise ValueError(
+                f"input sequence length {seq} is not divisible by tensor_parallel_size={t} "
+                "with sequence_parallel=True"
+            )
+        return micro
+
+    def _loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
+        """Head and loss of one micro-batch, divided by ``n``: summed over micro-batches this
+        is the mean loss of the batch, and its gradients those of the mean."""
+        return self.chunks[-1].loss(output, target) / self.num_microbatches
+
+    def _schedule(self, input_ids: Tensor) -> object:
+        """The schedule (and its stages) for the micro-batch shape of ``input_ids``, built on
+        first use. Shapes are static, so no stage runs a metadata-inference pass."""
+        micro_batch, seq = input_ids.shape[0] // self.num_microbatches, input_ids.shape[1]
+        key = (micro_batch, seq, input_ids.dtype)
+        if key in self._schedules:
+            return self._schedules[key]
+        p, m = self.state.pipeline_parallel_size, self.virtual_pipeline_size
+        param = next(self.chunks[0].parameters())
+        meta = {"device": "meta"}
+        hidden = torch.empty(  # what every stage sends on: [s/t or s, b, h]
+            self._hidden_shape(micro_batch, seq), dtype=param.dtype, requires_grad=True, **meta
+        )
+        ids = torch.empty((micro_batch, seq), dtype=input_ids.dtype, **meta)  # [b, s]
+        stages = [
+            PipelineStage(
+                module,
+                index,
+                p * m,
+                param.device,
+                input_args=ids if index == 0 else hidden,
+                output_args=hidden,
+                group=self.state.pp_group,
+            )
+            for module, index in zip(self._stage_modules, self.stage_indices, strict=True)
+        ]
+        n, loss_fn = self.num_microbatches, self._loss_fn
+        schedule = (
+            Schedule1F1B(stages[0], n, loss_fn=loss_fn, scale_grads=False)
+            if self.schedule_name == "1f1b"
+            else ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
+        )
+        self._schedules[key] = schedule
+        return schedule
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def train_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+        """Forward and backward of all ``n`` micro-batches of ``input_ids``/``labels`` ``[B, s]``.
+
+        Gradients are accumulated into the parameters (``grad``, or ``main_grad`` through the
+        optimizer's hooks): their sum over micro-batches is the gradient of the mean loss over
+        the batch. They are not yet reduced: call :meth:`finalize_grads` before the optimizer.
+        Returns the mean loss (a detached scalar, fp32 for bf16/fp16 models) on every rank of
+        the pipeline.
+        """
+        self._check_inputs(input_ids, labels)
+        if self.schedule_name == "none":
+            return self._accumulate(input_ids, labels, backward=True)
+        schedule = self._schedule(input_ids)
+        losses: list[Tensor] = []
+        with torch.enable_grad():
+            schedule.step(
+                *((input_ids,) if self.has_embedding else ()),
+                target=labels if self.has_head else None,
+                losses=losses,
+                return_outputs=False,
+            )
+        return self._broadcast_loss(losses)
+
+    @torch.no_grad()
+    def eval_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+        """Forward of all micro-batches (validation; no graph is built, no gradient touched).
+
+        The caller sets train/eval mode (dropout) as for any module. Returns the mean loss
+        (as :meth:`train_step`) on every rank of the pipeline.
+        """
+        self._check_inputs(input_ids, labels)
+        if self.schedule_name == "none":
+            return self._accumulate(input_ids, labels, backward=False)
+        schedule = self._schedule(input_ids)
+        losses: list[Tensor] = []
+        schedule.eval(
+            *((input_ids,) if self.has_embedding else ()),
+            target=labels if self.has_head else None,
+            losses=losses,
+        )
+        return self._broadcast_loss(losses)
+
+    def _accumulate(self, input_ids: Tensor, labels: Tensor, backward: bool) -> Tensor:
+        """``p = 1``: the micro-batches one after another (gradient accumulation)."""
+        chunk, n = self.chunks[0], self.num_microbatches
+        total = torch.zeros((), dtype=self._loss_dtype, device=self._device)
+        for ids, target in zip(input_ids.chunk(n), labels.chunk(n), strict=True):
+            loss = self._loss_fn(chunk.forward_layers(chunk.embed(ids)), target)
+            if backward:
+                loss.backward()
+            total += loss.detach()
+        return total
+
+    def _broadcast_loss(self, losses: list[Tensor]) -> Tensor:
+        """The mean loss from the last stage (sum of the ``loss / n``), sent to every stage."""
+        if self.has_head:
+            loss = torch.stack([x.detach() for x in losses]).sum()
+        else:
+            loss = torch.zeros((), dtype=self._loss_dtype, device=self._device)
+        last = self.state.pipeline_parallel_size - 1
+        dist.broadcast(loss, group=self.state.pp_group, group_src=last)
+        return loss
+
+    # -- gradients and state -------------------------------------------------------------------
+
+    def allreduce_tied_embedding_grads(self) -> None:
+        """Sum the gradients of the two copies of the tied embedding (first stage: the input
+        embedding; last stage: the output layer), so both copies take the same update."""
+        if self._embedding_group is None:
+            return
+        chunk = self.chunks[0] if self.has_embedding else self.chunks[-1]
+        weight = chunk.word_embeddings.weight
+        grad = grad_utils.grad_of(weight)
+        if grad is None:
+            weight.grad = grad = torch.zeros_like(weight)
+        dist.all_reduce(grad, group=self._embedding_group)
+
+    def finalize_grads(self) -> None:
+        """Every reduction between the last backward and the optimizer step: the tied
+        embedding over the first and last stage, then sequence-parallel gradients over the
+        TP group and the mean over data-parallel replicas
+        (:func:`lightning_sp.parallel.grads.finalize_grads`)."""
+        self.allreduce_tied_embedding_grads()
+        grad_utils.finalize_grads(self, self.state)
+
+    def rng_state_dict(self) -> dict[str, dict[str, Tensor]]:
+        """The dropout streams of every chunk, keyed by chunk index (for checkpoints)."""
+        return {str(c): chunk.rng.state_dict() for c, chunk in enumerate(self.chunks)}
+
+    def load_rng_state_dict(self, state_dict: dict[str, dict[str, Tensor]]) -> None:
+        """Restore :meth:`rng_state_dict`."""
+        for c, chunk in enumerate(self.chunks):
+            chunk.rng.load_state_dict(state_dict[str(c)])
+
+    def global_name(self, name: str) -> str:
+        """A parameter's name (``chunks.<c>.…``) in the unsplit, unsharded model."""
+        _, c, rest = name.split(".", 2)
+        return self.chunks[int(c)].global_name(rest)

@@ -1,0 +1,149 @@
+"""The benchmarks never rot: the one command runs in smoke mode and writes a complete report,
+and the DTensor model they compare against is the same GPT as ours.
+
+The smoke run's timings mean nothing and are never asserted; its byte and FLOP counts are
+deterministic and are.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `benchmarks` is a top-level package of the repository
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import dtensor_gpt  # noqa: E402
+from benchmarks._spawn import run_ranks  # noqa: E402
+
+SECTIONS = ("meta", "activation_bytes", "layer_time", "flops", "throughput", "summary")
+
+
+def _numbers(value: Any) -> list[float]:
+    """Every int/float inside a JSON value (bools excluded)."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int | float):
+        return [float(value)]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _numbers(v)]
+    if isinstance(value, list):
+        return [x for v in value for x in _numbers(v)]
+    return []
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("bench")
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        check=True,
+        timeout=240,
+        capture_output=True,
+    )
+    return out, json.loads((out / "report.json").read_text())
+
+
+@pytest.mark.timeout(300)
+def test_smoke_run_writes_the_report(smoke: tuple[Path, dict[str, Any]]) -> None:
+    out, report = smoke
+    for name in ("report.md", "report.json", "activation_bytes.png", "layer_time.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    assert set(SECTIONS) <= set(report), sorted(report)
+    numbers = _numbers({k: report[k] for k in SECTIONS})
+    assert numbers and all(math.isfinite(x) for x in numbers)
+    meta = report["meta"]
+    assert meta["smoke"] and meta["torch"] == torch.__version__ and meta["machine"]["cores"]
+    markdown = (out / "report.md").read_text()
+    for title in ("Activation bytes", "Time per layer", "FLOPs", "Training throughput"):
+        assert title in markdown
+    assert "python -m benchmarks.run --smoke" in markdown
+    for run in report["throughput"]["runs"].values():
+        assert run["tokens_per_second"] > 0 and 0 < run["mfu"] < 1
+        assert min(run["peak_rss_per_rank"]) > 0
+    assert all(r["total_seconds"] > 0 for r in report["layer_time"]["rows"])
+
+
+@pytest.mark.timeout(300)
+def test_smoke_bytes_are_table2_and_dtensor_keeps_more(smoke: tuple[Path, dict[str, Any]]) -> None:
+    section = smoke[1]["activation_bytes"]
+    rows = section["rows"]
+    assert {(r["sequence_parallel"], r["recompute"]) for r in rows} == {
+        (sp, policy) for sp in (False, True) for policy in ("none", "selective", "full")
+    }
+    for r in rows:
+        assert r["ours_bytes"] == pytest.approx(r["paper_bytes"], rel=0.01), r
+        assert r["ours_layers_equal"] and r["dtensor_layers_equal"]
+    for r in rows:
+        if not (r["sequence_parallel"] and r["recompute"] == "selective"):
+            continue
+        t = r["t"]
+        assert r["dtensor_sbh"] > r["ours_sbh"]
+        # DTensor's SequenceParallel keeps the all-gathered QKV and fc1 inputs: +4(1 - 1/t) sbh
+        assert r["dtensor_native_dropout_sbh"] - r["ours_sbh"] == pytest.approx(4 * (1 - 1 / t))
+        # F.dropout keeps 2-byte noise instead of 1-byte masks on both residual branches
+        assert r["dtensor_sbh"] - r["dtensor_native_dropout_sbh"] == pytest.approx(2 / t)
+
+
+@pytest.mark.timeout(300)
+def test_smoke_flops_are_the_papers(smoke: tuple[Path, dict[str, Any]]) -> None:
+    section = smoke[1]["flops"]
+    for r in section["layer"]:
+        assert r["forward_flops"] == r["paper_forward_flops"]
+        assert r["recompute_flops"] == r["paper_recompute_flops"]
+        assert r["backward_flops"] == 2 * r["forward_flops"] + r["recompute_flops"]
+    selective = [r for r in section["layer"] if r["recompute"] == "selective"]
+    for r in selective:
+        assert r["recompute_over_forward"] == pytest.approx(section["paper_selective_fraction"])
+    for r in section["iteration"]:
+        assert r["counted_flops"] == r["hardware_flops_formula"]
+
+
+def _equivalence_worker(rank: int, world_size: int, sp: bool, policy: str) -> dict[str, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from lightning_sp import GPT, GPTConfig, ParallelState
+
+    config = GPTConfig(
+        vocab_size=512, seq_length=32, hidden_size=64, num_layers=2, num_heads=4,
+        hidden_dropout=0.0, attention_dropout=0.0, recompute=policy,  # type: ignore[arg-type]
+    )  # fmt: skip
+    ids = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
+    ours = GPT(config, ParallelState.single(), dtype=torch.float64)
+    reference_loss = ours(ids[:, :-1], ids[:, 1:])
+    reference_loss.backward()
+    model = dtensor_gpt.DTensorGPT(config).double()
+    dtensor_gpt.load_from_lightning_sp(model, ours.state_dict())
+    dtensor_gpt.parallelize(model, init_device_mesh("cpu", (world_size,)), sp)
+    loss = model(ids[:, :-1], ids[:, 1:])
+    with loss_parallel():
+        loss.backward()
+    grads = {n: p.grad for n, p in ours.named_parameters()}
+    grads["positions.weight"] = grads.pop("position_embeddings")
+    errors = {"loss": abs(float(loss.full_tensor()) - float(reference_loss))}
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        errors[name] = float((grad - grads[name]).norm() / grads[name].norm())
+    return errors
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+def test_dtensor_reference_is_our_gpt(sp: bool) -> None:
+    """With dropout off, the DTensor GPT on 2 ranks gives our one-process model's loss and
+    gradients (float64): the benchmarks compare implementations of one model."""
+    for policy in ("none", "selective", "full"):
+        for rank, errors in enumerate(run_ranks(_equivalence_worker, 2, sp, policy, threads=1)):
+            worst = max(errors, key=errors.__getitem__)
+            assert errors[worst] < 1e-12, f"{policy} rank {rank}: {worst} differs ({errors[worst]})"
