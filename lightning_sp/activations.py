@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import Self
 
 UNTRACKED = "<untracked>"
 
@@ -38,7 +39,54 @@ class ActivationReport:
         return self.per_module.get(name, 0)
 
 
-class SavedTensorTracker:
+class _AttributedHooks:
+    """Saved-tensor hooks that know which tracked module is running.
+
+    ``modules`` maps names to modules; while one runs forward, :meth:`_owner` is its name (the
+    innermost one), else ``"<untracked>"``. Storages of ``exclude`` (parameters, buffers) are
+    not activations. Subclasses provide ``_pack`` and ``_unpack``.
+    """
+
+    def __init__(self, modules: dict[str, nn.Module] | None, exclude: Iterable[Tensor]) -> None:
+        self._excluded = {_storage_key(t) for t in exclude}
+        self._stack: list[str] = []
+        self._modules = modules or {}
+        self._handles: list[Any] = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: Tensor) -> Any:
+        raise NotImplementedError
+
+    def _unpack(self, packed: Any) -> Tensor:
+        return packed
+
+    def _owner(self) -> str:
+        return self._stack[-1] if self._stack else UNTRACKED
+
+    def _enter_hook(self, name: str) -> Callable[..., None]:
+        def hook(*_: object) -> None:
+            self._stack.append(name)
+
+        return hook
+
+    def _exit_hook(self, *_: object) -> None:
+        self._stack.pop()
+
+    def __enter__(self) -> Self:
+        for name, module in self._modules.items():
+            self._handles.append(module.register_forward_pre_hook(self._enter_hook(name)))
+            self._handles.append(module.register_forward_hook(self._exit_hook, always_call=True))
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class SavedTensorTracker(_AttributedHooks):
     """Context manager that measures the storages autograd saves while it is active.
 
     ``modules`` maps names to modules whose forward passes the bytes are attributed to;
@@ -50,13 +98,9 @@ class SavedTensorTracker:
         modules: dict[str, nn.Module] | None = None,
         exclude: Iterable[Tensor] = (),
     ) -> None:
+        super().__init__(modules, exclude)
         self.report = ActivationReport()
-        self._excluded = {_storage_key(t) for t in exclude}
         self._seen: set[int] = set()
-        self._stack: list[str] = []
-        self._modules = modules or {}
-        self._handles: list[Any] = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     @classmethod
     def for_model(cls, model: nn.Module, layer_container: str = "layers") -> SavedTensorTracker:
@@ -76,34 +120,12 @@ class SavedTensorTracker:
             return t
         self._seen.add(key)
         nbytes = t.untyped_storage().nbytes()
-        owner = self._stack[-1] if self._stack else UNTRACKED
+        owner = self._owner()
         report = self.report
         report.total_bytes += nbytes
         report.count += 1
         report.per_module[owner] = report.per_module.get(owner, 0) + nbytes
         return t
-
-    def _enter_hook(self, name: str) -> Callable[..., None]:
-        def hook(*_: object) -> None:
-            self._stack.append(name)
-
-        return hook
-
-    def _exit_hook(self, *_: object) -> None:
-        self._stack.pop()
-
-    def __enter__(self) -> SavedTensorTracker:
-        for name, module in self._modules.items():
-            self._handles.append(module.register_forward_pre_hook(self._enter_hook(name)))
-            self._handles.append(module.register_forward_hook(self._exit_hook, always_call=True))
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
 
 def measure_saved_activations(
@@ -135,7 +157,7 @@ class _SavedRef:
         self._tracker._release(self._key)
 
 
-class LiveActivationTracker:
+class LiveActivationTracker(_AttributedHooks):
     """Context manager that follows the bytes autograd holds for backward over time.
 
     Where :class:`SavedTensorTracker` adds up everything saved during a forward pass, this
@@ -160,16 +182,12 @@ class LiveActivationTracker:
         modules: dict[str, nn.Module] | None = None,
         exclude: Iterable[Tensor] = (),
     ) -> None:
+        super().__init__(modules, exclude)
         self.live_bytes = 0
         self.peak_bytes = 0
         self.peak_per_module: dict[str, int] = {}
         self.live_per_module: dict[str, int] = {}
-        self._excluded = {_storage_key(t) for t in exclude}
         self._live: dict[int, list[Any]] = {}  # storage key -> [references, bytes, owner]
-        self._stack: list[str] = []
-        self._modules = modules or {}
-        self._handles: list[Any] = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: Tensor) -> Any:
         key = _storage_key(t)
@@ -177,7 +195,7 @@ class LiveActivationTracker:
             return t
         entry = self._live.get(key)
         if entry is None:
-            owner = self._stack[-1] if self._stack else UNTRACKED
+            owner = self._owner()
             entry = self._live[key] = [0, t.untyped_storage().nbytes(), owner]
             self.live_bytes += entry[1]
             self.live_per_module[owner] = self.live_per_module.get(owner, 0) + entry[1]
@@ -187,8 +205,7 @@ class LiveActivationTracker:
         entry[0] += 1
         return _SavedRef(t, self, key)
 
-    @staticmethod
-    def _unpack(packed: Any) -> Tensor:
+    def _unpack(self, packed: Any) -> Tensor:
         return packed.tensor if isinstance(packed, _SavedRef) else packed
 
     def _release(self, key: int) -> None:
@@ -203,25 +220,3 @@ class LiveActivationTracker:
         """Start a new peak from the bytes live now."""
         self.peak_bytes = self.live_bytes
         self.peak_per_module = {k: v for k, v in self.live_per_module.items() if v}
-
-    def _enter_hook(self, name: str) -> Callable[..., None]:
-        def hook(*_: object) -> None:
-            self._stack.append(name)
-
-        return hook
-
-    def _exit_hook(self, *_: object) -> None:
-        self._stack.pop()
-
-    def __enter__(self) -> LiveActivationTracker:
-        for name, module in self._modules.items():
-            self._handles.append(module.register_forward_pre_hook(self._enter_hook(name)))
-            self._handles.append(module.register_forward_hook(self._exit_hook, always_call=True))
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()

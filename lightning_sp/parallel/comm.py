@@ -21,6 +21,8 @@ op                                     forward                      backward
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -83,69 +85,37 @@ def split_sequence(x: Tensor, group: Group) -> Tensor:
     return x.chunk(world, dim=0)[group_rank(group)].contiguous()
 
 
-class _F(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, group: Group) -> Tensor:
-        ctx.group = group
-        return x.view_as(x)
+def _conjugate_op(
+    name: str,
+    forward: Callable[[Tensor, Group], Tensor],
+    backward: Callable[[Tensor, Group], Tensor],
+) -> type[torch.autograd.Function]:
+    """An autograd Function computing ``forward(x, group)``, with ``backward(grad, group)``."""
 
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return all_reduce(grad, ctx.group), None
+    class Op(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: Tensor, group: Group) -> Tensor:  # type: ignore[override]
+            ctx.group = group
+            return forward(x, group)
 
+        @staticmethod
+        def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+            return backward(grad, ctx.group), None
 
-class _FBar(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, group: Group) -> Tensor:
-        return all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
-
-
-class _G(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, group: Group) -> Tensor:
-        ctx.group = group
-        return all_gather_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return reduce_scatter_sequence(grad, ctx.group), None
+    Op.__name__ = Op.__qualname__ = name
+    return Op
 
 
-class _GBar(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, group: Group) -> Tensor:
-        ctx.group = group
-        return reduce_scatter_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return all_gather_sequence(grad, ctx.group), None
+def _identity(x: Tensor, group: Group) -> Tensor:
+    return x.view_as(x)
 
 
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, group: Group) -> Tensor:
-        ctx.group = group
-        return split_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return all_gather_sequence(grad, ctx.group), None
-
-
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, group: Group) -> Tensor:
-        ctx.group = group
-        return all_gather_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return split_sequence(grad, ctx.group), None
+_F = _conjugate_op("F", _identity, all_reduce)
+_FBar = _conjugate_op("FBar", all_reduce, _identity)
+_G = _conjugate_op("G", all_gather_sequence, reduce_scatter_sequence)
+_GBar = _conjugate_op("GBar", reduce_scatter_sequence, all_gather_sequence)
+_Scatter = _conjugate_op("Scatter", split_sequence, all_gather_sequence)
+_Gather = _conjugate_op("Gather", all_gather_sequence, split_sequence)
 
 
 def _apply(fn: type[torch.autograd.Function], x: Tensor, group: Group) -> Tensor:
