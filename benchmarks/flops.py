@@ -1,0 +1,138 @@
+"""(3) FLOPs counted by ``torch.utils.flop_counter.FlopCounterMode``: forward, backward and
+what each recompute policy adds, against the paper's formulas.
+
+The real :class:`lightning_sp.GPT` runs under ``FakeTensorMode`` (shapes only: no memory, no
+time, exact counts; the counter counts the matmul-like ops, as the paper does). Backward is
+counted separately from forward; a policy's recomputation is its backward minus the backward
+of ``none``. Counted:
+
+* one transformer layer at the layer-time shape, whole (t = 1) and one rank's shard at t = 2
+  (a ``"fake"`` process group of two ranks);
+* one training iteration of the whole throughput model (t = 1), against
+  :func:`lightning_sp.flops.model_flops_per_iteration` and
+  :func:`lightning_sp.flops.hardware_flops_per_iteration`.
+
+The paper: selective recomputation redoes the attention core, ``4bs²h`` FLOPs, which is
+``s/(6h + s)`` of a layer's forward ``24bsh² + 4bs²h``; full recomputation redoes the forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks._spawn import run_ranks
+from benchmarks.layer_time import LayerShape, layer_config
+from benchmarks.throughput import ThroughputShape, model_config
+from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.flops import hardware_flops_per_iteration, model_flops_per_iteration
+from lightning_sp.memory import fake_world
+
+POLICIES = ("none", "selective", "full")
+
+
+def _fake_parameters(module: nn.Module) -> None:
+    """Replace the (meta) parameters of ``module`` by fake CPU tensors, keeping their tags.
+    Call under ``FakeTensorMode``."""
+    for mod in module.modules():
+        for name, param in list(mod._parameters.items()):
+            if param is None:
+                continue
+            fake = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="cpu"))
+            fake.__dict__.update(param.__dict__)
+            mod._parameters[name] = fake
+
+
+def _count_layer(config: GPTConfig, state: ParallelState, b: int) -> tuple[int, int]:
+    """``(forward, backward)`` FLOPs of one layer's shard on this rank."""
+    gpt = GPT(config, state, dtype=torch.float32, device="meta")
+    layer = gpt.layers[0]
+    t = state.tensor_parallel_size
+    rows = config.seq_length // t if config.sequence_parallel else config.seq_length
+    with FakeTensorMode():
+        _fake_parameters(gpt)
+        layer.train()
+        x = torch.empty(rows, b, config.hidden_size, requires_grad=True)
+        with FlopCounterMode(display=False) as forward:
+            out = layer(x)
+        with FlopCounterMode(display=False) as backward:
+            out.backward(torch.ones_like(out))
+    return forward.get_total_flops(), backward.get_total_flops()
+
+
+def _count_model(config: GPTConfig, b: int) -> tuple[int, int]:
+    """``(forward, backward)`` FLOPs of one iteration of the whole model (t = 1)."""
+    gpt = GPT(config, ParallelState.single(), dtype=torch.float32, device="meta")
+    with FakeTensorMode():
+        _fake_parameters(gpt)
+        gpt.train()
+        ids = torch.zeros(b, config.seq_length, dtype=torch.long)
+        with FlopCounterMode(display=False) as forward:
+            loss = gpt(ids, ids)
+        with FlopCounterMode(display=False) as backward:
+            loss.backward()
+    return forward.get_total_flops(), backward.get_total_flops()
+
+
+def _layer_rows(shape: LayerShape, t: int, sp: bool) -> list[dict[str, Any]]:
+    s, b, h = shape.s, shape.b, shape.h
+    paper_forward = (24 * b * s * h * h + 4 * b * s * s * h) / t
+    paper_recompute = {"none": 0.0, "selective": 4 * b * s * s * h / t, "full": paper_forward}
+    counts: dict[str, tuple[int, int]] = {}
+    for policy in POLICIES:
+        config = layer_config(shape, sp, policy)
+        if t == 1:
+            counts[policy] = _count_layer(config, ParallelState.single(), b)
+        else:
+            with fake_world(t):
+                counts[policy] = _count_layer(config, ParallelState.from_process_group(t), b)
+    rows = []
+    for policy in POLICIES:
+        forward, backward = counts[policy]
+        recompute = backward - counts["none"][1]
+        rows.append({
+            "t": t, "sequence_parallel": sp, "recompute": policy,
+            "forward_flops": forward, "backward_flops": backward, "recompute_flops": recompute,
+            "paper_forward_flops": paper_forward, "paper_recompute_flops": paper_recompute[policy],
+            "backward_over_forward": backward / forward,
+            "recompute_over_forward": recompute / forward,
+            "paper_recompute_over_forward": paper_recompute[policy] / paper_forward,
+        })  # fmt: skip
+    return rows
+
+
+def run(layer: LayerShape, model: ThroughputShape) -> dict[str, Any]:
+    """Counted FLOPs per layer (t = 1 and a t = 2 shard) and per iteration, with the formulas.
+
+    Counts in a child process, whose fake process group then never touches this one.
+    """
+    return run_ranks(_count_all, 1, layer, model, threads=1, init_group=False)[0]
+
+
+def _count_all(rank: int, world_size: int, layer: LayerShape, model: ThroughputShape) -> Any:
+    layer_rows = _layer_rows(layer, 1, False) + _layer_rows(layer, layer.t, True)
+    iteration = []
+    for policy in POLICIES:
+        config = dataclasses.replace(model_config(model), recompute=policy, sequence_parallel=False)
+        forward, backward = _count_model(config, model.b)
+        counted = forward + backward
+        hardware = hardware_flops_per_iteration(config, model.b)
+        iteration.append({
+            "recompute": policy, "counted_flops": counted,
+            "model_flops_formula": model_flops_per_iteration(config, model.b),
+            "hardware_flops_formula": hardware,
+            "counted_over_hardware_formula": counted / hardware,
+        })  # fmt: skip
+    s, h = layer.s, layer.h
+    return {
+        "layer_shape": dataclasses.asdict(layer),
+        "model_shape": dataclasses.asdict(model),
+        "paper_selective_fraction": s / (6 * h + s),
+        "layer": layer_rows,
+        "iteration": iteration,
+    }

@@ -1,0 +1,213 @@
+"""The one command: ``python -m benchmarks.run [--smoke] [--out DIR]``.
+
+Runs, in this order, (1) activation bytes per layer (:mod:`benchmarks.activation_bytes`),
+(2) time per layer (:mod:`benchmarks.layer_time`), (3) FLOPs (:mod:`benchmarks.flops`) and
+(4) training throughput under Lightning (:mod:`benchmarks.throughput`), then writes
+``report.md``, ``report.json``, ``activation_bytes.png`` and ``layer_time.png`` into ``--out``
+(default ``benchmarks/results``). If that directory already holds a ``report.json`` of the
+same mode, the key ratios of both runs are compared in the new report (reproducibility).
+
+``--smoke``: tiny shapes, one repeat, seconds (what ``tests/test_benchmarks.py`` runs); its
+numbers mean nothing. The full run takes about five minutes on two idle cores. Timings need an
+idle machine: every timed interval records how much of the CPUs other processes took, medians
+use the clean intervals, and the report shows the load (``--wait-idle`` waits for quiet first).
+
+Multi-rank measurements run in forked gloo ranks, one intra-op thread each; this process only
+orchestrates and never runs a multi-threaded kernel itself (fork safety).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning
+import torch
+
+from benchmarks import _cpu, activation_bytes, flops, layer_time, report, throughput
+
+SECTIONS = ("activation_bytes", "layer_time", "flops", "throughput")
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gb() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        return 0.0
+
+
+def _loadavg() -> str:
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """``(busy CPU seconds of the whole machine, CPU seconds of this process and its reaped
+    children)`` so far; their difference over a section is what other processes used."""
+    own = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        own += usage.ru_utime + usage.ru_stime
+    return _cpu.machine_busy_seconds(), own
+
+
+def wait_until_idle(max_seconds: float, window: float = 5.0) -> float:
+    """Wait (at most ``max_seconds``) for a ``window`` of seconds during which other processes
+    use less than :data:`benchmarks._cpu.CLEAN_SHARE` of the machine; returns the seconds
+    waited."""
+    start = time.time()
+    cores = os.cpu_count() or 1
+    while time.time() - start < max_seconds:
+        before = _cpu.machine_busy_seconds()
+        time.sleep(window)
+        if (_cpu.machine_busy_seconds() - before) / (window * cores) < _cpu.CLEAN_SHARE:
+            break
+    return time.time() - start
+
+
+def _previous_summary(out_dir: Path, smoke: bool) -> dict[str, float] | None:
+    path = out_dir / "report.json"
+    if not path.is_file():
+        return None
+    try:
+        previous = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if previous.get("meta", {}).get("smoke") != smoke:
+        return None
+    return previous.get("summary")
+
+
+def _run_sections(
+    only: list[str], shapes: dict[str, Any], smoke: bool, cache: str
+) -> tuple[dict[str, Any], dict[str, float], dict[str, float]]:
+    """Run the selected sections in order: ``(results, seconds, other processes' CPU share)``
+    per section."""
+    jobs: dict[str, Callable[[], dict[str, Any]]] = {
+        "activation_bytes": lambda: activation_bytes.run(shapes["bytes"]),
+        "layer_time": lambda: layer_time.run(shapes["layer"]),
+        "flops": lambda: flops.run(shapes["layer"], shapes["throughput"]),
+        "throughput": lambda: throughput.run(
+            shapes["throughput"], cache, peak_rounds=1 if smoke else 4
+        ),
+    }
+    results: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    foreign_share: dict[str, float] = {}
+    cores = os.cpu_count() or 1
+    for name in SECTIONS:
+        if name not in only:
+            continue
+        print(f"[benchmarks] {name} ...", file=sys.stderr, flush=True)
+        t0 = time.time()
+        busy0, own0 = _cpu_seconds()
+        results[name] = jobs[name]()
+        busy1, own1 = _cpu_seconds()
+        seconds[name] = time.time() - t0
+        foreign = max(0.0, (busy1 - busy0) - (own1 - own0))
+        foreign_share[name] = foreign / (seconds[name] * cores)
+        print(f"[benchmarks] {name} done in {seconds[name]:.1f} s", file=sys.stderr, flush=True)
+    return results, seconds, foreign_share
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmarks and write the report; returns the report dict."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.run", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, 1 repeat (seconds)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="first wait up to SECONDS for the machine to be idle (timings need an idle machine)",
+    )
+    parser.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {', '.join(SECTIONS)}",
+    )
+    args = parser.parse_args(argv)
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        parser.error(
+            f"--only: unknown section(s) {', '.join(unknown)}; valid: {', '.join(SECTIONS)}"
+        )
+    warnings.filterwarnings("ignore")
+    out_dir: Path = args.out
+    previous = _previous_summary(out_dir, args.smoke)
+    smoke = args.smoke
+    shapes = {
+        "bytes": activation_bytes.SMOKE if smoke else activation_bytes.FULL,
+        "layer": layer_time.SMOKE if smoke else layer_time.FULL,
+        "throughput": throughput.SMOKE if smoke else throughput.FULL,
+    }
+    waited = wait_until_idle(args.wait_idle) if args.wait_idle > 0 else 0.0
+    started = time.time()
+    loadavg_start = _loadavg()
+    with tempfile.TemporaryDirectory(prefix="benchmarks-data-") as cache:  # tokenized corpus
+        results, section_seconds, foreign_share = _run_sections(only, shapes, smoke, cache)
+    argv_used = sys.argv[1:] if argv is None else argv
+    meta = {
+        "command": " ".join(["python -m benchmarks.run", *argv_used]),
+        "argv": argv_used,
+        "smoke": smoke,
+        "started": datetime.datetime.fromtimestamp(started)
+        .astimezone()
+        .isoformat(timespec="seconds"),
+        "seconds": time.time() - started,
+        "waited_for_idle_seconds": waited,
+        "section_seconds": section_seconds,
+        "other_processes_cpu_share": foreign_share,
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "python": platform.python_version(),
+        "machine": {
+            "cpu": _cpu_name(),
+            "cores": os.cpu_count(),
+            "memory_gb": _memory_gb(),
+            "platform": platform.platform(),
+            "loadavg_start": loadavg_start,
+            "loadavg_end": _loadavg(),
+        },
+        "plots": [],
+    }
+    full: dict[str, Any] = {"meta": meta, **results}
+    full["summary"] = report.summarize(results)
+    if previous:
+        full["previous_run"] = report.compare(previous, full["summary"])
+    report.write(full, out_dir, report.notes(results))
+    print(f"[benchmarks] wrote {out_dir / 'report.md'}", file=sys.stderr)
+    return full
+
+
+if __name__ == "__main__":
+    main()
