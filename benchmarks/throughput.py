@@ -63,8 +63,7 @@ from lightning_sp.flops import (
     measure_peak_flops,
     model_flops_per_iteration,
 )
-from lightning_sp.module import lr_multiplier
-from lightning_sp.optim import build_adamw
+from lightning_sp.module import configure_adamw
 from lightning_sp.parallel.state import ParallelState
 
 TIMEOUT_SECONDS = 300.0
@@ -142,20 +141,8 @@ class DTensorGPTModule(L.LightningModule):
             loss.backward(*args, **kwargs)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        assert self.model is not None
-        cfg = self.optimizer_config
-        optimizer = build_adamw(
-            self.model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps
-        )
-        decay = cfg.decay_steps or max(self.trainer.max_steps, cfg.warmup_steps + 1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer,
-            lambda step: lr_multiplier(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, decay),
-        )
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
-        }
+        assert self.model is not None  # the same AdamW and schedule as GPTModule
+        return configure_adamw(self.model, self.optimizer_config, self.trainer.max_steps)
 
 
 def _rss_bytes() -> int:

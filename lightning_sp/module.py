@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from torchmetrics import MeanMetric
 from typing_extensions import override
@@ -73,6 +73,18 @@ def lr_multiplier(step: int, peak: float, floor: float, warmup: int, decay: int)
         return floor / peak
     progress = (step - warmup) / max(1, decay - warmup)
     return (floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))) / peak
+
+
+def configure_adamw(model: nn.Module, cfg: OptimizerConfig, max_steps: int) -> dict[str, Any]:
+    """``configure_optimizers``'s answer: AdamW (:func:`~lightning_sp.optim.build_adamw`) with
+    warm-up + cosine decay stepped every optimizer step."""
+    optimizer = build_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps)
+    decay = cfg.decay_steps or max(max_steps, cfg.warmup_steps + 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_multiplier(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, decay),
+    )
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 class GPTModule(LightningModule):
@@ -248,18 +260,8 @@ class GPTModule(LightningModule):
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
-        cfg = self.optimizer_config
         model = self.pipeline if self.pipeline is not None else self._require_model()
-        optimizer = build_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps)
-        decay = cfg.decay_steps or max(self.trainer.max_steps, cfg.warmup_steps + 1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer,
-            lambda step: lr_multiplier(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, decay),
-        )
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
-        }
+        return configure_adamw(model, self.optimizer_config, self.trainer.max_steps)
 
     @override
     def configure_gradient_clipping(
