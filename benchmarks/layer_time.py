@@ -56,8 +56,9 @@ class LayerShape:
     warmup: int = 2
     repeats: int = 21
     """Clean rounds wanted (the medians are over these)."""
-    max_tries: int = 2
-    """At most ``max_tries * repeats`` rounds, clean or not."""
+    max_tries: float = 1.5
+    """At most ``max_tries * repeats`` rounds, clean or not (bounds the time on a busy
+    machine)."""
 
 
 FULL = LayerShape()
@@ -126,7 +127,7 @@ def _worker(rank: int, world_size: int, shape: LayerShape) -> dict[str, Any]:
     # whole rounds until enough of them are clean (every decision depends only on all-reduced
     # values, so all ranks run the same iterations)
     rounds: list[dict[str, list[float]]] = []
-    while len(rounds) < shape.max_tries * shape.repeats:
+    while len(rounds) < max(shape.repeats, round(shape.max_tries * shape.repeats)):
         rounds.append({key: _iteration(*case) for key, case in cases.items()})
         if sum(_round_share(r) < _cpu.CLEAN_SHARE for r in rounds) >= shape.repeats:
             break

@@ -33,6 +33,9 @@ def _worker(
     )
     try:
         fn(rank, world_size, *args)
+        # every rank has finished its collectives before any tears down: a rank destroying its
+        # gloo group while a peer's last collective is in flight can abort the peer
+        dist.barrier()
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
