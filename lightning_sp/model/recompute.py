@@ -3,8 +3,9 @@
 ``recompute(fn, rng, *inputs)`` runs ``fn`` without building a graph, saves only its tensor
 inputs (through ``save_for_backward``, so saved-tensor hooks see exactly what is kept), and
 in backward re-runs ``fn`` with the dropout streams rewound to where they were, which replays
-identical masks. ``torch.utils.checkpoint`` keeps its inputs alive through a closure that
-saved-tensor hooks cannot see, so the bytes it holds could not be measured.
+identical masks. Being our own Function, what it keeps is exactly what ``save_for_backward``
+holds, which is what the saved-tensor measurement sees, and the dropout streams it rewinds are
+ours (not torch's global RNG).
 
 The policies built on it: ``selective`` wraps the attention core, ``full`` a whole layer.
 """
