@@ -364,6 +364,13 @@ class MegatronSPStrategy(ParallelStrategy):
         if self.is_global_zero:
             shutil.rmtree(filepath, ignore_errors=True)
 
+    @override
+    def teardown(self) -> None:
+        # no rank may leave while a peer's last collective is in flight: gloo aborts the peer
+        if _distributed_is_initialized():
+            dist.barrier()
+        super().teardown()
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
