@@ -14,9 +14,9 @@ from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
 import lightning_sp  # noqa: F401  (registers the "megatron_sp" strategy)
-from lightning_sp.data import TextDataModule
 from lightning_sp.errors import ConfigError
-from lightning_sp.module import GPTModule
+from lightning_sp.training.data import TextDataModule
+from lightning_sp.training.module import GPTModule
 
 
 def _default_loggers() -> list[dict]:
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] == "estimate":
-        from lightning_sp.planner import main as estimate
+        from lightning_sp.planner.estimate import main as estimate
 
         sys.exit(estimate(args[1:]))
     GPTCLI(GPTModule, TextDataModule, args=argv, save_config_kwargs={"overwrite": True})

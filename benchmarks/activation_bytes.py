@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from benchmarks import dtensor_gpt
 from benchmarks._spawn import run_ranks
 from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
-from lightning_sp.memory import activation_bytes_per_layer
+from lightning_sp.memory.formulas import activation_bytes_per_layer
 
 POLICIES = ("none", "selective", "full")
 IMPLEMENTATIONS = ("ours", "dtensor", "dtensor_native_dropout")

@@ -9,8 +9,8 @@ of ``none``. Counted:
 * one transformer layer at the layer-time shape, whole (t = 1) and one rank's shard at t = 2
   (a ``"fake"`` process group of two ranks);
 * one training iteration of the whole throughput model (t = 1), against
-  :func:`lightning_sp.flops.model_flops_per_iteration` and
-  :func:`lightning_sp.flops.hardware_flops_per_iteration`.
+  :func:`lightning_sp.memory.flops.model_flops_per_iteration` and
+  :func:`lightning_sp.memory.flops.hardware_flops_per_iteration`.
 
 The paper: selective recomputation redoes the attention core, ``4bs²h`` FLOPs, which is
 ``s/(6h + s)`` of a layer's forward ``24bsh² + 4bs²h``; full recomputation redoes the forward.
@@ -30,8 +30,8 @@ from benchmarks._spawn import run_ranks
 from benchmarks.layer_time import LayerShape, layer_config
 from benchmarks.throughput import ThroughputShape, model_config
 from lightning_sp import GPT, GPTConfig, ParallelState
-from lightning_sp.flops import hardware_flops_per_iteration, model_flops_per_iteration
-from lightning_sp.memory import fake_world
+from lightning_sp.memory.fake import fake_world
+from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
 
 POLICIES = ("none", "selective", "full")
 

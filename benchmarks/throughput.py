@@ -10,7 +10,7 @@ rank 1 run the whole benchmark; external launch avoids that and treats both stra
 
 Both runs: 2 CPU ranks (one intra-op thread each), tensor parallel t=2 with sequence
 parallelism, the same recompute policy, fp32, the same weights (the DTensor model loads our
-seeded initialisation), the same batches (:class:`lightning_sp.data.TextDataModule` over a
+seeded initialisation), the same batches (:class:`lightning_sp.training.data.TextDataModule` over a
 fixed sample of the standard library, byte-level), the same AdamW and learning-rate schedule.
 A callback times every training step (``on_train_batch_start`` -> ``on_train_batch_end``:
 forward, backward, gradient reductions, optimizer step, the slower rank's time) and what
@@ -19,9 +19,10 @@ other processes used of the machine meanwhile (:mod:`benchmarks._cpu`); a run st
 twice, in the order of :data:`ORDER` (ABBA), since the machine's speed drifts over tens of
 seconds even when it is idle; tokens/s is the global batch's tokens over the median of both
 runs' least disturbed steps; the ratio of the two has a 95% bootstrap confidence interval.
-MFU is the paper's model FLOPs per step (:func:`lightning_sp.flops.model_flops_per_iteration`)
-per second over the machine's peak: the sum over ranks of
-:func:`lightning_sp.flops.measure_peak_flops` (the best of a few rounds before and after the
+MFU is the paper's model FLOPs per step
+(:func:`lightning_sp.memory.flops.model_flops_per_iteration`) per second over the machine's
+peak: the sum over ranks of :func:`lightning_sp.memory.flops.measure_peak_flops` (the best of
+a few rounds before and after the
 training runs), measured in the same run with both ranks multiplying at once, one thread each,
 as in training.
 
@@ -57,14 +58,14 @@ from benchmarks import _cpu, dtensor_gpt
 from benchmarks._spawn import run_ranks
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, GPTModule, MegatronSPStrategy, OptimizerConfig
-from lightning_sp.data import TextDataModule
-from lightning_sp.flops import (
+from lightning_sp.memory.flops import (
     hardware_flops_per_iteration,
     measure_peak_flops,
     model_flops_per_iteration,
 )
-from lightning_sp.module import configure_adamw
 from lightning_sp.parallel.state import ParallelState
+from lightning_sp.training.data import TextDataModule
+from lightning_sp.training.module import configure_adamw
 
 TIMEOUT_SECONDS = 300.0
 STRATEGIES = ("ours", "lightning_model_parallel")

@@ -5,33 +5,38 @@ Models", MLSys 2023) for PyTorch Lightning.
 Importing the package registers the ``"megatron_sp"`` strategy with Lightning.
 """
 
-from lightning_sp.activations import (
+from lightning_sp.errors import ConfigError
+from lightning_sp.memory.saved import (
     ActivationReport,
     LiveActivationTracker,
     SavedTensorTracker,
     measure_saved_activations,
 )
-from lightning_sp.errors import ConfigError
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
-from lightning_sp.module import GPTModule, OptimizerConfig
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
-from lightning_sp.strategy import MegatronSPStrategy, register
+from lightning_sp.training.callbacks import ActivationMemoryMonitor, MFUMonitor
+from lightning_sp.training.data import TextDataModule
+from lightning_sp.training.module import GPTModule, OptimizerConfig
+from lightning_sp.training.strategy import MegatronSPStrategy, register
 
 register()
 
 __all__ = [
     "GPT",
+    "ActivationMemoryMonitor",
     "ActivationReport",
     "ConfigError",
     "GPTConfig",
     "GPTModule",
     "LiveActivationTracker",
+    "MFUMonitor",
     "MegatronSPStrategy",
     "OptimizerConfig",
     "ParallelState",
     "Pipeline",
     "SavedTensorTracker",
+    "TextDataModule",
     "measure_saved_activations",
 ]

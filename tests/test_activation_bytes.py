@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
-from lightning_sp.memory import activation_bytes_per_layer
+from lightning_sp.memory.formulas import activation_bytes_per_layer
 
 from spawn import run_distributed
 

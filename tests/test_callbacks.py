@@ -19,9 +19,9 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_sp import GPT, GPTConfig, ParallelState
-from lightning_sp.callbacks import ActivationMemoryMonitor, MFUMonitor
-from lightning_sp.flops import hardware_flops_per_iteration, model_flops_per_iteration
-from lightning_sp.memory import activation_bytes_per_layer
+from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
+from lightning_sp.memory.formulas import activation_bytes_per_layer
+from lightning_sp.training.callbacks import ActivationMemoryMonitor, MFUMonitor
 
 S, B, H, A, LAYERS, VOCAB = 64, 2, 64, 4, 2, 256
 STEPS = 3

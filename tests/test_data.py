@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_sp.data import BYTE_EOS_ID, TextDataModule
 from lightning_sp.errors import ConfigError
+from lightning_sp.training.data import BYTE_EOS_ID, TextDataModule
 
 EOS = BYTE_EOS_ID
 
@@ -179,7 +179,7 @@ def test_determinism(tmp_path: Path) -> None:
 
 
 def test_data_parallel_replicas_read_disjoint_samples(tmp_path: Path) -> None:
-    from lightning_sp.data import ResumableDistributedSampler
+    from lightning_sp.training.data import ResumableDistributedSampler
 
     dm = _module(tmp_path, paths=str(_corpus(tmp_path, n=8)), seq_length=16, batch_size=2)
     shards = [
@@ -195,7 +195,7 @@ def test_data_parallel_replicas_read_disjoint_samples(tmp_path: Path) -> None:
 
 
 def test_resumed_sampler_skips_consumed_samples_once(tmp_path: Path) -> None:
-    from lightning_sp.data import ResumableDistributedSampler
+    from lightning_sp.training.data import ResumableDistributedSampler
 
     dm = _module(tmp_path, paths=str(_corpus(tmp_path, n=8)), seq_length=16, batch_size=2)
     whole = list(ResumableDistributedSampler(dm.train_dataset, num_replicas=1, rank=0, seed=7))

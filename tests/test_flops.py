@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_sp import GPT, ConfigError, GPTConfig, ParallelState
-from lightning_sp.flops import (
+from lightning_sp.memory.flops import (
     forward_flops_per_iteration,
     hardware_flops_per_iteration,
     measure_peak_flops,

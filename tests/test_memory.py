@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
-from lightning_sp.memory import (
+from lightning_sp.memory.fake import fake_world, measure_activations
+from lightning_sp.memory.formulas import (
     MIXED_PRECISION_ADAM,
     TABLE2_ROWS,
     ModelStatePrecision,
@@ -23,13 +24,11 @@ from lightning_sp.memory import (
     chunk_forwards_in_flight,
     embedding_activation_bytes,
     extra_activation_bytes,
-    fake_world,
     figure7_percentages,
     first_stage_activation_bytes,
     interleave_factor,
     layer_parameter_count,
     layers_in_flight,
-    measure_activations,
     model_parameter_count,
     model_state_bytes,
     output_activation_bytes,

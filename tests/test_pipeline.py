@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 
 from lightning_sp import ConfigError, GPTConfig, ParallelState
-from lightning_sp.activations import UNTRACKED, LiveActivationTracker
-from lightning_sp.memory import (
+from lightning_sp.memory.formulas import (
     activation_bytes_per_layer,
     extra_activation_bytes,
     interleave_factor,
     layers_in_flight,
 )
+from lightning_sp.memory.saved import UNTRACKED, LiveActivationTracker
 from lightning_sp.parallel.grads import global_grad_norm
 from lightning_sp.pipeline import Pipeline, check_batch, check_pipeline, chunk_layer_ranges
 

@@ -22,13 +22,13 @@ import torch.distributed as dist
 import yaml
 
 from lightning_sp import ConfigError, GPTConfig
-from lightning_sp.memory import (
+from lightning_sp.memory.formulas import (
     FIGURE7_ROWS,
     TABLE2_SETTINGS,
     figure7_percentages,
     table2_bytes_per_layer,
 )
-from lightning_sp.planner import (
+from lightning_sp.planner.estimate import (
     JSON_KEYS,
     Estimate,
     estimate,

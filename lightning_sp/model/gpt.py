@@ -194,7 +194,7 @@ class GPT(nn.Module):
         if config.recompute == "auto":
             raise ConfigError(
                 "recompute='auto' must be resolved before the model is built "
-                "(lightning_sp.planner.resolve_recompute; GPTModule does it)"
+                "(lightning_sp.planner.estimate.resolve_recompute; GPTModule does it)"
             )
         self.config, self.state = config, state
         self.layer_range = layer_range if layer_range is not None else range(config.num_layers)

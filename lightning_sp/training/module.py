@@ -25,11 +25,11 @@ from typing_extensions import override
 from lightning_sp.errors import ConfigError
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
-from lightning_sp.optim import build_adamw
 from lightning_sp.parallel.grads import clip_grad_norm_
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline, check_batch
-from lightning_sp.strategy import MegatronSPStrategy
+from lightning_sp.training.optim import build_adamw
+from lightning_sp.training.strategy import MegatronSPStrategy
 
 
 @dataclass
@@ -76,8 +76,9 @@ def lr_multiplier(step: int, peak: float, floor: float, warmup: int, decay: int)
 
 
 def configure_adamw(model: nn.Module, cfg: OptimizerConfig, max_steps: int) -> dict[str, Any]:
-    """``configure_optimizers``'s answer: AdamW (:func:`~lightning_sp.optim.build_adamw`) with
-    warm-up + cosine decay stepped every optimizer step."""
+    """``configure_optimizers``'s answer: AdamW
+    (:func:`~lightning_sp.training.optim.build_adamw`) with warm-up + cosine decay stepped every
+    optimizer step."""
     optimizer = build_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps)
     decay = cfg.decay_steps or max(max_steps, cfg.warmup_steps + 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -167,7 +168,7 @@ class GPTModule(LightningModule):
 
     def _resolve_auto_recompute(self, config: GPTConfig, state: ParallelState) -> GPTConfig:
         """Pick the least recomputation that fits this device (the memory planner)."""
-        from lightning_sp.planner import DEFAULT_DEVICE_BYTES, resolve_recompute
+        from lightning_sp.planner.estimate import DEFAULT_DEVICE_BYTES, resolve_recompute
 
         strategy = self._trainer.strategy if self._trainer is not None else None
         microbatches = getattr(strategy, "num_microbatches", 1)

@@ -21,9 +21,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_sp.activations import ActivationReport, LiveActivationTracker, SavedTensorTracker
-from lightning_sp.flops import hardware_flops_per_iteration, model_flops_per_iteration, peak_flops
-from lightning_sp.memory import activation_bytes_per_layer, layers_in_flight
+from lightning_sp.memory.flops import (
+    hardware_flops_per_iteration,
+    model_flops_per_iteration,
+    peak_flops,
+)
+from lightning_sp.memory.formulas import activation_bytes_per_layer, layers_in_flight
+from lightning_sp.memory.saved import ActivationReport, LiveActivationTracker, SavedTensorTracker
 from lightning_sp.model.gpt import GPT
 from lightning_sp.pipeline import Pipeline
 
@@ -72,7 +76,7 @@ class ActivationMemoryMonitor(Callback):
     the paper's Table 2.
 
     On a due step (``trainer.global_step % log_every_n_steps == 0``) a
-    :class:`~lightning_sp.activations.SavedTensorTracker` is entered in
+    :class:`~lightning_sp.memory.saved.SavedTensorTracker` is entered in
     ``on_train_batch_start`` and left in ``on_before_backward``, so exactly the tensors the
     forward saves are counted, not what recomputation materialises during backward. The
     tracker is always left: in ``on_before_backward``, else in ``on_train_batch_end`` (a
@@ -283,7 +287,7 @@ class MFUMonitor(Callback):
     neither the progress bar nor ``trainer.callback_metrics``) and times from
     ``on_train_start``, so data loading counts as step time. Here two ``Throughput`` windows
     share the same timings, one fed model FLOPs and one hardware FLOPs (from
-    :mod:`lightning_sp.flops`), and the results are logged with ``pl_module.log``.
+    :mod:`lightning_sp.memory.flops`), and the results are logged with ``pl_module.log``.
 
     Timing: ``time.perf_counter()`` at ``on_train_batch_start`` and ``on_train_batch_end``
     (after ``torch.cuda.synchronize()`` on CUDA), so a step is forward, backward and
@@ -294,8 +298,8 @@ class MFUMonitor(Callback):
 
     FLOPs of a step: the global batch is ``b · gpt.state.data_parallel_size`` sequences of
     the batch's ``s`` tokens; each of the ``t·p·d`` devices does ``1/(t·p·d)`` of
-    :func:`~lightning_sp.flops.model_flops_per_iteration` (MFU) or
-    :func:`~lightning_sp.flops.hardware_flops_per_iteration` (HFU, adds what the recompute
+    :func:`~lightning_sp.memory.flops.model_flops_per_iteration` (MFU) or
+    :func:`~lightning_sp.memory.flops.hardware_flops_per_iteration` (HFU, adds what the recompute
     policy re-executes). Tokens per step are ``global batch · s``.
 
     Logged every ``log_every_n_steps`` steps once the window is full, in the progress bar:
@@ -307,7 +311,7 @@ class MFUMonitor(Callback):
     * ``throughput/hfu``: hardware FLOP/s per device / peak FLOP/s of a device (>= mfu)
 
     ``peak_flops_per_device=None`` resolves the peak once, at the first ``on_train_start``,
-    with :func:`~lightning_sp.flops.peak_flops` for the device and compute dtype (the
+    with :func:`~lightning_sp.memory.flops.peak_flops` for the device and compute dtype (the
     parameters' dtype, or bf16 / fp16 under a ``*-mixed`` precision): Lightning's datasheet
     value on GPUs (A100 bf16: 312e12), a measured matmul rate on CPU (every rank measures,
     rank zero's value is broadcast). The resolved value is kept in ``peak_flops_per_device``;

@@ -2,8 +2,9 @@
 
 It reads a ``fit`` config (the YAML a training run is launched with), checks that its sizes
 divide, measures the activation bytes of one rank's shard of the real model under fake tensors
-and a fake process group of the full world size (:func:`lightning_sp.memory.measure_activations`),
-and sets them, with the paper's formulas alongside, against the device memory:
+and a fake process group of the full world size
+(:func:`lightning_sp.memory.fake.measure_activations`), and sets them, with the paper's
+formulas alongside, against the device memory:
 
 * per transformer layer, measured and by formula, for sequence parallelism on and off and
   each recompute policy;
@@ -11,7 +12,7 @@ and sets them, with the paper's formulas alongside, against the device memory:
   ``1 + (p-1)/(p·m)`` interleaved) + the §4.5 extras (embedding dropout masks; with ``p = 1``
   also the final LayerNorm, output layer and loss), all measured;
 * parameters + gradients + optimizer state per rank (18 bytes per parameter, see
-  :class:`lightning_sp.memory.ModelStatePrecision`).
+  :class:`lightning_sp.memory.formulas.ModelStatePrecision`).
 
 ``total = model state + first-stage activations``; it leaves out the CUDA context, library
 workspaces, allocator fragmentation and transient buffers (all-gathered inputs, gradients in
@@ -36,17 +37,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_sp.errors import ConfigError, divisors
-from lightning_sp.memory import (
+from lightning_sp.memory.fake import ActivationMeasurement, measure_activations
+from lightning_sp.memory.formulas import (
     FIGURE7_ROWS,
     MIXED_PRECISION_ADAM,
     TABLE2_SETTINGS,
-    ActivationMeasurement,
     ModelStatePrecision,
     activation_bytes_per_layer,
     chunk_forwards_in_flight,
     extra_activation_bytes,
     layers_in_flight,
-    measure_activations,
     model_parameter_count,
     model_state_bytes,
     parameters_per_rank,
@@ -240,7 +240,7 @@ def layout_from_dict(raw: dict[str, Any], source: str = "<config>") -> TrainingL
     strategy_raw = trainer.get("strategy")
     strategy = _section(raw, "trainer", "strategy") if isinstance(strategy_raw, dict) else {}
     strategy_defaults = _defaults(
-        "lightning_sp.strategy.MegatronSPStrategy",
+        "lightning_sp.training.strategy.MegatronSPStrategy",
         (
             "tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size",
             "sequence_parallel", "num_microbatches",
@@ -251,7 +251,8 @@ def layout_from_dict(raw: dict[str, Any], source: str = "<config>") -> TrainingL
         },
     )  # fmt: skip
     strategy = {**strategy_defaults, **strategy}
-    data = {**_defaults("lightning_sp.data.TextDataModule", ("batch_size",), {"batch_size": 8})}
+    data_cls = "lightning_sp.training.data.TextDataModule"
+    data = _defaults(data_cls, ("batch_size",), {"batch_size": 8})
     data.update(_section(raw, "data"))
     model = _section(raw, "model", "config")
     known = {f.name for f in dataclasses.fields(GPTConfig)}
@@ -326,7 +327,7 @@ class EstimateRow:
     ``full`` row: the mean over a model chunk's layers."""
 
     formula_bytes_per_layer: int
-    """Table 2, generalised (:func:`lightning_sp.memory.activation_bytes_per_layer`)."""
+    """Table 2, generalised (:func:`lightning_sp.memory.formulas.activation_bytes_per_layer`)."""
 
     first_stage_activation_bytes: int
     """Per layer × layers in flight (eq. 5, interleaving) + the §4.5 extras, measured."""

@@ -1,0 +1,1 @@
+"""The memory planner: ``cli.py estimate`` and ``recompute: auto``."""
