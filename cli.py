@@ -1,7 +1,9 @@
 """Command line: ``python cli.py fit --config configs/tiny.yaml``.
 
 Subcommands ``fit``, ``validate``, ``test`` come from Lightning's ``LightningCLI``;
-``estimate`` is the activation-memory planner (``python cli.py estimate --config ...``).
+``estimate`` is the activation-memory planner: it takes exactly ``fit``'s arguments
+(``python cli.py estimate --config configs/gpt175b.yaml --trainer.num_nodes 16``) plus its own
+(``--format json``, ``--plot FILE``, ``--device_memory 80GB``; see ``estimate --help``).
 ``python cli.py fit --help`` documents every option; ``--print_config`` shows a full config.
 """
 
@@ -15,6 +17,7 @@ from typing_extensions import override
 
 import lightning_sp  # noqa: F401  (registers the "megatron_sp" strategy)
 from lightning_sp.errors import ConfigError
+from lightning_sp.planner.layout import FitLayoutCLI
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.module import GPTModule
 
@@ -43,15 +46,26 @@ class GPTCLI(LightningCLI):
         parser.set_defaults({"trainer.logger": _default_loggers()})
 
 
+class EstimateCLI(FitLayoutCLI, GPTCLI):
+    """``estimate``: ``fit``'s parser plus the planner's options; builds no Trainer."""
+
+
+def read_estimate_args(args: list[str]) -> EstimateCLI:
+    """Parse an ``estimate`` command line (everything after ``estimate``)."""
+    return EstimateCLI(
+        GPTModule, TextDataModule, args=args, run=False, load_from_checkpoint_support=False
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run a subcommand; ``argv`` defaults to the command line."""
     # the config dataclasses document each field in a docstring under it: show those in --help
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] == "estimate":
-        from lightning_sp.planner.estimate import main as estimate
+        from lightning_sp.planner.report import main as estimate
 
-        sys.exit(estimate(args[1:]))
+        sys.exit(estimate(read_estimate_args, args[1:]))
     GPTCLI(GPTModule, TextDataModule, args=argv, save_config_kwargs={"overwrite": True})
 
 

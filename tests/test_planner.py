@@ -9,13 +9,14 @@ size that does not divide is a one-line ``ConfigError`` naming the field and val
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import functools
 import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -28,18 +29,17 @@ from lightning_sp.memory.formulas import (
     figure7_percentages,
     table2_bytes_per_layer,
 )
-from lightning_sp.planner.estimate import (
-    JSON_KEYS,
-    Estimate,
-    estimate,
-    layout_from_dict,
-    main,
-    parse_bytes,
-    read_layout,
-    resolve_recompute,
-)
+from lightning_sp.planner.estimate import Estimate, estimate, resolve_recompute
+from lightning_sp.planner.layout import Layout, parse_bytes
+from lightning_sp.planner.report import JSON_KEYS
+from lightning_sp.planner.report import main as report_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # cli.py is a script at the repository root
+    sys.path.insert(0, ROOT)
+
+from cli import read_estimate_args  # noqa: E402
+
 CONFIGS = {
     name: os.path.join(ROOT, "configs", f"{name}.yaml")
     for name in ("gpt22b", "gpt175b", "gpt530b", "gpt1t")
@@ -53,10 +53,20 @@ TABLE3 = {
 }
 
 
+def read_layout(name: str, *overrides: str) -> Layout:
+    """The layout of ``configs/<name>.yaml`` with ``fit`` overrides, read by the CLI's parser."""
+    return read_estimate_args(["--config", CONFIGS[name], *overrides]).layout
+
+
+def main(argv: list[str]) -> int:
+    """``python cli.py estimate ARGV`` in this process; the exit status."""
+    return report_main(read_estimate_args, argv)
+
+
 @functools.cache
 def measured(name: str) -> Estimate:
     """One traced layer per (sequence_parallel, recompute), shared by the tests below."""
-    return estimate(read_layout(CONFIGS[name]), layers=1)
+    return estimate(read_layout(name), layers=1)
 
 
 def _raw(name: str = "gpt175b") -> dict:
@@ -66,7 +76,7 @@ def _raw(name: str = "gpt175b") -> dict:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_configs_are_table3(name: str) -> None:
-    layout = read_layout(CONFIGS[name])
+    layout = read_layout(name)
     cfg = layout.config
     heads, hidden, layers, t, p, gpus, global_batch, micro, m = TABLE3[name]
     assert (cfg.num_heads, cfg.hidden_size, cfg.num_layers) == (heads, hidden, layers)
@@ -137,14 +147,14 @@ def test_estimate_cli_subprocess_table() -> None:
         pytest.skip("cli.py not present")
     command = [sys.executable, cli, "estimate", "--config", CONFIGS["gpt175b"]]
     proc = subprocess.run(
-        [*command, "--device-memory", "80GB"], capture_output=True, text=True, timeout=120, cwd=ROOT
+        [*command, "--device_memory", "80GB"], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert proc.returncode == 0, proc.stderr
     assert "34sbh/t" in proc.stdout and "Figure 7" in proc.stdout
     assert "configured: SP + selective" in proc.stdout and "fits" in proc.stdout
 
 
-def test_plot_writes_png(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_plot_writes_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib (pip install .[plot])")
     out = tmp_path / "ladder.png"
     assert main(["--config", CONFIGS["gpt22b"], "--format", "json", "--plot", str(out)]) == 0
@@ -152,15 +162,15 @@ def test_plot_writes_png(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert out.stat().st_size > 10_000
 
 
-def _auto(name: str = "gpt175b", sequence_parallel: bool = True) -> dict:
-    raw = _raw(name)
-    raw["model"]["config"]["recompute"] = "auto"
-    raw["trainer"]["strategy"]["init_args"]["sequence_parallel"] = sequence_parallel
-    return raw
+def _auto(sequence_parallel: bool = True) -> Layout:
+    sp = str(sequence_parallel).lower()
+    return read_layout(
+        "gpt175b", "--model.config.recompute", "auto", "--trainer.strategy.sequence_parallel", sp
+    )
 
 
 def test_auto_picks_the_least_recomputation_that_fits() -> None:
-    layout = layout_from_dict(_auto())
+    layout = _auto()
     # SP on: selective fits in 80 GB (none does not)
     choice = estimate(layout, 80e9).choice
     assert choice is not None and (choice.recompute, choice.recompute_num_layers) == (
@@ -170,7 +180,7 @@ def test_auto_picks_the_least_recomputation_that_fits() -> None:
     choice = estimate(layout, 200e9).choice
     assert choice is not None and choice.recompute == "none"
     # TP only in 80 GB: selective (91.6 GB) does not fit; full on 2 of each chunk's 4 layers does
-    result = estimate(layout_from_dict(_auto(sequence_parallel=False)), 80e9)
+    result = estimate(_auto(sequence_parallel=False), 80e9)
     assert result.choice is not None
     assert (result.choice.recompute, result.choice.recompute_num_layers) == ("full", 2)
     assert result.choice.fits and result.choice.measured
@@ -214,61 +224,88 @@ def test_parse_device_memory() -> None:
     assert parse_bytes("81920MiB") == 80 * 2**30
 
 
-def _set(raw: dict, dotted: str, value: object) -> dict:
-    raw = copy.deepcopy(raw)
-    node = raw
-    *path, last = dotted.split(".")
-    for key in path:
-        node = node[key]
-    node[last] = value
-    return raw
-
-
-STRATEGY = "trainer.strategy.init_args"
-BAD = [  # (overrides of gpt175b.yaml, fragments the one-line message must contain)
-    ({"model.config.num_heads": 12}, ["num_heads=12", "tensor_parallel_size=8"]),
+STRATEGY = "--trainer.strategy.init_args"
+BAD = [  # (fit overrides of gpt175b.yaml, fragments the one-line message must contain)
+    (["--model.config.num_heads", "12"], ["num_heads=12", "tensor_parallel_size=8"]),
     (
-        {"model.config.hidden_size": 12300, "model.config.num_heads": 12},
+        ["--model.config.hidden_size", "12300", "--model.config.num_heads", "12"],
         ["hidden_size=12300", "tensor_parallel_size=8"],
     ),
-    ({"model.config.num_layers": 100}, ["num_layers=100", "pipeline_parallel_size=8"]),
-    ({"model.config.num_layers": 104}, ["num_layers=104", "virtual_pipeline_size = 8 * 3 = 24"]),
-    ({"trainer.num_nodes": 7}, ["trainer.num_nodes=7", "56 GPUs", "t * p"]),
-    ({f"{STRATEGY}.tensor_parallel_size": 16}, ["tensor_parallel_size", "16"]),
-    ({"data.batch_size": 60}, ["data.batch_size=60", "num_microbatches=64"]),
+    (["--model.config.num_layers", "100"], ["num_layers=100", "pipeline_parallel_size=8"]),
+    (["--model.config.num_layers", "104"], ["num_layers=104", "= 8 * 3 = 24"]),
+    (["--trainer.num_nodes", "7"], ["trainer.num_nodes=7", "56 GPUs", "t * p"]),
+    ([f"{STRATEGY}.tensor_parallel_size", "16"], ["tensor_parallel_size", "16"]),
+    (["--data.batch_size", "60"], ["data.batch_size=60", "num_microbatches=64"]),
     (
-        {f"{STRATEGY}.num_microbatches": 4, "data.batch_size": 4},
+        [f"{STRATEGY}.num_microbatches", "4", "--data.batch_size", "4"],
         ["num_microbatches=4", "pipeline_parallel_size=8"],
     ),
-    ({f"{STRATEGY}.virtual_pipeline_size": 0}, ["virtual_pipeline_size=0", "positive"]),
-    ({"model.config.recompute": "some"}, ["recompute='some'", "auto"]),
-    ({"model.config.hiden_size": 1}, ["model.config.hiden_size=1", "not a GPTConfig field"]),
-    ({"trainer.devices": "auto"}, ["trainer.devices='auto'"]),
+    ([f"{STRATEGY}.virtual_pipeline_size", "0"], ["virtual_pipeline_size=0", "positive"]),
+    (["--trainer.devices", "auto"], ["trainer.devices='auto'"]),
+    (["--layers", "0"], ["--layers=0", "positive"]),
+    (["--device_memory", "lots"], ["--device_memory='lots'", "80GiB"]),
 ]
 
 
-@pytest.mark.parametrize(
-    ("overrides", "fragments"),
-    BAD,
-    ids=[",".join(f"{k}={v}" for k, v in o.items()) for o, _ in BAD],
-)
-def test_config_errors_are_one_line(overrides: dict[str, object], fragments: list[str]) -> None:
-    raw = _raw()
-    for key, value in overrides.items():
-        raw = _set(raw, key, value)
+@pytest.mark.parametrize(("overrides", "fragments"), BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_config_errors_are_one_line(overrides: list[str], fragments: list[str]) -> None:
     with pytest.raises(ConfigError) as info:
-        layout_from_dict(raw)
+        read_estimate_args(["--config", CONFIGS["gpt175b"], *overrides])
     message = str(info.value)
     assert "\n" not in message
     for fragment in fragments:
         assert fragment in message, message
 
 
-def test_config_error_from_main(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    "overrides",
+    [["--model.config.recompute", "some"], ["--model.config.hiden_size", "1"]],
+    ids=["recompute", "unknown-field"],
+)
+def test_the_fit_parser_rejects_what_fit_rejects(
+    overrides: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Types and field names are ``fit``'s parser's to check: it names the key and exits 2."""
+    with pytest.raises(SystemExit) as info:
+        main(["--config", CONFIGS["gpt175b"], *overrides])
+    assert info.value.code == 2
+    assert overrides[0].lstrip("-") in capsys.readouterr().err
+
+
+def test_fit_overrides_change_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    """``estimate`` takes ``fit``'s overrides: twice the nodes is twice the data-parallel
+    replicas and the global batch (per-GPU memory is per replica), a larger ``data.batch_size``
+    a larger micro-batch and so more activations, and SP off more activations again."""
+    base = read_layout("gpt175b")
+    wide = read_layout("gpt175b", "--trainer.num_nodes", "16")
+    assert (base.world_size, base.data_parallel_size, base.global_batch_size) == (64, 1, 64)
+    assert (wide.world_size, wide.data_parallel_size, wide.global_batch_size) == (128, 2, 128)
+    assert dataclasses.replace(wide, data_parallel_size=1) == base
+    assert main(["--config", CONFIGS["gpt175b"], "--trainer.num_nodes", "16"]) == 0
+    table = capsys.readouterr().out
+    assert "d=2 on 128 GPUs" in table and "global batch 128" in table
+    first = estimate(base, measure=False).row(True, "selective")
+    b2 = estimate(read_layout("gpt175b", "--data.batch_size", "128"), measure=False)
+    assert b2.layout.micro_batch_size == 2
+    assert b2.row(True, "selective").first_stage_activation_bytes == pytest.approx(
+        2 * first.first_stage_activation_bytes, rel=1e-9
+    )
+    tp_only = read_layout("gpt175b", f"{STRATEGY}.sequence_parallel", "false")
+    assert not tp_only.sequence_parallel and base.sequence_parallel
+    tp_rows = estimate(tp_only, measure=False)
+    assert [(r.sequence_parallel, r.recompute) for r in tp_rows.rows if r.selected] == [
+        (False, "selective")
+    ]
+
+
+def test_config_error_from_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    raw = _raw("gpt530b")
+    raw["model"]["config"]["num_layers"] = 100
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(_set(_raw("gpt530b"), "model.config.num_layers", 100)))
+    bad.write_text(yaml.safe_dump(raw))
     assert main(["--config", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("error: num_layers=100")
-    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
-    assert "cannot be read" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # the fit parser's own message
+        main(["--config", str(tmp_path / "missing.yaml")])
+    assert info.value.code == 2 and "missing.yaml" in capsys.readouterr().err

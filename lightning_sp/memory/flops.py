@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from lightning_sp.errors import ConfigError
+from lightning_sp.errors import ConfigError, positive_int
 from lightning_sp.model.config import RECOMPUTE_POLICIES, GPTConfig
 
 __all__ = [
@@ -36,8 +36,7 @@ __all__ = [
 
 
 def _check_batch(global_batch_size: int) -> None:
-    if not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ConfigError(f"global_batch_size={global_batch_size!r} must be a positive integer")
+    positive_int("global_batch_size", global_batch_size)
 
 
 def _layer_forward_flops(config: GPTConfig, batch_size: int) -> tuple[int, int]:
@@ -128,8 +127,7 @@ def measure_peak_flops(
     (CPUs), so MFU there means "fraction of what a large square matmul achieves".
     Returns a positive finite number.
     """
-    if not isinstance(size, int) or size < 1:
-        raise ValueError(f"size={size!r} must be a positive integer")
+    positive_int("size", size)
     if not seconds > 0:
         raise ValueError(f"seconds={seconds!r} must be positive")
     device = torch.device(device)

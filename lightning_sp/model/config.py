@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_sp.errors import ConfigError, divisors
+from lightning_sp.errors import ConfigError, divisors, positive_int
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 Recompute = Literal["none", "selective", "full", "auto"]
@@ -98,9 +98,7 @@ class GPTConfig:
         """Raise :class:`ConfigError` (one line: field, value, what is valid) on a bad config."""
         t = tensor_parallel_size
         for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
+            positive_int(name, getattr(self, name))
         if self.recompute not in (*RECOMPUTE_POLICIES, "auto"):
             raise ConfigError(
                 f"recompute={self.recompute!r} is not a recompute policy; "

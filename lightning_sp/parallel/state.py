@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_sp.errors import ConfigError, divisors
+from lightning_sp.errors import ConfigError, divisors, positive_int
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -26,8 +26,7 @@ def check_layout(world_size: int, tensor_parallel_size: int, pipeline_parallel_s
         ("tensor_parallel_size", tensor_parallel_size),
         ("pipeline_parallel_size", pipeline_parallel_size),
     ):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}={value!r} must be a positive integer")
+        positive_int(name, value)
     model_parallel = tensor_parallel_size * pipeline_parallel_size
     if world_size % model_parallel:
         raise ConfigError(

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
-from lightning_sp.errors import ConfigError, divisors
+from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel import grads as grad_utils
@@ -46,11 +46,6 @@ SCHEDULES = ("auto", "1f1b", "interleaved")
 
 
 # -- configuration checks -----------------------------------------------------------------------
-
-
-def _positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name}={value!r} must be a positive integer")
 
 
 def check_pipeline_schedule(
@@ -70,9 +65,9 @@ def check_pipeline_schedule(
     micro-batches in flight than the paper's factor).
     """
     p, m, n = pipeline_parallel_size, virtual_pipeline_size, num_microbatches
-    _positive_int("pipeline_parallel_size", p)
-    _positive_int("virtual_pipeline_size", m)
-    _positive_int("num_microbatches", n)
+    positive_int("pipeline_parallel_size", p)
+    positive_int("virtual_pipeline_size", m)
+    positive_int("num_microbatches", n)
     if schedule not in SCHEDULES:
         raise ConfigError(f"schedule={schedule!r} is not a schedule; valid: {', '.join(SCHEDULES)}")
     if m > 1 and p == 1:
@@ -129,9 +124,9 @@ def check_pipeline(
 def check_batch(global_batch_size: int, num_microbatches: int, data_parallel_size: int = 1) -> int:
     """The micro-batch size of a global batch split over ``data_parallel_size`` replicas and
     ``num_microbatches`` micro-batches; :class:`ConfigError` unless it divides evenly."""
-    _positive_int("global_batch_size", global_batch_size)
-    _positive_int("num_microbatches", num_microbatches)
-    _positive_int("data_parallel_size", data_parallel_size)
+    positive_int("global_batch_size", global_batch_size)
+    positive_int("num_microbatches", num_microbatches)
+    positive_int("data_parallel_size", data_parallel_size)
     split = num_microbatches * data_parallel_size
     if global_batch_size % split:
         raise ConfigError(

@@ -21,6 +21,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_sp.errors import positive_int
 from lightning_sp.memory.flops import (
     hardware_flops_per_iteration,
     model_flops_per_iteration,
@@ -66,9 +67,7 @@ def _batch_shape(batch: Any) -> tuple[int, int]:
 
 
 def _check_every(log_every_n_steps: int) -> int:
-    if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
-        raise ValueError(f"log_every_n_steps={log_every_n_steps!r} must be a positive integer")
-    return log_every_n_steps
+    return positive_int("log_every_n_steps", log_every_n_steps)
 
 
 class ActivationMemoryMonitor(Callback):

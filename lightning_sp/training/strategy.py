@@ -45,7 +45,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sp.errors import ConfigError
+from lightning_sp.errors import ConfigError, positive_int
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState, check_layout
 from lightning_sp.pipeline import Pipeline, check_pipeline_schedule
@@ -112,8 +112,7 @@ class MegatronSPStrategy(ParallelStrategy):
             ("num_microbatches", num_microbatches),
             ("virtual_pipeline_size", virtual_pipeline_size),
         ):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
+            positive_int(name, value)
         if start_method not in ("popen", "spawn"):
             raise ConfigError(f"start_method={start_method!r} is not one of popen, spawn")
         if num_microbatches > 1 and pipeline_parallel_size == 1:

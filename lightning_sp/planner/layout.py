@@ -1,0 +1,318 @@
+"""The training layout the planner estimates, and how ``cli.py estimate`` reads it.
+
+:class:`Layout` is the record the pure estimate takes: the model config and how one training
+step is laid out over ranks. The runtime (``recompute: auto`` in ``GPTModule``) builds it from
+the running strategy's sizes; ``cli.py estimate`` builds it from a ``fit`` command line.
+
+:class:`FitLayoutCLI` reads that command line through the CLI's own parser: mixed in before
+the project's ``LightningCLI`` subclass it parses exactly what ``fit`` parses (``--config``
+files, every ``--trainer.*``/``--model.*``/``--data.*`` override, the same defaults and
+links), adds the planner's options, and instantiates the model and the strategy (cheap: no
+weights, no process group) but never the ``Trainer`` (its accelerator may be a GPU this
+machine lacks) nor the data module (its files may live on the cluster only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from jsonargparse import Namespace
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
+from typing_extensions import override
+
+from lightning_sp.errors import ConfigError, divisors, positive_int
+from lightning_sp.model.config import GPTConfig
+from lightning_sp.parallel.state import check_layout
+from lightning_sp.pipeline import check_pipeline
+
+DEFAULT_DEVICE_BYTES = 80e9
+"""An A100 80GB, in bytes."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One training step laid out over ranks: what the memory of the most loaded rank
+    depends on."""
+
+    config: GPTConfig
+    """The model; its ``sequence_parallel`` is the strategy's and its ``recompute`` is as
+    configured (``auto`` included)."""
+
+    tensor_parallel_size: int = 1
+    """t."""
+
+    pipeline_parallel_size: int = 1
+    """p."""
+
+    virtual_pipeline_size: int = 1
+    """m, model chunks per pipeline rank; ``> 1`` is the interleaved schedule."""
+
+    num_microbatches: int = 1
+    """Micro-batches per optimizer step."""
+
+    micro_batch_size: int = 1
+    """b, samples per micro-batch."""
+
+    data_parallel_size: int = 1
+    """d = world / (t·p)."""
+
+    source: str = "<layout>"
+    """Where the layout was read from, for messages."""
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.config.sequence_parallel
+
+    @property
+    def recompute(self) -> str:
+        """The recompute policy as configured (``auto`` included)."""
+        return self.config.recompute
+
+    @property
+    def world_size(self) -> int:
+        """GPUs: t·p·d."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks."""
+        return self.micro_batch_size * self.num_microbatches * self.data_parallel_size
+
+    @property
+    def layers_per_chunk(self) -> int:
+        """``L / (p·m)``: layers of one model chunk (one pipeline stage when ``m = 1``)."""
+        return self.config.num_layers // (self.pipeline_parallel_size * self.virtual_pipeline_size)
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` (one line: field, value, what is valid) unless the sizes
+        are positive and divide: heads, hidden and FFN width by t, layers by p and by p·m,
+        and, interleaved, micro-batches ≥ p."""
+        for name in (
+            "tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size",
+            "num_microbatches", "micro_batch_size", "data_parallel_size",
+        ):  # fmt: skip
+            positive_int(name, getattr(self, name))
+        t, p = self.tensor_parallel_size, self.pipeline_parallel_size
+        self.config.validate(t)
+        layers = self.config.num_layers
+        if layers % p:
+            raise ConfigError(
+                f"num_layers={layers} is not divisible by pipeline_parallel_size={p} (layers per "
+                f"stage); pipeline_parallel_size must be one of {divisors(layers)}"
+            )
+        check_pipeline(layers, p, self.virtual_pipeline_size, self.num_microbatches)
+
+    def with_policy(
+        self, sequence_parallel: bool, recompute: str, recompute_num_layers: int | None = None
+    ) -> GPTConfig:
+        """The model config for one ``(sequence_parallel, recompute)`` combination."""
+        return dataclasses.replace(
+            self.config,
+            sequence_parallel=sequence_parallel,
+            recompute=recompute,  # type: ignore[arg-type]
+            recompute_num_layers=recompute_num_layers,
+        )
+
+
+# -- the estimate command's options -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """What ``estimate`` does with a layout, besides the layout itself."""
+
+    device_bytes: float = DEFAULT_DEVICE_BYTES
+    """Memory per GPU the estimate is set against."""
+
+    format: str = "table"
+    """``table`` or ``json``."""
+
+    plot: str | None = None
+    """Where to draw the memory ladder (Figure 7), if anywhere."""
+
+    layers: int = 1
+    """Transformer layers traced per combination."""
+
+    measure: bool = True
+    """Trace under fake tensors (else: formulas only)."""
+
+
+def parse_bytes(text: str) -> float:
+    """``"80e9"``, ``"80GB"``, ``"80 GiB"``, ``"81920MiB"``, ``"80G"`` -> bytes (G = GB = 10⁹,
+    GiB = 2³⁰); :class:`ConfigError` otherwise."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]?)(i?)B?\s*", text)
+    if match is None:
+        raise ConfigError(f"--device_memory={text!r} is not a size; use e.g. 80GB, 80GiB or 80e9")
+    number, prefix, binary = match.groups()
+    power = "_KMGT".index(prefix) if prefix else 0
+    value = float(number) * (1024 if binary else 1000) ** power
+    if value <= 0:
+        raise ConfigError(f"--device_memory={text!r} must be positive")
+    return value
+
+
+def add_planner_arguments(parser: LightningArgumentParser) -> None:
+    """The options ``estimate`` adds to ``fit``'s."""
+    parser.add_argument(
+        "--device_memory",
+        type=str,
+        default="80GB",
+        help="memory per GPU: bytes, or 80GB / 80GiB style (default 80GB = 80e9 bytes)",
+    )
+    parser.add_argument("--format", type=str, choices=("table", "json"), default="table")
+    parser.add_argument(
+        "--plot", type=str | None, default=None, help="draw the memory ladder (Figure 7) here"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=1, help="transformer layers traced per combination"
+    )
+    parser.add_argument(
+        "--formula_only", type=bool, default=False, help="skip the measurement; formulas only"
+    )
+
+
+def planner_options(parsed: Namespace) -> PlannerOptions:
+    """:class:`PlannerOptions` from the parsed ``estimate`` command line."""
+    return PlannerOptions(
+        device_bytes=parse_bytes(parsed.device_memory),
+        format=parsed.format,
+        plot=parsed.plot,
+        layers=positive_int("--layers", parsed.layers),
+        measure=not parsed.formula_only,
+    )
+
+
+# -- reading a fit command line -----------------------------------------------------------------
+
+
+def _devices(value: Any) -> int:
+    """``trainer.devices`` as a count of GPUs per node."""
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, list | tuple):
+        return len(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"trainer.devices={value!r} cannot be estimated; give the number of GPUs per node"
+        )
+    return value
+
+
+def _parallel_sizes(strategy: Any, config: GPTConfig) -> tuple[int, int, int, int, bool]:
+    """``(t, p, m, num_microbatches, sequence_parallel)`` of the configured strategy; a
+    strategy other than ``megatron_sp`` (``ddp``, ``auto``, ...) is pure data parallelism."""
+    from lightning_sp.training.strategy import MegatronSPStrategy  # reading a fit config
+
+    if isinstance(strategy, str) and strategy in StrategyRegistry:
+        strategy = StrategyRegistry.get(strategy)
+    if isinstance(strategy, MegatronSPStrategy):
+        return (
+            strategy.tensor_parallel_size, strategy.pipeline_parallel_size,
+            strategy.virtual_pipeline_size, strategy.num_microbatches,
+            strategy.sequence_parallel,
+        )  # fmt: skip
+    if not isinstance(strategy, Strategy | str):
+        raise ConfigError(f"trainer.strategy={strategy!r} is not a Lightning strategy")
+    return 1, 1, 1, 1, config.sequence_parallel
+
+
+def layout_from_fit(
+    model_config: GPTConfig,
+    strategy: Any,
+    devices: Any,
+    num_nodes: int,
+    batch_size: int,
+    source: str = "<config>",
+) -> Layout:
+    """The validated :class:`Layout` of a ``fit`` run: ``model.config``, the instantiated
+    ``trainer.strategy``, ``trainer.devices × trainer.num_nodes`` GPUs (= t·p·d) and
+    ``data.batch_size`` samples per data-parallel rank per step (= b × micro-batches)."""
+    gpus_per_node = _devices(devices)
+    nodes = positive_int("trainer.num_nodes", num_nodes)
+    batch = positive_int("data.batch_size", batch_size)
+    t, p, m, n, sp = _parallel_sizes(strategy, model_config)
+    world = gpus_per_node * nodes
+    try:
+        d = check_layout(world, t, p)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"trainer.devices={gpus_per_node} x trainer.num_nodes={nodes} = {world} GPUs must "
+            f"be t * p * d: {exc}"
+        ) from None
+    if batch % n:
+        raise ConfigError(
+            f"data.batch_size={batch} is not divisible by num_microbatches={n} (micro-batch = "
+            f"batch_size / num_microbatches); num_microbatches must be one of {divisors(batch)}"
+        )
+    layout = Layout(
+        config=dataclasses.replace(model_config, sequence_parallel=sp),
+        tensor_parallel_size=t,
+        pipeline_parallel_size=p,
+        virtual_pipeline_size=m,
+        num_microbatches=n,
+        micro_batch_size=batch // n,
+        data_parallel_size=d,
+        source=source,
+    )
+    layout.validate()
+    return layout
+
+
+class FitLayoutCLI(LightningCLI):
+    """Mix in before a ``LightningCLI`` subclass and construct with ``run=False``: parses the
+    subclass's ``fit`` command line plus the planner's options into :attr:`layout` and
+    :attr:`options`, building neither the Trainer nor the data module.
+
+    The model class must take the GPT config as ``config`` (``GPTModule``); a bad value raises
+    :class:`ConfigError` from the class that rejects it.
+    """
+
+    layout: Layout
+    """The ``fit`` run's layout."""
+
+    options: PlannerOptions
+    """The planner's own options."""
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        super().add_arguments_to_parser(parser)
+        add_planner_arguments(parser)
+
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        self.config = parser.parse_args(args)  # args: the words after ``estimate``
+
+    @override
+    def instantiate_classes(self) -> None:
+        parsed = self.config.clone()
+        data = parsed.pop("data")  # its files may exist on the cluster only: not opened
+        rejected: list[ConfigError] = []
+
+        def build(cls: type, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return cls(*args, **kwargs)
+            except ConfigError as exc:  # jsonargparse re-raises it inside a multi-line error
+                rejected.append(exc)
+                raise
+
+        try:
+            built = self.parser.instantiate(parsed, instantiators=[(build, object, True)])
+        except ValueError:
+            if rejected:
+                raise rejected[0] from None
+            raise
+        files = parsed.get("config") or []
+        self.layout = layout_from_fit(
+            built.model.config,
+            built.trainer.strategy,
+            built.trainer.devices,
+            built.trainer.num_nodes,
+            data.batch_size,
+            source=os.fspath(files[-1]) if files else "<command line>",
+        )
+        self.options = planner_options(parsed)

@@ -1,0 +1,242 @@
+"""What ``cli.py estimate`` prints and draws: the table, the JSON rows and the memory ladder
+(Figure 7), and the command itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lightning_sp.errors import ConfigError
+from lightning_sp.memory.formulas import (
+    FIGURE7_ROWS,
+    MIXED_PRECISION_ADAM,
+    TABLE2_SETTINGS,
+    layers_in_flight,
+)
+from lightning_sp.planner.estimate import Estimate, EstimateRow, estimate, gigabytes
+from lightning_sp.planner.layout import FitLayoutCLI
+
+JSON_KEYS = (
+    "sequence_parallel",
+    "recompute",
+    "activation_bytes_per_layer",
+    "formula_bytes_per_layer",
+    "first_stage_activation_bytes",
+    "model_state_bytes",
+    "total_bytes",
+    "device_bytes",
+    "fits",
+)
+"""The keys every ``--format json`` row has first."""
+
+
+def to_json(row: EstimateRow) -> dict[str, Any]:
+    """The ``--format json`` object of one row: :data:`JSON_KEYS`, then the other fields."""
+    out = {key: getattr(row, key) for key in JSON_KEYS}
+    out["formula_first_stage_activation_bytes"] = row.formula_first_stage_activation_bytes
+    out["recompute_num_layers"] = row.recompute_num_layers
+    out["selected"] = row.selected
+    return out
+
+
+def format_table(result: Estimate) -> str:
+    """The human-readable report: the layout, the rows, Figure 7 and the verdict."""
+    layout, cfg = result.layout, result.layout.config
+    t, p, m = (
+        layout.tensor_parallel_size,
+        layout.pipeline_parallel_size,
+        layout.virtual_pipeline_size,
+    )
+    n = layout.num_microbatches
+    lif = layers_in_flight(cfg.num_layers, p, m, n)
+    mb = 1e6
+    lines = [
+        f"{layout.source}: GPT {result.model_parameters / 1e9:.1f}B parameters "
+        f"(s={cfg.seq_length} h={cfg.hidden_size} a={cfg.num_heads} L={cfg.num_layers} "
+        f"v={cfg.vocab_size}, padded {cfg.padded_vocab_size(t)}), "
+        f"dropout {cfg.hidden_dropout}/{cfg.attention_dropout}",
+        f"layout: t={t} p={p} m={m} d={layout.data_parallel_size} on {layout.world_size} GPUs; "
+        f"micro-batch b={layout.micro_batch_size} x {n} micro-batches "
+        f"(global batch {layout.global_batch_size})",
+        f"first stage: {cfg.num_layers // p} layers ({m} chunk(s) of {layout.layers_per_chunk}), "
+        f"holds {lif:g} layers' worth = L x {lif / cfg.num_layers:.4f}"
+        + (" (1 + (p-1)/(p*m))" if m > 1 else " (eq. 5)"),
+        f"model state per rank: {result.parameters_per_rank / 1e9:.3f}B parameters x "
+        f"{MIXED_PRECISION_ADAM.bytes_per_parameter:g} B (bf16 weight 2 + fp32 grad 4 + "
+        f"fp32 master 4 + Adam m,v 8) = {gigabytes(result.rows[0].model_state_bytes)}",
+    ]
+    if result.measurements:
+        any_m = next(iter(result.measurements.values()))
+        lines.append(
+            f"measured: {len(any_m.per_layer_bytes)} layer(s) of rank 0's shard per row under "
+            f"FakeTensorMode + a fake {layout.world_size}-rank process group, "
+            f"{result.seconds:.1f} s"
+        )
+    else:
+        lines.append("not measured: formulas only")
+    columns = (  # title, unit, width
+        ("SP", "", -4), ("recompute", "", -24), ("per layer", "(MB)", 10),
+        ("formula", "(MB)", 10), ("diff", "", 8), ("1st stage act", "(GB)", 13),
+        ("model state", "(GB)", 11), ("total", "(GB)", 8), ("device", "(GB)", 8), ("fits", "", -4),
+    )  # fmt: skip
+
+    def render(cells: Sequence[str]) -> str:
+        return " ".join(
+            f"{c:<{-w}}" if w < 0 else f"{c:>{w}}"
+            for c, (_, _, w) in zip(cells, columns, strict=True)
+        ).rstrip()
+
+    lines += ["", render([c[0] for c in columns]), render([c[1] for c in columns])]
+    for r in result.rows:
+        policy = r.recompute
+        if r.recompute_num_layers is not None:
+            rest = layout.config.layer_recompute(r.recompute_num_layers)
+            policy = f"{policy} {r.recompute_num_layers}/{layout.layers_per_chunk} + {rest}"
+        lines.append(
+            render(
+                [
+                    "on" if r.sequence_parallel else "off",
+                    policy + (" *" if r.selected else ""),
+                    f"{r.activation_bytes_per_layer / mb:.2f}",
+                    f"{r.formula_bytes_per_layer / mb:.2f}",
+                    f"{r.activation_bytes_per_layer / r.formula_bytes_per_layer - 1:+.3%}",
+                    f"{r.first_stage_activation_bytes / 1e9:.2f}",
+                    f"{r.model_state_bytes / 1e9:.2f}",
+                    f"{r.total_bytes / 1e9:.2f}",
+                    f"{r.device_bytes / 1e9:.2f}",
+                    "yes" if r.fits else "no",
+                ]
+            )
+        )
+    lines.append("(* the configured combination, or auto's choice; MB = 10^6 B, GB = 10^9 B)")
+    try:
+        measured, formula = result.figure7(True), result.figure7(False)
+    except KeyError:
+        pass
+    else:
+        names = {
+            "tensor_sequence_parallel": "SP",
+            "tensor_parallel_selective": "selective",
+            "tensor_sequence_parallel_selective": "SP+selective",
+            "full_recompute": "full",
+        }
+        lines.append(
+            "Figure 7, % of the TP-only baseline per layer (measured / formula): "
+            + ", ".join(f"{names[k]} {measured[k]:.2f} / {formula[k]:.2f}" for k in FIGURE7_ROWS)
+        )
+    sp_sel = next(
+        (r for r in result.rows if r.sequence_parallel and r.recompute == "selective"), None
+    )
+    if sp_sel is not None:
+        paper = 34 * cfg.seq_length * layout.micro_batch_size * cfg.hidden_size / t
+        how = "measured" if result.measurements else "by formula"
+        lines.append(
+            f"SP + selective per layer: {sp_sel.activation_bytes_per_layer:,} B {how} vs "
+            f"34sbh/t = {paper:,.0f} B ({sp_sel.activation_bytes_per_layer / paper - 1:+.4%})"
+        )
+    if result.choice is not None:
+        lines.append(result.choice.describe())
+    else:
+        selected = next((r for r in result.rows if r.selected), None)
+        if selected is not None:
+            lines.append(
+                f"configured: {selected.label}: {gigabytes(selected.total_bytes)} of "
+                f"{gigabytes(selected.device_bytes)}, {'fits' if selected.fits else 'does NOT fit'}"
+            )
+    return "\n".join(lines)
+
+
+def plot_ladder(result: Estimate, path: str) -> None:
+    """Draw the memory ladder: left, per-layer activations as a percentage of the TP-only
+    baseline (the paper's Figure 7), measured bars with formula markers; right, each row's
+    model state + first-stage activations against the device memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layout = result.layout
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    short = {
+        "tensor_parallel": "TP baseline",
+        "tensor_sequence_parallel": "SP",
+        "tensor_parallel_selective": "selective",
+        "tensor_sequence_parallel_selective": "SP+selective",
+        "full_recompute": "full",
+    }
+    colors = dict(zip(short, ["#888", "#4c72b0", "#dd8452", "#55a868", "#c44e52"], strict=True))
+    base_row = result.row(False, "none")
+    labels, values, formulas, bar_colors = [], [], [], []
+    for name, label in short.items():
+        try:
+            row = result.row(*TABLE2_SETTINGS[name])
+        except KeyError:  # sequence parallelism impossible for this s and t
+            continue
+        labels.append(label)
+        bar_colors.append(colors[name])
+        values.append(100 * row.activation_bytes_per_layer / base_row.activation_bytes_per_layer)
+        formulas.append(100 * row.formula_bytes_per_layer / base_row.formula_bytes_per_layer)
+    bars = left.bar(labels, values, color=bar_colors)
+    left.scatter(
+        labels, formulas, marker="_", s=900, color="k", label="formula (Table 2)", zorder=3
+    )
+    for bar, value in zip(bars, values, strict=True):
+        left.annotate(f"{value:.1f}%", (bar.get_x() + bar.get_width() / 2, value),
+                      ha="center", va="bottom", fontsize=9)  # fmt: skip
+    left.set_ylabel("activation memory per layer, % of TP baseline")
+    how = "measured" if result.measurements else "formula"
+    left.set_title(f"Per-layer activations (t={layout.tensor_parallel_size}), {how}")
+    left.set_ylim(0, 115)
+    left.legend(loc="upper right")
+    row_labels = [
+        f"{'SP' if r.sequence_parallel else 'TP'}\n"
+        + (
+            r.recompute
+            if r.recompute_num_layers is None
+            else f"{r.recompute} {r.recompute_num_layers}/chunk"
+        )
+        for r in result.rows
+    ]
+    state = [r.model_state_bytes / 1e9 for r in result.rows]
+    acts = [r.first_stage_activation_bytes / 1e9 for r in result.rows]
+    right.bar(row_labels, state, label="params + grads + Adam", color="#8172b3")
+    right.bar(row_labels, acts, bottom=state, label="first-stage activations", color="#64b5cd",
+              hatch=[("//" if r.selected else "") for r in result.rows])  # fmt: skip
+    right.axhline(result.device_bytes / 1e9, color="r", ls="--", label="device memory")
+    right.set_ylabel("GB per GPU")
+    right.set_title(f"{os.path.basename(layout.source)}: memory of the most loaded rank")
+    right.tick_params(axis="x", labelsize=8)
+    right.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(read: Callable[[list[str]], FitLayoutCLI], argv: list[str]) -> int:
+    """``python cli.py estimate``: ``read(argv)`` parses the ``fit`` command line plus the
+    planner's options (a :class:`FitLayoutCLI`); print the table (or JSON), optionally plot;
+    return the exit status (0, or 2 with a one-line ``error:`` on stderr for a bad config)."""
+    try:
+        parsed = read(argv)
+        options = parsed.options
+        result = estimate(
+            parsed.layout, options.device_bytes, layers=options.layers, measure=options.measure
+        )
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if options.format == "json":
+        print(json.dumps([to_json(r) for r in result.rows], indent=2))
+        if result.choice is not None:
+            print(result.choice.describe(), file=sys.stderr)
+    else:
+        print(format_table(result))
+    if options.plot:
+        plot_ladder(result, options.plot)
+        if options.format == "table":
+            print(f"plot: {options.plot}")
+    return 0
