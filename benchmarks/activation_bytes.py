@@ -29,9 +29,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from benchmarks import dtensor_gpt
-from benchmarks._spawn import run_ranks
 from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
 from lightning_sp.memory.formulas import activation_bytes_per_layer
+from tests.spawn import run_distributed
 
 POLICIES = ("none", "selective", "full")
 IMPLEMENTATIONS = ("ours", "dtensor", "dtensor_native_dropout")
@@ -124,7 +124,7 @@ def run(shape: BytesShape) -> dict[str, Any]:
     sbh = shape.s * shape.b * shape.h
     rows: list[dict[str, Any]] = []
     for t in shape.sizes:
-        ranks = run_ranks(_worker, t, shape, threads=1)
+        ranks = run_distributed(_worker, t, shape, start_method="fork")
         for sp in (False, True):
             for policy in POLICIES:
                 key = f"{int(sp)}:{policy}"

@@ -26,12 +26,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks._spawn import run_ranks
 from benchmarks.layer_time import LayerShape, layer_config
 from benchmarks.throughput import ThroughputShape, model_config
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.memory.fake import fake_world
 from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
+from tests.spawn import run_distributed
 
 POLICIES = ("none", "selective", "full")
 
@@ -111,7 +111,7 @@ def run(layer: LayerShape, model: ThroughputShape) -> dict[str, Any]:
 
     Counts in a child process, whose fake process group then never touches this one.
     """
-    return run_ranks(_count_all, 1, layer, model, threads=1, init_group=False)[0]
+    return run_distributed(_count_all, 1, layer, model, init_group=False, start_method="fork")[0]
 
 
 def _count_all(rank: int, world_size: int, layer: LayerShape, model: ThroughputShape) -> Any:

@@ -36,9 +36,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks import _cpu, dtensor_gpt
-from benchmarks._spawn import run_ranks
 from benchmarks._stats import median_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
+from tests.spawn import run_distributed
 
 POLICIES = ("none", "selective", "full")
 IMPLEMENTATIONS = ("ours", "dtensor")
@@ -174,7 +174,9 @@ def run(shape: LayerShape) -> dict[str, Any]:
     the layers compared ran seconds apart (ours and DTensor back to back). The rounds used
     are the clean ones, or the ``repeats`` least disturbed.
     """
-    measured = run_ranks(_worker, shape.t, shape, threads=1)[0]  # times: the slower rank's
+    measured = run_distributed(_worker, shape.t, shape, start_method="fork")[
+        0
+    ]  # times: the slower rank's
     rounds = sorted(measured["rounds"], key=_round_share)
     clean = [r for r in rounds if _round_share(r) < _cpu.CLEAN_SHARE]
     used = clean if len(clean) >= shape.repeats else rounds[: shape.repeats]

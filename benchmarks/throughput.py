@@ -55,7 +55,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from benchmarks import _cpu, dtensor_gpt
-from benchmarks._spawn import run_ranks
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, GPTModule, MegatronSPStrategy, OptimizerConfig
 from lightning_sp.memory.flops import (
@@ -66,6 +65,7 @@ from lightning_sp.memory.flops import (
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.module import configure_adamw
+from tests.spawn import run_distributed
 
 TIMEOUT_SECONDS = 300.0
 STRATEGIES = ("ours", "lightning_model_parallel")
@@ -276,9 +276,9 @@ hits both strategies alike)."""
 def _train(
     which: str, shape: ThroughputShape, cache_dir: str, mmap_threshold: int | None = None
 ) -> list[dict[str, Any]]:
-    return run_ranks(
+    return run_distributed(
         _train_worker, shape.t, which, shape, _free_port(), cache_dir, mmap_threshold,
-        threads=1, init_group=False,
+        init_group=False, start_method="fork",
     )  # fmt: skip
 
 
@@ -302,11 +302,13 @@ def run(
     their ratios. The GEMM peak is measured before and after the training runs (the best)."""
     config = model_config(shape)
     cache = str(cache_dir)
-    peaks = [run_ranks(_peak_worker, shape.t, peak_seconds, peak_rounds, threads=1)]
+    peaks = [run_distributed(_peak_worker, shape.t, peak_seconds, peak_rounds, start_method="fork")]
     segments: dict[str, list[list[dict[str, Any]]]] = {which: [] for which in STRATEGIES}
     for which in ORDER:
         segments[which].append(_train(which, shape, cache))
-    peaks.append(run_ranks(_peak_worker, shape.t, peak_seconds, peak_rounds, threads=1))
+    peaks.append(
+        run_distributed(_peak_worker, shape.t, peak_seconds, peak_rounds, start_method="fork")
+    )
     peak_per_rank = [max(values) for values in zip(*peaks, strict=True)]
     peak = float(sum(peak_per_rank))
     tokens_per_step = shape.b * shape.s

@@ -1,13 +1,17 @@
-"""Run a function on N gloo ranks in fresh processes; re-raise any rank's failure in the parent.
+"""Run a function on N gloo ranks in fresh processes and collect what each rank returns; a
+rank's exception is re-raised in the parent with the rank named.
 
-Every process group gets a timeout, and the file store lives in a fresh temporary directory, so
-parallel test runs never share a port and a missing collective fails instead of hanging.
+The one spawn helper of the repository: the tests import it as ``spawn``, the benchmarks as
+``tests.spawn``. Every process group gets a timeout, and the file store lives in a fresh
+temporary directory, so concurrent runs never share a port and a missing collective fails
+instead of hanging.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -17,52 +21,89 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-TIMEOUT = datetime.timedelta(seconds=120)
+TIMEOUT = datetime.timedelta(seconds=300)
+"""How long any collective of a spawned rank may wait."""
 
 
 def _worker(
-    rank: int, world_size: int, store_path: str, fn: Callable[..., Any], args: tuple, errors: Any
+    rank: int,
+    world_size: int,
+    store_path: str,
+    out_dir: str,
+    threads: int,
+    init_group: bool,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
 ) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store_path}",
-        rank=rank,
-        world_size=world_size,
-        timeout=TIMEOUT,
-    )
+    torch.set_num_threads(threads)
+    if init_group:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=TIMEOUT,
+        )
     try:
-        fn(rank, world_size, *args)
-        # every rank has finished its collectives before any tears down: a rank destroying its
-        # gloo group while a peer's last collective is in flight can abort the peer
-        dist.barrier()
+        result: tuple[str, Any] = ("ok", fn(rank, world_size, *args))
+        if dist.is_initialized():
+            # every rank has finished its collectives before any tears down: a rank destroying
+            # its gloo group while a peer's last collective is in flight can abort the peer
+            dist.barrier()
     except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise
+        result = ("error", traceback.format_exc())
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as fh:
+        pickle.dump(result, fh)
+    if result[0] == "error":
+        raise RuntimeError(f"rank {rank} failed")
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    threads: int = 1,
+    init_group: bool = True,
+    start_method: str = "spawn",
+) -> list[Any]:
+    """``[fn(rank, world_size, *args) for each rank]``, each rank in a fresh process.
 
-    ``fn`` must be a module-level function (it is pickled into the children).
+    ``fn`` must be a module-level function (it is pickled into the children) and return
+    something picklable. ``threads``: intra-op threads per rank. ``init_group``: start the
+    default gloo process group (with :data:`TIMEOUT`) before ``fn``; without it ``fn`` starts
+    its own (as Lightning's strategies do). ``start_method``: ``spawn`` (default) starts clean
+    interpreters; ``fork`` reuses the parent's imports, which saves seconds per rank, and is
+    safe only while the parent has run no multi-threaded kernels.
     """
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         try:
             mp.start_processes(
                 _worker,
-                args=(world_size, store, fn, args, errors),
+                args=(world_size, store, tmp, threads, init_group, fn, args),
                 nprocs=world_size,
                 join=True,
-                start_method="spawn",
+                start_method=start_method,
             )
-        except mp.ProcessRaisedException as exc:
-            failures = []
-            while not errors.empty():
-                failures.append(errors.get())
-            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures))
-            raise AssertionError(f"a rank failed:\n{detail or exc}") from None
+        except mp.ProcessRaisedException:
+            pass  # the per-rank result files say which rank failed and why
+        except mp.ProcessExitedException as exc:
+            raise AssertionError(f"a rank died: {exc}") from None
+        results: list[Any] = []
+        failures: list[str] = []
+        for rank in range(world_size):
+            path = os.path.join(tmp, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                failures.append(f"--- rank {rank} --- no result")
+                continue
+            with open(path, "rb") as fh:
+                status, value = pickle.load(fh)
+            if status == "error":
+                failures.append(f"--- rank {rank} ---\n{value}")
+            results.append(value)
+        if failures:
+            raise AssertionError("a rank failed:\n" + "\n".join(failures))
+        return results

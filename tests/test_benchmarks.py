@@ -22,7 +22,8 @@ if str(ROOT) not in sys.path:  # `benchmarks` is a top-level package of the repo
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import dtensor_gpt  # noqa: E402
-from benchmarks._spawn import run_ranks  # noqa: E402
+
+from spawn import run_distributed  # noqa: E402
 
 SECTIONS = ("meta", "activation_bytes", "layer_time", "flops", "throughput", "summary")
 
@@ -144,6 +145,8 @@ def test_dtensor_reference_is_our_gpt(sp: bool) -> None:
     """With dropout off, the DTensor GPT on 2 ranks gives our one-process model's loss and
     gradients (float64): the benchmarks compare implementations of one model."""
     for policy in ("none", "selective", "full"):
-        for rank, errors in enumerate(run_ranks(_equivalence_worker, 2, sp, policy, threads=1)):
+        for rank, errors in enumerate(
+            run_distributed(_equivalence_worker, 2, sp, policy, start_method="fork")
+        ):
             worst = max(errors, key=errors.__getitem__)
             assert errors[worst] < 1e-12, f"{policy} rank {rank}: {worst} differs ({errors[worst]})"
