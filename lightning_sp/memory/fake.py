@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -156,23 +156,3 @@ def measure_activations(
     with fake_world(t * p * data_parallel_size):
         state = ParallelState.from_process_group(t, p, device="cpu")
         return _trace(config, state, micro_batch_size, layers, head, dtype)
-
-
-def measure_policies(
-    config: GPTConfig,
-    combos: list[tuple[bool, str]],
-    **kwargs: object,
-) -> dict[tuple[bool, str], ActivationMeasurement]:
-    """:func:`measure_activations` for each ``(sequence_parallel, recompute)`` in ``combos``."""
-    return {
-        (sp, rc): measure_activations(
-            replace(config, sequence_parallel=sp, recompute=rc),  # type: ignore[arg-type]
-            **kwargs,  # type: ignore[arg-type]
-        )
-        for sp, rc in combos
-    }
-
-
-def gigabytes(nbytes: float) -> float:
-    """Bytes in GB (10⁹ bytes, as device memory is quoted)."""
-    return nbytes / 1e9

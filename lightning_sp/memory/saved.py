@@ -215,8 +215,3 @@ class LiveActivationTracker(_AttributedHooks):
             del self._live[key]
             self.live_bytes -= entry[1]
             self.live_per_module[entry[2]] -= entry[1]
-
-    def reset_peak(self) -> None:
-        """Start a new peak from the bytes live now."""
-        self.peak_bytes = self.live_bytes
-        self.peak_per_module = {k: v for k, v in self.live_per_module.items() if v}

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from lightning_sp.errors import ConfigError
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.recompute import recompute
-from lightning_sp.parallel.init import ShardSpec, initialize_parameter, mark_parameter
+from lightning_sp.parallel.init import initialize_parameter, mark_parameter
 from lightning_sp.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -293,8 +293,3 @@ class GPT(nn.Module):
                 f"input sequence length {s} is not divisible by tensor_parallel_size={t} "
                 "with sequence_parallel=True"
             )
-
-
-def shard_spec(param: Tensor) -> ShardSpec:
-    """Where ``param`` (a parameter of a :class:`GPT`) sits in the full model's tensor."""
-    return getattr(param, "shard", ShardSpec())
