@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `benchmarks` is a top-level package of the repository
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import dtensor_gpt  # noqa: E402
+from benchmarks import dtensor_gpt, report  # noqa: E402
 
 from spawn import run_distributed  # noqa: E402
 
@@ -150,3 +150,28 @@ def test_dtensor_reference_is_our_gpt(sp: bool) -> None:
         ):
             worst = max(errors, key=errors.__getitem__)
             assert errors[worst] < 1e-12, f"{policy} rank {rank}: {worst} differs ({errors[worst]})"
+
+
+def _bytes_row(
+    t: int, sp: bool, recompute: str, ours: float, native: float, dtensor: float
+) -> dict:
+    return {
+        "t": t, "sequence_parallel": sp, "recompute": policy, "ours_sbh": ours,
+        "dtensor_native_dropout_sbh": native, "dtensor_sbh": dtensor,
+        "dtensor_vs_ours": dtensor / ours, "ours_vs_paper": 1.001,
+    }  # fmt: skip
+
+
+def test_report_verdicts_follow_the_numbers() -> None:
+    """The notes' verdicts are computed: the same rows with DTensor smaller read as a loss,
+    and causes are named only where the measured split matches them."""
+    matched = [_bytes_row(2, True, "selective", 17.0, 19.0, 20.0)]  # +2 gathered, +1 masks
+    text = report.notes({"activation_bytes": {"rows": matched}})
+    assert "we win at t=2 SP + selective" in text and "we lose" not in text
+    assert "*all-gathered* input" in text and "2-byte noise tensor" in text
+    reversed_ = [_bytes_row(2, True, "selective", 20.0, 18.0, 17.0)]
+    text = report.notes({"activation_bytes": {"rows": reversed_}})
+    assert "we lose at t=2 SP + selective" in text and "we win" not in text
+    assert "*all-gathered* input" not in text and "is not the all-gathered" in text
+    tied = [_bytes_row(4, False, "full", 2.0, 2.0, 2.01)]
+    assert "we tie at t=4 TP + full" in report.notes({"activation_bytes": {"rows": tied}})
