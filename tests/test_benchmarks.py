@@ -156,7 +156,7 @@ def _bytes_row(
     t: int, sp: bool, recompute: str, ours: float, native: float, dtensor: float
 ) -> dict:
     return {
-        "t": t, "sequence_parallel": sp, "recompute": policy, "ours_sbh": ours,
+        "t": t, "sequence_parallel": sp, "recompute": recompute, "ours_sbh": ours,
         "dtensor_native_dropout_sbh": native, "dtensor_sbh": dtensor,
         "dtensor_vs_ours": dtensor / ours, "ours_vs_paper": 1.001,
     }  # fmt: skip
