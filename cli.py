@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 from jsonargparse import set_parsing_settings
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 import lightning_sp  # noqa: F401  (registers the "megatron_sp" strategy)
@@ -41,7 +41,7 @@ class GPTCLI(LightningCLI):
     """LightningCLI for ``GPTModule`` + ``TextDataModule``, sequence length shared by both."""
 
     @override
-    def add_arguments_to_parser(self, parser) -> None:  # type: ignore[no-untyped-def]
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.config.seq_length", "data.seq_length")
         parser.set_defaults({"trainer.logger": _default_loggers()})
 

@@ -131,8 +131,11 @@ class DTensorGPTModule(L.LightningModule):
         reference = GPT(self.config, ParallelState.single(), dtype=torch.float32)
         dtensor_gpt.load_from_lightning_sp(model, reference.state_dict())
         del reference
-        mesh = self.device_mesh["tensor_parallel"]
-        self.model = dtensor_gpt.parallelize(model, mesh, self.config.sequence_parallel)
+        assert self.device_mesh is not None  # ModelParallelStrategy sets it before this hook
+        dtensor_gpt.parallelize(
+            model, self.device_mesh["tensor_parallel"], self.config.sequence_parallel
+        )
+        self.model = model
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         assert self.model is not None

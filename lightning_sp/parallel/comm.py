@@ -22,6 +22,7 @@ op                                     forward                      backward
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,12 +95,12 @@ def _conjugate_op(
 
     class Op(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x: Tensor, group: Group) -> Tensor:  # type: ignore[override]
+        def forward(ctx: Any, x: Tensor, group: Group) -> Tensor:
             ctx.group = group
             return forward(x, group)
 
         @staticmethod
-        def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
             return backward(grad, ctx.group), None
 
     Op.__name__ = Op.__qualname__ = name

@@ -12,6 +12,8 @@ gathered input instead costs ``4sbh(1 - 1/t)`` bytes per layer, which is what DT
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -47,7 +49,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         x: Tensor,
         weight: Tensor,
         bias: Tensor | None,
@@ -61,7 +63,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         return out + bias if bias is not None else out
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         group = ctx.group
         grad_x = grad_w = grad_b = None
@@ -119,15 +121,14 @@ class ColumnParallelLinear(nn.Module):
         t, rank = state.tensor_parallel_size, state.tensor_parallel_rank
         local = _divide(out_features, t, "out_features")
         self.group, self.sequence_parallel = state.tp_group, sequence_parallel
-        kwargs = {"dtype": dtype, "device": device}
         self.weight = mark_parameter(
-            nn.Parameter(torch.empty(local, in_features, **kwargs)),
+            nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device)),
             shard=ShardSpec(0, rank * local),
             std=init_std,
         )
         self.bias = (
             mark_parameter(
-                nn.Parameter(torch.empty(local, **kwargs)),
+                nn.Parameter(torch.empty(local, dtype=dtype, device=device)),
                 shard=ShardSpec(0, rank * local),
                 init="zeros",
             )
@@ -163,15 +164,14 @@ class RowParallelLinear(nn.Module):
         t, rank = state.tensor_parallel_size, state.tensor_parallel_rank
         local = _divide(in_features, t, "in_features")
         self.group, self.sequence_parallel = state.tp_group, sequence_parallel
-        kwargs = {"dtype": dtype, "device": device}
         self.weight = mark_parameter(
-            nn.Parameter(torch.empty(out_features, local, **kwargs)),
+            nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device)),
             shard=ShardSpec(1, rank * local),
             std=init_std,
         )
         self.bias = (
             mark_parameter(
-                nn.Parameter(torch.empty(out_features, **kwargs)),
+                nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)),
                 init="zeros",
                 sequence_parallel=sequence_parallel,
             )
@@ -237,7 +237,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         logits: Tensor,
         target: Tensor,
         vocab_start: int,
@@ -272,7 +272,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
         softmax, local_target, outside = ctx.saved_tensors
         grad = softmax.clone()
         grad.scatter_add_(

@@ -17,6 +17,7 @@ Recomputation snapshots and restores both streams, which replays identical masks
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -70,7 +71,7 @@ class _Dropout(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, p: float, generator: torch.Generator) -> Tensor:
+    def forward(ctx: Any, x: Tensor, p: float, generator: torch.Generator) -> Tensor:
         keep = 1.0 - p
         mask = torch.empty(x.shape, dtype=torch.bool, device=x.device)
         mask.bernoulli_(keep, generator=generator)
@@ -79,7 +80,7 @@ class _Dropout(torch.autograd.Function):
         return torch.mul(x, mask).mul_(ctx.scale)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         (mask,) = ctx.saved_tensors
         return torch.mul(grad, mask).mul_(ctx.scale), None, None
 

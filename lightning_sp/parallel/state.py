@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,10 +38,10 @@ def check_layout(world_size: int, tensor_parallel_size: int, pipeline_parallel_s
     return world_size // model_parallel
 
 
-def _group_options(backend: str, timeout: datetime.timedelta) -> tuple[str, object] | None:
+def _group_options(backend: str, timeout: datetime.timedelta) -> tuple[str, Any] | None:
     """Backend options that carry ``timeout`` into the mesh's sub-groups."""
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in stubs
     elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
         options = dist.ProcessGroupNCCL.Options()
     else:
