@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from lightning_sp import GPT, ConfigError, GPTConfig, ParallelState
+from lightning_sp import GPT, ConfigError, GPTConfig, MegatronSPStrategy, ParallelState
+from lightning_sp.errors import positive_int
 from lightning_sp.parallel.state import check_layout
+from lightning_sp.pipeline import check_batch
+from lightning_sp.training.data import TextDataModule
 
 from models import tiny_config
 
@@ -68,6 +73,23 @@ def test_non_positive_sizes() -> None:
     _raises(r"tensor_parallel_size=0 must be a positive integer", check_layout, 4, 0, 1)
     _raises(r"num_layers=0 must be a positive integer", GPTConfig(num_layers=0).validate)
     _raises(r"hidden_dropout=1.0 must be in \[0, 1\)", GPTConfig(hidden_dropout=1.0).validate)
+
+
+@pytest.mark.parametrize("value", [True, False, 0, -1, 2.0, "2", None])
+def test_every_size_check_rejects_what_is_not_a_positive_int(value: object) -> None:
+    """One validator (``errors.positive_int``) behind every size: ``True`` is not 1."""
+    message = f"={value!r} must be a positive integer"
+    assert _raises(re.escape(message), positive_int, "size", value) == f"size{message}"
+    _raises(re.escape(f"num_layers{message}"), GPTConfig(num_layers=value).validate)  # type: ignore[arg-type]
+    _raises(re.escape(f"tensor_parallel_size{message}"), check_layout, 4, value, 1)
+    _raises(re.escape(f"num_microbatches{message}"), check_batch, 8, value)
+    _raises(re.escape(f"batch_size{message}"), TextDataModule, batch_size=value)
+    _raises(
+        re.escape(f"pipeline_parallel_size{message}"),
+        MegatronSPStrategy,
+        pipeline_parallel_size=value,
+    )
+    assert positive_int("size", 3) == 3
 
 
 def test_input_longer_than_positions() -> None:
