@@ -18,7 +18,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -164,7 +164,9 @@ def add_planner_arguments(parser: LightningArgumentParser) -> None:
         default="80GB",
         help="memory per GPU: bytes, or 80GB / 80GiB style (default 80GB = 80e9 bytes)",
     )
-    parser.add_argument("--format", type=str, choices=("table", "json"), default="table")
+    parser.add_argument(
+        "--format", type=Literal["table", "json"], default="table", help="a table or JSON rows"
+    )
     parser.add_argument(
         "--plot", type=str | None, default=None, help="draw the memory ladder (Figure 7) here"
     )
