@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lightning_sp.errors import ConfigError, positive_int
+from lightning_sp.errors import ConfigError
 
 BYTE_VOCAB_SIZE = 257
 """Byte-level tokenizer: ids 0..255 are the UTF-8 bytes, 256 is the end-of-document token."""
@@ -237,7 +237,8 @@ class TextDataModule(pl.LightningDataModule):
                 "them, or neither for the standard-library corpus"
             )
         for name, value in (("seq_length", seq_length), ("batch_size", batch_size)):
-            positive_int(name, value)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} is invalid; it must be an integer >= 1")
         if not 0.0 <= val_fraction < 1.0:
             raise ConfigError(f"val_fraction={val_fraction!r} is invalid; it must be in [0, 1)")
         if max_documents is not None and max_documents < 1:
