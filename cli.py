@@ -4,12 +4,15 @@ Subcommands ``fit``, ``validate``, ``test`` come from Lightning's ``LightningCLI
 ``estimate`` is the activation-memory planner: it takes exactly ``fit``'s arguments
 (``python cli.py estimate --config configs/gpt175b.yaml --trainer.num_nodes 16``) plus its own
 (``--format json``, ``--plot FILE``, ``--device_memory 80GB``; see ``estimate --help``).
+``prepare`` tokenizes the config's corpus once into ``data.prepared_dir`` (same arguments
+as ``fit``).
 ``python cli.py fit --help`` documents every option; ``--print_config`` shows a full config.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -57,6 +60,17 @@ def read_estimate_args(args: list[str]) -> EstimateCLI:
     )
 
 
+class PrepareCLI(GPTCLI):
+    """``cli.py prepare``: the ``fit`` parser (same config file, same ``--data.*`` overrides);
+    only the data section is built, and its corpus is prepared. No trainer, no model."""
+
+    @override
+    def instantiate_classes(self) -> None:
+        data = TextDataModule(**self.config["data"].as_dict())
+        data.check_model_vocab(self.config["model.config.vocab_size"])
+        data.prepare_corpus()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run a subcommand; ``argv`` defaults to the command line."""
     # the config dataclasses document each field in a docstring under it: show those in --help
@@ -66,6 +80,17 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_sp.planner.report import main as estimate
 
         sys.exit(estimate(read_estimate_args, args[1:]))
+    if args and args[0] == "prepare":
+        with warnings.catch_warnings():  # args is sys.argv minus "prepare", as intended
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+            PrepareCLI(
+                GPTModule,
+                TextDataModule,
+                args=args[1:],
+                run=False,
+                load_from_checkpoint_support=False,
+            )
+        return
     GPTCLI(GPTModule, TextDataModule, args=argv, save_config_kwargs={"overwrite": True})
 
 
