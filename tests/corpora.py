@@ -1,0 +1,64 @@
+"""Small corpora and tokenizers written to a temporary directory for the data tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "hums"]
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def document(i: int, words: int = 80) -> str:
+    """Document ``i``: English-ish words, different for every ``i``."""
+    return f"document {i}: " + " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(words))
+
+
+def text_files(root: Path, n: int = 6, words: int = 80) -> Path:
+    """``n`` plain-text documents under ``root/docs``."""
+    for i in range(n):
+        write(root / "docs" / f"doc{i:02d}.txt", document(i, words) + "\n")
+    return root / "docs"
+
+
+def jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def bpe_tokenizer(root: Path, eos: str | None = "<|endoftext|>", vocab_size: int = 120) -> Path:
+    """A small BPE ``tokenizer.json`` trained on the standard words (EOS as a special token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    special = ["[UNK]"] + ([eos] if eos else [])
+    corpus = [document(i) for i in range(20)]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size,
+                                                        special_tokens=special))  # fmt: skip
+    out = root / "tokenizer.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out))
+    return out
+
+
+def word_tokenizer(root: Path, vocab_size: int) -> Path:
+    """A word-level ``tokenizer.json`` whose word ``w<i>`` is id ``i``, plus ``<|endoftext|>``
+    as id ``vocab_size - 1``: vocabularies of any size (e.g. past uint16) in no time."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 2)}
+    vocab["[UNK]"] = vocab_size - 2
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    out = root / f"words{vocab_size}" / "tokenizer.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out))
+    return out
