@@ -1,0 +1,179 @@
+"""``prepare``: shards (uint16 / uint32), index and metadata, document split, atomicity, reuse,
+``num_proc``; the ``cli.py prepare`` subcommand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from lightning_sp.errors import ConfigError
+from lightning_sp.training.data import (
+    PackedSamples,
+    PrepareSettings,
+    Source,
+    TokenizerInfo,
+    TokenSplit,
+    check_prepared,
+    prepare,
+    read_metadata,
+    resolve_paths,
+    tokenizer_info,
+)
+
+from corpora import bpe_tokenizer, document, jsonl, text_files, word_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _source(paths: str | list[str], **kwargs) -> Source:
+    return Source(tuple(resolve_paths(paths)), None, kwargs.pop("text_field", "text"),
+                  kwargs.pop("max_documents", None), kwargs.pop("seed", 0))  # fmt: skip
+
+
+def _run(tmp_path: Path, source: Source, info: TokenizerInfo, name: str = "out", **settings):
+    settings = {"val_fraction": 0.25, "seed": 3, **settings}
+    out = tmp_path / name
+    meta = prepare(source, info, str(out), PrepareSettings(**settings), str(tmp_path / "cache"),
+                   log=lambda _: None)  # fmt: skip
+    return out, meta
+
+
+def _split_stream(out: Path, split: str) -> np.ndarray:
+    tokens = TokenSplit(str(out), split)
+    return tokens.read(0, tokens.num_tokens)
+
+
+def test_metadata_index_and_document_split(tmp_path: Path) -> None:
+    docs = text_files(tmp_path, n=8, words=30)
+    texts = [p.read_text() for p in sorted(docs.iterdir())]
+    path = bpe_tokenizer(tmp_path / "tok")
+    info = tokenizer_info(str(path))
+    tok = Tokenizer.from_file(str(path))
+    encoded = [[*tok.encode(t, add_special_tokens=False).ids, info.eos_id] for t in texts]
+    out, meta = _run(tmp_path, _source(str(docs)), info)
+
+    assert meta == read_metadata(str(out)) == check_prepared(str(out), info)
+    assert meta["tokenizer"]["digest"] == info.digest and meta["tokenizer"]["eos_id"] == info.eos_id
+    assert meta["dtype"] == "uint16" and meta["documents"] == 8
+    assert meta["splits"]["val"]["documents"] == 2  # round(0.25 * 8) documents, whole
+    assert meta["tokens"] == sum(len(e) for e in encoded)
+    seen: list[list[int]] = []
+    for split in ("train", "val"):
+        stream = _split_stream(out, split).tolist()
+        ends = np.fromfile(out / split / "documents.idx", dtype=np.uint64).tolist()
+        starts = [0, *ends[:-1]]
+        pieces = [stream[a:b] for a, b in zip(starts, ends, strict=True)]
+        assert all(p in encoded for p in pieces)  # every document whole, in one split
+        assert pieces == [e for e in encoded if e in pieces]  # in corpus order
+        seen += pieces
+        index = json.loads((out / split / "index.json").read_text())
+        assert index["tokens"] == len(stream) == meta["splits"][split]["tokens"]
+    assert sorted(map(tuple, seen)) == sorted(map(tuple, encoded))
+
+
+def test_uint32_shards_when_the_vocabulary_exceeds_uint16(tmp_path: Path) -> None:
+    big = tokenizer_info(str(word_tokenizer(tmp_path, 70_000)))
+    small = tokenizer_info(str(word_tokenizer(tmp_path, 300)))
+    assert (big.dtype(), small.dtype()) == (np.dtype(np.uint32), np.dtype(np.uint16))
+    ids = [5, 65_535, 65_536, 69_990, 12, 299]
+    corpus = jsonl(tmp_path / "c.jsonl", [{"text": " ".join(f"w{i}" for i in ids)}] * 3)
+    out, meta = _run(tmp_path, _source(str(corpus)), big, val_fraction=0.0)
+    assert meta["dtype"] == "uint32"
+    assert (out / "train" / "00000.bin").stat().st_size == 4 * 3 * (len(ids) + 1)
+    assert _split_stream(out, "train").tolist() == [*ids, big.eos_id] * 3
+    out16, meta16 = _run(tmp_path, _source(str(corpus)), small, "small", val_fraction=0.0)
+    unk = small.vocab_size - 2  # words past the small vocabulary are [UNK]
+    expected = [i if i < 298 else unk for i in ids]
+    assert meta16["dtype"] == "uint16"
+    assert (out16 / "train" / "00000.bin").stat().st_size == 2 * 3 * (len(ids) + 1)
+    assert _split_stream(out16, "train").tolist() == [*expected, small.eos_id] * 3
+
+
+def test_shards_and_samples_across_them(tmp_path: Path) -> None:
+    docs = text_files(tmp_path, n=4, words=12)
+    info = tokenizer_info(None)
+    whole, _ = _run(tmp_path, _source(str(docs)), info, "whole", val_fraction=0.0)
+    sharded, _ = _run(tmp_path, _source(str(docs)), info, "sharded", val_fraction=0.0,
+                      shard_tokens=7)  # fmt: skip
+    index = json.loads((sharded / "train" / "index.json").read_text())
+    assert len(index["shards"]) > 10 and all(s["tokens"] <= 7 for s in index["shards"])
+    stream = _split_stream(whole, "train")
+    assert np.array_equal(_split_stream(sharded, "train"), stream)
+    samples = PackedSamples([TokenSplit(str(sharded), "train")], seq_length=10)
+    assert len(samples) == len(stream) // 11
+    for i in range(len(samples)):  # many samples straddle two shards
+        assert np.array_equal(samples.tokens(i), stream[i * 11 : (i + 1) * 11])
+
+
+def test_num_proc_2_writes_the_same_shards(tmp_path: Path) -> None:
+    corpus = jsonl(tmp_path / "c.jsonl", [{"text": document(i, 20)} for i in range(40)])
+    info = tokenizer_info(str(bpe_tokenizer(tmp_path / "tok")))
+    one, meta1 = _run(tmp_path, _source(str(corpus)), info, "one", num_proc=1)
+    two, meta2 = _run(tmp_path, _source(str(corpus)), info, "two", num_proc=2)
+    for split in ("train", "val"):
+        assert (one / split / "00000.bin").read_bytes() == (two / split / "00000.bin").read_bytes()
+    assert meta1["splits"] == meta2["splits"]
+
+
+def test_atomic_reuse_and_conflicts(tmp_path: Path) -> None:
+    docs = text_files(tmp_path, n=4, words=10)
+    info = tokenizer_info(None)
+    # a failure mid-way (tokenizer missing in the workers) leaves nothing behind
+    broken = TokenizerInfo(path=str(tmp_path / "gone.json"), digest="0" * 64, eos_id=0,
+                           vocab_size=10)  # fmt: skip
+    with pytest.raises(Exception):  # noqa: B017 (the tokenizers library's own error)
+        _run(tmp_path, _source(str(docs)), broken)
+    assert sorted(os.listdir(tmp_path)) == ["cache", "docs"]
+    # a directory without metadata (e.g. a copy cut short) is not a prepared corpus
+    (tmp_path / "partial" / "train").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="is not a complete prepared corpus"):
+        check_prepared(str(tmp_path / "partial"), info)
+    with pytest.raises(ConfigError, match="exists and is not a prepared corpus"):
+        _run(tmp_path, _source(str(docs)), info, "partial")
+
+    out, meta = _run(tmp_path, _source(str(docs)), info)
+    stamp = (out / "metadata.json").stat().st_mtime_ns
+    _, meta_again = _run(tmp_path, _source(str(docs)), info)  # up to date: reused
+    assert meta_again == meta and (out / "metadata.json").stat().st_mtime_ns == stamp
+    with pytest.raises(ConfigError, match="already holds a corpus prepared from another"):
+        _run(tmp_path, _source(str(docs), max_documents=2), info)
+    other = tokenizer_info(str(bpe_tokenizer(tmp_path / "tok")))
+    with pytest.raises(ConfigError, match=r"differs from the tokenizer prepared_dir=") as e:
+        check_prepared(str(out), other)
+    assert "\n" not in str(e.value)
+
+
+def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(ROOT / "cli.py"), "prepare", *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_cli_prepare_reads_the_fit_config_and_overrides(tmp_path: Path) -> None:
+    corpus = jsonl(tmp_path / "c.jsonl", [{"body": document(i, 20)} for i in range(30)])
+    tok = bpe_tokenizer(tmp_path / "tok")
+    args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--data.paths", str(corpus),
+            "--data.text_field", "body", "--data.tokenizer", str(tok),
+            "--data.prepared_dir", str(tmp_path / "prepared"), "--data.num_proc", "2"]  # fmt: skip
+    done = _cli(args, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tokens/s" in done.stdout + done.stderr
+    meta = read_metadata(str(tmp_path / "prepared"))
+    assert meta is not None and meta["documents"] == 30
+    assert meta["tokenizer"]["digest"] == tokenizer_info(str(tok)).digest
+    # a tokenizer larger than the model's vocabulary fails before any work, in one line
+    big = word_tokenizer(tmp_path, 1000)
+    bad = _cli([*args[:-6], "--data.tokenizer", str(big), "--data.prepared_dir",
+                str(tmp_path / "never")], tmp_path)  # fmt: skip
+    assert bad.returncode != 0
+    assert "model.config.vocab_size=257 is smaller than the tokenizer's vocabulary of 1000" in (
+        bad.stderr
+    )
+    assert not (tmp_path / "never").exists()
