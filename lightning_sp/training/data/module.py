@@ -27,6 +27,17 @@ from lightning_sp.training.data.tokenizer import tokenizer_info
 from lightning_sp.training.data.tokens import PackedSamples, TokenSplit
 
 
+class ResumableLoader(DataLoader):
+    """A ``DataLoader`` whose state is its :class:`ResumableSampler`'s, so Lightning's fit loop
+    knows the training data resumes mid-epoch (the datamodule's ``state_dict`` holds the same)."""
+
+    def state_dict(self) -> dict[str, int]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.load_state_dict(state)
+
+
 def default_cache_dir() -> str:
     """``~/.cache/lightning_sp`` (``$XDG_CACHE_HOME`` respected)."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -270,7 +281,7 @@ class TextDataModule(pl.LightningDataModule):
         return max(1, int(kwargs.get("num_replicas", 1))), int(kwargs.get("rank", 0))
 
     @override
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> ResumableLoader:
         """Training batches ``{"input_ids": [b, s], "labels": [b, s]}`` in the seeded order
         of :class:`ResumableSampler`; incomplete last batch dropped."""
         if self.train_dataset is None:
@@ -282,7 +293,7 @@ class TextDataModule(pl.LightningDataModule):
         if self._resume is not None:
             self._sampler.load_state_dict(self._resume)
             self._resume = None
-        return DataLoader(
+        return ResumableLoader(
             self.train_dataset,
             batch_size=self.batch_size,
             sampler=self._sampler,
