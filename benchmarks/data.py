@@ -1,6 +1,8 @@
 """Data pipeline figures: ``python -m benchmarks.data [--smoke] [--out FILE]``.
 
-(1) Constant start-up: time to the first training step and peak RSS per rank, fitting
+(1) Constant start-up: time to the first training step (end to end, and the data's own share:
+the datamodule's setup plus building the loader and fetching the first batch, wall and CPU
+seconds) and peak RSS per rank, fitting
 ``GPTModule`` under ``MegatronSPStrategy`` (2 data-parallel CPU ranks) from a prepared corpus
 of ``--large-tokens`` (default 1e9, 2 GB of uint16) vs ``--small-tokens`` (default 1e6), as
 ratios large / small. The corpora are written directly in the prepared format (random
@@ -80,21 +82,45 @@ def synthesize(directory: Path, tokens: int, seed: int = 0) -> None:
     (directory / METADATA).write_text(json.dumps(meta))
 
 
+class TimedData(TextDataModule):
+    """``TextDataModule`` that records the wall and CPU seconds of its ``setup``."""
+
+    def setup(self, stage: str) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        super().setup(stage)
+        self.setup_seconds = (time.perf_counter() - wall, time.process_time() - cpu)
+
+
 class FirstStep(Callback):
-    """Each rank writes seconds from ``start`` to its first training step, and its peak RSS
-    after that step, to ``<folder>/rank<r>.json``."""
+    """Each rank writes to ``<folder>/rank<r>.json``: seconds from ``start`` (before
+    ``Trainer(...)``) to its first training step; the data's own share of that, wall and CPU
+    (the datamodule's ``setup``, plus ``on_fit_start`` -> first batch: building the train
+    loader and fetching the first batch); and its peak RSS after the step."""
 
     def __init__(self, folder: str, start: float) -> None:
         self.folder, self.start = folder, start
         self.first: float | None = None
+        self.fit_start = (0.0, 0.0)
+        self.to_batch = (0.0, 0.0)
+
+    def on_fit_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.fit_start = (time.perf_counter(), time.process_time())
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if self.first is None:
             self.first = time.time() - self.start
+            wall, cpu = self.fit_start
+            self.to_batch = (time.perf_counter() - wall, time.process_time() - cpu)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-        record = {"first_step_s": self.first, "peak_rss_bytes": rss}
+        setup = trainer.datamodule.setup_seconds
+        record = {
+            "first_step_s": self.first,
+            "data_wall_s": setup[0] + self.to_batch[0],
+            "data_cpu_s": setup[1] + self.to_batch[1],
+            "peak_rss_bytes": rss,
+        }
         Path(self.folder, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
@@ -110,7 +136,7 @@ def fit_once(prepared: Path, folder: Path) -> list[dict[str, float]]:
         callbacks=[FirstStep(str(folder), start)], enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
     )  # fmt: skip
-    data = TextDataModule(prepared_dir=str(prepared), seq_length=256, batch_size=8)
+    data = TimedData(prepared_dir=str(prepared), seq_length=256, batch_size=8)
     trainer.fit(GPTModule(config, OptimizerConfig()), data)
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -125,17 +151,14 @@ def startup(work: Path, small: int, large: int) -> dict[str, Any]:
     runs: dict[str, list[dict[str, float]]] = {"small": [], "large": []}
     for i, which in enumerate(("small", "large", "large", "small")):
         runs[which] += fit_once(dirs[which], work / f"run{i}-{which}")
-    med = {
-        w: {k: statistics.median(r[k] for r in runs[w]) for k in ("first_step_s", "peak_rss_bytes")}
-        for w in runs
-    }
+    keys = ("first_step_s", "data_wall_s", "data_cpu_s", "peak_rss_bytes")
+    med = {w: {k: statistics.median(r[k] for r in runs[w]) for k in keys} for w in runs}
     return {
         "tokens": {"small": small, "large": large},
         "bytes_on_disk": {"small": 2 * small, "large": 2 * large},
         "per_rank_records": runs,
         "median": med,
-        "ratio_first_step": med["large"]["first_step_s"] / med["small"]["first_step_s"],
-        "ratio_peak_rss": med["large"]["peak_rss_bytes"] / med["small"]["peak_rss_bytes"],
+        **{f"ratio_{k}": med["large"][k] / med["small"][k] for k in keys},
     }
 
 
@@ -186,12 +209,17 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     s, p = result["startup"], result["prepare"]
-    print(f"time to first step, large/small: {s['ratio_first_step']:.3f} "
-          f"({s['median']['large']['first_step_s']:.2f} s / "
-          f"{s['median']['small']['first_step_s']:.2f} s)")  # fmt: skip
-    print(f"peak RSS per rank, large/small:  {s['ratio_peak_rss']:.3f} "
-          f"({s['median']['large']['peak_rss_bytes'] / 2**20:.0f} MiB / "
-          f"{s['median']['small']['peak_rss_bytes'] / 2**20:.0f} MiB)")  # fmt: skip
+    m = s["median"]
+    for key, label, unit, scale in (
+        ("first_step_s", "time to first step (spawn + imports + data)", "s", 1),
+        ("data_wall_s", "data share of it, wall", "s", 1),
+        ("data_cpu_s", "data share of it, CPU", "s", 1),
+        ("peak_rss_bytes", "peak RSS per rank", "MiB", 2**20),
+    ):
+        print(
+            f"{label}, large/small: {s[f'ratio_{key}']:.3f} ({m['large'][key] / scale:.3f} "
+            f"{unit} / {m['small'][key] / scale:.3f} {unit})"
+        )
     for n in (1, 2):
         r = p[f"num_proc_{n}"]
         print(f"prepare num_proc={n}: {r['tokens']:,} tokens in {r['seconds']:.2f} s = "
