@@ -154,3 +154,16 @@ def test_stdlib_default_corpus(tmp_path: Path) -> None:
     meta_docs = sum(TokenSplit(dm.directories[0], s).num_documents for s in ("train", "val"))
     assert meta_docs == 5
     assert int(np.max(dm.train_dataset.tokens(0))) <= EOS
+
+
+def test_dataset_name_through_load_dataset(tmp_path: Path) -> None:
+    """``dataset_name`` goes through ``datasets.load_dataset`` (a Hub name when online); a
+    local folder works offline."""
+    rows = [{"content": f"row {i} " * 5, "id": i} for i in range(12)]
+    folder = tmp_path / "hub_like"
+    jsonl(folder / "train.jsonl", rows)
+    dm = _prepared(tmp_path, dataset_name=str(folder), text_field="content", seq_length=8)
+    assert _stream(dm) == _bytes_with_eos([r["content"] for r in rows])
+    message = _one_line_error(r"text_field='text' is not a field", tmp_path,
+                              dataset_name=str(folder))  # fmt: skip
+    assert "'content'" in message
