@@ -59,7 +59,7 @@ def synthesize(directory: Path, tokens: int, seed: int = 0) -> None:
     splits = {"train": tokens, "val": max(4096, tokens // 1000)}
     for split, count in splits.items():
         (directory / split).mkdir(parents=True)
-        shards = []
+        shards: list[dict[str, Any]] = []
         for first in range(0, count, SHARD_TOKENS):
             n = min(SHARD_TOKENS, count - first)
             name = f"{len(shards):05d}.bin"
@@ -114,7 +114,7 @@ class FirstStep(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-        setup = trainer.datamodule.setup_seconds
+        setup = trainer.datamodule.setup_seconds  # type: ignore[attr-defined]
         record = {
             "first_step_s": self.first,
             "data_wall_s": setup[0] + self.to_batch[0],

@@ -11,6 +11,7 @@ from lightning_sp import GPT, ConfigError, GPTConfig, MegatronSPStrategy, Parall
 from lightning_sp.errors import positive_int
 from lightning_sp.parallel.state import check_layout
 from lightning_sp.pipeline import check_batch
+from lightning_sp.training.data import TextDataModule
 
 from models import tiny_config
 
@@ -82,6 +83,7 @@ def test_every_size_check_rejects_what_is_not_a_positive_int(value: object) -> N
     _raises(re.escape(f"num_layers{message}"), GPTConfig(num_layers=value).validate)  # type: ignore[arg-type]
     _raises(re.escape(f"tensor_parallel_size{message}"), check_layout, 4, value, 1)
     _raises(re.escape(f"num_microbatches{message}"), check_batch, 8, value)
+    _raises(re.escape(f"batch_size{message}"), TextDataModule, batch_size=value)
     _raises(
         re.escape(f"pipeline_parallel_size{message}"),
         MegatronSPStrategy,

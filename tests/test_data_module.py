@@ -61,7 +61,7 @@ def test_checks_before_any_work(tmp_path: Path) -> None:
     _one_line("a blend reads prepared directories only", blend=[1, prepared], paths="x")
     _one_line("is not a complete prepared corpus", blend=[1, prepared, 1, str(tmp_path)])
     for field, value in (("seq_length", 0), ("batch_size", 0), ("num_proc", 0)):
-        _one_line(f"{field}=0 is invalid", **{field: value})
+        _one_line(f"{field}=0 must be a positive integer", **{field: value})
     _one_line(r"val_fraction=1\.0 is invalid", val_fraction=1.0)
 
 

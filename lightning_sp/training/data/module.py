@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_sp.errors import ConfigError
+from lightning_sp.errors import ConfigError, positive_int
 from lightning_sp.training.data.blend import parse_blend
 from lightning_sp.training.data.order import SampleOrder
 from lightning_sp.training.data.prepare import (
@@ -32,9 +32,11 @@ class ResumableLoader(DataLoader):
     knows the training data resumes mid-epoch (the datamodule's ``state_dict`` holds the same)."""
 
     def state_dict(self) -> dict[str, int]:
+        assert isinstance(self.sampler, ResumableSampler)
         return self.sampler.state_dict()
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        assert isinstance(self.sampler, ResumableSampler)
         self.sampler.load_state_dict(state)
 
 
@@ -121,8 +123,7 @@ class TextDataModule(pl.LightningDataModule):
             )
         for name, value in (("seq_length", seq_length), ("batch_size", batch_size),
                             ("num_proc", num_proc)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} is invalid; it must be an integer >= 1")
+            positive_int(name, value)
         if not 0.0 <= val_fraction < 1.0:
             raise ConfigError(f"val_fraction={val_fraction!r} is invalid; it must be in [0, 1)")
         if max_documents is not None and max_documents < 1:
@@ -308,6 +309,7 @@ class TextDataModule(pl.LightningDataModule):
         shards them over data-parallel replicas)."""
         if self.val_dataset is None:
             self.setup("fit")
+        assert self.val_dataset is not None
         return DataLoader(
             self.val_dataset,
             batch_size=self.batch_size,

@@ -264,9 +264,9 @@ def load_documents(source: Source, cache_dir: str | None = None) -> datasets.Dat
                 )
             )
             text_run = []
-        if kind == "text":
+        if entry is not None and kind == "text":
             text_run.append(entry)
-        elif entry is not None:
+        elif entry is not None and kind is not None:
             parts.append(_load_entry(entry, kind, source.text_field, cache_dir))
     text = datasets.Features({"text": datasets.Value("string")})
     parts = [p if p.features == text else p.cast(text) for p in parts]
