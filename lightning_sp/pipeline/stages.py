@@ -41,6 +41,8 @@ from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel import grads as grad_utils
 from lightning_sp.parallel.state import DEFAULT_TIMEOUT, ParallelState
 
+_Schedule = Schedule1F1B | ScheduleInterleaved1F1B
+
 ScheduleName = Literal["auto", "1f1b", "interleaved"]
 SCHEDULES = ("auto", "1f1b", "interleaved")
 
@@ -207,19 +209,19 @@ class Pipeline(nn.Module):
         self.num_microbatches = num_microbatches
         self.virtual_pipeline_size = m
         ranges = chunk_layer_ranges(config.num_layers, p, m, state.pipeline_parallel_rank)
-        self.chunks = nn.ModuleList(
-            GPT(config, state, layer_range=r, dtype=dtype, device=device) for r in ranges
-        )
+        models = [GPT(config, state, layer_range=r, dtype=dtype, device=device) for r in ranges]
+        self.chunks = nn.ModuleList(models)  # registered here: parameters ``chunks.<c>.…``
+        self.models: list[GPT] = models  # the same chunks, typed
         self.stage_indices = [c * p + state.pipeline_parallel_rank for c in range(m)]
-        self.has_embedding = self.chunks[0].has_embedding
-        self.has_head = self.chunks[-1].has_head
+        self.has_embedding = self.models[0].has_embedding
+        self.has_head = self.models[-1].has_head
         if p > 1 and self.has_head:
             # the output layer's copy of the tied embedding: its gradient is summed with stage
             # 0's, and the global norm counts the original only
-            self.chunks[-1].word_embeddings.weight.pipeline_copy = True
+            self.models[-1].word_embeddings.weight.pipeline_copy = True  # type: ignore[attr-defined]
         # plain lists, so the chunks are registered once (under ``chunks``)
-        self._stage_modules = [_Stage(chunk) for chunk in self.chunks]
-        self._schedules: dict[tuple, object] = {}
+        self._stage_modules = [_Stage(chunk) for chunk in self.models]
+        self._schedules: dict[tuple[int, int, torch.dtype], _Schedule] = {}
         self._embedding_group = self._make_embedding_group(timeout)
 
     # -- layout --------------------------------------------------------------------------------
@@ -247,12 +249,12 @@ class Pipeline(nn.Module):
 
     @property
     def _device(self) -> torch.device:
-        return next(self.chunks[0].parameters()).device
+        return next(self.models[0].parameters()).device
 
     @property
     def _loss_dtype(self) -> torch.dtype:
         """fp32 for bf16/fp16 models (the cross entropy runs in fp32), else the model's."""
-        return torch.promote_types(next(self.chunks[0].parameters()).dtype, torch.float32)
+        return torch.promote_types(next(self.models[0].parameters()).dtype, torch.float32)
 
     def _hidden_shape(self, micro_batch: int, seq: int) -> tuple[int, int, int]:
         t = self.state.tensor_parallel_size
@@ -285,9 +287,9 @@ class Pipeline(nn.Module):
     def _loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
         """Head and loss of one micro-batch, divided by ``n``: summed over micro-batches this
         is the mean loss of the batch, and its gradients those of the mean."""
-        return self.chunks[-1].loss(output, target) / self.num_microbatches
+        return self.models[-1].loss(output, target) / self.num_microbatches
 
-    def _schedule(self, input_ids: Tensor) -> object:
+    def _schedule(self, input_ids: Tensor) -> _Schedule:
         """The schedule (and its stages) for the micro-batch shape of ``input_ids``, built on
         first use. Shapes are static, so no stage runs a metadata-inference pass."""
         micro_batch, seq = input_ids.shape[0] // self.num_microbatches, input_ids.shape[1]
@@ -295,12 +297,14 @@ class Pipeline(nn.Module):
         if key in self._schedules:
             return self._schedules[key]
         p, m = self.state.pipeline_parallel_size, self.virtual_pipeline_size
-        param = next(self.chunks[0].parameters())
-        meta = {"device": "meta"}
+        param = next(self.models[0].parameters())
         hidden = torch.empty(  # what every stage sends on: [s/t or s, b, h]
-            self._hidden_shape(micro_batch, seq), dtype=param.dtype, requires_grad=True, **meta
+            self._hidden_shape(micro_batch, seq),
+            dtype=param.dtype,
+            requires_grad=True,
+            device="meta",
         )
-        ids = torch.empty((micro_batch, seq), dtype=input_ids.dtype, **meta)  # [b, s]
+        ids = torch.empty((micro_batch, seq), dtype=input_ids.dtype, device="meta")  # [b, s]
         stages = [
             PipelineStage(
                 module,
@@ -314,10 +318,10 @@ class Pipeline(nn.Module):
             for module, index in zip(self._stage_modules, self.stage_indices, strict=True)
         ]
         n, loss_fn = self.num_microbatches, self._loss_fn
-        schedule = (
+        schedule: _Schedule = (
             Schedule1F1B(stages[0], n, loss_fn=loss_fn, scale_grads=False)
             if self.schedule_name == "1f1b"
-            else ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
+            else ScheduleInterleaved1F1B([*stages], n, loss_fn=loss_fn, scale_grads=False)
         )
         self._schedules[key] = schedule
         return schedule
@@ -368,7 +372,7 @@ class Pipeline(nn.Module):
 
     def _accumulate(self, input_ids: Tensor, labels: Tensor, backward: bool) -> Tensor:
         """``p = 1``: the micro-batches one after another (gradient accumulation)."""
-        chunk, n = self.chunks[0], self.num_microbatches
+        chunk, n = self.models[0], self.num_microbatches
         total = torch.zeros((), dtype=self._loss_dtype, device=self._device)
         for ids, target in zip(input_ids.chunk(n), labels.chunk(n), strict=True):
             loss = self._loss_fn(chunk.forward_layers(chunk.embed(ids)), target)
@@ -394,7 +398,7 @@ class Pipeline(nn.Module):
         embedding; last stage: the output layer), so both copies take the same update."""
         if self._embedding_group is None:
             return
-        chunk = self.chunks[0] if self.has_embedding else self.chunks[-1]
+        chunk = self.models[0] if self.has_embedding else self.models[-1]
         weight = chunk.word_embeddings.weight
         grad = grad_utils.grad_of(weight)
         if grad is None:
@@ -411,14 +415,14 @@ class Pipeline(nn.Module):
 
     def rng_state_dict(self) -> dict[str, dict[str, Tensor]]:
         """The dropout streams of every chunk, keyed by chunk index (for checkpoints)."""
-        return {str(c): chunk.rng.state_dict() for c, chunk in enumerate(self.chunks)}
+        return {str(c): chunk.rng.state_dict() for c, chunk in enumerate(self.models)}
 
     def load_rng_state_dict(self, state_dict: dict[str, dict[str, Tensor]]) -> None:
         """Restore :meth:`rng_state_dict`."""
-        for c, chunk in enumerate(self.chunks):
+        for c, chunk in enumerate(self.models):
             chunk.rng.load_state_dict(state_dict[str(c)])
 
     def global_name(self, name: str) -> str:
         """A parameter's name (``chunks.<c>.…``) in the unsplit, unsharded model."""
         _, c, rest = name.split(".", 2)
-        return self.chunks[int(c)].global_name(rest)
+        return self.models[int(c)].global_name(rest)
