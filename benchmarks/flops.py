@@ -31,9 +31,10 @@ from benchmarks.throughput import ThroughputShape, model_config
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.memory.fake import fake_world
 from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
+from lightning_sp.model.config import Recompute
 from tests.spawn import run_distributed
 
-POLICIES = ("none", "selective", "full")
+POLICIES: tuple[Recompute, ...] = ("none", "selective", "full")
 
 
 def _fake_parameters(module: nn.Module) -> None:

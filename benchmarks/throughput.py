@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -145,7 +146,7 @@ class DTensorGPTModule(L.LightningModule):
         with loss_parallel():
             loss.backward(*args, **kwargs)
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         assert self.model is not None  # the same AdamW and schedule as GPTModule
         return configure_adamw(self.model, self.optimizer_config, self.trainer.max_steps)
 

@@ -338,5 +338,3 @@ def model_state_bytes(
 ) -> float:
     """Weights + gradients + optimizer state for ``num_parameters`` parameters on one rank."""
     return num_parameters * precision.bytes_per_parameter
-
-

@@ -19,6 +19,7 @@ parallelism divides the rest; ``selective`` drops the 5as²b; ``full`` keeps the
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -38,7 +39,7 @@ from lightning_sp.parallel.random import RNGStreams, dropout
 from lightning_sp.parallel.state import ParallelState
 
 
-def _layer_norm(config: GPTConfig, sequence_parallel: bool, **kwargs: object) -> nn.LayerNorm:
+def _layer_norm(config: GPTConfig, sequence_parallel: bool, **kwargs: Any) -> nn.LayerNorm:
     norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps, **kwargs)
     mark_parameter(norm.weight, init="ones", sequence_parallel=sequence_parallel)
     mark_parameter(norm.bias, init="zeros", sequence_parallel=sequence_parallel)
@@ -72,7 +73,7 @@ class Attention(nn.Module):
         state: ParallelState,
         rng: RNGStreams,
         selective: bool,
-        **kwargs: object,
+        **kwargs: Any,
     ) -> None:
         super().__init__()
         sp = config.sequence_parallel
@@ -115,7 +116,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """h -> 4h (column parallel) -> GeLU -> h (row parallel)."""
 
-    def __init__(self, config: GPTConfig, state: ParallelState, **kwargs: object) -> None:
+    def __init__(self, config: GPTConfig, state: ParallelState, **kwargs: Any) -> None:
         super().__init__()
         sp = config.sequence_parallel
         out_std = config.init_std / math.sqrt(2 * config.num_layers)
@@ -145,7 +146,7 @@ class TransformerLayer(nn.Module):
         rng: RNGStreams,
         layer_number: int,
         recompute: str,
-        **kwargs: object,
+        **kwargs: Any,
     ) -> None:
         super().__init__()
         self.layer_number = layer_number
@@ -201,7 +202,8 @@ class GPT(nn.Module):
         self.has_embedding = self.layer_range.start == 0
         self.has_head = self.layer_range.stop == config.num_layers
         self.rng = RNGStreams(config.seed, state, chunk=self.layer_range.start)
-        kwargs = {"dtype": dtype, "device": device if device is not None else state.device}
+        device = device if device is not None else state.device
+        kwargs: dict[str, Any] = {"dtype": dtype, "device": device}
         sp, group = config.sequence_parallel, state.tp_group
         self.sequence_parallel, self.tp_group = sp, group
         self.padded_vocab_size = config.padded_vocab_size(state.tensor_parallel_size)

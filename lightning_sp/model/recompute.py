@@ -13,6 +13,7 @@ The policies built on it: ``selective`` wraps the attention core, ``full`` a who
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,14 +23,14 @@ from lightning_sp.parallel.random import RNGStreams
 
 class _Recompute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn: Callable[..., Tensor], rng: RNGStreams, *inputs: Tensor) -> Tensor:
+    def forward(ctx: Any, fn: Callable[..., Tensor], rng: RNGStreams, *inputs: Tensor) -> Tensor:
         ctx.fn, ctx.rng = fn, rng
         ctx.rng_state = rng.get_state()
         ctx.save_for_backward(*inputs)
         return fn(*inputs)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
         after = ctx.rng.get_state()
         ctx.rng.set_state(ctx.rng_state)

@@ -45,7 +45,7 @@ def _gpt(pl_module: LightningModule) -> GPT:
     has the same config and parallel state)."""
     pipeline = _pipeline(pl_module)
     if pipeline is not None:
-        return pipeline.chunks[0]
+        return pipeline.models[0]
     gpt = getattr(pl_module, "gpt", None)
     if not isinstance(gpt, GPT):
         raise AttributeError(
@@ -154,7 +154,7 @@ class ActivationMemoryMonitor(Callback):
         if pipeline is not None:  # the schedule runs forward and backward inside the step
             modules = {
                 f"chunks.{c}.layers.{i}": layer
-                for c, chunk in enumerate(pipeline.chunks)
+                for c, chunk in enumerate(pipeline.models)
                 for i, layer in enumerate(chunk.layers)
             }
             live = LiveActivationTracker(modules, exclude=list(pipeline.parameters()))
@@ -244,13 +244,13 @@ class ActivationMemoryMonitor(Callback):
                 config.num_heads,
                 state.tensor_parallel_size,
                 sequence_parallel=config.sequence_parallel,
-                recompute=layer.recompute,
+                recompute=config.layer_recompute(i),  # what layer i of the chunk runs
                 ffn_hidden_size=config.ffn_size,
                 activation_bytes=element_bytes,
                 hidden_dropout=config.hidden_dropout > 0,
                 attention_dropout=config.attention_dropout > 0,
             )
-            for layer in gpt.layers
+            for i in range(len(gpt.layers))
         ) / len(gpt.layers)
 
     def report_pipeline_stage_peak(
@@ -264,10 +264,10 @@ class ActivationMemoryMonitor(Callback):
         pipeline = _pipeline(pl_module)
         if pipeline is None or not pipeline.state.is_first_stage:
             return
-        gpt, n = pipeline.chunks[0], pipeline.num_microbatches
+        gpt, n = pipeline.models[0], pipeline.num_microbatches
         state = gpt.state
         in_flight = layers_in_flight(
-            gpt.config.num_layers, state.pipeline_parallel_size, len(pipeline.chunks), n
+            gpt.config.num_layers, state.pipeline_parallel_size, len(pipeline.models), n
         )
         formula = self._formula_per_layer(gpt, b // n, s) * in_flight
         self.last_stage_peak, self.last_stage_formula = peak_bytes, formula

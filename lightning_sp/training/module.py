@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torchmetrics import MeanMetric
@@ -75,7 +76,9 @@ def lr_multiplier(step: int, peak: float, floor: float, warmup: int, decay: int)
     return (floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))) / peak
 
 
-def configure_adamw(model: nn.Module, cfg: OptimizerConfig, max_steps: int) -> dict[str, Any]:
+def configure_adamw(
+    model: nn.Module, cfg: OptimizerConfig, max_steps: int
+) -> OptimizerLRSchedulerConfig:
     """``configure_optimizers``'s answer: AdamW
     (:func:`~lightning_sp.training.optim.build_adamw`) with warm-up + cosine decay stepped every
     optimizer step."""
@@ -127,7 +130,7 @@ class GPTModule(LightningModule):
     def chunks(self) -> list[GPT]:
         """This rank's model chunks: the one GPT, or the pipeline stage's chunks."""
         if self.pipeline is not None:
-            return list(self.pipeline.chunks)
+            return list(self.pipeline.models)
         return [self._require_model()]
 
     @override
@@ -190,7 +193,9 @@ class GPTModule(LightningModule):
         )
         rank_zero_info(f"recompute=auto: {choice.describe()}")
         return dataclasses.replace(
-            config, recompute=choice.recompute, recompute_num_layers=choice.recompute_num_layers
+            config,
+            recompute=choice.recompute,  # type: ignore[arg-type]  # a policy of the planner's ladder
+            recompute_num_layers=choice.recompute_num_layers,
         )
 
     def _check_data(self, config: GPTConfig) -> None:
@@ -219,7 +224,9 @@ class GPTModule(LightningModule):
         if self.pipeline is None:
             return self._require_model()(ids, labels)
         if train:  # the schedule runs forward and backward of every micro-batch
-            self.optimizers().zero_grad()  # see optimizer_zero_grad
+            optimizer = self.optimizers()
+            assert not isinstance(optimizer, list)  # configure_optimizers returns one
+            optimizer.zero_grad()  # see optimizer_zero_grad
             return self.pipeline.train_step(ids, labels)
         return self.pipeline.eval_step(ids, labels)
 
@@ -260,7 +267,7 @@ class GPTModule(LightningModule):
     # -- optimisation ------------------------------------------------------------------------
 
     @override
-    def configure_optimizers(self) -> dict[str, Any]:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         model = self.pipeline if self.pipeline is not None else self._require_model()
         return configure_adamw(model, self.optimizer_config, self.trainer.max_steps)
 

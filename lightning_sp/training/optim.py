@@ -37,7 +37,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
         for group in param_groups:
             masters = []
             for p in group["params"]:
-                p.main_grad = torch.zeros_like(p, dtype=torch.float32)  # type: ignore[attr-defined]
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
                 p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
                 master = p.detach().float().clone().requires_grad_(True)
                 masters.append(master)
@@ -49,7 +49,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
         return [m for group in self.param_groups for m in group["params"]]
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -218,7 +218,7 @@ class MegatronSPStrategy(ParallelStrategy):
                 self.node_rank * self.num_processes + self.local_rank
             )
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
