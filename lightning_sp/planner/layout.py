@@ -194,15 +194,15 @@ def planner_options(parsed: Namespace) -> PlannerOptions:
 
 def _devices(value: Any) -> int:
     """``trainer.devices`` as a count of GPUs per node."""
-    if isinstance(value, str) and value.isdigit():
-        value = int(value)
     if isinstance(value, list | tuple):
         return len(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(
-            f"trainer.devices={value!r} cannot be estimated; give the number of GPUs per node"
-        )
-    return value
+    if isinstance(value, str):
+        if not value.isdigit():
+            raise ConfigError(
+                f"trainer.devices={value!r} cannot be estimated; give the number of GPUs per node"
+            )
+        value = int(value)
+    return positive_int("trainer.devices", value)
 
 
 def _parallel_sizes(strategy: Any, config: GPTConfig) -> tuple[int, int, int, int, bool]:
