@@ -3,8 +3,14 @@ layouts on 4 gloo ranks, crash safety under kill -9, the non-finite guard."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import hashlib
+import os
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -88,7 +94,9 @@ class Run:
 
 
 def _compare(a: dict, b: dict, rtol: float, what: str) -> None:
-    tensors = [k for k in a if k.startswith(("model.", "optim.")) and isinstance(a[k], torch.Tensor)]
+    tensors = [
+        k for k in a if k.startswith(("model.", "optim.")) and isinstance(a[k], torch.Tensor)
+    ]
     assert tensors and set(tensors) <= set(b), f"{what}: keys differ"
     for key in tensors:
         x, y = a[key].double(), b[key].double()
@@ -155,3 +163,129 @@ def test_resharding_between_layouts() -> None:
     operation), which Adam's division by sqrt(v) amplifies where v is small."""
     with tempfile.TemporaryDirectory() as root:
         run_distributed(_reshard_worker, 4, root)
+
+
+# -- through cli.py: Lightning's launcher, 2 ranks, tiny.yaml at smoke size ---------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = str(ROOT / "cli.py")
+QUICK = ["--data.max_documents", "30", "--trainer.limit_val_batches", "0",
+         "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+         "--trainer.num_sanity_val_steps", "0"]  # fmt: skip
+
+
+def _config(folder: Path) -> Path:
+    """tiny.yaml, checkpointing every 2 steps into ``checkpoints`` and keeping them all."""
+    text = (ROOT / "configs" / "tiny.yaml").read_text()
+    text = text.replace(
+        "every_n_train_steps: 100", "every_n_train_steps: 2\n        save_top_k: -1"
+    )
+    text = text.replace("dirpath: checkpoints/tiny", "dirpath: checkpoints")
+    path = folder / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def cli(folder: Path, *args: str, env: dict | None = None, timeout: float = 300):
+    folder.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, CLI, "fit", "--config", str(_config(folder)), *QUICK, *args]
+    start = time.monotonic()
+    result = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
+    result.seconds = time.monotonic() - start  # type: ignore[attr-defined]
+    return result
+
+
+def losses(folder: Path) -> dict[int, float]:
+    rows = []
+    for file in sorted((folder / "logs" / "csv").glob("version_*/metrics.csv")):
+        with open(file) as fh:
+            rows += [r for r in csv.DictReader(fh) if r.get("train/loss")]
+    return {int(r["step"]): float(r["train/loss"]) for r in rows}
+
+
+def digest(path: Path) -> str:
+    """A hash of every file's bytes in a checkpoint (through its link)."""
+    sha = hashlib.sha256()
+    for file in sorted(path.resolve().iterdir()):
+        sha.update(file.name.encode() + file.read_bytes())
+    return sha.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6 steps straight, a checkpoint every 2 (step2, step4, step6 and last)."""
+    folder = tmp_path_factory.mktemp("straight")
+    result = cli(folder, "--trainer.max_steps", "6")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return folder
+
+
+def _tensors(path: Path) -> dict:
+    full = read_full(path)
+    return {k: v for k, v in full.items() if torch.is_tensor(v) and k.startswith("model.")}
+
+
+FAULTS = {  # the 4th save is last.ckpt at step 4 (saves: step2, last, step4, last, ...)
+    "shard-write": "shard:1:4",
+    "between-ranks": "written:0:4",
+    "before-rename": "rename:0:4",
+}
+
+
+@pytest.mark.parametrize("point", list(FAULTS))
+def test_kill_during_save_leaves_last_at_the_previous_checkpoint(
+    straight: Path, tmp_path: Path, point: str
+) -> None:
+    """kill -9 of one rank while last.ckpt is being rewritten at step 4: the job fails
+    within 60 s, and last.ckpt is still the complete step-2 checkpoint (the same tensors as
+    the straight run's step 2), never a mix; a resume from it equals the straight run."""
+    result = cli(tmp_path, "--trainer.max_steps", "6",
+                 env={"LIGHTNING_SP_CHECKPOINT_FAULT": FAULTS[point]})  # fmt: skip
+    assert result.returncode != 0, result.stderr[-2000:]
+    assert result.seconds < 120  # imports and 4 steps, then the job ends within 60 s
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert read_full(last)["lightning"]["global_step"] == 2
+    want = _tensors(straight / "checkpoints" / "step2.ckpt")
+    got = _tensors(last)
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    names = {p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.startswith(".")}
+    assert names <= {"step2.ckpt", "step4.ckpt", "last.ckpt"}
+    if point == "before-rename":  # one resume is enough to show the rest follows
+        resumed = cli(tmp_path, "--trainer.max_steps", "6", "--ckpt_path", str(last))
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        mine, theirs = losses(tmp_path), losses(straight)
+        for step in (2, 3, 4, 5):
+            assert mine[step] == pytest.approx(theirs[step], rel=1e-6), step
+
+
+def test_async_save_writes_the_same_checkpoint(straight: Path, tmp_path: Path) -> None:
+    result = cli(tmp_path, "--trainer.max_steps", "4",
+                 "--trainer.strategy.init_args.async_save", "true")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("step2.ckpt", "step4.ckpt"):
+        want, got = (
+            _tensors(straight / "checkpoints" / name),
+            _tensors(tmp_path / "checkpoints" / name),
+        )
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_nonfinite_loss_stops_with_one_line_and_keeps_last(straight: Path, tmp_path: Path) -> None:
+    """lr 1e6 makes the loss NaN: exit 3, one line naming the step, and the checkpoint that
+    was last before (copied from the straight run) is bit-for-bit intact."""
+    import shutil
+
+    (tmp_path / "checkpoints").mkdir()
+    source = straight / "checkpoints" / "last.ckpt"
+    shutil.copytree(source.resolve(), tmp_path / "checkpoints" / source.resolve().name)
+    os.symlink(source.resolve().name, tmp_path / "checkpoints" / "last.ckpt")
+    before = digest(tmp_path / "checkpoints" / "last.ckpt")
+    result = cli(tmp_path, "--trainer.max_steps", "6", "--model.optimizer.lr", "1e6")
+    assert result.returncode == 3, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert "non-finite loss" in errors[0] and " at step " in errors[0], errors[0]
+    assert digest(tmp_path / "checkpoints" / "last.ckpt") == before
+    assert not (tmp_path / "checkpoints" / "step2.ckpt").exists()

@@ -380,7 +380,7 @@ def verify(path: Path, field: str = "ckpt_path") -> tuple[Meta, Metadata]:
             raise ConfigError(f"{shown}: file {file} is truncated or corrupt (CRC32 mismatch)")
     try:
         metadata = FileSystemReader(data).read_metadata()
-    except Exception as error:  # noqa: BLE001 - any unpickling failure means a corrupt file
+    except Exception as error:
         raise ConfigError(f"{shown}: file {data / DCP_METADATA} is corrupt ({error})") from None
     return meta, metadata
 

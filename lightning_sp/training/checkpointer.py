@@ -146,7 +146,7 @@ class Checkpointer:
             for path in self._deferred_removals:
                 commit.remove(path)
             self._deferred_removals.clear()
-        except BaseException as error:  # noqa: BLE001 - re-raised by wait() on the main thread
+        except BaseException as error:
             self._commit_error = error
 
     def wait(self) -> None:
