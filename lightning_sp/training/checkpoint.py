@@ -324,7 +324,7 @@ class FaultyWriter(FileSystemWriter):
                 if file.exists():
                     with open(file, "r+b") as fh:
                         fh.truncate(file.stat().st_size // 2)
-            commit.die()
+            commit.die("shard", self.rank)
         commit.maybe_fault("written", self.rank)
         return future
 

@@ -3,17 +3,17 @@
 A save writes a fresh data directory with DCP (each rank its shards), then rank 0 records
 ``meta.json`` with file checksums and publishes the name by an atomic rename
 (:mod:`~lightning_sp.training.commit`). With ``async_save`` the tensors are copied to CPU
-memory and the step goes on while a background thread writes them on a separate gloo group;
-the rename happens when every rank has finished. At most one save is in flight: the next save,
-a removal (``save_top_k``) and the end of training wait for it, so an old checkpoint is never
-deleted before its successor is complete.
+memory and the step goes on while one background thread per rank writes them (DCP's
+collectives on a separate gloo group) and publishes them when every rank has finished. Saves
+and removals (``save_top_k``) run in that thread in the order they were asked for, so an old
+checkpoint is never deleted before its successor is published; at most ``MAX_IN_FLIGHT``
+saves wait there (a step checkpoint and ``last``), and the end of training waits for all.
 """
 
 from __future__ import annotations
 
-import threading
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,8 @@ from lightning_sp.training.checkpoint import (
     state_entries,
     verify,
 )
+
+MAX_IN_FLIGHT = 2  # a step checkpoint and last.ckpt
 
 
 def _distributed() -> bool:
@@ -72,10 +74,9 @@ class Checkpointer:
     def __init__(self, async_save: bool = False) -> None:
         self.async_save = async_save
         self._group: dist.ProcessGroup | None = None
-        self._pending: Future | None = None
-        self._committer: threading.Thread | None = None
-        self._commit_error: BaseException | None = None
-        self._deferred_removals: list[Path] = []
+        self._pending: list[Future] = []
+        # one worker: saves (and removals) run in the order they were asked for, on every rank
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
 
     @property
     def rank(self) -> int:
@@ -94,16 +95,10 @@ class Checkpointer:
         rng: tuple[str, Any],
     ) -> None:
         """Write the checkpoint ``final`` (see the module docstring)."""
-        self.wait()
         rank = self.rank
         commit.count_save(rank)
         token = _broadcast(f"{meta.step:09d}-{uuid.uuid4().hex[:8]}")
         data = commit.data_directory(final, token)
-        if rank == 0:
-            commit.collect_garbage(final)
-            data.mkdir(parents=True)
-        if _distributed():
-            dist.barrier()
         tensors, shards, _ = state_entries(module, optimizers, for_load=False)
         state: dict[str, Any] = dict(tensors)
         state[rng[0]] = rng[1]
@@ -115,58 +110,58 @@ class Checkpointer:
             state["lightning"] = lightning_state
         writer, planner = FaultyWriter(data, rank), GlobalSavePlanner(shards)
         if not self.async_save:
-            dcp.save(state, storage_writer=writer, planner=planner)
-            if rank == 0:
-                self._publish(final, data, meta)
+            self._write(state, writer, planner, None, final, data, meta)
             if _distributed():
                 dist.barrier()  # the name is published when save returns, on every rank
             return
         if self._group is None and _distributed():
             self._group = dist.new_group(backend="gloo")
-        response = dcp.async_save(
-            state, storage_writer=writer, planner=planner, process_group=self._group
-        )
-        future = getattr(response, "upload_completion", response)
-        self._pending = future
-        if rank == 0:
-            self._committer = threading.Thread(
-                target=self._publish_when_done, args=(future, final, data, meta), daemon=True
+        while len(self._pending) >= MAX_IN_FLIGHT:
+            self._pending.pop(0).result()
+        staged = {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+                  for k, v in state.items()}  # fmt: skip
+        self._pending.append(
+            self._executor.submit(
+                self._write, staged, writer, planner, self._group, final, data, meta
             )
-            self._committer.start()
+        )
 
-    def _publish(self, final: Path, data: Path, meta: Meta) -> None:
-        meta.checksums = file_checksums(data)
-        (data / "meta.json").write_text(meta.dumps())
-        commit.publish(final, data)
-
-    def _publish_when_done(self, future: Future, final: Path, data: Path, meta: Meta) -> None:
-        try:
-            future.result()  # every rank's writes and DCP's metadata are done
-            self._publish(final, data, meta)
-            for path in self._deferred_removals:
-                commit.remove(path)
-            self._deferred_removals.clear()
-        except BaseException as error:
-            self._commit_error = error
+    def _write(
+        self,
+        state: dict[str, Any],
+        writer: FaultyWriter,
+        planner: GlobalSavePlanner,
+        group: dist.ProcessGroup | None,
+        final: Path,
+        data: Path,
+        meta: Meta,
+    ) -> None:
+        """DCP's save (collective over ``group``), then rank 0 publishes: every rank's shard
+        writes and DCP's metadata are done when ``dcp.save`` returns on rank 0."""
+        if self.rank == 0:  # crashed saves' leftovers of this name, before anyone writes
+            commit.collect_garbage(final)
+        if _distributed():
+            dist.barrier(group=group)
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
+        if self.rank == 0:
+            meta.checksums = file_checksums(data)
+            (data / "meta.json").write_text(meta.dumps())
+            commit.publish(final, data)
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is written and published."""
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
-        if self._committer is not None:
-            self._committer.join()
-            self._committer = None
-        if self._commit_error is not None:
-            error, self._commit_error = self._commit_error, None
-            raise RuntimeError(f"saving the checkpoint failed: {error}") from error
+        """Block until every save in flight is written and published."""
+        while self._pending:
+            try:
+                self._pending.pop(0).result()
+            except Exception as error:
+                raise RuntimeError(f"saving a checkpoint failed: {error}") from error
 
     def remove(self, final: Path) -> None:
-        """Delete ``final`` (rank 0's job) once the save in flight is published."""
+        """Delete ``final`` (rank 0's job) after every save in flight is published."""
         if self.rank != 0:
             return
-        if self._committer is not None and self._committer.is_alive():
-            self._deferred_removals.append(final)
+        if self._pending:
+            self._pending.append(self._executor.submit(commit.remove, final))
         else:
             commit.remove(final)
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
+import time
 from pathlib import Path
 
 FAULT_ENV = "LIGHTNING_SP_CHECKPOINT_FAULT"
@@ -109,10 +111,12 @@ def maybe_fault(point: str, rank: int) -> bool:
     if (want_point, int(want_rank), int(want_save)) != (point, rank, _save_counts.get(rank, 0)):
         return False
     if point != "shard":
-        die()
+        die(point, rank)
     return True
 
 
-def die() -> None:
-    """``kill -9`` this process (fault injection)."""
+def die(point: str, rank: int) -> None:
+    """``kill -9`` this process (fault injection), saying when on stderr."""
+    print(f"fault injection: kill -9 of rank {rank} at {point}, time {time.time():.3f}",
+          file=sys.stderr, flush=True)  # fmt: skip
     os.kill(os.getpid(), signal.SIGKILL)
