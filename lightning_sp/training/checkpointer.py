@@ -75,8 +75,14 @@ class Checkpointer:
         self.async_save = async_save
         self._group: dist.ProcessGroup | None = None
         self._pending: list[Future] = []
+        self._executor_: ThreadPoolExecutor | None = None  # created on first use (picklable)
+
+    @property
+    def _executor(self) -> ThreadPoolExecutor:
         # one worker: saves (and removals) run in the order they were asked for, on every rank
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        if self._executor_ is None:
+            self._executor_ = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        return self._executor_
 
     @property
     def rank(self) -> int:
@@ -216,3 +222,16 @@ class Checkpointer:
         lightning["rng_streams"] = state.get(rng_name)
         lightning["checkpoint_layout"] = meta.layout
         return lightning
+
+
+def resumable_loader(dataloader: object) -> object:
+    """Give a ``DataLoader`` whose sampler has ``state_dict`` / ``load_state_dict`` those two
+    methods (delegating to the sampler), so that Lightning saves and restores the data position
+    through its public loader protocol and does not warn that the loader is not resumable.
+    Other loaders are returned unchanged."""
+    sampler = getattr(dataloader, "sampler", None)
+    has = all(callable(getattr(sampler, name, None)) for name in ("state_dict", "load_state_dict"))
+    if has and not callable(getattr(dataloader, "state_dict", None)):
+        dataloader.state_dict = sampler.state_dict  # type: ignore[attr-defined]
+        dataloader.load_state_dict = sampler.load_state_dict  # type: ignore[attr-defined]
+    return dataloader

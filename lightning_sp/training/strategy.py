@@ -51,7 +51,7 @@ from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState, check_layout
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.training.checkpoint import Layout, Meta, gpt_chunks
-from lightning_sp.training.checkpointer import Checkpointer, rng_key
+from lightning_sp.training.checkpointer import Checkpointer, resumable_loader, rng_key
 from lightning_sp.training.guard import NonFiniteGuard
 from lightning_sp.training.validation import check_precision, check_strategy_args
 
@@ -380,6 +380,11 @@ class MegatronSPStrategy(ParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """The optimizer state was loaded in place by :meth:`load_checkpoint`."""
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """A loader with a stateful sampler resumes through Lightning's loader protocol."""
+        return resumable_loader(dataloader)
 
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
