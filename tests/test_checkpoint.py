@@ -224,11 +224,11 @@ def digest(path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """6 steps straight, a checkpoint every 2 (step2, step4, step6 and last), saved with
+    """4 steps straight, a checkpoint every 2 (step2, step4 and last), saved with
     ``async_save`` (the kill tests' blocking saves must equal these, bit for bit)."""
     folder = tmp_path_factory.mktemp("straight")
     result = cli(
-        folder, "--trainer.max_steps", "6", "--trainer.strategy.init_args.async_save", "true"
+        folder, "--trainer.max_steps", "4", "--trainer.strategy.init_args.async_save", "true"
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return folder
@@ -253,7 +253,7 @@ def test_kill_during_save_leaves_last_at_the_previous_checkpoint(
     """kill -9 of one rank while last.ckpt is being rewritten at step 4: the job fails
     within 60 s, and last.ckpt is still the complete step-2 checkpoint (the same tensors as
     the straight run's step 2), never a mix; a resume from it equals the straight run."""
-    result = cli(tmp_path, "--trainer.max_steps", "6",
+    result = cli(tmp_path, "--trainer.max_steps", "4",
                  env={"LIGHTNING_SP_CHECKPOINT_FAULT": FAULTS[point]})  # fmt: skip
     assert result.returncode != 0, result.stderr[-2000:]
     killed = re.search(r"fault injection: kill -9 of rank \d at \w+, time ([\d.]+)", result.stderr)
@@ -268,10 +268,10 @@ def test_kill_during_save_leaves_last_at_the_previous_checkpoint(
     names = {p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.startswith(".")}
     assert names <= {"step2.ckpt", "step4.ckpt", "last.ckpt"}
     if point == "before-rename":  # one resume is enough to show the rest follows
-        resumed = cli(tmp_path, "--trainer.max_steps", "6", "--ckpt_path", str(last))
+        resumed = cli(tmp_path, "--trainer.max_steps", "4", "--ckpt_path", str(last))
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         mine, theirs = losses(tmp_path), losses(straight)
-        for step in (2, 3, 4, 5):
+        for step in (2, 3):
             assert mine[step] == pytest.approx(theirs[step], rel=1e-6), step
 
 
@@ -285,7 +285,7 @@ def test_nonfinite_loss_stops_with_one_line_and_keeps_last(straight: Path, tmp_p
     shutil.copytree(source.resolve(), tmp_path / "checkpoints" / source.resolve().name)
     os.symlink(source.resolve().name, tmp_path / "checkpoints" / "last.ckpt")
     before = digest(tmp_path / "checkpoints" / "last.ckpt")
-    result = cli(tmp_path, "--trainer.max_steps", "6", "--model.optimizer.lr", "1e6")
+    result = cli(tmp_path, "--trainer.max_steps", "4", "--model.optimizer.lr", "1e6")
     assert result.returncode == 3, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, result.stderr[-3000:]
@@ -328,7 +328,8 @@ def test_skip_policy_drops_nonfinite_steps_and_continues(tmp_path: Path) -> None
         rows = list(csv.DictReader(fh))
     skipped = {int(r["step"]): float(r["train/skipped_steps"]) for r in rows
                if r.get("train/skipped_steps")}  # fmt: skip
-    assert skipped == {2: 1.0, 4: 2.0}, skipped  # counted, and two non-consecutive skips pass
+    # counted (Lightning repeats the last value on the steps after), two non-consecutive pass
+    assert min(skipped) == 2 and skipped[2] == 1.0 and skipped[4] == 2.0, skipped
     train = {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
     assert max(train) == 5 and all(math.isfinite(train[s]) for s in (3, 5)), train
 

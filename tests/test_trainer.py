@@ -172,7 +172,8 @@ def test_resume_with_another_vocabulary_fails_before_training(tmp_path: Path, co
         model(), data(corpus)
     )
     with pytest.raises(
-        Exception, match=r"vocab_size=384 does not match the checkpoint's vocab_size=257"
+        Exception,
+        match=r"model.config.vocab_size=384 but the checkpoint was trained with vocab_size=257",
     ):
         trainer(tmp_path, "second", "tp2-sp", max_steps=4, enable_checkpointing=False).fit(
             model(vocab_size=384), data(corpus), ckpt_path=str(tmp_path / "ckpt" / "step=2.ckpt")
