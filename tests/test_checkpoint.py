@@ -246,6 +246,8 @@ FAULTS = {  # the 4th save is last.ckpt at step 4 (saves: step2, last, step4, la
 }
 
 
+# the first of these also pays for the module's straight run (a Trainer run of its own)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("point", list(FAULTS))
 def test_kill_during_save_leaves_last_at_the_previous_checkpoint(
     straight: Path, tmp_path: Path, point: str
