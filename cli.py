@@ -7,11 +7,18 @@ Subcommands ``fit``, ``validate``, ``test`` come from Lightning's ``LightningCLI
 ``prepare`` tokenizes the config's corpus once into ``data.prepared_dir`` (same arguments
 as ``fit``).
 ``python cli.py fit --help`` documents every option; ``--print_config`` shows a full config.
+
+A bad input ends the run with one line ``error: ...`` on stderr, printed by rank 0 only, and
+exit code 2; a non-finite loss or gradient (strategy ``nonfinite: stop``) with one line and
+exit code 3. Checks that need only the config run before any class is built or any process
+starts (:func:`lightning_sp.training.validation.check_fit_config`).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 import warnings
 
 from jsonargparse import set_parsing_settings
@@ -22,7 +29,11 @@ import lightning_sp  # noqa: F401  (registers the "megatron_sp" strategy)
 from lightning_sp.errors import ConfigError
 from lightning_sp.planner.layout import FitLayoutCLI
 from lightning_sp.training.data import TextDataModule
+from lightning_sp.training.guard import NonFiniteError
 from lightning_sp.training.module import GPTModule
+from lightning_sp.training.validation import check_fit_config
+
+EXIT_CONFIG, EXIT_NONFINITE = 2, 3
 
 
 def _default_loggers() -> list[dict]:
@@ -41,12 +52,18 @@ def _default_loggers() -> list[dict]:
 
 
 class GPTCLI(LightningCLI):
-    """LightningCLI for ``GPTModule`` + ``TextDataModule``, sequence length shared by both."""
+    """LightningCLI for ``GPTModule`` + ``TextDataModule``, sequence length shared by both;
+    the parsed config is checked before any class is instantiated."""
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.config.seq_length", "data.seq_length")
         parser.set_defaults({"trainer.logger": _default_loggers()})
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        if self.subcommand is not None:  # fit / validate / test (not estimate, prepare)
+            check_fit_config(self.config[self.subcommand])
 
 
 class EstimateCLI(FitLayoutCLI, GPTCLI):
@@ -94,9 +111,30 @@ def main(argv: list[str] | None = None) -> None:
     GPTCLI(GPTModule, TextDataModule, args=argv, save_config_kwargs={"overwrite": True})
 
 
+def _rank() -> int:
+    """This process's global rank as the launchers set it (0 before any launch)."""
+    for name in ("RANK", "GLOBAL_RANK"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    local = int(os.environ.get("LOCAL_RANK", 0) or 0)
+    node = int(os.environ.get("NODE_RANK", 0) or 0)
+    return local + node  # non-zero on every rank but the first, which is all that matters here
+
+
+def fail(message: str, code: int) -> None:
+    """Print ``message`` once (rank 0) and exit with ``code``. Other ranks wait a moment so that
+    Lightning's launcher, which kills the job when a child exits, lets rank 0 print first."""
+    if _rank() == 0:
+        print(f"error: {message}", file=sys.stderr)
+    else:
+        time.sleep(2)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
     try:
         main()
     except ConfigError as error:  # a bad config: one line, no traceback
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(error), EXIT_CONFIG)
+    except NonFiniteError as error:
+        fail(str(error), EXIT_NONFINITE)

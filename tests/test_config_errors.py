@@ -115,3 +115,130 @@ def test_recompute_num_layers_mixes_full_and_selective() -> None:
     model = GPT(tiny_config(num_layers=3, recompute="full", recompute_num_layers=2), _state(1))
     assert [layer.recompute for layer in model.layers] == ["full", "full", "selective"]
     assert [layer.attention.selective for layer in model.layers] == [False, False, True]
+
+
+# -- the README's table of bad inputs: each check in-process, through the function cli.py runs
+# before any process starts (tests/test_cli.py runs a few through `python cli.py` itself)
+
+from lightning_sp.training import validation  # noqa: E402
+from lightning_sp.training.module import OptimizerConfig  # noqa: E402
+
+STRATEGY_CASES = [  # (strategy arguments, the field named in the one line)
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be a positive integer"),
+    ({"pipeline_parallel_size": -1}, "pipeline_parallel_size=-1 must be a positive integer"),
+    ({"pipeline_parallel_size": 2, "virtual_pipeline_size": 2, "num_microbatches": 3},
+     "num_microbatches=3 is not a multiple of pipeline_parallel_size=2"),
+    ({"num_microbatches": 2}, "num_microbatches=2 splits a step over pipeline stages"),
+    ({"virtual_pipeline_size": 2}, "virtual_pipeline_size=2 interleaves"),
+    ({"start_method": "fork"}, "start_method='fork' is not one of popen, spawn"),
+    ({"process_group_backend": "mpi"}, "process_group_backend='mpi' is not one of gloo, nccl"),
+    ({"timeout": 0}, "timeout=0 must be a positive number"),
+    ({"nonfinite": "ignore"}, "nonfinite='ignore' is not one of stop, skip"),
+    ({"max_skipped_steps": -1}, "max_skipped_steps=-1 must be a non-negative integer"),
+    ({"tensor_paralel_size": 2}, "unknown argument tensor_paralel_size=2"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "message"), STRATEGY_CASES)
+def test_strategy_arguments(args: dict, message: str) -> None:
+    from lightning_sp import MegatronSPStrategy
+
+    _raises(re.escape(message), validation.check_strategy_args, **args)
+    _raises(re.escape(message), MegatronSPStrategy, **args)  # the constructor says the same
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "16-true"])
+def test_unsupported_precision(precision: str) -> None:
+    message = _raises(
+        f"trainer.precision='{precision}' is not supported", validation.check_precision, precision
+    )
+    assert "32-true, bf16-true, 64-true" in message
+
+
+OPTIMIZER_CASES = [
+    ({"lr": -1e-3}, "model.optimizer.lr=-0.001 must be a finite number >= 0"),
+    ({"lr": float("nan")}, "model.optimizer.lr=nan must be a finite number"),
+    ({"beta2": 1.0}, "model.optimizer.beta2=1.0 must be in [0, 1)"),
+    ({"eps": 0.0}, "model.optimizer.eps=0 must be > 0"),
+    ({"lr": 1e-4, "min_lr": 1e-3}, "model.optimizer.min_lr=0.001 exceeds model.optimizer.lr"),
+    ({"warmup_steps": -5}, "model.optimizer.warmup_steps=-5 must be >= 0"),
+    ({"decay_steps": 0}, "model.optimizer.decay_steps=0 must be a positive integer"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), OPTIMIZER_CASES)
+def test_optimizer_values(fields: dict, message: str) -> None:
+    from lightning_sp import GPTModule
+
+    _raises(re.escape(message), validation.check_optimizer, OptimizerConfig(**fields))
+    _raises(re.escape(message), GPTModule, tiny_config(), OptimizerConfig(**fields))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory):
+    """A real checkpoint of the tiny model (one process) and its config."""
+    import dataclasses
+
+    from lightning_sp.training.checkpoint import Layout, Meta
+    from lightning_sp.training.checkpointer import Checkpointer
+    from lightning_sp.training.optim import build_adamw
+
+    config = tiny_config()
+    model = GPT(config, ParallelState.single())
+    optimizer = build_adamw(model, 1e-3, 0.1, (0.9, 0.95), 1e-8)
+    path = tmp_path_factory.mktemp("saved") / "last.ckpt"
+    meta = Meta(0, Layout(1, 1, 1), dataclasses.asdict(config))
+    Checkpointer().save(path, model, [optimizer], meta=meta, lightning_state={},
+                        rng=("rng.pp0.dp0.tp0", None))  # fmt: skip
+    return path, config
+
+
+def _copy(path, tmp_path):
+    import shutil
+
+    target = tmp_path / "copy.ckpt"
+    shutil.copytree(path.resolve(), target)
+    return target
+
+
+def test_checkpoint_missing(saved, tmp_path) -> None:
+    _raises(r"ckpt_path='.*nothing' does not exist", validation.check_checkpoint,
+            str(tmp_path / "nothing"), saved[1])  # fmt: skip
+
+
+def test_checkpoint_is_a_file(saved, tmp_path) -> None:
+    (tmp_path / "x.ckpt").write_text("")
+    _raises(r"is a file; a checkpoint is a directory", validation.check_checkpoint,
+            str(tmp_path / "x.ckpt"), saved[1])  # fmt: skip
+
+
+def test_checkpoint_truncated_file_is_named(saved, tmp_path) -> None:
+    copy = _copy(saved[0], tmp_path)
+    shard = sorted(copy.glob("*.distcp"))[0]
+    with open(shard, "r+b") as fh:
+        fh.truncate(shard.stat().st_size // 2)
+    _raises(
+        rf"file {shard} is truncated or corrupt", validation.check_checkpoint, str(copy), saved[1]
+    )
+
+
+def test_checkpoint_corrupt_metadata_is_named(saved, tmp_path) -> None:
+    copy = _copy(saved[0], tmp_path)
+    (copy / "meta.json").write_text("{not json")
+    _raises(r"meta.json is corrupt", validation.check_checkpoint, str(copy), saved[1])
+
+
+def test_checkpoint_incomplete(saved, tmp_path) -> None:
+    copy = _copy(saved[0], tmp_path)
+    (copy / ".metadata").unlink()
+    _raises(r"not a complete checkpoint: .metadata is missing", validation.check_checkpoint,
+            str(copy), saved[1])  # fmt: skip
+
+
+def test_checkpoint_of_another_model_names_both_values(saved) -> None:
+    path, config = saved
+    import dataclasses
+
+    other = dataclasses.replace(config, hidden_size=64)
+    _raises(r"model.config.hidden_size=64 but the checkpoint was trained with hidden_size=32",
+            validation.check_checkpoint, str(path), other)  # fmt: skip

@@ -230,7 +230,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross entropy over logits sharded along the vocabulary; the logits are never gathered.
 
     forward:  three all-reduces over the group of ``[s, b]`` tensors (max, sum of exp, target
-              logit); columns at or past ``vocab_size`` (padding) get probability zero.
+              logit); columns at or past ``vocab_size`` (padding) get probability zero and
+              take no part in the max, so no output depends on the padding rows.
     backward: ``softmax - one_hot(target)`` on the local shard, no communication.
     saves:    the local softmax (fp32) and the local target positions.
     """
@@ -248,12 +249,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()  # [s, b, v/t], softmax in fp32
         local_vocab = logits.shape[-1]
-        logits_max = logits.max(dim=-1).values
+        padding = vocab_size - vocab_start  # local columns from here on are padding
+        # padding columns take no part, not even in the max: no output depends on padding rows
+        # (their number depends on t), so a checkpoint can leave them out
+        valid = logits if padding >= local_vocab else logits[..., : max(padding, 0)]
+        logits_max = (
+            valid.max(dim=-1).values
+            if valid.shape[-1]
+            else logits.new_full(logits.shape[:-1], float("-inf"))
+        )
         if group is not None:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - logits_max.unsqueeze(-1)
         exp = shifted.exp()
-        padding = vocab_size - vocab_start
         if padding < local_vocab:
             exp[..., max(padding, 0) :] = 0.0
         sum_exp = exp.sum(dim=-1)

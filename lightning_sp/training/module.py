@@ -31,6 +31,7 @@ from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline, check_batch
 from lightning_sp.training.optim import build_adamw
 from lightning_sp.training.strategy import MegatronSPStrategy
+from lightning_sp.training.validation import check_optimizer
 
 
 @dataclass
@@ -107,6 +108,7 @@ class GPTModule(LightningModule):
         self.config = dataclasses.replace(config)
         self.optimizer_config = dataclasses.replace(optimizer)
         self.config.validate()
+        check_optimizer(self.optimizer_config)
         self.save_hyperparameters(
             {
                 "config": dataclasses.asdict(self.config),

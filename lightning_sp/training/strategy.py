@@ -10,14 +10,16 @@ tied embedding's two copies over the first and last pipeline stage, and averages
 gradients over the DP group, then lets the optimizer step. With pipeline parallelism the
 LightningModule's ``pipeline`` (a :class:`~lightning_sp.pipeline.Pipeline`) runs the schedule.
 
-Checkpoints are directories: one file per (tp, pp) model shard with its optimizer state,
-one per rank with its RNG streams, and ``meta.pt`` with Lightning's loop state.
+Checkpoints are layout-independent DCP directories published by an atomic rename
+(:mod:`lightning_sp.training.checkpoint`, :mod:`~lightning_sp.training.checkpointer`); a
+non-finite loss or gradient stops the run or skips the step
+(:mod:`~lightning_sp.training.guard`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
-import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,24 +47,16 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sp.errors import ConfigError, positive_int
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState, check_layout
-from lightning_sp.pipeline import Pipeline, check_pipeline_schedule
+from lightning_sp.pipeline import Pipeline
+from lightning_sp.training.checkpoint import Layout, Meta, gpt_chunks
+from lightning_sp.training.checkpointer import Checkpointer, resumable_loader, rng_key
+from lightning_sp.training.guard import NonFiniteGuard
+from lightning_sp.training.validation import check_precision, check_strategy_args
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-META_FILE = "meta.pt"
-
-
-def shard_file(tp_rank: int, pp_rank: int) -> str:
-    """File name of one model-parallel shard's weights and optimizer state in a checkpoint."""
-    return f"model_tp{tp_rank:02d}_pp{pp_rank:03d}.pt"
-
-
-def rng_file(global_rank: int) -> str:
-    return f"rng_rank{global_rank:05d}.pt"
 
 
 class MegatronSPStrategy(ParallelStrategy):
@@ -81,6 +75,14 @@ class MegatronSPStrategy(ParallelStrategy):
         timeout: Seconds a collective may wait before it fails (every process group).
         process_group_backend: ``gloo`` or ``nccl``; by default chosen from the device.
         start_method: ``popen`` (re-run the script per rank, as ``ddp``) or ``spawn``.
+        async_save: Write checkpoints in a background thread (DCP ``async_save``): the step
+            waits only for a copy of the state to CPU memory, not for the disk.
+        nonfinite: What a non-finite loss or gradient norm does: ``stop`` (default: the run
+            ends with one line naming the step, the ranks and the quantity, and no
+            checkpoint of that state is written) or ``skip`` (the step's update is dropped,
+            as Megatron does, and counted in ``train/skipped_steps``).
+        max_skipped_steps: With ``nonfinite: skip``, how many steps in a row may be skipped
+            before the run stops anyway.
     """
 
     strategy_name = "megatron_sp"
@@ -95,33 +97,26 @@ class MegatronSPStrategy(ParallelStrategy):
         timeout: float = 600.0,
         process_group_backend: str | None = None,
         start_method: str = "popen",
+        async_save: bool = False,
+        nonfinite: str = "stop",
+        max_skipped_steps: int = 10,
         **kwargs: Any,
     ) -> None:
-        if kwargs:
-            name = next(iter(kwargs))
-            raise ConfigError(
-                f"MegatronSPStrategy got an unknown argument {name}={kwargs[name]!r}; valid: "
-                "tensor_parallel_size, pipeline_parallel_size, sequence_parallel, "
-                "num_microbatches, virtual_pipeline_size, timeout, process_group_backend, "
-                "start_method"
-            )
+        check_strategy_args(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            sequence_parallel=sequence_parallel,
+            num_microbatches=num_microbatches,
+            virtual_pipeline_size=virtual_pipeline_size,
+            timeout=timeout,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
+            async_save=async_save,
+            nonfinite=nonfinite,
+            max_skipped_steps=max_skipped_steps,
+            **kwargs,
+        )
         super().__init__()
-        for name, value in (
-            ("tensor_parallel_size", tensor_parallel_size),
-            ("pipeline_parallel_size", pipeline_parallel_size),
-            ("num_microbatches", num_microbatches),
-            ("virtual_pipeline_size", virtual_pipeline_size),
-        ):
-            positive_int(name, value)
-        if start_method not in ("popen", "spawn"):
-            raise ConfigError(f"start_method={start_method!r} is not one of popen, spawn")
-        if num_microbatches > 1 and pipeline_parallel_size == 1:
-            raise ConfigError(
-                f"num_microbatches={num_microbatches} splits a step over pipeline stages, but "
-                "pipeline_parallel_size=1; for gradient accumulation use "
-                f"trainer.accumulate_grad_batches={num_microbatches}"
-            )
-        check_pipeline_schedule(pipeline_parallel_size, virtual_pipeline_size, num_microbatches)
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self.sequence_parallel = sequence_parallel
@@ -132,6 +127,8 @@ class MegatronSPStrategy(ParallelStrategy):
         self._start_method = start_method
         self._parallel_state: ParallelState | None = None
         self._num_nodes = 1
+        self.checkpointer = Checkpointer(async_save=async_save)
+        self.guard = NonFiniteGuard(nonfinite, max_skipped_steps)
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -174,6 +171,7 @@ class MegatronSPStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         # runs when the Trainer is built: a bad layout fails before any process starts
+        check_precision(self.precision_plugin.precision)
         check_layout(
             self.num_nodes * self.num_processes,
             self.tensor_parallel_size,
@@ -264,7 +262,13 @@ class MegatronSPStrategy(ParallelStrategy):
                 finalize_grads(module, self.parallel_state)
             return result
 
-        return super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        # forward + backward first, so that a non-finite step can be dropped before AdamW
+        result = closure_then_reduce()
+        step = self.lightning_module.trainer.global_step if self.lightning_module else 0
+        if not self.guard.check(result, module, optimizer, step):
+            self.lightning_module.log("train/skipped_steps", float(self.guard.total_skipped))
+            return result
+        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 
     # -- collectives Lightning asks for ------------------------------------------------------
 
@@ -304,67 +308,92 @@ class MegatronSPStrategy(ParallelStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return True
 
+    @property
+    def layout(self) -> Layout:
+        """The layout a checkpoint records (and compares on load)."""
+        state = self.parallel_state
+        return Layout(
+            state.tensor_parallel_size,
+            state.pipeline_parallel_size,
+            state.data_parallel_size,
+            self.virtual_pipeline_size,
+            self.sequence_parallel,
+        )
+
+    def _model_config(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        chunks = gpt_chunks(self.lightning_module)
+        return dataclasses.asdict(chunks[0].config) if chunks else {}
+
+    def _rng_key(self) -> str:
+        state = self.parallel_state
+        return rng_key(
+            state.pipeline_parallel_rank, state.data_parallel_rank, state.tensor_parallel_rank
+        )
+
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None
     ) -> None:
-        """Write a checkpoint directory (see module docstring); every rank calls this."""
-        path = Path(self.broadcast(str(filepath)))
-        state = self.parallel_state
-        if self.is_global_zero:
-            if path.is_file():
-                path.unlink()
-            path.mkdir(parents=True, exist_ok=True)
-        self.barrier()
-        shard = {
-            "state_dict": checkpoint.pop("state_dict"),
-            "optimizer_states": checkpoint.pop("optimizer_states", []),
-        }
-        if state.data_parallel_rank == 0:
-            torch.save(
-                shard, path / shard_file(state.tensor_parallel_rank, state.pipeline_parallel_rank)
-            )
-        torch.save(checkpoint.pop("rng_streams", None), path / rng_file(self.global_rank))
-        if self.is_global_zero:
-            torch.save(checkpoint, path / META_FILE)
-        self.barrier()
+        """Write a checkpoint (:mod:`lightning_sp.training.checkpoint`); every rank calls this.
+        Weights and optimizer state are taken from the live module and optimizers."""
+        assert self.lightning_module is not None
+        checkpoint.pop("state_dict", None)
+        checkpoint.pop("optimizer_states", None)
+        streams = {"streams": checkpoint.pop("rng_streams", None), "torch": torch.get_rng_state()}
+        meta = Meta(checkpoint.get("global_step", 0), self.layout, self._model_config())
+        self.checkpointer.save(
+            Path(self.broadcast(str(filepath))),
+            self.lightning_module,
+            self.optimizers,
+            meta=meta,
+            lightning_state=checkpoint,
+            rng=(self._rng_key(), streams),
+        )
 
     @override
     def load_checkpoint(
         self, checkpoint_path: str | Path, weights_only: bool | None = None
     ) -> dict:
-        path = Path(checkpoint_path)
-        state = self.parallel_state
-        if not (path / META_FILE).is_file():
-            raise ConfigError(
-                f"ckpt_path={str(path)!r} is not a megatron_sp checkpoint directory "
-                f"(no {META_FILE}); give a directory saved by this strategy"
-            )
-        checkpoint = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-        shard_path = path / shard_file(state.tensor_parallel_rank, state.pipeline_parallel_rank)
-        if not shard_path.is_file():
-            raise ConfigError(
-                f"ckpt_path={str(path)!r} has no shard {shard_path.name}: it was saved with a "
-                "different tensor/pipeline layout; resume with the layout it was saved with"
-            )
-        checkpoint.update(torch.load(shard_path, map_location="cpu", weights_only=False))
-        rng_path = path / rng_file(self.global_rank)
-        if rng_path.is_file():
-            checkpoint["rng_streams"] = torch.load(rng_path, map_location="cpu", weights_only=False)
+        """Load weights and optimizer state in place (any saved layout) and return
+        Lightning's state; the RNG streams come back only into the layout that saved them."""
+        assert self.lightning_module is not None
+        checkpoint = self.checkpointer.load(
+            Path(checkpoint_path),
+            self.lightning_module,
+            self.optimizers,
+            layout=self.layout,
+            model_config=self._model_config(),
+            rng_name=self._rng_key(),
+        )
+        streams = checkpoint.pop("rng_streams", None) or {}
+        if streams.get("torch") is not None:
+            torch.set_rng_state(streams["torch"])
+        checkpoint["rng_streams"] = streams.get("streams")
+        checkpoint["optimizer_states"] = []  # loaded in place; Lightning checks the key
         return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
-        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        """The weights were loaded in place by :meth:`load_checkpoint`."""
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """The optimizer state was loaded in place by :meth:`load_checkpoint`."""
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """A loader with a stateful sampler resumes through Lightning's loader protocol."""
+        return resumable_loader(dataloader)
 
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
-        if self.is_global_zero:
-            shutil.rmtree(filepath, ignore_errors=True)
+        """Delete a checkpoint once the save in flight (if any) is published."""
+        self.checkpointer.remove(Path(filepath))
 
     @override
     def teardown(self) -> None:
+        self.checkpointer.wait()
         # no rank may leave while a peer's last collective is in flight: gloo aborts the peer
         if _distributed_is_initialized():
             dist.barrier()

@@ -1,0 +1,85 @@
+"""Step time with checkpoints every N steps against none: ``python -m benchmarks.checkpoint``.
+
+2 gloo ranks, tensor parallel t=2 with sequence parallelism, the tiny GPT of configs/tiny.yaml
+(fp32, AdamW). Three schedules run in one process pair, interleaved in rounds (ABC ABC ...)
+so that the machine's drift hits them alike: no checkpoints, DCP ``async_save`` every
+``every`` steps, and a blocking save every ``every`` steps. A round's time is the wall time of
+``every`` steps including the save it triggers (the slower rank's); the report gives, for each
+schedule, the median round time over the no-checkpoint median, with a 95% bootstrap interval.
+The async schedule waits for its previous save before the next (at most one in flight), as
+training does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from benchmarks._spawn import run_ranks
+from benchmarks._stats import ratio_of_medians_ci
+from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.parallel.grads import finalize_grads
+from lightning_sp.training.checkpoint import Layout, Meta
+from lightning_sp.training.checkpointer import Checkpointer
+from lightning_sp.training.optim import build_adamw
+
+SCHEDULES = ("none", "async", "sync")
+
+
+def _rank(rank: int, world_size: int, rounds: int, every: int, folder: str) -> dict:
+    config = GPTConfig(vocab_size=257, seq_length=256, hidden_size=256, num_layers=4,
+                       num_heads=8, hidden_dropout=0.0, attention_dropout=0.0,
+                       sequence_parallel=True, recompute="selective")  # fmt: skip
+    state = ParallelState.from_process_group(2)
+    model = GPT(config, state)
+    optimizer = build_adamw(model, 1e-4, 0.1, (0.9, 0.95), 1e-8)
+    tokens = torch.randint(0, 257, (8, 257), generator=torch.Generator().manual_seed(0))
+    savers = {"async": Checkpointer(async_save=True), "sync": Checkpointer()}
+    meta = Meta(0, Layout(2, 1, 1, 1, True), {})
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        finalize_grads(model, state)
+        optimizer.step()
+
+    times: dict[str, list[float]] = {name: [] for name in SCHEDULES}
+    step()  # warm-up
+    for r in range(rounds):
+        for name in SCHEDULES:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(every):
+                step()
+            if name != "none":
+                savers[name].save(Path(folder) / f"{name}.ckpt", model, [optimizer], meta=meta,
+                                  lightning_state={}, rng=(f"rng.{rank}", None))  # fmt: skip
+            elapsed = torch.tensor(time.perf_counter() - start)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if r > 0:  # the first round pays one-off costs (the async group, page cache)
+                times[name].append(elapsed.item())
+    savers["async"].wait()
+    return times
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--every", type=int, default=5, help="steps between checkpoints")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as folder:
+        times = run_ranks(_rank, 2, args.rounds, args.every, folder, threads=1)[0]
+    base = times["none"]
+    print(f"{args.every} steps per round, {len(base)} rounds; round time / no checkpoints:")
+    for name in ("async", "sync"):
+        ratio, lo, hi = ratio_of_medians_ci(times[name], base)
+        print(f"  {name:5s} save every {args.every} steps: {ratio:.3f} (95% CI {lo:.3f}-{hi:.3f})")
+
+
+if __name__ == "__main__":
+    main()

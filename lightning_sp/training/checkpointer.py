@@ -1,0 +1,237 @@
+"""Saving and loading :mod:`~lightning_sp.training.checkpoint` checkpoints from every rank.
+
+A save writes a fresh data directory with DCP (each rank its shards), then rank 0 records
+``meta.json`` with file checksums and publishes the name by an atomic rename
+(:mod:`~lightning_sp.training.commit`). With ``async_save`` the tensors are copied to CPU
+memory and the step goes on while one background thread per rank writes them (DCP's
+collectives on a separate gloo group) and publishes them when every rank has finished. Saves
+and removals (``save_top_k``) run in that thread in the order they were asked for, so an old
+checkpoint is never deleted before its successor is published; at most ``MAX_IN_FLIGHT``
+saves wait there (a step checkpoint and ``last``), and the end of training waits for all.
+"""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+
+from lightning_sp.errors import ConfigError
+from lightning_sp.training import commit
+from lightning_sp.training.checkpoint import (
+    FaultyWriter,
+    GlobalLoadPlanner,
+    GlobalSavePlanner,
+    Layout,
+    Meta,
+    check_shapes,
+    file_checksums,
+    global_shapes,
+    install_states,
+    state_entries,
+    verify,
+)
+
+MAX_IN_FLIGHT = 2  # a step checkpoint and last.ckpt
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _broadcast(obj: Any) -> Any:
+    if not _distributed():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, 0)
+    return holder[0]
+
+
+def _first_error(message: str | None) -> str | None:
+    """The first rank's error message (in rank order), on every rank."""
+    if not _distributed():
+        return message
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    return next((m for m in messages if m), None)
+
+
+def rng_key(pipeline_rank: int, data_rank: int, tensor_rank: int) -> str:
+    """The key of one rank's RNG state (per rank: only the same layout restores it)."""
+    return f"rng.pp{pipeline_rank}.dp{data_rank}.tp{tensor_rank}"
+
+
+class Checkpointer:
+    """One rank's side of saving and loading. Every rank calls every method, in step."""
+
+    def __init__(self, async_save: bool = False) -> None:
+        self.async_save = async_save
+        self._group: dist.ProcessGroup | None = None
+        self._pending: list[Future] = []
+        self._executor_: ThreadPoolExecutor | None = None  # created on first use (picklable)
+
+    @property
+    def _executor(self) -> ThreadPoolExecutor:
+        # one worker: saves (and removals) run in the order they were asked for, on every rank
+        if self._executor_ is None:
+            self._executor_ = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        return self._executor_
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if _distributed() else 0
+
+    # -- save ------------------------------------------------------------------------------------
+
+    def save(
+        self,
+        final: Path,
+        module: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        *,
+        meta: Meta,
+        lightning_state: dict[str, Any],
+        rng: tuple[str, Any],
+    ) -> None:
+        """Write the checkpoint ``final`` (see the module docstring)."""
+        rank = self.rank
+        commit.count_save(rank)
+        token = _broadcast(f"{meta.step:09d}-{uuid.uuid4().hex[:8]}")
+        data = commit.data_directory(final, token)
+        tensors, shards, _ = state_entries(module, optimizers, for_load=False)
+        state: dict[str, Any] = dict(tensors)
+        state[rng[0]] = rng[1]
+        state["optim.param_groups"] = [
+            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            for opt in optimizers
+        ]
+        if rank == 0:
+            state["lightning"] = lightning_state
+        writer, planner = FaultyWriter(data, rank), GlobalSavePlanner(shards)
+        if not self.async_save:
+            self._write(state, writer, planner, None, final, data, meta)
+            if _distributed():
+                dist.barrier()  # the name is published when save returns, on every rank
+            return
+        if self._group is None and _distributed():
+            self._group = dist.new_group(backend="gloo")
+        while len(self._pending) >= MAX_IN_FLIGHT:
+            self._pending.pop(0).result()
+        staged = {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+                  for k, v in state.items()}  # fmt: skip
+        self._pending.append(
+            self._executor.submit(
+                self._write, staged, writer, planner, self._group, final, data, meta
+            )
+        )
+
+    def _write(
+        self,
+        state: dict[str, Any],
+        writer: FaultyWriter,
+        planner: GlobalSavePlanner,
+        group: dist.ProcessGroup | None,
+        final: Path,
+        data: Path,
+        meta: Meta,
+    ) -> None:
+        """DCP's save (collective over ``group``), then rank 0 publishes: every rank's shard
+        writes and DCP's metadata are done when ``dcp.save`` returns on rank 0."""
+        if self.rank == 0:  # crashed saves' leftovers of this name, before anyone writes
+            commit.collect_garbage(final)
+        if _distributed():
+            dist.barrier(group=group)
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
+        if self.rank == 0:
+            meta.checksums = file_checksums(data)
+            (data / "meta.json").write_text(meta.dumps())
+            commit.publish(final, data)
+
+    def wait(self) -> None:
+        """Block until every save in flight is written and published."""
+        while self._pending:
+            try:
+                self._pending.pop(0).result()
+            except Exception as error:
+                raise RuntimeError(f"saving a checkpoint failed: {error}") from error
+
+    def remove(self, final: Path) -> None:
+        """Delete ``final`` (rank 0's job) after every save in flight is published."""
+        if self.rank != 0:
+            return
+        if self._pending:
+            self._pending.append(self._executor.submit(commit.remove, final))
+        else:
+            commit.remove(final)
+
+    # -- load ------------------------------------------------------------------------------------
+
+    def load(
+        self,
+        path: Path,
+        module: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        *,
+        layout: Layout,
+        model_config: dict[str, Any],
+        rng_name: str,
+    ) -> dict[str, Any]:
+        """Load weights and optimizer state in place into ``module`` and ``optimizers`` (any
+        layout) and return Lightning's state, with this rank's ``rng`` state when the layout
+        is the one that saved it. Errors are one :class:`ConfigError`, the same on every rank."""
+        error = None
+        if self.rank == 0:
+            try:
+                verify(path)
+            except ConfigError as exc:
+                error = str(exc)
+        error = _broadcast(error)
+        if error:
+            raise ConfigError(error)
+        data = path.resolve()
+        meta = Meta.read(data)
+        metadata = FileSystemReader(data).read_metadata()
+        try:
+            check_shapes(metadata, global_shapes(module), meta, model_config)
+        except ConfigError as exc:
+            error = str(exc)
+        error = _first_error(error)
+        if error:
+            raise ConfigError(error)
+        stored = metadata.state_dict_metadata
+        tensors, shards, installs = state_entries(module, optimizers, for_load=True)
+        state: dict[str, Any] = {k: v for k, v in tensors.items() if k in stored}
+        state["lightning"] = None
+        state["optim.param_groups"] = None
+        same_layout = meta.layout == layout
+        if same_layout and rng_name in stored:
+            state[rng_name] = None
+        dcp.load(state, storage_reader=FileSystemReader(data), planner=GlobalLoadPlanner(shards))
+        install_states(installs, set(state))
+        for optimizer, groups in zip(optimizers, state["optim.param_groups"], strict=True):
+            for group, saved in zip(optimizer.param_groups, groups, strict=True):
+                group.update(saved)
+        lightning: dict[str, Any] = state["lightning"]
+        lightning["rng_streams"] = state.get(rng_name)
+        lightning["checkpoint_layout"] = meta.layout
+        return lightning
+
+
+def resumable_loader(dataloader: object) -> object:
+    """Give a ``DataLoader`` whose sampler has ``state_dict`` / ``load_state_dict`` those two
+    methods (delegating to the sampler), so that Lightning saves and restores the data position
+    through its public loader protocol and does not warn that the loader is not resumable.
+    Other loaders are returned unchanged."""
+    sampler = getattr(dataloader, "sampler", None)
+    has = all(callable(getattr(sampler, name, None)) for name in ("state_dict", "load_state_dict"))
+    if has and not callable(getattr(dataloader, "state_dict", None)):
+        dataloader.state_dict = sampler.state_dict  # type: ignore[attr-defined]
+        dataloader.load_state_dict = sampler.load_state_dict  # type: ignore[attr-defined]
+    return dataloader

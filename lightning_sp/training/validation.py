@@ -1,0 +1,151 @@
+"""Checks of a run's configuration that need nothing but the configuration.
+
+Each raises :class:`~lightning_sp.errors.ConfigError` with one line naming the field, the value
+and what is valid. The strategy and the module call them from their constructors; ``cli.py``
+calls :func:`check_fit_config` on the parsed config before any class is built or any process
+starts (a constructor's error would otherwise reach the user inside jsonargparse's multi-line
+Union report).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lightning_sp.errors import ConfigError, positive_int
+from lightning_sp.pipeline import check_pipeline_schedule
+
+STRATEGY_ARGS = (
+    "tensor_parallel_size", "pipeline_parallel_size", "sequence_parallel", "num_microbatches",
+    "virtual_pipeline_size", "timeout", "process_group_backend", "start_method", "async_save",
+    "nonfinite", "max_skipped_steps",
+)  # fmt: skip
+SUPPORTED_PRECISION = ("32-true", "bf16-true", "64-true")
+STRATEGY = "trainer.strategy"
+
+
+def check_strategy_args(**args: Any) -> None:
+    """``MegatronSPStrategy``'s arguments (names as in its signature)."""
+    unknown = [name for name in args if name not in STRATEGY_ARGS]
+    if unknown:
+        raise ConfigError(
+            f"MegatronSPStrategy got an unknown argument {unknown[0]}={args[unknown[0]]!r}; "
+            f"valid: {', '.join(STRATEGY_ARGS)}"
+        )
+    get = args.get
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "num_microbatches",
+                 "virtual_pipeline_size"):  # fmt: skip
+        positive_int(name, get(name, 1))
+    timeout = get("timeout", 600.0)
+    if not isinstance(timeout, int | float) or not timeout > 0 or not math.isfinite(timeout):
+        raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds")
+    if get("start_method", "popen") not in ("popen", "spawn"):
+        raise ConfigError(f"start_method={get('start_method')!r} is not one of popen, spawn")
+    if get("process_group_backend") not in (None, "gloo", "nccl"):
+        raise ConfigError(
+            f"process_group_backend={get('process_group_backend')!r} is not one of gloo, nccl "
+            "(or null: chosen from the device)"
+        )
+    if get("nonfinite", "stop") not in ("stop", "skip"):
+        raise ConfigError(f"nonfinite={get('nonfinite')!r} is not one of stop, skip")
+    skips = get("max_skipped_steps", 10)
+    if not isinstance(skips, int) or isinstance(skips, bool) or skips < 0:
+        raise ConfigError(f"max_skipped_steps={skips!r} must be a non-negative integer")
+    p, n = get("pipeline_parallel_size", 1), get("num_microbatches", 1)
+    if n > 1 and p == 1:
+        raise ConfigError(
+            f"num_microbatches={n} splits a step over pipeline stages, but "
+            "pipeline_parallel_size=1; for gradient accumulation use "
+            f"trainer.accumulate_grad_batches={n}"
+        )
+    check_pipeline_schedule(p, get("virtual_pipeline_size", 1), n)
+
+
+def check_precision(precision: object) -> None:
+    """The Trainer's ``precision``: the model runs in one dtype (fp32 master weights in the
+    optimizer for bf16); autocast ("mixed") is not supported."""
+    if str(precision) not in SUPPORTED_PRECISION:
+        raise ConfigError(
+            f"trainer.precision={precision!r} is not supported by megatron_sp; use one of "
+            f"{', '.join(SUPPORTED_PRECISION)} (bf16-true keeps fp32 master weights)"
+        )
+
+
+def check_optimizer(optimizer: Any, field: str = "model.optimizer") -> None:
+    """AdamW and schedule values (an ``OptimizerConfig``)."""
+    for name in ("lr", "min_lr", "weight_decay", "eps"):
+        value = getattr(optimizer, name)
+        if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{field}.{name}={value!r} must be a finite number >= 0")
+    if optimizer.eps == 0:
+        raise ConfigError(f"{field}.eps=0 must be > 0 (Adam divides by sqrt(v) + eps)")
+    if optimizer.min_lr > optimizer.lr:
+        raise ConfigError(
+            f"{field}.min_lr={optimizer.min_lr!r} exceeds {field}.lr={optimizer.lr!r}; the "
+            "cosine decay ends at min_lr <= lr"
+        )
+    for name in ("beta1", "beta2"):
+        value = getattr(optimizer, name)
+        if not isinstance(value, int | float) or not 0 <= value < 1:
+            raise ConfigError(f"{field}.{name}={value!r} must be in [0, 1)")
+    if not isinstance(optimizer.warmup_steps, int) or optimizer.warmup_steps < 0:
+        raise ConfigError(f"{field}.warmup_steps={optimizer.warmup_steps!r} must be >= 0")
+    decay = optimizer.decay_steps
+    if decay is not None and (not isinstance(decay, int) or decay < 1):
+        raise ConfigError(f"{field}.decay_steps={decay!r} must be a positive integer or null")
+
+
+def _strategy_init_args(strategy: Any) -> dict[str, Any] | None:
+    """The init args of a ``MegatronSPStrategy`` in a parsed config (``None``: another one)."""
+    if isinstance(strategy, str):
+        return {} if strategy.startswith("megatron_sp") else None
+    class_path = str(getattr(strategy, "class_path", "") or "")
+    if not class_path.endswith("MegatronSPStrategy"):
+        return None
+    init = getattr(strategy, "init_args", None)
+    return dict(vars(init)) if init is not None else {}
+
+
+def check_fit_config(config: Any) -> None:
+    """Every check that needs only a parsed ``fit`` config (a jsonargparse Namespace):
+    strategy arguments, precision, layout against the devices, model against the layout,
+    optimizer values and, when resuming, the checkpoint (present, intact, same shapes)."""
+    from lightning_sp.model.config import GPTConfig
+    from lightning_sp.parallel.state import check_layout
+
+    trainer = config.trainer
+    args = _strategy_init_args(trainer.strategy)
+    model_config = GPTConfig(**vars(config.model.config))
+    if args is not None:
+        check_strategy_args(**args)
+        check_precision(trainer.precision)
+        devices = trainer.devices
+        if isinstance(devices, int) and devices > 0:
+            t, p = args.get("tensor_parallel_size", 1), args.get("pipeline_parallel_size", 1)
+            check_layout(devices * (trainer.num_nodes or 1), t, p)
+            model_config.sequence_parallel = bool(args.get("sequence_parallel", True))
+            model_config.validate(t)
+    check_optimizer(config.model.optimizer)
+    ckpt_path = getattr(config, "ckpt_path", None)
+    if ckpt_path and ckpt_path not in ("last", "hpc", "best", "registry"):
+        check_checkpoint(ckpt_path, model_config)
+
+
+def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
+    """The checkpoint exists, is intact, and its tensors have this model's shapes."""
+    import dataclasses
+    from pathlib import Path
+
+    import torch
+
+    from lightning_sp.model.gpt import GPT
+    from lightning_sp.parallel.state import ParallelState
+    from lightning_sp.training.checkpoint import check_shapes, global_shapes, verify
+
+    meta, metadata = verify(Path(ckpt_path))
+    config = model_config
+    if config.recompute == "auto":  # resolved per device at run time; shapes do not depend on it
+        config = dataclasses.replace(config, recompute="none")
+    with torch.device("meta"):
+        model = GPT(config, ParallelState.single("meta"), device="meta")
+    check_shapes(metadata, global_shapes(model), meta, dataclasses.asdict(model_config))
