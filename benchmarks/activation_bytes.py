@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from benchmarks import dtensor_gpt
 from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
 from lightning_sp.memory.formulas import activation_bytes_per_layer
+from lightning_sp.model.shape import ActivationShape
 from tests.spawn import run_distributed
 
 POLICIES = ("none", "selective", "full")
@@ -66,6 +67,13 @@ class DTensorSavedTensorTracker(SavedTensorTracker):
         return t
 
 
+OURS_ONLY = {  # TP+SP, no DTensor analogue: name -> (recompute, attention)
+    "sp_lean": ("lean", "math"),
+    "sp_sdpa_none": ("none", "sdpa"),
+    "sp_sdpa_lean": ("lean", "sdpa"),
+}
+
+
 def _local(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
@@ -74,7 +82,7 @@ def _config(shape: BytesShape, sp: bool, policy: str) -> GPTConfig:
     return GPTConfig(
         vocab_size=shape.vocab, seq_length=shape.s, hidden_size=shape.h,
         num_layers=shape.layers, num_heads=shape.a, hidden_dropout=0.1,
-        attention_dropout=0.1, sequence_parallel=sp, recompute=policy,  # type: ignore[arg-type]
+        attention_dropout=0.1, sequence_parallel=sp, recompute=policy,
     )  # fmt: skip
 
 
@@ -116,6 +124,11 @@ def _worker(rank: int, world_size: int, shape: BytesShape) -> dict[str, list[int
             out[f"ours:{key}"] = _measure_ours(config, state, ids)
             out[f"dtensor:{key}"] = _measure_dtensor(config, mesh, ids, native=False)
             out[f"dtensor_native_dropout:{key}"] = _measure_dtensor(config, mesh, ids, native=True)
+    for name, (policy, attention) in OURS_ONLY.items():
+        config = dataclasses.replace(_config(shape, True, policy), attention=attention)
+        if attention == "sdpa":  # the fused kernel: on CPU, dropout would leave it
+            config.attention_dropout = 0.0
+        out[f"ours_only:{name}"] = _measure_ours(config, state, ids)
     return out
 
 
@@ -123,13 +136,15 @@ def run(shape: BytesShape) -> dict[str, Any]:
     """Measure every (t, implementation, SP, policy); bytes and multiples of ``sbh``."""
     sbh = shape.s * shape.b * shape.h
     rows: list[dict[str, Any]] = []
+    ours_only: list[dict[str, Any]] = []
     for t in shape.sizes:
         ranks = run_distributed(_worker, t, shape, start_method="fork")
         for sp in (False, True):
             for policy in POLICIES:
                 key = f"{int(sp)}:{policy}"
                 paper = activation_bytes_per_layer(
-                    shape.s, shape.b, shape.h, shape.a, t, sequence_parallel=sp, recompute=policy
+                    ActivationShape(shape.s, shape.b, shape.h, shape.a, t, sequence_parallel=sp),
+                    policy,
                 )
                 row: dict[str, Any] = {
                     "t": t, "sequence_parallel": sp, "recompute": policy,
@@ -147,4 +162,18 @@ def run(shape: BytesShape) -> dict[str, Any]:
                     row["dtensor_native_dropout_bytes"] / row["ours_bytes"]
                 )
                 rows.append(row)
-    return {"shape": dataclasses.asdict(shape), "dtype": "bfloat16", "rows": rows}
+        for name, (policy, attention) in OURS_ONLY.items():
+            x = ActivationShape(
+                shape.s, shape.b, shape.h, shape.a, t, sequence_parallel=True,
+                attention=attention, attention_dropout=attention == "math",
+            )  # fmt: skip
+            formula = activation_bytes_per_layer(x, policy)
+            value = max(max(r[f"ours_only:{name}"]) for r in ranks)
+            ours_only.append(
+                {"t": t, "case": name, "formula_sbh": formula / sbh, "ours_sbh": value / sbh,
+                 "ours_vs_formula": value / formula}
+            )  # fmt: skip
+    return {
+        "shape": dataclasses.asdict(shape), "dtype": "bfloat16", "rows": rows,
+        "ours_only": ours_only,
+    }  # fmt: skip

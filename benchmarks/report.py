@@ -491,6 +491,14 @@ def _layer_md(section: dict[str, Any]) -> str:
             ]
         )
     out.append(_table(header, rows))
+    if "lean_over_selective_sp" in section:
+        out += [
+            "",
+            f"Ours, SP: lean / selective fwd+bwd {_ci(section['lean_over_selective_sp'])} "
+            f"(s={shape['s']}, dropout 0.1); sdpa / math attention, no recompute, "
+            f"{_ci(section['sdpa_over_math_sp_none'])} (s={shape['attention_s']}, no attention "
+            "dropout; median [95% CI] of the per-round ratios).",
+        ]
     out += [
         "",
         "The paper's Table 4 (22B, one layer, A100), for comparison:",

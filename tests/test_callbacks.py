@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
 from lightning_sp.memory.formulas import activation_bytes_per_layer
+from lightning_sp.model.shape import ActivationShape
 from lightning_sp.training.callbacks import ActivationMemoryMonitor, MFUMonitor
 
 S, B, H, A, LAYERS, VOCAB = 64, 2, 64, 4, 2, 256
@@ -110,7 +111,7 @@ def _logged_values(rows: list[dict[str, str]], name: str) -> list[float]:
     return [float(row[name]) for row in rows if row.get(name)]
 
 
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "lean", "full"])
 def test_monitors_in_a_real_trainer(recompute: str, tmp_path: Path) -> None:
     memory = ActivationMemoryMonitor()
     mfu = MFUMonitor(peak_flops_per_device=PEAK, window_size=2)
@@ -119,9 +120,7 @@ def test_monitors_in_a_real_trainer(recompute: str, tmp_path: Path) -> None:
     assert trainer.global_step == STEPS
 
     # activation memory: measured per layer == Table 2 within 1%
-    expected = activation_bytes_per_layer(
-        S, B, H, A, 1, sequence_parallel=False, recompute=recompute
-    )
+    expected = activation_bytes_per_layer(ActivationShape(S, B, H, A), recompute)
     assert memory.last_formula == expected
     assert len(memory.last_per_layer) == LAYERS
     for layer, got in enumerate(memory.last_per_layer):

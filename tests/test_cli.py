@@ -83,6 +83,8 @@ def test_help_documents_every_option(tmp_path: Path) -> None:
             ["--data.batch_size", "100000", "--data.max_documents", "30"],
             "batch_size=100000 is larger than",
         ),
+        (["--model.config.attention", "flash"], "attention='flash' is not an attention backend"),
+        (["--model.config.recompute", "[core_attn, gelu]"], "'gelu' is not a recompute module"),
     ],
     ids=[
         "missing-data",
@@ -93,6 +95,8 @@ def test_help_documents_every_option(tmp_path: Path) -> None:
         "lr",
         "ckpt",
         "batch-after-launch",
+        "attention",
+        "recompute-module",
     ],
 )
 def test_bad_config_fails_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:

@@ -61,7 +61,32 @@ def test_sequence_not_divisible_by_tp_under_sequence_parallel() -> None:
 
 def test_unknown_recompute_policy() -> None:
     message = _raises(r"recompute='partial'", GPT, tiny_config(recompute="partial"), _state(1))
-    assert "none, selective, full" in message
+    assert "none, selective, lean, full" in message
+    message = _raises(
+        r"recompute=\['core_attn', 'gelu'\]: 'gelu' is not a recompute module",
+        GPT, tiny_config(recompute=["core_attn", "gelu"]), _state(1),
+    )  # fmt: skip
+    assert "core_attn, layernorm, mlp_act, residual_mask" in message
+    assert "\n" not in message
+
+
+def test_unknown_attention_backend() -> None:
+    message = _raises(r"attention='flash' is not", GPT, tiny_config(attention="flash"), _state(1))
+    assert "valid: math, sdpa" in message and "\n" not in message
+
+
+def test_recompute_module_lists_build_the_layers_they_name() -> None:
+    model = GPT(tiny_config(recompute=["mlp_act", "layernorm"]), _state(1))
+    layer = model.layers[0]
+    assert layer.recompute == "layernorm+mlp_act"
+    assert (layer.recompute_norm, layer.recompute_act, layer.regenerate_masks) == (
+        True,
+        True,
+        False,
+    )
+    assert not layer.attention.recompute_core
+    sdpa = GPT(tiny_config(recompute="lean", attention="sdpa"), _state(1)).layers[0]
+    assert sdpa.recompute == "lean" and not sdpa.attention.recompute_core  # nothing to drop
 
 
 def test_world_size_not_divisible_by_model_parallel_size() -> None:
@@ -114,7 +139,7 @@ def test_module_resolves_auto_recompute() -> None:
 def test_recompute_num_layers_mixes_full_and_selective() -> None:
     model = GPT(tiny_config(num_layers=3, recompute="full", recompute_num_layers=2), _state(1))
     assert [layer.recompute for layer in model.layers] == ["full", "full", "selective"]
-    assert [layer.attention.selective for layer in model.layers] == [False, False, True]
+    assert [layer.attention.recompute_core for layer in model.layers] == [False, False, True]
 
 
 # -- the README's table of bad inputs: each check in-process, through the function cli.py runs

@@ -48,10 +48,18 @@ def test_hand_computed_small_case() -> None:
     assert forward_flops_per_iteration(c, 2) == forward
     assert model_flops_per_iteration(c, 2) == 3 * forward == 77568
     assert model_flops_per_iteration(c, 2) == pytest.approx(_paper_model_flops(c, 2), rel=1e-12)
-    recompute = {"none": 0, "selective": 3 * 4 * 2 * 64 * 4, "full": 3 * 8192}
+    # lean redoes no more matmuls than selective (LayerNorm, GeLU and masks are not matmuls)
+    recompute = {"none": 0, "selective": 3 * 4 * 2 * 64 * 4, "lean": 3 * 4 * 2 * 64 * 4,
+                 "full": 3 * 8192, "layernorm+mlp_act": 0}  # fmt: skip
     for policy, extra in recompute.items():
         cfg = dataclasses.replace(c, recompute=policy)
         assert hardware_flops_per_iteration(cfg, 2) == 77568 + extra, policy
+    # sdpa: the fused backward recomputes QKᵀ (2Bs²h per layer); core_attn does not act
+    qk = 3 * 2 * 2 * 64 * 4
+    for policy, extra in {"none": qk, "selective": qk, "lean": qk, "full": qk + 3 * 8192}.items():
+        cfg = dataclasses.replace(c, recompute=policy, attention="sdpa")
+        assert hardware_flops_per_iteration(cfg, 2) == 77568 + extra, policy
+        assert model_flops_per_iteration(cfg, 2) == 77568  # model FLOPs know no backend
     full = dataclasses.replace(c, recompute="full")
     assert hardware_flops_per_iteration(full, 2) == pytest.approx(
         _paper_full_recompute_flops(full, 2), rel=1e-12
@@ -114,7 +122,7 @@ def _counted_flops(config: GPTConfig, batch: int) -> int:
 
 
 @pytest.mark.parametrize("ffn_hidden_size", [None, 96], ids=["ffn4h", "ffn96"])
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "lean", "full"])
 def test_formulas_equal_counted_matmul_flops(ffn_hidden_size: int | None, recompute: str) -> None:
     """A real forward + backward executes exactly the formula's matmul FLOPs: model FLOPs
     without recomputation, hardware FLOPs with it. Vocab 256 is a multiple of 128, so the
@@ -129,6 +137,19 @@ def test_formulas_equal_counted_matmul_flops(ffn_hidden_size: int | None, recomp
         assert counted == model_flops_per_iteration(config, 2)
     if ffn_hidden_size is None and recompute == "none":
         assert counted == pytest.approx(_paper_model_flops(config, 2), rel=1e-12)
+
+
+def test_sdpa_counted_flops_lack_only_the_cpu_kernel() -> None:
+    """FlopCounterMode has no formula for the CPU flash kernel, so under ``sdpa`` it counts
+    everything but the attention core: forward + backward ``3·4Bs²h`` and the backward's own
+    QKᵀ ``2Bs²h`` per layer short of the formula, and nothing else."""
+    config = GPTConfig(
+        vocab_size=256, seq_length=32, hidden_size=64, num_layers=2, num_heads=4,
+        recompute="none", attention="sdpa", attention_dropout=0.0,
+    )  # fmt: skip
+    b, s, h, L = 2, 32, 64, 2
+    core = (3 * 4 + 2) * b * s * s * h * L
+    assert _counted_flops(config, b) == hardware_flops_per_iteration(config, b) - core
 
 
 def test_padded_vocabulary_adds_only_output_layer_flops() -> None:

@@ -22,12 +22,15 @@ from lightning_sp.memory.formulas import (
     ModelStatePrecision,
     activation_bytes_per_layer,
     chunk_forwards_in_flight,
+    dropped_bytes_per_layer,
     embedding_activation_bytes,
     extra_activation_bytes,
     figure7_percentages,
     first_stage_activation_bytes,
     interleave_factor,
     layer_parameter_count,
+    layer_saved_terms,
+    layernorm_stats_bytes_per_layer,
     layers_in_flight,
     model_parameter_count,
     model_state_bytes,
@@ -37,6 +40,8 @@ from lightning_sp.memory.formulas import (
     table2_bytes_per_layer,
     table2_row,
 )
+from lightning_sp.model.recompute import PRESETS, RECOMPUTE_MODULES
+from lightning_sp.model.shape import ActivationShape
 
 S, B, H, A, T = 2048, 1, 12288, 96, 8
 SBH = S * B * H
@@ -57,47 +62,88 @@ def test_table2_rows_at_hand_computed_values(row: str) -> None:
     assert table2_bytes_per_layer(row, S, B, H, A, T) == TABLE2_175B[row] * SBH
 
 
-def test_table2_row_names_and_existing_signature() -> None:
+def test_table2_row_names_and_shape_record() -> None:
     assert table2_row(False, "none", 1) == "no_parallelism"
     assert table2_row(False, "none", 8) == "tensor_parallel"
     assert table2_row(True, "selective", 8) == "tensor_sequence_parallel_selective"
     assert table2_row(True, "full", 8) == "full_recompute"
-    # positional (s, b, h, a, t) and keyword flags, as tests/test_activation_bytes.py calls it
-    got = activation_bytes_per_layer(S, B, H, A, T, sequence_parallel=True, recompute="none")
-    assert got == 14.25 * SBH
-    assert activation_bytes_per_layer(S, B, H, A, T, sequence_parallel=True, recompute="full") == (
-        2 * SBH / T
-    )
+    shape = ActivationShape(S, B, H, A, T, sequence_parallel=True)
+    assert activation_bytes_per_layer(shape, "none") == 14.25 * SBH
+    assert activation_bytes_per_layer(shape, "full") == 2 * SBH / T
+    # the record from a GPTConfig carries every field the formulas read
+    config = GPTConfig(vocab_size=51200, seq_length=S, hidden_size=H, num_layers=96,
+                       num_heads=A, sequence_parallel=True)  # fmt: skip
+    assert ActivationShape.from_config(config, T, B) == shape
 
 
 def test_generalised_to_dtype_mask_size_and_ffn_width() -> None:
     s, b, h, a = 128, 2, 64, 4
     sbh, as2b = s * b * h, a * s * s * b
+    x = ActivationShape(s, b, h, a)
     # fp32 activations (e = 4): outside 4e + 2 masks = 18, inside 4e + 2e·4 = 48, scores 2e+1 = 9
-    got = activation_bytes_per_layer(s, b, h, a, activation_bytes=4)
+    got = activation_bytes_per_layer(dataclasses.replace(x, activation_bytes=4))
     assert got == 66 * sbh + 9 * as2b
     # bit-packed masks (1/8 byte): 8 + 2/8 outside, scores 4 + 1/8
-    got = activation_bytes_per_layer(s, b, h, a, mask_bytes=0.125)
+    got = activation_bytes_per_layer(dataclasses.replace(x, mask_bytes=0.125))
     assert got == 8.25 * sbh + 24 * sbh + 4.125 * as2b
     # MLP width 2h: GeLU and fc2 inputs 2·2·2 = 8 instead of 16
-    got = activation_bytes_per_layer(s, b, h, a, ffn_hidden_size=2 * h)
-    assert got == (10 + 16) * sbh + 5 * as2b
-    # no dropout: no masks, and the softmax output is what multiplies V (2as²b)
-    got = activation_bytes_per_layer(s, b, h, a, hidden_dropout=False, attention_dropout=False)
-    assert got == (8 + 24) * sbh + 2 * as2b
-    # t and sequence parallelism apply to the generalised terms as in Table 2
-    got = activation_bytes_per_layer(
-        s, b, h, a, 4, sequence_parallel=True, recompute="selective", activation_bytes=4
+    assert activation_bytes_per_layer(dataclasses.replace(x, f=2 * h)) == (10 + 16) * sbh + (
+        5 * as2b
     )
-    assert got == (18 + 48) * sbh / 4
-    assert activation_bytes_per_layer(s, b, h, a, activation_bytes=4, recompute="full") == 4 * sbh
+    # no dropout: no masks, and the softmax output is what multiplies V (2as²b)
+    no_dropout = dataclasses.replace(x, hidden_dropout=False, attention_dropout=False)
+    assert activation_bytes_per_layer(no_dropout) == (8 + 24) * sbh + 2 * as2b
+    # t and sequence parallelism apply to the generalised terms as in Table 2
+    fp32_sp4 = dataclasses.replace(x, t=4, sequence_parallel=True, activation_bytes=4)
+    assert activation_bytes_per_layer(fp32_sp4, "selective") == (18 + 48) * sbh / 4
+    assert activation_bytes_per_layer(dataclasses.replace(x, activation_bytes=4), "full") == (
+        4 * sbh
+    )
+
+
+def test_recompute_modules_drop_their_terms() -> None:
+    """lean = 34 - 4 (LayerNorm outputs) - 8 (GeLU output) - 2 (masks) = 20 sbh/t with TP+SP;
+    each module's drop is its descriptor's terms; a module list equals the matching preset."""
+    sp = ActivationShape(S, B, H, A, T, sequence_parallel=True)
+    assert activation_bytes_per_layer(sp, "lean") == 20 * SBH / T
+    assert dropped_bytes_per_layer(sp, "layernorm") == 4 * SBH / T
+    assert dropped_bytes_per_layer(sp, "mlp_act") == 8 * SBH / T
+    assert dropped_bytes_per_layer(sp, "residual_mask") == 2 * SBH / T
+    assert dropped_bytes_per_layer(sp, "core_attn") == 80 * SBH / T  # 5as²b/t = 5as/h sbh/t
+    assert activation_bytes_per_layer(
+        sp, ["core_attn", "layernorm", "mlp_act", "residual_mask"]
+    ) == (activation_bytes_per_layer(sp, "lean"))
+    assert activation_bytes_per_layer(sp, "layernorm+mlp_act") == (34 + 80 - 12) * SBH / T
+    # without SP, the LayerNorm outputs and masks are replicated: lean = 4 + 16/t... + 0 scores
+    tp = dataclasses.replace(sp, sequence_parallel=False)
+    assert activation_bytes_per_layer(tp, "lean") == (4 + 16 / T) * SBH
+    for name in PRESETS["lean"]:
+        assert set(RECOMPUTE_MODULES[name].drops) <= set(layer_saved_terms(sp)), name
+    # the LayerNorm statistics: 2 LayerNorms x (mean, rstd) per row, none once recomputed
+    assert layernorm_stats_bytes_per_layer(sp, "selective") == 2 * 2 * 2 * S * B / T
+    assert layernorm_stats_bytes_per_layer(sp, "lean") == 0
+
+
+def test_sdpa_bytes_and_core_attn_buys_nothing() -> None:
+    """sdpa: Q, K, V 6sbh, its output (the projection's input) 2sbh, fp32 logsumexp 4asb — no
+    s x s term; core_attn drops nothing, so selective == none."""
+    x = ActivationShape(S, B, H, A, T, sequence_parallel=True, attention="sdpa")
+    lse = 4 * A * S * B
+    assert activation_bytes_per_layer(x, "none") == 34 * SBH / T + lse / T
+    assert activation_bytes_per_layer(x, "selective") == activation_bytes_per_layer(x, "none")
+    assert dropped_bytes_per_layer(x, "core_attn") == 0
+    assert activation_bytes_per_layer(x, "lean") == 20 * SBH / T + lse / T
+    assert activation_bytes_per_layer(x, "full") == 2 * SBH / T
 
 
 def test_unknown_policy_is_a_config_error() -> None:
     from lightning_sp import ConfigError
 
+    shape = ActivationShape(S, B, H, A)
     with pytest.raises(ConfigError, match="recompute='partial'"):
-        activation_bytes_per_layer(S, B, H, A, recompute="partial")
+        activation_bytes_per_layer(shape, "partial")
+    with pytest.raises(ConfigError, match="'attn' is not a recompute module"):
+        activation_bytes_per_layer(shape, ["attn"])
 
 
 def test_figure7_formula_percentages() -> None:
@@ -130,15 +176,13 @@ def test_eq5_and_interleaving() -> None:
 
 def test_section_4_5_extras() -> None:
     v = 51200
+    sp = ActivationShape(S, B, H, A, T, sequence_parallel=True)
     # sbhL/t (p/L + δ_{p=1} 4/L (1 + v/h))
-    assert extra_activation_bytes(S, B, H, v, T, 8) == SBH * 8 / T
-    assert extra_activation_bytes(S, B, H, v, T, 1) == pytest.approx(
-        SBH / T + 4 * SBH / T * (1 + v / H)
-    )
-    assert embedding_activation_bytes(S, B, H, T, sequence_parallel=False) == SBH
-    assert output_activation_bytes(S, B, H, v, T, sequence_parallel=False) == 4 * SBH + (
-        4 * S * B * v / T
-    )
+    assert extra_activation_bytes(sp, v, 8) == SBH * 8 / T
+    assert extra_activation_bytes(sp, v, 1) == pytest.approx(SBH / T + 4 * SBH / T * (1 + v / H))
+    tp = dataclasses.replace(sp, sequence_parallel=False)
+    assert embedding_activation_bytes(tp) == SBH
+    assert output_activation_bytes(tp, v) == 4 * SBH + 4 * S * B * v / T
 
 
 def test_model_state_bytes_per_parameter() -> None:
@@ -189,11 +233,14 @@ def test_parameter_count_matches_real_gpt_shards() -> None:
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_fake_measurement_equals_a_real_run(sequence_parallel: bool, recompute: str) -> None:
-    """At t=1 a real forward can run here: the fake trace counts exactly the same bytes."""
-    config = _small(recompute=recompute)
+@pytest.mark.parametrize("attention", ["math", "sdpa"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "lean", "full"])
+def test_fake_measurement_equals_a_real_run(attention: str, recompute: str) -> None:
+    """At t=1 a real forward can run here: the fake trace counts exactly the same bytes
+    (sdpa without attention dropout, as the fake measurement traces it)."""
+    config = _small(recompute=recompute, attention=attention)
+    if attention == "sdpa":
+        config.attention_dropout = 0.0
     b = 2
     model = GPT(config, ParallelState.single(), dtype=torch.bfloat16)
     model.train()
@@ -206,24 +253,28 @@ def test_fake_measurement_equals_a_real_run(sequence_parallel: bool, recompute: 
     assert fake.per_layer_bytes == real
     assert fake.embedding_bytes == tracker.report.bytes_of("<untracked>")
     assert not dist.is_initialized()
-    _ = sequence_parallel  # t=1: sequence parallelism is a no-op; covered at t>1 below
 
 
 @pytest.mark.parametrize(
-    ("sequence_parallel", "recompute"),
-    [(sp, rc) for sp in (False, True) for rc in ("none", "selective", "full")],
+    ("sequence_parallel", "recompute", "attention"),
+    [(sp, rc, "math") for sp in (False, True) for rc in ("none", "selective", "lean", "full")]
+    + [(True, "none", "sdpa"), (True, "lean", "sdpa")],
 )
-def test_fake_measurement_matches_table2_at_t4(sequence_parallel: bool, recompute: str) -> None:
+def test_fake_measurement_matches_formula_at_t4(
+    sequence_parallel: bool, recompute: str, attention: str
+) -> None:
+    """The fake trace at t=4 is the formula + the LayerNorm statistics, byte for byte."""
     s, b, h, a, t = 256, 2, 256, 8, 4
-    config = _small(seq_length=s, hidden_size=h, num_heads=a, num_layers=2)
+    config = _small(seq_length=s, hidden_size=h, num_heads=a, num_layers=2, attention=attention)
     config = dataclasses.replace(config, sequence_parallel=sequence_parallel, recompute=recompute)
     got = measure_activations(config, tensor_parallel_size=t, micro_batch_size=b, layers=2)
-    expected = activation_bytes_per_layer(
-        s, b, h, a, t, sequence_parallel=sequence_parallel, recompute=recompute
-    )
-    for layer_bytes in got.per_layer_bytes:
-        assert layer_bytes == pytest.approx(expected, rel=0.01)
-    mask = embedding_activation_bytes(s, b, h, t, sequence_parallel=sequence_parallel)
+    shape = ActivationShape.from_config(config, t, b)
+    if attention == "sdpa":  # traced as the fused kernel, i.e. without the CPU dropout fallback
+        shape = dataclasses.replace(shape, attention_dropout=False)
+    expected = activation_bytes_per_layer(shape, recompute)
+    expected += layernorm_stats_bytes_per_layer(shape, recompute)
+    assert got.per_layer_bytes == [expected] * 2
+    mask = embedding_activation_bytes(shape)
     # + what the paper neglects: the local token ids (int64) and the out-of-shard mask (bool)
     assert got.embedding_bytes == mask + 9 * s * b
 
@@ -239,5 +290,6 @@ def test_head_measurement_matches_section_4_5() -> None:
             head=True,
         )
         v = config.padded_vocab_size(t)
-        expected = output_activation_bytes(s, b, h, v, t, sequence_parallel=sp)
+        shape = ActivationShape(s, b, h, 8, t, sequence_parallel=sp)
+        expected = output_activation_bytes(shape, v)
         assert got.head_bytes == pytest.approx(expected, rel=0.02)

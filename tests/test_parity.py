@@ -1,4 +1,5 @@
-"""Every tensor/sequence-parallel layout and recompute policy equals one float64 process.
+"""Every tensor/sequence-parallel layout, recompute policy (presets and single modules) and
+attention backend equals one float64 process.
 
 Real gloo ranks; each rank compares its own shard with the matching slice of a reference it
 builds itself from the same seed (nothing is pickled between processes).
@@ -7,6 +8,7 @@ builds itself from the same seed (nothing is pickled between processes).
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -25,8 +27,15 @@ from models import (
 from spawn import run_distributed
 
 # (recompute, recompute_num_layers): full on layer 0 only and selective on layer 1 is the mix
-# that recompute: auto picks when full on every layer is more than needed
-POLICIES = (("none", None), ("selective", None), ("full", None), ("full", 1))
+# that recompute: auto picks when full on every layer is more than needed; then lean and each
+# recompute module on its own
+POLICIES = (
+    ("none", None), ("selective", None), ("full", None), ("full", 1), ("lean", None),
+    (["layernorm"], None), (["mlp_act"], None), (["residual_mask"], None),
+)  # fmt: skip
+SDPA_POLICIES = (("none", None), ("selective", None), ("full", 1), ("lean", None))
+CASES = [("math", p) for p in POLICIES] + [("sdpa", p) for p in SDPA_POLICIES]
+"""(attention, (recompute, recompute_num_layers)) cases run in every layout."""
 RTOL = 1e-10
 
 
@@ -36,11 +45,14 @@ def _parity_worker(rank: int, world_size: int) -> None:
     ids, labels = batch(config)
     reference = reference_model(config)
     ref_loss = loss_and_grads(reference, ids, labels)
-    for sequence_parallel, (recompute, layers) in itertools.product((False, True), POLICIES):
-        case = f"t={world_size} sp={sequence_parallel} recompute={recompute}/{layers}"
+    for sequence_parallel, (attention, (recompute, layers)) in itertools.product(
+        (False, True), CASES
+    ):
+        case = f"t={world_size} sp={sequence_parallel} {attention} recompute={recompute}/{layers}"
         cfg = tiny_config(
-            sequence_parallel=sequence_parallel, recompute=recompute, recompute_num_layers=layers
-        )
+            sequence_parallel=sequence_parallel, recompute=recompute, recompute_num_layers=layers,
+            attention=attention,
+        )  # fmt: skip
         model = GPT(cfg, state, dtype=torch.float64)
         loss = loss_and_grads(model, ids, labels)
         assert relative_error(loss, ref_loss) <= RTOL, f"{case}: loss {loss} vs {ref_loss}"
@@ -66,13 +78,15 @@ def _assert_replicated_grads_agree(model: GPT, grads: dict, state: ParallelState
 
 
 def _dropout_worker(rank: int, world_size: int) -> None:
-    """With dropout, the three policies draw and replay identical masks."""
+    """With dropout, every policy of one attention backend draws and replays identical masks
+    (``sdpa`` on CPU runs torch's math fallback, seeded from our stream; it warns)."""
+    warnings.filterwarnings("ignore", message="attention='sdpa' with attention_dropout")
     state = ParallelState.from_process_group(tensor_parallel_size=world_size)
-    for sequence_parallel in (False, True):
+    for sequence_parallel, attention in itertools.product((False, True), ("math", "sdpa")):
         results = []
-        for recompute, layers in POLICIES:
+        for recompute, layers in POLICIES if attention == "math" else SDPA_POLICIES:
             cfg = tiny_config(
-                sequence_parallel=sequence_parallel, recompute=recompute,
+                sequence_parallel=sequence_parallel, recompute=recompute, attention=attention,
                 recompute_num_layers=layers, hidden_dropout=0.2, attention_dropout=0.3,
             )  # fmt: skip
             model = GPT(cfg, state, dtype=torch.float64)
@@ -83,7 +97,7 @@ def _dropout_worker(rank: int, world_size: int) -> None:
         base_policy, base_losses, base_grads = results[0]
         assert base_losses[0] != base_losses[1], "dropout drew the same masks twice"
         for policy, losses, grads in results[1:]:
-            case = f"t={world_size} sp={sequence_parallel}: {policy} vs {base_policy}"
+            case = f"t={world_size} sp={sequence_parallel} {attention}: {policy} vs {base_policy}"
             for a, b in zip(losses, base_losses, strict=True):
                 assert relative_error(a, b) <= 1e-12, f"{case}: loss {a} vs {b}"
             for name, grad in grads.items():

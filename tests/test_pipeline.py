@@ -35,6 +35,7 @@ from lightning_sp.memory.formulas import (
     layers_in_flight,
 )
 from lightning_sp.memory.saved import UNTRACKED, LiveActivationTracker
+from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.grads import global_grad_norm
 from lightning_sp.pipeline import Pipeline, check_batch, check_pipeline, chunk_layer_ranges
 
@@ -250,9 +251,8 @@ def test_first_stage_peak_activations(world_size: int, case: tuple) -> None:
     r = measured(world_size)[0][f"memory {_case_name(*case, names='tpmLn')}"]
     assert r["is_first_stage"]
     assert r["live_after_step"] == 0, "saved activations outlived the step"
-    per_layer = activation_bytes_per_layer(
-        S, MICRO, H, A, t, sequence_parallel=t > 1, recompute="selective"
-    )
+    shape = ActivationShape(S, MICRO, H, A, t, sequence_parallel=t > 1)
+    per_layer = activation_bytes_per_layer(shape, "selective")
     # torch's schedules keep the paper's number of micro-batches in flight for this n
     in_flight_layers = layers_in_flight(layers, p, m, n)
     assert in_flight_layers == layers * interleave_factor(p, m)
@@ -264,7 +264,7 @@ def test_first_stage_peak_activations(world_size: int, case: tuple) -> None:
     )
     # the rest is the embedding: its 1-byte dropout mask (sbh/t) and the token ids, for each
     # micro-batch in flight; §4.5 counts p masks
-    extra = extra_activation_bytes(S, MICRO, H, 256, t, p, sequence_parallel=t > 1)
+    extra = extra_activation_bytes(shape, 256, p)
     assert r["peak_bytes"] == pytest.approx(expected_layers + extra, rel=0.05)
 
 

@@ -65,8 +65,9 @@ def main(argv: list[str]) -> int:
 
 @functools.cache
 def measured(name: str) -> Estimate:
-    """One traced layer per (sequence_parallel, recompute), shared by the tests below."""
-    return estimate(read_layout(name), layers=1)
+    """One traced layer per (sequence_parallel, recompute), shared by the tests below, with the
+    paper's ``math`` attention (the configs run ``sdpa``; Table 2 counts ``math``)."""
+    return estimate(read_layout(name, "--model.config.attention", "math"), layers=1)
 
 
 def _raw(name: str = "gpt175b") -> dict:
@@ -85,7 +86,8 @@ def test_configs_are_table3(name: str) -> None:
     assert layout.world_size == gpus
     assert (layout.global_batch_size, layout.micro_batch_size) == (global_batch, micro)
     assert (cfg.seq_length, cfg.vocab_size) == (2048, 51200)
-    assert layout.sequence_parallel and layout.recompute == "selective"
+    assert layout.sequence_parallel and layout.recompute == "none"
+    assert cfg.attention == "sdpa"  # so none holds what selective holds with math attention
     # a real fit config: the keys the model, strategy and data module take
     raw = _raw(name)
     assert raw["trainer"]["strategy"]["class_path"] == "lightning_sp.MegatronSPStrategy"
@@ -116,9 +118,9 @@ def test_estimate_175b_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--config", CONFIGS["gpt175b"], "--format", "json"]) == 0
     assert time.perf_counter() - start < 60
     rows = json.loads(capsys.readouterr().out)
-    assert len(rows) == 6
+    assert len(rows) == 8
     assert {(r["sequence_parallel"], r["recompute"]) for r in rows} == {
-        (sp, rc) for sp in (False, True) for rc in ("none", "selective", "full")
+        (sp, rc) for sp in (False, True) for rc in ("none", "selective", "lean", "full")
     }
     for r in rows:
         assert set(JSON_KEYS) <= set(r)
@@ -128,7 +130,10 @@ def test_estimate_175b_json(capsys: pytest.CaptureFixture[str]) -> None:
     sp_selective = next(r for r in rows if r["sequence_parallel"] and r["recompute"] == "selective")
     s, b, h, t = 2048, 1, 12288, 8
     assert sp_selective["activation_bytes_per_layer"] == pytest.approx(34 * s * b * h / t, rel=0.01)
-    assert sp_selective["selected"] and sp_selective["fits"]
+    # sdpa: selective buys nothing; the configured SP + none holds the same
+    sp_none = next(r for r in rows if r["sequence_parallel"] and r["recompute"] == "none")
+    assert sp_none["activation_bytes_per_layer"] == sp_selective["activation_bytes_per_layer"]
+    assert sp_none["selected"] and sp_none["fits"] and not sp_selective["selected"]
     # first stage: per layer × L × (1 + (p-1)/(p·m)) + embedding masks, eq. 5 / §4.5
     per_layer = sp_selective["activation_bytes_per_layer"]
     assert sp_selective["first_stage_activation_bytes"] == pytest.approx(
@@ -151,7 +156,8 @@ def test_estimate_cli_subprocess_table() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "34sbh/t" in proc.stdout and "Figure 7" in proc.stdout
-    assert "configured: SP + selective" in proc.stdout and "fits" in proc.stdout
+    assert "configured: SP + none" in proc.stdout and "fits" in proc.stdout
+    assert "selective (core_attn) stores what none stores with attention=sdpa" in proc.stdout
 
 
 def test_plot_writes_png(tmp_path: Path) -> None:
@@ -162,11 +168,12 @@ def test_plot_writes_png(tmp_path: Path) -> None:
     assert out.stat().st_size > 10_000
 
 
-def _auto(sequence_parallel: bool = True) -> Layout:
+def _auto(sequence_parallel: bool = True, attention: str = "math") -> Layout:
     sp = str(sequence_parallel).lower()
     return read_layout(
-        "gpt175b", "--model.config.recompute", "auto", "--trainer.strategy.sequence_parallel", sp
-    )
+        "gpt175b", "--model.config.recompute", "auto", "--trainer.strategy.sequence_parallel", sp,
+        "--model.config.attention", attention,
+    )  # fmt: skip
 
 
 def test_auto_picks_the_least_recomputation_that_fits() -> None:
@@ -179,23 +186,41 @@ def test_auto_picks_the_least_recomputation_that_fits() -> None:
     # plenty of memory: no recomputation at all
     choice = estimate(layout, 200e9).choice
     assert choice is not None and choice.recompute == "none"
-    # TP only in 80 GB: selective (91.6 GB) does not fit; full on 2 of each chunk's 4 layers does
-    result = estimate(_auto(sequence_parallel=False), 80e9)
+    # SP on in 60 GB: selective (64.1 GB) does not fit, lean (58.6 GB) does
+    choice = estimate(layout, 60e9).choice
+    assert choice is not None and (choice.recompute, choice.recompute_num_layers) == ("lean", None)
+    # TP only in 80 GB: selective (91.6 GB) does not fit, lean (69.7 GB) does
+    tp_only = _auto(sequence_parallel=False)
+    choice = estimate(tp_only, 80e9).choice
+    assert choice is not None and choice.recompute == "lean" and choice.fits
+    # TP only in 67 GB: lean does not fit; full on 3 of each chunk's 4 layers does
+    result = estimate(tp_only, 67e9)
     assert result.choice is not None
-    assert (result.choice.recompute, result.choice.recompute_num_layers) == ("full", 2)
+    assert (result.choice.recompute, result.choice.recompute_num_layers) == ("full", 3)
     assert result.choice.fits and result.choice.measured
     partial = result.rows[-1]
-    assert partial.selected and partial.recompute_num_layers == 2 and partial.fits
-    assert not result.row(False, "selective").fits
+    assert partial.selected and partial.recompute_num_layers == 3 and partial.fits
+    assert not result.row(False, "lean").fits
     one_layer_less = result.rows[-1].total_bytes + (
         result.row(False, "selective").activation_bytes_per_layer
         - result.row(False, "full").activation_bytes_per_layer
     ) * (8 * 3 + 8 - 1)  # chunk forwards in flight
-    assert one_layer_less > 80e9  # k=1 would not have fitted
+    assert one_layer_less > 67e9  # k=2 would not have fitted
     # nothing fits: full everywhere, reported as not fitting
     choice = estimate(layout, 40e9).choice
     assert choice is not None and choice.recompute == "full" and not choice.fits
     assert "does NOT fit" in choice.describe()
+
+
+def test_auto_under_sdpa_skips_selective() -> None:
+    """With sdpa, selective stores what none stores: auto never picks it (it would recompute
+    for no gain) and goes from none straight to lean."""
+    layout = _auto(attention="sdpa")
+    result = estimate(layout, 60e9, measure=False)
+    assert result.row(True, "selective").total_bytes == result.row(True, "none").total_bytes
+    assert result.choice is not None and result.choice.recompute == "lean"
+    choice = estimate(layout, 80e9, measure=False).choice
+    assert choice is not None and choice.recompute == "none"  # the paper's selective's bytes
 
 
 def test_resolve_recompute_api_measured_and_formula_agree() -> None:
@@ -210,8 +235,8 @@ def test_resolve_recompute_api_measured_and_formula_agree() -> None:
     measured_choice = resolve_recompute(config, **kwargs)  # type: ignore[arg-type]
     formula_choice = resolve_recompute(config, measure=False, **kwargs)  # type: ignore[arg-type]
     assert measured_choice.measured and not formula_choice.measured
-    assert (measured_choice.recompute, measured_choice.recompute_num_layers) == ("full", 2)
-    assert (formula_choice.recompute, formula_choice.recompute_num_layers) == ("full", 2)
+    assert (measured_choice.recompute, measured_choice.recompute_num_layers) == ("lean", None)
+    assert (formula_choice.recompute, formula_choice.recompute_num_layers) == ("lean", None)
     choice = resolve_recompute(config, sequence_parallel=True, **kwargs)  # type: ignore[arg-type]
     assert choice.recompute == "selective"
 
@@ -244,6 +269,8 @@ BAD = [  # (fit overrides of gpt175b.yaml, fragments the one-line message must c
     (["--trainer.devices", "auto"], ["trainer.devices='auto'"]),
     (["--layers", "0"], ["--layers=0", "positive"]),
     (["--device_memory", "lots"], ["--device_memory='lots'", "80GiB"]),
+    (["--model.config.recompute", "some"], ["recompute='some'", "lean", "core_attn"]),
+    (["--model.config.attention", "flash"], ["attention='flash'", "math, sdpa"]),
 ]
 
 
@@ -259,8 +286,8 @@ def test_config_errors_are_one_line(overrides: list[str], fragments: list[str]) 
 
 @pytest.mark.parametrize(
     "overrides",
-    [["--model.config.recompute", "some"], ["--model.config.hiden_size", "1"]],
-    ids=["recompute", "unknown-field"],
+    [["--model.config.hiden_size", "1"]],
+    ids=["unknown-field"],
 )
 def test_the_fit_parser_rejects_what_fit_rejects(
     overrides: list[str], capsys: pytest.CaptureFixture[str]
@@ -294,7 +321,7 @@ def test_fit_overrides_change_the_estimate(capsys: pytest.CaptureFixture[str]) -
     assert not tp_only.sequence_parallel and base.sequence_parallel
     tp_rows = estimate(tp_only, measure=False)
     assert [(r.sequence_parallel, r.recompute) for r in tp_rows.rows if r.selected] == [
-        (False, "selective")
+        (False, "none")
     ]
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -143,7 +143,10 @@ def measure_activations(
     """Measure, for one micro-batch, the activation bytes rank 0 of a ``t × p × d`` layout saves:
     per transformer layer (the first ``layers`` layers, traced in training mode with the
     config's dropout and recompute policy), for the embedding, and with ``head`` for the final
-    LayerNorm + output layer + loss (traced on a separate last-layer shard).
+    LayerNorm + output layer + loss (traced on a separate last-layer shard). ``attention:
+    sdpa`` is traced without attention dropout: the fused CUDA kernels store the same tensors
+    with dropout as without (their RNG seed and offset aside), while the CPU kernel would
+    fall back to a math path storing ``s x s`` scores.
 
     Runs under ``FakeTensorMode`` and a fake process group of ``t·p·d`` ranks (see
     :func:`fake_world`): costs no activation memory and no weight initialisation; needs
@@ -153,6 +156,11 @@ def measure_activations(
     if not 1 <= layers <= config.num_layers:
         raise ConfigError(f"layers={layers} must be between 1 and num_layers={config.num_layers}")
     config.validate(t)
+    if config.attention == "sdpa":
+        # traced as the fused kernel: on CPU, SDPA with dropout leaves it for a math fallback
+        # that stores s x s scores, which the GPUs the plan is for do not (their flash /
+        # memory-efficient kernels draw dropout inside and store the same tensors as without)
+        config = replace(config, attention_dropout=0.0)
     with fake_world(t * p * data_parallel_size):
         state = ParallelState.from_process_group(t, p, device="cpu")
         return _trace(config, state, micro_batch_size, layers, head, dtype)

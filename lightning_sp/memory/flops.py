@@ -23,8 +23,11 @@ import time
 
 import torch
 
-from lightning_sp.errors import ConfigError, positive_int
-from lightning_sp.model.config import RECOMPUTE_POLICIES, GPTConfig
+from lightning_sp.errors import positive_int
+from lightning_sp.model.attention import ATTENTION_BACKENDS
+from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.recompute import active_modules, parse_recompute
+from lightning_sp.model.shape import ActivationShape
 
 __all__ = [
     "forward_flops_per_iteration",
@@ -80,32 +83,41 @@ def model_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> floa
 
 def hardware_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> float:
     """FLOPs the hardware executes in one iteration: model FLOPs plus the forward work that
-    ``config.recompute`` runs again during backward.
+    ``config.recompute`` runs again during backward, plus what the attention backend's own
+    backward recomputes.
 
-    * ``none``: nothing is recomputed, equal to :func:`model_flops_per_iteration`.
+    * no module (``none``): nothing is recomputed, equal to :func:`model_flops_per_iteration`.
     * ``full``: every layer's forward runs twice (the logits are not recomputed), so each
       layer costs 4x its forward instead of 3x: ``96·B·s·L·h²·(1 + s/(6h) + v/(16·h·L))``
-      for ``ffn_size = 4h``, about 4/3 of the model FLOPs for large ``h``.
-    * ``selective``: only the attention core is recomputed. Its forward is the two
-      ``s x s`` matmuls QKᵀ and probs·V, ``2·B·s²·h`` each, so ``4·B·s²·h·L`` is added
-      (softmax and dropout are not matmuls and are not counted, as everywhere here). That is
-      ``s/(18h)`` in units of ``72BsLh²``: relative to the model FLOPs the overhead is
-      ``(s/(18h)) / (1 + s/(6h) + v/(12hL))``, 0.90% for GPT-3 175B (s=2048, h=12288) and
-      0.54% for MT-NLG 530B (h=20480). The paper's "2.7%" and "1.6%" are the same recomputed
-      FLOPs relative to one *forward* pass, ``4Bs²h / (24Bsh² + 4Bs²h) = s/(6h + s)``
-      (2.70% and 1.64%); ``tests/test_flops.py`` checks both readings.
+      for ``ffn_size = 4h``, about 4/3 of the model FLOPs for large ``h``. (Layers that
+      ``recompute_num_layers`` leaves out run ``selective``.)
+    * a module set: each active module's ``redone_flops``
+      (:data:`lightning_sp.model.recompute.RECOMPUTE_MODULES`). Only ``core_attn`` redoes
+      matmuls: the two ``s x s`` matmuls QKᵀ and probs·V, ``2·B·s²·h`` each, so ``4·B·s²·h·L``
+      is added (LayerNorm, GeLU, masks and softmax are not matmuls and are not counted, as
+      everywhere here). That is ``s/(18h)`` in units of ``72BsLh²``: relative to the model
+      FLOPs the overhead is ``(s/(18h)) / (1 + s/(6h) + v/(12hL))``, 0.90% for GPT-3 175B
+      (s=2048, h=12288) and 0.54% for MT-NLG 530B (h=20480). The paper's "2.7%" and "1.6%"
+      are the same recomputed FLOPs relative to one *forward* pass,
+      ``4Bs²h / (24Bsh² + 4Bs²h) = s/(6h + s)`` (2.70% and 1.64%); ``tests/test_flops.py``
+      checks both readings.
+    * ``attention: sdpa``: the fused kernel's backward recomputes QKᵀ, ``2·B·s²·h`` per
+      layer (the backend's ``backward_redone_flops``); ``core_attn`` does not act there.
     """
     model = model_flops_per_iteration(config, global_batch_size)
-    if config.recompute not in RECOMPUTE_POLICIES:
-        raise ConfigError(
-            f"recompute={config.recompute!r} is not a recompute policy; "
-            f"valid: {', '.join(RECOMPUTE_POLICIES)}"
-        )
-    if config.recompute == "none":
-        return model
-    layer, attention_core = _layer_forward_flops(config, global_batch_size)
-    extra = layer if config.recompute == "full" else attention_core
-    return model + float(config.num_layers * extra)
+    shape = ActivationShape.from_config(config, micro_batch_size=global_batch_size)
+    layer, _ = _layer_forward_flops(config, global_batch_size)
+    backend = ATTENTION_BACKENDS[config.attention].backward_redone_flops(shape)
+    extra = 0.0
+    for index in range(config.num_layers):
+        policy = config.layer_recompute(index)  # ConfigError for auto or an unknown policy
+        modules = parse_recompute(policy)
+        if modules == "full":
+            extra += layer + backend
+        else:
+            extra += sum(m.redone_flops(shape) for m in active_modules(modules, config.attention))
+            extra += backend
+    return model + extra
 
 
 def _synchronize(device: torch.device) -> None:

@@ -3,9 +3,12 @@ scale without the memory are :mod:`lightning_sp.memory.fake`'s.
 
 Formulas (Korthikanti et al. §4, Table 2, eq. 5, §4.5), in bytes. Symbols as in the paper:
 s sequence length, b micro-batch, h hidden size, a heads, t tensor-parallel size, p pipeline
-size, m model chunks per pipeline rank (interleaving), L layers, v vocabulary. The paper stores
-activations in 2 bytes and dropout masks in 1; both are parameters here, as are the MLP width
-(the paper's 4h) and whether each dropout is on.
+size, m model chunks per pipeline rank (interleaving), L layers, v vocabulary. The activation
+formulas take one :class:`~lightning_sp.model.shape.ActivationShape` (built from a
+``GPTConfig``, t and the micro-batch): the paper stores activations in 2 bytes and dropout
+masks in 1; both are fields there, as are the MLP width (the paper's 4h), whether each dropout
+is on and the attention backend. What each recompute module drops comes from its descriptor
+(:data:`lightning_sp.model.recompute.RECOMPUTE_MODULES`).
 
 """
 
@@ -14,7 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.model.config import RECOMPUTE_POLICIES, GPTConfig
+from lightning_sp.model.attention import ATTENTION_BACKENDS
+from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.recompute import active_modules, parse_recompute
+from lightning_sp.model.shape import ActivationShape
 
 ACTIVATION_BYTES = 2
 """Bytes per stored activation element in the paper (fp16/bf16)."""
@@ -60,59 +66,100 @@ def table2_row(sequence_parallel: bool, recompute: str, tensor_parallel_size: in
     return base + ("_selective" if recompute == "selective" else "")
 
 
-def _check_policy(recompute: str) -> None:
-    if recompute not in RECOMPUTE_POLICIES:
-        raise ConfigError(f"recompute={recompute!r} is not one of {', '.join(RECOMPUTE_POLICIES)}")
+INSIDE, OUTSIDE = "inside", "outside"
+"""Where a saved tensor lives: inside the tensor-parallel region (split by t), or outside it
+(replicated over t, or split by t under sequence parallelism)."""
 
 
-def activation_bytes_per_layer(
-    s: int,
-    b: int,
-    h: int,
-    a: int,
-    t: int = 1,
-    *,
-    sequence_parallel: bool = False,
-    recompute: str = "none",
-    ffn_hidden_size: int | None = None,
-    activation_bytes: float = ACTIVATION_BYTES,
-    mask_bytes: float = MASK_BYTES,
-    hidden_dropout: bool = True,
-    attention_dropout: bool = True,
-) -> float:
+def layer_saved_terms(shape: ActivationShape) -> dict[str, tuple[float, str]]:
+    """Every tensor one transformer layer saves for backward, as ``name -> (bytes for the
+    whole layer before any split, region)``. With ``e = activation_bytes``, ``k =
+    mask_bytes``, ``f`` the MLP width:
+
+    * outside (the paper's ``10sbh``): the inputs of LayerNorm 1 (``ln1_input``), the QKV
+      linear (``qkv_input``), LayerNorm 2 (``ln2_input``) and fc1 (``fc1_input``), ``e·sbh``
+      each; the residual dropout masks ``attn_residual_mask``, ``mlp_residual_mask``,
+      ``k·sbh`` each (with hidden dropout);
+    * inside (the paper's ``24sbh``): Q, K, V (``qkv``) ``3e·sbh``, the projection input
+      (``proj_input``, the attention core's own output) ``e·sbh``, the GeLU input
+      (``gelu_input``) and fc2 input (``fc2_input``) ``e·sbf`` each;
+    * the attention core, by backend: ``math`` keeps ``attention_scores``, the softmax
+      output, its dropout mask and the dropout output, ``(2e + k)·as²b`` (the paper's
+      ``5as²b``; ``e·as²b`` without attention dropout); ``sdpa`` keeps none, only the
+      kernel's fp32 logsumexp ``attention_lse``, ``4asb``.
+
+    LayerNorm's per-row mean and rstd (``O(sb)``) are neglected, as in the paper.
+    """
+    x, e, k = shape, shape.activation_bytes, shape.mask_bytes
+    sbh, sbf = x.sbh, x.s * x.b * x.ffn
+    mask = k * sbh if x.hidden_dropout else 0.0
+    keeps_scores = ATTENTION_BACKENDS[x.attention].keeps_scores
+    per_score = 2 * e + k if x.attention_dropout else e
+    return {
+        "ln1_input": (e * sbh, OUTSIDE),
+        "qkv_input": (e * sbh, OUTSIDE),
+        "attn_residual_mask": (mask, OUTSIDE),
+        "ln2_input": (e * sbh, OUTSIDE),
+        "fc1_input": (e * sbh, OUTSIDE),
+        "mlp_residual_mask": (mask, OUTSIDE),
+        "qkv": (3 * e * sbh, INSIDE),
+        "attention_scores": (per_score * x.a * x.s * x.s * x.b if keeps_scores else 0.0, INSIDE),
+        "attention_lse": (0.0 if keeps_scores else 4.0 * x.a * x.s * x.b, INSIDE),
+        "proj_input": (e * sbh, INSIDE),
+        "gelu_input": (e * sbf, INSIDE),
+        "fc2_input": (e * sbf, INSIDE),
+    }
+
+
+def _per_rank(shape: ActivationShape, nbytes: float, region: str) -> float:
+    split = region == INSIDE or shape.sequence_parallel
+    return nbytes / shape.t if split else nbytes
+
+
+def dropped_bytes_per_layer(shape: ActivationShape, module: str) -> float:
+    """Bytes per layer per rank that the recompute module ``module`` stops storing under
+    ``shape`` (0 where it does not act, e.g. ``core_attn`` under ``sdpa``)."""
+    terms = layer_saved_terms(shape)
+    return sum(
+        _per_rank(shape, *terms[term])
+        for m in active_modules((module,), shape.attention)
+        for term in m.drops
+    )
+
+
+def activation_bytes_per_layer(shape: ActivationShape, recompute: object = "none") -> float:
     """Activation bytes one transformer layer stores on one rank (paper Table 2, generalised).
 
-    With the defaults (2-byte activations, 1-byte masks, MLP width 4h, dropout on) this is
-    Table 2 exactly. In general, with ``e = activation_bytes``, ``k = mask_bytes``,
-    ``f = ffn_hidden_size``:
+    ``recompute``: a preset name, ``full`` or a list of recompute modules. The sum of
+    :func:`layer_saved_terms` on this rank (inside terms divided by t; outside terms divided by
+    t under sequence parallelism), less the terms the active modules drop. ``full`` stores the
+    layer input only: ``e·sbh``, or ``e·sbh/t`` under sequence parallelism.
 
-    * outside the tensor-parallel region (replicated over t, or split by t under sequence
-      parallelism): the inputs of LayerNorm 1, the QKV linear, LayerNorm 2 and fc1, ``4e·sbh``,
-      and the two residual dropout masks ``2k·sbh`` — the paper's ``10sbh``;
-    * inside it (split by t): Q, K, V ``3e·sbh``, the projection input ``e·sbh``, the GeLU and
-      fc2 inputs ``2e·sbf`` — the paper's ``24sbh``;
-    * the attention scores (split by t, dropped by ``selective``): softmax output, dropout
-      mask and dropout output, ``(2e + k)·as²b`` — the paper's ``5as²b``; ``e·as²b`` without
-      attention dropout (the softmax output is then the tensor multiplied with V).
-
-    ``full`` recompute stores the layer input only: ``e·sbh``, or ``e·sbh/t`` under sequence
-    parallelism, where the input is the sequence shard. LayerNorm's per-row mean and rstd
-    (``O(sb)``) are neglected, as in the paper.
+    With the defaults (2-byte activations, 1-byte masks, MLP width 4h, dropout on, ``math``)
+    this is Table 2 exactly, e.g. ``34sbh/t`` for TP+SP+selective, ``20sbh/t`` for TP+SP+lean.
     """
-    _check_policy(recompute)
-    f = ffn_hidden_size or 4 * h
-    sbh, e = s * b * h, activation_bytes
-    if recompute == "full":
-        return e * sbh / t if sequence_parallel else e * sbh
-    masks = 2 * mask_bytes if hidden_dropout else 0.0
-    outside = (4 * e + masks) * sbh
-    inside = 4 * e * sbh + 2 * e * s * b * f
-    if recompute == "selective":
-        scores = 0.0
-    else:
-        per_score = 2 * e + mask_bytes if attention_dropout else e
-        scores = per_score * a * s * s * b
-    return (outside / t if sequence_parallel else outside) + (inside + scores) / t
+    policy = parse_recompute(recompute)
+    if policy == "auto":
+        raise ConfigError("recompute='auto' has no bytes until the planner resolves it")
+    if policy == "full":
+        return _per_rank(shape, shape.activation_bytes * shape.sbh, OUTSIDE)
+    dropped = {term for m in active_modules(policy, shape.attention) for term in m.drops}
+    return sum(
+        _per_rank(shape, nbytes, region)
+        for name, (nbytes, region) in layer_saved_terms(shape).items()
+        if name not in dropped
+    )
+
+
+def layernorm_stats_bytes_per_layer(shape: ActivationShape, recompute: object = "none") -> float:
+    """What Table 2 leaves out: the per-row mean and rstd the two LayerNorms save (``2·2·e·sb``,
+    divided by t under sequence parallelism; in the activation dtype on CPU). None under
+    ``full`` or with the ``layernorm`` module, which recompute the LayerNorms whole. The
+    measured bytes per layer are :func:`activation_bytes_per_layer` plus this, exactly."""
+    policy = parse_recompute(recompute)
+    if policy == "full" or "layernorm" in policy:
+        return 0.0
+    return _per_rank(shape, 4 * shape.activation_bytes * shape.s * shape.b, OUTSIDE)
 
 
 def table2_bytes_per_layer(row: str, s: int, b: int, h: int, a: int, t: int = 1) -> float:
@@ -120,10 +167,9 @@ def table2_bytes_per_layer(row: str, s: int, b: int, h: int, a: int, t: int = 1)
     if row not in TABLE2_SETTINGS:
         raise ConfigError(f"row={row!r} is not a Table 2 row; valid: {', '.join(TABLE2_ROWS)}")
     sequence_parallel, recompute = TABLE2_SETTINGS[row]
-    return activation_bytes_per_layer(
-        s, b, h, a, 1 if row == "no_parallelism" else t,
-        sequence_parallel=sequence_parallel, recompute=recompute,
-    )  # fmt: skip
+    t = 1 if row == "no_parallelism" else t
+    shape = ActivationShape(s, b, h, a, t, sequence_parallel=sequence_parallel)
+    return activation_bytes_per_layer(shape, recompute)
 
 
 def figure7_percentages(s: int, b: int, h: int, a: int, t: int) -> dict[str, float]:
@@ -184,71 +230,35 @@ def first_stage_activation_bytes(
     return bytes_per_layer * layers_in_flight(num_layers, p, m, num_microbatches) + extra_bytes
 
 
-def embedding_activation_bytes(
-    s: int,
-    b: int,
-    h: int,
-    t: int = 1,
-    *,
-    sequence_parallel: bool = True,
-    mask_bytes: float = MASK_BYTES,
-    hidden_dropout: bool = True,
-) -> float:
-    """Bytes the input embedding saves per micro-batch (§4.5): its dropout mask, ``sbh/t``
-    under sequence parallelism, ``sbh`` without (the token ids, ``O(sb)``, are neglected)."""
-    if not hidden_dropout:
+def embedding_activation_bytes(shape: ActivationShape) -> float:
+    """Bytes the input embedding saves per micro-batch (§4.5): its dropout mask, ``k·sbh/t``
+    under sequence parallelism, ``k·sbh`` without (the token ids, ``O(sb)``, are neglected)."""
+    if not shape.hidden_dropout:
         return 0.0
-    return mask_bytes * s * b * h / (t if sequence_parallel else 1)
+    return _per_rank(shape, shape.mask_bytes * shape.sbh, OUTSIDE)
 
 
-def output_activation_bytes(
-    s: int,
-    b: int,
-    h: int,
-    v: int,
-    t: int = 1,
-    *,
-    sequence_parallel: bool = True,
-    activation_bytes: float = ACTIVATION_BYTES,
-    logit_bytes: float = 4,
-) -> float:
+def output_activation_bytes(shape: ActivationShape, v: int, logit_bytes: float = 4) -> float:
     """Bytes the final LayerNorm, output layer and cross entropy save per micro-batch (§4.5).
 
     Final LayerNorm input ``2sbh/t`` and output-layer input ``2sbh/t`` under sequence
     parallelism (``2sbh`` each without), and the fp32 softmax over this rank's vocabulary
     shard ``4sbv/t``. ``v`` is the (padded) vocabulary the output layer has.
     """
-    e = activation_bytes
-    inputs = 2 * e * s * b * h / (t if sequence_parallel else 1)
-    return inputs + logit_bytes * s * b * v / t
+    inputs = _per_rank(shape, 2 * shape.activation_bytes * shape.sbh, OUTSIDE)
+    return inputs + logit_bytes * shape.s * shape.b * v / shape.t
 
 
 def extra_activation_bytes(
-    s: int,
-    b: int,
-    h: int,
-    v: int,
-    t: int = 1,
-    p: int = 1,
-    *,
-    sequence_parallel: bool = True,
-    microbatches_in_flight: int | None = None,
-    mask_bytes: float = MASK_BYTES,
-    activation_bytes: float = ACTIVATION_BYTES,
-    hidden_dropout: bool = True,
+    shape: ActivationShape, v: int, p: int = 1, microbatches_in_flight: int | None = None
 ) -> float:
     """§4.5's extras on the first stage: the embedding's dropout masks for the micro-batches in
     flight (``sbhp/t``), plus, only when the first stage is also the last (``p = 1``), the final
     LayerNorm, output layer and loss of one micro-batch (``4sbh/t·(1 + v/h)``)."""
     in_flight = microbatches_in_flight if microbatches_in_flight is not None else p
-    extra = in_flight * embedding_activation_bytes(
-        s, b, h, t, sequence_parallel=sequence_parallel, mask_bytes=mask_bytes,
-        hidden_dropout=hidden_dropout,
-    )  # fmt: skip
+    extra = in_flight * embedding_activation_bytes(shape)
     if p == 1:
-        extra += output_activation_bytes(
-            s, b, h, v, t, sequence_parallel=sequence_parallel, activation_bytes=activation_bytes
-        )
+        extra += output_activation_bytes(shape, v)
     return extra
 
 

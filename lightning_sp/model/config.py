@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from lightning_sp.errors import ConfigError, divisors, positive_int
+from lightning_sp.model.recompute import POLICIES, parse_recompute, policy_name
 
-RECOMPUTE_POLICIES = ("none", "selective", "full")
-Recompute = Literal["none", "selective", "full", "auto"]
+RECOMPUTE_POLICIES = POLICIES
+"""The named policies: the presets ``none``, ``selective``, ``lean`` and ``full``."""
 
 
 @dataclass
@@ -48,16 +48,27 @@ class GPTConfig:
     """Shard LayerNorm, dropout and residual activations along the sequence over the
     tensor-parallel group (paper §4.2.2). Needs seq_length divisible by the TP size."""
 
-    recompute: Recompute = "selective"
-    """Activation recomputation: ``none`` stores everything; ``selective`` recomputes only
-    the attention core (QKᵀ, softmax, its dropout, attention over V) in backward (paper §5);
-    ``full`` keeps only each layer's input and recomputes the whole layer; ``auto`` picks
-    the least recomputation that fits the device memory (resolved by the memory planner when
-    the model is configured)."""
+    recompute: str | list[str] = "selective"
+    """Activation recomputation: a preset or a list of recompute modules. Presets: ``none``
+    stores everything; ``selective`` (= [core_attn]) recomputes only the attention core (QKᵀ,
+    softmax, its dropout, attention over V) in backward (paper §5); ``lean`` = all four modules
+    (20sbh/t per layer with TP+SP instead of 34); ``full`` keeps only each layer's input and
+    recomputes the whole layer; ``auto`` picks the least recomputation that fits the device
+    memory (resolved by the memory planner when the model is configured). Modules:
+    ``core_attn``; ``layernorm`` (both LayerNorms, inside their consumer's backward);
+    ``mlp_act`` (the GeLU, inside fc2's backward); ``residual_mask`` (the residual-dropout
+    masks, regenerated from the RNG stream instead of stored)."""
 
     recompute_num_layers: int | None = None
     """With recompute=full, fully recompute only the first N layers of each model chunk and
     use selective recomputation on the others; None: every layer."""
+
+    attention: str = "math"
+    """Attention backend, ``math`` or ``sdpa``: ``math`` is the paper's (QKᵀ, softmax,
+    dropout, ·V as separate ops storing ``s x s`` tensors: what Table 2 counts); ``sdpa`` calls
+    ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient kernels),
+    which stores no ``s x s`` tensor, so ``core_attn`` recomputation has nothing to drop. On
+    CPU, SDPA with attention dropout falls back to a math kernel that does store them."""
 
     layernorm_eps: float = 1e-5
     """Epsilon of every LayerNorm."""
@@ -82,10 +93,14 @@ class GPTConfig:
         return self.hidden_size // self.num_heads
 
     def layer_recompute(self, index_in_chunk: int) -> str:
-        """The policy one layer runs: ``full`` for the first ``recompute_num_layers`` layers of
-        a chunk (all, if None) and ``selective`` for the rest; otherwise ``recompute``."""
+        """The policy one layer runs, by name (:func:`~lightning_sp.model.recompute.
+        policy_name`): ``full`` for the first ``recompute_num_layers`` layers of a chunk (all,
+        if None) and ``selective`` for the rest; otherwise the configured preset, or its
+        modules joined by ``+`` (``auto`` must have been resolved)."""
+        if parse_recompute(self.recompute) == "auto":
+            raise ConfigError("recompute='auto' must be resolved before layers are built")
         if self.recompute != "full":
-            return self.recompute
+            return policy_name(self.recompute)
         limit = self.recompute_num_layers
         return "full" if limit is None or index_in_chunk < limit else "selective"
 
@@ -99,11 +114,10 @@ class GPTConfig:
         t = tensor_parallel_size
         for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_heads"):
             positive_int(name, getattr(self, name))
-        if self.recompute not in (*RECOMPUTE_POLICIES, "auto"):
-            raise ConfigError(
-                f"recompute={self.recompute!r} is not a recompute policy; "
-                f"valid: {', '.join(RECOMPUTE_POLICIES)}, auto"
-            )
+        parse_recompute(self.recompute)
+        from lightning_sp.model.attention import check_attention
+
+        check_attention(self.attention)
         if self.recompute_num_layers is not None and self.recompute_num_layers < 0:
             raise ConfigError(
                 f"recompute_num_layers={self.recompute_num_layers} must be >= 0 or null"

@@ -5,15 +5,18 @@ them unless pipeline parallelism splits the stack), with the embedding if it hol
 layer and the final LayerNorm + output layer if it holds the last.
 
 Bytes a layer saves for backward (2-byte activations, 1-byte masks; paper §4.1), which the
-code below keeps to exactly:
+code below keeps to exactly (term by term: :func:`lightning_sp.memory.formulas.layer_saved_terms`):
 
 * LayerNorm 1 and 2: their inputs, 2sbh each
-* attention: QKV input 2sbh; Q, K, V 6sbh (one storage); softmax output 2as²b; its dropout
-  mask as²b and output 2as²b; projection input 2sbh; residual dropout mask sbh
+* attention: QKV input 2sbh; Q, K, V 6sbh (one storage); ``math``: softmax output 2as²b, its
+  dropout mask as²b and output 2as²b; ``sdpa``: an fp32 logsumexp 4asb bytes; projection input
+  (the core's own output) 2sbh; residual dropout mask sbh
 * MLP: fc1 input 2sbh; GeLU input 8sbh; fc2 input 8sbh; residual dropout mask sbh
 
 Tensor parallelism divides what lives inside the attention and MLP blocks by t; sequence
-parallelism divides the rest; ``selective`` drops the 5as²b; ``full`` keeps the input only.
+parallelism divides the rest. The recompute modules (:mod:`lightning_sp.model.recompute`) drop
+terms: ``core_attn`` the 5as²b, ``layernorm`` the QKV and fc1 inputs, ``mlp_act`` the fc2
+input, ``residual_mask`` the two masks; ``full`` keeps the layer input only.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sp.errors import ConfigError
+from lightning_sp.model.attention import Attention, attention_core
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.recompute import recompute
+from lightning_sp.model.fused import gelu_row_linear, norm_column_linear
+from lightning_sp.model.recompute import active_modules, parse_recompute, recompute
 from lightning_sp.parallel.init import initialize_parameter, mark_parameter
 from lightning_sp.parallel.layers import (
     ColumnParallelLinear,
@@ -46,73 +51,6 @@ def _layer_norm(config: GPTConfig, sequence_parallel: bool, **kwargs: Any) -> nn
     return norm
 
 
-def attention_core(
-    q: Tensor, k: Tensor, v: Tensor, dropout_p: float, generator: torch.Generator, training: bool
-) -> Tensor:
-    """Causal softmax(QKᵀ/√d) V with dropout on the probabilities: the part ``selective``
-    recomputes. ``q, k, v``: ``[b·a/t, s, d]`` -> ``[b·a/t, s, d]``."""
-    s = q.shape[1]
-    causal = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
-    scores = torch.baddbmm(  # [b·a/t, s, s]; baddbmm saves only q and k
-        causal.expand(q.shape[0], s, s), q, k.transpose(1, 2), alpha=1.0 / math.sqrt(q.shape[-1])
-    )
-    probs = torch.softmax(scores, dim=-1)  # saves its output
-    probs = dropout(probs, dropout_p, generator, training)  # saves a 1-byte mask
-    return torch.bmm(probs, v)  # saves probs and v
-
-
-class Attention(nn.Module):
-    """Self-attention, heads split over the tensor-parallel group.
-
-    ``[s/t or s, b, h] -> [s/t or s, b, h]`` (before the residual dropout).
-    """
-
-    def __init__(
-        self,
-        config: GPTConfig,
-        state: ParallelState,
-        rng: RNGStreams,
-        selective: bool,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__()
-        sp = config.sequence_parallel
-        self.local_heads = config.num_heads // state.tensor_parallel_size
-        self.head_dim = config.head_dim
-        self.dropout_p = config.attention_dropout
-        self.selective = selective
-        self.rng = rng
-        out_std = config.init_std / math.sqrt(2 * config.num_layers)
-        # rows ordered [head][q|k|v][head_dim], so a shard of rows is whole heads
-        self.qkv = ColumnParallelLinear(
-            config.hidden_size, 3 * config.hidden_size, state,
-            sequence_parallel=sp, init_std=config.init_std, **kwargs,
-        )  # fmt: skip
-        self.proj = RowParallelLinear(
-            config.hidden_size, config.hidden_size, state,
-            sequence_parallel=sp, init_std=out_std, **kwargs,
-        )  # fmt: skip
-
-    def _core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return attention_core(q, k, v, self.dropout_p, self.rng.sharded, self.training)
-
-    def forward(self, x: Tensor) -> Tensor:
-        qkv = self.qkv(x)  # [s, b, 3h/t]
-        s, b, _ = qkv.shape
-        qkv = qkv.view(s, b, self.local_heads, 3 * self.head_dim)
-        # three views of one storage: [s, b, a/t, d] -> [b·a/t, s, d]
-        q, k, v = (
-            y.reshape(s, b * self.local_heads, self.head_dim).transpose(0, 1)
-            for y in qkv.split(self.head_dim, dim=-1)
-        )
-        if self.selective and self.training and torch.is_grad_enabled():
-            context = recompute(self._core, self.rng, q, k, v)
-        else:
-            context = self._core(q, k, v)
-        context = context.transpose(0, 1).reshape(s, b, self.local_heads * self.head_dim)
-        return self.proj(context)  # [s/t or s, b, h]
-
-
 class MLP(nn.Module):
     """h -> 4h (column parallel) -> GeLU -> h (row parallel)."""
 
@@ -129,8 +67,16 @@ class MLP(nn.Module):
             sequence_parallel=sp, init_std=out_std, **kwargs,
         )  # fmt: skip
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(nn.functional.gelu(self.fc1(x)))  # [s, b, 4h/t] inside
+    def forward(
+        self, x: Tensor, norm: nn.LayerNorm | None = None, recompute_act: bool = False
+    ) -> Tensor:
+        """``x``: the normalised input, or with ``norm`` the layer input (normalised inside
+        fc1, recomputed in its backward). ``recompute_act``: GeLU recomputed in fc2's
+        backward. ``[s/t or s, b, h]`` in and out, ``[s, b, f/t]`` inside."""
+        z = self.fc1(x) if norm is None else norm_column_linear(x, norm, self.fc1)
+        if recompute_act:
+            return gelu_row_linear(z, self.fc2)
+        return self.fc2(nn.functional.gelu(z))
 
 
 class TransformerLayer(nn.Module):
@@ -151,21 +97,36 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.recompute = recompute
+        """This layer's policy by name: a preset, ``full``, or its modules joined by ``+``."""
+        parsed = parse_recompute(recompute)
+        self.full_recompute = parsed == "full"
+        modules = parsed if isinstance(parsed, tuple) else ()
+        active = {m.name for m in active_modules(modules, config.attention)}
+        self.recompute_norm = "layernorm" in active
+        self.recompute_act = "mlp_act" in active
+        self.regenerate_masks = "residual_mask" in active
         sp = config.sequence_parallel
         self.ln1 = _layer_norm(config, sp, **kwargs)
-        self.attention = Attention(config, state, rng, recompute == "selective", **kwargs)
+        self.attention = Attention(config, state, rng, "core_attn" in active, **kwargs)
         self.ln2 = _layer_norm(config, sp, **kwargs)
         self.mlp = MLP(config, state, **kwargs)
         self.rng = rng
         self.dropout_p = config.hidden_dropout
         # a residual stream sharded along s draws its masks per rank; a replicated one must not
         self.residual_generator = rng.sharded if sp else rng.replicated
-        self.full_recompute = recompute == "full"
+
+    def _drop(self, x: Tensor) -> Tensor:
+        return dropout(
+            x, self.dropout_p, self.residual_generator, self.training,
+            regenerate=self.regenerate_masks,
+        )  # fmt: skip
 
     def _forward(self, x: Tensor) -> Tensor:
-        drop = self.dropout_p, self.residual_generator, self.training
-        x = x + dropout(self.attention(self.ln1(x)), *drop)
-        return x + dropout(self.mlp(self.ln2(x)), *drop)
+        if self.recompute_norm:
+            x = x + self._drop(self.attention(x, self.ln1))
+            return x + self._drop(self.mlp(x, self.ln2, self.recompute_act))
+        x = x + self._drop(self.attention(self.ln1(x)))
+        return x + self._drop(self.mlp(self.ln2(x), recompute_act=self.recompute_act))
 
     def forward(self, x: Tensor) -> Tensor:
         if self.full_recompute and self.training and torch.is_grad_enabled():
@@ -295,3 +256,6 @@ class GPT(nn.Module):
                 f"input sequence length {s} is not divisible by tensor_parallel_size={t} "
                 "with sequence_parallel=True"
             )
+
+
+__all__ = ["GPT", "MLP", "Attention", "TransformerLayer", "attention_core"]

@@ -1,24 +1,156 @@
-"""Activation recomputation (paper §5) as one autograd function.
+"""Activation recomputation (paper §5): the recompute modules, their presets, and the one
+autograd function that replays a region.
 
-``recompute(fn, rng, *inputs)`` runs ``fn`` without building a graph, saves only its tensor
-inputs (through ``save_for_backward``, so saved-tensor hooks see exactly what is kept), and
-in backward re-runs ``fn`` with the dropout streams rewound to where they were, which replays
-identical masks. Being our own Function, what it keeps is exactly what ``save_for_backward``
-holds, which is what the saved-tensor measurement sees, and the dropout streams it rewinds are
-ours (not torch's global RNG).
+A *recompute module* is one descriptor in :data:`RECOMPUTE_MODULES`: what it wraps, which of
+the layer's saved tensors it drops (terms of
+:func:`lightning_sp.memory.formulas.layer_saved_terms`), and the forward FLOPs it redoes. The
+model, the memory formulas, the FLOPs count, the planner and the callbacks all read these
+descriptors; none switches on a policy string. ``GPTConfig.recompute`` is a list of module
+names or a preset (:data:`PRESETS`, plus ``full`` and ``auto``).
 
-The policies built on it: ``selective`` wraps the attention core, ``full`` a whole layer.
+How each module is realised (``lightning_sp.model``):
+
+* ``core_attn``: :func:`recompute` around the attention core; only where the attention backend
+  keeps ``s x s`` tensors (``math``). Under ``sdpa`` it would drop only SDPA's logsumexp for a
+  second attention forward, so it is not applied (and the planner says so).
+* ``layernorm``: each LayerNorm is recomputed inside its consumer's backward (the QKV and fc1
+  linears save the LayerNorm *input* instead of its output; :mod:`lightning_sp.model.fused`).
+* ``mlp_act``: the GeLU is recomputed inside fc2's backward (fc2 saves the GeLU input, which
+  is kept anyway, instead of its output).
+* ``residual_mask``: the two residual dropouts regenerate their masks from the RNG stream in
+  backward instead of storing them (:func:`lightning_sp.parallel.random.dropout`).
+
+``full`` is not a module: the whole layer runs under :func:`recompute` (paper §5).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
+from lightning_sp.errors import ConfigError
+from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.random import RNGStreams
+
+
+@dataclass(frozen=True)
+class RecomputeModule:
+    """One recompute module: what it wraps, the saved tensors it drops, the FLOPs it redoes."""
+
+    name: str
+    wraps: str
+    """What is recomputed, and inside which backward."""
+    drops: tuple[str, ...]
+    """Terms of :func:`lightning_sp.memory.formulas.layer_saved_terms` no longer stored."""
+    redone_flops: Callable[[ActivationShape], float]
+    """Matmul FLOPs of the forward work redone per layer for ``shape.b`` whole sequences (all
+    ranks together). Elementwise work (LayerNorm, GeLU, masks) is not counted, as everywhere
+    in the paper's FLOPs."""
+    needs_scores: bool = False
+    """Only applies where the attention backend keeps ``s x s`` tensors."""
+
+
+RECOMPUTE_MODULES: dict[str, RecomputeModule] = {
+    m.name: m
+    for m in (
+        RecomputeModule(
+            "core_attn",
+            "the attention core (QKᵀ, softmax, its dropout, attention over V), replayed "
+            "before the projection's backward",
+            ("attention_scores",),
+            lambda x: 4.0 * x.b * x.s * x.s * x.h,  # QKᵀ and probs·V, 2bs²h each
+            needs_scores=True,
+        ),
+        RecomputeModule(
+            "layernorm",
+            "both LayerNorms, replayed inside the QKV / fc1 linear's backward",
+            ("qkv_input", "fc1_input"),
+            lambda x: 0.0,
+        ),
+        RecomputeModule(
+            "mlp_act",
+            "the GeLU, replayed inside fc2's backward",
+            ("fc2_input",),
+            lambda x: 0.0,
+        ),
+        RecomputeModule(
+            "residual_mask",
+            "the two residual-dropout masks, regenerated from the RNG stream in backward",
+            ("attn_residual_mask", "mlp_residual_mask"),
+            lambda x: 0.0,
+        ),
+    )
+}
+"""Every recompute module, by name."""
+
+PRESETS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "selective": ("core_attn",),
+    "lean": ("core_attn", "layernorm", "mlp_act", "residual_mask"),
+}
+"""Named module sets. ``lean`` with TP+SP stores ``(34 - 4 - 8 - 2)sbh/t = 20sbh/t``."""
+
+FULL, AUTO = "full", "auto"
+POLICIES = (*PRESETS, FULL)
+"""Concrete policies a layer can run under (``auto`` is resolved by the planner)."""
+
+LayerRecompute = tuple[str, ...] | Literal["full"]
+"""A parsed policy: ``"full"`` or a tuple of module names in registry order."""
+
+
+def parse_recompute(value: object, field: str = "recompute") -> LayerRecompute | Literal["auto"]:
+    """``value`` (a preset name, ``full``, ``auto``, a module name, a list of module names or
+    their names joined by ``+``) as ``"full"``,
+    ``"auto"`` or the module tuple in registry order; :class:`ConfigError` (one line) if it is
+    none of these."""
+    valid = f"valid: {', '.join((*POLICIES, AUTO))} or a list of {', '.join(RECOMPUTE_MODULES)}"
+    if isinstance(value, str):
+        if value in (FULL, AUTO):
+            return value  # type: ignore[return-value]
+        if value in PRESETS:
+            return PRESETS[value]
+        if "+" not in value and value not in RECOMPUTE_MODULES:
+            raise ConfigError(f"{field}={value!r} is not a recompute policy; {valid}")
+        value = value.split("+")  # one module, or the form policy_name gives a module set
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{field}={value!r} is not a recompute policy; {valid}")
+    for name in value:
+        if name not in RECOMPUTE_MODULES:
+            raise ConfigError(
+                f"{field}={list(value)!r}: {name!r} is not a recompute module; "
+                f"valid modules: {', '.join(RECOMPUTE_MODULES)}"
+            )
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{field}={list(value)!r} names a module twice")
+    return tuple(name for name in RECOMPUTE_MODULES if name in value)
+
+
+def policy_name(policy: str | Sequence[str]) -> str:
+    """A short name: the preset a module set equals, else the modules joined by ``+``."""
+    parsed = parse_recompute(policy)
+    if isinstance(parsed, str):
+        return parsed
+    for name, modules in PRESETS.items():
+        if modules == parsed:
+            return name
+    return "+".join(parsed)
+
+
+def active_modules(modules: Sequence[str], attention: str) -> tuple[RecomputeModule, ...]:
+    """The descriptors of ``modules`` that act under the ``attention`` backend (``core_attn``
+    does nothing where the backend keeps no ``s x s`` tensor)."""
+    from lightning_sp.model.attention import ATTENTION_BACKENDS
+
+    keeps_scores = ATTENTION_BACKENDS[attention].keeps_scores
+    return tuple(
+        RECOMPUTE_MODULES[n]
+        for n in modules
+        if keeps_scores or not RECOMPUTE_MODULES[n].needs_scores
+    )
 
 
 class _Recompute(torch.autograd.Function):
@@ -46,6 +178,9 @@ class _Recompute(torch.autograd.Function):
 def recompute(fn: Callable[..., Tensor], rng: RNGStreams, *inputs: Tensor) -> Tensor:
     """``fn(*inputs)``, storing only ``inputs`` for backward and recomputing the rest.
 
+    Runs ``fn`` without building a graph and saves only its tensor inputs (through
+    ``save_for_backward``, so saved-tensor hooks see exactly what is kept); in backward re-runs
+    ``fn`` with the dropout streams rewound to where they were, which replays identical masks.
     ``fn`` must return one tensor and draw its randomness from ``rng``.
     """
     return _Recompute.apply(fn, rng, *inputs)

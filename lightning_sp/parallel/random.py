@@ -85,8 +85,44 @@ class _Dropout(torch.autograd.Function):
         return torch.mul(grad, mask).mul_(ctx.scale), None, None
 
 
-def dropout(x: Tensor, p: float, generator: torch.Generator, training: bool = True) -> Tensor:
-    """Dropout with probability ``p`` drawn from ``generator``; identity if ``p == 0`` or eval."""
+class _RegeneratedDropout(torch.autograd.Function):
+    """Inverted dropout that stores no mask: it keeps the generator's state from before the
+    draw (a few bytes on CUDA, 5 KB for the CPU Mersenne twister, whatever the tensor size)
+    and draws the identical mask again in backward from a private generator set to that
+    state. The stream advances exactly as :class:`_Dropout`'s, so both give the same masks."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, p: float, generator: torch.Generator) -> Tensor:
+        keep = 1.0 - p
+        ctx.rng_state, ctx.keep, ctx.shape = generator.get_state(), keep, x.shape
+        ctx.device = generator.device
+        mask = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+        mask.bernoulli_(keep, generator=generator)
+        return torch.mul(x, mask).mul_(1.0 / keep)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        replay = torch.Generator(device=ctx.device)
+        replay.set_state(ctx.rng_state)
+        mask = torch.empty(ctx.shape, dtype=torch.bool, device=grad.device)
+        mask.bernoulli_(ctx.keep, generator=replay)
+        return torch.mul(grad, mask).mul_(1.0 / ctx.keep), None, None
+
+
+def dropout(
+    x: Tensor,
+    p: float,
+    generator: torch.Generator,
+    training: bool = True,
+    *,
+    regenerate: bool = False,
+) -> Tensor:
+    """Dropout with probability ``p`` drawn from ``generator``; identity if ``p == 0`` or eval.
+
+    Stores a 1-byte mask for backward, or, with ``regenerate``, no mask (it is drawn again
+    from the same stream position in backward). Both draw the same mask."""
     if not training or p == 0.0:
         return x
+    if regenerate and torch.is_grad_enabled():
+        return _RegeneratedDropout.apply(x, p, generator)
     return _Dropout.apply(x, p, generator)

@@ -42,11 +42,15 @@ from lightning_sp.memory.formulas import (
     parameters_per_rank,
 )
 from lightning_sp.model.config import RECOMPUTE_POLICIES, GPTConfig
+from lightning_sp.model.recompute import AUTO, policy_name
+from lightning_sp.model.shape import ActivationShape
 from lightning_sp.planner.layout import DEFAULT_DEVICE_BYTES, Layout
 
 LADDER: tuple[str, ...] = RECOMPUTE_POLICIES
 """The recompute policies the planner tabulates, least recomputation first: the one place
-the planner enumerates them (``auto`` climbs it in this order)."""
+the planner enumerates them (``auto`` climbs it in this order, skipping a policy that stores no
+less than the one before it, such as ``selective`` under ``attention: sdpa``: it would
+recompute for no gain)."""
 
 COMBINATIONS: tuple[tuple[bool, str], ...] = tuple(
     (sp, rc) for sp in (False, True) for rc in LADDER
@@ -62,7 +66,7 @@ def gigabytes(nbytes: float) -> str:
 def _partial(recompute: str, recompute_num_layers: int) -> str:
     """``"full on 2 layer(s) per model chunk, selective on the rest"``: what the model runs
     (:meth:`GPTConfig.layer_recompute`) with ``recompute_num_layers`` set."""
-    config = GPTConfig(recompute=recompute, recompute_num_layers=recompute_num_layers)  # type: ignore[arg-type]
+    config = GPTConfig(recompute=recompute, recompute_num_layers=recompute_num_layers)
     rest = config.layer_recompute(recompute_num_layers)
     return f"{recompute} on {recompute_num_layers} layer(s) per model chunk, {rest} on the rest"
 
@@ -228,19 +232,13 @@ class Estimate:
 
 def formula_activations(layout: Layout, config: GPTConfig) -> Activations:
     """The paper's bytes (Table 2 generalised, §4.5) for ``config`` laid out as ``layout``."""
-    s, b, h = config.seq_length, layout.micro_batch_size, config.hidden_size
-    t, sp = layout.tensor_parallel_size, config.sequence_parallel
+    t = layout.tensor_parallel_size
+    shape = ActivationShape.from_config(config, t, layout.micro_batch_size)
     return Activations(
-        per_layer=activation_bytes_per_layer(
-            s, b, h, config.num_heads, t, sequence_parallel=sp, recompute=config.recompute,
-            ffn_hidden_size=config.ffn_size, hidden_dropout=config.hidden_dropout > 0,
-            attention_dropout=config.attention_dropout > 0,
-        ),
-        embedding=embedding_activation_bytes(
-            s, b, h, t, sequence_parallel=sp, hidden_dropout=config.hidden_dropout > 0
-        ),
-        head=output_activation_bytes(s, b, h, config.padded_vocab_size(t), t, sequence_parallel=sp),
-    )  # fmt: skip
+        per_layer=activation_bytes_per_layer(shape, config.recompute),
+        embedding=embedding_activation_bytes(shape),
+        head=output_activation_bytes(shape, config.padded_vocab_size(t)),
+    )
 
 
 def _measure(layout: Layout, config: GPTConfig, layers: int) -> ActivationMeasurement:
@@ -322,7 +320,7 @@ def estimate(
     start = time.perf_counter()
     measurements: dict[tuple[bool, str], ActivationMeasurement] = {}
     acts: dict[bool, dict[str, tuple[Activations, Activations]]] = {False: {}, True: {}}
-    for sp, rc in COMBINATIONS:
+    for sp, rc in _combinations(layout):
         if sp and cfg.seq_length % t:
             continue
         combo = layout.with_policy(sp, rc)
@@ -334,8 +332,8 @@ def estimate(
         acts[sp][rc] = (got, formula)
     rows = [_row(layout, sp, rc, acts[sp], state_bytes, device) for sp in acts for rc in acts[sp]]
     k, sp = _configured_split(layout), layout.sequence_parallel
-    if k is not None and cfg.recompute in acts[sp]:
-        rows.append(_row(layout, sp, cfg.recompute, acts[sp], state_bytes, device, k))
+    if k is not None and policy_name(cfg.recompute) in acts[sp]:
+        rows.append(_row(layout, sp, policy_name(cfg.recompute), acts[sp], state_bytes, device, k))
     result = Estimate(
         layout=layout,
         device_bytes=device,
@@ -357,8 +355,12 @@ def _choose(
     """The least recomputation that fits, for the layout's sequence-parallel setting; a row for
     a partial choice of the last policy is appended to ``result.rows``."""
     layout, sp, measured = result.layout, result.layout.sequence_parallel, bool(result.measurements)
+    previous: int | None = None
     for policy in LADDER[:-1]:
         row = result.row(sp, policy)
+        if previous is not None and row.formula_bytes_per_layer >= previous:
+            continue  # recomputes for no gain (selective under sdpa)
+        previous = row.formula_bytes_per_layer
         if row.fits:
             return RecomputeChoice(policy, None, row.total_bytes, result.device_bytes, measured)
     last = LADDER[-1]
@@ -369,6 +371,32 @@ def _choose(
             return RecomputeChoice(last, k, row.total_bytes, result.device_bytes, measured)
     everything = result.row(sp, last)
     return RecomputeChoice(last, None, everything.total_bytes, result.device_bytes, measured)
+
+
+def _combinations(layout: Layout) -> tuple[tuple[bool, str], ...]:
+    """:data:`COMBINATIONS`, plus the configured module set if it is no named policy."""
+    if layout.recompute == AUTO or policy_name(layout.recompute) in LADDER:
+        return COMBINATIONS
+    name = policy_name(layout.recompute)
+    return (*COMBINATIONS, (False, name), (True, name))
+
+
+def no_gain_notes(result: Estimate) -> list[str]:
+    """A line for each sequence-parallel setting where ``selective`` stores no less than
+    ``none`` (``attention: sdpa`` keeps no s x s tensor): it would recompute for no gain."""
+    notes = []
+    for sp in (False, True):
+        try:
+            none, selective = result.row(sp, "none"), result.row(sp, "selective")
+        except KeyError:
+            continue
+        if selective.formula_bytes_per_layer >= none.formula_bytes_per_layer:
+            notes.append(
+                f"SP {'on' if sp else 'off'}: selective (core_attn) stores what none stores "
+                f"with attention={result.layout.config.attention} (no s x s tensor to drop): "
+                "it buys nothing, so the model does not recompute and auto skips it"
+            )
+    return notes
 
 
 def _configured_split(layout: Layout) -> int | None:
@@ -383,7 +411,7 @@ def _configured_split(layout: Layout) -> int | None:
 def _mark_selected(result: Estimate) -> None:
     layout, choice = result.layout, result.choice
     if choice is None:
-        key = (layout.sequence_parallel, layout.recompute, _configured_split(layout))
+        key = (layout.sequence_parallel, policy_name(layout.recompute), _configured_split(layout))
     else:
         key = (layout.sequence_parallel, choice.recompute, choice.recompute_num_layers)
     for row in result.rows:

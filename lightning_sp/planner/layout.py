@@ -69,8 +69,9 @@ class Layout:
         return self.config.sequence_parallel
 
     @property
-    def recompute(self) -> str:
-        """The recompute policy as configured (``auto`` included)."""
+    def recompute(self) -> str | list[str]:
+        """The recompute policy as configured (``auto`` included; a list of modules is kept as
+        given)."""
         return self.config.recompute
 
     @property
@@ -114,7 +115,7 @@ class Layout:
         return dataclasses.replace(
             self.config,
             sequence_parallel=sequence_parallel,
-            recompute=recompute,  # type: ignore[arg-type]
+            recompute=recompute,
             recompute_num_layers=recompute_num_layers,
         )
 

@@ -17,7 +17,7 @@ from lightning_sp.memory.formulas import (
     TABLE2_SETTINGS,
     layers_in_flight,
 )
-from lightning_sp.planner.estimate import Estimate, EstimateRow, estimate, gigabytes
+from lightning_sp.planner.estimate import Estimate, EstimateRow, estimate, gigabytes, no_gain_notes
 from lightning_sp.planner.layout import FitLayoutCLI
 
 JSON_KEYS = (
@@ -113,6 +113,7 @@ def format_table(result: Estimate) -> str:
             )
         )
     lines.append("(* the configured combination, or auto's choice; MB = 10^6 B, GB = 10^9 B)")
+    lines += no_gain_notes(result)
     try:
         measured, formula = result.figure7(True), result.figure7(False)
     except KeyError:

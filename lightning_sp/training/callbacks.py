@@ -30,6 +30,7 @@ from lightning_sp.memory.flops import (
 from lightning_sp.memory.formulas import activation_bytes_per_layer, layers_in_flight
 from lightning_sp.memory.saved import ActivationReport, LiveActivationTracker, SavedTensorTracker
 from lightning_sp.model.gpt import GPT
+from lightning_sp.model.shape import ActivationShape
 from lightning_sp.pipeline import Pipeline
 
 __all__ = ["ActivationMemoryMonitor", "MFUMonitor"]
@@ -235,21 +236,12 @@ class ActivationMemoryMonitor(Callback):
     def _formula_per_layer(self, gpt: GPT, b: int, s: int) -> float:
         """Table 2 for this model, averaged over ``gpt``'s layers (see ``_record``)."""
         config, state = gpt.config, gpt.state
-        element_bytes = next(gpt.parameters()).element_size()
+        shape = ActivationShape.from_config(
+            config, state.tensor_parallel_size, b, seq_length=s,
+            activation_bytes=next(gpt.parameters()).element_size(),
+        )  # fmt: skip
         return sum(
-            activation_bytes_per_layer(
-                s,
-                b,
-                config.hidden_size,
-                config.num_heads,
-                state.tensor_parallel_size,
-                sequence_parallel=config.sequence_parallel,
-                recompute=config.layer_recompute(i),  # what layer i of the chunk runs
-                ffn_hidden_size=config.ffn_size,
-                activation_bytes=element_bytes,
-                hidden_dropout=config.hidden_dropout > 0,
-                attention_dropout=config.attention_dropout > 0,
-            )
+            activation_bytes_per_layer(shape, config.layer_recompute(i))
             for i in range(len(gpt.layers))
         ) / len(gpt.layers)
 
