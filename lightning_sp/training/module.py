@@ -196,7 +196,7 @@ class GPTModule(LightningModule):
         rank_zero_info(f"recompute=auto: {choice.describe()}")
         return dataclasses.replace(
             config,
-            recompute=choice.recompute,  # type: ignore[arg-type]  # a policy of the planner's ladder
+            recompute=choice.recompute,  # a policy of the planner's ladder
             recompute_num_layers=choice.recompute_num_layers,
         )
 
