@@ -102,7 +102,8 @@ def test_help_documents_every_option(tmp_path: Path) -> None:
 def test_bad_config_fails_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
     """One ``error:`` line naming the field, printed once (by rank 0 only, also for the data
     check that runs on every rank after launch), exit code 2, no traceback."""
-    result = run([CLI, "fit", "--config", TINY, *args], tmp_path, timeout=120)
+    # the last case launches both ranks and prepares the corpus first: minutes under load
+    result = run([CLI, "fit", "--config", TINY, *args], tmp_path, timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
