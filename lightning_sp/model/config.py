@@ -9,6 +9,8 @@ from lightning_sp.errors import ConfigError, divisors, positive_int
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 Recompute = Literal["none", "selective", "full", "auto"]
+ACTIVATIONS = ("gelu", "gelu_tanh")
+Activation = Literal["gelu", "gelu_tanh"]
 
 
 @dataclass
@@ -59,6 +61,10 @@ class GPTConfig:
     """With recompute=full, fully recompute only the first N layers of each model chunk and
     use selective recomputation on the others; None: every layer."""
 
+    activation: Activation = "gelu"
+    """The MLP's GeLU: ``gelu`` is exact (erf); ``gelu_tanh`` is the tanh approximation that
+    OpenAI's GPT-2 weights were trained with (Hugging Face's ``gelu_new``)."""
+
     layernorm_eps: float = 1e-5
     """Epsilon of every LayerNorm."""
 
@@ -103,6 +109,11 @@ class GPTConfig:
             raise ConfigError(
                 f"recompute={self.recompute!r} is not a recompute policy; "
                 f"valid: {', '.join(RECOMPUTE_POLICIES)}, auto"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(
+                f"activation={self.activation!r} is not an activation; "
+                f"valid: {', '.join(ACTIVATIONS)}"
             )
         if self.recompute_num_layers is not None and self.recompute_num_layers < 0:
             raise ConfigError(

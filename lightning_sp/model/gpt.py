@@ -128,9 +128,11 @@ class MLP(nn.Module):
             config.ffn_size, config.hidden_size, state,
             sequence_parallel=sp, init_std=out_std, **kwargs,
         )  # fmt: skip
+        self.gelu_approximate = "tanh" if config.activation == "gelu_tanh" else "none"
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(nn.functional.gelu(self.fc1(x)))  # [s, b, 4h/t] inside
+        hidden = self.fc1(x)  # [s, b, 4h/t]
+        return self.fc2(nn.functional.gelu(hidden, approximate=self.gelu_approximate))
 
 
 class TransformerLayer(nn.Module):
