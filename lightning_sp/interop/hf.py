@@ -220,7 +220,7 @@ def load_gpt2_weights(model: GPT, directory: str | Path, field: str = "init_from
             index = []  # per dim of ours: the rows of the full tensor this shard holds
             for dim, size in enumerate(param.shape):
                 start = spec.start if spec.dim == dim else 0
-                rows = torch.arange(start, min(start + size, extent[dim]))
+                rows = torch.arange(start, max(start, min(start + size, extent[dim])))
                 index.append(perm[rows] if mapping.qkv and dim == 0 else rows)
             param.zero_()
             if any(len(rows) == 0 for rows in index):  # a shard of padding only
