@@ -223,3 +223,185 @@ def test_import_any_layout_equals_transformers(
     gpt2: tuple[Path, Path], world_size: int, cases: list
 ) -> None:
     run_distributed(_import_worker, world_size, str(gpt2[0]), str(gpt2[1]), cases)
+
+
+# -- export round trip ----------------------------------------------------------------------------
+
+TEXT = "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i * i)\n\n"
+
+
+class SaveLogits(Callback):
+    """At the end of training, the run's own logits on ``ids`` (eval mode), saved by the
+    rank that holds them (last stage, first TP rank)."""
+
+    def __init__(self, path: Path, ids: torch.Tensor) -> None:
+        self.path, self.ids = path, ids
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: GPTModule) -> None:
+        state = trainer.strategy.parallel_state
+        pl_module.eval()
+        with torch.no_grad():
+            logits = full_logits(pl_module.chunks, state, self.ids)
+        if logits is not None and state.tensor_parallel_rank == 0:
+            torch.save(logits, self.path)
+
+
+def _train_tokenizer(corpus: Path, out: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    files = [str(p) for p in corpus.iterdir()]
+    tok.train(files, trainers.BpeTrainer(vocab_size=200, special_tokens=["[UNK]", "<|endoftext|>"]))
+    tok.save(str(out))
+    return out
+
+
+def _fit(tmp_path: Path, module: GPTModule, data: TextDataModule, strategy: dict) -> Path:
+    """Train 3 steps under ``megatron_sp`` on 2 spawned ranks; the run's logits on a fixed
+    batch go to ``logits.pt``; returns the checkpoint."""
+    ids, _ = tokens(batch=2, vocab=module.config.vocab_size)
+    L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=MegatronSPStrategy(**strategy, start_method="spawn"),
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[
+            ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="final", every_n_train_steps=STEPS),
+            SaveLogits(tmp_path / "logits.pt", ids),
+        ],
+    ).fit(module, data)
+    return tmp_path / "ckpt" / "final.ckpt"
+
+
+def _check_exported(directory: Path, run_logits: Path, vocab: int) -> Any:
+    """The exported directory loads in transformers and gives the run's logits; returns it."""
+    model = transformers.GPT2LMHeadModel.from_pretrained(directory).eval()
+    ids, _ = tokens(batch=2, vocab=vocab)
+    expected = torch.load(run_logits)
+    with torch.no_grad():
+        logits = model(ids).logits
+    error = (logits - expected).abs().max() / expected.abs().max()
+    assert error <= 1e-5, f"exported logits differ from the run's by {error:.2e} (relative max)"
+    generated = model.generate(ids[:, :8], max_new_tokens=8, do_sample=False)
+    assert generated.shape == (2, 16) and torch.equal(generated[:, :8], ids[:, :8])
+    return model
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i in range(6):
+        (folder / f"doc{i}.py").write_text(TEXT * (6 + i))
+    return folder
+
+
+def test_export_round_trip_tp2_sp_from_gpt2_with_tokenizer(
+    tmp_path: Path, corpus: Path, gpt2: tuple[Path, Path]
+) -> None:
+    """t=2 + SP, started from the imported GPT-2, a tokenizer.json; exported by the CLI."""
+    tokenizer = _train_tokenizer(corpus, tmp_path / "tokenizer.json")
+    module = GPTModule(our_config(hidden_dropout=0.1, attention_dropout=0.1),
+                       OptimizerConfig(lr=1e-3, warmup_steps=1), init_from=str(gpt2[0]))  # fmt: skip
+    data = TextDataModule(paths=str(corpus), tokenizer=str(tokenizer), seq_length=SEQ,
+                          batch_size=4, val_fraction=0.1)  # fmt: skip
+    ckpt = _fit(tmp_path, module, data, {"tensor_parallel_size": 2, "sequence_parallel": True})
+    out = tmp_path / "hf"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "cli.py"), "export", "--ckpt_path", str(ckpt),
+         "--output", str(out)],
+        capture_output=True, text=True, env=env, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    model = _check_exported(out, tmp_path / "logits.pt", VOCAB)
+    trained = model.transformer.h[0].attn.c_attn.weight
+    start = transformers.GPT2LMHeadModel.from_pretrained(gpt2[0]).transformer.h[0].attn.c_attn.weight
+    assert not torch.equal(trained, start), "the export holds the untrained weights"
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    eos = json.loads((out / "config.json").read_text())["eos_token_id"]
+    assert hf_tokenizer.eos_token == "<|endoftext|>" and hf_tokenizer.eos_token_id == eos
+    assert hf_tokenizer("def add")["input_ids"] == data_tokenizer_ids(tokenizer, "def add")
+
+
+def data_tokenizer_ids(path: Path, text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path)).encode(text).ids
+
+
+def test_export_round_trip_pp2(tmp_path: Path, corpus: Path) -> None:
+    """p=2 (1F1B, two micro-batches), seeded init, byte-level data (no tokenizer files)."""
+    module = GPTModule(our_config(vocab_size=257, hidden_dropout=0.1, attention_dropout=0.1),
+                       OptimizerConfig(lr=1e-3, warmup_steps=1))  # fmt: skip
+    data = TextDataModule(paths=str(corpus), seq_length=SEQ, batch_size=4, val_fraction=0.1)
+    ckpt = _fit(tmp_path, module, data, {"pipeline_parallel_size": 2, "num_microbatches": 2})
+    out = export_checkpoint(ckpt, tmp_path / "hf")
+    _check_exported(out, tmp_path / "logits.pt", 257)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 256
+
+
+# -- bad input --------------------------------------------------------------------------------------
+
+
+def _one_line(error: pytest.ExceptionInfo) -> str:
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_bad_directories_fail_with_one_line(tmp_path: Path, gpt2: tuple[Path, Path]) -> None:
+    not_gpt2 = tmp_path / "bert"
+    not_gpt2.mkdir()
+    (not_gpt2 / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ConfigError) as error:
+        GPTModule(our_config(), init_from=str(not_gpt2))
+    assert "is not a GPT-2 model: config.json has model_type='bert'" in _one_line(error)
+
+    with pytest.raises(ConfigError) as error:  # size mismatch names our field
+        GPTModule(our_config(hidden_size=32), init_from=str(gpt2[0]))
+    assert "hidden_size=32 does not match n_embd=64" in _one_line(error)
+    with pytest.raises(ConfigError) as error:
+        GPTModule(our_config(seq_length=128), init_from=str(gpt2[0]))
+    assert "seq_length=128 exceeds n_positions=64" in _one_line(error)
+
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    (missing / "config.json").write_text((gpt2[0] / "config.json").read_text())
+    with pytest.raises(ConfigError) as error:  # no weights file
+        GPTModule(our_config(), init_from=str(missing))
+    assert "has no model.safetensors" in _one_line(error)
+    with pytest.raises(ConfigError) as error:
+        GPTModule(our_config(), init_from=str(tmp_path / "nowhere"))
+    assert "is not a directory" in _one_line(error)
+
+    # weights that do not belong to the config.json: one layer fewer, a different width
+    save_random_gpt2(tmp_path / "one_layer", n_layer=1)
+    (tmp_path / "one_layer" / "config.json").write_text((gpt2[0] / "config.json").read_text())
+    with pytest.raises(ConfigError) as error:
+        GPTModule(our_config(), init_from=str(tmp_path / "one_layer"))
+    assert "the weights have no tensor 'h.1.ln_1.weight'" in _one_line(error)
+    save_random_gpt2(tmp_path / "wide", n_inner=128)
+    (tmp_path / "wide" / "config.json").write_text((gpt2[0] / "config.json").read_text())
+    with pytest.raises(ConfigError) as error:
+        GPTModule(our_config(), init_from=str(tmp_path / "wide"))
+    assert "has shape [64, 128] but config.json needs [64, 256]" in _one_line(error)
+
+
+def test_export_bad_checkpoint_fails_with_one_line(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "cli.py"), "export", "--ckpt_path", str(tmp_path / "nope"),
+         "--output", str(tmp_path / "hf")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: ckpt_path={str(tmp_path / 'nope')!r} does not exist"
+    ]
