@@ -27,7 +27,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from spawn import run_distributed
 
 from lightning_sp import ConfigError, GPTConfig, GPTModule, MegatronSPStrategy, OptimizerConfig
 from lightning_sp.interop.hf import check_gpt2_directory, load_gpt2_weights
@@ -39,6 +38,8 @@ from lightning_sp.pipeline import Pipeline
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.hf_export import export_checkpoint
 from lightning_sp.training.optim import build_adamw
+
+from spawn import run_distributed
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,7 +70,8 @@ def save_random_gpt2(directory: Path, **overrides: Any) -> Any:
 
 def our_config(**overrides: Any) -> GPTConfig:
     fields = dict(vocab_size=VOCAB, seq_length=SEQ, hidden_size=HIDDEN, num_layers=LAYERS,
-                  num_heads=HEADS, hidden_dropout=0.0, attention_dropout=0.0, recompute="none")  # fmt: skip
+                  num_heads=HEADS, hidden_dropout=0.0, attention_dropout=0.0,
+                  recompute="none")  # fmt: skip
     fields.update(overrides)
     return GPTConfig(**fields)  # type: ignore[arg-type]
 
@@ -170,7 +172,7 @@ def _import_worker(rank: int, world_size: int, directory: str, reference: str, c
             assert err <= TOLERANCE, f"{what}: logits relative error {err:.2e}"
 
         def step(i: torch.Tensor, y: torch.Tensor, model: Any = model, state: Any = state) -> Any:
-            if p > 1:
+            if isinstance(model, Pipeline):
                 loss = model.train_step(i, y)
                 model.finalize_grads()
                 return loss
@@ -308,7 +310,8 @@ def test_export_round_trip_tp2_sp_from_gpt2_with_tokenizer(
     """t=2 + SP, started from the imported GPT-2, a tokenizer.json; exported by the CLI."""
     tokenizer = _train_tokenizer(corpus, tmp_path / "tokenizer.json")
     module = GPTModule(our_config(hidden_dropout=0.1, attention_dropout=0.1),
-                       OptimizerConfig(lr=1e-3, warmup_steps=1), init_from=str(gpt2[0]))  # fmt: skip
+                       OptimizerConfig(lr=1e-3, warmup_steps=1),
+                       init_from=str(gpt2[0]))  # fmt: skip
     data = TextDataModule(paths=str(corpus), tokenizer=str(tokenizer), seq_length=SEQ,
                           batch_size=4, val_fraction=0.1)  # fmt: skip
     ckpt = _fit(tmp_path, module, data, {"tensor_parallel_size": 2, "sequence_parallel": True})
@@ -322,7 +325,9 @@ def test_export_round_trip_tp2_sp_from_gpt2_with_tokenizer(
     assert result.returncode == 0, result.stderr[-3000:]
     model = _check_exported(out, tmp_path / "logits.pt", VOCAB)
     trained = model.transformer.h[0].attn.c_attn.weight
-    start = transformers.GPT2LMHeadModel.from_pretrained(gpt2[0]).transformer.h[0].attn.c_attn.weight
+    start = (
+        transformers.GPT2LMHeadModel.from_pretrained(gpt2[0]).transformer.h[0].attn.c_attn.weight
+    )
     assert not torch.equal(trained, start), "the export holds the untrained weights"
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     eos = json.loads((out / "config.json").read_text())["eos_token_id"]
@@ -348,7 +353,7 @@ def test_export_round_trip_pp2(tmp_path: Path, corpus: Path) -> None:
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == 256
 
 
-# -- bad input --------------------------------------------------------------------------------------
+# -- bad input ------------------------------------------------------------------------------------
 
 
 def _one_line(error: pytest.ExceptionInfo) -> str:
@@ -405,3 +410,24 @@ def test_export_bad_checkpoint_fails_with_one_line(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         f"error: ckpt_path={str(tmp_path / 'nope')!r} does not exist"
     ]
+
+
+def test_finetune_config_matches_gpt2_small() -> None:
+    """configs/gpt2_finetune.yaml fits OpenAI's GPT-2 (transformers' GPT2Config defaults are
+    GPT-2 small), and the CLI parses it."""
+    import yaml
+
+    from lightning_sp.interop.hf_config import check_gpt2_config
+
+    raw = yaml.safe_load((ROOT / "configs" / "gpt2_finetune.yaml").read_text())
+    assert raw["model"]["init_from"] == "gpt2"
+    check_gpt2_config(
+        transformers.GPT2Config().to_dict(), GPTConfig(**raw["model"]["config"]), "gpt2"
+    )
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "cli.py"), "fit", "--config",
+         str(ROOT / "configs" / "gpt2_finetune.yaml"), "--print_config"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "init_from: gpt2" in result.stdout

@@ -19,6 +19,7 @@ tokenizer files.
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from collections.abc import Iterable
@@ -128,7 +129,7 @@ def _runs(index: Tensor) -> list[tuple[int, int]]:
     """``index`` (1-D, non-empty) as maximal ascending runs ``[start, stop)``, in order."""
     breaks = ((index[1:] - index[:-1]) != 1).nonzero().flatten().tolist()
     edges = [0, *(b + 1 for b in breaks), len(index)]
-    return [(int(index[a]), int(index[b - 1]) + 1) for a, b in zip(edges, edges[1:], strict=False)]
+    return [(int(index[a]), int(index[b - 1]) + 1) for a, b in itertools.pairwise(edges)]
 
 
 class GPT2Weights:
@@ -196,7 +197,9 @@ class GPT2Weights:
         return torch.cat(pieces, split)
 
 
-def check_gpt2_directory(directory: str | Path, config: GPTConfig, field: str = "init_from") -> None:
+def check_gpt2_directory(
+    directory: str | Path, config: GPTConfig, field: str = "init_from"
+) -> None:
     """Everything :func:`load_gpt2_weights` needs, checked before any work: the directory is a
     GPT-2 model, its sizes are ``config``'s, and its weights file has every tensor in shape."""
     with GPT2Weights(directory, field) as weights:

@@ -89,8 +89,7 @@ def check_gpt2_config(hf: dict[str, Any], config: GPTConfig, directory: str | Pa
     for ours, value, theirs, needed in equal:
         if value != needed:
             raise ConfigError(
-                f"{ours}={value} does not match {theirs}={needed} of {where}; "
-                f"set {ours}: {needed}"
+                f"{ours}={value} does not match {theirs}={needed} of {where}; set {ours}: {needed}"
             )
     positions = hf.get("n_positions")
     if not isinstance(positions, int) or config.seq_length > positions:

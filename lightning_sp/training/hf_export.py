@@ -66,7 +66,9 @@ def open_checkpoint(path: str | Path) -> CheckpointModel:
                 "checkpoint directory written by the megatron_sp strategy or a .ckpt file"
             )
         meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-        coords = [tuple(map(int, m.groups())) for f in path.iterdir() if (m := _SHARD.match(f.name))]
+        coords = [
+            tuple(map(int, m.groups())) for f in path.iterdir() if (m := _SHARD.match(f.name))
+        ]
         t = 1 + max((c[0] for c in coords), default=-1)
         p = 1 + max((c[1] for c in coords), default=-1)
         if not coords or len(coords) != t * p:
