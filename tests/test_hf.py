@@ -183,6 +183,9 @@ def _import_worker(rank: int, world_size: int, directory: str, reference: str, c
 
         losses = _train(model, step, ids, labels)
         errors = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)]
+        if logits is not None and state.tensor_parallel_rank == 0:
+            print(f"{what}: loss {relative(loss, ref['loss']):.1e}, logits {err:.1e}, "
+                  f"training losses {max(errors):.1e} (relative errors)")  # fmt: skip
         assert max(errors) <= TOLERANCE, f"{what}: training diverged {losses} vs {ref_losses}"
         assert losses[-1] < losses[0], f"{what}: loss did not fall {losses}"
 
@@ -376,6 +379,10 @@ def test_bad_directories_fail_with_one_line(tmp_path: Path, gpt2: tuple[Path, Pa
     with pytest.raises(ConfigError) as error:
         GPTModule(our_config(), init_from=str(tmp_path / "nowhere"))
     assert "is not a directory" in _one_line(error)
+    (missing / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ConfigError) as error:
+        GPTModule(our_config(), init_from=str(missing))
+    assert "model.safetensors is not a readable safetensors file" in _one_line(error)
 
     # weights that do not belong to the config.json: one layer fewer, a different width
     save_random_gpt2(tmp_path / "one_layer", n_layer=1)

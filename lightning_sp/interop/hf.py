@@ -142,17 +142,27 @@ class GPT2Weights:
     def __init__(self, directory: str | Path, field: str = "init_from") -> None:
         self.directory, self.field = Path(directory), field
         self.hf = read_gpt2_config(directory, field)
-        index_file = self.directory / WEIGHTS_INDEX_FILE
         if (self.directory / WEIGHTS_FILE).is_file():
-            files = {None: WEIGHTS_FILE}
-        else:
-            files = json.loads(index_file.read_text())["weight_map"]
+            files = [WEIGHTS_FILE]
+        else:  # sharded: model.safetensors.index.json names the file of each tensor
+            index = json.loads((self.directory / WEIGHTS_INDEX_FILE).read_text())
+            files = sorted(set(index["weight_map"].values()))
         self._stack = ExitStack()
-        self._handles = {
-            name: self._stack.enter_context(safe_open(str(self.directory / file), "pt"))
-            for name, file in files.items()
-        }
-        self._keys = {key: h for h in self._handles.values() for key in h.keys()}  # noqa: SIM118
+        self._keys: dict[str, object] = {}  # tensor name -> the open file holding it
+        for file in files:
+            handle = self._open(file)
+            self._keys.update(dict.fromkeys(handle.keys(), handle))
+
+    def _open(self, file: str) -> object:
+        try:
+            return self._stack.enter_context(safe_open(str(self.directory / file), "pt"))
+        except Exception as error:  # missing, truncated or not safetensors
+            self._stack.close()
+            reason = (str(error).splitlines() or [type(error).__name__])[0]
+            raise ConfigError(
+                f"{self.field}={str(self.directory)!r}: {file} is not a readable safetensors "
+                f"file ({reason})"
+            ) from None
 
     def __enter__(self) -> GPT2Weights:
         return self
