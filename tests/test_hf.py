@@ -122,6 +122,20 @@ def _dtype(chunk: GPT) -> torch.dtype:
     return next(chunk.parameters()).dtype
 
 
+def _unpadded_elements(chunks: list[GPT]) -> int:
+    """Elements of these shards' parameters, less the vocabulary padding rows: what the import
+    must read from the file (and no more)."""
+    total = 0
+    for chunk in chunks:
+        total += sum(p.numel() for p in chunk.parameters())
+        if hasattr(chunk, "word_embeddings"):
+            embedding = chunk.word_embeddings
+            start, stop = embedding.vocab_start, embedding.vocab_end
+            padding = stop - max(start, min(stop, chunk.config.vocab_size))
+            total -= padding * chunk.config.hidden_size
+    return total
+
+
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
@@ -161,8 +175,8 @@ def _import_worker(rank: int, world_size: int, directory: str, reference: str, c
         else:
             model = Pipeline(config, state, num_microbatches=2, dtype=torch.float64)
             chunks = list(model.chunks)
-        for chunk in chunks:
-            load_gpt2_weights(chunk, directory)
+        read = sum(load_gpt2_weights(chunk, directory) for chunk in chunks)
+        assert read == _unpadded_elements(chunks), f"{what}: read {read} elements, not its slices"
         with torch.no_grad():
             loss = model(ids, labels) if p == 1 else model.eval_step(ids, labels)
             logits = full_logits(chunks, state, ids)

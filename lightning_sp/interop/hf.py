@@ -218,11 +218,13 @@ def check_gpt2_directory(
 
 
 @torch.no_grad()
-def load_gpt2_weights(model: GPT, directory: str | Path, field: str = "init_from") -> None:
+def load_gpt2_weights(model: GPT, directory: str | Path, field: str = "init_from") -> int:
     """Set every parameter of ``model`` (one rank's shard, any t / p / m) to its slice of the
-    GPT-2 weights in ``directory``, reading only that slice. Padded vocabulary rows become 0."""
+    GPT-2 weights in ``directory``, reading only that slice. Padded vocabulary rows become 0.
+    Returns the number of elements read from the file."""
     config = model.config
     perm = qkv_permutation(config.num_heads, config.head_dim)
+    elements = 0
     with GPT2Weights(directory, field) as weights:
         check_gpt2_config(weights.hf, config, directory)
         hf_shapes = gpt2_shapes(weights.hf)
@@ -241,6 +243,8 @@ def load_gpt2_weights(model: GPT, directory: str | Path, field: str = "init_from
             block = weights.read(hf_name, index[::-1] if mapping.conv1d else index)
             block = block.t() if mapping.conv1d else block
             param[tuple(slice(0, n) for n in block.shape)].copy_(block)
+            elements += block.numel()
+    return elements
 
 
 # -- export ---------------------------------------------------------------------------------------
