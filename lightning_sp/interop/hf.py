@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -148,12 +149,12 @@ class GPT2Weights:
             index = json.loads((self.directory / WEIGHTS_INDEX_FILE).read_text())
             files = sorted(set(index["weight_map"].values()))
         self._stack = ExitStack()
-        self._keys: dict[str, object] = {}  # tensor name -> the open file holding it
+        self._keys: dict[str, Any] = {}  # tensor name -> the open file holding it
         for file in files:
             handle = self._open(file)
             self._keys.update(dict.fromkeys(handle.keys(), handle))
 
-    def _open(self, file: str) -> object:
+    def _open(self, file: str) -> Any:
         try:
             return self._stack.enter_context(safe_open(str(self.directory / file), "pt"))
         except Exception as error:  # missing, truncated or not safetensors

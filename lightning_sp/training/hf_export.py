@@ -151,7 +151,8 @@ def _tokenizer(ckpt: CheckpointModel, override: str | None) -> tuple[str | None,
 
     tok = Tokenizer.from_file(str(path))
     eos = next((e for e in EOS_TOKENS if tok.token_to_id(e) is not None), None)
-    return str(path), eos, tok.token_to_id(eos) if eos is not None else BYTE_EOS_ID
+    eos_id = tok.token_to_id(eos) if eos is not None else None
+    return str(path), eos, eos_id if eos_id is not None else BYTE_EOS_ID
 
 
 def export_checkpoint(
