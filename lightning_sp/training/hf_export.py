@@ -1,13 +1,12 @@
 """``python cli.py export --ckpt_path CKPT --output DIR``: a checkpoint of any layout as a
 Hugging Face GPT-2 directory.
 
-This module only *reads* the checkpoint format (a ``megatron_sp`` directory of one file per
-``(tp, pp)`` shard plus ``meta.pt``, or a one-process Lightning ``.ckpt`` file) into
-layout-free ``(global name, full tensor)`` pairs; :func:`lightning_sp.interop.hf.save_gpt2`
-turns those into the directory. Shard files are loaded one at a time, memory-mapped (their
-optimizer states are never read), and each parameter's place in its full tensor comes from
-the :class:`~lightning_sp.parallel.init.ShardSpec` of the same model built on the ``meta``
-device for that shard's coordinates, so no slicing rule is restated here.
+This module only *reads* the checkpoint (a ``megatron_sp`` DCP directory,
+:mod:`lightning_sp.training.checkpoint`, whose keys are global parameter names; or a
+one-process Lightning ``.ckpt`` file) into layout-free ``(global name, full tensor)`` pairs;
+:func:`lightning_sp.interop.hf.save_gpt2` turns those into the directory. DCP assembles one
+full tensor at a time from whichever ranks' shards hold its pieces, so no full model is held
+beyond the output.
 """
 
 from __future__ import annotations
@@ -15,117 +14,86 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import save_gpt2
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.gpt import GPT
-from lightning_sp.parallel.state import ParallelState
-from lightning_sp.pipeline import chunk_layer_ranges
+from lightning_sp.training.checkpoint import verify
 from lightning_sp.training.data import BYTE_EOS_ID, EOS_TOKENS
-from lightning_sp.training.strategy import META_FILE, shard_file
 
-_SHARD = re.compile(r"model_tp(\d+)_pp(\d+)\.pt")
-_CHUNK_KEY = re.compile(r"(?:gpt|pipeline\.chunks\.(\d+))\.(.+)")
+
+def _config(fields: dict[str, Any]) -> GPTConfig:
+    config = GPTConfig(**fields)
+    if config.recompute == "auto":  # recompute does not change the weights
+        config = dataclasses.replace(config, recompute="none")
+    return config
 
 
 @dataclasses.dataclass
 class CheckpointModel:
-    """What a checkpoint says about its model: the config, the layout it was saved with
-    (``t``, ``p``, ``m``) and its vocabulary record (``GPTModule.on_save_checkpoint``)."""
+    """What a checkpoint says about its model: the config, where its tensors are (a DCP
+    directory, or a one-process Lightning ``.ckpt`` file) and its vocabulary record
+    (``GPTModule.on_save_checkpoint``)."""
 
     path: Path
     config: GPTConfig
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    virtual_pipeline_size: int = 1
-    vocabulary: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def shard_path(self, tp_rank: int, pp_rank: int) -> Path:
-        return self.path if self.path.is_file() else self.path / shard_file(tp_rank, pp_rank)
+    keys: dict[str, Any]  # "model.<global name>" -> DCP storage metadata (directory only)
+    vocabulary: dict[str, Any]
 
 
-def _load(path: Path) -> dict[str, Any]:
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+def _dcp_read(state: dict[str, Any], path: Path) -> None:
+    """Fill ``state``'s entries (full tensors or objects) from the DCP checkpoint at ``path``
+    in this one process."""
+    with warnings.catch_warnings():  # "no process group: loading in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_load(state, storage_reader=FileSystemReader(path), no_dist=True)
 
 
 def open_checkpoint(path: str | Path) -> CheckpointModel:
     """Read a checkpoint's metadata (not its weights); :class:`ConfigError` if it is none."""
     path = Path(path)
-    if path.is_dir():
-        if not (path / META_FILE).is_file():
-            raise ConfigError(
-                f"ckpt_path={str(path)!r} is not a checkpoint: no {META_FILE}; give a "
-                "checkpoint directory written by the megatron_sp strategy or a .ckpt file"
-            )
-        meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-        coords = [
-            tuple(map(int, m.groups())) for f in path.iterdir() if (m := _SHARD.match(f.name))
-        ]
-        t = 1 + max((c[0] for c in coords), default=-1)
-        p = 1 + max((c[1] for c in coords), default=-1)
-        if not coords or len(coords) != t * p:
-            raise ConfigError(
-                f"ckpt_path={str(path)!r} has {len(coords)} model shard files, not the "
-                f"{t} x {p} of a complete tensor x pipeline layout"
-            )
-        first = _load(path / shard_file(0, 0))["state_dict"]
-    elif path.is_file():
-        meta = _load(path)
-        t = p = 1
-        first = meta["state_dict"]
-    else:
-        raise ConfigError(f"ckpt_path={str(path)!r} does not exist")
-    fields = meta.get("hyper_parameters", {}).get("config")
-    if fields is None:
-        raise ConfigError(f"ckpt_path={str(path)!r} holds no GPTModule hyper-parameters")
-    chunks = {int(m.group(1) or 0) for k in first if (m := _CHUNK_KEY.fullmatch(k))}
-    config = GPTConfig(**fields)
-    if config.recompute == "auto":  # recompute does not change the weights
-        config = dataclasses.replace(config, recompute="none")
-    return CheckpointModel(path, config, t, p, max(len(chunks), 1), meta.get("vocabulary", {}))
-
-
-def _shard_chunks(ckpt: CheckpointModel, tp_rank: int, pp_rank: int) -> list[GPT]:
-    """The model chunks of one shard, on the meta device: their parameters' ShardSpecs."""
-    t, p = ckpt.tensor_parallel_size, ckpt.pipeline_parallel_size
-    state = ParallelState(t, p, 1, tp_rank, pp_rank, 0, None, None, None, torch.device("meta"))
-    ranges = chunk_layer_ranges(ckpt.config.num_layers, p, ckpt.virtual_pipeline_size, pp_rank)
-    return [GPT(ckpt.config, state, layer_range=r, device="meta") for r in ranges]
+    if path.is_file():  # a Lightning .ckpt of a one-process run: names are already global
+        saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        fields = saved.get("hyper_parameters", {}).get("config")
+        if fields is None:
+            raise ConfigError(f"ckpt_path={str(path)!r} holds no GPTModule hyper-parameters")
+        return CheckpointModel(path, _config(fields), {}, saved.get("vocabulary", {}))
+    meta, metadata = verify(path)  # one line if missing, incomplete or corrupt
+    data = path.resolve()
+    lightning: dict[str, Any] = {"lightning": None}  # Lightning's state: the vocabulary record
+    _dcp_read(lightning, data)
+    keys = {
+        k: v
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
+    }
+    vocabulary = (lightning.get("lightning") or {}).get("vocabulary", {})
+    return CheckpointModel(data, _config(meta.model), keys, vocabulary)
 
 
 def iter_full_tensors(ckpt: CheckpointModel) -> Iterator[tuple[str, Tensor]]:
-    """``(global name, full tensor)`` for every parameter, one pipeline stage at a time: the
-    stage's ``t`` shard files are read one after another into the stage's full tensors."""
-    t = ckpt.tensor_parallel_size
-    for pp_rank in range(ckpt.pipeline_parallel_size):
-        full: dict[str, Tensor] = {}
-        for tp_rank in range(t):
-            saved = _load(ckpt.shard_path(tp_rank, pp_rank))["state_dict"]
-            for c, chunk in enumerate(_shard_chunks(ckpt, tp_rank, pp_rank)):
-                prefix = f"pipeline.chunks.{c}." if ckpt.pipeline_parallel_size > 1 else "gpt."
-                for name, meta_param in chunk.named_parameters():
-                    if name == "word_embeddings.weight" and not chunk.has_embedding:
-                        continue  # the last stage's copy of the tied embedding
-                    shard, spec = saved[prefix + name], meta_param.shard  # type: ignore[attr-defined]
-                    key = chunk.global_name(name)
-                    if spec.dim is None:
-                        full.setdefault(key, shard.clone())
-                        continue
-                    if key not in full:
-                        size = list(shard.shape)
-                        size[spec.dim] *= t
-                        full[key] = shard.new_empty(size)
-                    full[key].narrow(spec.dim, spec.start, shard.shape[spec.dim]).copy_(shard)
-            del saved
-        yield from full.items()
+    """``(global name, full tensor)`` for every parameter, one tensor read at a time (DCP
+    assembles it from whichever ranks' shards hold its pieces)."""
+    if ckpt.path.is_file():
+        state = torch.load(ckpt.path, map_location="cpu", weights_only=False, mmap=True)
+        for key, tensor in state["state_dict"].items():
+            if key.startswith("gpt."):
+                yield key.removeprefix("gpt."), tensor
+        return
+    for key, entry in ckpt.keys.items():
+        tensor = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        _dcp_read({key: tensor}, ckpt.path)
+        yield key.removeprefix("model."), tensor
 
 
 def _tokenizer(ckpt: CheckpointModel, override: str | None) -> tuple[str | None, str | None, int]:
