@@ -6,6 +6,8 @@ Subcommands ``fit``, ``validate``, ``test`` come from Lightning's ``LightningCLI
 (``--format json``, ``--plot FILE``, ``--device_memory 80GB``; see ``estimate --help``).
 ``prepare`` tokenizes the config's corpus once into ``data.prepared_dir`` (same arguments
 as ``fit``).
+``export`` writes a checkpoint as a Hugging Face GPT-2 directory
+(``python cli.py export --ckpt_path CKPT --output DIR``).
 ``python cli.py fit --help`` documents every option; ``--print_config`` shows a full config.
 
 A bad input ends the run with one line ``error: ...`` on stderr, printed by rank 0 only, and
@@ -108,6 +110,10 @@ def main(argv: list[str] | None = None) -> None:
                 load_from_checkpoint_support=False,
             )
         return
+    if args and args[0] == "export":
+        from lightning_sp.training.hf_export import main as export
+
+        sys.exit(export(args[1:]))
     GPTCLI(GPTModule, TextDataModule, args=argv, save_config_kwargs={"overwrite": True})
 
 

@@ -1,5 +1,25 @@
 import os
+from pathlib import Path
+
+import pytest
 
 # Two cores: keep every process (and every spawned rank) to one intra-op thread so four ranks
 # do not oversubscribe the machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+TEXT = (
+    "def add(a, b):\n    return a + b\n\n"
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
+    "for i in range(10):\n    print(i * i)\n\n"
+)
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    """A folder of 8 small Python files for Trainer runs (byte-level or BPE)."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i in range(8):
+        (folder / f"doc{i}.py").write_text(TEXT * (4 + i))
+    return folder

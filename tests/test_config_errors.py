@@ -267,3 +267,8 @@ def test_checkpoint_of_another_model_names_both_values(saved) -> None:
     other = dataclasses.replace(config, hidden_size=64)
     _raises(r"model.config.hidden_size=64 but the checkpoint was trained with hidden_size=32",
             validation.check_checkpoint, str(path), other)  # fmt: skip
+
+
+def test_unknown_activation() -> None:
+    _raises(r"activation='relu' is not an activation; valid: gelu, gelu_tanh",
+            tiny_config(activation="relu").validate)  # fmt: skip

@@ -18,21 +18,6 @@ from lightning_sp import ConfigError, GPTConfig, GPTModule, MegatronSPStrategy, 
 from lightning_sp.training.checkpoint import read_full
 from lightning_sp.training.data import TextDataModule
 
-TEXT = (
-    "def add(a, b):\n    return a + b\n\n"
-    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
-    "for i in range(10):\n    print(i * i)\n\n"
-)
-
-
-@pytest.fixture
-def corpus(tmp_path: Path) -> Path:
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    for i in range(8):
-        (folder / f"doc{i}.py").write_text(TEXT * (4 + i))
-    return folder
-
 
 class AssertReplicasInSync(Callback):
     """At the end of training every parameter equals its replicas: across DP ranks (all

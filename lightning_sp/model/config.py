@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.recompute import POLICIES, parse_recompute, policy_name
 
 RECOMPUTE_POLICIES = POLICIES
 """The named policies: the presets ``none``, ``selective``, ``lean`` and ``full``."""
+ACTIVATIONS = ("gelu", "gelu_tanh")
+Activation = Literal["gelu", "gelu_tanh"]
 
 
 @dataclass
@@ -70,6 +73,10 @@ class GPTConfig:
     which stores no ``s x s`` tensor, so ``core_attn`` recomputation has nothing to drop. On
     CPU, SDPA with attention dropout falls back to a math kernel that does store them."""
 
+    activation: Activation = "gelu"
+    """The MLP's GeLU: ``gelu`` is exact (erf); ``gelu_tanh`` is the tanh approximation that
+    OpenAI's GPT-2 weights were trained with (Hugging Face's ``gelu_new``)."""
+
     layernorm_eps: float = 1e-5
     """Epsilon of every LayerNorm."""
 
@@ -118,6 +125,11 @@ class GPTConfig:
         from lightning_sp.model.attention import check_attention
 
         check_attention(self.attention)
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(
+                f"activation={self.activation!r} is not an activation; "
+                f"valid: {', '.join(ACTIVATIONS)}"
+            )
         if self.recompute_num_layers is not None and self.recompute_num_layers < 0:
             raise ConfigError(
                 f"recompute_num_layers={self.recompute_num_layers} must be >= 0 or null"

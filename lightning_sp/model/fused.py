@@ -94,22 +94,25 @@ class _GeluMatmul(torch.autograd.Function):
     """``gelu(z) Wᵀ`` (a row-parallel partial product); saves ``z``, not ``gelu(z)``."""
 
     @staticmethod
-    def forward(ctx: Any, z: Tensor, weight: Tensor) -> Tensor:
+    def forward(ctx: Any, z: Tensor, weight: Tensor, approximate: str) -> Tensor:
+        ctx.approximate = approximate
         ctx.save_for_backward(z, weight)
-        return torch.matmul(nn.functional.gelu(z), weight.t())
+        return torch.matmul(nn.functional.gelu(z, approximate=approximate), weight.t())
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
         z, weight = ctx.saved_tensors
-        grad_w = _weight_grad(grad, nn.functional.gelu(z))
-        grad_z = torch.ops.aten.gelu_backward(torch.matmul(grad, weight), z)
-        return grad_z, grad_w
+        grad_w = _weight_grad(grad, nn.functional.gelu(z, approximate=ctx.approximate))
+        grad_z = torch.ops.aten.gelu_backward(
+            torch.matmul(grad, weight), z, approximate=ctx.approximate
+        )
+        return grad_z, grad_w, None
 
 
-def gelu_row_linear(z: Tensor, linear: RowParallelLinear) -> Tensor:
+def gelu_row_linear(z: Tensor, linear: RowParallelLinear, approximate: str = "none") -> Tensor:
     """``linear(gelu(z))`` storing ``z`` instead of ``gelu(z)``: ``[s, b, f/t] -> [s/t or s,
-    b, h]``."""
-    return _row_parallel_output(_GeluMatmul.apply(z, linear.weight), linear)
+    b, h]``. ``approximate``: ``"none"`` (exact erf) or ``"tanh"``, as ``F.gelu``."""
+    return _row_parallel_output(_GeluMatmul.apply(z, linear.weight, approximate), linear)
 
 
 class _HeadsMatmul(torch.autograd.Function):

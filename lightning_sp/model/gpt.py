@@ -66,6 +66,7 @@ class MLP(nn.Module):
             config.ffn_size, config.hidden_size, state,
             sequence_parallel=sp, init_std=out_std, **kwargs,
         )  # fmt: skip
+        self.gelu_approximate = "tanh" if config.activation == "gelu_tanh" else "none"
 
     def forward(
         self, x: Tensor, norm: nn.LayerNorm | None = None, recompute_act: bool = False
@@ -75,8 +76,8 @@ class MLP(nn.Module):
         backward. ``[s/t or s, b, h]`` in and out, ``[s, b, f/t]`` inside."""
         z = self.fc1(x) if norm is None else norm_column_linear(x, norm, self.fc1)
         if recompute_act:
-            return gelu_row_linear(z, self.fc2)
-        return self.fc2(nn.functional.gelu(z))
+            return gelu_row_linear(z, self.fc2, self.gelu_approximate)
+        return self.fc2(nn.functional.gelu(z, approximate=self.gelu_approximate))
 
 
 class TransformerLayer(nn.Module):

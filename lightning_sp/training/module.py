@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lightning_sp.errors import ConfigError
+from lightning_sp.interop.hf import check_gpt2_directory, load_gpt2_weights
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.grads import clip_grad_norm_
@@ -99,20 +101,30 @@ class GPTModule(LightningModule):
         config: The model (``lightning_sp.GPTConfig``). Under ``megatron_sp`` the strategy's
             ``sequence_parallel`` decides that field.
         optimizer: AdamW and learning-rate schedule settings.
+        init_from: A local Hugging Face GPT-2 directory (``config.json`` +
+            ``model.safetensors``) to start from instead of the seeded initialisation; each
+            rank reads only its own slices. Its sizes must equal ``config``'s (checked here).
     """
 
     def __init__(
-        self, config: GPTConfig = _DEFAULT_MODEL, optimizer: OptimizerConfig = _DEFAULT_OPTIMIZER
+        self,
+        config: GPTConfig = _DEFAULT_MODEL,
+        optimizer: OptimizerConfig = _DEFAULT_OPTIMIZER,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         self.config = dataclasses.replace(config)
         self.optimizer_config = dataclasses.replace(optimizer)
         self.config.validate()
         check_optimizer(self.optimizer_config)
+        self.init_from = init_from
+        if init_from is not None:
+            check_gpt2_directory(init_from, self.config)
         self.save_hyperparameters(
             {
                 "config": dataclasses.asdict(self.config),
                 "optimizer": dataclasses.asdict(self.optimizer_config),
+                "init_from": init_from,
             }
         )
         self.gpt: GPT | None = None  # the model when there is no pipeline (p = 1)
@@ -150,6 +162,7 @@ class GPTModule(LightningModule):
         dtype = torch.get_default_dtype()
         if state.pipeline_parallel_size == 1:
             self.gpt = GPT(config, state, dtype=dtype, device=state.device)
+            self._load_init_from()
             return
         assert isinstance(strategy, MegatronSPStrategy)
         if self._trainer is not None and self._trainer.accumulate_grad_batches != 1:
@@ -170,6 +183,13 @@ class GPTModule(LightningModule):
             device=state.device,
             timeout=strategy.timeout,
         )
+        self._load_init_from()
+
+    def _load_init_from(self) -> None:
+        """Overwrite the seeded weights with ``init_from``'s (this rank's slices only)."""
+        if self.init_from is not None:
+            for chunk in self.chunks:
+                load_gpt2_weights(chunk, self.init_from)
 
     def _resolve_auto_recompute(self, config: GPTConfig, state: ParallelState) -> GPTConfig:
         """Pick the least recomputation that fits this device (the memory planner)."""
@@ -294,9 +314,12 @@ class GPTModule(LightningModule):
 
     def _vocabulary_identity(self) -> dict[str, Any]:
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
+        tokenizer = getattr(datamodule, "tokenizer", None)
         return {
             "vocab_size": self.config.vocab_size,
             "tokenizer": getattr(datamodule, "tokenizer_id", None),
+            # what `cli.py export` copies next to the weights
+            "tokenizer_path": os.path.abspath(os.path.expanduser(tokenizer)) if tokenizer else None,
         }
 
     @override

@@ -1,0 +1,163 @@
+"""``python cli.py export --ckpt_path CKPT --output DIR``: a checkpoint of any layout as a
+Hugging Face GPT-2 directory.
+
+This module only *reads* the checkpoint (a ``megatron_sp`` DCP directory,
+:mod:`lightning_sp.training.checkpoint`, whose keys are global parameter names; or a
+one-process Lightning ``.ckpt`` file) into layout-free ``(global name, full tensor)`` pairs;
+:func:`lightning_sp.interop.hf.save_gpt2` turns those into the directory. DCP assembles one
+full tensor at a time from whichever ranks' shards hold its pieces, so no full model is held
+beyond the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from lightning_sp.errors import ConfigError
+from lightning_sp.interop.hf import save_gpt2
+from lightning_sp.model.config import GPTConfig
+from lightning_sp.training.checkpoint import verify
+from lightning_sp.training.data import BYTE_EOS_ID, EOS_TOKENS
+
+
+def _config(fields: dict[str, Any]) -> GPTConfig:
+    config = GPTConfig(**fields)
+    if config.recompute == "auto":  # recompute does not change the weights
+        config = dataclasses.replace(config, recompute="none")
+    return config
+
+
+@dataclasses.dataclass
+class CheckpointModel:
+    """What a checkpoint says about its model: the config, where its tensors are (a DCP
+    directory, or a one-process Lightning ``.ckpt`` file) and its vocabulary record
+    (``GPTModule.on_save_checkpoint``)."""
+
+    path: Path
+    config: GPTConfig
+    keys: dict[str, Any]  # "model.<global name>" -> DCP storage metadata (directory only)
+    vocabulary: dict[str, Any]
+
+
+def _dcp_read(state: dict[str, Any], path: Path) -> None:
+    """Fill ``state``'s entries (full tensors or objects) from the DCP checkpoint at ``path``
+    in this one process."""
+    with warnings.catch_warnings():  # "no process group: loading in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_load(state, storage_reader=FileSystemReader(path), no_dist=True)
+
+
+def open_checkpoint(path: str | Path) -> CheckpointModel:
+    """Read a checkpoint's metadata (not its weights); :class:`ConfigError` if it is none."""
+    path = Path(path)
+    if path.is_file():  # a Lightning .ckpt of a one-process run: names are already global
+        saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        fields = saved.get("hyper_parameters", {}).get("config")
+        if fields is None:
+            raise ConfigError(f"ckpt_path={str(path)!r} holds no GPTModule hyper-parameters")
+        return CheckpointModel(path, _config(fields), {}, saved.get("vocabulary", {}))
+    meta, metadata = verify(path)  # one line if missing, incomplete or corrupt
+    data = path.resolve()
+    lightning: dict[str, Any] = {"lightning": None}  # Lightning's state: the vocabulary record
+    _dcp_read(lightning, data)
+    keys = {
+        k: v
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
+    }
+    vocabulary = (lightning.get("lightning") or {}).get("vocabulary", {})
+    return CheckpointModel(data, _config(meta.model), keys, vocabulary)
+
+
+def iter_full_tensors(ckpt: CheckpointModel) -> Iterator[tuple[str, Tensor]]:
+    """``(global name, full tensor)`` for every parameter, one tensor read at a time (DCP
+    assembles it from whichever ranks' shards hold its pieces)."""
+    if ckpt.path.is_file():
+        state = torch.load(ckpt.path, map_location="cpu", weights_only=False, mmap=True)
+        for key, tensor in state["state_dict"].items():
+            if key.startswith("gpt."):
+                yield key.removeprefix("gpt."), tensor
+        return
+    for key, entry in ckpt.keys.items():
+        tensor = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        _dcp_read({key: tensor}, ckpt.path)
+        yield key.removeprefix("model."), tensor
+
+
+def _tokenizer(ckpt: CheckpointModel, override: str | None) -> tuple[str | None, str | None, int]:
+    """``(tokenizer.json path or None, EOS token, EOS id)`` of the run."""
+    recorded = ckpt.vocabulary.get("tokenizer")
+    path = override or ckpt.vocabulary.get("tokenizer_path")
+    if path is None:
+        if recorded not in (None, "bytes"):
+            raise ConfigError(
+                f"ckpt_path={str(ckpt.path)!r} was trained with tokenizer {recorded!r} but does "
+                "not record its path; give it with --tokenizer PATH/tokenizer.json"
+            )
+        return None, None, BYTE_EOS_ID
+    if not Path(path).is_file():
+        raise ConfigError(f"tokenizer={path!r} is not a file; give the run's tokenizer.json")
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    if recorded not in (None, f"tokenizers:{digest[:16]}"):
+        raise ConfigError(
+            f"tokenizer={path!r} is not the tokenizer {recorded!r} the checkpoint was trained "
+            "with; give that tokenizer.json"
+        )
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path))
+    eos = next((e for e in EOS_TOKENS if tok.token_to_id(e) is not None), None)
+    eos_id = tok.token_to_id(eos) if eos is not None else None
+    return str(path), eos, eos_id if eos_id is not None else BYTE_EOS_ID
+
+
+def export_checkpoint(
+    ckpt_path: str | Path, output: str | Path, tokenizer: str | None = None
+) -> Path:
+    """Write the checkpoint at ``ckpt_path`` (any layout) as a Hugging Face GPT-2 directory at
+    ``output``, with the run's tokenizer files when it used a ``tokenizer.json`` (or
+    ``tokenizer``, which must be the same file)."""
+    ckpt = open_checkpoint(ckpt_path)
+    tokenizer_file, eos_token, eos_id = _tokenizer(ckpt, tokenizer)
+    if Path(output).is_file():
+        raise ConfigError(f"output={str(output)!r} is a file; give a directory")
+    return save_gpt2(
+        ckpt.config,
+        iter_full_tensors(ckpt),
+        output,
+        eos_token_id=eos_id,
+        tokenizer_file=tokenizer_file,
+        eos_token=eos_token,
+    )
+
+
+def main(argv: list[str]) -> int:
+    """``cli.py export``'s entry point."""
+    parser = argparse.ArgumentParser(
+        prog="cli.py export",
+        description="Write a checkpoint (any layout) as a Hugging Face GPT-2 directory that "
+        "transformers.GPT2LMHeadModel.from_pretrained loads.",
+    )
+    parser.add_argument("--ckpt_path", required=True, help="checkpoint directory or .ckpt file")
+    parser.add_argument("--output", required=True, help="directory to write")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the run's tokenizer.json (default: the path the checkpoint records)",
+    )
+    args = parser.parse_args(argv)
+    path = export_checkpoint(args.ckpt_path, args.output, args.tokenizer)
+    print(f"wrote {path}")
+    return 0
