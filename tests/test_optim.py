@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_sp.training.optim import MasterWeightAdamW, build_adamw
+from lightning_sp.training.optim import MasterWeightAdamW, build_adamw, kernel_options
 
 
 def test_bf16_model_gets_fp32_masters_and_fp32_gradient_accumulation() -> None:
@@ -14,9 +14,13 @@ def test_bf16_model_gets_fp32_masters_and_fp32_gradient_accumulation() -> None:
     masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     optimizer = build_adamw(model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
     assert isinstance(optimizer, MasterWeightAdamW)
-    # an fp32 AdamW on fp32 copies, fed the same fp32-accumulated gradients, is the reference
+    assert optimizer.defaults["foreach"] is True  # multi-tensor kernels on CPU
+    # an fp32 AdamW on fp32 copies, fed the same fp32-accumulated gradients, is the reference:
+    # the per-parameter loop implementation
     groups = [{"params": [masters[0]], "weight_decay": 0.1}, {"params": [masters[1]]}]
-    reference = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    reference = torch.optim.AdamW(
+        groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=False
+    )
 
     for _ in range(3):
         inputs = [torch.randn(16, 8) for _ in range(4)]  # four micro-batches per step
@@ -46,7 +50,7 @@ def test_bf16_model_gets_fp32_masters_and_fp32_gradient_accumulation() -> None:
     saved = optimizer.state_dict()["master_weights"]
     for mine, ref, p in zip(saved, masters, model.parameters(), strict=True):
         assert mine.dtype == torch.float32
-        torch.testing.assert_close(mine, ref.detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(mine, ref.detach())  # foreach does the loop's arithmetic exactly
         assert torch.equal(p, mine.to(torch.bfloat16))  # the model holds the rounded masters
 
 
@@ -63,3 +67,15 @@ def test_master_weights_survive_a_state_dict_round_trip() -> None:
     for a, b in zip(restored.state_dict()["master_weights"], saved["master_weights"], strict=True):
         assert torch.equal(a, b)
     assert torch.equal(other.weight, model.weight)
+
+
+def test_fp32_model_gets_the_foreach_adamw_on_cpu() -> None:
+    model = nn.Linear(4, 4)
+    optimizer = build_adamw(model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    assert type(optimizer) is torch.optim.AdamW
+    assert optimizer.defaults["foreach"] is True and not optimizer.defaults["fused"]
+
+
+def test_kernel_options_pick_fused_on_cuda_and_foreach_elsewhere() -> None:
+    assert kernel_options(torch.device("cuda", 0)) == {"fused": True}
+    assert kernel_options(torch.device("cpu")) == {"foreach": True}

@@ -5,6 +5,13 @@ initialised in one process from the same seed, whatever the tensor- or pipeline-
 layout: each index along the sharded dimension draws from its own generator, seeded by
 ``(seed, parameter name, index)``. A rank therefore initialises only its own shard (no full
 model is ever materialised), in time proportional to the shard.
+
+Draws happen on the CPU in fp32 and are copied to the parameter's device, so a shard is the
+same bits on CPU and CUDA, under any default device or dtype (Lightning builds the model inside
+``torch.device(root_device)`` and, for ``*-true`` precisions, a default-dtype context). A model
+built on the ``meta`` device is left empty: materialise it with :func:`materialize` (``to_empty``
+keeping these marks) and initialise it with ``GPT.reset_parameters``: it equals the model built
+directly.
 """
 
 from __future__ import annotations
@@ -57,6 +64,20 @@ def mark_parameter(
     return param
 
 
+def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """``module.to_empty(device=device)``, keeping what :func:`mark_parameter` attached.
+
+    ``to_empty`` replaces a ``meta`` parameter by a new ``Parameter`` object, which drops the
+    sharding and initialisation marks; they are copied over. The values are uninitialised:
+    call the model's ``reset_parameters`` next. Returns ``module``.
+    """
+    marks = {name: dict(p.__dict__) for name, p in module.named_parameters()}
+    module.to_empty(device=device)
+    for name, param in module.named_parameters():
+        param.__dict__.update(marks[name])
+    return module
+
+
 @torch.no_grad()
 def initialize_parameter(param: Tensor, name: str, seed: int) -> None:
     """Fill ``param`` (a shard marked by :func:`mark_parameter`) reproducibly from ``seed``."""
@@ -71,12 +92,19 @@ def initialize_parameter(param: Tensor, name: str, seed: int) -> None:
         return
     std: float = param.init_std  # type: ignore[attr-defined]
     shard: ShardSpec = param.shard  # type: ignore[attr-defined]
+    # draws are made on the CPU, in fp32, whatever the parameter's device and dtype and
+    # whatever default device or dtype a caller's context sets (Lightning's CUDA device
+    # context, a bf16 default dtype): the values are then the same on every device, and a
+    # shard is written to its device in one copy
     generator = torch.Generator(device="cpu")
+    draw = {"generator": generator, "dtype": torch.float32, "device": "cpu"}
     if shard.dim is None:
         generator.manual_seed(derive_seed(seed, name))
-        param.copy_(torch.randn(param.shape, generator=generator).mul_(std))
+        param.copy_(torch.randn(param.shape, **draw).mul_(std))
         return
+    values = torch.empty(param.shape, dtype=param.dtype, device="cpu")
     for i in range(param.shape[shard.dim]):
         generator.manual_seed(derive_seed(seed, name, shard.start + i))
-        row = param.select(shard.dim, i)
-        row.copy_(torch.randn(row.shape, generator=generator).mul_(std))
+        row = values.select(shard.dim, i)
+        row.copy_(torch.randn(row.shape, **draw).mul_(std))
+    param.copy_(values)

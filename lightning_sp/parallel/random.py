@@ -12,6 +12,10 @@ Two streams per rank (paper §4.2.2, Megatron's "model-parallel RNG"):
 
 Both depend on the pipeline and data-parallel coordinates, so replicas see independent masks.
 Recomputation snapshots and restores both streams, which replays identical masks.
+
+The generators live on the device of the tensors they draw for (``ParallelState.device``; a
+CUDA generator for CUDA activations), so drawing a mask never crosses devices. A state built
+for the ``meta`` device (deferred initialisation) gets CPU generators.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class RNGStreams:
         """``chunk`` tells apart the model chunks one rank holds under an interleaved pipeline
         schedule (the chunk's first layer index serves)."""
         device = state.device if state.device.type != "meta" else torch.device("cpu")
+        self.device = device
         pp, dp, tp = (
             state.pipeline_parallel_rank,
             state.data_parallel_rank,
@@ -61,6 +66,15 @@ class RNGStreams:
         return {"replicated": self.replicated.get_state(), "sharded": self.sharded.get_state()}
 
     def load_state_dict(self, state_dict: dict[str, Tensor]) -> None:
+        """Restore from :meth:`state_dict`; a state saved by a generator of another device type
+        (CPU's Mersenne Twister vs CUDA's Philox) cannot be restored and raises ``ValueError``."""
+        expected = self.replicated.get_state().numel()
+        saved = state_dict["replicated"].numel()
+        if saved != expected:
+            raise ValueError(
+                f"rng_streams hold a {saved}-byte generator state; this rank's {self.device.type} "
+                f"generators take {expected} bytes: resume on the device type they were saved on"
+            )
         self.set_state((state_dict["replicated"], state_dict["sharded"]))
 
 
@@ -123,6 +137,11 @@ def dropout(
     from the same stream position in backward). Both draw the same mask."""
     if not training or p == 0.0:
         return x
+    if generator.device.type != x.device.type:
+        raise RuntimeError(
+            f"dropout on a {x.device.type} tensor with a {generator.device.type} generator: build "
+            f"the model with ParallelState.device = {x.device} so its RNG streams live there"
+        )
     if regenerate and torch.is_grad_enabled():
         return _RegeneratedDropout.apply(x, p, generator)
     return _Dropout.apply(x, p, generator)

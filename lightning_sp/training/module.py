@@ -138,7 +138,10 @@ class GPTModule(LightningModule):
         strategy = self._trainer.strategy if self._trainer is not None else None
         if isinstance(strategy, MegatronSPStrategy):
             return strategy.parallel_state
-        return ParallelState.single(self.device)
+        # the device the strategy will run on (this module is still on the CPU while
+        # configure_model runs), so the model and its RNG streams are built there
+        device = strategy.root_device if strategy is not None else self.device
+        return ParallelState.single(device)
 
     @property
     def chunks(self) -> list[GPT]:

@@ -7,6 +7,10 @@ accumulation over micro-batches happens in fp32. AdamW updates fp32 master copie
 weights and writes them back, rounded, into the model.
 
 For fp32 models none of this is needed: :func:`build_adamw` returns a plain ``AdamW``.
+
+Either way the update runs as multi-tensor kernels: torch's fused AdamW on CUDA, the
+``foreach`` implementation elsewhere (one kernel per operation over all parameters instead of
+a Python loop over them; the same arithmetic as the per-parameter loop).
 """
 
 from __future__ import annotations
@@ -83,6 +87,11 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 p.copy_(saved)
 
 
+def kernel_options(device: torch.device) -> dict[str, bool]:
+    """AdamW's implementation for parameters on ``device``: ``fused`` on CUDA, else ``foreach``."""
+    return {"fused": True} if device.type == "cuda" else {"foreach": True}
+
+
 def build_adamw(
     model: nn.Module,
     lr: float,
@@ -93,7 +102,8 @@ def build_adamw(
     """AdamW with weight decay on matrices only (not on biases, LayerNorms, 1-D params).
 
     fp32 models get ``torch.optim.AdamW``; low-precision models get
-    :class:`MasterWeightAdamW` (fp32 gradients and master weights).
+    :class:`MasterWeightAdamW` (fp32 gradients and master weights); both use
+    :func:`kernel_options` for the parameters' device.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
@@ -105,4 +115,5 @@ def build_adamw(
     groups = [g for g in groups if g["params"]]
     low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
     cls = MasterWeightAdamW if low_precision else torch.optim.AdamW
-    return cls(groups, lr=lr, betas=betas, eps=eps)
+    device = params[0].device if params else torch.device("cpu")
+    return cls(groups, lr=lr, betas=betas, eps=eps, **kernel_options(device))

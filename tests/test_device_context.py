@@ -1,0 +1,96 @@
+"""The model under a default-device or default-dtype context other than the CPU's, on CPU.
+
+Lightning builds the model in ``configure_model`` inside ``torch.device(root_device)`` (and, for
+``*-true`` precisions, a default-dtype context). Code that assumes the CPU there (a CPU
+generator drawing for a tensor created on the default device) crashes on CUDA; the ``meta``
+device reproduces that class of bug on a CPU-only machine. Deferred initialisation (build on
+``meta``, ``materialize`` (``to_empty``), ``reset_parameters``) must give the same model as building directly.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_sp import GPT, ParallelState
+from lightning_sp.parallel.init import materialize
+from lightning_sp.parallel.random import RNGStreams, dropout
+from lightning_sp.parallel.state import _group_options
+from lightning_sp.training.module import GPTModule
+from tests.models import batch, tiny_config
+
+CONFIG = tiny_config(hidden_dropout=0.1, attention_dropout=0.1, recompute="selective")
+
+
+def _assert_same_parameters(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    ref = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert param.device.type == "cpu", name
+        assert torch.equal(param, ref[name].to(param.dtype)), name
+
+
+def test_build_under_a_meta_default_device_equals_the_cpu_model() -> None:
+    reference = GPT(CONFIG, ParallelState.single())
+    with torch.device("meta"):  # what Lightning's torch.device("cuda") context does to CPU code
+        model = GPT(CONFIG, ParallelState.single())
+    _assert_same_parameters(model, reference)
+
+
+def test_deferred_init_on_meta_then_to_empty_equals_the_cpu_model() -> None:
+    reference = GPT(CONFIG, ParallelState.single())
+    model = GPT(CONFIG, ParallelState.single("meta"))
+    assert all(p.device.type == "meta" for p in model.parameters())
+    materialize(model, "cpu")
+    model.reset_parameters()
+    _assert_same_parameters(model, reference)
+    # the RNG streams of a meta state are CPU generators seeded alike: same dropout masks
+    ids, labels = batch(CONFIG)
+    assert torch.equal(model(ids, labels), reference(ids, labels))
+
+
+def test_module_configure_model_under_meta_device_and_bf16_default_dtype() -> None:
+    """GPTModule.configure_model as Lightning calls it with ``precision="bf16-true"`` on a
+    non-CPU device: the bf16 model holds the fp32 model's weights, rounded."""
+    reference = GPT(CONFIG, ParallelState.single())
+    module = GPTModule(CONFIG)
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device("meta"):
+            module.configure_model()
+    finally:
+        torch.set_default_dtype(default)
+    assert module.gpt is not None
+    assert next(module.gpt.parameters()).dtype == torch.bfloat16
+    _assert_same_parameters(module.gpt, reference)
+
+
+def test_dropout_refuses_a_generator_of_another_device() -> None:
+    streams = RNGStreams(0, ParallelState.single())
+    x = torch.empty(4, 4, device="meta")
+    with pytest.raises(RuntimeError, match="ParallelState.device = meta"):
+        dropout(x, 0.5, streams.sharded)
+
+
+def test_rng_state_of_another_generator_kind_fails_in_one_line() -> None:
+    streams = RNGStreams(0, ParallelState.single())
+    saved = streams.state_dict()
+    philox_sized = {k: v[:16].clone() for k, v in saved.items()}  # a CUDA generator's state size
+    with pytest.raises(ValueError, match="16-byte generator state"):
+        streams.load_state_dict(philox_sized)
+    streams.load_state_dict(saved)  # its own state round-trips
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_process_group_options_carry_the_timeout(backend: str) -> None:
+    if backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
+        pytest.skip("NCCL is not available in this torch build / machine")
+    timeout = datetime.timedelta(seconds=37)
+    result = _group_options(backend, timeout)
+    assert result is not None
+    name, options = result
+    assert name == backend
+    assert options._timeout == timeout  # type: ignore[attr-defined]
