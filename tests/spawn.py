@@ -2,7 +2,8 @@
 rank's exception is re-raised in the parent with the rank named.
 
 The one spawn helper of the repository: the tests import it as ``spawn``, the benchmarks as
-``tests.spawn``. Every process group gets a timeout, and the file store lives in a fresh
+``tests.spawn``. Each rank runs ``cores // world size`` threads unless ``OMP_NUM_THREADS`` says
+otherwise (the package's rule for runs). Every process group gets a timeout, and the file store lives in a fresh
 temporary directory, so concurrent runs never share a port and a missing collective fails
 instead of hanging.
 """
@@ -21,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_sp.parallel.threads import threads_per_rank
+
 TIMEOUT = datetime.timedelta(seconds=300)
 """How long any collective of a spawned rank may wait."""
 
@@ -30,12 +33,13 @@ def _worker(
     world_size: int,
     store_path: str,
     out_dir: str,
-    threads: int,
+    threads: int | None,
     init_group: bool,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
 ) -> None:
-    torch.set_num_threads(threads)
+    # the cores shared out among the ranks, as in runs, unless the caller says how many
+    torch.set_num_threads(threads if threads is not None else threads_per_rank(world_size))
     if init_group:
         dist.init_process_group(
             "gloo",
@@ -65,14 +69,16 @@ def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    threads: int = 1,
+    threads: int | None = None,
     init_group: bool = True,
     start_method: str = "spawn",
 ) -> list[Any]:
     """``[fn(rank, world_size, *args) for each rank]``, each rank in a fresh process.
 
     ``fn`` must be a module-level function (it is pickled into the children) and return
-    something picklable. ``threads``: intra-op threads per rank. ``init_group``: start the
+    something picklable. ``threads``: intra-op threads per rank (default:
+    :func:`~lightning_sp.parallel.threads.threads_per_rank`, ``OMP_NUM_THREADS`` or
+    cores // ``world_size``). ``init_group``: start the
     default gloo process group (with :data:`TIMEOUT`) before ``fn``; without it ``fn`` starts
     its own (as Lightning's strategies do). ``start_method``: ``spawn`` (default) starts clean
     interpreters; ``fork`` reuses the parent's imports, which saves seconds per rank, and is

@@ -4,7 +4,8 @@ Lightning builds the model in ``configure_model`` inside ``torch.device(root_dev
 ``*-true`` precisions, a default-dtype context). Code that assumes the CPU there (a CPU
 generator drawing for a tensor created on the default device) crashes on CUDA; the ``meta``
 device reproduces that class of bug on a CPU-only machine. Deferred initialisation (build on
-``meta``, ``materialize`` (``to_empty``), ``reset_parameters``) must give the same model as building directly.
+``meta``, ``materialize`` (``to_empty``), ``reset_parameters``) must give the same model as
+building directly.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def test_module_configure_model_under_meta_device_and_bf16_default_dtype() -> No
 def test_dropout_refuses_a_generator_of_another_device() -> None:
     streams = RNGStreams(0, ParallelState.single())
     x = torch.empty(4, 4, device="meta")
-    with pytest.raises(RuntimeError, match="ParallelState.device = meta"):
+    with pytest.raises(RuntimeError, match=r"ParallelState\.device = meta"):
         dropout(x, 0.5, streams.sharded)
 
 

@@ -49,6 +49,7 @@ from typing_extensions import override
 
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState, check_layout
+from lightning_sp.parallel.threads import set_rank_threads
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.training.checkpoint import Layout, Meta, gpt_chunks
 from lightning_sp.training.checkpointer import Checkpointer, resumable_loader, rng_key
@@ -192,6 +193,7 @@ class MegatronSPStrategy(ParallelStrategy):
         world_size = self.num_nodes * self.num_processes
         check_layout(world_size, self.tensor_parallel_size, self.pipeline_parallel_size)
         super().setup_environment()
+        set_rank_threads(self.num_processes)  # this host's cores shared among its ranks
         reset_seed()
         self.set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(
