@@ -19,6 +19,7 @@ from lightning_sp.pipeline import Pipeline
 from lightning_sp.training.callbacks import ActivationMemoryMonitor, MFUMonitor
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.module import GPTModule, OptimizerConfig
+from lightning_sp.training.progress import ProgressBar
 from lightning_sp.training.strategy import MegatronSPStrategy, register
 
 register()
@@ -36,6 +37,7 @@ __all__ = [
     "OptimizerConfig",
     "ParallelState",
     "Pipeline",
+    "ProgressBar",
     "SavedTensorTracker",
     "TextDataModule",
     "measure_saved_activations",

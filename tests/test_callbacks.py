@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from pathlib import Path
 
 import lightning as L
@@ -22,7 +23,8 @@ from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
 from lightning_sp.memory.formulas import activation_bytes_per_layer
 from lightning_sp.model.shape import ActivationShape
-from lightning_sp.training.callbacks import ActivationMemoryMonitor, MFUMonitor
+from lightning_sp.training.callbacks import ActivationMemoryMonitor, MFUMonitor, _si
+from lightning_sp.training.progress import ProgressBar
 
 S, B, H, A, LAYERS, VOCAB = 64, 2, 64, 4, 2, 256
 STEPS = 3
@@ -75,7 +77,7 @@ class TinyGPTModule(L.LightningModule):
         if self.fail_at_step is not None and self.global_step == self.fail_at_step:
             raise RuntimeError("boom")
         loss = self.gpt(batch["input_ids"], batch["labels"])
-        self.log("train_loss", loss, batch_size=batch["input_ids"].shape[0])
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -85,18 +87,28 @@ class TinyGPTModule(L.LightningModule):
         return DataLoader(RandomTokens(B * STEPS), batch_size=B)
 
 
-def _fit(module: L.LightningModule, tmp_path: Path, callbacks: list[L.Callback]) -> L.Trainer:
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
-        logger=CSVLogger(tmp_path),
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
+class ReadCountingTrainer(L.Trainer):
+    """Counts reads of ``progress_bar_metrics`` (each converts the logged tensors to Python
+    numbers: a host-device synchronisation on CUDA)."""
+
+    reads = 0
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, float]:
+        self.reads += 1
+        return super().progress_bar_metrics
+
+
+def _fit(
+    module: L.LightningModule, tmp_path: Path, callbacks: list[L.Callback], **kwargs: object
+) -> L.Trainer:
+    options: dict[str, object] = dict(
+        accelerator="cpu", devices=1, max_steps=STEPS, logger=CSVLogger(tmp_path),
+        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks,
+    )  # fmt: skip
+    options.update(kwargs)
+    trainer = ReadCountingTrainer(**options)  # type: ignore[arg-type]
     trainer.fit(module)
     return trainer
 
@@ -206,3 +218,35 @@ def test_monitor_needs_a_gpt_attribute(tmp_path: Path) -> None:
 
     with pytest.raises(AttributeError, match="gpt"):
         _fit(NoGPT(), tmp_path, [ActivationMemoryMonitor()])
+
+
+def test_progress_bar_shows_short_names_and_units_and_reads_on_logging_steps(
+    tmp_path: Path,
+) -> None:
+    """6 steps, logging every 3: the bar reads the logged metrics twice (after steps 0 and 3),
+    not once per step; it shows formatted items; the loggers keep the raw metrics."""
+    bar = ProgressBar()
+    memory = ActivationMemoryMonitor()
+    mfu = MFUMonitor(peak_flops_per_device=PEAK, window_size=2)
+    module = TinyGPTModule("selective")
+    trainer = _fit(
+        module, tmp_path, [bar, memory, mfu], max_steps=6, log_every_n_steps=3,
+        enable_progress_bar=True,
+    )  # fmt: skip
+    assert isinstance(trainer, ReadCountingTrainer)
+    assert trainer.reads == 2
+    items = bar.get_metrics(trainer, module)  # after fit: off the hot path, read again
+    assert re.fullmatch(r"\d+\.\d{3}", items["loss"]), items
+    sbh = S * B * H
+    paper = activation_bytes_per_layer(ActivationShape(S, B, H, A), "selective") / sbh
+    assert items["act"].endswith(f"sbh (paper {paper:.1f})"), items
+    assert re.fullmatch(r"\d+%", items["MFU"]), items
+    assert re.fullmatch(r"\d+(\.\d+)?[kMG]?", items["tok/s"]), items
+    assert not any(key.startswith(("memory/", "throughput/", "train/")) for key in items), items
+    rows = _csv_rows(trainer)
+    for name in ("memory/activation_bytes_per_layer", "throughput/mfu", "train/loss"):
+        assert _logged_values(rows, name), name  # raw numbers reach the logger
+
+
+def test_si_format() -> None:
+    assert [_si(v) for v in (12345.0, 999.0, 2.5e6, 0.5)] == ["12.3k", "999", "2.5M", "0.5"]

@@ -5,6 +5,11 @@ Both expect a LightningModule that holds its model shard as ``pl_module.gpt`` (a
 :class:`lightning_sp.GPT`, built in ``configure_model``) and trains on batches
 ``{"input_ids": LongTensor[b, s], "labels": LongTensor[b, s]}``. Parallel sizes come from
 ``pl_module.gpt.state``; nothing here reads process-group globals.
+
+Both stay off the hot path: they measure on due steps only (every ``log_every_n_steps``,
+by default the trainer's), never synchronise host and device on the other steps, and log the
+raw metrics for the loggers with ``prog_bar=False``; :class:`~lightning_sp.ProgressBar` shows
+them formatted (``progress_bar_items``).
 """
 
 from __future__ import annotations
@@ -67,15 +72,75 @@ def _batch_shape(batch: Any) -> tuple[int, int]:
     return int(b), int(s)
 
 
-def _check_every(log_every_n_steps: int) -> int:
+def _check_every(log_every_n_steps: int | None) -> int | None:
+    if log_every_n_steps is None:
+        return None
     return positive_int("log_every_n_steps", log_every_n_steps)
+
+
+def _due(trainer: Trainer, log_every_n_steps: int | None, step: int) -> bool:
+    """Whether optimizer step ``step`` is measured: every ``log_every_n_steps`` steps
+    (``None``: the trainer's ``log_every_n_steps``)."""
+    every = log_every_n_steps if log_every_n_steps is not None else trainer.log_every_n_steps
+    return step % max(1, every) == 0
+
+
+def _si(value: float) -> str:
+    """``12345.0 -> '12.3k'``: three significant figures with k / M / G."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+class _StepClock:
+    """Busy time of training steps, without a host-device synchronisation per step.
+
+    CPU: ``time.perf_counter()`` at batch start and end. CUDA: timing events recorded on the
+    current stream at batch start and end (what the device spent from the step's first kernel
+    to its last), read only in :meth:`drain`, which waits for the last one: the single
+    synchronisation, on a logging step.
+    """
+
+    def __init__(self) -> None:
+        self._start: float | torch.cuda.Event | None = None
+        self._pending: list[float | tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def start(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._start = event
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> bool:
+        """End the step begun by :meth:`start`; ``False`` if none was begun."""
+        start, self._start = self._start, None
+        if start is None:
+            return False
+        if isinstance(start, float):
+            self._pending.append(time.perf_counter() - start)
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((start, end))
+        return True
+
+    def drain(self) -> list[float]:
+        """Seconds of every step stopped since the last drain, in order."""
+        pending, self._pending = self._pending, []
+        if pending and not isinstance(pending[-1], float):
+            pending[-1][1].synchronize()
+        return [p if isinstance(p, float) else p[0].elapsed_time(p[1]) / 1e3 for p in pending]
 
 
 class ActivationMemoryMonitor(Callback):
     """Measure the activation bytes autograd saves in the forward pass and compare them with
     the paper's Table 2.
 
-    On a due step (``trainer.global_step % log_every_n_steps == 0``) a
+    On a due step (``trainer.global_step % log_every_n_steps == 0``; by default the trainer's
+    ``log_every_n_steps``, so the hooks cost nothing on the other steps) a
     :class:`~lightning_sp.memory.saved.SavedTensorTracker` is entered in
     ``on_train_batch_start`` and left in ``on_before_backward``, so exactly the tensors the
     forward saves are counted, not what recomputation materialises during backward. The
@@ -95,15 +160,19 @@ class ActivationMemoryMonitor(Callback):
       step (peak stats are reset when the measurement starts), logged at batch end.
 
     The last measurement stays in ``last_per_layer`` (bytes of each layer of this shard),
-    ``last_formula``, ``last_total`` and ``last_report``.
+    ``last_formula``, ``last_total`` and ``last_report``, and ``last_sbh`` (``s·b·h`` of that
+    step). ``prog_bar``: show ``act <measured> sbh (paper <formula>)`` in
+    :class:`~lightning_sp.ProgressBar` (the metrics are logged with ``prog_bar=False``).
     """
 
     PREFIX = "memory/"
 
-    def __init__(self, log_every_n_steps: int = 1, prog_bar: bool = True) -> None:
+    def __init__(self, log_every_n_steps: int | None = None, prog_bar: bool = True) -> None:
         super().__init__()
         self.log_every_n_steps = _check_every(log_every_n_steps)
         self.prog_bar = prog_bar
+        self.last_sbh: int | None = None
+        self.last_peak_allocated: int | None = None
         self._tracker: SavedTensorTracker | None = None
         self._shape: tuple[int, int] | None = None
         self._cuda_device: torch.device | None = None
@@ -142,7 +211,7 @@ class ActivationMemoryMonitor(Callback):
     ) -> None:
         self._stop_all()  # a previous step that never reached backward or batch end
         self._shape = None
-        if trainer.global_step % self.log_every_n_steps:
+        if not _due(trainer, self.log_every_n_steps, trainer.global_step):
             return
         gpt = _gpt(pl_module)
         self._shape = _batch_shape(batch)
@@ -191,7 +260,8 @@ class ActivationMemoryMonitor(Callback):
                 self.report_pipeline_stage_peak(pl_module, live.peak_bytes, *self._shape)
         self._stop()  # no backward ran (e.g. training_step returned None): nothing is logged
         if self._cuda_device is not None and self._shape is not None:
-            peak = torch.cuda.max_memory_allocated(self._cuda_device)
+            peak = torch.cuda.max_memory_allocated(self._cuda_device)  # allocator stats: no sync
+            self.last_peak_allocated = peak
             self._log(pl_module, "peak_allocated_bytes", float(peak), self._shape[0])
         self._cuda_device = None
 
@@ -211,12 +281,30 @@ class ActivationMemoryMonitor(Callback):
         pl_module.log(
             self.PREFIX + name,
             value,
-            prog_bar=self.prog_bar,
+            prog_bar=False,  # ProgressBar shows progress_bar_items() instead
             on_step=True,
             on_epoch=False,
             sync_dist=False,
             batch_size=batch_size,
         )
+
+    def progress_bar_items(self) -> dict[str, str]:
+        """The last measurement, short: ``{"act": "17.0 sbh (paper 17.0)"}``, the pipeline
+        stage's peak and the CUDA peak in GB; empty before the first or with prog_bar off."""
+        items: dict[str, str] = {}
+        if not self.prog_bar:
+            return items
+        if self.last_per_layer and self.last_formula and self.last_sbh:
+            measured = sum(self.last_per_layer) / len(self.last_per_layer) / self.last_sbh
+            paper = self.last_formula / self.last_sbh
+            items["act"] = f"{measured:.1f} sbh (paper {paper:.1f})"
+        if self.last_stage_peak is not None and self.last_stage_formula:
+            items["stage"] = (
+                f"{self.last_stage_peak / 1e9:.3g} GB (paper {self.last_stage_formula / 1e9:.3g})"
+            )
+        if self.last_peak_allocated is not None:
+            items["peak"] = f"{self.last_peak_allocated / 1e9:.3g} GB"
+        return items
 
     def _record(self, pl_module: LightningModule, report: ActivationReport, b: int, s: int) -> None:
         gpt = _gpt(pl_module)
@@ -225,6 +313,7 @@ class ActivationMemoryMonitor(Callback):
         # FFN width, and each layer's own policy (recompute_num_layers mixes full/selective)
         formula = self._formula_per_layer(gpt, b, s)
         self.last_per_layer, self.last_formula = per_layer, formula
+        self.last_sbh = s * b * gpt.config.hidden_size
         self.last_total, self.last_report = report.total_bytes, report
         if per_layer:
             measured = sum(per_layer) / len(per_layer)
@@ -280,10 +369,11 @@ class MFUMonitor(Callback):
     share the same timings, one fed model FLOPs and one hardware FLOPs (from
     :mod:`lightning_sp.memory.flops`), and the results are logged with ``pl_module.log``.
 
-    Timing: ``time.perf_counter()`` at ``on_train_batch_start`` and ``on_train_batch_end``
-    (after ``torch.cuda.synchronize()`` on CUDA), so a step is forward, backward and
-    optimizer step; data loading and the time between steps are excluded. The window's
-    "time" is the running sum of these step times. Rates are Lightning's: over the last
+    Timing: from ``on_train_batch_start`` to ``on_train_batch_end``, so a step is forward,
+    backward and optimizer step; data loading and the time between steps are excluded. On
+    CPU ``time.perf_counter()``; on CUDA timing events on the current stream, read only on
+    logging steps (one synchronisation there, none on the other steps). The window's "time"
+    is the running sum of these step times. Rates are Lightning's: over the last
     ``window_size`` steps, the first of which only opens the window, so nothing is logged
     for the first ``window_size - 1`` steps (which also keeps the warm-up step out).
 
@@ -293,11 +383,13 @@ class MFUMonitor(Callback):
     :func:`~lightning_sp.memory.flops.hardware_flops_per_iteration` (HFU, adds what the recompute
     policy re-executes). Tokens per step are ``global batch · s``.
 
-    Logged every ``log_every_n_steps`` steps once the window is full, in the progress bar:
+    Logged every ``log_every_n_steps`` steps (default: the trainer's) once the window is full,
+    with ``prog_bar=False``; ``prog_bar`` puts ``MFU 38%`` and ``12.3k tok/s`` in
+    :class:`~lightning_sp.ProgressBar`:
 
     * ``throughput/tokens_per_sec``: tokens of the global batch per second
     * ``throughput/model_tflops_per_sec``: model TFLOP/s per device
-    * ``throughput/hardware_tflops_per_sec``: hardware TFLOP/s per device (not in the bar)
+    * ``throughput/hardware_tflops_per_sec``: hardware TFLOP/s per device
     * ``throughput/mfu``: model FLOP/s per device / peak FLOP/s of a device
     * ``throughput/hfu``: hardware FLOP/s per device / peak FLOP/s of a device (>= mfu)
 
@@ -318,7 +410,7 @@ class MFUMonitor(Callback):
         self,
         peak_flops_per_device: float | None = None,
         window_size: int = 20,
-        log_every_n_steps: int = 1,
+        log_every_n_steps: int | None = None,
         prog_bar: bool = True,
     ) -> None:
         super().__init__()
@@ -332,7 +424,9 @@ class MFUMonitor(Callback):
         self.prog_bar = prog_bar
         self._model: Throughput | None = None
         self._hardware: Throughput | None = None
-        self._t0: float | None = None
+        self._clock = _StepClock()
+        # steps timed since the last logging step: (sequences, tokens, model, hardware FLOPs)
+        self._steps: list[tuple[int, int, float, float]] = []
         self._step = 0
         self._busy_time = 0.0
         self._batches = 0
@@ -347,11 +441,6 @@ class MFUMonitor(Callback):
             return torch.bfloat16 if precision.startswith("bf16") else torch.float16
         return next(gpt.parameters()).dtype
 
-    @staticmethod
-    def _synchronize(pl_module: LightningModule) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
-
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         gpt = _gpt(pl_module)
@@ -365,7 +454,8 @@ class MFUMonitor(Callback):
         self._model, self._hardware = (
             Throughput(self.peak_flops_per_device, world_size, self.window_size) for _ in range(2)
         )
-        self._t0 = None
+        self._clock = _StepClock()
+        self._steps = []
         self._busy_time = 0.0
         self._batches = self._samples = self._tokens = 0
         self.last_metrics = {}
@@ -375,8 +465,7 @@ class MFUMonitor(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step = trainer.global_step  # the optimizer step this batch belongs to
-        self._synchronize(pl_module)
-        self._t0 = time.perf_counter()
+        self._clock.start(pl_module.device)
 
     @override
     def on_train_batch_end(
@@ -387,12 +476,8 @@ class MFUMonitor(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if self._t0 is None or self._model is None or self._hardware is None:
+        if not self._clock.stop() or self._model is None or self._hardware is None:
             return
-        self._synchronize(pl_module)
-        self._busy_time += time.perf_counter() - self._t0
-        self._t0 = None
-
         gpt = _gpt(pl_module)
         b, s = _batch_shape(batch)
         state = gpt.state
@@ -402,22 +487,10 @@ class MFUMonitor(Callback):
             config = dataclasses.replace(config, seq_length=s)
         model_flops = model_flops_per_iteration(config, global_batch) / state.world_size
         hardware_flops = hardware_flops_per_iteration(config, global_batch) / state.world_size
-
-        # Throughput takes cumulative counts; these are global (the whole data-parallel
-        # batch), so its "device/items_per_sec" is the global tokens/s. FLOPs are per device
-        # (Throughput multiplies by world_size, then divides again for "device/...").
-        self._batches += 1
-        self._samples += global_batch
-        self._tokens += global_batch * s
-        common = dict(
-            time=self._busy_time, batches=self._batches, samples=self._samples,
-            lengths=self._tokens,
-        )  # fmt: skip
-        self._model.update(**common, flops=model_flops)  # type: ignore[arg-type]
-        self._hardware.update(**common, flops=hardware_flops)  # type: ignore[arg-type]
-
-        if self._step % self.log_every_n_steps:
+        self._steps.append((global_batch, global_batch * s, model_flops, hardware_flops))
+        if not _due(trainer, self.log_every_n_steps, self._step):
             return
+        self._update()
         model, hardware = self._model.compute(), self._hardware.compute()
         if "device/mfu" not in model or "device/items_per_sec" not in model:
             return  # window not full yet
@@ -435,9 +508,39 @@ class MFUMonitor(Callback):
             pl_module.log(
                 self.PREFIX + name,
                 value,
-                prog_bar=self.prog_bar and name != "hardware_tflops_per_sec",
+                prog_bar=False,  # ProgressBar shows progress_bar_items() instead
                 on_step=True,
                 on_epoch=False,
                 sync_dist=False,
                 batch_size=b,
             )
+
+    def _update(self) -> None:
+        """Feed the steps timed since the last logging step into the two windows (the clock's
+        one synchronisation on CUDA happens here)."""
+        assert self._model is not None and self._hardware is not None
+        for seconds, (sequences, tokens, model_flops, hardware_flops) in zip(
+            self._clock.drain(), self._steps, strict=True
+        ):
+            # Throughput takes cumulative counts; these are global (the whole data-parallel
+            # batch), so its "device/items_per_sec" is the global tokens/s. FLOPs are per
+            # device (Throughput multiplies by world_size, then divides again for "device/").
+            self._busy_time += seconds
+            self._batches += 1
+            self._samples += sequences
+            self._tokens += tokens
+            common = dict(
+                time=self._busy_time, batches=self._batches, samples=self._samples,
+                lengths=self._tokens,
+            )  # fmt: skip
+            self._model.update(**common, flops=model_flops)  # type: ignore[arg-type]
+            self._hardware.update(**common, flops=hardware_flops)  # type: ignore[arg-type]
+        self._steps = []
+
+    def progress_bar_items(self) -> dict[str, str]:
+        """The last rates, short: ``{"MFU": "38%", "tok/s": "12.3k"}``; empty before the
+        window is full or with prog_bar off."""
+        last = self.last_metrics
+        if not self.prog_bar or "mfu" not in last:
+            return {}
+        return {"MFU": f"{100 * last['mfu']:.0f}%", "tok/s": _si(last["tokens_per_sec"])}
