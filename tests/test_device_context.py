@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_sp import GPT, ParallelState
+from lightning_sp.errors import ConfigError
 from lightning_sp.parallel.init import materialize
 from lightning_sp.parallel.random import RNGStreams, dropout
 from lightning_sp.parallel.state import _group_options
-from lightning_sp.training.module import GPTModule
+from lightning_sp.training.module import GPTModule, check_compile
 from tests.models import batch, tiny_config
 
 CONFIG = tiny_config(hidden_dropout=0.1, attention_dropout=0.1, recompute="selective")
@@ -95,3 +96,31 @@ def test_process_group_options_carry_the_timeout(backend: str) -> None:
     name, options = result
     assert name == backend
     assert options._timeout == timeout  # type: ignore[attr-defined]
+
+
+def test_compiled_layers_give_the_eager_loss_and_gradients() -> None:
+    """``GPTModule(compile_layers=True)``: dropout and selective recomputation included."""
+    config = tiny_config(
+        num_layers=1, hidden_dropout=0.1, attention_dropout=0.1, recompute="selective"
+    )
+    ids, labels = batch(config)
+    modules = [GPTModule(config), GPTModule(config, compile_layers=True)]
+    losses = []
+    for module in modules:
+        module.configure_model()
+        assert module.gpt is not None
+        loss = module.gpt(ids, labels)
+        loss.backward()
+        losses.append(loss.detach())
+    eager, compiled = (m.gpt for m in modules)
+    assert compiled.layers[0].__class__.__name__ == "TransformerLayer"
+    assert compiled.layers[0]._compiled_call_impl is not None  # compiled by nn.Module.compile
+    assert torch.equal(losses[0], losses[1])
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_compile_where_unsupported_is_one_line() -> None:
+    state = ParallelState(2, 1, 1, 0, 0, 0, None, None, None, torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"compile_layers=True with tensor_parallel_size=2"):
+        check_compile(state)
