@@ -23,7 +23,7 @@ import sys
 import time
 import warnings
 
-from jsonargparse import set_parsing_settings
+from jsonargparse import Namespace, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
@@ -64,8 +64,20 @@ class GPTCLI(LightningCLI):
 
     @override
     def before_instantiate_classes(self) -> None:
+        """Check the fit config before launch (one-line errors), and use
+        :class:`lightning_sp.ProgressBar` (short names and units) unless the config disables
+        the bar or names a progress bar of its own."""
         if self.subcommand is not None:  # fit / validate / test (not estimate, prepare)
             check_fit_config(self.config[self.subcommand])
+        config = self.config.get(str(self.subcommand), self.config)
+        trainer = config.get("trainer")
+        if trainer is None or trainer.get("enable_progress_bar") is False:
+            return
+        callbacks = list(trainer.get("callbacks") or [])
+        if any("ProgressBar" in str(getattr(c, "class_path", "")) for c in callbacks):
+            return
+        bar = Namespace(class_path="lightning_sp.ProgressBar", init_args=Namespace())
+        trainer["callbacks"] = [*callbacks, bar]
 
 
 class EstimateCLI(FitLayoutCLI, GPTCLI):

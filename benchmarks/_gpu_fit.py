@@ -75,7 +75,6 @@ def _fit_tokens_per_sec(shape: Any, args: argparse.Namespace, total: int) -> flo
         "--trainer.enable_checkpointing=false", "--trainer.log_every_n_steps=10",
         "--trainer.callbacks+=lightning_sp.ActivationMemoryMonitor",
         "--trainer.callbacks+=lightning_sp.MFUMonitor",
-        "--trainer.callbacks+=lightning_sp.ProgressBar",
     ]  # fmt: skip
     cli = GPTCLI(GPTModule, TextDataModule, args=argv, run=False)
     window = StepWindow(args.warmup)

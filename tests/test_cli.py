@@ -124,3 +124,20 @@ def test_readme_example_runs_under_torchrun(tmp_path: Path) -> None:
     assert found[0][1] == found[1][1], "TP ranks disagree on the loss"
     for _, _, saved in found:
         assert float(saved) == pytest.approx(17.0, rel=0.01)  # 34 sbh / t at t=2
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_cli_shows_the_short_progress_bar_unless_disabled(enabled: bool, tmp_path: Path) -> None:
+    """The CLI adds lightning_sp.ProgressBar to the configured callbacks (configs/tiny.yaml
+    names none), and leaves it out when the bar is disabled."""
+    sys.path.insert(0, str(ROOT))
+    from cli import GPTCLI
+    from lightning_sp import GPTModule, ProgressBar, TextDataModule
+
+    args = ["--config", TINY, "--trainer.devices", "1", "--trainer.strategy", "auto",
+            "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.enable_progress_bar", str(enabled).lower()]  # fmt: skip
+    cli = GPTCLI(GPTModule, TextDataModule, args=args, run=False)
+    bars = [c for c in cli.trainer.callbacks if isinstance(c, ProgressBar)]  # type: ignore[attr-defined]
+    assert len(bars) == (1 if enabled else 0)
+    assert (cli.trainer.progress_bar_callback is not None) == enabled
