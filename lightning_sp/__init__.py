@@ -16,11 +16,12 @@ from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
-from lightning_sp.training.callbacks import ActivationMemoryMonitor, MFUMonitor
+from lightning_sp.training.callbacks import ActivationMemoryMonitor
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.module import GPTModule, OptimizerConfig
 from lightning_sp.training.progress import ProgressBar
 from lightning_sp.training.strategy import MegatronSPStrategy, register
+from lightning_sp.training.throughput import MFUMonitor
 
 register()
 

@@ -23,8 +23,9 @@ from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
 from lightning_sp.memory.formulas import activation_bytes_per_layer
 from lightning_sp.model.shape import ActivationShape
-from lightning_sp.training.callbacks import ActivationMemoryMonitor, MFUMonitor, _si
-from lightning_sp.training.progress import ProgressBar
+from lightning_sp.training.callbacks import ActivationMemoryMonitor
+from lightning_sp.training.progress import ProgressBar, si_format
+from lightning_sp.training.throughput import MFUMonitor
 
 S, B, H, A, LAYERS, VOCAB = 64, 2, 64, 4, 2, 256
 STEPS = 3
@@ -249,4 +250,4 @@ def test_progress_bar_shows_short_names_and_units_and_reads_on_logging_steps(
 
 
 def test_si_format() -> None:
-    assert [_si(v) for v in (12345.0, 999.0, 2.5e6, 0.5)] == ["12.3k", "999", "2.5M", "0.5"]
+    assert [si_format(v) for v in (12345.0, 999.0, 2.5e6, 0.5)] == ["12.3k", "999", "2.5M", "0.5"]

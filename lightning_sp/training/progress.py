@@ -40,6 +40,14 @@ SHOWN: dict[str, Shown] = {
 """Metrics logged with ``prog_bar=True`` that the bar renames; others pass through as logged."""
 
 
+def si_format(value: float) -> str:
+    """``12345.0 -> '12.3k'``: three significant figures with k / M / G."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
 class ProgressBar(TQDMProgressBar):
     """A :class:`~lightning.pytorch.callbacks.TQDMProgressBar` that shows short names and
     units (see module docstring). Arguments as TQDMProgressBar's."""
