@@ -136,8 +136,9 @@ def plain_gpt(config: GPTConfig, sdpa: bool) -> nn.Module:
     model = dtensor_gpt.DTensorGPT(config)
     if sdpa:
         for layer in model.layers:
-            attention = PlainSDPAAttention(config, layer.attention.selective)
-            attention.load_state_dict(layer.attention.state_dict())
+            plain = typing.cast(dtensor_gpt.Attention, layer.attention)
+            attention = PlainSDPAAttention(config, plain.selective)
+            attention.load_state_dict(plain.state_dict())
             layer.attention = attention
     return model
 
@@ -236,10 +237,10 @@ def models_section(shape: Shape, args: argparse.Namespace, peak: float) -> list[
         if compiled and not args.compile:
             continue
         config = shape.config(recompute="none", **dropout)
-        model = plain_gpt(config, sdpa).to(device=device, dtype=dtype)
+        plain: nn.Module = plain_gpt(config, sdpa).to(device=device, dtype=dtype)
         if compiled:
-            model = torch.compile(model)  # type: ignore[assignment]
-        row = measure_model(model, config, shape, args, peak, held_bytes=not compiled)
+            plain = torch.compile(plain)  # type: ignore[assignment]
+        row = measure_model(plain, config, shape, args, peak, held_bytes=not compiled)
         rows.append(
             {
                 "model": "plain PyTorch",
@@ -250,7 +251,7 @@ def models_section(shape: Shape, args: argparse.Namespace, peak: float) -> list[
             }
         )
         print(_line(rows[-1]), flush=True)
-        del model
+        del plain
         _free(device)
     return rows
 

@@ -3,9 +3,9 @@ rank's exception is re-raised in the parent with the rank named.
 
 The one spawn helper of the repository: the tests import it as ``spawn``, the benchmarks as
 ``tests.spawn``. Each rank runs ``cores // world size`` threads unless ``OMP_NUM_THREADS`` says
-otherwise (the package's rule for runs). Every process group gets a timeout, and the file store lives in a fresh
-temporary directory, so concurrent runs never share a port and a missing collective fails
-instead of hanging.
+otherwise (the package's rule for runs). Every process group gets a timeout, and the file
+store lives in a fresh temporary directory, so concurrent runs never share a port and a
+missing collective fails instead of hanging.
 """
 
 from __future__ import annotations

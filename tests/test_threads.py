@@ -9,6 +9,7 @@ import torch
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.parallel.threads import available_cores, threads_per_rank
+
 from spawn import run_distributed
 
 

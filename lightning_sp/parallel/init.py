@@ -97,14 +97,17 @@ def initialize_parameter(param: Tensor, name: str, seed: int) -> None:
     # context, a bf16 default dtype): the values are then the same on every device, and a
     # shard is written to its device in one copy
     generator = torch.Generator(device="cpu")
-    draw = {"generator": generator, "dtype": torch.float32, "device": "cpu"}
+
+    def draw(shape: torch.Size) -> Tensor:
+        return torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu")
+
     if shard.dim is None:
         generator.manual_seed(derive_seed(seed, name))
-        param.copy_(torch.randn(param.shape, **draw).mul_(std))
+        param.copy_(draw(param.shape).mul_(std))
         return
     values = torch.empty(param.shape, dtype=param.dtype, device="cpu")
     for i in range(param.shape[shard.dim]):
         generator.manual_seed(derive_seed(seed, name, shard.start + i))
         row = values.select(shard.dim, i)
-        row.copy_(torch.randn(row.shape, **draw).mul_(std))
+        row.copy_(draw(row.shape).mul_(std))
     param.copy_(values)

@@ -73,7 +73,9 @@ def _check_every(log_every_n_steps: int | None) -> int | None:
 def _due(trainer: Trainer, log_every_n_steps: int | None, step: int) -> bool:
     """Whether optimizer step ``step`` is measured: every ``log_every_n_steps`` steps
     (``None``: the trainer's ``log_every_n_steps``)."""
-    every = log_every_n_steps if log_every_n_steps is not None else trainer.log_every_n_steps
+    every: int = (  # the Trainer sets log_every_n_steps on itself
+        log_every_n_steps if log_every_n_steps else int(getattr(trainer, "log_every_n_steps", 1))
+    )
     return step % max(1, every) == 0
 
 

@@ -64,7 +64,7 @@ class ProgressBar(TQDMProgressBar):
         if step == self._refreshed_step:
             return False
         # global_step counts finished optimizer steps: step - 1 is the one that just ended
-        return (step - 1) % max(1, trainer.log_every_n_steps) == 0 or not self._items
+        return (step - 1) % max(1, getattr(trainer, "log_every_n_steps", 1)) == 0 or not self._items
 
     @override
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
