@@ -99,7 +99,8 @@ def _loop_tokens_per_sec(shape: Any, args: argparse.Namespace, total: int) -> fl
     assert module.gpt is not None
     gpt = module.gpt
     optimizers = configure_adamw(gpt, module.optimizer_config, total)
-    optimizer, scheduler = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
+    optimizer, schedule = optimizers["optimizer"], optimizers["lr_scheduler"]
+    scheduler = schedule["scheduler"] if isinstance(schedule, dict) else schedule
     data = TextDataModule(seq_length=shape.s, batch_size=shape.b)
     data.prepare_data()
     data.setup("fit")
