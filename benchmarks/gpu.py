@@ -88,7 +88,7 @@ def attention_backends() -> list[str]:
     valid = []
     for name in candidates or ("math", "sdpa"):
         try:
-            GPTConfig(attention=name).validate()  # type: ignore[call-arg]
+            GPTConfig(attention=name).validate()
         except ConfigError:
             continue
         valid.append(name)
