@@ -316,7 +316,8 @@ def test_skip_policy_drops_nonfinite_steps_and_continues(tmp_path: Path) -> None
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    (corpus / "a.py").write_text("def f(x):\n    return x * 2\n" * 200)
+    for i in range(4):
+        (corpus / f"doc{i}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * 60)
     config = GPTConfig(vocab_size=257, seq_length=32, hidden_size=32, num_layers=2, num_heads=4,
                        hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
     strategy = MegatronSPStrategy(tensor_parallel_size=2, start_method="spawn",
