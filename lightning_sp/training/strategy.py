@@ -47,16 +47,53 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sp.errors import ConfigError
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState, check_layout
-from lightning_sp.pipeline import Pipeline
 from lightning_sp.training.checkpoint import Layout, Meta, gpt_chunks
 from lightning_sp.training.checkpointer import Checkpointer, resumable_loader, rng_key
 from lightning_sp.training.guard import NonFiniteGuard
+from lightning_sp.training.protocol import ParallelModule, stage_model_of
 from lightning_sp.training.validation import check_precision, check_strategy_args
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+
+# -- modules the strategy can run ----------------------------------------------------------------
+
+
+def check_module(module: object, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+    """Refuse, in one line, a layout ``module`` cannot be parallelised over: tensor or pipeline
+    parallelism need a :class:`~lightning_sp.training.protocol.ParallelModule` (which builds
+    its own shard), pipeline parallelism one that says it runs a schedule."""
+    if module is None or (tensor_parallel_size == 1 and pipeline_parallel_size == 1):
+        return
+    name = type(module).__name__
+    if not isinstance(module, ParallelModule):
+        field = "tensor_parallel_size" if tensor_parallel_size > 1 else "pipeline_parallel_size"
+        value = max(tensor_parallel_size, pipeline_parallel_size)
+        raise ConfigError(
+            f"{field}={value} needs a module that builds its own model-parallel shard, but "
+            f"{name} is a plain LightningModule; use tensor_parallel_size=1 and "
+            "pipeline_parallel_size=1 (data parallelism), or implement "
+            "lightning_sp.training.protocol.ParallelModule (see examples/custom_mlp.py)"
+        )
+    if pipeline_parallel_size > 1 and not module.supports_pipeline_parallel:
+        raise ConfigError(
+            f"pipeline_parallel_size={pipeline_parallel_size} but {name} does not run a "
+            "pipeline schedule (supports_pipeline_parallel=False); use pipeline_parallel_size=1"
+        )
+
+
+@torch.no_grad()
+def broadcast_module_state(module: torch.nn.Module, state: ParallelState) -> None:
+    """Copy every parameter and buffer of data-parallel rank 0 to the other replicas (as DDP
+    does when it wraps a model), so replicas that initialised differently start equal."""
+    if state.dp_group is None:
+        return
+    for tensor in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(tensor.data, group=state.dp_group, group_src=0)
 
 
 class MegatronSPStrategy(ParallelStrategy):
@@ -191,6 +228,7 @@ class MegatronSPStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         world_size = self.num_nodes * self.num_processes
         check_layout(world_size, self.tensor_parallel_size, self.pipeline_parallel_size)
+        check_module(self.lightning_module, self.tensor_parallel_size, self.pipeline_parallel_size)
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -229,6 +267,8 @@ class MegatronSPStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if not isinstance(self.lightning_module, ParallelModule):
+            broadcast_module_state(self.model, self.parallel_state)
 
     @override
     def model_to_device(self) -> None:
@@ -252,13 +292,13 @@ class MegatronSPStrategy(ParallelStrategy):
         """
         module = model if model is not None else self.lightning_module
         assert module is not None
+        stage = stage_model_of(module)
 
         def closure_then_reduce() -> Any:
             result = closure()
-            pipeline = getattr(module, "pipeline", None)
-            if isinstance(pipeline, Pipeline):  # also sums the tied embedding's two copies
-                pipeline.finalize_grads()
-            else:
+            if stage is not None:  # e.g. a Pipeline: also sums the tied embedding's copies
+                stage.finalize_grads()
+            else:  # plain data parallelism
                 finalize_grads(module, self.parallel_state)
             return result
 
