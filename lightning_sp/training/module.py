@@ -30,11 +30,13 @@ from typing_extensions import override
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import check_gpt2_directory, load_gpt2_weights
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.grads import clip_grad_norm_
 from lightning_sp.parallel.state import DEFAULT_TIMEOUT, ParallelState
 from lightning_sp.pipeline import Pipeline, check_batch
 from lightning_sp.training.optim import build_adamw
+from lightning_sp.training.prompts import Codec
 from lightning_sp.training.strategy import MegatronSPStrategy
 from lightning_sp.training.validation import check_optimizer
 
@@ -70,6 +72,7 @@ class OptimizerConfig:
 
 _DEFAULT_MODEL = GPTConfig()
 _DEFAULT_OPTIMIZER = OptimizerConfig()
+_DEFAULT_GENERATION = GenerationConfig()
 
 
 def lr_multiplier(step: int, peak: float, floor: float, warmup: int, decay: int) -> float:
@@ -107,6 +110,7 @@ class GPTModule(LightningModule):
         init_from: A local Hugging Face GPT-2 directory (``config.json`` +
             ``model.safetensors``) to start from instead of the seeded initialisation; each
             rank reads only its own slices. Its sizes must equal ``config``'s (checked here).
+        generation: How ``predict`` continues each prompt (:meth:`predict_step`).
     """
 
     def __init__(
@@ -114,15 +118,18 @@ class GPTModule(LightningModule):
         config: GPTConfig = _DEFAULT_MODEL,
         optimizer: OptimizerConfig = _DEFAULT_OPTIMIZER,
         init_from: str | None = None,
+        generation: GenerationConfig = _DEFAULT_GENERATION,
     ) -> None:
         super().__init__()
         self.config = dataclasses.replace(config)
         self.optimizer_config = dataclasses.replace(optimizer)
+        self.generation = dataclasses.replace(generation)
         self.config.validate()
         check_optimizer(self.optimizer_config)
         self.init_from = init_from
         if init_from is not None:
             check_gpt2_directory(init_from, self.config)
+        self.generation.validate()
         self.save_hyperparameters(
             {
                 "config": dataclasses.asdict(self.config),
@@ -293,6 +300,28 @@ class GPTModule(LightningModule):
         self.val_loss.update(self._loss(batch, train=False))
 
     @override
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        """Continue the prompt of ``batch`` (``{"input_ids": [1, n], "prompt": [str]}``) with
+        :func:`~lightning_sp.model.generate.generate` and ``self.generation``; returns
+        ``{"prompt", "completion", "token_ids"}`` (text decoded with the datamodule's
+        ``codec``, which also gives the end-of-document token that stops generation)."""
+        codec: Codec | None = getattr(self.trainer.datamodule, "codec", None)
+        model = self.stage_model()
+        if model.state.pipeline_parallel_size > 1:
+            raise ConfigError(
+                f"pipeline_parallel_size={model.state.pipeline_parallel_size}: predict needs the "
+                "whole model on each rank; predict with pipeline_parallel_size=1"
+            )
+        ids = batch["input_ids"][0].tolist()
+        eos = codec.eos_id if codec is not None else None
+        tokens = generate(model.chunks[0], ids, self.generation, eos_id=eos)
+        return {
+            "prompt": batch["prompt"][0],
+            "completion": codec.decode(tokens) if codec is not None else None,
+            "token_ids": tokens,
+        }
+
+    @override
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
         self.val_loss.reset()
@@ -356,6 +385,11 @@ class GPTModule(LightningModule):
                 f"data tokenizer {current['tokenizer']!r} does not match the checkpoint's "
                 f"tokenizer {saved['tokenizer']!r}; resume with the tokenizer it was trained with"
             )
+        weights = checkpoint.get("state_dict", {})
+        for key in [k for k in weights if k.startswith("gpt.")]:  # saved before the one holder
+            weights["pipeline.chunks.0." + key[len("gpt.") :]] = weights.pop(key)
         streams = checkpoint.get("rng_streams")
+        if streams is not None and "replicated" in streams:  # one GPT's streams: chunk 0
+            streams = {"0": streams}
         if streams is not None:
             self.stage_model().load_rng_state_dict(streams)
