@@ -167,3 +167,16 @@ def test_predict_and_cli_generate_from_a_checkpoint(tmp_path: Path) -> None:
     errors = [line for line in missing.stderr.splitlines() if line.startswith("error:")]
     assert missing.returncode != 0 and len(errors) == 1, missing.stderr[-2000:]
     assert "ckpt_path='nowhere.ckpt' does not exist" in errors[0]
+
+
+def test_benchmark_smoke_reports_a_ratio() -> None:
+    """``benchmarks/generate.py`` runs (its timings are not asserted; it checks itself that
+    both modes generate the same tokens)."""
+    if str(ROOT) not in sys.path:  # `benchmarks` is a top-level package of the repository
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.generate import main
+
+    result = main(["--smoke"])
+    assert set(result["tokens_per_sec"]) == {"cache", "no_cache"}
+    speedup = result["cache_speedup"]
+    assert speedup["low"] <= speedup["ratio"] <= speedup["high"]
