@@ -24,6 +24,8 @@ backward. Layouts are ``[s, b, h]`` (``[s/t, b, h]`` inside the sequence-paralle
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
@@ -61,18 +63,18 @@ class ParallelMLP(nn.Module):
         super().__init__()
         self.state, self.sequence_parallel, self.dropout_p = state, sequence_parallel, dropout_p
         self.rng = RNGStreams(seed, state)
-        sp, kwargs = sequence_parallel, {"dtype": dtype, "device": state.device}
-        self.norms = nn.ModuleList(nn.LayerNorm(hidden, **kwargs) for _ in range(num_blocks))
-        for norm in self.norms:  # replicated over TP; applied to a sequence shard under SP
+        sp, device = sequence_parallel, state.device
+        kwargs: dict[str, Any] = {"sequence_parallel": sp, "dtype": dtype, "device": device}
+        norms = [nn.LayerNorm(hidden, dtype=dtype, device=device) for _ in range(num_blocks)]
+        for norm in norms:  # replicated over TP; applied to a sequence shard under SP
             mark_parameter(norm.weight, init="ones", sequence_parallel=sp)
             mark_parameter(norm.bias, init="zeros", sequence_parallel=sp)
+        self.norms = nn.ModuleList(norms)
         self.fc1 = nn.ModuleList(
-            ColumnParallelLinear(hidden, ffn, state, sequence_parallel=sp, **kwargs)
-            for _ in range(num_blocks)
+            ColumnParallelLinear(hidden, ffn, state, **kwargs) for _ in range(num_blocks)
         )
         self.fc2 = nn.ModuleList(
-            RowParallelLinear(ffn, hidden, state, sequence_parallel=sp, **kwargs)
-            for _ in range(num_blocks)
+            RowParallelLinear(ffn, hidden, state, **kwargs) for _ in range(num_blocks)
         )
         for name, param in self.named_parameters():  # layout-independent: slices of one model
             initialize_parameter(param, name, seed)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -67,7 +68,7 @@ class GenerationConfig:
 # -- the GPT's parts that generation uses (one place to adapt when gpt.py changes) ---------------
 
 
-def _attention_projections(layer: nn.Module) -> tuple[nn.Module, nn.Module, int, int]:
+def _attention_projections(layer: Any) -> tuple[nn.Module, nn.Module, int, int]:
     """``(qkv, proj, local_heads, head_dim)`` of a transformer layer's attention."""
     attention = layer.attention
     return attention.qkv, attention.proj, attention.local_heads, attention.head_dim
@@ -109,7 +110,7 @@ class KVCache:
         return cls(keys, [param.new_empty(shape) for shape in shapes])
 
 
-def _cached_attention(layer: nn.Module, x: Tensor, cache: KVCache, index: int) -> Tensor:
+def _cached_attention(layer: Any, x: Tensor, cache: KVCache, index: int) -> Tensor:
     """Attention of the new positions ``x`` ``[n, b, h]`` over the cache plus themselves."""
     qkv_linear, proj, heads, d = _attention_projections(layer)
     qkv = qkv_linear(x)  # [n, b, 3h/t]
@@ -147,7 +148,8 @@ def forward_cached(model: GPT, input_ids: Tensor, cache: KVCache) -> Tensor:
     start, n = cache.length, input_ids.shape[1]
     x = model.word_embeddings(input_ids.t())  # [n, b, h] (f̄ over TP)
     x = x + model.position_embeddings[start : start + n].unsqueeze(1)
-    for index, layer in enumerate(model.layers):
+    layers: list[Any] = list(model.layers)  # TransformerLayer: ln1, attention, ln2, mlp
+    for index, layer in enumerate(layers):
         x = x + _cached_attention(layer, layer.ln1(x), cache, index)
         x = x + layer.mlp(layer.ln2(x))  # [n, b, h]
     cache.length += n

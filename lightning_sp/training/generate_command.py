@@ -87,6 +87,6 @@ def main(argv: list[str], cli_class: Any) -> int:
     )
     predictions = trainer.predict(module, datamodule=data, ckpt_path=args.ckpt_path)
     if trainer.is_global_zero and predictions:
-        result = predictions[0]
+        result: dict[str, Any] = predictions[0]  # type: ignore[assignment]
         print(result["prompt"] + result["completion"], flush=True)
     return 0

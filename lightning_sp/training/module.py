@@ -305,7 +305,7 @@ class GPTModule(LightningModule):
         :func:`~lightning_sp.model.generate.generate` and ``self.generation``; returns
         ``{"prompt", "completion", "token_ids"}`` (text decoded with the datamodule's
         ``codec``, which also gives the end-of-document token that stops generation)."""
-        codec: Codec | None = getattr(self.trainer.datamodule, "codec", None)
+        codec: Codec | None = getattr(getattr(self.trainer, "datamodule", None), "codec", None)
         model = self.stage_model()
         if model.state.pipeline_parallel_size > 1:
             raise ConfigError(
@@ -314,7 +314,7 @@ class GPTModule(LightningModule):
             )
         ids = batch["input_ids"][0].tolist()
         eos = codec.eos_id if codec is not None else None
-        tokens = generate(model.chunks[0], ids, self.generation, eos_id=eos)
+        tokens = generate(self.chunks[0], ids, self.generation, eos_id=eos)
         return {
             "prompt": batch["prompt"][0],
             "completion": codec.decode(tokens) if codec is not None else None,
