@@ -4,11 +4,17 @@ Lightning, registered as ``"megatron_sp"``.
 The strategy owns the process groups. It starts the default process group the way
 Lightning's DDP does (so Lightning's launchers work: its own subprocess/spawn launchers,
 SLURM, torchrun), builds a :class:`~lightning_sp.ParallelState` on a ``("pp", "dp", "tp")``
-device mesh, and hands it to the LightningModule's ``configure_model``. It wraps nothing:
-after the last backward of a step it sums sequence-parallel gradients over the TP group, the
-tied embedding's two copies over the first and last pipeline stage, and averages all
-gradients over the DP group, then lets the optimizer step. With pipeline parallelism the
-LightningModule's ``pipeline`` (a :class:`~lightning_sp.pipeline.Pipeline`) runs the schedule.
+device mesh, and hands it to the LightningModule's ``configure_model``. It wraps nothing.
+
+What it parallelises: a LightningModule implementing
+:class:`~lightning_sp.training.protocol.ParallelModule` builds its own shard (``GPTModule``: a
+:class:`~lightning_sp.pipeline.Pipeline`, which also runs the pipeline schedule when ``p > 1``);
+after the last backward of a step the strategy calls that shard's ``finalize_grads``
+(sequence-parallel gradients summed over the TP group, the tied embedding's two copies over
+the first and last pipeline stage, all gradients averaged over the DP group), then lets the
+optimizer step. Any other LightningModule runs as plain data parallelism (``t = p = 1`` only,
+else refused at setup in one line): its parameters and buffers are broadcast from
+data-parallel rank 0 before the first step and its gradients averaged.
 
 Checkpoints are layout-independent DCP directories published by an atomic rename
 (:mod:`lightning_sp.training.checkpoint`, :mod:`~lightning_sp.training.checkpointer`); a
