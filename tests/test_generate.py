@@ -180,3 +180,25 @@ def test_benchmark_smoke_reports_a_ratio() -> None:
     assert set(result["tokens_per_sec"]) == {"cache", "no_cache"}
     speedup = result["cache_speedup"]
     assert speedup["low"] <= speedup["ratio"] <= speedup["high"]
+
+
+def test_prompts_use_the_runs_tokenizer_json(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    corpus = _corpus(tmp_path)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train([str(p) for p in sorted(corpus.iterdir())], trainer)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    data = TextDataModule(paths=str(corpus), tokenizer=str(path), prompts=["def add(a, b):"])
+    codec = data.codec
+    assert codec.eos_id == tok.token_to_id("<|endoftext|>") == data.eos_token_id
+    ids = codec.encode("def add(a, b):")
+    assert ids == tok.encode("def add(a, b):").ids and len(ids) < len("def add(a, b):")
+    assert codec.decode(ids) == "def add(a, b):"
+    batch = next(iter(data.predict_dataloader()))
+    assert batch["input_ids"].tolist() == [ids] and batch["prompt"] == ["def add(a, b):"]
