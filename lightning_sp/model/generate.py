@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_sp.errors import ConfigError
+from lightning_sp.errors import ConfigError, positive_int
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.comm import all_gather_sequence
 from lightning_sp.parallel.layers import column_parallel_linear
@@ -57,12 +57,11 @@ class GenerationConfig:
 
     def validate(self) -> None:
         """:class:`ConfigError` (one line) for a bad field."""
-        if isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
+        positive_int("max_new_tokens", self.max_new_tokens)
+        if self.top_k is not None:
+            positive_int("top_k", self.top_k)
         if self.temperature < 0:
             raise ConfigError(f"temperature={self.temperature!r} must be >= 0 (0 is greedy)")
-        if self.top_k is not None and self.top_k < 1:
-            raise ConfigError(f"top_k={self.top_k!r} must be >= 1, or unset for no top-k cut")
 
 
 # -- the GPT's parts that generation uses (one place to adapt when gpt.py changes) ---------------
