@@ -13,6 +13,7 @@ and its continuation.
 from __future__ import annotations
 
 import argparse
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,9 @@ def main(argv: list[str], cli_class: Any) -> int:
         seed=args.seed,
     )
     generation.validate()
-    cli = cli_class(GPTModule, TextDataModule, args=rest, run=False, save_config_callback=None)
+    with warnings.catch_warnings():  # args is sys.argv minus the generate options, as intended
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        cli = cli_class(GPTModule, TextDataModule, args=rest, run=False, save_config_callback=None)
     configured = cli.trainer.strategy
     t, p = 1, 1
     if isinstance(configured, MegatronSPStrategy):
