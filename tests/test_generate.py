@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
@@ -122,6 +123,18 @@ def _trainer(**kwargs: object) -> L.Trainer:
                      enable_model_summary=False, **kwargs)  # type: ignore[arg-type]  # fmt: skip
 
 
+@pytest.fixture
+def restored_environment() -> Iterator[None]:
+    """Lightning's launcher leaves WORLD_SIZE, LOCAL_RANK, MASTER_PORT, ... in this process's
+    environment after an in-process run; later Trainers would take them for an external
+    launcher. Put the environment back as it was."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
+
+
+@pytest.mark.usefixtures("restored_environment")
 def test_predict_and_cli_generate_from_a_checkpoint(tmp_path: Path) -> None:
     corpus = _corpus(tmp_path)
     data = TextDataModule(paths=str(corpus), seq_length=32, batch_size=2, val_fraction=0.2)
