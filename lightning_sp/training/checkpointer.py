@@ -215,7 +215,8 @@ class Checkpointer:
             state[rng_name] = None
         dcp.load(state, storage_reader=FileSystemReader(data), planner=GlobalLoadPlanner(shards))
         install_states(installs, set(state))
-        for optimizer, groups in zip(optimizers, state["optim.param_groups"], strict=True):
+        saved_groups = state["optim.param_groups"] if optimizers else []  # predict: none
+        for optimizer, groups in zip(optimizers, saved_groups, strict=True):
             for group, saved in zip(optimizer.param_groups, groups, strict=True):
                 group.update(saved)
         lightning: dict[str, Any] = state["lightning"]
