@@ -8,6 +8,8 @@ Subcommands ``fit``, ``validate``, ``test`` come from Lightning's ``LightningCLI
 as ``fit``).
 ``export`` writes a checkpoint as a Hugging Face GPT-2 directory
 (``python cli.py export --ckpt_path CKPT --output DIR``).
+``generate`` continues a prompt with a checkpoint
+(``python cli.py generate --config ... --ckpt_path ... --prompt "def "``).
 ``python cli.py fit --help`` documents every option; ``--print_config`` shows a full config.
 
 A bad input ends the run with one line ``error: ...`` on stderr, printed by rank 0 only, and
@@ -126,6 +128,10 @@ def main(argv: list[str] | None = None) -> None:
         from lightning_sp.training.hf_export import main as export
 
         sys.exit(export(args[1:]))
+    if args and args[0] == "generate":
+        from lightning_sp.training.generate_command import main as generate
+
+        sys.exit(generate(args[1:], GPTCLI))
     GPTCLI(GPTModule, TextDataModule, args=argv, save_config_kwargs={"overwrite": True})
 
 

@@ -96,8 +96,7 @@ def _loop_tokens_per_sec(shape: Any, args: argparse.Namespace, total: int) -> fl
         module.configure_model()
     finally:
         torch.set_default_dtype(default)
-    assert module.gpt is not None
-    gpt = module.gpt
+    (gpt,) = module.chunks  # t = p = 1: one GPT chunk
     optimizers = configure_adamw(gpt, module.optimizer_config, total)
     optimizer, schedule = optimizers["optimizer"], optimizers["lr_scheduler"]
     scheduler = schedule["scheduler"] if isinstance(schedule, dict) else schedule

@@ -106,7 +106,7 @@ def model_config(shape: ThroughputShape) -> GPTConfig:
         vocab_size=shape.vocab, seq_length=shape.s, hidden_size=shape.h,
         num_layers=shape.layers, num_heads=shape.a, hidden_dropout=0.1,
         attention_dropout=0.1, sequence_parallel=shape.sequence_parallel,
-        recompute=shape.recompute,  # type: ignore[arg-type]
+        recompute=shape.recompute,
     )  # fmt: skip
 
 

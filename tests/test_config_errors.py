@@ -133,7 +133,7 @@ def test_module_resolves_auto_recompute() -> None:
 
     module = GPTModule(tiny_config(recompute="auto"))
     module.configure_model()  # a tiny model fits an 80 GB device: no recomputation at all
-    assert [layer.recompute for layer in module.gpt.layers] == ["none", "none"]
+    assert [layer.recompute for layer in module.chunks[0].layers] == ["none", "none"]
 
 
 def test_recompute_num_layers_mixes_full_and_selective() -> None:

@@ -65,9 +65,9 @@ def test_module_configure_model_under_meta_device_and_bf16_default_dtype() -> No
             module.configure_model()
     finally:
         torch.set_default_dtype(default)
-    assert module.gpt is not None
-    assert next(module.gpt.parameters()).dtype == torch.bfloat16
-    _assert_same_parameters(module.gpt, reference)
+    (gpt,) = module.chunks
+    assert next(gpt.parameters()).dtype == torch.bfloat16
+    _assert_same_parameters(gpt, reference)
 
 
 def test_dropout_refuses_a_generator_of_another_device() -> None:
@@ -108,11 +108,11 @@ def test_compiled_layers_give_the_eager_loss_and_gradients() -> None:
     losses = []
     for module in modules:
         module.configure_model()
-        assert module.gpt is not None
-        loss = module.gpt(ids, labels)
+        (gpt,) = module.chunks
+        loss = gpt(ids, labels)
         loss.backward()
         losses.append(loss.detach())
-    eager, compiled = (m.gpt for m in modules)
+    eager, compiled = (m.chunks[0] for m in modules)
     assert compiled.layers[0].__class__.__name__ == "TransformerLayer"
     assert compiled.layers[0]._compiled_call_impl is not None  # compiled by nn.Module.compile
     assert torch.equal(losses[0], losses[1])

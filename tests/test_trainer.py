@@ -25,7 +25,7 @@ class AssertReplicasInSync(Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: GPTModule) -> None:
         state = trainer.strategy.parallel_state
-        for name, p in pl_module.gpt.named_parameters():
+        for name, p in pl_module.stage_model().named_parameters():
             groups = [state.dp_group]
             if p.shard.dim is None:
                 groups.append(state.tp_group)

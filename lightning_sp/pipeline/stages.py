@@ -328,6 +328,20 @@ class Pipeline(nn.Module):
 
     # -- steps ---------------------------------------------------------------------------------
 
+    @property
+    def runs_backward(self) -> bool:
+        """Whether :meth:`train_step` runs the backward passes itself (a schedule over
+        ``p > 1`` stages). When ``False`` (``p = 1``) the caller may instead take the loss from
+        :meth:`forward` and run backward itself (Lightning's automatic optimisation)."""
+        return self.schedule_name != "none"
+
+    def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+        """``p = 1`` only: the mean loss of the batch with its graph (the whole model is this
+        rank's one chunk), for the caller to run backward."""
+        if self.runs_backward:
+            raise RuntimeError("with pipeline_parallel_size > 1 the schedule runs: use train_step")
+        return self.chunks[0](input_ids, labels)
+
     def train_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
         """Forward and backward of all ``n`` micro-batches of ``input_ids``/``labels`` ``[B, s]``.
 

@@ -2,10 +2,13 @@
 (Table 2) here, and model / hardware FLOPs utilization (Table 5) in
 :mod:`lightning_sp.training.throughput`.
 
-Both expect a LightningModule that holds its model shard as ``pl_module.gpt`` (a
-:class:`lightning_sp.GPT`, built in ``configure_model``) and trains on batches
-``{"input_ids": LongTensor[b, s], "labels": LongTensor[b, s]}``. Parallel sizes come from
-``pl_module.gpt.state``; nothing here reads process-group globals.
+Both expect a LightningModule whose model shard is a :class:`lightning_sp.pipeline.Pipeline`
+of GPT chunks returned by ``stage_model()`` (the
+:class:`~lightning_sp.training.protocol.ParallelModule` protocol; ``GPTModule`` does this),
+or, for a module of your own, a :class:`lightning_sp.GPT` held as ``pl_module.gpt``; both are
+built in ``configure_model``. Batches are ``{"input_ids": LongTensor[b, s], "labels":
+LongTensor[b, s]}``. Parallel sizes come from the GPT's ``state``; nothing here reads
+process-group globals.
 
 Both stay off the hot path: they measure on due steps only (every ``log_every_n_steps``,
 by default the trainer's), never synchronise host and device on the other steps, and log the
@@ -29,26 +32,35 @@ from lightning_sp.memory.saved import ActivationReport, LiveActivationTracker, S
 from lightning_sp.model.gpt import GPT
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.pipeline import Pipeline
+from lightning_sp.training.protocol import stage_model_of
 
 __all__ = ["ActivationMemoryMonitor"]
 
 
 def _pipeline(pl_module: LightningModule) -> Pipeline | None:
-    pipeline = getattr(pl_module, "pipeline", None)
-    return pipeline if isinstance(pipeline, Pipeline) else None
+    """The module's stage model when it is a :class:`Pipeline` (e.g. ``GPTModule``)."""
+    stage = stage_model_of(pl_module)
+    return stage if isinstance(stage, Pipeline) else None
+
+
+def _schedule(pl_module: LightningModule) -> Pipeline | None:
+    """The module's pipeline when its schedule runs forward and backward inside the step."""
+    pipeline = _pipeline(pl_module)
+    return pipeline if pipeline is not None and pipeline.runs_backward else None
 
 
 def _gpt(pl_module: LightningModule) -> GPT:
-    """The module's GPT, or under pipeline parallelism its first model chunk (every chunk
-    has the same config and parallel state)."""
+    """The module's GPT: its pipeline's first model chunk (every chunk has the same config
+    and parallel state), or the bare ``gpt`` of a module of one's own."""
     pipeline = _pipeline(pl_module)
     if pipeline is not None:
         return pipeline.models[0]
     gpt = getattr(pl_module, "gpt", None)
     if not isinstance(gpt, GPT):
         raise AttributeError(
-            f"{type(pl_module).__name__} has no attribute `gpt` holding a lightning_sp.GPT; "
-            "the lightning_sp callbacks need it (build it in configure_model)"
+            f"{type(pl_module).__name__} has neither a stage_model() that is a lightning_sp "
+            "Pipeline nor an attribute `gpt` holding a lightning_sp.GPT; the lightning_sp "
+            "callbacks need one (build it in configure_model)"
         )
     return gpt
 
@@ -164,7 +176,7 @@ class ActivationMemoryMonitor(Callback):
         if device.type == "cuda":
             self._cuda_device = device
             torch.cuda.reset_peak_memory_stats(device)
-        pipeline = _pipeline(pl_module)
+        pipeline = _schedule(pl_module)
         if pipeline is not None:  # the schedule runs forward and backward inside the step
             modules = {
                 f"chunks.{c}.layers.{i}": layer
@@ -286,7 +298,7 @@ class ActivationMemoryMonitor(Callback):
         beside it: the per-layer bytes of one micro-batch times the layers' worth in flight
         (eq. 5, ``L``; interleaved ``L·(1 + (p-1)/(p·m))``), embedding extras left out."""
         self._log(pl_module, "pipeline_stage_peak_bytes", float(peak_bytes), b)
-        pipeline = _pipeline(pl_module)
+        pipeline = _schedule(pl_module)
         if pipeline is None or not pipeline.state.is_first_stage:
             return
         gpt, n = pipeline.models[0], pipeline.num_microbatches

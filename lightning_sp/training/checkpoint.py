@@ -301,6 +301,7 @@ class GlobalLoadPlanner(DefaultLoadPlanner):
             chunk = ChunkStorageMetadata(
                 offsets=torch.Size(shard.offsets), sizes=torch.Size(obj.shape)
             )
+            assert isinstance(stored, TensorStorageMetadata)  # a sharded entry is a tensor
             requests += create_read_items_for_chunk_list(key, stored, [chunk])
         return LoadPlan(requests)
 
@@ -314,18 +315,18 @@ class FaultyWriter(FileSystemWriter):
 
     def __init__(self, path: Path, rank: int) -> None:
         super().__init__(path, sync_files=True, overwrite=True)
-        self.rank = rank
+        self.fault_rank = rank  # the base class's ``rank`` is DCP's own (optional)
 
     def write_data(self, plan: SavePlan, planner: Any) -> Any:
         future = super().write_data(plan, planner)
-        if commit.maybe_fault("shard", self.rank):
+        if commit.maybe_fault("shard", self.fault_rank):
             for result in future.value():  # leave this rank's files half written, then die
                 file = Path(self.path) / result.storage_data.relative_path
                 if file.exists():
                     with open(file, "r+b") as fh:
                         fh.truncate(file.stat().st_size // 2)
-            commit.die("shard", self.rank)
-        commit.maybe_fault("written", self.rank)
+            commit.die("shard", self.fault_rank)
+        commit.maybe_fault("written", self.fault_rank)
         return future
 
 

@@ -215,7 +215,8 @@ class Checkpointer:
             state[rng_name] = None
         dcp.load(state, storage_reader=FileSystemReader(data), planner=GlobalLoadPlanner(shards))
         install_states(installs, set(state))
-        for optimizer, groups in zip(optimizers, state["optim.param_groups"], strict=True):
+        saved_groups = state["optim.param_groups"] if optimizers else []  # predict: none
+        for optimizer, groups in zip(optimizers, saved_groups, strict=True):
             for group, saved in zip(optimizer.param_groups, groups, strict=True):
                 group.update(saved)
         lightning: dict[str, Any] = state["lightning"]
@@ -231,7 +232,7 @@ def resumable_loader(dataloader: object) -> object:
     Other loaders are returned unchanged."""
     sampler = getattr(dataloader, "sampler", None)
     has = all(callable(getattr(sampler, name, None)) for name in ("state_dict", "load_state_dict"))
-    if has and not callable(getattr(dataloader, "state_dict", None)):
+    if sampler is not None and has and not callable(getattr(dataloader, "state_dict", None)):
         dataloader.state_dict = sampler.state_dict  # type: ignore[attr-defined]
         dataloader.load_state_dict = sampler.load_state_dict  # type: ignore[attr-defined]
     return dataloader

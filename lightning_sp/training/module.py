@@ -2,9 +2,12 @@
 
 The model is created in ``configure_model``, directly as this rank's shard (no full model is
 ever materialised), from the parallel state of the ``megatron_sp`` strategy, or as a whole
-model on one process under any other strategy. With pipeline parallelism (``p > 1``) it is a
-:class:`~lightning_sp.pipeline.Pipeline` of this rank's model chunks, and a training step runs
-the whole schedule (forward and backward of every micro-batch) inside ``training_step``.
+model on one process under any other strategy. It is always one
+:class:`~lightning_sp.pipeline.Pipeline` of this rank's model chunks (one chunk when
+``p = 1``), the module's :meth:`~GPTModule.stage_model` (the
+:class:`~lightning_sp.training.protocol.ParallelModule` protocol the strategy drives). With
+``p > 1`` a training step runs the whole schedule (forward and backward of every
+micro-batch) inside ``training_step``; with ``p = 1`` Lightning runs backward as usual.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from typing_extensions import override
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import check_gpt2_directory, load_gpt2_weights
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.grads import clip_grad_norm_
-from lightning_sp.parallel.state import ParallelState
+from lightning_sp.parallel.state import DEFAULT_TIMEOUT, ParallelState
 from lightning_sp.pipeline import Pipeline, check_batch
 from lightning_sp.training.optim import build_adamw
+from lightning_sp.training.prompts import Codec
 from lightning_sp.training.strategy import MegatronSPStrategy
 from lightning_sp.training.validation import check_optimizer
 
@@ -69,6 +74,7 @@ class OptimizerConfig:
 
 _DEFAULT_MODEL = GPTConfig()
 _DEFAULT_OPTIMIZER = OptimizerConfig()
+_DEFAULT_GENERATION = GenerationConfig()
 
 
 def lr_multiplier(step: int, peak: float, floor: float, warmup: int, decay: int) -> float:
@@ -135,6 +141,7 @@ class GPTModule(LightningModule):
             for where it runs). Measured on CPU (torch 2.13, t=1): same loss, gradients within
             fp32 rounding; each dropout with our generators and each recompute's RNG snapshot
             is a graph break (dropout 0 traces whole layers).
+        generation: How ``predict`` continues each prompt (:meth:`predict_step`).
     """
 
     def __init__(
@@ -143,16 +150,19 @@ class GPTModule(LightningModule):
         optimizer: OptimizerConfig = _DEFAULT_OPTIMIZER,
         init_from: str | None = None,
         compile_layers: bool = False,
+        generation: GenerationConfig = _DEFAULT_GENERATION,
     ) -> None:
         super().__init__()
         self.compile_layers = compile_layers
         self.config = dataclasses.replace(config)
         self.optimizer_config = dataclasses.replace(optimizer)
+        self.generation = dataclasses.replace(generation)
         self.config.validate()
         check_optimizer(self.optimizer_config)
         self.init_from = init_from
         if init_from is not None:
             check_gpt2_directory(init_from, self.config)
+        self.generation.validate()
         self.save_hyperparameters(
             {
                 "config": dataclasses.asdict(self.config),
@@ -161,11 +171,19 @@ class GPTModule(LightningModule):
                 "compile_layers": compile_layers,
             }
         )
-        self.gpt: GPT | None = None  # the model when there is no pipeline (p = 1)
-        self.pipeline: Pipeline | None = None  # this rank's model chunks when p > 1
+        self.pipeline: Pipeline | None = None  # this rank's model chunks (one when p = 1)
         self.val_loss = MeanMetric()
 
     # -- model -------------------------------------------------------------------------------
+
+    supports_pipeline_parallel = True
+    """The strategy may run this module with ``pipeline_parallel_size > 1``."""
+
+    def stage_model(self) -> Pipeline:
+        """This rank's model chunks (built in ``configure_model``)."""
+        if self.pipeline is None:
+            raise RuntimeError("the model is created in configure_model; run it through a Trainer")
+        return self.pipeline
 
     @property
     def parallel_state(self) -> ParallelState:
@@ -179,14 +197,12 @@ class GPTModule(LightningModule):
 
     @property
     def chunks(self) -> list[GPT]:
-        """This rank's model chunks: the one GPT, or the pipeline stage's chunks."""
-        if self.pipeline is not None:
-            return list(self.pipeline.models)
-        return [self._require_model()]
+        """This rank's model chunks (one :class:`GPT` when ``p = 1``)."""
+        return list(self.stage_model().models)
 
     @override
     def configure_model(self) -> None:
-        if self.gpt is not None or self.pipeline is not None:
+        if self.pipeline is not None:
             return
         config = self.config
         strategy = self._trainer.strategy if self._trainer is not None else None
@@ -199,14 +215,33 @@ class GPTModule(LightningModule):
         if config.recompute == "auto":
             config = self._resolve_auto_recompute(config, state)
         dtype = torch.get_default_dtype()
-        if state.pipeline_parallel_size == 1:
-            self.gpt = GPT(config, state, dtype=dtype, device=state.device)
-            self._load_init_from()
-            if self.compile_layers:
-                for layer in self.gpt.layers:
+        n, m, timeout = 1, 1, DEFAULT_TIMEOUT
+        if isinstance(strategy, MegatronSPStrategy):  # p = 1 there implies n = m = 1
+            n, m, timeout = (
+                strategy.num_microbatches,
+                strategy.virtual_pipeline_size,
+                strategy.timeout,
+            )
+            if state.pipeline_parallel_size > 1:
+                self._check_pipeline_batch(n)
+        self.pipeline = Pipeline(
+            config,
+            state,
+            num_microbatches=n,
+            virtual_pipeline_size=m,
+            dtype=dtype,
+            device=state.device,
+            timeout=timeout,
+        )
+        self._load_init_from()
+        if self.compile_layers:  # check_compile: t = p = 1 only
+            for chunk in self.pipeline.models:
+                for layer in chunk.layers:
                     layer.compile()
-            return
-        assert isinstance(strategy, MegatronSPStrategy)
+
+    def _check_pipeline_batch(self, num_microbatches: int) -> None:
+        """Under a pipeline schedule a step's batch splits into the micro-batches and the
+        schedule accumulates: fail before any step if the trainer asks otherwise."""
         if self._trainer is not None and self._trainer.accumulate_grad_batches != 1:
             raise ConfigError(
                 f"trainer.accumulate_grad_batches={self._trainer.accumulate_grad_batches} with "
@@ -215,17 +250,7 @@ class GPTModule(LightningModule):
             )
         batch_size = getattr(getattr(self._trainer, "datamodule", None), "batch_size", None)
         if batch_size is not None:  # this replica's batch splits into the micro-batches
-            check_batch(batch_size, strategy.num_microbatches)
-        self.pipeline = Pipeline(
-            config,
-            state,
-            num_microbatches=strategy.num_microbatches,
-            virtual_pipeline_size=strategy.virtual_pipeline_size,
-            dtype=dtype,
-            device=state.device,
-            timeout=strategy.timeout,
-        )
-        self._load_init_from()
+            check_batch(batch_size, num_microbatches)
 
     def _load_init_from(self) -> None:
         """Overwrite the seeded weights with ``init_from``'s (this rank's slices only)."""
@@ -278,21 +303,17 @@ class GPTModule(LightningModule):
                 f"vocabulary of {tokens} tokens; set model.config.vocab_size >= {tokens}"
             )
 
-    def _require_model(self) -> GPT:
-        if self.gpt is None:
-            raise RuntimeError("the model is created in configure_model; run it through a Trainer")
-        return self.gpt
-
     def _loss(self, batch: dict[str, Tensor], train: bool) -> Tensor:
         ids, labels = batch["input_ids"], batch["labels"]
-        if self.pipeline is None:
-            return self._require_model()(ids, labels)
-        if train:  # the schedule runs forward and backward of every micro-batch
-            optimizer = self.optimizers()
-            assert not isinstance(optimizer, list)  # configure_optimizers returns one
-            optimizer.zero_grad()  # see optimizer_zero_grad
-            return self.pipeline.train_step(ids, labels)
-        return self.pipeline.eval_step(ids, labels)
+        model = self.stage_model()
+        if not train:
+            return model.eval_step(ids, labels)
+        if not model.runs_backward:
+            return model(ids, labels)  # Lightning runs backward
+        optimizer = self.optimizers()
+        assert not isinstance(optimizer, list)  # configure_optimizers returns one
+        optimizer.zero_grad()  # see optimizer_zero_grad
+        return model.train_step(ids, labels)  # forward and backward of every micro-batch
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -306,7 +327,7 @@ class GPTModule(LightningModule):
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
         """Backward of the loss; under pipeline parallelism the schedule has already run it
         inside ``training_step`` (the hooks around backward still run)."""
-        if self.pipeline is None:
+        if not self.stage_model().runs_backward:
             super().backward(loss, *args, **kwargs)
 
     @override
@@ -314,12 +335,34 @@ class GPTModule(LightningModule):
         """Lightning zeroes gradients between ``training_step`` and ``backward``; under
         pipeline parallelism backward has already run by then, so ``training_step`` zeroes
         them before the schedule instead."""
-        if self.pipeline is None:
+        if not self.stage_model().runs_backward:
             super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     @override
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self.val_loss.update(self._loss(batch, train=False))
+
+    @override
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        """Continue the prompt of ``batch`` (``{"input_ids": [1, n], "prompt": [str]}``) with
+        :func:`~lightning_sp.model.generate.generate` and ``self.generation``; returns
+        ``{"prompt", "completion", "token_ids"}`` (text decoded with the datamodule's
+        ``codec``, which also gives the end-of-document token that stops generation)."""
+        codec: Codec | None = getattr(getattr(self.trainer, "datamodule", None), "codec", None)
+        model = self.stage_model()
+        if model.state.pipeline_parallel_size > 1:
+            raise ConfigError(
+                f"pipeline_parallel_size={model.state.pipeline_parallel_size}: predict needs the "
+                "whole model on each rank; predict with pipeline_parallel_size=1"
+            )
+        ids = batch["input_ids"][0].tolist()
+        eos = codec.eos_id if codec is not None else None
+        tokens = generate(self.chunks[0], ids, self.generation, eos_id=eos)
+        return {
+            "prompt": batch["prompt"][0],
+            "completion": codec.decode(tokens) if codec is not None else None,
+            "token_ids": tokens,
+        }
 
     @override
     def on_validation_epoch_end(self) -> None:
@@ -332,8 +375,7 @@ class GPTModule(LightningModule):
 
     @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
-        model = self.pipeline if self.pipeline is not None else self._require_model()
-        return configure_adamw(model, self.optimizer_config, self.trainer.max_steps)
+        return configure_adamw(self.stage_model(), self.optimizer_config, self.trainer.max_steps)
 
     @override
     def configure_gradient_clipping(
@@ -366,11 +408,7 @@ class GPTModule(LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["rng_streams"] = (
-            self.pipeline.rng_state_dict()
-            if self.pipeline is not None
-            else self._require_model().rng.state_dict()
-        )
+        checkpoint["rng_streams"] = self.stage_model().rng_state_dict()
         checkpoint["vocabulary"] = self._vocabulary_identity()
 
     @override
@@ -390,8 +428,11 @@ class GPTModule(LightningModule):
                 f"data tokenizer {current['tokenizer']!r} does not match the checkpoint's "
                 f"tokenizer {saved['tokenizer']!r}; resume with the tokenizer it was trained with"
             )
+        weights = checkpoint.get("state_dict", {})
+        for key in [k for k in weights if k.startswith("gpt.")]:  # saved before the one holder
+            weights["pipeline.chunks.0." + key[len("gpt.") :]] = weights.pop(key)
         streams = checkpoint.get("rng_streams")
-        if streams is not None and self.pipeline is not None:
-            self.pipeline.load_rng_state_dict(streams)
-        elif streams is not None:
-            self._require_model().rng.load_state_dict(streams)
+        if streams is not None and "replicated" in streams:  # one GPT's streams: chunk 0
+            streams = {"0": streams}
+        if streams is not None:
+            self.stage_model().load_rng_state_dict(streams)

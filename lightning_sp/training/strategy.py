@@ -4,11 +4,17 @@ Lightning, registered as ``"megatron_sp"``.
 The strategy owns the process groups. It starts the default process group the way
 Lightning's DDP does (so Lightning's launchers work: its own subprocess/spawn launchers,
 SLURM, torchrun), builds a :class:`~lightning_sp.ParallelState` on a ``("pp", "dp", "tp")``
-device mesh, and hands it to the LightningModule's ``configure_model``. It wraps nothing:
-after the last backward of a step it sums sequence-parallel gradients over the TP group, the
-tied embedding's two copies over the first and last pipeline stage, and averages all
-gradients over the DP group, then lets the optimizer step. With pipeline parallelism the
-LightningModule's ``pipeline`` (a :class:`~lightning_sp.pipeline.Pipeline`) runs the schedule.
+device mesh, and hands it to the LightningModule's ``configure_model``. It wraps nothing.
+
+What it parallelises: a LightningModule implementing
+:class:`~lightning_sp.training.protocol.ParallelModule` builds its own shard (``GPTModule``: a
+:class:`~lightning_sp.pipeline.Pipeline`, which also runs the pipeline schedule when ``p > 1``);
+after the last backward of a step the strategy calls that shard's ``finalize_grads``
+(sequence-parallel gradients summed over the TP group, the tied embedding's two copies over
+the first and last pipeline stage, all gradients averaged over the DP group), then lets the
+optimizer step. Any other LightningModule runs as plain data parallelism (``t = p = 1`` only,
+else refused at setup in one line): its parameters and buffers are broadcast from
+data-parallel rank 0 before the first step and its gradients averaged.
 
 Checkpoints are layout-independent DCP directories published by an atomic rename
 (:mod:`lightning_sp.training.checkpoint`, :mod:`~lightning_sp.training.checkpointer`); a
@@ -47,17 +53,54 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sp.errors import ConfigError
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState, check_layout
 from lightning_sp.parallel.threads import set_rank_threads
-from lightning_sp.pipeline import Pipeline
 from lightning_sp.training.checkpoint import Layout, Meta, gpt_chunks
 from lightning_sp.training.checkpointer import Checkpointer, resumable_loader, rng_key
 from lightning_sp.training.guard import NonFiniteGuard
+from lightning_sp.training.protocol import ParallelModule, stage_model_of
 from lightning_sp.training.validation import check_precision, check_strategy_args
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+
+# -- modules the strategy can run ----------------------------------------------------------------
+
+
+def check_module(module: object, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+    """Refuse, in one line, a layout ``module`` cannot be parallelised over: tensor or pipeline
+    parallelism need a :class:`~lightning_sp.training.protocol.ParallelModule` (which builds
+    its own shard), pipeline parallelism one that says it runs a schedule."""
+    if module is None or (tensor_parallel_size == 1 and pipeline_parallel_size == 1):
+        return
+    name = type(module).__name__
+    if not isinstance(module, ParallelModule):
+        field = "tensor_parallel_size" if tensor_parallel_size > 1 else "pipeline_parallel_size"
+        value = max(tensor_parallel_size, pipeline_parallel_size)
+        raise ConfigError(
+            f"{field}={value} needs a module that builds its own model-parallel shard, but "
+            f"{name} is a plain LightningModule; use tensor_parallel_size=1 and "
+            "pipeline_parallel_size=1 (data parallelism), or implement "
+            "lightning_sp.training.protocol.ParallelModule (see examples/custom_mlp.py)"
+        )
+    if pipeline_parallel_size > 1 and not module.supports_pipeline_parallel:
+        raise ConfigError(
+            f"pipeline_parallel_size={pipeline_parallel_size} but {name} does not run a "
+            "pipeline schedule (supports_pipeline_parallel=False); use pipeline_parallel_size=1"
+        )
+
+
+@torch.no_grad()
+def broadcast_module_state(module: torch.nn.Module, state: ParallelState) -> None:
+    """Copy every parameter and buffer of data-parallel rank 0 to the other replicas (as DDP
+    does when it wraps a model), so replicas that initialised differently start equal."""
+    if state.dp_group is None:
+        return
+    for tensor in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(tensor.data, group=state.dp_group, group_src=0)
 
 
 class MegatronSPStrategy(ParallelStrategy):
@@ -192,6 +235,7 @@ class MegatronSPStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         world_size = self.num_nodes * self.num_processes
         check_layout(world_size, self.tensor_parallel_size, self.pipeline_parallel_size)
+        check_module(self.lightning_module, self.tensor_parallel_size, self.pipeline_parallel_size)
         super().setup_environment()
         set_rank_threads(self.num_processes)  # this host's cores shared among its ranks
         reset_seed()
@@ -231,6 +275,8 @@ class MegatronSPStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if not isinstance(self.lightning_module, ParallelModule):
+            broadcast_module_state(self.model, self.parallel_state)
 
     @override
     def model_to_device(self) -> None:
@@ -254,21 +300,23 @@ class MegatronSPStrategy(ParallelStrategy):
         """
         module = model if model is not None else self.lightning_module
         assert module is not None
+        stage = stage_model_of(module)
 
         def closure_then_reduce() -> Any:
             result = closure()
-            pipeline = getattr(module, "pipeline", None)
-            if isinstance(pipeline, Pipeline):  # also sums the tied embedding's two copies
-                pipeline.finalize_grads()
-            else:
+            if stage is not None:  # e.g. a Pipeline: also sums the tied embedding's copies
+                stage.finalize_grads()
+            else:  # plain data parallelism
                 finalize_grads(module, self.parallel_state)
             return result
 
         # forward + backward first, so that a non-finite step can be dropped before AdamW
         result = closure_then_reduce()
-        step = self.lightning_module.trainer.global_step if self.lightning_module else 0
+        pl_module = self.lightning_module
+        step = pl_module.trainer.global_step if pl_module is not None else 0
         if not self.guard.check(result, module, optimizer, step):
-            self.lightning_module.log("train/skipped_steps", float(self.guard.total_skipped))
+            if pl_module is not None:
+                pl_module.log("train/skipped_steps", float(self.guard.total_skipped))
             return result
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 

@@ -25,6 +25,7 @@ from lightning_sp.training.data.sampler import ResumableSampler
 from lightning_sp.training.data.sources import Source, resolve_paths, stdlib_python_files
 from lightning_sp.training.data.tokenizer import tokenizer_info
 from lightning_sp.training.data.tokens import PackedSamples, TokenSplit
+from lightning_sp.training.prompts import Codec, prompt_dataloader
 
 
 class ResumableLoader(DataLoader):
@@ -91,6 +92,8 @@ class TextDataModule(pl.LightningDataModule):
         num_proc: Tokenizing processes when preparing (``datasets``' ``map(num_proc=...)``).
         cache_dir: Root of the prepared-corpus cache (``prepared/<key>`` under it) and of the
             ``datasets`` cache. Unset: ``~/.cache/lightning_sp`` and ``datasets``' default.
+        prompts: Prompts for ``predict`` (each continued by ``GPTModule.predict_step``); while
+            predicting no corpus is prepared or read.
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class TextDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         num_proc: int = 1,
         cache_dir: str | None = None,
+        prompts: list[str] | None = None,
     ) -> None:
         super().__init__()
         if paths is not None and dataset_name is not None:
@@ -142,6 +146,7 @@ class TextDataModule(pl.LightningDataModule):
         self.val_fraction, self.max_documents, self.seed = val_fraction, max_documents, seed
         self.num_workers, self.num_proc, self.cache_dir = num_workers, num_proc, cache_dir
         self.info = tokenizer_info(tokenizer)
+        self.prompts = prompts
 
         # Where the samples come from, checked now (before any work).
         self.source: Source | None = None
@@ -235,13 +240,14 @@ class TextDataModule(pl.LightningDataModule):
     def prepare_data(self) -> None:
         """Prepare the source on first use (one process per node; the others wait)."""
         self.check_model_vocab(self._model_vocab())
-        if self.source is not None:
+        if self.source is not None and not self._predicting:
             self.prepare_corpus()
 
     @override
     def setup(self, stage: str) -> None:
-        """Map the prepared splits (nothing is read whole); later calls are no-ops."""
-        if self.train_dataset is not None:
+        """Map the prepared splits (nothing is read whole); later calls are no-ops. Nothing
+        to map for ``predict`` (it reads ``prompts``)."""
+        if self.train_dataset is not None or stage == "predict":
             return
         self.check_model_vocab(self._model_vocab())
         metas = [check_prepared(d, self.info) for d in self.directories]
@@ -317,6 +323,25 @@ class TextDataModule(pl.LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
+
+    @property
+    def _predicting(self) -> bool:
+        return self.trainer is not None and self.trainer.predicting
+
+    @property
+    def codec(self) -> Codec:
+        """This run's tokenizer, text to ids and back (bytes or ``tokenizer.json``)."""
+        return Codec.from_info(self.info)
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        """The ``prompts``, one per batch ``{"input_ids": [1, n], "prompt": [str]}``."""
+        if not self.prompts:
+            raise ConfigError(
+                f"data.prompts={self.prompts!r} is empty; give the prompts to continue, e.g. "
+                """--data.prompts '["def "]'"""
+            )
+        return prompt_dataloader(self.prompts, self.codec)
 
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

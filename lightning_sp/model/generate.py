@@ -1,0 +1,231 @@
+"""Text generation from a (tensor-parallel) :class:`~lightning_sp.model.gpt.GPT`, with a
+key/value cache for incremental decoding.
+
+The cached path reuses the GPT's own submodules (embedding, each layer's LayerNorms, QKV and
+projection linears and MLP, the final LayerNorm, the tied output layer) and replaces only the
+attention core: each step feeds the new tokens ``[n, b, h]``, appends their keys and values
+to the cache ``[b·a/t, s_max, d]`` and attends over every cached position. ``GPT.forward`` is
+not involved, so the training path is untouched.
+
+Sequence parallelism shards the sequence over the TP group, which one new token cannot be:
+generation runs on the same weights in a GPT built with ``sequence_parallel=False``
+(:func:`sequence_parallel_off` shares the parameters, it copies nothing), so it works at any
+``t``; heads stay split over the TP group and the logits are gathered over the vocabulary, so
+every TP rank samples the same token. Pipeline parallelism is not supported (the model must
+hold the whole stack).
+
+:func:`generate` without the cache (``use_cache=False``) runs the full forward of the model
+as trained (with sequence parallelism if it has it) over the whole sequence every step: the
+reference the cache is tested against, and the baseline of ``benchmarks/generate.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sp.errors import ConfigError, positive_int
+from lightning_sp.model.gpt import GPT
+from lightning_sp.parallel.comm import all_gather_sequence
+from lightning_sp.parallel.layers import column_parallel_linear
+
+
+@dataclass
+class GenerationConfig:
+    """How ``generate`` / ``predict`` sample a continuation of each prompt."""
+
+    max_new_tokens: int = 200
+    """Tokens to generate at most (fewer if the end-of-document token comes first, or the
+    sequence reaches the model's seq_length)."""
+
+    temperature: float = 0.8
+    """Softmax temperature; 0 is greedy decoding (always the most likely token)."""
+
+    top_k: int | None = 50
+    """Sample among the k most likely tokens only; unset: the whole vocabulary."""
+
+    seed: int = 0
+    """Seed of the sampling generator: the same seed, prompt and checkpoint give the same text."""
+
+    use_cache: bool = True
+    """Decode incrementally with a key/value cache; false: a full forward every token."""
+
+    def validate(self) -> None:
+        """:class:`ConfigError` (one line) for a bad field."""
+        positive_int("max_new_tokens", self.max_new_tokens)
+        if self.top_k is not None:
+            positive_int("top_k", self.top_k)
+        if self.temperature < 0:
+            raise ConfigError(f"temperature={self.temperature!r} must be >= 0 (0 is greedy)")
+
+
+# -- the GPT's parts that generation uses (one place to adapt when gpt.py changes) ---------------
+
+
+def _attention_projections(layer: Any) -> tuple[nn.Module, nn.Module, int, int]:
+    """``(qkv, proj, local_heads, head_dim)`` of a transformer layer's attention."""
+    attention = layer.attention
+    return attention.qkv, attention.proj, attention.local_heads, attention.head_dim
+
+
+def sequence_parallel_off(model: GPT) -> GPT:
+    """``model`` itself if it runs without sequence parallelism, else a GPT built with
+    ``sequence_parallel=False`` that shares ``model``'s parameters (nothing is copied)."""
+    if not model.sequence_parallel:
+        return model
+    config = dataclasses.replace(model.config, sequence_parallel=False)
+    dtype = next(model.parameters()).dtype
+    view = GPT(config, model.state, layer_range=model.layer_range, dtype=dtype, device="meta")
+    view.load_state_dict(model.state_dict(keep_vars=True), assign=True)
+    return view.train(model.training)
+
+
+# -- forward passes --------------------------------------------------------------------------------
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer for positions ``[0, length)``, each
+    ``[b·a/t, s_max, d]`` (this rank's heads)."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+    length: int = 0
+
+    @classmethod
+    def for_model(cls, model: GPT, batch: int) -> KVCache:
+        """An empty cache for ``model``'s layers, ``batch`` sequences of up to seq_length."""
+        param = next(model.parameters())
+        shapes = []
+        for layer in model.layers:
+            _, _, heads, head_dim = _attention_projections(layer)
+            shapes.append((batch * heads, model.config.seq_length, head_dim))
+        keys = [param.new_empty(shape) for shape in shapes]
+        return cls(keys, [param.new_empty(shape) for shape in shapes])
+
+
+def _cached_attention(layer: Any, x: Tensor, cache: KVCache, index: int) -> Tensor:
+    """Attention of the new positions ``x`` ``[n, b, h]`` over the cache plus themselves."""
+    qkv_linear, proj, heads, d = _attention_projections(layer)
+    qkv = qkv_linear(x)  # [n, b, 3h/t]
+    n, b, _ = qkv.shape
+    qkv = qkv.view(n, b, heads, 3 * d)  # rows ordered [head][q|k|v][d], as in training
+    q, k, v = (  # [b·a/t, n, d]
+        y.reshape(n, b * heads, d).transpose(0, 1) for y in qkv.split(d, dim=-1)
+    )
+    start, end = cache.length, cache.length + n
+    cache.keys[index][:, start:end] = k
+    cache.values[index][:, start:end] = v
+    keys, values = cache.keys[index][:, :end], cache.values[index][:, :end]  # [b·a/t, end, d]
+    # new position start + i sees cached positions j <= start + i
+    mask = torch.full((n, end), float("-inf"), dtype=q.dtype, device=q.device).triu_(start + 1)
+    scores = torch.baddbmm(mask.expand(q.shape[0], n, end), q, keys.transpose(1, 2),
+                           alpha=1.0 / math.sqrt(d))  # fmt: skip
+    context = torch.bmm(torch.softmax(scores, dim=-1), values)  # [b·a/t, n, d]
+    return proj(context.transpose(0, 1).reshape(n, b, heads * d))  # [n, b, h]
+
+
+def _vocab_logits(model: GPT, x: Tensor) -> Tensor:
+    """Final LayerNorm and tied output layer, gathered over the vocabulary: ``[n or n/t, b, h]
+    -> [n, b, vocab_size]`` (identical on every TP rank)."""
+    x = model.final_norm(x)
+    weight = model.word_embeddings.weight
+    local = column_parallel_linear(x, weight, None, model.tp_group, model.sequence_parallel)
+    full = all_gather_sequence(local.movedim(-1, 0).contiguous(), model.tp_group).movedim(0, -1)
+    return full[..., : model.config.vocab_size]  # [n, b, v] without the padding rows
+
+
+@torch.no_grad()
+def forward_cached(model: GPT, input_ids: Tensor, cache: KVCache) -> Tensor:
+    """Feed ``input_ids`` ``[b, n]`` at positions ``cache.length`` on (``model`` without
+    sequence parallelism); return the logits of the last one, ``[b, vocab_size]``."""
+    start, n = cache.length, input_ids.shape[1]
+    x = model.word_embeddings(input_ids.t())  # [n, b, h] (f̄ over TP)
+    x = x + model.position_embeddings[start : start + n].unsqueeze(1)
+    layers: list[Any] = list(model.layers)  # TransformerLayer: ln1, attention, ln2, mlp
+    for index, layer in enumerate(layers):
+        x = x + _cached_attention(layer, layer.ln1(x), cache, index)
+        x = x + layer.mlp(layer.ln2(x))  # [n, b, h]
+    cache.length += n
+    return _vocab_logits(model, x[-1:])[0]
+
+
+@torch.no_grad()
+def forward_full(model: GPT, input_ids: Tensor) -> Tensor:
+    """The model's own forward over all of ``input_ids`` ``[b, n]`` (sequence parallel if the
+    model is; the sequence is padded at the end to a multiple of ``t``, which causal
+    attention keeps from the positions before); the logits of position ``n - 1``."""
+    n, t = input_ids.shape[1], model.state.tensor_parallel_size
+    pad = (-n) % t if model.sequence_parallel else 0
+    ids = nn.functional.pad(input_ids, (0, pad))
+    return _vocab_logits(model, model.forward_layers(model.embed(ids)))[n - 1]
+
+
+# -- sampling --------------------------------------------------------------------------------------
+
+
+def sample(logits: Tensor, config: GenerationConfig, generator: torch.Generator) -> int:
+    """One token id from ``logits`` ``[vocab]``: greedy at temperature 0, else top-k sampling
+    with ``generator`` (on the CPU, so every rank draws the same)."""
+    logits = logits.detach().to("cpu", torch.float64)
+    if config.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / config.temperature
+    if config.top_k is not None and config.top_k < logits.numel():
+        cutoff = torch.topk(logits, config.top_k).values[-1]
+        logits = logits.masked_fill(logits < cutoff, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(
+    model: GPT, prompt: list[int], config: GenerationConfig, eos_id: int | None = None
+) -> list[int]:
+    """The tokens that follow ``prompt`` (one sequence), without the end-of-document token
+    ``eos_id`` that stops it. At most ``config.max_new_tokens`` and at most up to the model's
+    ``seq_length`` in all. Every rank of the TP group must call it with the same arguments;
+    they return the same tokens. Dropout is off while generating."""
+    config.validate()
+    if not (model.has_embedding and model.has_head):
+        raise ConfigError(
+            "pipeline_parallel_size > 1: generation needs the whole model on each rank; "
+            "generate with pipeline_parallel_size=1"
+        )
+    seq_length = model.config.seq_length
+    if not prompt:
+        raise ConfigError("prompt is empty; give at least one character")
+    if len(prompt) > seq_length:
+        raise ConfigError(
+            f"prompt is {len(prompt)} tokens, longer than model.config.seq_length={seq_length}; "
+            f"shorten it to at most {seq_length} tokens"
+        )
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator().manual_seed(config.seed)
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, n]
+    cached = sequence_parallel_off(model) if config.use_cache else None
+    cache = KVCache.for_model(cached, batch=1) if cached is not None else None
+    out: list[int] = []
+    try:
+        while len(out) < config.max_new_tokens and ids.shape[1] <= seq_length:
+            if cached is not None and cache is not None:
+                fed = ids[:, cache.length :]  # the prompt first, then one token a step
+                logits = forward_cached(cached, fed, cache)[0]
+            else:
+                logits = forward_full(model, ids)[0]
+            token = sample(logits, config, generator)
+            if token == eos_id:
+                break
+            out.append(token)
+            if ids.shape[1] == seq_length:
+                break
+            ids = torch.cat([ids, ids.new_tensor([[token]])], dim=1)
+    finally:
+        model.train(was_training)
+    return out

@@ -1,0 +1,95 @@
+"""``python cli.py generate --config X.yaml --ckpt_path CKPT --prompt "def "``: continue a
+prompt with a trained model and print the text.
+
+The config is read by the same LightningCLI parser as ``fit`` (so every ``fit`` override is
+accepted); the model is restored from the checkpoint by Lightning's own load path
+(``Trainer.predict(ckpt_path=...)`` -> ``MegatronSPStrategy.load_checkpoint``) in the
+config's tensor-parallel layout (``t`` processes, one data-parallel replica) with sequence
+parallelism off (one new token cannot be split along the sequence; the weights are the same),
+and :meth:`GPTModule.predict_step` samples with a key/value cache. Rank 0 prints the prompt
+and its continuation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from lightning_sp.errors import ConfigError
+from lightning_sp.model.generate import GenerationConfig
+from lightning_sp.training.data import TextDataModule
+from lightning_sp.training.module import GPTModule
+from lightning_sp.training.strategy import MegatronSPStrategy
+
+
+def _parser() -> argparse.ArgumentParser:
+    defaults = GenerationConfig()
+    parser = argparse.ArgumentParser(
+        prog="cli.py generate",
+        description="Continue a prompt with a trained checkpoint. Other options (--config, "
+        "--model.*, --data.*, --trainer.*) are read as by `cli.py fit`.",
+    )
+    parser.add_argument("--ckpt_path", required=True, help="checkpoint saved by fit")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max_new_tokens", type=int, default=defaults.max_new_tokens,
+                        help="tokens to generate at most (fewer at end of document)")  # fmt: skip
+    parser.add_argument("--temperature", type=float, default=defaults.temperature,
+                        help="softmax temperature; 0 is greedy")  # fmt: skip
+    parser.add_argument("--top_k", type=int, default=defaults.top_k,
+                        help="sample among the k most likely tokens")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=defaults.seed,
+                        help="sampling seed: the same seed gives the same text")  # fmt: skip
+    return parser
+
+
+def main(argv: list[str], cli_class: Any) -> int:
+    """Run the subcommand; ``cli_class`` is the LightningCLI class of ``fit`` (for
+    ``GPTModule`` and ``TextDataModule``, built with ``run=False`` to read the config).
+    Returns the exit status."""
+    args, rest = _parser().parse_known_args(argv)
+    if not Path(args.ckpt_path).exists():
+        raise ConfigError(
+            f"ckpt_path={args.ckpt_path!r} does not exist; give a checkpoint saved by fit "
+            "(e.g. checkpoints/tiny/last.ckpt)"
+        )
+    generation = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    generation.validate()
+    with warnings.catch_warnings():  # args is sys.argv minus the generate options, as intended
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        cli = cli_class(GPTModule, TextDataModule, args=rest, run=False, save_config_callback=None)
+    configured = cli.trainer.strategy
+    t, p = 1, 1
+    if isinstance(configured, MegatronSPStrategy):
+        t, p = configured.tensor_parallel_size, configured.pipeline_parallel_size
+    if p > 1:
+        raise ConfigError(
+            f"pipeline_parallel_size={p}: generate runs the whole model on each rank; it "
+            "loads checkpoints saved with pipeline_parallel_size=1"
+        )
+    module, data = cli.model, cli.datamodule
+    module.generation = generation
+    data.prompts = [args.prompt]
+    trainer = L.Trainer(
+        accelerator=cli.config.trainer.accelerator,
+        devices=t,
+        precision=cli.config.trainer.precision,
+        strategy=MegatronSPStrategy(tensor_parallel_size=t, sequence_parallel=False),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    predictions = trainer.predict(module, datamodule=data, ckpt_path=args.ckpt_path)
+    if trainer.is_global_zero and predictions:
+        result: dict[str, Any] = predictions[0]  # type: ignore[assignment]
+        print(result["prompt"] + result["completion"], flush=True)
+    return 0

@@ -1,0 +1,66 @@
+"""What ``MegatronSPStrategy`` drives: a LightningModule that builds its own model-parallel
+shard, and the stage model it holds.
+
+A LightningModule that satisfies :class:`ParallelModule` is trained with tensor, sequence
+(and, if it says so, pipeline) parallelism: it builds this rank's shard in
+``configure_model`` from ``trainer.strategy.parallel_state`` and returns it from
+``stage_model()``; after the last backward of a step the strategy calls its
+``finalize_grads()``. :class:`~lightning_sp.training.module.GPTModule` holds a
+:class:`~lightning_sp.pipeline.Pipeline` (for every ``p``, including 1);
+``examples/custom_mlp.py`` shows a custom tensor-parallel model on ``lightning_sp.parallel``.
+
+Any other LightningModule is trained as plain data parallelism (``t = p = 1`` only).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from lightning_sp.parallel.state import ParallelState
+
+
+@runtime_checkable
+class StageModel(Protocol):
+    """One rank's shard of a model-parallel model (an ``nn.Module``).
+
+    Attributes:
+        state: The parallel state the shard was built for.
+    """
+
+    state: ParallelState
+
+    def finalize_grads(self) -> None:
+        """Every gradient reduction between the last backward of a step and the optimizer
+        step: sequence-parallel parameters summed over the TP group, copies of tied weights
+        summed, and every gradient averaged over the DP group (for instance
+        :func:`lightning_sp.parallel.grads.finalize_grads`)."""
+        ...
+
+
+@runtime_checkable
+class ParallelModule(Protocol):
+    """A LightningModule that ``MegatronSPStrategy`` can run beyond data parallelism.
+
+    Attributes:
+        supports_pipeline_parallel: Whether the module runs a pipeline schedule itself (its
+            ``training_step`` does forward and backward of every micro-batch); the strategy
+            refuses ``pipeline_parallel_size > 1`` otherwise.
+    """
+
+    supports_pipeline_parallel: bool
+
+    def stage_model(self) -> StageModel:
+        """This rank's shard, built in ``configure_model``; ``RuntimeError`` before that."""
+        ...
+
+
+def stage_model_of(module: object) -> StageModel | None:
+    """``module.stage_model()`` if ``module`` is a :class:`ParallelModule` whose shard is
+    built, else ``None`` (a plain module, or ``configure_model`` has not run yet)."""
+    if not isinstance(module, ParallelModule):
+        return None
+    try:
+        model = module.stage_model()
+    except RuntimeError:
+        return None
+    return model if isinstance(model, StageModel) else None
