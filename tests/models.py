@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
@@ -49,28 +51,99 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / (scale if scale > 0 else 1.0)
 
 
-def assert_matches_reference(model: GPT, reference: nn.Module, rtol: float, what: str = "") -> int:
+VOCAB_PARAMETER = "word_embeddings.weight"
+"""The one parameter sharded along the (padded) vocabulary: its rows past ``vocab_size`` are
+padding, whose number depends on ``t``, not model weights."""
+
+
+@dataclass
+class Comparison:
+    """What :func:`assert_matches_reference` compared (so a caller can see it was not nothing).
+
+    ``elements``: weight elements compared with the reference (each also compared by gradient);
+    ``padding_rows``: padded vocabulary rows of the model's shards whose gradient was asserted to
+    be exactly zero; ``padding_only``: shards that hold padding rows only (compared over zero
+    elements, which is allowed for these and nothing else).
+    """
+
+    parameters: int = 0
+    elements: int = 0
+    padding_rows: int = 0
+    padding_only: list[str] = field(default_factory=list)
+
+
+def _true_rows(model: nn.Module, name: str, param: torch.Tensor) -> int:
+    """How many of ``param``'s leading rows are real model weights (all of them except for
+    the vocabulary shard, whose rows at or past ``vocab_size`` are padding)."""
+    if model.global_name(name) != VOCAB_PARAMETER:
+        return param.shape[0]
+    vocab_size: int = model.config.vocab_size  # type: ignore[union-attr]
+    return max(0, min(param.shape[0], vocab_size - param.shard.start))
+
+
+def _aligned(
+    model: nn.Module, name: str, param: torch.Tensor, ref: torch.Tensor, what: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(local weight, local grad, reference weight, reference grad)`` restricted to the real
+    weights of this shard; raises if the reference does not hold all of them."""
+    rows = _true_rows(model, name, param)
+    local, grad = param.detach()[:rows], param.grad[:rows]
+    ref_param = param.shard.full_slice(ref.detach(), local.shape)
+    ref_grad = param.shard.full_slice(ref.grad, local.shape)
+    assert ref_param.shape == local.shape, (
+        f"{what} {name}: shard {tuple(local.shape)} is not inside the reference "
+        f"{tuple(ref.shape)} (reference slice {tuple(ref_param.shape)})"
+    )
+    return local, grad, ref_param, ref_grad
+
+
+def _assert_padding_has_no_gradient(
+    model: nn.Module, name: str, param: torch.Tensor, what: str
+) -> int:
+    """Padded vocabulary rows get probability 0, so their gradient is exactly 0; returns the
+    number of padded rows checked."""
+    rows = _true_rows(model, name, param)
+    padded = param.grad[rows:]
+    if padded.numel():
+        start = param.shard.start + rows
+        assert torch.count_nonzero(padded) == 0, (
+            f"{what} {name}: padded vocabulary rows {start}..{start + padded.shape[0] - 1} "
+            f"have a nonzero gradient (max |g| {padded.abs().max().item():.3e}): padded "
+            "logits got probability"
+        )
+    return padded.shape[0]
+
+
+def assert_matches_reference(
+    model: nn.Module, reference: GPT, rtol: float, what: str = ""
+) -> Comparison:
     """Every parameter (and gradient) shard of ``model`` equals its slice of ``reference``.
 
-    Rows past the true vocabulary (padding, whose size depends on t) are not model weights and
-    are skipped. Returns the number of parameters compared.
+    The vocabulary shard is compared over its rows below ``vocab_size`` only (padding depends
+    on t); its padded rows, and the reference's, must have exactly zero gradient. A shard that
+    is compared over zero elements fails unless it holds padding only. Returns what was
+    compared.
     """
     reference_params = dict(reference.named_parameters())
-    compared = 0
+    ref_vocab = reference_params[VOCAB_PARAMETER]
+    _assert_padding_has_no_gradient(reference, VOCAB_PARAMETER, ref_vocab, f"{what} reference")
+    result = Comparison()
     for name, param in model.named_parameters():
-        ref = reference_params[model.global_name(name)]
-        spec = param.shard
-        ref_param = spec.full_slice(ref.detach(), param.shape)
-        ref_grad = spec.full_slice(ref.grad, param.shape)
-        rows = tuple(slice(0, n) for n in ref_param.shape)
         assert param.grad is not None, f"{what} {name}: no gradient"
-        assert torch.equal(param.detach()[rows].to(ref_param.dtype), ref_param), (
-            f"{what} {name}: weights differ"
-        )
-        err = relative_error(param.grad[rows].to(ref_grad.dtype), ref_grad)
+        ref = reference_params[model.global_name(name)]
+        local, grad, ref_param, ref_grad = _aligned(model, name, param, ref, what)
+        result.padding_rows += _assert_padding_has_no_gradient(model, name, param, what)
+        if local.numel() == 0:
+            assert param.numel() > 0 and _true_rows(model, name, param) == 0, (
+                f"{what} {name}: compared over zero elements, and it is not all padding"
+            )
+            result.padding_only.append(name)
+        assert torch.equal(local.to(ref_param.dtype), ref_param), f"{what} {name}: weights differ"
+        err = relative_error(grad.to(ref_grad.dtype), ref_grad)
         assert err <= rtol, f"{what} {name}: gradient relative error {err:.3e} > {rtol}"
-        compared += 1
-    return compared
+        result.parameters += 1
+        result.elements += local.numel()
+    return result
 
 
 def max_gradient_error(model: nn.Module, reference: nn.Module) -> tuple[float, str]:
@@ -79,11 +152,9 @@ def max_gradient_error(model: nn.Module, reference: nn.Module) -> tuple[float, s
     reference_params = dict(reference.named_parameters())
     worst, worst_name = 0.0, ""
     for name, param in model.named_parameters():
-        ref_grad = param.shard.full_slice(
-            reference_params[model.global_name(name)].grad, param.shape
-        )
-        rows = tuple(slice(0, n) for n in ref_grad.shape)
-        err = relative_error(param.grad[rows].to(ref_grad.dtype), ref_grad)
+        ref = reference_params[model.global_name(name)]
+        _, grad, _, ref_grad = _aligned(model, name, param, ref, "")
+        err = relative_error(grad.to(ref_grad.dtype), ref_grad)
         if err >= worst:
             worst, worst_name = err, name
     return worst, worst_name
