@@ -165,8 +165,13 @@ def test_eq5_and_interleaving() -> None:
     assert interleave_factor(8, 1) == 1.0
     assert layers_in_flight(96, 8, 3, num_microbatches=64) == pytest.approx(124)
     assert layers_in_flight(105, 35, 3, num_microbatches=280) == pytest.approx(139)
-    for p, m in ((8, 3), (35, 3), (4, 2), (64, 1)):
-        expected = 128 * interleave_factor(p, m)
+    # by hand, L = 128: × (1 + 7/24), × (1 + 34/105), × (1 + 3/8), × 1
+    for p, m, expected in (
+        (8, 3, 128 * 31 / 24),
+        (35, 3, 128 * 139 / 105),
+        (4, 2, 176),
+        (64, 1, 128),
+    ):
         assert layers_in_flight(128, p, m, 1024) == pytest.approx(expected)
     # Megatron's interleaved warm-up: 2(p-1) + (m-1)p forwards, plus the one in flight
     assert chunk_forwards_in_flight(8, 3, 64) == 2 * 7 + 2 * 8 + 1
