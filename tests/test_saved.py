@@ -28,8 +28,9 @@ def test_views_of_one_storage_count_once() -> None:
     x = torch.randn(4, 6, requires_grad=True)
     with SavedTensorTracker() as tracker:
         out = _views_of_one_storage(x)
-    assert tracker.report.total_bytes == 4 * 6 * 4 + 4 * 3 * 4
-    assert tracker.report.count == 2
+    assert (tracker.report.total_bytes, tracker.report.count) == (4 * 6 * 4 + 4 * 3 * 4, 2), (
+        f"{tracker.report}: views of one storage counted more than once"
+    )
     assert tracker.report.per_module == {UNTRACKED: 144}
     out.sum().backward()  # the hooks hand back what autograd saved
     torch.testing.assert_close(x.grad[:, :3], 4 * x[:, 3:].detach() * out.detach())
@@ -47,7 +48,9 @@ def test_parameters_are_excluded_and_bytes_go_to_the_innermost_module() -> None:
         {"outer": outer, "outer.0": inner}, exclude=list(outer.parameters())
     ) as tracker:
         outer(x)
-    assert tracker.report.per_module == {"outer.0": 96, "outer": 80}
+    assert tracker.report.per_module == {"outer.0": 96, "outer": 80}, (
+        f"{tracker.report.per_module}: parameters counted as activations"
+    )
     assert tracker.report.total_bytes == 176
     # for_model excludes the model's parameters and attributes to its layers
     model = nn.Module()
