@@ -239,7 +239,7 @@ def run(mutation: Mutation) -> tuple[bool, list[str], str, float]:
         line.strip() for line in output.splitlines() if re.search(mutation.expect, line)
     ]  # the assertion's own line ("E   ...") rather than its source in the traceback
     lines.sort(key=lambda line: not line.startswith("E "))
-    line = lines[0] if lines else ""
+    line = re.sub(r"^E\s+", "", lines[0]) if lines else ""
     return proc.returncode != 0 and bool(lines), failed, line, time.monotonic() - start
 
 
