@@ -13,7 +13,7 @@ measured and the tests below judge it.
 * Memory: the peak of live saved activations on the first stage during one step (bf16,
   dropout on, selective recompute) is eq. 5's ``L`` layers' worth under 1F1B, and
   ``L·(1 + (p-1)/(p·m))`` under the interleaved schedule, within 1%. Measured: +0.18% on the
-  layers (the LayerNorms' per-row mean and rstd, which the paper leaves out) and +0.36% on the
+  layers (the LayerNorms' per-row mean and rstd, which the paper leaves out) and +0.3–0.4% on the
   whole peak (the token ids, too); one missing 1-byte mask per layer would be −2.9% (1 of the
   34 bytes per token and hidden unit), so 1% sees it where 5% could not.
 
@@ -86,7 +86,7 @@ EMBEDDINGS_AT_PEAK = {
     (2, 2, 1, 4, 4): 2,
     (1, 4, 2, 8, 8): 8,
 }
-# measured against the formulas: +0.18% on the layers, +0.36% on the whole peak (see the
+# measured against the formulas: +0.18% on the layers, +0.3–0.4% on the whole peak (see the
 # module docstring)
 MEMORY_RTOL = 0.01
 
