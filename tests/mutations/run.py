@@ -156,7 +156,7 @@ MUTATIONS = (
         "TP rank's different heads)",
         (
             (
-                "lightning_sp/model/gpt.py",
+                "lightning_sp/model/attention.py",
                 "self.dropout_p, self.rng.sharded, self.training",
                 "self.dropout_p, self.rng.replicated, self.training",
             ),
@@ -177,8 +177,8 @@ MUTATIONS = (
         (
             (
                 "lightning_sp/model/gpt.py",
-                "return x + dropout(self.mlp(self.ln2(x)), *drop)",
-                "return x + self.mlp(self.ln2(x))",
+                "return x + self._drop(self.mlp(self.ln2(x), recompute_act=self.recompute_act))",
+                "return x + self.mlp(self.ln2(x), recompute_act=self.recompute_act)",
             ),
         ),
         ("tests/test_pipeline.py", "-k", "first_stage_peak_activations and t1-p2-m1"),
