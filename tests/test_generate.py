@@ -175,6 +175,13 @@ def test_predict_and_cli_generate_from_a_checkpoint(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout == "def " + predicted[0]["completion"] + "\n"
 
+    # the same checkpoint (saved at t=1) resharded into t=2 on load: the same text
+    resharded = subprocess.run([*cli, "--ckpt_path", str(ckpt), *options,
+                                "--tensor_parallel_size", "2"], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert resharded.returncode == 0, resharded.stderr[-3000:]
+    assert resharded.stdout == result.stdout
+
     missing = subprocess.run([*cli, "--ckpt_path", "nowhere.ckpt", *options], cwd=tmp_path,
                              env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     errors = [line for line in missing.stderr.splitlines() if line.startswith("error:")]

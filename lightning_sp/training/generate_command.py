@@ -3,11 +3,12 @@ prompt with a trained model and print the text.
 
 The config is read by the same LightningCLI parser as ``fit`` (so every ``fit`` override is
 accepted); the model is restored from the checkpoint by Lightning's own load path
-(``Trainer.predict(ckpt_path=...)`` -> ``MegatronSPStrategy.load_checkpoint``) in the
-config's tensor-parallel layout (``t`` processes, one data-parallel replica) with sequence
-parallelism off (one new token cannot be split along the sequence; the weights are the same),
-and :meth:`GPTModule.predict_step` samples with a key/value cache. Rank 0 prints the prompt
-and its continuation.
+(``Trainer.predict(ckpt_path=...)`` -> ``MegatronSPStrategy.load_checkpoint``, which reshards
+a checkpoint of any layout) into ``--tensor_parallel_size`` processes (default 1: one process,
+whatever layout trained it; ``p = 1``, one data-parallel replica) with sequence parallelism
+off (one new token cannot be split along the sequence; the weights are the same), and
+:meth:`GPTModule.predict_step` samples with a key/value cache. Rank 0 prints the prompt and
+its continuation.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import lightning as L
 
-from lightning_sp.errors import ConfigError
+from lightning_sp.errors import ConfigError, positive_int
 from lightning_sp.model.generate import GenerationConfig
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.module import GPTModule
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="softmax temperature; 0 is greedy")  # fmt: skip
     parser.add_argument("--top_k", type=int, default=defaults.top_k,
                         help="sample among the k most likely tokens")  # fmt: skip
+    parser.add_argument("--tensor_parallel_size", type=int, default=1,
+                        help="processes to generate with (t); any checkpoint layout loads "
+                        "into it (default 1: one process)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=defaults.seed,
                         help="sampling seed: the same seed gives the same text")  # fmt: skip
     return parser
@@ -63,18 +67,10 @@ def main(argv: list[str], cli_class: Any) -> int:
         seed=args.seed,
     )
     generation.validate()
+    t = positive_int("tensor_parallel_size", args.tensor_parallel_size)
     with warnings.catch_warnings():  # args is sys.argv minus the generate options, as intended
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
         cli = cli_class(GPTModule, TextDataModule, args=rest, run=False, save_config_callback=None)
-    configured = cli.trainer.strategy
-    t, p = 1, 1
-    if isinstance(configured, MegatronSPStrategy):
-        t, p = configured.tensor_parallel_size, configured.pipeline_parallel_size
-    if p > 1:
-        raise ConfigError(
-            f"pipeline_parallel_size={p}: generate runs the whole model on each rank; it "
-            "loads checkpoints saved with pipeline_parallel_size=1"
-        )
     module, data = cli.model, cli.datamodule
     module.generation = generation
     data.prompts = [args.prompt]
