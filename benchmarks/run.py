@@ -35,7 +35,7 @@ from typing import Any
 import lightning
 import torch
 
-from benchmarks import _cpu, activation_bytes, flops, layer_time, report, throughput
+from benchmarks import _cpu, activation_bytes, flops, layer_time, report, throughput, verdicts
 
 SECTIONS = ("activation_bytes", "layer_time", "flops", "throughput")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     full["summary"] = report.summarize(results)
     if previous:
         full["previous_run"] = report.compare(previous, full["summary"])
-    report.write(full, out_dir, report.notes(results))
+    report.write(full, out_dir, verdicts.notes(results))
     print(f"[benchmarks] wrote {out_dir / 'report.md'}", file=sys.stderr)
     return full
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `benchmarks` is a top-level package of the repository
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import dtensor_gpt, report  # noqa: E402
+from benchmarks import dtensor_gpt, verdicts  # noqa: E402
 
 from spawn import run_distributed  # noqa: E402
 
@@ -166,12 +166,12 @@ def test_report_verdicts_follow_the_numbers() -> None:
     """The notes' verdicts are computed: the same rows with DTensor smaller read as a loss,
     and causes are named only where the measured split matches them."""
     matched = [_bytes_row(2, True, "selective", 17.0, 19.0, 20.0)]  # +2 gathered, +1 masks
-    text = report.notes({"activation_bytes": {"rows": matched}})
+    text = verdicts.notes({"activation_bytes": {"rows": matched}})
     assert "we win at t=2 SP + selective" in text and "we lose" not in text
     assert "*all-gathered* input" in text and "2-byte noise tensor" in text
     reversed_ = [_bytes_row(2, True, "selective", 20.0, 18.0, 17.0)]
-    text = report.notes({"activation_bytes": {"rows": reversed_}})
+    text = verdicts.notes({"activation_bytes": {"rows": reversed_}})
     assert "we lose at t=2 SP + selective" in text and "we win" not in text
     assert "*all-gathered* input" not in text and "is not the all-gathered" in text
     tied = [_bytes_row(4, False, "full", 2.0, 2.0, 2.01)]
-    assert "we tie at t=4 TP + full" in report.notes({"activation_bytes": {"rows": tied}})
+    assert "we tie at t=4 TP + full" in verdicts.notes({"activation_bytes": {"rows": tied}})

@@ -29,8 +29,9 @@ from lightning_sp.memory.formulas import (
     figure7_percentages,
     table2_bytes_per_layer,
 )
-from lightning_sp.planner.estimate import Estimate, estimate, resolve_recompute
+from lightning_sp.planner.estimate import estimate, resolve_recompute
 from lightning_sp.planner.layout import Layout, parse_bytes
+from lightning_sp.planner.records import Estimate
 from lightning_sp.planner.report import JSON_KEYS
 from lightning_sp.planner.report import main as report_main
 

@@ -18,20 +18,19 @@ flight), so give it the memory you can actually allocate.
 
 ``recompute: auto`` picks the least recomputation that fits: each policy of :data:`LADDER`
 but the last in turn, else the last (``full``) on just enough layers of each model chunk (the
-others as :meth:`GPTConfig.layer_recompute` says), else the last on every layer.
+others as :meth:`GPTConfig.layer_recompute` says), else the last on every layer. The records
+(:class:`Estimate`, its rows, :class:`RecomputeChoice`, :data:`LADDER`) are in
+:mod:`lightning_sp.planner.records`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
 
 from lightning_sp.memory.fake import ActivationMeasurement, measure_activations
 from lightning_sp.memory.formulas import (
-    FIGURE7_ROWS,
     MIXED_PRECISION_ADAM,
-    TABLE2_SETTINGS,
     ModelStatePrecision,
     activation_bytes_per_layer,
     chunk_forwards_in_flight,
@@ -41,191 +40,18 @@ from lightning_sp.memory.formulas import (
     output_activation_bytes,
     parameters_per_rank,
 )
-from lightning_sp.model.config import RECOMPUTE_POLICIES, GPTConfig
+from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.recompute import AUTO, policy_name
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.planner.layout import DEFAULT_DEVICE_BYTES, Layout
-
-LADDER: tuple[str, ...] = RECOMPUTE_POLICIES
-"""The recompute policies the planner tabulates, least recomputation first: the one place
-the planner enumerates them (``auto`` climbs it in this order, skipping a policy that stores no
-less than the one before it, such as ``selective`` under ``attention: sdpa``: it would
-recompute for no gain)."""
-
-COMBINATIONS: tuple[tuple[bool, str], ...] = tuple(
-    (sp, rc) for sp in (False, True) for rc in LADDER
+from lightning_sp.planner.records import (
+    COMBINATIONS,
+    LADDER,
+    Activations,
+    Estimate,
+    EstimateRow,
+    RecomputeChoice,
 )
-"""The ``(sequence_parallel, recompute)`` rows of the estimate."""
-
-
-def gigabytes(nbytes: float) -> str:
-    """``"64.12 GB"`` (10⁹ bytes, as device memory is quoted)."""
-    return f"{nbytes / 1e9:.2f} GB"
-
-
-def _partial(recompute: str, recompute_num_layers: int) -> str:
-    """``"full on 2 layer(s) per model chunk, selective on the rest"``: what the model runs
-    (:meth:`GPTConfig.layer_recompute`) with ``recompute_num_layers`` set."""
-    config = GPTConfig(recompute=recompute, recompute_num_layers=recompute_num_layers)
-    rest = config.layer_recompute(recompute_num_layers)
-    return f"{recompute} on {recompute_num_layers} layer(s) per model chunk, {rest} on the rest"
-
-
-# -- records -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Activations:
-    """Activation bytes rank 0 saves for one micro-batch, measured or by formula."""
-
-    per_layer: float
-    """One transformer layer."""
-
-    embedding: float
-    """The input embedding (its dropout mask)."""
-
-    head: float
-    """The final LayerNorm, output layer and loss (on the first stage only when ``p = 1``)."""
-
-
-@dataclass
-class EstimateRow:
-    """One ``(sequence_parallel, recompute)`` row of the estimate; bytes per rank."""
-
-    sequence_parallel: bool
-    """Sequence parallelism on."""
-
-    recompute: str
-    """The recompute policy."""
-
-    activation_bytes_per_layer: int
-    """Measured under fake tensors (the formula's value when not measured). For a partial
-    ``full`` row: the mean over a model chunk's layers."""
-
-    formula_bytes_per_layer: int
-    """Table 2, generalised (:func:`lightning_sp.memory.formulas.activation_bytes_per_layer`)."""
-
-    first_stage_activation_bytes: int
-    """Per layer × layers in flight (eq. 5, interleaving) + the §4.5 extras, measured."""
-
-    formula_first_stage_activation_bytes: int
-    """The same from the formulas alone."""
-
-    model_state_bytes: int
-    """Parameters + gradients + optimizer state of the most loaded rank."""
-
-    total_bytes: int
-    """``model_state_bytes + first_stage_activation_bytes``."""
-
-    device_bytes: int
-    """The device memory it is set against."""
-
-    recompute_num_layers: int | None = None
-    """With ``full``: layers per model chunk recomputed in full, the others as
-    :meth:`GPTConfig.layer_recompute` says; ``None``: every layer."""
-
-    selected: bool = False
-    """The configured combination, or the one ``recompute: auto`` chose."""
-
-    @property
-    def fits(self) -> bool:
-        return self.total_bytes <= self.device_bytes
-
-    @property
-    def label(self) -> str:
-        """``SP + selective``, ``TP only + full (2 layers/chunk, rest selective)``, ..."""
-        policy = self.recompute
-        if self.recompute_num_layers is not None:
-            policy = _partial(policy, self.recompute_num_layers)
-        return f"{'SP' if self.sequence_parallel else 'TP only'} + {policy}"
-
-
-@dataclass(frozen=True)
-class RecomputeChoice:
-    """What ``recompute: auto`` resolves to."""
-
-    recompute: str
-    """A policy of :data:`LADDER`."""
-
-    recompute_num_layers: int | None
-    """With ``full``: how many layers of each model chunk recompute in full (the first ones;
-    the others as :meth:`GPTConfig.layer_recompute` says); ``None``: all of them."""
-
-    total_bytes: int
-    """Model state + first-stage activations under this choice."""
-
-    device_bytes: int
-    """The memory it had to fit."""
-
-    measured: bool
-    """Whether the activation bytes were measured (else: from the formulas)."""
-
-    @property
-    def fits(self) -> bool:
-        """False only when even full recompute of every layer does not fit."""
-        return self.total_bytes <= self.device_bytes
-
-    def describe(self) -> str:
-        """One line for logs: the choice, its total and the device memory."""
-        what = self.recompute
-        if self.recompute_num_layers is not None:
-            what = _partial(what, self.recompute_num_layers)
-        verdict = "fits" if self.fits else "does NOT fit even so"
-        source = "measured" if self.measured else "formula"
-        return (
-            f"recompute: auto -> {what} ({gigabytes(self.total_bytes)} of "
-            f"{gigabytes(self.device_bytes)}, {verdict}; {source})"
-        )
-
-
-@dataclass
-class Estimate:
-    """Everything ``estimate`` reports for one layout."""
-
-    layout: Layout
-    """The configuration estimated."""
-
-    device_bytes: int
-    """Device memory per GPU."""
-
-    rows: list[EstimateRow]
-    """One per :data:`COMBINATIONS` entry that can run, then a partial-``full`` row if
-    ``auto`` chose one."""
-
-    measurements: dict[tuple[bool, str], ActivationMeasurement] = field(default_factory=dict)
-    """Raw measurements per ``(sequence_parallel, recompute)`` (empty if not measured)."""
-
-    parameters_per_rank: int = 0
-    """Parameters on the most loaded rank (the first pipeline stage)."""
-
-    model_parameters: int = 0
-    """Parameters of the whole model."""
-
-    choice: RecomputeChoice | None = None
-    """The resolution of ``recompute: auto`` (``None`` if a policy was configured)."""
-
-    seconds: float = 0.0
-    """Wall time spent measuring."""
-
-    def row(self, sequence_parallel: bool, recompute: str) -> EstimateRow:
-        """The row of one of :data:`COMBINATIONS` (every layer on ``recompute``)."""
-        for r in self.rows:
-            if (r.sequence_parallel, r.recompute, r.recompute_num_layers) == (
-                sequence_parallel, recompute, None,
-            ):  # fmt: skip
-                return r
-        raise KeyError((sequence_parallel, recompute))
-
-    def figure7(self, measured: bool = True) -> dict[str, float]:
-        """The paper's Figure 7 for this model: Table 2 rows as a percentage of the
-        tensor-parallel baseline (SP off, no recompute), per layer, measured or by formula."""
-        key = "activation_bytes_per_layer" if measured else "formula_bytes_per_layer"
-        base = getattr(self.row(False, "none"), key)
-        return {
-            name: 100.0 * getattr(self.row(*TABLE2_SETTINGS[name]), key) / base
-            for name in FIGURE7_ROWS
-        }
-
 
 # -- the estimate ------------------------------------------------------------------------------
 

@@ -17,8 +17,9 @@ from lightning_sp.memory.formulas import (
     TABLE2_SETTINGS,
     layers_in_flight,
 )
-from lightning_sp.planner.estimate import Estimate, EstimateRow, estimate, gigabytes, no_gain_notes
+from lightning_sp.planner.estimate import estimate, no_gain_notes
 from lightning_sp.planner.layout import FitLayoutCLI
+from lightning_sp.planner.records import Estimate, EstimateRow, gigabytes
 
 JSON_KEYS = (
     "sequence_parallel",
