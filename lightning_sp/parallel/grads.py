@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.state import ParallelState
 
 
@@ -67,8 +68,19 @@ def average_data_parallel_grads(module: nn.Module, state: ParallelState) -> None
             g.div_(state.data_parallel_size)
 
 
-def finalize_grads(module: nn.Module, state: ParallelState) -> None:
-    """All reductions between the last backward and the optimizer step, in order."""
+def finalize_grads(
+    module: nn.Module, state: ParallelState, buffer: GradBuffer | None = None
+) -> None:
+    """All reductions between the last backward and the optimizer step.
+
+    With a :class:`~lightning_sp.parallel.buffer.GradBuffer` the data-parallel mean is the
+    buffer's bucketed reduction (most of it already launched during backward), finished
+    here; the sequence-parallel sums over TP follow it (both are linear, so they commute).
+    """
+    if buffer is not None:
+        buffer.finish()
+        allreduce_sequence_parallel_grads(module, state)
+        return
     allreduce_sequence_parallel_grads(module, state)
     average_data_parallel_grads(module, state)
 

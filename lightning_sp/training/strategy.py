@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sp.errors import ConfigError
+from lightning_sp.parallel.buffer import DEFAULT_BUCKET_NUMEL
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState, check_layout
 from lightning_sp.parallel.threads import set_rank_threads
@@ -127,6 +129,11 @@ class MegatronSPStrategy(ParallelStrategy):
             as Megatron does, and counted in ``train/skipped_steps``).
         max_skipped_steps: With ``nonfinite: skip``, how many steps in a row may be skipped
             before the run stops anyway.
+        bucket_size: Elements per gradient bucket: gradients live in one contiguous buffer per
+            dtype, and each bucket's data-parallel all-reduce starts as soon as backward has
+            produced its last gradient (:mod:`lightning_sp.parallel.buffer`).
+        overlap_grad_reduce: Launch the buckets' reductions during backward; off, they all
+            run after it (the same result).
     """
 
     strategy_name = "megatron_sp"
@@ -144,6 +151,8 @@ class MegatronSPStrategy(ParallelStrategy):
         async_save: bool = False,
         nonfinite: str = "stop",
         max_skipped_steps: int = 10,
+        bucket_size: int = DEFAULT_BUCKET_NUMEL,
+        overlap_grad_reduce: bool = True,
         **kwargs: Any,
     ) -> None:
         check_strategy_args(
@@ -158,6 +167,8 @@ class MegatronSPStrategy(ParallelStrategy):
             async_save=async_save,
             nonfinite=nonfinite,
             max_skipped_steps=max_skipped_steps,
+            bucket_size=bucket_size,
+            overlap_grad_reduce=overlap_grad_reduce,
             **kwargs,
         )
         super().__init__()
@@ -173,6 +184,8 @@ class MegatronSPStrategy(ParallelStrategy):
         self._num_nodes = 1
         self.checkpointer = Checkpointer(async_save=async_save)
         self.guard = NonFiniteGuard(nonfinite, max_skipped_steps)
+        self.bucket_size = bucket_size
+        self.overlap_grad_reduce = overlap_grad_reduce
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -302,12 +315,17 @@ class MegatronSPStrategy(ParallelStrategy):
         assert module is not None
         stage = stage_model_of(module)
 
+        buffer = getattr(optimizer, "grad_buffer", None)
+
         def closure_then_reduce() -> Any:
             result = closure()
             if stage is not None:  # e.g. a Pipeline: also sums the tied embedding's copies
-                stage.finalize_grads()
+                if buffer is not None:  # the bucketed reduction of the optimizer's buffer
+                    stage.finalize_grads(buffer)  # type: ignore[call-arg]
+                else:
+                    stage.finalize_grads()
             else:  # plain data parallelism
-                finalize_grads(module, self.parallel_state)
+                finalize_grads(module, self.parallel_state, buffer)
             return result
 
         # forward + backward first, so that a non-finite step can be dropped before AdamW
@@ -319,6 +337,20 @@ class MegatronSPStrategy(ParallelStrategy):
                 pl_module.log("train/skipped_steps", float(self.guard.total_skipped))
             return result
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning's gradient accumulation: backward passes inside this block only
+        accumulate; the bucketed reduction starts on the last micro-batch's backward."""
+        buffers = [b for o in self.optimizers if (b := getattr(o, "grad_buffer", None))]
+        for buffer in buffers:
+            buffer.sync = False
+        try:
+            yield
+        finally:
+            for buffer in buffers:
+                buffer.sync = True
 
     # -- collectives Lightning asks for ------------------------------------------------------
 

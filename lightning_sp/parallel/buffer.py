@@ -1,0 +1,191 @@
+"""Contiguous gradient buffers and a bucketed data-parallel reduction overlapped with backward.
+
+Every trainable parameter's gradient lives in ``param.main_grad``, a view into one flat buffer
+per gradient dtype (fp32 for bf16/fp16 parameters, else the parameter's own dtype). The
+parameters are laid out in *reverse* registration order, which is roughly the order backward
+produces their gradients (last layer first), and the buffer is cut, at parameter boundaries,
+into buckets of about ``bucket_numel`` elements::
+
+    buffer[fp32] = | bucket 0: output layer, layer L-1 ... | bucket 1: ... | ... embedding |
+
+A post-accumulate-grad hook adds each fresh gradient into its ``main_grad`` and frees
+``param.grad``. On the backward that completes the step's gradients (``sync`` on, and each
+parameter seen ``backwards_per_step`` times: the micro-batches of one ``training_step``), the
+hook counts the parameter ready; when a bucket's last parameter is ready, the bucket's
+all-reduce over the data-parallel group is launched asynchronously (``async_op=True``) while
+backward goes on with earlier layers. :meth:`GradBuffer.finish` launches whatever has not been
+launched (deferred buckets, parameters that got no gradient), waits for every bucket and
+divides by the data-parallel size. The reduction is in place: no copy of the gradients is made.
+
+Deferred parameters (the tied embedding's two copies under pipeline parallelism, whose sum
+over the first and last stage must come first) sit in buckets of their own that only
+:meth:`finish` launches. The sequence-parallel sums over the TP group stay a post-backward step
+(:func:`lightning_sp.parallel.grads.finalize_grads`): they touch only the LayerNorm and bias
+gradients, and being linear they commute with the data-parallel mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_sp.parallel.state import ParallelState
+
+DEFAULT_BUCKET_NUMEL = 40_000_000
+"""Elements per bucket by default (160 MB of fp32 gradients, Megatron's default size)."""
+
+
+def grad_dtype(param: Tensor) -> torch.dtype:
+    """The dtype gradients of ``param`` accumulate in: fp32 for bf16/fp16, else its own."""
+    return torch.float32 if param.dtype in (torch.bfloat16, torch.float16) else param.dtype
+
+
+@dataclass(eq=False)
+class Bucket:
+    """A contiguous range of one buffer: the parameters whose ``main_grad`` it holds."""
+
+    data: Tensor  # [numel], a view of the buffer
+    params: list[Tensor]
+    deferred: bool = False
+    ready: int = 0
+    handle: Any = None
+    launched_in_backward: bool = field(default=False)
+
+
+class GradBuffer:
+    """Flat gradient buffers over ``params`` with a bucketed, overlapped data-parallel mean.
+
+    Args:
+        params: The parameters (those without ``requires_grad`` are skipped).
+        state: This rank's layout; the reduction runs over ``state.dp_group``.
+        bucket_numel: Elements per bucket (a bucket closes once it holds at least this many).
+        deferred: Parameters reduced only by :meth:`finish` (in buckets of their own).
+        overlap: Launch each bucket's collective during backward; ``False`` reduces every
+            bucket in :meth:`finish` (the same result, no overlap).
+        backwards_per_step: Backward passes per synchronising step (micro-batches that one
+            ``training_step`` runs): the last of them makes a parameter ready.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        state: ParallelState,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        deferred: Iterable[Tensor] = (),
+        overlap: bool = True,
+        backwards_per_step: int = 1,
+    ) -> None:
+        self.state = state
+        self.overlap = overlap
+        self.backwards_per_step = backwards_per_step
+        self.sync = True
+        """Whether this backward completes the step (off while Lightning accumulates)."""
+        self.params = [p for p in params if p.requires_grad]
+        deferred_ids = {id(p) for p in deferred}
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for p in reversed(self.params):
+            by_dtype.setdefault(grad_dtype(p), []).append(p)
+        self.buffers: dict[torch.dtype, Tensor] = {}
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[int, Bucket] = {}
+        self._counts: dict[int, int] = {id(p): 0 for p in self.params}
+        for dtype, group in by_dtype.items():
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=group[0].device)
+            self.buffers[dtype] = flat
+            offset = 0
+            for members, is_deferred in _plan(group, bucket_numel, deferred_ids):
+                start = offset
+                for p in members:
+                    p.main_grad = flat[offset : offset + p.numel()].view_as(p)  # type: ignore[attr-defined]
+                    offset += p.numel()
+                bucket = Bucket(flat[start:offset], members, is_deferred)
+                self.buckets.append(bucket)
+                for p in members:
+                    self._bucket_of[id(p)] = bucket
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    @property
+    def numel(self) -> int:
+        """Elements over all buffers."""
+        return sum(b.numel() for b in self.buffers.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all buffers (the gradients' real size)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def _on_grad(self, param: Tensor) -> None:
+        param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
+        param.grad = None
+        if not self.sync:
+            return
+        self._counts[id(param)] += 1
+        if self._counts[id(param)] != self.backwards_per_step:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.ready += 1
+        if self.overlap and not bucket.deferred and bucket.ready == len(bucket.params):
+            self._launch(bucket)
+            bucket.launched_in_backward = True
+
+    def _launch(self, bucket: Bucket) -> None:
+        if self.state.dp_group is not None and bucket.handle is None:
+            bucket.handle = dist.all_reduce(bucket.data, group=self.state.dp_group, async_op=True)
+
+    def finish(self) -> None:
+        """Launch the buckets not yet launched, wait for all, divide by the data-parallel
+        size. Afterwards every ``main_grad`` is the data-parallel mean."""
+        d = self.state.data_parallel_size
+        for bucket in self.buckets:
+            self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = None
+            if d > 1:
+                bucket.data.div_(d)
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        """Forget which parameters were seen (the step is over, or was abandoned)."""
+        for bucket in self.buckets:
+            bucket.ready = 0
+            bucket.launched_in_backward = False
+        for key in self._counts:
+            self._counts[key] = 0
+
+    def zero(self) -> None:
+        """Zero every gradient (all buffers) and drop stray ``param.grad``."""
+        for flat in self.buffers.values():
+            flat.zero_()
+        for p in self.params:
+            p.grad = None
+
+
+def _plan(
+    params: Sequence[Tensor], bucket_numel: int, deferred: set[int]
+) -> list[tuple[list[Tensor], bool]]:
+    """Cut ``params`` (in buffer order) into buckets: ``(members, deferred)``."""
+    plan: list[tuple[list[Tensor], bool]] = []
+    current: list[Tensor] = []
+    size = 0
+    for p in params:
+        if id(p) in deferred:  # its own bucket: close the open one (buckets are contiguous)
+            if current:
+                plan.append((current, False))
+                current, size = [], 0
+            plan.append(([p], True))
+            continue
+        current.append(p)
+        size += p.numel()
+        if size >= bucket_numel:
+            plan.append((current, False))
+            current, size = [], 0
+    if current:
+        plan.append((current, False))
+    return plan
