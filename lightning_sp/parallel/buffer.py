@@ -26,7 +26,7 @@ gradients, and being linear they commute with the data-parallel mean.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,10 +47,13 @@ def grad_dtype(param: Tensor) -> torch.dtype:
 
 @dataclass(eq=False)
 class Bucket:
-    """A contiguous range of one buffer: the parameters whose ``main_grad`` it holds."""
+    """A contiguous range of one buffer: the parameters whose ``main_grad`` it holds, at
+    ``offsets`` inside it. Sharded (``distributed``), its length is a multiple of the
+    data-parallel size d and data-parallel rank r owns ``data[r*len/d : (r+1)*len/d]``."""
 
-    data: Tensor  # [numel], a view of the buffer
+    data: Tensor  # [numel], a view of the buffer (padded to a multiple of d when sharded)
     params: list[Tensor]
+    offsets: list[int]
     deferred: bool = False
     ready: int = 0
     handle: Any = None
@@ -69,6 +72,9 @@ class GradBuffer:
             bucket in :meth:`finish` (the same result, no overlap).
         backwards_per_step: Backward passes per synchronising step (micro-batches that one
             ``training_step`` runs): the last of them makes a parameter ready.
+        distributed: Reduce-scatter instead of all-reduce (the distributed optimizer): after
+            :meth:`finish` each rank holds the mean on its own shard of every bucket
+            (:meth:`owned`) and zeros elsewhere.
     """
 
     def __init__(
@@ -79,8 +85,10 @@ class GradBuffer:
         deferred: Iterable[Tensor] = (),
         overlap: bool = True,
         backwards_per_step: int = 1,
+        distributed: bool = False,
     ) -> None:
         self.state = state
+        self.distributed = distributed
         self.overlap = overlap
         self.backwards_per_step = backwards_per_step
         self.sync = True
@@ -94,19 +102,25 @@ class GradBuffer:
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
         self._counts: dict[int, int] = {id(p): 0 for p in self.params}
+        d = state.data_parallel_size if distributed else 1
         for dtype, group in by_dtype.items():
-            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=group[0].device)
+            plan = _plan(group, bucket_numel, deferred_ids)
+            sizes = [-(-sum(p.numel() for p in members) // d) * d for members, _ in plan]
+            flat = torch.zeros(sum(sizes), dtype=dtype, device=group[0].device)
             self.buffers[dtype] = flat
-            offset = 0
-            for members, is_deferred in _plan(group, bucket_numel, deferred_ids):
-                start = offset
+            start = 0
+            for (members, is_deferred), size in zip(plan, sizes, strict=True):
+                data = flat[start : start + size]
+                offsets, offset = [], 0
                 for p in members:
-                    p.main_grad = flat[offset : offset + p.numel()].view_as(p)  # type: ignore[attr-defined]
+                    p.main_grad = data[offset : offset + p.numel()].view_as(p)  # type: ignore[attr-defined]
+                    offsets.append(offset)
                     offset += p.numel()
-                bucket = Bucket(flat[start:offset], members, is_deferred)
+                bucket = Bucket(data, members, offsets, is_deferred)
                 self.buckets.append(bucket)
                 for p in members:
                     self._bucket_of[id(p)] = bucket
+                start += size
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     @property
@@ -133,13 +147,60 @@ class GradBuffer:
             self._launch(bucket)
             bucket.launched_in_backward = True
 
+    def _shard_range(self, bucket: Bucket) -> tuple[int, int]:
+        """``[lo, hi)`` of ``bucket`` that this rank owns (the whole bucket unless sharded)."""
+        if not self.distributed:
+            return 0, bucket.data.numel()
+        per = bucket.data.numel() // self.state.data_parallel_size
+        return self.state.data_parallel_rank * per, (self.state.data_parallel_rank + 1) * per
+
     def _launch(self, bucket: Bucket) -> None:
-        if self.state.dp_group is not None and bucket.handle is None:
-            bucket.handle = dist.all_reduce(bucket.data, group=self.state.dp_group, async_op=True)
+        group = self.state.dp_group
+        if group is None or bucket.handle is not None:
+            return
+        if self.distributed:  # the output is this rank's shard of the bucket itself
+            lo, hi = self._shard_range(bucket)
+            bucket.handle = dist.reduce_scatter_tensor(
+                bucket.data[lo:hi], bucket.data, group=group, async_op=True
+            )
+        else:
+            bucket.handle = dist.all_reduce(bucket.data, group=group, async_op=True)
+
+    def owned(self) -> dict[int, tuple[int, int, Tensor]]:
+        """``{id(param): (start, end, grad)}``: the flat range ``[start, end)`` of each
+        parameter this rank owns and its gradient there (a view of the buffer)."""
+        result = {}
+        for bucket in self.buckets:
+            lo, hi = self._shard_range(bucket)
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                a, b = max(lo, offset), min(hi, offset + p.numel())
+                if a < b:
+                    result[id(p)] = (a - offset, b - offset, bucket.data[a:b])
+        return result
+
+    def gather(
+        self, pieces: dict[int, Tensor], dtype: torch.dtype
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """All-gather over data parallelism: ``pieces`` maps ``id(param)`` to this rank's
+        owned range of some per-element quantity (see :meth:`owned`); yields ``(param, the
+        whole quantity in the parameter's shape)``, one bucket (one collective of the
+        bucket's size, a fresh tensor) at a time."""
+        for bucket in self.buckets:
+            lo, hi = self._shard_range(bucket)
+            full = torch.zeros(bucket.data.numel(), dtype=dtype, device=bucket.data.device)
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                a, b = max(lo, offset), min(hi, offset + p.numel())
+                if a < b:
+                    full[a:b] = pieces[id(p)]
+            if self.distributed and self.state.dp_group is not None:
+                dist.all_gather_into_tensor(full, full[lo:hi].clone(), group=self.state.dp_group)
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                yield p, full[offset : offset + p.numel()].view_as(p)
 
     def finish(self) -> None:
         """Launch the buckets not yet launched, wait for all, divide by the data-parallel
-        size. Afterwards every ``main_grad`` is the data-parallel mean."""
+        size. Afterwards every ``main_grad`` is the data-parallel mean (sharded: on this
+        rank's shard, and zero elsewhere)."""
         d = self.state.data_parallel_size
         for bucket in self.buckets:
             self._launch(bucket)
@@ -147,8 +208,11 @@ class GradBuffer:
             if bucket.handle is not None:
                 bucket.handle.wait()
                 bucket.handle = None
+            lo, hi = self._shard_range(bucket)
             if d > 1:
-                bucket.data.div_(d)
+                bucket.data[lo:hi].div_(d)
+            bucket.data[:lo].zero_()  # not this rank's shard: partial sums, dropped
+            bucket.data[hi:].zero_()
         self.reset_counts()
 
     def reset_counts(self) -> None:

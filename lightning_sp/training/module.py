@@ -382,6 +382,7 @@ class GPTModule(LightningModule):
             {
                 "bucket_numel": strategy.bucket_size,
                 "overlap_grad_reduce": strategy.overlap_grad_reduce,
+                "distributed_optimizer": strategy.distributed_optimizer,
             }
             if isinstance(strategy, MegatronSPStrategy)
             else {}
@@ -404,7 +405,9 @@ class GPTModule(LightningModule):
             raise ConfigError(
                 f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not supported; use 'norm'"
             )
-        norm = clip_grad_norm_(self.parameters(), gradient_clip_val, self.parallel_state)
+        buffer = getattr(optimizer, "grad_buffer", None)
+        sharded = buffer is not None and buffer.distributed
+        norm = clip_grad_norm_(self.parameters(), gradient_clip_val, self.parallel_state, sharded)
         self.log("train/grad_norm", norm, prog_bar=False)
 
     # -- checkpoints -------------------------------------------------------------------------

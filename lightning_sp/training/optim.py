@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sp.parallel.buffer import GradBuffer
+from lightning_sp.training.distributed_optim import DistributedAdamW
 
 
 def _accumulate_into_main_grad(param: Tensor) -> None:
@@ -121,6 +122,7 @@ def build_adamw(
     eps: float,
     bucket_numel: int | None = None,
     overlap_grad_reduce: bool = True,
+    distributed_optimizer: bool = False,
 ) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not on biases, LayerNorms, 1-D params).
 
@@ -130,7 +132,9 @@ def build_adamw(
     every model gets :class:`MasterWeightAdamW` over a
     :class:`~lightning_sp.parallel.buffer.GradBuffer` of buckets of that many elements
     (``model`` then has a ``state``; a pipeline's micro-batches and tied embedding are read
-    from it), reducing during backward unless ``overlap_grad_reduce`` is off.
+    from it), reducing during backward unless ``overlap_grad_reduce`` is off; with
+    ``distributed_optimizer`` the buffer reduce-scatters and
+    :class:`~lightning_sp.training.distributed_optim.DistributedAdamW` keeps 1/d of the state.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
@@ -150,10 +154,10 @@ def build_adamw(
             deferred=tied() if tied is not None else (),
             overlap=overlap_grad_reduce,
             backwards_per_step=getattr(model, "num_microbatches", 1),
+            distributed=distributed_optimizer,
         )
-        return MasterWeightAdamW(
-            groups, buffer, lr=lr, betas=betas, eps=eps, **kernel_options(device)
-        )
+        cls = DistributedAdamW if distributed_optimizer else MasterWeightAdamW
+        return cls(groups, buffer, lr=lr, betas=betas, eps=eps, **kernel_options(device))
     low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
     cls = MasterWeightAdamW if low_precision else torch.optim.AdamW
     return cls(groups, lr=lr, betas=betas, eps=eps, **kernel_options(device))

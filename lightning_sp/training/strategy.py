@@ -61,6 +61,7 @@ from lightning_sp.parallel.state import ParallelState, check_layout
 from lightning_sp.parallel.threads import set_rank_threads
 from lightning_sp.training.checkpoint import Layout, Meta, gpt_chunks
 from lightning_sp.training.checkpointer import Checkpointer, resumable_loader, rng_key
+from lightning_sp.training.distributed_optim import DistributedAdamW
 from lightning_sp.training.guard import NonFiniteGuard
 from lightning_sp.training.protocol import ParallelModule, stage_model_of
 from lightning_sp.training.validation import check_precision, check_strategy_args
@@ -134,6 +135,10 @@ class MegatronSPStrategy(ParallelStrategy):
             produced its last gradient (:mod:`lightning_sp.parallel.buffer`).
         overlap_grad_reduce: Launch the buckets' reductions during backward; off, they all
             run after it (the same result).
+        distributed_optimizer: Shard the fp32 master weights and Adam moments over
+            data-parallel ranks (ZeRO-1, Megatron's distributed optimizer): gradients are
+            reduce-scattered, each rank steps its 1/d and the weights are all-gathered
+            (:mod:`lightning_sp.training.distributed_optim`).
     """
 
     strategy_name = "megatron_sp"
@@ -153,6 +158,7 @@ class MegatronSPStrategy(ParallelStrategy):
         max_skipped_steps: int = 10,
         bucket_size: int = DEFAULT_BUCKET_NUMEL,
         overlap_grad_reduce: bool = True,
+        distributed_optimizer: bool = False,
         **kwargs: Any,
     ) -> None:
         check_strategy_args(
@@ -169,6 +175,7 @@ class MegatronSPStrategy(ParallelStrategy):
             max_skipped_steps=max_skipped_steps,
             bucket_size=bucket_size,
             overlap_grad_reduce=overlap_grad_reduce,
+            distributed_optimizer=distributed_optimizer,
             **kwargs,
         )
         super().__init__()
@@ -186,6 +193,7 @@ class MegatronSPStrategy(ParallelStrategy):
         self.guard = NonFiniteGuard(nonfinite, max_skipped_steps)
         self.bucket_size = bucket_size
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.distributed_optimizer = distributed_optimizer
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -427,7 +435,7 @@ class MegatronSPStrategy(ParallelStrategy):
         self.checkpointer.save(
             Path(self.broadcast(str(filepath))),
             self.lightning_module,
-            self.optimizers,
+            [o.full_view() if isinstance(o, DistributedAdamW) else o for o in self.optimizers],
             meta=meta,
             lightning_state=checkpoint,
             rng=(self._rng_key(), streams),
@@ -440,14 +448,20 @@ class MegatronSPStrategy(ParallelStrategy):
         """Load weights and optimizer state in place (any saved layout) and return
         Lightning's state; the RNG streams come back only into the layout that saved them."""
         assert self.lightning_module is not None
+        optimizers = [
+            o.full_view() if isinstance(o, DistributedAdamW) else o for o in self.optimizers
+        ]
         checkpoint = self.checkpointer.load(
             Path(checkpoint_path),
             self.lightning_module,
-            self.optimizers,
+            optimizers,  # type: ignore[arg-type]
             layout=self.layout,
             model_config=self._model_config(),
             rng_name=self._rng_key(),
         )
+        for optimizer, view in zip(self.optimizers, optimizers, strict=True):
+            if isinstance(optimizer, DistributedAdamW):
+                optimizer.load_full_view(view)  # type: ignore[arg-type]
         streams = checkpoint.pop("rng_streams", None) or {}
         if streams.get("torch") is not None:
             torch.set_rng_state(streams["torch"])
