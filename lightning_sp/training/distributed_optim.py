@@ -16,6 +16,7 @@ two optimizers.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +37,7 @@ class FullOptimizerView:
 
     param_groups: list[dict[str, Any]]
     model_params: list[Tensor]
-    state: dict[Tensor, dict[str, Tensor]] = field(default_factory=dict)
+    state: defaultdict[Tensor, dict[str, Tensor]] = field(default_factory=lambda: defaultdict(dict))
 
 
 class DistributedAdamW(torch.optim.AdamW):
@@ -148,7 +149,10 @@ class DistributedAdamW(torch.optim.AdamW):
         with torch.no_grad():
             for master, p, start, end, _ in self._segments:
                 whole = by_param[id(p)]
-                master.copy_(whole.reshape(-1)[start:end])
+                # a full-precision weight is its own master (the replicated optimizer saves
+                # none for it): take the loaded weight
+                source = p if p.dtype == master.dtype else whole
+                master.copy_(source.reshape(-1)[start:end])
                 state = view.state.get(whole)
                 if state:
                     self.steps_taken = int(state["step"].item())
@@ -157,4 +161,5 @@ class DistributedAdamW(torch.optim.AdamW):
                         **{n: state[n].reshape(-1)[start:end].clone() for n in ADAM_STATE},
                     }
             for p, whole in zip(view.model_params, masters, strict=True):
-                p.copy_(whole)
+                if p.dtype != whole.dtype:
+                    p.copy_(whole)
