@@ -41,6 +41,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def __init__(
         self,
         param_groups: Iterable[dict[str, Any]],
+        *,
         grad_buffer: GradBuffer | None = None,
         **defaults: Any,
     ) -> None:
@@ -145,6 +146,7 @@ def build_adamw(
     ]
     groups = [g for g in groups if g["params"]]
     device = params[0].device if params else torch.device("cpu")
+    kernel: dict[str, Any] = dict(lr=lr, betas=betas, eps=eps, **kernel_options(device))
     if bucket_numel is not None:
         tied = getattr(model, "tied_embedding_weights", None)
         buffer = GradBuffer(
@@ -156,8 +158,9 @@ def build_adamw(
             backwards_per_step=getattr(model, "num_microbatches", 1),
             distributed=distributed_optimizer,
         )
-        cls = DistributedAdamW if distributed_optimizer else MasterWeightAdamW
-        return cls(groups, buffer, lr=lr, betas=betas, eps=eps, **kernel_options(device))
+        if distributed_optimizer:
+            return DistributedAdamW(groups, buffer, **kernel)
+        return MasterWeightAdamW(groups, grad_buffer=buffer, **kernel)
     low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
     cls = MasterWeightAdamW if low_precision else torch.optim.AdamW
-    return cls(groups, lr=lr, betas=betas, eps=eps, **kernel_options(device))
+    return cls(groups, **kernel)

@@ -435,7 +435,7 @@ class MegatronSPStrategy(ParallelStrategy):
         self.checkpointer.save(
             Path(self.broadcast(str(filepath))),
             self.lightning_module,
-            [o.full_view() if isinstance(o, DistributedAdamW) else o for o in self.optimizers],
+            [o.full_view() if isinstance(o, DistributedAdamW) else o for o in self.optimizers],  # type: ignore[misc]
             meta=meta,
             lightning_state=checkpoint,
             rng=(self._rng_key(), streams),
