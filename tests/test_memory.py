@@ -22,6 +22,7 @@ from lightning_sp.memory.formulas import (
     ModelStatePrecision,
     activation_bytes_per_layer,
     chunk_forwards_in_flight,
+    distributed_optimizer_elements,
     dropped_bytes_per_layer,
     embedding_activation_bytes,
     extra_activation_bytes,
@@ -195,6 +196,12 @@ def test_model_state_bytes_per_parameter() -> None:
     assert model_state_bytes(1_000_000) == 18_000_000
     fp32_adam = ModelStatePrecision(param_bytes=4, grad_bytes=4, master_bytes=0)
     assert model_state_bytes(10, fp32_adam) == 160
+    # the distributed optimizer: 2 + 4 + 12/d bytes; without it d changes nothing
+    zero = model_state_bytes(1_000_000, data_parallel_size=8, distributed_optimizer=True)
+    assert zero == 7_500_000
+    assert model_state_bytes(1_000_000, data_parallel_size=8) == 18_000_000
+    assert distributed_optimizer_elements([10, 7], 4, 0) == 3 + 2
+    assert sum(distributed_optimizer_elements([10, 7], 4, r) for r in range(4)) == 17
 
 
 def test_parameter_count_of_gpt3_175b() -> None:

@@ -49,6 +49,10 @@ def model(**overrides: Any) -> GPTModule:
 LAYOUTS = {  # name -> (devices, strategy arguments)
     "tp2-sp": (2, {"tensor_parallel_size": 2}),
     "dp2": (2, {"tensor_parallel_size": 1}),
+    "dp2-zero1": (
+        2,
+        {"tensor_parallel_size": 1, "distributed_optimizer": True, "bucket_size": 5000},
+    ),
     "single": (1, {"tensor_parallel_size": 1}),
     "pp2-interleaved": (
         2,
@@ -97,7 +101,7 @@ def test_training_reduces_loss_and_keeps_replicas_in_sync(
     assert last < 0.6 * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
 
 
-@pytest.mark.parametrize("layout", ["tp2-sp", "pp2-interleaved"])
+@pytest.mark.parametrize("layout", ["tp2-sp", "pp2-interleaved", "dp2-zero1"])
 def test_resume_is_exact(tmp_path: Path, corpus: Path, layout: str) -> None:
     every_10 = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1,
                                filename="{step}")  # fmt: skip

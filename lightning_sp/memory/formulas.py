@@ -14,6 +14,7 @@ is on and the attention backend. What each recompute module drops comes from its
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_sp.errors import ConfigError
@@ -344,7 +345,29 @@ def model_parameter_count(config: GPTConfig) -> int:
 
 
 def model_state_bytes(
-    num_parameters: int, precision: ModelStatePrecision = MIXED_PRECISION_ADAM
+    num_parameters: int,
+    precision: ModelStatePrecision = MIXED_PRECISION_ADAM,
+    data_parallel_size: int = 1,
+    distributed_optimizer: bool = False,
 ) -> float:
-    """Weights + gradients + optimizer state for ``num_parameters`` parameters on one rank."""
-    return num_parameters * precision.bytes_per_parameter
+    """Weights + gradients + optimizer state for ``num_parameters`` parameters on one rank.
+
+    With the distributed optimizer (ZeRO-1) the fp32 masters and Adam moments are split over
+    the ``d`` data-parallel ranks: ``2 + 4 + 12/d`` bytes per parameter by default.
+    """
+    n = num_parameters
+    replicated = n * (precision.param_bytes + precision.grad_bytes)
+    sharded = n * (precision.master_bytes + precision.optimizer_bytes)
+    return replicated + (sharded / data_parallel_size if distributed_optimizer else sharded)
+
+
+def distributed_optimizer_elements(bucket_numels: Sequence[int], d: int, rank: int) -> int:
+    """Parameter elements whose optimizer state data-parallel ``rank`` keeps: each bucket of
+    ``n`` elements is padded to a multiple of ``d`` and split in ``d`` equal shards (the
+    padding belongs to no parameter). Times 12 bytes (fp32 master, exp_avg, exp_avg_sq) is a
+    rank's optimizer state; summed over ranks it is every element once."""
+    total = 0
+    for n in bucket_numels:
+        per = -(-n // d)
+        total += max(0, min(n, (rank + 1) * per) - rank * per)
+    return total

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.state import ParallelState
 
 
@@ -67,8 +68,19 @@ def average_data_parallel_grads(module: nn.Module, state: ParallelState) -> None
             g.div_(state.data_parallel_size)
 
 
-def finalize_grads(module: nn.Module, state: ParallelState) -> None:
-    """All reductions between the last backward and the optimizer step, in order."""
+def finalize_grads(
+    module: nn.Module, state: ParallelState, buffer: GradBuffer | None = None
+) -> None:
+    """All reductions between the last backward and the optimizer step.
+
+    With a :class:`~lightning_sp.parallel.buffer.GradBuffer` the data-parallel mean is the
+    buffer's bucketed reduction (most of it already launched during backward), finished
+    here; the sequence-parallel sums over TP follow it (both are linear, so they commute).
+    """
+    if buffer is not None:
+        buffer.finish()
+        allreduce_sequence_parallel_grads(module, state)
+        return
     allreduce_sequence_parallel_grads(module, state)
     average_data_parallel_grads(module, state)
 
@@ -86,28 +98,38 @@ def _counted_once(param: Tensor, state: ParallelState) -> bool:
     return (shard is not None and shard.dim is not None) or state.tensor_parallel_rank == 0
 
 
-def global_grad_norm(params: Iterable[Tensor], state: ParallelState) -> Tensor:
-    """The L2 norm of the whole model's gradient, over all TP and PP shards (fp32 scalar).
+def global_grad_norm(
+    params: Iterable[Tensor], state: ParallelState, sharded_over_dp: bool = False
+) -> Tensor:
+    """The L2 norm of the whole model's gradient, over all TP and PP shards (an fp32 scalar;
+    fp64 for fp64 gradients).
 
-    Data-parallel replicas hold identical gradients after averaging, so they are not summed.
+    Data-parallel replicas hold identical gradients after averaging, so they are not summed;
+    ``sharded_over_dp`` (the distributed optimizer's buffer: each replica holds its own shard
+    of the mean, zeros elsewhere) sums them too.
     """
     params = list(params)
     device = params[0].device if params else state.device
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    # fp32, or fp64 for fp64 gradients (so that float64 parity tests see no fp32 rounding)
+    wide = any((g := grad_of(p)) is not None and g.dtype == torch.float64 for p in params)
+    dtype = torch.float64 if wide else torch.float32
+    total = torch.zeros((), dtype=dtype, device=device)
     for p in params:
         g = grad_of(p)
         if g is not None and _counted_once(p, state):
-            total += g.detach().float().pow(2).sum()
-    for group in (state.tp_group, state.pp_group):
+            total += g.detach().to(dtype).pow(2).sum()
+    for group in (state.tp_group, state.pp_group, state.dp_group if sharded_over_dp else None):
         if group is not None:
             dist.all_reduce(total, group=group)
     return total.sqrt()
 
 
-def clip_grad_norm_(params: Iterable[Tensor], max_norm: float, state: ParallelState) -> Tensor:
+def clip_grad_norm_(
+    params: Iterable[Tensor], max_norm: float, state: ParallelState, sharded_over_dp: bool = False
+) -> Tensor:
     """Scale every gradient so the global norm is at most ``max_norm``; return the norm."""
     params = list(params)
-    norm = global_grad_norm(params, state)
+    norm = global_grad_norm(params, state, sharded_over_dp)
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         g = grad_of(p)

@@ -36,6 +36,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel import grads as grad_utils
+from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.state import DEFAULT_TIMEOUT, ParallelState
 from lightning_sp.pipeline.layout import (
     ScheduleName,
@@ -317,13 +318,21 @@ class Pipeline(nn.Module):
             weight.grad = grad = torch.zeros_like(weight)
         dist.all_reduce(grad, group=self._embedding_group)
 
-    def finalize_grads(self) -> None:
+    def tied_embedding_weights(self) -> list[Tensor]:
+        """This rank's copy of the tied embedding when it is summed over stages (else none):
+        a gradient buffer reduces it over data parallelism only after that sum."""
+        if self._embedding_group is None:
+            return []
+        chunk = self.models[0] if self.has_embedding else self.models[-1]
+        return [chunk.word_embeddings.weight]
+
+    def finalize_grads(self, buffer: GradBuffer | None = None) -> None:
         """Every reduction between the last backward and the optimizer step: the tied
         embedding over the first and last stage, then sequence-parallel gradients over the
         TP group and the mean over data-parallel replicas
-        (:func:`lightning_sp.parallel.grads.finalize_grads`)."""
+        (:func:`lightning_sp.parallel.grads.finalize_grads`, through ``buffer`` if given)."""
         self.allreduce_tied_embedding_grads()
-        grad_utils.finalize_grads(self, self.state)
+        grad_utils.finalize_grads(self, self.state, buffer)
 
     def rng_state_dict(self) -> dict[str, dict[str, Tensor]]:
         """The dropout streams of every chunk, keyed by chunk index (for checkpoints)."""

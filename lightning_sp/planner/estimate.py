@@ -141,7 +141,11 @@ def estimate(
     layout.validate()
     cfg, t = layout.config, layout.tensor_parallel_size
     n_params = parameters_per_rank(cfg, t, layout.pipeline_parallel_size)
-    state_bytes = round(model_state_bytes(n_params, precision))
+    state_bytes = round(
+        model_state_bytes(
+            n_params, precision, layout.data_parallel_size, layout.distributed_optimizer
+        )
+    )
     device = round(device_bytes)
     start = time.perf_counter()
     measurements: dict[tuple[bool, str], ActivationMeasurement] = {}

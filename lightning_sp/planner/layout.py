@@ -61,6 +61,9 @@ class Layout:
     data_parallel_size: int = 1
     """d = world / (t·p)."""
 
+    distributed_optimizer: bool = False
+    """The strategy's ``distributed_optimizer``: fp32 masters and Adam moments split over d."""
+
     source: str = "<layout>"
     """Where the layout was read from, for messages."""
 
@@ -260,6 +263,7 @@ def layout_from_fit(
         num_microbatches=n,
         micro_batch_size=batch // n,
         data_parallel_size=d,
+        distributed_optimizer=bool(getattr(strategy, "distributed_optimizer", False)),
         source=source,
     )
     layout.validate()

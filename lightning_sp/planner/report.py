@@ -16,6 +16,7 @@ from lightning_sp.memory.formulas import (
     MIXED_PRECISION_ADAM,
     TABLE2_SETTINGS,
     layers_in_flight,
+    model_state_bytes,
 )
 from lightning_sp.planner.estimate import estimate, no_gain_notes
 from lightning_sp.planner.layout import FitLayoutCLI
@@ -44,6 +45,21 @@ def to_json(row: EstimateRow) -> dict[str, Any]:
     return out
 
 
+def _model_state_line(result: Estimate) -> str:
+    """Model-state bytes per rank: the paper's replicated Adam (18 B per parameter) beside
+    the distributed optimizer's ``2 + 4 + 12/d``; the one the run uses is marked."""
+    n, d = result.parameters_per_rank, result.layout.data_parallel_size
+    zero = model_state_bytes(n, MIXED_PRECISION_ADAM, d, distributed_optimizer=True)
+    used = "distributed optimizer" if result.layout.distributed_optimizer else "replicated"
+    return (
+        f"model state per rank: {n / 1e9:.3f}B parameters x "
+        f"{MIXED_PRECISION_ADAM.bytes_per_parameter:g} B (bf16 weight 2 + fp32 grad 4 + "
+        f"fp32 master 4 + Adam m,v 8) = {gigabytes(model_state_bytes(n))} replicated (paper); "
+        f"distributed optimizer at d={d}: 2 + 4 + 12/{d} = {6 + 12 / d:g} B = "
+        f"{gigabytes(zero)}; this run: {used}"
+    )
+
+
 def format_table(result: Estimate) -> str:
     """The human-readable report: the layout, the rows, Figure 7 and the verdict."""
     layout, cfg = result.layout, result.layout.config
@@ -66,9 +82,7 @@ def format_table(result: Estimate) -> str:
         f"first stage: {cfg.num_layers // p} layers ({m} chunk(s) of {layout.layers_per_chunk}), "
         f"holds {lif:g} layers' worth = L x {lif / cfg.num_layers:.4f}"
         + (" (1 + (p-1)/(p*m))" if m > 1 else " (eq. 5)"),
-        f"model state per rank: {result.parameters_per_rank / 1e9:.3f}B parameters x "
-        f"{MIXED_PRECISION_ADAM.bytes_per_parameter:g} B (bf16 weight 2 + fp32 grad 4 + "
-        f"fp32 master 4 + Adam m,v 8) = {gigabytes(result.rows[0].model_state_bytes)}",
+        _model_state_line(result),
     ]
     if result.measurements:
         any_m = next(iter(result.measurements.values()))

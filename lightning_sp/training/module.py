@@ -88,12 +88,14 @@ def lr_multiplier(step: int, peak: float, floor: float, warmup: int, decay: int)
 
 
 def configure_adamw(
-    model: nn.Module, cfg: OptimizerConfig, max_steps: int
+    model: nn.Module, cfg: OptimizerConfig, max_steps: int, **buffer: Any
 ) -> OptimizerLRSchedulerConfig:
     """``configure_optimizers``'s answer: AdamW
-    (:func:`~lightning_sp.training.optim.build_adamw`) with warm-up + cosine decay stepped every
-    optimizer step."""
-    optimizer = build_adamw(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps)
+    (:func:`~lightning_sp.training.optim.build_adamw`, given the gradient ``buffer`` settings)
+    with warm-up + cosine decay stepped every optimizer step."""
+    optimizer = build_adamw(
+        model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, **buffer
+    )
     decay = cfg.decay_steps or max(max_steps, cfg.warmup_steps + 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -375,7 +377,19 @@ class GPTModule(LightningModule):
 
     @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
-        return configure_adamw(self.stage_model(), self.optimizer_config, self.trainer.max_steps)
+        strategy = self.trainer.strategy
+        buffer = (
+            {
+                "bucket_numel": strategy.bucket_size,
+                "overlap_grad_reduce": strategy.overlap_grad_reduce,
+                "distributed_optimizer": strategy.distributed_optimizer,
+            }
+            if isinstance(strategy, MegatronSPStrategy)
+            else {}
+        )
+        return configure_adamw(
+            self.stage_model(), self.optimizer_config, self.trainer.max_steps, **buffer
+        )
 
     @override
     def configure_gradient_clipping(
@@ -391,7 +405,9 @@ class GPTModule(LightningModule):
             raise ConfigError(
                 f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not supported; use 'norm'"
             )
-        norm = clip_grad_norm_(self.parameters(), gradient_clip_val, self.parallel_state)
+        buffer = getattr(optimizer, "grad_buffer", None)
+        sharded = buffer is not None and buffer.distributed
+        norm = clip_grad_norm_(self.parameters(), gradient_clip_val, self.parallel_state, sharded)
         self.log("train/grad_norm", norm, prog_bar=False)
 
     # -- checkpoints -------------------------------------------------------------------------

@@ -21,6 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_sp.parallel.buffer import GradBuffer
+from lightning_sp.training.distributed_optim import DistributedAdamW
+
 
 def _accumulate_into_main_grad(param: Tensor) -> None:
     param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
@@ -35,15 +38,28 @@ class MasterWeightAdamW(torch.optim.AdamW):
     the exact fp32 weights.
     """
 
-    def __init__(self, param_groups: Iterable[dict[str, Any]], **defaults: Any) -> None:
+    def __init__(
+        self,
+        param_groups: Iterable[dict[str, Any]],
+        *,
+        grad_buffer: GradBuffer | None = None,
+        **defaults: Any,
+    ) -> None:
         self.model_params: list[Tensor] = []
+        self.grad_buffer = grad_buffer
+        """With a :class:`~lightning_sp.parallel.buffer.GradBuffer`, ``main_grad`` are views
+        into it and its hooks accumulate (and reduce); without, one buffer per parameter."""
         master_groups = []
         for group in param_groups:
             masters = []
             for p in group["params"]:
-                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
-                p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
-                master = p.detach().float().clone().requires_grad_(True)
+                if grad_buffer is None:
+                    p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+                    p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+                if p.dtype in (torch.bfloat16, torch.float16) or grad_buffer is None:
+                    master = p.detach().float().clone().requires_grad_(True)
+                else:  # a full-precision parameter is its own master
+                    master = p
                 masters.append(master)
                 self.model_params.append(p)
             master_groups.append({**group, "params": masters})
@@ -62,12 +78,18 @@ class MasterWeightAdamW(torch.optim.AdamW):
             master.grad = p.main_grad  # type: ignore[attr-defined]
         super().step()
         for master, p in zip(self._masters(), self.model_params, strict=True):
-            p.copy_(master)
+            if master is not p:
+                p.copy_(master)
+            else:
+                p.grad = None
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.grad_buffer is not None:
+            self.grad_buffer.zero()
         for p in self.model_params:
-            p.main_grad.zero_()  # type: ignore[attr-defined]
+            if self.grad_buffer is None:
+                p.main_grad.zero_()  # type: ignore[attr-defined]
             p.grad = None
         for master in self._masters():
             master.grad = None
@@ -84,7 +106,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
         with torch.no_grad():
             for master, saved, p in zip(self._masters(), masters, self.model_params, strict=True):
                 master.copy_(saved)
-                p.copy_(saved)
+                if master is not p:
+                    p.copy_(saved)
 
 
 def kernel_options(device: torch.device) -> dict[str, bool]:
@@ -98,12 +121,21 @@ def build_adamw(
     weight_decay: float,
     betas: tuple[float, float],
     eps: float,
+    bucket_numel: int | None = None,
+    overlap_grad_reduce: bool = True,
+    distributed_optimizer: bool = False,
 ) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not on biases, LayerNorms, 1-D params).
 
     fp32 models get ``torch.optim.AdamW``; low-precision models get
     :class:`MasterWeightAdamW` (fp32 gradients and master weights); both use
-    :func:`kernel_options` for the parameters' device.
+    :func:`kernel_options` for the parameters' device. With ``bucket_numel``
+    every model gets :class:`MasterWeightAdamW` over a
+    :class:`~lightning_sp.parallel.buffer.GradBuffer` of buckets of that many elements
+    (``model`` then has a ``state``; a pipeline's micro-batches and tied embedding are read
+    from it), reducing during backward unless ``overlap_grad_reduce`` is off; with
+    ``distributed_optimizer`` the buffer reduce-scatters and
+    :class:`~lightning_sp.training.distributed_optim.DistributedAdamW` keeps 1/d of the state.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
@@ -113,7 +145,22 @@ def build_adamw(
         {"params": no_decay, "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
+    device = params[0].device if params else torch.device("cpu")
+    kernel: dict[str, Any] = dict(lr=lr, betas=betas, eps=eps, **kernel_options(device))
+    if bucket_numel is not None:
+        tied = getattr(model, "tied_embedding_weights", None)
+        buffer = GradBuffer(
+            params,
+            model.state,  # type: ignore[arg-type]
+            bucket_numel,
+            deferred=tied() if tied is not None else (),
+            overlap=overlap_grad_reduce,
+            backwards_per_step=getattr(model, "num_microbatches", 1),
+            distributed=distributed_optimizer,
+        )
+        if distributed_optimizer:
+            return DistributedAdamW(groups, buffer, **kernel)
+        return MasterWeightAdamW(groups, grad_buffer=buffer, **kernel)
     low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
     cls = MasterWeightAdamW if low_precision else torch.optim.AdamW
-    device = params[0].device if params else torch.device("cpu")
-    return cls(groups, lr=lr, betas=betas, eps=eps, **kernel_options(device))
+    return cls(groups, **kernel)

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,11 +55,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sp.errors import ConfigError
+from lightning_sp.parallel.buffer import DEFAULT_BUCKET_NUMEL
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState, check_layout
 from lightning_sp.parallel.threads import set_rank_threads
 from lightning_sp.training.checkpoint import Layout, Meta, gpt_chunks
 from lightning_sp.training.checkpointer import Checkpointer, resumable_loader, rng_key
+from lightning_sp.training.distributed_optim import DistributedAdamW
 from lightning_sp.training.guard import NonFiniteGuard
 from lightning_sp.training.protocol import ParallelModule, stage_model_of
 from lightning_sp.training.validation import check_precision, check_strategy_args
@@ -127,6 +130,15 @@ class MegatronSPStrategy(ParallelStrategy):
             as Megatron does, and counted in ``train/skipped_steps``).
         max_skipped_steps: With ``nonfinite: skip``, how many steps in a row may be skipped
             before the run stops anyway.
+        bucket_size: Elements per gradient bucket: gradients live in one contiguous buffer per
+            dtype, and each bucket's data-parallel all-reduce starts as soon as backward has
+            produced its last gradient (:mod:`lightning_sp.parallel.buffer`).
+        overlap_grad_reduce: Launch the buckets' reductions during backward; off, they all
+            run after it (the same result).
+        distributed_optimizer: Shard the fp32 master weights and Adam moments over
+            data-parallel ranks (ZeRO-1, Megatron's distributed optimizer): gradients are
+            reduce-scattered, each rank steps its 1/d and the weights are all-gathered
+            (:mod:`lightning_sp.training.distributed_optim`).
     """
 
     strategy_name = "megatron_sp"
@@ -144,6 +156,9 @@ class MegatronSPStrategy(ParallelStrategy):
         async_save: bool = False,
         nonfinite: str = "stop",
         max_skipped_steps: int = 10,
+        bucket_size: int = DEFAULT_BUCKET_NUMEL,
+        overlap_grad_reduce: bool = True,
+        distributed_optimizer: bool = False,
         **kwargs: Any,
     ) -> None:
         check_strategy_args(
@@ -158,6 +173,9 @@ class MegatronSPStrategy(ParallelStrategy):
             async_save=async_save,
             nonfinite=nonfinite,
             max_skipped_steps=max_skipped_steps,
+            bucket_size=bucket_size,
+            overlap_grad_reduce=overlap_grad_reduce,
+            distributed_optimizer=distributed_optimizer,
             **kwargs,
         )
         super().__init__()
@@ -173,6 +191,9 @@ class MegatronSPStrategy(ParallelStrategy):
         self._num_nodes = 1
         self.checkpointer = Checkpointer(async_save=async_save)
         self.guard = NonFiniteGuard(nonfinite, max_skipped_steps)
+        self.bucket_size = bucket_size
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.distributed_optimizer = distributed_optimizer
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -302,12 +323,17 @@ class MegatronSPStrategy(ParallelStrategy):
         assert module is not None
         stage = stage_model_of(module)
 
+        buffer = getattr(optimizer, "grad_buffer", None)
+
         def closure_then_reduce() -> Any:
             result = closure()
             if stage is not None:  # e.g. a Pipeline: also sums the tied embedding's copies
-                stage.finalize_grads()
+                if buffer is not None:  # the bucketed reduction of the optimizer's buffer
+                    stage.finalize_grads(buffer)  # type: ignore[call-arg]
+                else:
+                    stage.finalize_grads()
             else:  # plain data parallelism
-                finalize_grads(module, self.parallel_state)
+                finalize_grads(module, self.parallel_state, buffer)
             return result
 
         # forward + backward first, so that a non-finite step can be dropped before AdamW
@@ -319,6 +345,20 @@ class MegatronSPStrategy(ParallelStrategy):
                 pl_module.log("train/skipped_steps", float(self.guard.total_skipped))
             return result
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning's gradient accumulation: backward passes inside this block only
+        accumulate; the bucketed reduction starts on the last micro-batch's backward."""
+        buffers = [b for o in self.optimizers if (b := getattr(o, "grad_buffer", None))]
+        for buffer in buffers:
+            buffer.sync = False
+        try:
+            yield
+        finally:
+            for buffer in buffers:
+                buffer.sync = True
 
     # -- collectives Lightning asks for ------------------------------------------------------
 
@@ -395,7 +435,7 @@ class MegatronSPStrategy(ParallelStrategy):
         self.checkpointer.save(
             Path(self.broadcast(str(filepath))),
             self.lightning_module,
-            self.optimizers,
+            [o.full_view() if isinstance(o, DistributedAdamW) else o for o in self.optimizers],  # type: ignore[misc]
             meta=meta,
             lightning_state=checkpoint,
             rng=(self._rng_key(), streams),
@@ -408,14 +448,20 @@ class MegatronSPStrategy(ParallelStrategy):
         """Load weights and optimizer state in place (any saved layout) and return
         Lightning's state; the RNG streams come back only into the layout that saved them."""
         assert self.lightning_module is not None
+        optimizers = [
+            o.full_view() if isinstance(o, DistributedAdamW) else o for o in self.optimizers
+        ]
         checkpoint = self.checkpointer.load(
             Path(checkpoint_path),
             self.lightning_module,
-            self.optimizers,
+            optimizers,  # type: ignore[arg-type]
             layout=self.layout,
             model_config=self._model_config(),
             rng_name=self._rng_key(),
         )
+        for optimizer, view in zip(self.optimizers, optimizers, strict=True):
+            if isinstance(optimizer, DistributedAdamW):
+                optimizer.load_full_view(view)  # type: ignore[arg-type]
         streams = checkpoint.pop("rng_streams", None) or {}
         if streams.get("torch") is not None:
             torch.set_rng_state(streams["torch"])

@@ -18,7 +18,8 @@ from lightning_sp.pipeline import check_pipeline_schedule
 STRATEGY_ARGS = (
     "tensor_parallel_size", "pipeline_parallel_size", "sequence_parallel", "num_microbatches",
     "virtual_pipeline_size", "timeout", "process_group_backend", "start_method", "async_save",
-    "nonfinite", "max_skipped_steps",
+    "nonfinite", "max_skipped_steps", "bucket_size", "overlap_grad_reduce",
+    "distributed_optimizer",
 )  # fmt: skip
 SUPPORTED_PRECISION = ("32-true", "bf16-true", "64-true")
 STRATEGY = "trainer.strategy"
@@ -51,6 +52,10 @@ def check_strategy_args(**args: Any) -> None:
     skips = get("max_skipped_steps", 10)
     if not isinstance(skips, int) or isinstance(skips, bool) or skips < 0:
         raise ConfigError(f"max_skipped_steps={skips!r} must be a non-negative integer")
+    positive_int("bucket_size", get("bucket_size", 1))
+    for name in ("overlap_grad_reduce", "distributed_optimizer"):
+        if not isinstance(get(name, True), bool):
+            raise ConfigError(f"{name}={get(name)!r} must be true or false")
     p, n = get("pipeline_parallel_size", 1), get("num_microbatches", 1)
     if n > 1 and p == 1:
         raise ConfigError(

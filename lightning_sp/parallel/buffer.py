@@ -1,0 +1,255 @@
+"""Contiguous gradient buffers and a bucketed data-parallel reduction overlapped with backward.
+
+Every trainable parameter's gradient lives in ``param.main_grad``, a view into one flat buffer
+per gradient dtype (fp32 for bf16/fp16 parameters, else the parameter's own dtype). The
+parameters are laid out in *reverse* registration order, which is roughly the order backward
+produces their gradients (last layer first), and the buffer is cut, at parameter boundaries,
+into buckets of about ``bucket_numel`` elements::
+
+    buffer[fp32] = | bucket 0: output layer, layer L-1 ... | bucket 1: ... | ... embedding |
+
+A post-accumulate-grad hook adds each fresh gradient into its ``main_grad`` and frees
+``param.grad``. On the backward that completes the step's gradients (``sync`` on, and each
+parameter seen ``backwards_per_step`` times: the micro-batches of one ``training_step``), the
+hook counts the parameter ready; when a bucket's last parameter is ready, the bucket's
+all-reduce over the data-parallel group is launched asynchronously (``async_op=True``) while
+backward goes on with earlier layers. :meth:`GradBuffer.finish` launches whatever has not been
+launched (deferred buckets, parameters that got no gradient), waits for every bucket and
+divides by the data-parallel size. The reduction is in place: no copy of the gradients is made.
+
+Deferred parameters (the tied embedding's two copies under pipeline parallelism, whose sum
+over the first and last stage must come first) sit in buckets of their own that only
+:meth:`finish` launches. The sequence-parallel sums over the TP group stay a post-backward step
+(:func:`lightning_sp.parallel.grads.finalize_grads`): they touch only the LayerNorm and bias
+gradients, and being linear they commute with the data-parallel mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_sp.parallel.state import ParallelState
+
+DEFAULT_BUCKET_NUMEL = 40_000_000
+"""Elements per bucket by default (160 MB of fp32 gradients, Megatron's default size)."""
+
+
+def grad_dtype(param: Tensor) -> torch.dtype:
+    """The dtype gradients of ``param`` accumulate in: fp32 for bf16/fp16, else its own."""
+    return torch.float32 if param.dtype in (torch.bfloat16, torch.float16) else param.dtype
+
+
+@dataclass(eq=False)
+class Bucket:
+    """A contiguous range of one buffer: the parameters whose ``main_grad`` it holds, at
+    ``offsets`` inside it. Sharded (``distributed``), its length is a multiple of the
+    data-parallel size d and data-parallel rank r owns ``data[r*len/d : (r+1)*len/d]``."""
+
+    data: Tensor  # [numel], a view of the buffer (padded to a multiple of d when sharded)
+    params: list[Tensor]
+    offsets: list[int]
+    deferred: bool = False
+    ready: int = 0
+    handle: Any = None
+    launched_in_backward: bool = field(default=False)
+
+
+class GradBuffer:
+    """Flat gradient buffers over ``params`` with a bucketed, overlapped data-parallel mean.
+
+    Args:
+        params: The parameters (those without ``requires_grad`` are skipped).
+        state: This rank's layout; the reduction runs over ``state.dp_group``.
+        bucket_numel: Elements per bucket (a bucket closes once it holds at least this many).
+        deferred: Parameters reduced only by :meth:`finish` (in buckets of their own).
+        overlap: Launch each bucket's collective during backward; ``False`` reduces every
+            bucket in :meth:`finish` (the same result, no overlap).
+        backwards_per_step: Backward passes per synchronising step (micro-batches that one
+            ``training_step`` runs): the last of them makes a parameter ready.
+        distributed: Reduce-scatter instead of all-reduce (the distributed optimizer): after
+            :meth:`finish` each rank holds the mean on its own shard of every bucket
+            (:meth:`owned`) and zeros elsewhere.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        state: ParallelState,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        deferred: Iterable[Tensor] = (),
+        overlap: bool = True,
+        backwards_per_step: int = 1,
+        distributed: bool = False,
+    ) -> None:
+        self.state = state
+        self.distributed = distributed
+        self.overlap = overlap
+        self.backwards_per_step = backwards_per_step
+        self.sync = True
+        """Whether this backward completes the step (off while Lightning accumulates)."""
+        self.params = [p for p in params if p.requires_grad]
+        deferred_ids = {id(p) for p in deferred}
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for p in reversed(self.params):
+            by_dtype.setdefault(grad_dtype(p), []).append(p)
+        self.buffers: dict[torch.dtype, Tensor] = {}
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[int, Bucket] = {}
+        self._counts: dict[int, int] = {id(p): 0 for p in self.params}
+        d = state.data_parallel_size if distributed else 1
+        for dtype, group in by_dtype.items():
+            plan = _plan(group, bucket_numel, deferred_ids)
+            sizes = [-(-sum(p.numel() for p in members) // d) * d for members, _ in plan]
+            flat = torch.zeros(sum(sizes), dtype=dtype, device=group[0].device)
+            self.buffers[dtype] = flat
+            start = 0
+            for (members, is_deferred), size in zip(plan, sizes, strict=True):
+                data = flat[start : start + size]
+                offsets, offset = [], 0
+                for p in members:
+                    p.main_grad = data[offset : offset + p.numel()].view_as(p)  # type: ignore[attr-defined]
+                    offsets.append(offset)
+                    offset += p.numel()
+                bucket = Bucket(data, members, offsets, is_deferred)
+                self.buckets.append(bucket)
+                for p in members:
+                    self._bucket_of[id(p)] = bucket
+                start += size
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    @property
+    def numel(self) -> int:
+        """Elements over all buffers."""
+        return sum(b.numel() for b in self.buffers.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all buffers (the gradients' real size)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def _on_grad(self, param: Tensor) -> None:
+        param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
+        param.grad = None
+        if not self.sync:
+            return
+        self._counts[id(param)] += 1
+        if self._counts[id(param)] != self.backwards_per_step:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.ready += 1
+        if self.overlap and not bucket.deferred and bucket.ready == len(bucket.params):
+            self._launch(bucket)
+            bucket.launched_in_backward = True
+
+    def _shard_range(self, bucket: Bucket) -> tuple[int, int]:
+        """``[lo, hi)`` of ``bucket`` that this rank owns (the whole bucket unless sharded)."""
+        if not self.distributed:
+            return 0, bucket.data.numel()
+        per = bucket.data.numel() // self.state.data_parallel_size
+        return self.state.data_parallel_rank * per, (self.state.data_parallel_rank + 1) * per
+
+    def _launch(self, bucket: Bucket) -> None:
+        group = self.state.dp_group
+        if group is None or bucket.handle is not None:
+            return
+        if self.distributed:  # the output is this rank's shard of the bucket itself
+            lo, hi = self._shard_range(bucket)
+            bucket.handle = dist.reduce_scatter_tensor(
+                bucket.data[lo:hi], bucket.data, group=group, async_op=True
+            )
+        else:
+            bucket.handle = dist.all_reduce(bucket.data, group=group, async_op=True)
+
+    def owned(self) -> dict[int, tuple[int, int, Tensor]]:
+        """``{id(param): (start, end, grad)}``: the flat range ``[start, end)`` of each
+        parameter this rank owns and its gradient there (a view of the buffer)."""
+        result = {}
+        for bucket in self.buckets:
+            lo, hi = self._shard_range(bucket)
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                a, b = max(lo, offset), min(hi, offset + p.numel())
+                if a < b:
+                    result[id(p)] = (a - offset, b - offset, bucket.data[a:b])
+        return result
+
+    def gather(
+        self, pieces: dict[int, Tensor], dtype: torch.dtype
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """All-gather over data parallelism: ``pieces`` maps ``id(param)`` to this rank's
+        owned range of some per-element quantity (see :meth:`owned`); yields ``(param, the
+        whole quantity in the parameter's shape)``, one bucket (one collective of the
+        bucket's size, a fresh tensor) at a time."""
+        for bucket in self.buckets:
+            lo, hi = self._shard_range(bucket)
+            full = torch.zeros(bucket.data.numel(), dtype=dtype, device=bucket.data.device)
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                a, b = max(lo, offset), min(hi, offset + p.numel())
+                if a < b:
+                    full[a:b] = pieces[id(p)]
+            if self.distributed and self.state.dp_group is not None:
+                dist.all_gather_into_tensor(full, full[lo:hi].clone(), group=self.state.dp_group)
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                yield p, full[offset : offset + p.numel()].view_as(p)
+
+    def finish(self) -> None:
+        """Launch the buckets not yet launched, wait for all, divide by the data-parallel
+        size. Afterwards every ``main_grad`` is the data-parallel mean (sharded: on this
+        rank's shard, and zero elsewhere)."""
+        d = self.state.data_parallel_size
+        for bucket in self.buckets:
+            self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = None
+            lo, hi = self._shard_range(bucket)
+            if d > 1:
+                bucket.data[lo:hi].div_(d)
+            bucket.data[:lo].zero_()  # not this rank's shard: partial sums, dropped
+            bucket.data[hi:].zero_()
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        """Forget which parameters were seen (the step is over, or was abandoned)."""
+        for bucket in self.buckets:
+            bucket.ready = 0
+            bucket.launched_in_backward = False
+        for key in self._counts:
+            self._counts[key] = 0
+
+    def zero(self) -> None:
+        """Zero every gradient (all buffers) and drop stray ``param.grad``."""
+        for flat in self.buffers.values():
+            flat.zero_()
+        for p in self.params:
+            p.grad = None
+
+
+def _plan(
+    params: Sequence[Tensor], bucket_numel: int, deferred: set[int]
+) -> list[tuple[list[Tensor], bool]]:
+    """Cut ``params`` (in buffer order) into buckets: ``(members, deferred)``."""
+    plan: list[tuple[list[Tensor], bool]] = []
+    current: list[Tensor] = []
+    size = 0
+    for p in params:
+        if id(p) in deferred:  # its own bucket: close the open one (buckets are contiguous)
+            if current:
+                plan.append((current, False))
+                current, size = [], 0
+            plan.append(([p], True))
+            continue
+        current.append(p)
+        size += p.numel()
+        if size >= bucket_numel:
+            plan.append((current, False))
+            current, size = [], 0
+    if current:
+        plan.append((current, False))
+    return plan
