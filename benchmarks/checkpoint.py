@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks._spawn import run_ranks
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.training.checkpoint import Layout, Meta
 from lightning_sp.training.checkpointer import Checkpointer
 from lightning_sp.training.optim import build_adamw
+from tests.spawn import run_distributed
 
 SCHEDULES = ("none", "async", "sync")
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every", type=int, default=5, help="steps between checkpoints")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
-        times = run_ranks(_rank, 2, args.rounds, args.every, folder, threads=1)[0]
+        times = run_distributed(_rank, 2, args.rounds, args.every, folder, threads=1)[0]
     base = times["none"]
     print(f"{args.every} steps per round, {len(base)} rounds; round time / no checkpoints:")
     for name in ("async", "sync"):
