@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -6,6 +9,13 @@ import pytest
 # Two cores: keep every process (and every spawned rank) to one intra-op thread so four ranks
 # do not oversubscribe the machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Prepared corpora and the datasets cache go to a directory of this test session (inherited by
+# spawned ranks and cli.py subprocesses), never the user's ~/.cache: a session neither reuses
+# nor races with another run's prepared data.
+_CACHE = tempfile.mkdtemp(prefix="lightning_sp_tests_")
+os.environ["XDG_CACHE_HOME"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 
 TEXT = (
