@@ -2,9 +2,11 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 # Two cores: keep every process (and every spawned rank) to one intra-op thread so four ranks
 # do not oversubscribe the machine.
@@ -16,6 +18,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 _CACHE = tempfile.mkdtemp(prefix="lightning_sp_tests_")
 os.environ["XDG_CACHE_HOME"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored() -> Iterator[None]:
+    """Each test leaves the process as it found it: an in-process Trainer run leaves Lightning's
+    launcher variables (WORLD_SIZE, LOCAL_RANK, MASTER_PORT, ...) in ``os.environ`` and its
+    default process group initialised, which a later Trainer would take for an external
+    launcher of world size 1 and a later fake-tensor measurement for a live group."""
+    before = dict(os.environ)
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(before)
 
 
 TEXT = (
