@@ -22,7 +22,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_sp.training.data import TextDataModule
-from lightning_sp.training.module import GPTModule, configure_adamw
+from lightning_sp.training.module import GPTModule
+from lightning_sp.training.optim import configure_adamw
 
 
 def _synchronize(device: torch.device) -> None:

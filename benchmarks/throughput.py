@@ -65,7 +65,7 @@ from lightning_sp.memory.flops import (
 )
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.training.data import TextDataModule
-from lightning_sp.training.module import configure_adamw
+from lightning_sp.training.optim import configure_adamw
 from tests.spawn import run_distributed
 
 TIMEOUT_SECONDS = 300.0

@@ -1,5 +1,5 @@
-"""Checkpoints (lightning_sp.training.checkpoint / checkpointer / commit): resharding between
-layouts on 4 gloo ranks, crash safety under kill -9, the non-finite guard."""
+"""Checkpoints (the lightning_sp.training.checkpoint package): resharding between layouts on 4
+gloo ranks, crash safety under kill -9, the non-finite guard."""
 
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ from lightning_sp import (
     Pipeline,
 )
 from lightning_sp.parallel.grads import finalize_grads
-from lightning_sp.training.checkpoint import Layout, Meta, read_full
-from lightning_sp.training.checkpointer import Checkpointer, rng_key
+from lightning_sp.training.checkpoint import Checkpointer, Layout, Meta, read_full, rng_key
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.optim import build_adamw
 
@@ -342,7 +341,7 @@ def test_loader_with_a_stateful_sampler_is_resumable_for_lightning() -> None:
     from lightning.fabric.utilities.types import _Stateful
     from torch.utils.data import DataLoader
 
-    from lightning_sp.training.checkpointer import resumable_loader
+    from lightning_sp.training.data.sampler import resumable_loader
 
     class Sampler(list):
         position = 0

@@ -146,7 +146,7 @@ def test_recompute_num_layers_mixes_full_and_selective() -> None:
 # before any process starts (tests/test_cli.py runs a few through `python cli.py` itself)
 
 from lightning_sp.training import validation  # noqa: E402
-from lightning_sp.training.module import OptimizerConfig  # noqa: E402
+from lightning_sp.training.optim import OptimizerConfig  # noqa: E402
 
 STRATEGY_CASES = [  # (strategy arguments, the field named in the one line)
     ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be a positive integer"),
@@ -204,8 +204,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory):
     """A real checkpoint of the tiny model (one process) and its config."""
     import dataclasses
 
-    from lightning_sp.training.checkpoint import Layout, Meta
-    from lightning_sp.training.checkpointer import Checkpointer
+    from lightning_sp.training.checkpoint import Checkpointer, Layout, Meta
     from lightning_sp.training.optim import build_adamw
 
     config = tiny_config()

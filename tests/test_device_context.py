@@ -21,7 +21,8 @@ from lightning_sp.errors import ConfigError
 from lightning_sp.parallel.init import materialize
 from lightning_sp.parallel.random import RNGStreams, dropout
 from lightning_sp.parallel.state import _group_options
-from lightning_sp.training.module import GPTModule, check_compile
+from lightning_sp.training.module import GPTModule
+from lightning_sp.training.validation import check_compile
 from tests.models import batch, tiny_config
 
 CONFIG = tiny_config(hidden_dropout=0.1, attention_dropout=0.1, recompute="selective")

@@ -16,8 +16,7 @@ import torch.distributed as dist
 from lightning_sp import GPT, ParallelState
 from lightning_sp.memory.formulas import distributed_optimizer_elements, model_state_bytes
 from lightning_sp.parallel.grads import finalize_grads
-from lightning_sp.training.checkpoint import Layout, Meta, read_full
-from lightning_sp.training.checkpointer import Checkpointer, rng_key
+from lightning_sp.training.checkpoint import Checkpointer, Layout, Meta, read_full, rng_key
 from lightning_sp.training.distributed_optim import DistributedAdamW
 from lightning_sp.training.optim import build_adamw
 

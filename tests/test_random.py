@@ -31,6 +31,7 @@ from torch import Tensor
 import lightning_sp.model
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.parallel import random as random_module
+from lightning_sp.parallel.random import default_generator, drawing_from
 
 from models import batch, tiny_config
 from spawn import run_distributed
@@ -228,3 +229,22 @@ def test_recorder_sees_every_dropout_of_one_process(sequence_parallel: bool) -> 
     ]
     kept = torch.cat(residual).double().mean().item()
     assert 0.65 < kept < 0.75, f"kept fraction {kept:.3f}, dropout 0.3 keeps 0.7"
+
+
+def test_drawing_from_swaps_the_generator_in_and_restores_the_default() -> None:
+    """Ops without a generator inside the block draw what they would from ``generator``
+    itself, advance it by that much, and leave torch's default generator where it was, also
+    when the block raises; a device without a default generator is refused."""
+    global_state = torch.get_rng_state()
+    ours, reference = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    with drawing_from(ours):
+        drawn = torch.rand(5)
+    assert torch.equal(drawn, torch.rand(5, generator=reference))
+    assert torch.equal(ours.get_state(), reference.get_state())  # advanced by what was drawn
+    assert torch.equal(torch.get_rng_state(), global_state)
+    with pytest.raises(RuntimeError, match="inside"), drawing_from(ours):
+        torch.rand(3)
+        raise RuntimeError("inside")
+    assert torch.equal(torch.get_rng_state(), global_state)
+    with pytest.raises(ValueError, match="meta"):
+        default_generator(torch.device("meta"))

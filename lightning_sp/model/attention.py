@@ -11,9 +11,10 @@ read the descriptor (``GPTConfig.attention`` names it).
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``. The fused
   kernels (flash / memory-efficient on CUDA, flash on CPU) store Q, K, V (views of the QKV
   output, ``6sbh/t``), their output (``2sbh/t``, which the projection shares) and an fp32
-  logsumexp (``4asb/t`` bytes); their backward recomputes QKᵀ. Attention dropout is seeded
-  from our sharded stream: torch's global RNG is forked, seeded with a number drawn from the
-  stream, and restored, so masks differ per TP rank and replay identically under recompute.
+  logsumexp (``4asb/t`` bytes); their backward recomputes QKᵀ. Attention dropout draws from
+  our sharded stream (:func:`~lightning_sp.parallel.random.drawing_from` swaps it in as the
+  device's default generator, host-side, and torch's own state is restored), so masks differ
+  per TP rank and replay identically under recompute.
   On CPU with ``dropout_p > 0`` torch leaves the fused kernel for a math fallback that stores
   fp32 ``s x s`` scores and masks (measured 108sbh for one core at s=256, a=8, h=256, bf16,
   torch 2.13); the model warns once when that happens.
@@ -36,7 +37,7 @@ from lightning_sp.model.fused import heads_row_linear, norm_column_linear
 from lightning_sp.model.recompute import recompute
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from lightning_sp.parallel.random import RNGStreams, dropout
+from lightning_sp.parallel.random import RNGStreams, drawing_from, dropout
 from lightning_sp.parallel.state import ParallelState
 
 CoreFn = Callable[[Tensor, Tensor, Tensor, float, torch.Generator, bool], Tensor]
@@ -79,10 +80,7 @@ def sdpa_core(
             "on CPU",
             stacklevel=2,
         )
-    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
-    devices = [q.device] if q.device.type not in ("cpu", "meta") else []
-    with torch.random.fork_rng(devices=devices, device_type=q.device.type):
-        torch.manual_seed(seed)
+    with drawing_from(generator):  # our sharded stream, not torch's global RNG
         out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
     return out.squeeze(0)
 

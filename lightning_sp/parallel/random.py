@@ -21,6 +21,8 @@ for the ``meta`` device (deferred initialisation) gets CPU generators.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -33,6 +35,34 @@ def derive_seed(*parts: object) -> int:
     """A 63-bit seed that is a stable function of ``parts`` (not Python's salted ``hash``)."""
     digest = hashlib.sha256(repr(parts).encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    """The generator torch's own random ops draw from on ``device``."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    if device.type == "cpu":
+        return torch.default_generator
+    raise ValueError(f"no default generator to swap on a {device.type} device")
+
+
+@contextmanager
+def drawing_from(generator: torch.Generator) -> Iterator[None]:
+    """Inside the block, torch's default generator of ``generator``'s device *is* ``generator``:
+    random ops that take no generator (``scaled_dot_product_attention``'s dropout) draw from it,
+    and ``generator`` advances by what they drew; the default generator's own state is
+    restored on exit. As Megatron's CUDA RNG tracker, this only swaps generator states, which
+    live on the host for CPU and CUDA generators alike: no device synchronisation (drawing a
+    seed from a CUDA generator would be one)."""
+    default = default_generator(generator.device)
+    saved = default.get_state()
+    default.set_state(generator.get_state())
+    try:
+        yield
+        generator.set_state(default.get_state())
+    finally:
+        default.set_state(saved)
 
 
 class RNGStreams:

@@ -13,18 +13,14 @@ micro-batch) inside ``training_step``; with ``p = 1`` Lightning runs backward as
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import math
 import os
-import shutil
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 from torchmetrics import MeanMetric
 from typing_extensions import override
@@ -37,96 +33,19 @@ from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.grads import clip_grad_norm_
 from lightning_sp.parallel.state import DEFAULT_TIMEOUT, ParallelState
 from lightning_sp.pipeline import Pipeline, check_batch
-from lightning_sp.training.optim import build_adamw
+from lightning_sp.training.optim import OptimizerConfig, configure_adamw
 from lightning_sp.training.prompts import Codec
 from lightning_sp.training.strategy import MegatronSPStrategy
-from lightning_sp.training.validation import check_optimizer
-
-
-@dataclass
-class OptimizerConfig:
-    """AdamW with linear warm-up and cosine decay (GPT-3's schedule)."""
-
-    lr: float = 3e-4
-    """Peak learning rate, reached after warmup_steps."""
-
-    min_lr: float = 3e-5
-    """Learning rate at the end of the cosine decay (and after it)."""
-
-    weight_decay: float = 0.1
-    """Decoupled weight decay, applied to weight matrices only."""
-
-    beta1: float = 0.9
-    """Adam β1."""
-
-    beta2: float = 0.95
-    """Adam β2."""
-
-    eps: float = 1e-8
-    """Adam ε."""
-
-    warmup_steps: int = 100
-    """Steps of linear warm-up from 0 to lr."""
-
-    decay_steps: int | None = None
-    """Steps until the cosine decay reaches min_lr; default: the trainer's max_steps."""
-
+from lightning_sp.training.validation import (
+    check_compile,
+    check_data,
+    check_optimizer,
+    check_vocabulary,
+)
 
 _DEFAULT_MODEL = GPTConfig()
 _DEFAULT_OPTIMIZER = OptimizerConfig()
 _DEFAULT_GENERATION = GenerationConfig()
-
-
-def lr_multiplier(step: int, peak: float, floor: float, warmup: int, decay: int) -> float:
-    """Learning-rate factor at ``step``: linear warm-up, cosine decay to ``floor / peak``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    if step >= decay:
-        return floor / peak
-    progress = (step - warmup) / max(1, decay - warmup)
-    return (floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))) / peak
-
-
-def configure_adamw(
-    model: nn.Module, cfg: OptimizerConfig, max_steps: int, **buffer: Any
-) -> OptimizerLRSchedulerConfig:
-    """``configure_optimizers``'s answer: AdamW
-    (:func:`~lightning_sp.training.optim.build_adamw`, given the gradient ``buffer`` settings)
-    with warm-up + cosine decay stepped every optimizer step."""
-    optimizer = build_adamw(
-        model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, **buffer
-    )
-    decay = cfg.decay_steps or max(max_steps, cfg.warmup_steps + 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: lr_multiplier(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, decay),
-    )
-    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def check_compile(state: ParallelState) -> None:
-    """Raise :class:`ConfigError` (one line) where ``compile_layers=True`` is not supported:
-    tensor or pipeline parallelism (not verified: the collectives inside our autograd
-    Functions are ``torch.distributed`` calls, which dynamo does not trace), or no compiler
-    for inductor (a C++ compiler on CPU, Triton on CUDA)."""
-    t, p = state.tensor_parallel_size, state.pipeline_parallel_size
-    if t > 1 or p > 1:
-        raise ConfigError(
-            f"compile_layers=True with tensor_parallel_size={t}, pipeline_parallel_size={p}: "
-            "supported only with t=1 and p=1; set compile_layers=false"
-        )
-    if state.device.type == "cpu":
-        compiler = os.environ.get("CXX", "g++")
-        if shutil.which(compiler) is None:
-            raise ConfigError(
-                f"compile_layers=True on CPU needs a C++ compiler for inductor; {compiler!r} "
-                "is not on PATH (set CXX) or set compile_layers=false"
-            )
-    elif state.device.type == "cuda" and importlib.util.find_spec("triton") is None:
-        raise ConfigError(
-            "compile_layers=True on CUDA needs Triton, which is not installed; install it or set "
-            "compile_layers=false"
-        )
 
 
 class GPTModule(LightningModule):
@@ -210,7 +129,7 @@ class GPTModule(LightningModule):
         strategy = self._trainer.strategy if self._trainer is not None else None
         if isinstance(strategy, MegatronSPStrategy):
             config = dataclasses.replace(config, sequence_parallel=strategy.sequence_parallel)
-        self._check_data(config)
+        check_data(getattr(self._trainer, "datamodule", None), config)
         state = self.parallel_state
         if self.compile_layers:
             check_compile(state)
@@ -288,22 +207,6 @@ class GPTModule(LightningModule):
             recompute=choice.recompute,  # a policy of the planner's ladder
             recompute_num_layers=choice.recompute_num_layers,
         )
-
-    def _check_data(self, config: GPTConfig) -> None:
-        """The data must fit the model: fail before any step if it does not."""
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
-        seq_length = getattr(datamodule, "seq_length", None)
-        if seq_length is not None and seq_length != config.seq_length:
-            raise ConfigError(
-                f"data.seq_length={seq_length} differs from model.config.seq_length="
-                f"{config.seq_length}; give both the same value (the CLI links them)"
-            )
-        tokens = getattr(datamodule, "vocab_size", None)
-        if tokens is not None and tokens > config.vocab_size:
-            raise ConfigError(
-                f"model.config.vocab_size={config.vocab_size} is smaller than the tokenizer's "
-                f"vocabulary of {tokens} tokens; set model.config.vocab_size >= {tokens}"
-            )
 
     def _loss(self, batch: dict[str, Tensor], train: bool) -> Tensor:
         ids, labels = batch["input_ids"], batch["labels"]
@@ -429,21 +332,7 @@ class GPTModule(LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        saved, current = checkpoint.get("vocabulary", {}), self._vocabulary_identity()
-        if saved and saved["vocab_size"] != current["vocab_size"]:
-            raise ConfigError(
-                f"model.config.vocab_size={current['vocab_size']} does not match the "
-                f"checkpoint's vocab_size={saved['vocab_size']}; use the checkpoint's vocabulary"
-            )
-        if (
-            saved.get("tokenizer")
-            and current["tokenizer"]
-            and saved["tokenizer"] != current["tokenizer"]
-        ):
-            raise ConfigError(
-                f"data tokenizer {current['tokenizer']!r} does not match the checkpoint's "
-                f"tokenizer {saved['tokenizer']!r}; resume with the tokenizer it was trained with"
-            )
+        check_vocabulary(checkpoint.get("vocabulary", {}), self._vocabulary_identity())
         weights = checkpoint.get("state_dict", {})
         for key in [k for k in weights if k.startswith("gpt.")]:  # saved before the one holder
             weights["pipeline.chunks.0." + key[len("gpt.") :]] = weights.pop(key)

@@ -11,18 +11,53 @@ For fp32 models none of this is needed: :func:`build_adamw` returns a plain ``Ad
 Either way the update runs as multi-tensor kernels: torch's fused AdamW on CUDA, the
 ``foreach`` implementation elsewhere (one kernel per operation over all parameters instead of
 a Python loop over them; the same arithmetic as the per-parameter loop).
+
+:class:`OptimizerConfig` holds the settings (``model.optimizer`` in a config) and
+:func:`configure_adamw` builds the optimizer with GPT-3's warm-up + cosine schedule.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 
 from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.training.distributed_optim import DistributedAdamW
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with linear warm-up and cosine decay (GPT-3's schedule)."""
+
+    lr: float = 3e-4
+    """Peak learning rate, reached after warmup_steps."""
+
+    min_lr: float = 3e-5
+    """Learning rate at the end of the cosine decay (and after it)."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to weight matrices only."""
+
+    beta1: float = 0.9
+    """Adam β1."""
+
+    beta2: float = 0.95
+    """Adam β2."""
+
+    eps: float = 1e-8
+    """Adam ε."""
+
+    warmup_steps: int = 100
+    """Steps of linear warm-up from 0 to lr."""
+
+    decay_steps: int | None = None
+    """Steps until the cosine decay reaches min_lr; default: the trainer's max_steps."""
 
 
 def _accumulate_into_main_grad(param: Tensor) -> None:
@@ -164,3 +199,30 @@ def build_adamw(
     low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
     cls = MasterWeightAdamW if low_precision else torch.optim.AdamW
     return cls(groups, **kernel)
+
+
+def lr_multiplier(step: int, peak: float, floor: float, warmup: int, decay: int) -> float:
+    """Learning-rate factor at ``step``: linear warm-up, cosine decay to ``floor / peak``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if step >= decay:
+        return floor / peak
+    progress = (step - warmup) / max(1, decay - warmup)
+    return (floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))) / peak
+
+
+def configure_adamw(
+    model: nn.Module, cfg: OptimizerConfig, max_steps: int, **buffer: Any
+) -> OptimizerLRSchedulerConfig:
+    """``configure_optimizers``'s answer: AdamW
+    (:func:`~lightning_sp.training.optim.build_adamw`, given the gradient ``buffer`` settings)
+    with warm-up + cosine decay stepped every optimizer step."""
+    optimizer = build_adamw(
+        model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, **buffer
+    )
+    decay = cfg.decay_steps or max(max_steps, cfg.warmup_steps + 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_multiplier(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, decay),
+    )
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from lightning_sp.errors import ConfigError
 from lightning_sp.parallel.state import ParallelState
 
 
@@ -64,3 +65,26 @@ def stage_model_of(module: object) -> StageModel | None:
     except RuntimeError:
         return None
     return model if isinstance(model, StageModel) else None
+
+
+def check_module(module: object, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+    """Refuse, in one line, a layout ``module`` cannot be parallelised over: tensor or pipeline
+    parallelism need a :class:`~lightning_sp.training.protocol.ParallelModule` (which builds
+    its own shard), pipeline parallelism one that says it runs a schedule."""
+    if module is None or (tensor_parallel_size == 1 and pipeline_parallel_size == 1):
+        return
+    name = type(module).__name__
+    if not isinstance(module, ParallelModule):
+        field = "tensor_parallel_size" if tensor_parallel_size > 1 else "pipeline_parallel_size"
+        value = max(tensor_parallel_size, pipeline_parallel_size)
+        raise ConfigError(
+            f"{field}={value} needs a module that builds its own model-parallel shard, but "
+            f"{name} is a plain LightningModule; use tensor_parallel_size=1 and "
+            "pipeline_parallel_size=1 (data parallelism), or implement "
+            "lightning_sp.training.protocol.ParallelModule (see examples/custom_mlp.py)"
+        )
+    if pipeline_parallel_size > 1 and not module.supports_pipeline_parallel:
+        raise ConfigError(
+            f"pipeline_parallel_size={pipeline_parallel_size} but {name} does not run a "
+            "pipeline schedule (supports_pipeline_parallel=False); use pipeline_parallel_size=1"
+        )

@@ -1,10 +1,12 @@
 """``MegatronSPStrategy``: tensor, sequence (and, shaped for it, pipeline) parallelism for
 Lightning, registered as ``"megatron_sp"``.
 
-The strategy owns the process groups. It starts the default process group the way
-Lightning's DDP does (so Lightning's launchers work: its own subprocess/spawn launchers,
-SLURM, torchrun), builds a :class:`~lightning_sp.ParallelState` on a ``("pp", "dp", "tp")``
-device mesh, and hands it to the LightningModule's ``configure_model``. It wraps nothing.
+The strategy owns the process groups. Its base,
+:class:`~lightning_sp.training.processes.ProcessGroupStrategy`, starts the processes and the
+default process group the way Lightning's DDP does (its subprocess/spawn launchers, SLURM,
+torchrun); this class builds a :class:`~lightning_sp.ParallelState` on a
+``("pp", "dp", "tp")`` device mesh and hands it to the LightningModule's ``configure_model``.
+It wraps nothing.
 
 What it parallelises: a LightningModule implementing
 :class:`~lightning_sp.training.protocol.ParallelModule` builds its own shard (``GPTModule``: a
@@ -17,15 +19,13 @@ else refused at setup in one line): its parameters and buffers are broadcast fro
 data-parallel rank 0 before the first step and its gradients averaged.
 
 Checkpoints are layout-independent DCP directories published by an atomic rename
-(:mod:`lightning_sp.training.checkpoint`, :mod:`~lightning_sp.training.checkpointer`); a
-non-finite loss or gradient stops the run or skips the step
-(:mod:`~lightning_sp.training.guard`).
+(:mod:`lightning_sp.training.checkpoint`); a non-finite loss or gradient stops the run or
+skips the step (:mod:`~lightning_sp.training.guard`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,67 +33,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers import (
-    _MultiProcessingLauncher,
-    _SubprocessScriptLauncher,
-)
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
+from lightning.pytorch.strategies import StrategyRegistry
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sp.errors import ConfigError
 from lightning_sp.parallel.buffer import DEFAULT_BUCKET_NUMEL
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState, check_layout
-from lightning_sp.parallel.threads import set_rank_threads
-from lightning_sp.training.checkpoint import Layout, Meta, gpt_chunks
-from lightning_sp.training.checkpointer import Checkpointer, resumable_loader, rng_key
+from lightning_sp.training.checkpoint import Checkpointer, Layout, Meta, rng_key
+from lightning_sp.training.checkpoint.shards import gpt_chunks
+from lightning_sp.training.data.sampler import resumable_loader
 from lightning_sp.training.distributed_optim import DistributedAdamW
 from lightning_sp.training.guard import NonFiniteGuard
-from lightning_sp.training.protocol import ParallelModule, stage_model_of
+from lightning_sp.training.processes import ProcessGroupStrategy
+from lightning_sp.training.protocol import ParallelModule, check_module, stage_model_of
 from lightning_sp.training.validation import check_precision, check_strategy_args
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-
-# -- modules the strategy can run ----------------------------------------------------------------
-
-
-def check_module(module: object, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
-    """Refuse, in one line, a layout ``module`` cannot be parallelised over: tensor or pipeline
-    parallelism need a :class:`~lightning_sp.training.protocol.ParallelModule` (which builds
-    its own shard), pipeline parallelism one that says it runs a schedule."""
-    if module is None or (tensor_parallel_size == 1 and pipeline_parallel_size == 1):
-        return
-    name = type(module).__name__
-    if not isinstance(module, ParallelModule):
-        field = "tensor_parallel_size" if tensor_parallel_size > 1 else "pipeline_parallel_size"
-        value = max(tensor_parallel_size, pipeline_parallel_size)
-        raise ConfigError(
-            f"{field}={value} needs a module that builds its own model-parallel shard, but "
-            f"{name} is a plain LightningModule; use tensor_parallel_size=1 and "
-            "pipeline_parallel_size=1 (data parallelism), or implement "
-            "lightning_sp.training.protocol.ParallelModule (see examples/custom_mlp.py)"
-        )
-    if pipeline_parallel_size > 1 and not module.supports_pipeline_parallel:
-        raise ConfigError(
-            f"pipeline_parallel_size={pipeline_parallel_size} but {name} does not run a "
-            "pipeline schedule (supports_pipeline_parallel=False); use pipeline_parallel_size=1"
-        )
 
 
 @torch.no_grad()
@@ -106,7 +63,7 @@ def broadcast_module_state(module: torch.nn.Module, state: ParallelState) -> Non
         dist.broadcast(tensor.data, group=state.dp_group, group_src=0)
 
 
-class MegatronSPStrategy(ParallelStrategy):
+class MegatronSPStrategy(ProcessGroupStrategy):
     """Tensor + sequence (+ pipeline) parallel training of a ``lightning_sp.GPT``.
 
     Args:
@@ -178,17 +135,13 @@ class MegatronSPStrategy(ParallelStrategy):
             distributed_optimizer=distributed_optimizer,
             **kwargs,
         )
-        super().__init__()
+        super().__init__(timeout, process_group_backend, start_method)
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self.sequence_parallel = sequence_parallel
         self.num_microbatches = num_microbatches
         self.virtual_pipeline_size = virtual_pipeline_size
-        self.timeout = datetime.timedelta(seconds=timeout)
-        self._process_group_backend = process_group_backend
-        self._start_method = start_method
         self._parallel_state: ParallelState | None = None
-        self._num_nodes = 1
         self.checkpointer = Checkpointer(async_save=async_save)
         self.guard = NonFiniteGuard(nonfinite, max_skipped_steps)
         self.bucket_size = bucket_size
@@ -205,71 +158,24 @@ class MegatronSPStrategy(ParallelStrategy):
         return self._parallel_state
 
     @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # data is sharded over data-parallel replicas only: TP/PP ranks of one replica share it
         state = self.parallel_state
         return {"num_replicas": state.data_parallel_size, "rank": state.data_parallel_rank}
 
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
     @override
-    def _configure_launcher(self) -> None:
-        # runs when the Trainer is built: a bad layout fails before any process starts
+    def check_before_launch(self) -> None:
         check_precision(self.precision_plugin.precision)
-        check_layout(
-            self.num_nodes * self.num_processes,
-            self.tensor_parallel_size,
-            self.pipeline_parallel_size,
-        )
-        assert self.cluster_environment is not None
-        if self.cluster_environment.creates_processes_externally:
-            return
-        if self._start_method == "spawn":
-            self._launcher = _MultiProcessingLauncher(self, start_method="spawn")
-        else:
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
+        check_layout(self.world_size, self.tensor_parallel_size, self.pipeline_parallel_size)
 
     @override
     def setup_environment(self) -> None:
-        world_size = self.num_nodes * self.num_processes
-        check_layout(world_size, self.tensor_parallel_size, self.pipeline_parallel_size)
+        """Check the layout and the module, start the process group, then build this rank's
+        :class:`ParallelState` on the ``("pp", "dp", "tp")`` mesh."""
+        check_layout(self.world_size, self.tensor_parallel_size, self.pipeline_parallel_size)
         check_module(self.lightning_module, self.tensor_parallel_size, self.pipeline_parallel_size)
         super().setup_environment()
-        set_rank_threads(self.num_processes)  # this host's cores shared among its ranks
-        reset_seed()
-        self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        self._process_group_backend = backend
-        kwargs: dict[str, Any] = {"timeout": self.timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
         self._parallel_state = ParallelState.from_process_group(
             self.tensor_parallel_size,
             self.pipeline_parallel_size,
@@ -277,32 +183,12 @@ class MegatronSPStrategy(ParallelStrategy):
             timeout=self.timeout,
         )
 
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(
-                self.node_rank * self.num_processes + self.local_rank
-            )
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        super().setup(trainer)
+        assert self.model is not None
         if not isinstance(self.lightning_module, ParallelModule):
             broadcast_module_state(self.model, self.parallel_state)
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -359,32 +245,6 @@ class MegatronSPStrategy(ParallelStrategy):
         finally:
             for buffer in buffers:
                 buffer.sync = True
-
-    # -- collectives Lightning asks for ------------------------------------------------------
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src)
-        return holder[0]
-
-    @override
-    def reduce(
-        self,
-        tensor: Tensor | Any,
-        group: Any | None = None,
-        reduce_op: ReduceOp | str | None = "mean",
-    ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -490,9 +350,6 @@ class MegatronSPStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self.checkpointer.wait()
-        # no rank may leave while a peer's last collective is in flight: gloo aborts the peer
-        if _distributed_is_initialized():
-            dist.barrier()
         super().teardown()
 
     @classmethod

@@ -9,10 +9,15 @@ Union report).
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import shutil
 from typing import Any
 
 from lightning_sp.errors import ConfigError, positive_int
+from lightning_sp.model.config import GPTConfig
+from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import check_pipeline_schedule
 
 STRATEGY_ARGS = (
@@ -145,7 +150,8 @@ def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
 
     from lightning_sp.model.gpt import GPT
     from lightning_sp.parallel.state import ParallelState
-    from lightning_sp.training.checkpoint import check_shapes, global_shapes, verify
+    from lightning_sp.training.checkpoint.shards import global_shapes
+    from lightning_sp.training.checkpoint.verify import check_shapes, verify
 
     meta, metadata = verify(Path(ckpt_path))
     config = model_config
@@ -154,3 +160,64 @@ def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
     with torch.device("meta"):
         model = GPT(config, ParallelState.single("meta"), device="meta")
     check_shapes(metadata, global_shapes(model), meta, dataclasses.asdict(model_config))
+
+
+def check_compile(state: ParallelState) -> None:
+    """Raise :class:`ConfigError` (one line) where ``compile_layers=True`` is not supported:
+    tensor or pipeline parallelism (not verified: the collectives inside our autograd
+    Functions are ``torch.distributed`` calls, which dynamo does not trace), or no compiler
+    for inductor (a C++ compiler on CPU, Triton on CUDA)."""
+    t, p = state.tensor_parallel_size, state.pipeline_parallel_size
+    if t > 1 or p > 1:
+        raise ConfigError(
+            f"compile_layers=True with tensor_parallel_size={t}, pipeline_parallel_size={p}: "
+            "supported only with t=1 and p=1; set compile_layers=false"
+        )
+    if state.device.type == "cpu":
+        compiler = os.environ.get("CXX", "g++")
+        if shutil.which(compiler) is None:
+            raise ConfigError(
+                f"compile_layers=True on CPU needs a C++ compiler for inductor; {compiler!r} "
+                "is not on PATH (set CXX) or set compile_layers=false"
+            )
+    elif state.device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise ConfigError(
+            "compile_layers=True on CUDA needs Triton, which is not installed; install it or set "
+            "compile_layers=false"
+        )
+
+
+def check_data(datamodule: object, config: GPTConfig) -> None:
+    """The data must fit the model (``datamodule``'s ``seq_length`` and ``vocab_size``, where
+    it has them): fail before any step if it does not."""
+    seq_length = getattr(datamodule, "seq_length", None)
+    if seq_length is not None and seq_length != config.seq_length:
+        raise ConfigError(
+            f"data.seq_length={seq_length} differs from model.config.seq_length="
+            f"{config.seq_length}; give both the same value (the CLI links them)"
+        )
+    tokens = getattr(datamodule, "vocab_size", None)
+    if tokens is not None and tokens > config.vocab_size:
+        raise ConfigError(
+            f"model.config.vocab_size={config.vocab_size} is smaller than the tokenizer's "
+            f"vocabulary of {tokens} tokens; set model.config.vocab_size >= {tokens}"
+        )
+
+
+def check_vocabulary(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """A checkpoint's vocabulary (``vocab_size``, tokenizer identity) against this run's:
+    resuming with another vocabulary or tokenizer would silently train on other tokens."""
+    if saved and saved["vocab_size"] != current["vocab_size"]:
+        raise ConfigError(
+            f"model.config.vocab_size={current['vocab_size']} does not match the "
+            f"checkpoint's vocab_size={saved['vocab_size']}; use the checkpoint's vocabulary"
+        )
+    if (
+        saved.get("tokenizer")
+        and current["tokenizer"]
+        and saved["tokenizer"] != current["tokenizer"]
+    ):
+        raise ConfigError(
+            f"data tokenizer {current['tokenizer']!r} does not match the checkpoint's "
+            f"tokenizer {saved['tokenizer']!r}; resume with the tokenizer it was trained with"
+        )

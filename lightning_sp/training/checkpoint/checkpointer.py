@@ -2,7 +2,7 @@
 
 A save writes a fresh data directory with DCP (each rank its shards), then rank 0 records
 ``meta.json`` with file checksums and publishes the name by an atomic rename
-(:mod:`~lightning_sp.training.commit`). With ``async_save`` the tensors are copied to CPU
+(:mod:`~lightning_sp.training.checkpoint.commit`). With ``async_save`` the tensors are copied to CPU
 memory and the step goes on while one background thread per rank writes them (DCP's
 collectives on a separate gloo group) and publishes them when every rank has finished. Saves
 and removals (``save_top_k``) run in that thread in the order they were asked for, so an old
@@ -24,20 +24,15 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.training import commit
-from lightning_sp.training.checkpoint import (
+from lightning_sp.training.checkpoint import commit
+from lightning_sp.training.checkpoint.format import META_FILE, Layout, Meta
+from lightning_sp.training.checkpoint.planners import (
     FaultyWriter,
     GlobalLoadPlanner,
     GlobalSavePlanner,
-    Layout,
-    Meta,
-    check_shapes,
-    file_checksums,
-    global_shapes,
-    install_states,
-    state_entries,
-    verify,
 )
+from lightning_sp.training.checkpoint.shards import global_shapes, install_states, state_entries
+from lightning_sp.training.checkpoint.verify import check_shapes, file_checksums, verify
 
 MAX_IN_FLIGHT = 2  # a step checkpoint and last.ckpt
 
@@ -61,11 +56,6 @@ def _first_error(message: str | None) -> str | None:
     messages: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(messages, message)
     return next((m for m in messages if m), None)
-
-
-def rng_key(pipeline_rank: int, data_rank: int, tensor_rank: int) -> str:
-    """The key of one rank's RNG state (per rank: only the same layout restores it)."""
-    return f"rng.pp{pipeline_rank}.dp{data_rank}.tp{tensor_rank}"
 
 
 class Checkpointer:
@@ -151,7 +141,7 @@ class Checkpointer:
         dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
         if self.rank == 0:
             meta.checksums = file_checksums(data)
-            (data / "meta.json").write_text(meta.dumps())
+            (data / META_FILE).write_text(meta.dumps())
             commit.publish(final, data)
 
     def wait(self) -> None:
@@ -223,16 +213,3 @@ class Checkpointer:
         lightning["rng_streams"] = state.get(rng_name)
         lightning["checkpoint_layout"] = meta.layout
         return lightning
-
-
-def resumable_loader(dataloader: object) -> object:
-    """Give a ``DataLoader`` whose sampler has ``state_dict`` / ``load_state_dict`` those two
-    methods (delegating to the sampler), so that Lightning saves and restores the data position
-    through its public loader protocol and does not warn that the loader is not resumable.
-    Other loaders are returned unchanged."""
-    sampler = getattr(dataloader, "sampler", None)
-    has = all(callable(getattr(sampler, name, None)) for name in ("state_dict", "load_state_dict"))
-    if sampler is not None and has and not callable(getattr(dataloader, "state_dict", None)):
-        dataloader.state_dict = sampler.state_dict  # type: ignore[attr-defined]
-        dataloader.load_state_dict = sampler.load_state_dict  # type: ignore[attr-defined]
-    return dataloader

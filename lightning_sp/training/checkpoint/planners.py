@@ -1,0 +1,117 @@
+"""DCP planners that know global offsets, and DCP's file writer with the crash-test fault
+points of :mod:`~lightning_sp.training.checkpoint.commit`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import (
+    _create_read_items,
+    _create_write_items,
+    create_read_items_for_chunk_list,
+)
+
+from lightning_sp.training.checkpoint import commit
+from lightning_sp.training.checkpoint.shards import Shard
+
+
+class GlobalSavePlanner(DefaultSavePlanner):
+    """DCP's planner, with each sharded tensor written as the chunk at its global offsets.
+    Identical chunks (replicas over DP, TP-replicated parameters) are written once."""
+
+    def __init__(self, shards: dict[str, Shard]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.shards = shards
+
+    def create_local_plan(self) -> SavePlan:
+        items: list[WriteItem] = []
+        for key, obj in self.state_dict.items():
+            shard = self.shards.get(key)
+            if shard is None or shard.offsets is None:
+                items += _create_write_items(key, obj)
+                continue
+            chunk = ChunkStorageMetadata(
+                offsets=torch.Size(shard.offsets), sizes=torch.Size(obj.shape)
+            )
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(key, torch.Size(shard.offsets)),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=chunk,
+                        properties=TensorProperties.create_from_tensor(obj),
+                        size=torch.Size(shard.global_shape),
+                    ),
+                )
+            )
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self.state_dict[index.fqn]
+
+
+class GlobalLoadPlanner(DefaultLoadPlanner):
+    """Reads, for each local shard, the overlapping pieces of the saved chunks."""
+
+    def __init__(self, shards: dict[str, Shard]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.shards = shards
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        requests = []
+        for key, obj in self.state_dict.items():
+            stored = self.metadata.state_dict_metadata[key]
+            shard = self.shards.get(key)
+            if shard is None or shard.offsets is None:
+                requests += _create_read_items(key, stored, obj)
+                continue
+            chunk = ChunkStorageMetadata(
+                offsets=torch.Size(shard.offsets), sizes=torch.Size(obj.shape)
+            )
+            assert isinstance(stored, TensorStorageMetadata)  # a sharded entry is a tensor
+            requests += create_read_items_for_chunk_list(key, stored, [chunk])
+        return LoadPlan(requests)
+
+    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        return self.state_dict[index.fqn]
+
+
+class FaultyWriter(FileSystemWriter):
+    """DCP's file writer with the ``shard`` / ``written`` fault points of
+    :mod:`~lightning_sp.training.checkpoint.commit` (inactive unless the variable is set)."""
+
+    def __init__(self, path: Path, rank: int) -> None:
+        super().__init__(path, sync_files=True, overwrite=True)
+        self.fault_rank = rank  # the base class's ``rank`` is DCP's own (optional)
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        if commit.maybe_fault("shard", self.fault_rank):
+            for result in future.value():  # leave this rank's files half written, then die
+                file = Path(self.path) / result.storage_data.relative_path
+                if file.exists():
+                    with open(file, "r+b") as fh:
+                        fh.truncate(file.stat().st_size // 2)
+            commit.die("shard", self.fault_rank)
+        commit.maybe_fault("written", self.fault_rank)
+        return future

@@ -1,0 +1,186 @@
+"""``ProcessGroupStrategy``: one process per device and a default process group, started the
+way Lightning's DDP starts them, with nothing wrapped.
+
+This is the plumbing under :class:`~lightning_sp.training.strategy.MegatronSPStrategy`: which
+launcher starts the processes (Lightning's subprocess launcher, as ``ddp``, or its spawn
+launcher; none under SLURM or torchrun, which start them themselves), each process's ranks and
+CPU threads, the default process group with a timeout, and the collectives Lightning asks a
+strategy for (barrier, broadcast, reduce). What runs inside the processes (the layout, the
+step, checkpoints) is the subclass's.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import (
+    _MultiProcessingLauncher,
+    _SubprocessScriptLauncher,
+)
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_sp.parallel.threads import set_rank_threads
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+class ProcessGroupStrategy(ParallelStrategy):
+    """One process per device in one default process group; the model is not wrapped.
+
+    Args:
+        timeout: Seconds a collective may wait before it fails.
+        process_group_backend: ``gloo`` or ``nccl``; ``None``: chosen from the device.
+        start_method: ``popen`` (re-run the script per rank, as ``ddp``) or ``spawn``.
+    """
+
+    def __init__(
+        self,
+        timeout: float = 600.0,
+        process_group_backend: str | None = None,
+        start_method: str = "popen",
+    ) -> None:
+        super().__init__()
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self._process_group_backend = process_group_backend
+        self._start_method = start_method
+        self._num_nodes = 1
+
+    def check_before_launch(self) -> None:
+        """Refuse a configuration that cannot run, before any process starts (the Trainer is
+        being built). Subclasses add their checks."""
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        """Processes over all nodes."""
+        return self.num_nodes * self.num_processes
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        self.check_before_launch()
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self._start_method == "spawn":
+            self._launcher = _MultiProcessingLauncher(self, start_method="spawn")
+        else:
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    @override
+    def setup_environment(self) -> None:
+        """In each process: its ranks, CPU threads and seed, then the default process group
+        (with ``timeout``; NCCL bound to this process's device)."""
+        super().setup_environment()
+        set_rank_threads(self.num_processes)  # this host's cores shared among its ranks
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self.timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(
+                self.node_rank * self.num_processes + self.local_rank
+            )
+            self.cluster_environment.set_world_size(self.world_size)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """The model in the precision's dtype on this process's device, and (when fitting)
+        its optimizers; nothing is wrapped."""
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -- collectives Lightning asks for ------------------------------------------------------
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
+
+    @override
+    def reduce(
+        self,
+        tensor: Tensor | Any,
+        group: Any | None = None,
+        reduce_op: ReduceOp | str | None = "mean",
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        # no rank may leave while a peer's last collective is in flight: gloo aborts the peer
+        if _distributed_is_initialized():
+            dist.barrier()
+        super().teardown()
