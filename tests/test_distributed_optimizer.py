@@ -8,6 +8,7 @@ accumulation and clipping) runs in ``test_grad_buffer.py``'s spawn, beside the b
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from lightning_sp import GPT, ParallelState
 from lightning_sp.memory.formulas import distributed_optimizer_elements, model_state_bytes
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.training.checkpoint import Checkpointer, Layout, Meta, read_full, rng_key
+from lightning_sp.training.checkpoint.shards import flat_range_boxes
 from lightning_sp.training.distributed_optim import DistributedAdamW
 from lightning_sp.training.optim import build_adamw
 
@@ -35,10 +37,12 @@ def _optimizer_state_bytes(optimizer: DistributedAdamW) -> int:
 class Run:
     """A float64 GPT shard with a buffered optimizer (ZeRO-1 or replicated) in one layout."""
 
-    def __init__(self, state: ParallelState, distributed: bool) -> None:
+    def __init__(
+        self, state: ParallelState, distributed: bool, dtype: torch.dtype = torch.float64
+    ) -> None:
         self.state = state
         self.config = tiny_config(sequence_parallel=state.tensor_parallel_size > 1)
-        self.model = GPT(self.config, state, dtype=torch.float64)
+        self.model = GPT(self.config, state, dtype=dtype)
         self.optimizer = build_adamw(
             self.model, 1e-2, 0.1, (0.9, 0.95), 1e-8, bucket_numel=BUCKET,
             distributed_optimizer=distributed,
@@ -53,10 +57,6 @@ class Run:
         finalize_grads(self.model, self.state, self.optimizer.grad_buffer)  # type: ignore[attr-defined]
         self.optimizer.step()
 
-    def _views(self) -> list:
-        opt = self.optimizer
-        return [opt.full_view() if isinstance(opt, DistributedAdamW) else opt]
-
     def _layout(self) -> Layout:
         s = self.state
         t = s.tensor_parallel_size
@@ -65,20 +65,21 @@ class Run:
     def save(self, path: Path) -> None:
         s = self.state
         Checkpointer().save(
-            path, self.model, self._views(),
+            path, self.model, [self.optimizer],
             meta=Meta(2, self._layout(), dataclasses.asdict(self.config)),
             lightning_state={"global_step": 2},
             rng=(rng_key(0, s.data_parallel_rank, s.tensor_parallel_rank), None),
         )  # fmt: skip
 
     def load(self, path: Path) -> None:
-        views = self._views()
         Checkpointer().load(
-            path, self.model, views, layout=self._layout(),
+            path, self.model, [self.optimizer], layout=self._layout(),
             model_config=dataclasses.asdict(self.config), rng_name="rng.none",
         )  # fmt: skip
-        if isinstance(self.optimizer, DistributedAdamW):
-            self.optimizer.load_full_view(views[0])
+
+
+def _no_gather(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a checkpoint of the distributed optimizer gathered its state")
 
 
 def _worker(rank: int, world_size: int, root: str) -> dict[str, list[int]]:
@@ -104,11 +105,14 @@ def _worker(rank: int, world_size: int, root: str) -> dict[str, list[int]]:
 
     # checkpoints: ZeRO-1 at t=2 x d=2 -> ZeRO-1 at d=4 -> replicated at d=4 -> ZeRO-1 at d=4
     root_path = Path(root)
+    # each rank writes and reads only its own segments: the state is never gathered
     saved = Run(ParallelState.from_process_group(tensor_parallel_size=2), distributed=True)
     for step in range(2):
         saved.step(step)
+    saved.optimizer.grad_buffer.gather = _no_gather  # type: ignore[attr-defined, method-assign]
     saved.save(root_path / "zero_t2d2")
     zero4 = Run(states[4], distributed=True)
+    zero4.optimizer.grad_buffer.gather = _no_gather  # type: ignore[attr-defined, method-assign]
     zero4.load(root_path / "zero_t2d2")
     zero4.save(root_path / "zero_d4")
     replicated = Run(states[4], distributed=False)
@@ -116,7 +120,23 @@ def _worker(rank: int, world_size: int, root: str) -> dict[str, list[int]]:
     replicated.save(root_path / "replicated_d4")
     again = Run(states[4], distributed=True)
     again.load(root_path / "replicated_d4")
+    for run in (zero4, again):  # a full-precision weight is its own master: none is saved
+        for segment in run.optimizer.segments():  # type: ignore[attr-defined]
+            weights = segment.param.detach().reshape(-1)[segment.start : segment.end]
+            assert torch.equal(segment.master, weights)
+            assert set(segment.state) == {"step", "exp_avg", "exp_avg_sq"}
     again.save(root_path / "zero_again")
+    # bf16 weights: the fp32 masters are saved as chunks too, and load into the replicated
+    # optimizer's whole masters (and back)
+    bf16 = Run(states[4], distributed=True, dtype=torch.bfloat16)
+    bf16.step(0)
+    bf16.save(root_path / "zero_bf16")
+    whole = Run(states[4], distributed=False, dtype=torch.bfloat16)
+    whole.load(root_path / "zero_bf16")
+    whole.save(root_path / "replicated_bf16")
+    back = Run(states[2], distributed=True, dtype=torch.bfloat16)
+    back.load(root_path / "replicated_bf16")
+    back.save(root_path / "zero_bf16_d2")  # two d=2 replicas: identical chunks, written once
     return measured
 
 
@@ -139,6 +159,33 @@ def test_state_bytes_per_rank_and_resharding(tmp_path: Path) -> None:
         full = read_full(tmp_path / other)
         for key in keys:
             assert torch.equal(full[key], zero[key]), f"{other}: {key} differs"
-    for key in keys:  # the replicated fp64 optimizer keeps no separate master
-        if not key.endswith(".master"):
-            assert torch.equal(replicated[key], zero[key]), f"replicated: {key} differs"
+    for key in keys:  # neither keeps a master apart from a full-precision weight
+        assert not key.endswith(".master"), key
+        assert torch.equal(replicated[key], zero[key]), f"replicated: {key} differs"
+    bf16 = read_full(tmp_path / "zero_bf16")
+    bf16_keys = [k for k in bf16 if k.startswith(("model.", "optim.")) and torch.is_tensor(bf16[k])]
+    masters = [k for k in bf16_keys if k.endswith(".master")]
+    assert masters and all(bf16[k].dtype == torch.float32 for k in masters)
+    for other in ("replicated_bf16", "zero_bf16_d2"):
+        full = read_full(tmp_path / other)
+        assert all(k in full for k in bf16_keys), other
+        for key in bf16_keys:
+            assert torch.equal(full[key], bf16[key]), f"{other}: {key} differs"
+
+
+def test_flat_range_boxes_cover_the_range_in_order() -> None:
+    """A flat range of a row-major tensor as rectangular boxes: each box is the next
+    contiguous piece of the range, and the boxes are the whole range (at most two partial
+    pieces per dimension)."""
+    generator = torch.Generator().manual_seed(0)
+    for shape in [(7,), (5, 3), (4, 3, 5), (2, 1, 3, 4)]:
+        numel = math.prod(shape)
+        flat = torch.arange(numel).view(shape)
+        for _ in range(40):
+            start, end = sorted(torch.randint(0, numel + 1, (2,), generator=generator).tolist())
+            boxes = flat_range_boxes(shape, start, end)
+            pieces = [flat[tuple(slice(o, o + n) for o, n in zip(at, sizes, strict=True))]
+                      for at, sizes in boxes]  # fmt: skip
+            assert torch.equal(torch.cat([p.flatten() for p in pieces] or [torch.arange(0)]),
+                               torch.arange(start, end)), (shape, start, end, boxes)  # fmt: skip
+            assert len(boxes) <= 2 * len(shape) - 1, (shape, start, end, boxes)

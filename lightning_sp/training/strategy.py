@@ -43,7 +43,6 @@ from lightning_sp.parallel.state import ParallelState, check_layout
 from lightning_sp.training.checkpoint import Checkpointer, Layout, Meta, rng_key
 from lightning_sp.training.checkpoint.shards import gpt_chunks
 from lightning_sp.training.data.sampler import resumable_loader
-from lightning_sp.training.distributed_optim import DistributedAdamW
 from lightning_sp.training.guard import NonFiniteGuard
 from lightning_sp.training.processes import ProcessGroupStrategy
 from lightning_sp.training.protocol import ParallelModule, check_module, stage_model_of
@@ -295,7 +294,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         self.checkpointer.save(
             Path(self.broadcast(str(filepath))),
             self.lightning_module,
-            [o.full_view() if isinstance(o, DistributedAdamW) else o for o in self.optimizers],  # type: ignore[misc]
+            self.optimizers,
             meta=meta,
             lightning_state=checkpoint,
             rng=(self._rng_key(), streams),
@@ -308,20 +307,14 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         """Load weights and optimizer state in place (any saved layout) and return
         Lightning's state; the RNG streams come back only into the layout that saved them."""
         assert self.lightning_module is not None
-        optimizers = [
-            o.full_view() if isinstance(o, DistributedAdamW) else o for o in self.optimizers
-        ]
         checkpoint = self.checkpointer.load(
             Path(checkpoint_path),
             self.lightning_module,
-            optimizers,  # type: ignore[arg-type]
+            self.optimizers,
             layout=self.layout,
             model_config=self._model_config(),
             rng_name=self._rng_key(),
         )
-        for optimizer, view in zip(self.optimizers, optimizers, strict=True):
-            if isinstance(optimizer, DistributedAdamW):
-                optimizer.load_full_view(view)  # type: ignore[arg-type]
         streams = checkpoint.pop("rng_streams", None) or {}
         if streams.get("torch") is not None:
             torch.set_rng_state(streams["torch"])

@@ -31,8 +31,14 @@ from lightning_sp.training.checkpoint.planners import (
     GlobalLoadPlanner,
     GlobalSavePlanner,
 )
-from lightning_sp.training.checkpoint.shards import global_shapes, install_states, state_entries
+from lightning_sp.training.checkpoint.shards import (
+    checkpoint_key,
+    global_shapes,
+    install_states,
+    state_entries,
+)
 from lightning_sp.training.checkpoint.verify import check_shapes, file_checksums, verify
+from lightning_sp.training.distributed_optim import DistributedAdamW
 
 MAX_IN_FLIGHT = 2  # a step checkpoint and last.ckpt
 
@@ -197,14 +203,19 @@ class Checkpointer:
             raise ConfigError(error)
         stored = metadata.state_dict_metadata
         tensors, shards, installs = state_entries(module, optimizers, for_load=True)
-        state: dict[str, Any] = {k: v for k, v in tensors.items() if k in stored}
+        state: dict[str, Any] = {
+            k: v for k, v in tensors.items() if checkpoint_key(k, shards) in stored
+        }
         state["lightning"] = None
         state["optim.param_groups"] = None
         same_layout = meta.layout == layout
         if same_layout and rng_name in stored:
             state[rng_name] = None
         dcp.load(state, storage_reader=FileSystemReader(data), planner=GlobalLoadPlanner(shards))
-        install_states(installs, set(state))
+        install_states(installs, {checkpoint_key(k, shards) for k in state})
+        for optimizer in optimizers:
+            if isinstance(optimizer, DistributedAdamW):
+                optimizer.masters_from_weights()
         saved_groups = state["optim.param_groups"] if optimizers else []  # predict: none
         for optimizer, groups in zip(optimizers, saved_groups, strict=True):
             for group, saved in zip(optimizer.param_groups, groups, strict=True):

@@ -30,7 +30,17 @@ from torch.distributed.checkpoint.planner_helpers import (
 )
 
 from lightning_sp.training.checkpoint import commit
-from lightning_sp.training.checkpoint.shards import Shard
+from lightning_sp.training.checkpoint.shards import Shard, checkpoint_key
+
+
+def _entry_names(shards: dict[str, Shard]) -> dict[tuple[str, tuple[int, ...]], str]:
+    """``{(checkpoint key, offsets): entry}`` for the sharded entries (an entry's name differs
+    from its key where a rank holds several chunks of one tensor)."""
+    return {
+        (checkpoint_key(entry, shards), shard.offsets): entry
+        for entry, shard in shards.items()
+        if shard.offsets is not None
+    }
 
 
 class GlobalSavePlanner(DefaultSavePlanner):
@@ -40,20 +50,23 @@ class GlobalSavePlanner(DefaultSavePlanner):
     def __init__(self, shards: dict[str, Shard]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.shards = shards
+        self.entries = _entry_names(shards)
 
     def create_local_plan(self) -> SavePlan:
         items: list[WriteItem] = []
-        for key, obj in self.state_dict.items():
-            shard = self.shards.get(key)
+        for entry, obj in self.state_dict.items():
+            shard = self.shards.get(entry)
             if shard is None or shard.offsets is None:
-                items += _create_write_items(key, obj)
+                items += _create_write_items(entry, obj)
                 continue
             chunk = ChunkStorageMetadata(
                 offsets=torch.Size(shard.offsets), sizes=torch.Size(obj.shape)
             )
             items.append(
                 WriteItem(
-                    index=MetadataIndex(key, torch.Size(shard.offsets)),
+                    index=MetadataIndex(
+                        checkpoint_key(entry, self.shards), torch.Size(shard.offsets)
+                    ),
                     type=WriteItemType.SHARD,
                     tensor_data=TensorWriteData(
                         chunk=chunk,
@@ -66,7 +79,7 @@ class GlobalSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        return self.state_dict[index.fqn]
+        return self.state_dict[_entry(self.entries, index)]
 
 
 class GlobalLoadPlanner(DefaultLoadPlanner):
@@ -75,13 +88,14 @@ class GlobalLoadPlanner(DefaultLoadPlanner):
     def __init__(self, shards: dict[str, Shard]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.shards = shards
+        self.entries = _entry_names(shards)
 
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
         requests = []
-        for key, obj in self.state_dict.items():
+        for entry, obj in self.state_dict.items():
+            shard, key = self.shards.get(entry), checkpoint_key(entry, self.shards)
             stored = self.metadata.state_dict_metadata[key]
-            shard = self.shards.get(key)
             if shard is None or shard.offsets is None:
                 requests += _create_read_items(key, stored, obj)
                 continue
@@ -93,7 +107,13 @@ class GlobalLoadPlanner(DefaultLoadPlanner):
         return LoadPlan(requests)
 
     def lookup_tensor(self, index: MetadataIndex) -> Tensor:
-        return self.state_dict[index.fqn]
+        return self.state_dict[_entry(self.entries, index)]
+
+
+def _entry(entries: dict[tuple[str, tuple[int, ...]], str], index: MetadataIndex) -> str:
+    """The state-dict entry DCP's ``index`` (a checkpoint key and the chunk's offsets) names."""
+    offsets = tuple(index.offset) if index.offset is not None else None
+    return entries.get((index.fqn, offsets), index.fqn)  # type: ignore[arg-type]
 
 
 class FaultyWriter(FileSystemWriter):

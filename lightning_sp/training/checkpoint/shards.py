@@ -1,10 +1,17 @@
 """Every tensor of a checkpoint under its identity in the unsharded, unsplit model: the global
 parameter name and the offsets of this rank's shard inside the full tensor (the
 :class:`~lightning_sp.parallel.init.ShardSpec` that the layout-independent init already uses),
-for the weights and for the optimizer state beside them."""
+for the weights and for the optimizer state beside them.
+
+The distributed optimizer holds, per parameter, a flat range of its shard
+(:class:`~lightning_sp.training.distributed_optim.Segment`); that range is saved as the few
+rectangular chunks it covers (:func:`flat_range_boxes`: a partial first row, whole rows, a
+partial last row), under the same keys the replicated optimizer saves whole tensors, so no
+rank ever gathers the full state and either optimizer loads the other's checkpoints."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -12,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sp.model.gpt import GPT
+from lightning_sp.training.distributed_optim import DistributedAdamW, Segment
 
 
 @dataclass(frozen=True)
@@ -22,6 +30,16 @@ class Shard:
     local: Tensor
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...] | None = None
+    key: str | None = None
+    """The checkpoint key this is a chunk of, where the entry's own name differs (one of
+    several chunks of a tensor on this rank: ``<key>@<offsets>``)."""
+
+
+def checkpoint_key(entry: str, shards: dict[str, Shard]) -> str:
+    """The checkpoint key of a state-dict ``entry`` (itself, unless it is one of several
+    chunks of a tensor on this rank)."""
+    shard = shards.get(entry)
+    return shard.key if shard is not None and shard.key is not None else entry
 
 
 def gpt_chunks(module: nn.Module) -> list[GPT]:
@@ -82,8 +100,8 @@ Install = tuple[torch.optim.Optimizer, Tensor, str, Tensor, str]
 def state_entries(
     module: nn.Module, optimizers: list[torch.optim.Optimizer], *, for_load: bool
 ) -> tuple[dict[str, Tensor], dict[str, Shard], list[Install]]:
-    """The tensors of a checkpoint as DCP sees them: ``{key: local tensor}`` and
-    ``{key: Shard}`` for the sharded ones. For a save, the tied embedding's pipeline copy is
+    """The tensors of a checkpoint as DCP sees them: ``{entry: local tensor}`` and
+    ``{entry: Shard}`` for the sharded ones. For a save, the tied embedding's pipeline copy is
     left out; for a load, every parameter is a target, and Adam states that do not exist yet
     are allocated (returned as installs, for :func:`install_states` after the load)."""
     tensors: dict[str, Tensor] = {}
@@ -96,6 +114,13 @@ def state_entries(
         _add(tensors, shards, f"model.{gname}", shard)
     installs: list[Install] = []
     for optimizer in optimizers:
+        if isinstance(optimizer, DistributedAdamW):
+            for segment in optimizer.segments():
+                if id(segment.param) in by_param:
+                    gname, shard = by_param[id(segment.param)]
+                    _add_segment(tensors, shards, installs, optimizer, gname, shard, segment,
+                                 for_load=for_load)  # fmt: skip
+            continue
         for opt_param, model_param in _optimizer_pairs(optimizer):
             if id(model_param) not in by_param:
                 continue
@@ -106,11 +131,7 @@ def state_entries(
             for name in (*ADAM_FIELDS, "step"):
                 key, value = f"optim.{gname}.{name}", state.get(name)
                 if value is None and for_load:
-                    value = (
-                        torch.zeros((), dtype=torch.float32)
-                        if name == "step"
-                        else torch.zeros_like(opt_param)
-                    )
+                    value = _allocate(name, opt_param, optimizer)
                     installs.append((optimizer, opt_param, name, value, key))
                 if value is None:
                     continue
@@ -119,6 +140,88 @@ def state_entries(
                 else:
                     _add(tensors, shards, key, _like(shard, value))
     return tensors, shards, installs
+
+
+def _allocate(name: str, like: Tensor, optimizer: torch.optim.Optimizer) -> Tensor:
+    """A state field to load into: a moment shaped as ``like``, or Adam's ``step`` where
+    torch's AdamW keeps it (a scalar on the parameter's device for the fused and capturable
+    kernels, else on the CPU)."""
+    if name != "step":
+        return torch.zeros_like(like)
+    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+    device = like.device if on_device else torch.device("cpu")
+    return torch.zeros((), dtype=torch.float32, device=device)
+
+
+def _add_segment(
+    tensors: dict[str, Tensor],
+    shards: dict[str, Shard],
+    installs: list[Install],
+    optimizer: torch.optim.Optimizer,
+    gname: str,
+    shard: Shard,
+    segment: Segment,
+    *,
+    for_load: bool,
+) -> None:
+    """The chunks of one distributed-optimizer segment: its master (low-precision parameters
+    only: a full-precision weight is its own master) and Adam moments, cut at the saved
+    region of the parameter (``shard``: true vocabulary rows only)."""
+    state = dict(segment.state)  # the live tensors (a load writes into them)
+    if for_load:
+        for name in (*ADAM_FIELDS, "step"):
+            if name not in state:
+                state[name] = _allocate(name, segment.master, optimizer)
+                key = f"optim.{gname}.{name}"
+                installs.append((optimizer, segment.master, name, state[name], key))
+    if "step" in state:
+        tensors[f"optim.{gname}.step"] = state["step"]
+    fields = {name: state[name] for name in ADAM_FIELDS if name in state}
+    if segment.param.dtype != segment.master.dtype:
+        fields["master"] = segment.master
+    local_shape = tuple(segment.param.shape)
+    kept = shard.local.numel()  # the saved region is a prefix of the flat shard (dim 0 cut)
+    assert kept == segment.param.numel() or shard.local.shape[1:] == segment.param.shape[1:]
+    base = shard.offsets or (0,) * len(local_shape)
+    for offsets, sizes in flat_range_boxes(local_shape, segment.start, min(segment.end, kept)):
+        first = sum(o * s for o, s in zip(offsets, _strides(local_shape), strict=True))
+        at = tuple(b + o for b, o in zip(base, offsets, strict=True))
+        for name, value in fields.items():
+            piece = value[first - segment.start : first - segment.start + math.prod(sizes)]
+            key = f"optim.{gname}.{name}"
+            entry = f"{key}@{','.join(map(str, at))}"
+            _add(tensors, shards, entry, Shard(piece.view(sizes), shard.global_shape, at, key))
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
+def flat_range_boxes(
+    shape: tuple[int, ...], start: int, end: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The flat range ``[start, end)`` of a row-major tensor of ``shape`` as rectangular boxes
+    ``(offsets, sizes)``, in order: each box is a contiguous piece of the range, and together
+    they are the range (at most two per dimension: a partial leading and trailing piece around
+    whole sub-blocks)."""
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (end - start,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    zeros = (0,) * (len(shape) - 1)
+    (r0, c0), (r1, c1) = divmod(start, inner), divmod(end, inner)
+    if r0 == r1:  # inside one row
+        return [((r0, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], c0, c1)]
+    boxes = []
+    if c0:
+        boxes += [((r0, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], c0, inner)]
+        r0 += 1
+    if r1 > r0:
+        boxes.append(((r0, *zeros), (r1 - r0, *shape[1:])))
+    if c1:
+        boxes += [((r1, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], 0, c1)]
+    return boxes
 
 
 def install_states(installs: list[Install], loaded: set[str]) -> None:
