@@ -44,8 +44,10 @@ def test_sdpa_dropout_is_drawn_from_our_stream_and_leaves_the_global_rng_alone()
     stream.set_state(saved)
     replay = sdpa_core(q, k, v, 0.5, stream, True)
     other_rank = sdpa_core(q, k, v, 0.5, torch.Generator().manual_seed(2), True)
-    assert torch.equal(first, replay)
-    assert not torch.equal(first, other_rank)
+    assert torch.equal(first, replay), "the same stream state did not replay the same masks"
+    assert not torch.equal(first, other_rank), (
+        "another stream drew the same masks: SDPA's dropout does not draw from the stream given"
+    )
     assert not torch.equal(first, sdpa_core(q, k, v, 0.5, stream, True))  # the stream moved on
     assert torch.equal(torch.get_rng_state(), global_state)
     # eval: no dropout, nothing drawn

@@ -123,7 +123,9 @@ def _worker(rank: int, world_size: int, root: str) -> dict[str, list[int]]:
     for run in (zero4, again):  # a full-precision weight is its own master: none is saved
         for segment in run.optimizer.segments():  # type: ignore[attr-defined]
             weights = segment.param.detach().reshape(-1)[segment.start : segment.end]
-            assert torch.equal(segment.master, weights)
+            assert torch.equal(segment.master, weights), (
+                "after a load, the master of a full-precision weight is not the loaded weight"
+            )
             assert set(segment.state) == {"step", "exp_avg", "exp_avg_sq"}
     again.save(root_path / "zero_again")
     # bf16 weights: the fp32 masters are saved as chunks too, and load into the replicated

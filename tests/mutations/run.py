@@ -210,6 +210,47 @@ MUTATIONS = (
         ("tests/test_saved.py",),
         r"parameters counted as activations",
     ),
+    Mutation(
+        "zero_chunks_at_local_offsets",
+        "distributed-optimizer checkpoint chunks are written at their offsets in the local "
+        "shard, not in the full tensor",
+        (
+            (
+                "lightning_sp/training/checkpoint/shards.py",
+                "at = tuple(b + o for b, o in zip(base, offsets, strict=True))",
+                "at = tuple(offsets)",
+            ),
+        ),
+        ("tests/test_distributed_optimizer.py",),
+        r"differs|validate global plan",
+    ),
+    Mutation(
+        "zero_masters_not_from_weights",
+        "after a load, the distributed optimizer keeps its old fp32 masters of full-precision "
+        "weights instead of the loaded weights",
+        (
+            (
+                "lightning_sp/training/checkpoint/checkpointer.py",
+                "optimizer.masters_from_weights()",
+                "pass",
+            ),
+        ),
+        ("tests/test_distributed_optimizer.py",),
+        r"is not the loaded weight",
+    ),
+    Mutation(
+        "sdpa_dropout_global_rng",
+        "SDPA's attention dropout draws from torch's global RNG, not the stream it is given",
+        (
+            (
+                "lightning_sp/parallel/random.py",
+                "    default.set_state(generator.get_state())\n",
+                "",
+            ),
+        ),
+        ("tests/test_attention.py", "-k", "sdpa_dropout"),
+        r"does not draw from the stream given",
+    ),
 )
 
 
