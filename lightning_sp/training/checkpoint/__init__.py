@@ -23,6 +23,9 @@ CRC32 of every file (so a truncated or corrupt file is named before anything is 
 The vocabulary is padded to a multiple of ``128·t``, which depends on t: only the true
 vocabulary rows are saved, and each layout keeps its own padding rows (which no output depends
 on). The tied embedding's copy on the last pipeline stage is not saved; it loads from the one
+entry. The distributed optimizer saves, per rank, only the flat ranges it owns, as chunks of the
+same ``optim.`` keys (:mod:`.shards`). RNG streams are per rank and restored only into the same
+layout; another layout starts its streams from the seed.
 
 Modules: :mod:`.format` (``meta.json``, keys), :mod:`.shards` (global identities of weights and
 optimizer state), :mod:`.planners` (DCP planners with global offsets), :mod:`.verify`
