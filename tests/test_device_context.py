@@ -16,14 +16,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_sp import GPT, ParallelState
+from lightning_sp import GPT, ParallelState, Pipeline
 from lightning_sp.errors import ConfigError
 from lightning_sp.parallel.init import materialize
 from lightning_sp.parallel.random import RNGStreams, dropout
 from lightning_sp.parallel.state import _group_options
 from lightning_sp.training.module import GPTModule
 from lightning_sp.training.validation import check_compile
-from tests.models import batch, tiny_config
+
+from models import batch, tiny_config
+from spawn import run_distributed
 
 CONFIG = tiny_config(hidden_dropout=0.1, attention_dropout=0.1, recompute="selective")
 
@@ -121,7 +123,45 @@ def test_compiled_layers_give_the_eager_loss_and_gradients() -> None:
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_compile_where_unsupported_is_one_line() -> None:
-    state = ParallelState(2, 1, 1, 0, 0, 0, None, None, None, torch.device("cpu"))
-    with pytest.raises(ConfigError, match=r"compile_layers=True with tensor_parallel_size=2"):
-        check_compile(state)
+def test_compile_without_a_compiler_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(ConfigError, match=r"^compile_layers=True on CPU needs a C\+\+ compiler"):
+        check_compile(ParallelState.single())
+
+
+def _compiled_layouts_worker(rank: int, world_size: int) -> None:
+    """t=2 + SP with lean recomputation (collectives and fused recomputing linears inside
+    the compiled layers) and p=2 with selective (the schedule's sends outside them)."""
+    tp = ParallelState.from_process_group(tensor_parallel_size=2)
+    pp = ParallelState.from_process_group(pipeline_parallel_size=2)
+    cases = {  # one layer per rank: each compiled layer instance is one more compilation
+        "t=2 SP lean": (tp, "lean", True, 1),
+        "p=2 selective": (pp, "selective", False, 2),
+    }
+    for name, (state, recompute, sp, layers) in cases.items():
+        config = tiny_config(num_layers=layers, hidden_dropout=0.1, attention_dropout=0.1,
+                             recompute=recompute, sequence_parallel=sp)  # fmt: skip
+        ids, labels = batch(config, 4)
+        results = []
+        for compiled in (False, True):
+            model = Pipeline(config, state, num_microbatches=2 if state is pp else 1)
+            if compiled:
+                for chunk in model.models:
+                    for layer in chunk.layers:
+                        layer.compile()
+            loss = model.train_step(ids, labels) if model.runs_backward else model(ids, labels)
+            if not model.runs_backward:
+                loss.backward()
+            model.finalize_grads()
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            results.append((loss.detach(), grads))
+        (eager_loss, eager), (compiled_loss, grads) = results
+        torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-6, atol=0, msg=name)
+        assert grads.keys() == eager.keys() and grads, name
+        for key, grad in grads.items():
+            torch.testing.assert_close(grad, eager[key], rtol=1e-5, atol=1e-6,
+                                       msg=f"{name} {key}")  # fmt: skip
+
+
+def test_compiled_layers_in_parallel_layouts_give_the_eager_loss_and_gradients() -> None:
+    run_distributed(_compiled_layouts_worker, 2)

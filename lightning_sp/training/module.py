@@ -58,8 +58,9 @@ class GPTModule(LightningModule):
         init_from: A local Hugging Face GPT-2 directory (``config.json`` +
             ``model.safetensors``) to start from instead of the seeded initialisation; each
             rank reads only its own slices. Its sizes must equal ``config``'s (checked here).
-        compile_layers: ``torch.compile`` each transformer layer (see :func:`check_compile`
-            for where it runs). Measured on CPU (torch 2.13, t=1): same loss, gradients within
+        compile_layers: ``torch.compile`` each transformer layer, in any layout (see
+            :func:`~lightning_sp.training.validation.check_compile`). Measured on CPU (torch
+            2.13; t=1, t=2 + SP with lean recompute, p=2): the eager loss, gradients within
             fp32 rounding; each dropout with our generators and each recompute's RNG snapshot
             is a graph break (dropout 0 traces whole layers).
         generation: How ``predict`` continues each prompt (:meth:`predict_step`).
@@ -155,7 +156,7 @@ class GPTModule(LightningModule):
             timeout=timeout,
         )
         self._load_init_from()
-        if self.compile_layers:  # check_compile: t = p = 1 only
+        if self.compile_layers:
             for chunk in self.pipeline.models:
                 for layer in chunk.layers:
                     layer.compile()
