@@ -26,6 +26,15 @@ from torch import Tensor
 from lightning_sp.parallel.buffer import GradBuffer
 
 
+def run_closure(closure: Any) -> Any:
+    """An optimizer ``step``'s closure (forward and backward) with gradients enabled, as
+    torch's optimizers run it; ``None`` without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class DistributedAdamW(torch.optim.AdamW):
     """AdamW over this data-parallel rank's shard of a sharded :class:`GradBuffer`.
 
@@ -58,10 +67,7 @@ class DistributedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for master, _, _, _, grad in self._segments:
             master.grad = grad
         super().step()

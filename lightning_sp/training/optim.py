@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 
 from lightning_sp.parallel.buffer import GradBuffer
-from lightning_sp.training.distributed_optim import DistributedAdamW
+from lightning_sp.training.distributed_optim import DistributedAdamW, run_closure
 
 
 @dataclass
@@ -105,10 +105,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for master, p in zip(self._masters(), self.model_params, strict=True):
             master.grad = p.main_grad  # type: ignore[attr-defined]
         super().step()
