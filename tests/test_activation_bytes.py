@@ -51,15 +51,23 @@ ROW_SETTINGS = {  # row -> (sequence_parallel, recompute, attention); Table 2's 
     "sdpa_lean_sequence_parallel": (True, "lean", "sdpa"),
 }
 TABLE2 = list(ROW_SETTINGS)[:6]
+MIXED_ROWS = {  # row -> (sequence_parallel, recompute_rest): full on layer 0, the rest on 1
+    "full_1_lean_rest_sequence_parallel": (True, "lean"),
+}
 
 
-def _config(sequence_parallel: bool, recompute: str, attention: str) -> GPTConfig:
+def _config(sequence_parallel: bool, recompute: str, attention: str, **fields: object) -> GPTConfig:
     return GPTConfig(
         vocab_size=512, seq_length=S, hidden_size=H, num_layers=LAYERS, num_heads=A,
         hidden_dropout=0.1, attention_dropout=0.1 if attention == "math" else 0.0,
         sequence_parallel=sequence_parallel, recompute=recompute,  # type: ignore[arg-type]
-        attention=attention,  # type: ignore[arg-type]
+        attention=attention, **fields,  # type: ignore[arg-type]
     )  # fmt: skip
+
+
+def _mixed_config(row: str) -> GPTConfig:
+    sequence_parallel, rest = MIXED_ROWS[row]
+    return _config(sequence_parallel, "full", "math", recompute_num_layers=1, recompute_rest=rest)
 
 
 def _measure_worker(rank: int, world_size: int, out_dir: str) -> None:
@@ -67,10 +75,12 @@ def _measure_worker(rank: int, world_size: int, out_dir: str) -> None:
     state = ParallelState.from_process_group(tensor_parallel_size=t)
     ids = torch.randint(0, 512, (B, S), generator=torch.Generator().manual_seed(0))
     results = {}
-    for row, settings in ROW_SETTINGS.items():
+    configs = {row: _config(*settings) for row, settings in ROW_SETTINGS.items()}
+    configs.update({row: _mixed_config(row) for row in MIXED_ROWS})
+    for row, config in configs.items():
         if row == "no_parallelism" and t > 1:
             continue
-        model = GPT(_config(*settings), state, dtype=torch.bfloat16)
+        model = GPT(config, state, dtype=torch.bfloat16)
         model.train()
         with SavedTensorTracker.for_model(model) as tracker:
             loss = model(ids, ids)
@@ -110,6 +120,25 @@ def test_bytes_per_layer_equal_the_formula(t: int, row: str) -> None:
             assert got == expected + stats, (
                 f"t={t} rank {rank} layer {layer} {row}: measured {got / SBH:.5f} sbh, "
                 f"formula {expected / SBH:.5f} + LayerNorm statistics {stats / SBH:.5f} sbh"
+            )
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("row", list(MIXED_ROWS))
+def test_mixed_layers_each_equal_their_formula(t: int, row: str) -> None:
+    """Full on the first layer, ``recompute_rest`` on the other: each layer holds its own
+    policy's formula (the full layer its input only, 2sbh/t with SP)."""
+    config = _mixed_config(row)
+    shape = ActivationShape.from_config(config, t, B)
+    policies = [config.layer_recompute(i) for i in range(LAYERS)]
+    assert policies == ["full", MIXED_ROWS[row][1]]
+    for rank, results in enumerate(measured(t)):
+        for layer, (got, policy) in enumerate(zip(results[row], policies, strict=True)):
+            expected = activation_bytes_per_layer(shape, policy)
+            expected += layernorm_stats_bytes_per_layer(shape, policy)
+            assert got == expected, (
+                f"t={t} rank {rank} layer {layer} {row} ({policy}): measured "
+                f"{got / SBH:.5f} sbh, formula + LayerNorm statistics {expected / SBH:.5f} sbh"
             )
 
 

@@ -85,6 +85,10 @@ def test_help_documents_every_option(tmp_path: Path) -> None:
         ),
         (["--model.config.attention", "flash"], "attention='flash' is not an attention backend"),
         (["--model.config.recompute", "[core_attn, gelu]"], "'gelu' is not a recompute module"),
+        (
+            ["--model.config.recompute_rest", "full"],
+            "recompute_rest='full' cannot be what the layers beyond recompute_num_layers run",
+        ),
     ],
     ids=[
         "missing-data",
@@ -97,6 +101,7 @@ def test_help_documents_every_option(tmp_path: Path) -> None:
         "batch-after-launch",
         "attention",
         "recompute-module",
+        "recompute-rest",
     ],
 )
 def test_bad_config_fails_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:

@@ -142,6 +142,51 @@ def test_recompute_num_layers_mixes_full_and_selective() -> None:
     assert [layer.attention.recompute_core for layer in model.layers] == [False, False, True]
 
 
+@pytest.mark.parametrize(
+    ("rest", "name", "core", "masks"),
+    [("none", "none", False, False), ("lean", "lean", True, True),
+     (["mlp_act", "core_attn"], "core_attn+mlp_act", True, False)],
+)  # fmt: skip
+def test_recompute_rest_builds_the_layers_beyond_recompute_num_layers(
+    rest: object, name: str, core: bool, masks: bool
+) -> None:
+    config = tiny_config(num_layers=3, recompute="full", recompute_num_layers=1)
+    config.recompute_rest = rest  # type: ignore[assignment]
+    model = GPT(config, _state(1))
+    assert [layer.recompute for layer in model.layers] == ["full", name, name]
+    assert [layer.attention.recompute_core for layer in model.layers] == [False, core, core]
+    assert [layer.regenerate_masks for layer in model.layers] == [False, masks, masks]
+
+
+def test_recompute_rest_is_ignored_without_a_split() -> None:
+    for config in (
+        tiny_config(recompute="selective", recompute_rest="lean"),
+        tiny_config(recompute="full", recompute_rest="none"),  # every layer full
+    ):
+        model = GPT(config, _state(1))
+        assert [layer.recompute for layer in model.layers] == [config.recompute] * 2
+
+
+REST_CASES = [
+    ("full", "recompute_rest='full' cannot be what the layers beyond recompute_num_layers run; "
+     "valid: none, selective, lean or a list of core_attn, layernorm, mlp_act, residual_mask"),
+    ("auto", "recompute_rest='auto' cannot be what the layers beyond recompute_num_layers run; "
+     "valid: none, selective, lean or a list of"),
+    ("partial", "recompute_rest='partial' is not a recompute policy; valid: none, selective, "
+     "lean or a list of core_attn"),
+    (["core_attn", "gelu"], "recompute_rest=['core_attn', 'gelu']: 'gelu' is not a recompute "
+     "module; valid modules: core_attn, layernorm, mlp_act, residual_mask"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("rest", "message"), REST_CASES)
+def test_bad_recompute_rest(rest: object, message: str) -> None:
+    config = tiny_config(recompute="full", recompute_num_layers=1)
+    config.recompute_rest = rest  # type: ignore[assignment]
+    _raises(re.escape(message), GPT, config, _state(1))
+    _raises(re.escape(message), config.validate)
+
+
 # -- the README's table of bad inputs: each check in-process, through the function cli.py runs
 # before any process starts (tests/test_cli.py runs a few through `python cli.py` itself)
 

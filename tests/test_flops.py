@@ -64,6 +64,11 @@ def test_hand_computed_small_case() -> None:
     assert hardware_flops_per_iteration(full, 2) == pytest.approx(
         _paper_full_recompute_flops(full, 2), rel=1e-12
     )
+    # full on the first layer, recompute_rest on the other two: one layer forward + the rest's
+    core = 4 * 2 * 64 * 4  # QKᵀ and probs·V of one layer
+    for rest, extra in {"none": 0, "selective": 2 * core, "lean": 2 * core, "mlp_act": 0}.items():
+        cfg = dataclasses.replace(full, recompute_num_layers=1, recompute_rest=rest)
+        assert hardware_flops_per_iteration(cfg, 2) == 77568 + 8192 + extra, rest
 
 
 @pytest.mark.parametrize("config", [GPT3_175B, MT_NLG_530B], ids=["175B", "530B"])

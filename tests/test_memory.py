@@ -291,6 +291,26 @@ def test_fake_measurement_matches_formula_at_t4(
     assert got.embedding_bytes == mask + 9 * s * b
 
 
+@pytest.mark.parametrize("rest", ["none", "lean"])
+def test_fake_measurement_of_a_full_k_model_follows_each_layer(rest: str) -> None:
+    """Full on the first layer of the chunk, ``recompute_rest`` on the second: the fake trace
+    at t=4 + SP gives each layer its own policy's formula."""
+    s, b, h, a, t = 256, 2, 256, 8, 4
+    config = _small(seq_length=s, hidden_size=h, num_heads=a, num_layers=2)
+    config = dataclasses.replace(
+        config, sequence_parallel=True, recompute="full", recompute_num_layers=1,
+        recompute_rest=rest,
+    )  # fmt: skip
+    got = measure_activations(config, tensor_parallel_size=t, micro_batch_size=b, layers=2)
+    shape = ActivationShape.from_config(config, t, b)
+    expected = [
+        activation_bytes_per_layer(shape, policy) + layernorm_stats_bytes_per_layer(shape, policy)
+        for policy in ("full", rest)
+    ]
+    assert got.per_layer_bytes == expected
+    assert expected[0] == 2 * s * b * h / t  # the full layer keeps its input shard only
+
+
 def test_head_measurement_matches_section_4_5() -> None:
     s, b, h, t = 256, 2, 256, 4
     config = _small(seq_length=s, hidden_size=h, num_heads=8, num_layers=2, vocab_size=1000)

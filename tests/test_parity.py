@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_sp import GPT, ParallelState
+from lightning_sp import GPT, GPTConfig, ParallelState
 
 from models import (
     assert_matches_reference,
@@ -26,16 +26,30 @@ from models import (
 )
 from spawn import run_distributed
 
-# (recompute, recompute_num_layers): full on layer 0 only and selective on layer 1 is the mix
-# that recompute: auto picks when full on every layer is more than needed; then lean and each
-# recompute module on its own
+# (recompute, recompute_num_layers, recompute_rest): full on layer 0 only and lean on layer 1
+# is the mix that recompute: auto picks when full on every layer is more than needed (and
+# selective / none on layer 1 the other rests); then lean and each recompute module on its own
 POLICIES = (
-    ("none", None), ("selective", None), ("full", None), ("full", 1), ("lean", None),
-    (["layernorm"], None), (["mlp_act"], None), (["residual_mask"], None),
+    ("none", None, None), ("selective", None, None), ("full", None, None),
+    ("full", 1, "selective"), ("full", 1, "lean"), ("full", 1, "none"), ("lean", None, None),
+    (["layernorm"], None, None), (["mlp_act"], None, None), (["residual_mask"], None, None),
 )  # fmt: skip
-SDPA_POLICIES = (("none", None), ("selective", None), ("full", 1), ("lean", None))
+SDPA_POLICIES = (
+    ("none", None, None), ("selective", None, None), ("full", 1, "lean"), ("lean", None, None),
+)  # fmt: skip
 CASES = [("math", p) for p in POLICIES] + [("sdpa", p) for p in SDPA_POLICIES]
-"""(attention, (recompute, recompute_num_layers)) cases run in every layout."""
+"""(attention, (recompute, recompute_num_layers, recompute_rest)) cases run in every layout."""
+
+
+def _case_config(
+    recompute: object, layers: int | None, rest: str | None, **fields: object
+) -> GPTConfig:
+    """``tiny_config`` with one recompute case (``rest`` None: the default)."""
+    if rest is not None:
+        fields["recompute_rest"] = rest
+    return tiny_config(recompute=recompute, recompute_num_layers=layers, **fields)
+
+
 RTOL = 1e-10
 
 
@@ -45,14 +59,17 @@ def _parity_worker(rank: int, world_size: int) -> None:
     ids, labels = batch(config)
     reference = reference_model(config)
     ref_loss = loss_and_grads(reference, ids, labels)
-    for sequence_parallel, (attention, (recompute, layers)) in itertools.product(
+    for sequence_parallel, (attention, (recompute, layers, rest)) in itertools.product(
         (False, True), CASES
     ):
-        case = f"t={world_size} sp={sequence_parallel} {attention} recompute={recompute}/{layers}"
-        cfg = tiny_config(
-            sequence_parallel=sequence_parallel, recompute=recompute, recompute_num_layers=layers,
-            attention=attention,
-        )  # fmt: skip
+        case = (
+            f"t={world_size} sp={sequence_parallel} {attention} recompute={recompute}/{layers}"
+            f"/{rest}"
+        )
+        cfg = _case_config(
+            recompute, layers, rest, sequence_parallel=sequence_parallel, attention=attention
+        )
+        assert layers is None or cfg.layer_recompute(1) == (rest or "selective"), case
         model = GPT(cfg, state, dtype=torch.float64)
         loss = loss_and_grads(model, ids, labels)
         assert relative_error(loss, ref_loss) <= RTOL, f"{case}: loss {loss} vs {ref_loss}"
@@ -84,16 +101,16 @@ def _dropout_worker(rank: int, world_size: int) -> None:
     state = ParallelState.from_process_group(tensor_parallel_size=world_size)
     for sequence_parallel, attention in itertools.product((False, True), ("math", "sdpa")):
         results = []
-        for recompute, layers in POLICIES if attention == "math" else SDPA_POLICIES:
-            cfg = tiny_config(
-                sequence_parallel=sequence_parallel, recompute=recompute, attention=attention,
-                recompute_num_layers=layers, hidden_dropout=0.2, attention_dropout=0.3,
+        for recompute, layers, rest in POLICIES if attention == "math" else SDPA_POLICIES:
+            cfg = _case_config(
+                recompute, layers, rest, sequence_parallel=sequence_parallel,
+                attention=attention, hidden_dropout=0.2, attention_dropout=0.3,
             )  # fmt: skip
             model = GPT(cfg, state, dtype=torch.float64)
             ids, labels = batch(cfg)
             losses = [loss_and_grads(model, ids, labels) for _ in range(2)]
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-            results.append((f"{recompute}/{layers}", losses, grads))
+            results.append((f"{recompute}/{layers}/{rest}", losses, grads))
         base_policy, base_losses, base_grads = results[0]
         assert base_losses[0] != base_losses[1], "dropout drew the same masks twice"
         for policy, losses, grads in results[1:]:

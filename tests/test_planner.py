@@ -194,23 +194,60 @@ def test_auto_picks_the_least_recomputation_that_fits() -> None:
     tp_only = _auto(sequence_parallel=False)
     choice = estimate(tp_only, 80e9).choice
     assert choice is not None and choice.recompute == "lean" and choice.fits
-    # TP only in 67 GB: lean does not fit; full on 3 of each chunk's 4 layers does
+    # TP only in 67 GB: lean (69.73 GB) does not fit; full on 1 of each chunk's 4 layers with
+    # lean on the other 3 does. Per layer (TP only, t=8): lean sbh(4 + 16/t) = 6sbh, full 2sbh,
+    # so each fully recomputed layer saves 4sbh = 100.7 MB x 31 chunk forwards in flight
+    # (8·3 + 8 - 1) = 3.12 GB: k=1 gives 66.61 GB. (With selective, 13sbh, on the rest it
+    # would take k=3: 4·13 - 11k sbh per chunk fits only from k=3.)
     result = estimate(tp_only, 67e9)
     assert result.choice is not None
-    assert (result.choice.recompute, result.choice.recompute_num_layers) == ("full", 3)
-    assert result.choice.fits and result.choice.measured
-    partial = result.rows[-1]
-    assert partial.selected and partial.recompute_num_layers == 3 and partial.fits
-    assert not result.row(False, "lean").fits
-    one_layer_less = result.rows[-1].total_bytes + (
-        result.row(False, "selective").activation_bytes_per_layer
-        - result.row(False, "full").activation_bytes_per_layer
-    ) * (8 * 3 + 8 - 1)  # chunk forwards in flight
-    assert one_layer_less > 67e9  # k=2 would not have fitted
+    choice = result.choice
+    assert (choice.recompute, choice.recompute_num_layers, choice.recompute_rest) == (
+        "full", 1, "lean",
+    )  # fmt: skip
+    assert choice.fits and choice.measured
+    assert "full on 1 layer(s) per model chunk, lean on the rest" in choice.describe()
+    partial, lean, full = result.rows[-1], result.row(False, "lean"), result.row(False, "full")
+    assert partial.selected and partial.fits and not lean.fits
+    assert (partial.recompute_num_layers, partial.recompute_rest) == (1, "lean")
+    per_layer = (full.activation_bytes_per_layer + 3 * lean.activation_bytes_per_layer) / 4
+    assert partial.activation_bytes_per_layer == per_layer
+    saved = (lean.activation_bytes_per_layer - full.activation_bytes_per_layer) * 31
+    assert partial.total_bytes == lean.total_bytes - saved
+    sbh = 2048 * 12288  # s·b·h (b=1): the unit of the paper's byte counts
+    assert lean.formula_bytes_per_layer == 6 * sbh and full.formula_bytes_per_layer == 2 * sbh
+    # the same split configured with selective on the rest does not fit; with lean it is auto's
+    for rest, fits in (("selective", False), ("lean", True)):
+        configured = read_layout(
+            "gpt175b", "--model.config.recompute", "full", "--model.config.attention", "math",
+            "--model.config.recompute_num_layers", "1", "--model.config.recompute_rest", rest,
+            "--trainer.strategy.sequence_parallel", "false",
+        )  # fmt: skip
+        row = estimate(configured, 67e9, measure=False).rows[-1]
+        assert row.selected and (row.recompute_num_layers, row.recompute_rest) == (1, rest)
+        assert row.fits == fits, rest
+        if fits:
+            assert row.formula_first_stage_activation_bytes == (
+                partial.formula_first_stage_activation_bytes
+            )
     # nothing fits: full everywhere, reported as not fitting
     choice = estimate(layout, 40e9).choice
     assert choice is not None and choice.recompute == "full" and not choice.fits
     assert "does NOT fit" in choice.describe()
+
+
+def test_estimate_table_names_autos_partial_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    """The table's row for auto's partial choice names its rest (the auto config itself has no
+    per-layer policy to ask)."""
+    args = [
+        "--config", CONFIGS["gpt175b"], "--model.config.recompute", "auto",
+        "--trainer.strategy.sequence_parallel", "false", "--model.config.attention", "math",
+        "--device_memory", "67GB", "--formula_only", "true",
+    ]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "full 1/4 + lean *" in out
+    assert "recompute: auto -> full on 1 layer(s) per model chunk, lean on the rest" in out
 
 
 def test_auto_under_sdpa_skips_selective() -> None:

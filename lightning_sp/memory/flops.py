@@ -90,7 +90,7 @@ def hardware_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> f
     * ``full``: every layer's forward runs twice (the logits are not recomputed), so each
       layer costs 4x its forward instead of 3x: ``96·B·s·L·h²·(1 + s/(6h) + v/(16·h·L))``
       for ``ffn_size = 4h``, about 4/3 of the model FLOPs for large ``h``. (Layers that
-      ``recompute_num_layers`` leaves out run ``selective``.)
+      ``recompute_num_layers`` leaves out run ``recompute_rest``, counted as a module set.)
     * a module set: each active module's ``redone_flops``
       (:data:`lightning_sp.model.recompute.RECOMPUTE_MODULES`). Only ``core_attn`` redoes
       matmuls: the two ``s x s`` matmuls QKᵀ and probs·V, ``2·B·s²·h`` each, so ``4·B·s²·h·L``

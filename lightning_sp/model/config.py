@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lightning_sp.errors import ConfigError, divisors, positive_int
-from lightning_sp.model.recompute import POLICIES, parse_recompute, policy_name
+from lightning_sp.model.recompute import POLICIES, parse_recompute, parse_rest, policy_name
 
 RECOMPUTE_POLICIES = POLICIES
 """The named policies: the presets ``none``, ``selective``, ``lean`` and ``full``."""
@@ -63,8 +63,15 @@ class GPTConfig:
     masks, regenerated from the RNG stream instead of stored)."""
 
     recompute_num_layers: int | None = None
-    """With recompute=full, fully recompute only the first N layers of each model chunk and
-    use selective recomputation on the others; None: every layer."""
+    """With recompute=full, fully recompute only the first N layers of each model chunk; the
+    others run ``recompute_rest``. None: every layer."""
+
+    recompute_rest: str | list[str] = "selective"
+    """With recompute=full and recompute_num_layers set: what the other layers of each model
+    chunk run, a preset or a list of recompute modules as in ``recompute`` but not ``full`` or
+    ``auto``. ``none`` stores everything there (Megatron's block method, fastest);
+    ``selective`` (the default) recomputes the attention core; ``lean`` stores least (20sbh/t
+    per layer with TP+SP), so the fewest layers need full recomputation. Ignored otherwise."""
 
     attention: str = "math"
     """Attention backend, ``math`` or ``sdpa``: ``math`` is the paper's (QKᵀ, softmax,
@@ -102,14 +109,16 @@ class GPTConfig:
     def layer_recompute(self, index_in_chunk: int) -> str:
         """The policy one layer runs, by name (:func:`~lightning_sp.model.recompute.
         policy_name`): ``full`` for the first ``recompute_num_layers`` layers of a chunk (all,
-        if None) and ``selective`` for the rest; otherwise the configured preset, or its
-        modules joined by ``+`` (``auto`` must have been resolved)."""
+        if None) and ``recompute_rest`` for the others; otherwise the configured preset, or
+        its modules joined by ``+`` (``auto`` must have been resolved)."""
         if parse_recompute(self.recompute) == "auto":
             raise ConfigError("recompute='auto' must be resolved before layers are built")
         if self.recompute != "full":
             return policy_name(self.recompute)
         limit = self.recompute_num_layers
-        return "full" if limit is None or index_in_chunk < limit else "selective"
+        if limit is None or index_in_chunk < limit:
+            return "full"
+        return policy_name(parse_rest(self.recompute_rest))
 
     def padded_vocab_size(self, tensor_parallel_size: int = 1) -> int:
         """The vocabulary rounded up to a multiple of ``make_vocab_size_divisible_by * t``."""
@@ -122,6 +131,7 @@ class GPTConfig:
         for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_heads"):
             positive_int(name, getattr(self, name))
         parse_recompute(self.recompute)
+        parse_rest(self.recompute_rest)
         from lightning_sp.model.attention import check_attention
 
         check_attention(self.attention)

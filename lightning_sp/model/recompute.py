@@ -102,15 +102,23 @@ LayerRecompute = tuple[str, ...] | Literal["full"]
 """A parsed policy: ``"full"`` or a tuple of module names in registry order."""
 
 
-def parse_recompute(value: object, field: str = "recompute") -> LayerRecompute | Literal["auto"]:
+def parse_recompute(
+    value: object, field: str = "recompute", *, whole: bool = True
+) -> LayerRecompute | Literal["auto"]:
     """``value`` (a preset name, ``full``, ``auto``, a module name, a list of module names or
-    their names joined by ``+``) as ``"full"``,
-    ``"auto"`` or the module tuple in registry order; :class:`ConfigError` (one line) if it is
-    none of these."""
-    valid = f"valid: {', '.join((*POLICIES, AUTO))} or a list of {', '.join(RECOMPUTE_MODULES)}"
+    their names joined by ``+``) as ``"full"``, ``"auto"`` or the module tuple in registry
+    order; :class:`ConfigError` (one line naming ``field``) if it is none of these, or with
+    ``whole=False`` if it is ``full`` or ``auto`` (what ``recompute_rest`` may not be)."""
+    names = (*POLICIES, AUTO) if whole else tuple(PRESETS)
+    valid = f"valid: {', '.join(names)} or a list of {', '.join(RECOMPUTE_MODULES)}"
     if isinstance(value, str):
         if value in (FULL, AUTO):
-            return value  # type: ignore[return-value]
+            if whole:
+                return value  # type: ignore[return-value]
+            raise ConfigError(
+                f"{field}={value!r} cannot be what the layers beyond recompute_num_layers run; "
+                f"{valid}"
+            )
         if value in PRESETS:
             return PRESETS[value]
         if "+" not in value and value not in RECOMPUTE_MODULES:
@@ -127,6 +135,15 @@ def parse_recompute(value: object, field: str = "recompute") -> LayerRecompute |
     if len(set(value)) != len(value):
         raise ConfigError(f"{field}={list(value)!r} names a module twice")
     return tuple(name for name in RECOMPUTE_MODULES if name in value)
+
+
+def parse_rest(value: object, field: str = "recompute_rest") -> tuple[str, ...]:
+    """``value`` as the module tuple of a policy that can run on the layers of a chunk beyond
+    ``recompute_num_layers`` (a preset or modules, as :func:`parse_recompute` reads them, but
+    not ``full`` or ``auto``); :class:`ConfigError` (one line) otherwise."""
+    parsed = parse_recompute(value, field, whole=False)
+    assert not isinstance(parsed, str)
+    return parsed
 
 
 def policy_name(policy: str | Sequence[str]) -> str:

@@ -18,7 +18,8 @@ flight), so give it the memory you can actually allocate.
 
 ``recompute: auto`` picks the least recomputation that fits: each policy of :data:`LADDER`
 but the last in turn, else the last (``full``) on just enough layers of each model chunk (the
-others as :meth:`GPTConfig.layer_recompute` says), else the last on every layer. The records
+others on the policy below it that stores least, ``lean``, so that the fewest layers need
+full recomputation), else the last on every layer. The records
 (:class:`Estimate`, its rows, :class:`RecomputeChoice`, :data:`LADDER`) are in
 :mod:`lightning_sp.planner.records`.
 """
@@ -97,10 +98,12 @@ def _row(
     state_bytes: int,
     device_bytes: int,
     recompute_num_layers: int | None = None,
+    recompute_rest: str | None = None,
 ) -> EstimateRow:
     """One row from ``by_policy[policy] = (got, formula)`` activations of this SP setting; the
-    layers of a chunk run what :meth:`GPTConfig.layer_recompute` says they run."""
-    config = layout.with_policy(sequence_parallel, recompute, recompute_num_layers)
+    layers of a chunk run what :meth:`GPTConfig.layer_recompute` says they run (with
+    ``recompute_num_layers``, the others run ``recompute_rest``; ``None``: as configured)."""
+    config = layout.with_policy(sequence_parallel, recompute, recompute_num_layers, recompute_rest)
     policies = [config.layer_recompute(i) for i in range(layout.layers_per_chunk)]
     sums = []
     for which in (0, 1):  # got (measured, or the formula when not measured), formula
@@ -119,6 +122,7 @@ def _row(
         total_bytes=round(got_first) + state_bytes,
         device_bytes=device_bytes,
         recompute_num_layers=recompute_num_layers,
+        recompute_rest=None if recompute_num_layers is None else policies[-1],
     )
 
 
@@ -186,29 +190,35 @@ def _choose(
     a partial choice of the last policy is appended to ``result.rows``."""
     layout, sp, measured = result.layout, result.layout.sequence_parallel, bool(result.measurements)
     previous: int | None = None
+    rest = LADDER[0]  # the last rung that stored less than the one before it
     for policy in LADDER[:-1]:
         row = result.row(sp, policy)
         if previous is not None and row.formula_bytes_per_layer >= previous:
             continue  # recomputes for no gain (selective under sdpa)
-        previous = row.formula_bytes_per_layer
+        previous, rest = row.formula_bytes_per_layer, policy
         if row.fits:
             return RecomputeChoice(policy, None, row.total_bytes, result.device_bytes, measured)
     last = LADDER[-1]
     for k in range(1, layout.layers_per_chunk):
-        row = _row(layout, sp, last, by_policy, state_bytes, result.device_bytes, k)
+        row = _row(layout, sp, last, by_policy, state_bytes, result.device_bytes, k, rest)
         if row.fits:
             result.rows.append(row)
-            return RecomputeChoice(last, k, row.total_bytes, result.device_bytes, measured)
+            return RecomputeChoice(
+                last, k, row.total_bytes, result.device_bytes, measured, recompute_rest=rest
+            )
     everything = result.row(sp, last)
     return RecomputeChoice(last, None, everything.total_bytes, result.device_bytes, measured)
 
 
 def _combinations(layout: Layout) -> tuple[tuple[bool, str], ...]:
-    """:data:`COMBINATIONS`, plus the configured module set if it is no named policy."""
-    if layout.recompute == AUTO or policy_name(layout.recompute) in LADDER:
+    """:data:`COMBINATIONS`, plus the configured module set if it is no named policy (that of
+    the layers beyond ``recompute_num_layers`` included)."""
+    if layout.recompute == AUTO:
         return COMBINATIONS
-    name = policy_name(layout.recompute)
-    return (*COMBINATIONS, (False, name), (True, name))
+    config = layout.config
+    names = {config.layer_recompute(i) for i in range(layout.layers_per_chunk)}
+    extra = sorted(names - set(LADDER))
+    return (*COMBINATIONS, *((sp, name) for sp in (False, True) for name in extra))
 
 
 def no_gain_notes(result: Estimate) -> list[str]:

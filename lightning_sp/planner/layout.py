@@ -112,14 +112,22 @@ class Layout:
         check_pipeline(layers, p, self.virtual_pipeline_size, self.num_microbatches)
 
     def with_policy(
-        self, sequence_parallel: bool, recompute: str, recompute_num_layers: int | None = None
+        self,
+        sequence_parallel: bool,
+        recompute: str,
+        recompute_num_layers: int | None = None,
+        recompute_rest: str | None = None,
     ) -> GPTConfig:
-        """The model config for one ``(sequence_parallel, recompute)`` combination."""
+        """The model config for one ``(sequence_parallel, recompute)`` combination; with
+        ``recompute_num_layers``, the other layers run ``recompute_rest`` (``None``: as
+        configured)."""
+        rest = self.config.recompute_rest if recompute_rest is None else recompute_rest
         return dataclasses.replace(
             self.config,
             sequence_parallel=sequence_parallel,
             recompute=recompute,
             recompute_num_layers=recompute_num_layers,
+            recompute_rest=rest,
         )
 
 

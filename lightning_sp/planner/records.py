@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from lightning_sp.memory.fake import ActivationMeasurement
 from lightning_sp.memory.formulas import FIGURE7_ROWS, TABLE2_SETTINGS
-from lightning_sp.model.config import RECOMPUTE_POLICIES, GPTConfig
+from lightning_sp.model.config import RECOMPUTE_POLICIES
 from lightning_sp.planner.layout import Layout
 
 LADDER: tuple[str, ...] = RECOMPUTE_POLICIES
@@ -32,12 +32,13 @@ def gigabytes(nbytes: float) -> str:
     return f"{nbytes / 1e9:.2f} GB"
 
 
-def _partial(recompute: str, recompute_num_layers: int) -> str:
-    """``"full on 2 layer(s) per model chunk, selective on the rest"``: what the model runs
+def _partial(recompute: str, recompute_num_layers: int, recompute_rest: str | None) -> str:
+    """``"full on 2 layer(s) per model chunk, lean on the rest"``: what the model runs
     (:meth:`GPTConfig.layer_recompute`) with ``recompute_num_layers`` set."""
-    config = GPTConfig(recompute=recompute, recompute_num_layers=recompute_num_layers)
-    rest = config.layer_recompute(recompute_num_layers)
-    return f"{recompute} on {recompute_num_layers} layer(s) per model chunk, {rest} on the rest"
+    return (
+        f"{recompute} on {recompute_num_layers} layer(s) per model chunk, "
+        f"{recompute_rest} on the rest"
+    )
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,12 @@ class EstimateRow:
     """The device memory it is set against."""
 
     recompute_num_layers: int | None = None
-    """With ``full``: layers per model chunk recomputed in full, the others as
-    :meth:`GPTConfig.layer_recompute` says; ``None``: every layer."""
+    """With ``full``: layers per model chunk recomputed in full, the others on
+    ``recompute_rest``; ``None``: every layer."""
+
+    recompute_rest: str | None = None
+    """With ``recompute_num_layers``: the policy of a chunk's other layers (by
+    :func:`~lightning_sp.model.recompute.policy_name`); ``None`` otherwise."""
 
     selected: bool = False
     """The configured combination, or the one ``recompute: auto`` chose."""
@@ -99,10 +104,11 @@ class EstimateRow:
 
     @property
     def label(self) -> str:
-        """``SP + selective``, ``TP only + full (2 layers/chunk, rest selective)``, ..."""
+        """``SP + selective``, ``TP only + full on 2 layer(s) per model chunk, lean on the
+        rest``, ..."""
         policy = self.recompute
         if self.recompute_num_layers is not None:
-            policy = _partial(policy, self.recompute_num_layers)
+            policy = _partial(policy, self.recompute_num_layers, self.recompute_rest)
         return f"{'SP' if self.sequence_parallel else 'TP only'} + {policy}"
 
 
@@ -115,7 +121,7 @@ class RecomputeChoice:
 
     recompute_num_layers: int | None
     """With ``full``: how many layers of each model chunk recompute in full (the first ones;
-    the others as :meth:`GPTConfig.layer_recompute` says); ``None``: all of them."""
+    the others on ``recompute_rest``); ``None``: all of them."""
 
     total_bytes: int
     """Model state + first-stage activations under this choice."""
@@ -126,6 +132,11 @@ class RecomputeChoice:
     measured: bool
     """Whether the activation bytes were measured (else: from the formulas)."""
 
+    recompute_rest: str | None = None
+    """With ``recompute_num_layers``: what a chunk's other layers run, the last policy below
+    ``full`` on :data:`LADDER` that stores less than the one before it (``lean``), so that the
+    fewest layers need full recomputation; ``None`` otherwise."""
+
     @property
     def fits(self) -> bool:
         """False only when even full recompute of every layer does not fit."""
@@ -135,7 +146,7 @@ class RecomputeChoice:
         """One line for logs: the choice, its total and the device memory."""
         what = self.recompute
         if self.recompute_num_layers is not None:
-            what = _partial(what, self.recompute_num_layers)
+            what = _partial(what, self.recompute_num_layers, self.recompute_rest)
         verdict = "fits" if self.fits else "does NOT fit even so"
         source = "measured" if self.measured else "formula"
         return (

@@ -41,6 +41,7 @@ def to_json(row: EstimateRow) -> dict[str, Any]:
     out = {key: getattr(row, key) for key in JSON_KEYS}
     out["formula_first_stage_activation_bytes"] = row.formula_first_stage_activation_bytes
     out["recompute_num_layers"] = row.recompute_num_layers
+    out["recompute_rest"] = row.recompute_rest
     out["selected"] = row.selected
     return out
 
@@ -109,8 +110,8 @@ def format_table(result: Estimate) -> str:
     for r in result.rows:
         policy = r.recompute
         if r.recompute_num_layers is not None:
-            rest = layout.config.layer_recompute(r.recompute_num_layers)
-            policy = f"{policy} {r.recompute_num_layers}/{layout.layers_per_chunk} + {rest}"
+            k, rest = r.recompute_num_layers, r.recompute_rest
+            policy = f"{policy} {k}/{layout.layers_per_chunk} + {rest}"
         lines.append(
             render(
                 [
@@ -213,7 +214,7 @@ def plot_ladder(result: Estimate, path: str) -> None:
         + (
             r.recompute
             if r.recompute_num_layers is None
-            else f"{r.recompute} {r.recompute_num_layers}/chunk"
+            else f"{r.recompute} {r.recompute_num_layers}/chunk + {r.recompute_rest}"
         )
         for r in result.rows
     ]

@@ -266,7 +266,7 @@ class ActivationMemoryMonitor(Callback):
         gpt = _gpt(pl_module)
         per_layer = [report.bytes_of(f"layers.{i}") for i in range(len(gpt.layers))]
         # the paper's formula for this model: its activation dtype, which dropouts exist, its
-        # FFN width, and each layer's own policy (recompute_num_layers mixes full/selective)
+        # FFN width, and each layer's own policy (full, else recompute_rest past the split)
         formula = self._formula_per_layer(gpt, b, s)
         self.last_per_layer, self.last_formula = per_layer, formula
         self.last_sbh = s * b * gpt.config.hidden_size

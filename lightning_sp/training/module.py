@@ -218,6 +218,7 @@ class GPTModule(LightningModule):
             config,
             recompute=choice.recompute,  # a policy of the planner's ladder
             recompute_num_layers=choice.recompute_num_layers,
+            recompute_rest=choice.recompute_rest or config.recompute_rest,
         )
 
     def _loss(self, batch: dict[str, Tensor], train: bool) -> Tensor:
