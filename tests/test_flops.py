@@ -69,6 +69,12 @@ def test_hand_computed_small_case() -> None:
     for rest, extra in {"none": 0, "selective": 2 * core, "lean": 2 * core, "mlp_act": 0}.items():
         cfg = dataclasses.replace(full, recompute_num_layers=1, recompute_rest=rest)
         assert hardware_flops_per_iteration(cfg, 2) == 77568 + 8192 + extra, rest
+    # recompute_num_layers counts per model chunk: 4 layers in 2 chunks (p·m = 2), full on the
+    # first layer of each, none on the others: two layers' forwards again
+    four = dataclasses.replace(full, num_layers=4, recompute_num_layers=1, recompute_rest="none")
+    model = model_flops_per_iteration(four, 2)
+    assert hardware_flops_per_iteration(four, 2, layers_per_chunk=2) == model + 2 * 8192
+    assert hardware_flops_per_iteration(four, 2) == model + 8192  # one chunk of 4
 
 
 @pytest.mark.parametrize("config", [GPT3_175B, MT_NLG_530B], ids=["175B", "530B"])

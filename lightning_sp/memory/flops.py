@@ -81,10 +81,14 @@ def model_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> floa
     return 3.0 * forward_flops_per_iteration(config, global_batch_size)
 
 
-def hardware_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> float:
+def hardware_flops_per_iteration(
+    config: GPTConfig, global_batch_size: int, layers_per_chunk: int | None = None
+) -> float:
     """FLOPs the hardware executes in one iteration: model FLOPs plus the forward work that
     ``config.recompute`` runs again during backward, plus what the attention backend's own
-    backward recomputes.
+    backward recomputes. ``layers_per_chunk``: the layers of one model chunk (``L / (p·m)``
+    under pipeline parallelism), since ``recompute_num_layers`` counts per chunk; default: the
+    whole model is one chunk.
 
     * no module (``none``): nothing is recomputed, equal to :func:`model_flops_per_iteration`.
     * ``full``: every layer's forward runs twice (the logits are not recomputed), so each
@@ -109,8 +113,9 @@ def hardware_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> f
     layer, _ = _layer_forward_flops(config, global_batch_size)
     backend = ATTENTION_BACKENDS[config.attention].backward_redone_flops(shape)
     extra = 0.0
+    chunk = layers_per_chunk or config.num_layers
     for index in range(config.num_layers):
-        policy = config.layer_recompute(index)  # ConfigError for auto or an unknown policy
+        policy = config.layer_recompute(index % chunk)  # ConfigError for auto or unknown
         modules = parse_recompute(policy)
         if modules == "full":
             extra += layer + backend

@@ -197,7 +197,10 @@ class MFUMonitor(Callback):
         if s != config.seq_length:
             config = dataclasses.replace(config, seq_length=s)
         model_flops = model_flops_per_iteration(config, global_batch) / state.world_size
-        hardware_flops = hardware_flops_per_iteration(config, global_batch) / state.world_size
+        hardware_flops = (
+            hardware_flops_per_iteration(config, global_batch, layers_per_chunk=len(gpt.layers))
+            / state.world_size
+        )
         self._steps.append((global_batch, global_batch * s, model_flops, hardware_flops))
         if not _due(trainer, self.log_every_n_steps, self._step):
             return
