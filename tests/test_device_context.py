@@ -135,7 +135,10 @@ def test_compile_without_a_compiler_is_one_line(monkeypatch: pytest.MonkeyPatch)
 
 def _compiled_layouts_worker(rank: int, world_size: int) -> None:
     """t=2 + SP with lean recomputation (collectives and fused recomputing linears inside
-    the compiled layers) and p=2 with selective (the schedule's sends outside them)."""
+    the compiled layers) and p=2 with selective (the schedule's sends outside them). Compiled
+    with ``aot_eager``: dynamo and AOTAutograd, which trace our Functions, collectives and RNG
+    snapshots, without inductor's C++ code generation (covered at t=1 above), which would add
+    half a minute of compiling to the suite."""
     tp = ParallelState.from_process_group(tensor_parallel_size=2)
     pp = ParallelState.from_process_group(pipeline_parallel_size=2)
     cases = {  # one layer per rank: each compiled layer instance is one more compilation
@@ -152,7 +155,7 @@ def _compiled_layouts_worker(rank: int, world_size: int) -> None:
             if compiled:
                 for chunk in model.models:
                     for layer in chunk.layers:
-                        layer.compile()
+                        layer.compile(backend="aot_eager")
             loss = model.train_step(ids, labels) if model.runs_backward else model(ids, labels)
             if not model.runs_backward:
                 loss.backward()

@@ -167,7 +167,7 @@ def check_compile(state: ParallelState) -> None:
     compiler for inductor (a C++ compiler on CPU, Triton on CUDA). Any layout compiles: each
     layer is compiled on its own, its tensor-parallel collectives inside, the pipeline's
     sends and receives outside (``tests/test_device_context.py``: t=2 + SP and p=2 give the
-    eager loss and gradients)."""
+    eager loss and gradients, traced by dynamo and AOTAutograd; inductor at t=1)."""
     if state.device.type == "cpu":
         compiler = os.environ.get("CXX", "g++")
         if shutil.which(compiler) is None:
