@@ -2,8 +2,16 @@
 recomputation (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
 Models", MLSys 2023) for PyTorch Lightning.
 
-Importing the package registers the ``"megatron_sp"`` strategy with Lightning.
+Importing the package registers the ``"megatron_sp"`` strategy with Lightning. With
+``LIGHTNING_SP_LAZY=1`` in the environment it does not import Lightning (about 5 s per process
+on a 2-core machine): the model, parallel and memory names load as usual, the Lightning ones
+(``GPTModule``, ``MegatronSPStrategy``, ...) on first use, which also registers the strategy.
+For processes that need only the model, such as spawned test ranks or a torchrun script.
 """
+
+import os
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.memory.saved import (
@@ -16,14 +24,40 @@ from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
-from lightning_sp.training.callbacks import ActivationMemoryMonitor
-from lightning_sp.training.data import TextDataModule
-from lightning_sp.training.module import GPTModule, OptimizerConfig
-from lightning_sp.training.progress import ProgressBar
-from lightning_sp.training.strategy import MegatronSPStrategy, register
-from lightning_sp.training.throughput import MFUMonitor
 
-register()
+if TYPE_CHECKING:
+    from lightning_sp.training.callbacks import ActivationMemoryMonitor
+    from lightning_sp.training.data import TextDataModule
+    from lightning_sp.training.module import GPTModule
+    from lightning_sp.training.optim import OptimizerConfig
+    from lightning_sp.training.progress import ProgressBar
+    from lightning_sp.training.strategy import MegatronSPStrategy
+    from lightning_sp.training.throughput import MFUMonitor
+
+_LIGHTNING_NAMES = {
+    "ActivationMemoryMonitor": "lightning_sp.training.callbacks",
+    "TextDataModule": "lightning_sp.training.data",
+    "GPTModule": "lightning_sp.training.module",
+    "OptimizerConfig": "lightning_sp.training.optim",
+    "ProgressBar": "lightning_sp.training.progress",
+    "MegatronSPStrategy": "lightning_sp.training.strategy",
+    "MFUMonitor": "lightning_sp.training.throughput",
+}
+"""The names that import Lightning, and their modules."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LIGHTNING_NAMES:
+        raise AttributeError(f"module 'lightning_sp' has no attribute {name!r}")
+    import_module("lightning_sp.training.strategy").register()
+    value = getattr(import_module(_LIGHTNING_NAMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+if os.environ.get("LIGHTNING_SP_LAZY") != "1":
+    for _name in _LIGHTNING_NAMES:
+        __getattr__(_name)
 
 __all__ = [
     "GPT",

@@ -84,6 +84,9 @@ def run_distributed(
     interpreters; ``fork`` reuses the parent's imports, which saves seconds per rank, and is
     safe only while the parent has run no multi-threaded kernels.
     """
+    lazy = os.environ.get("LIGHTNING_SP_LAZY")
+    # the ranks import Lightning only if the test module uses its names (5 s a rank here)
+    os.environ["LIGHTNING_SP_LAZY"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         try:
@@ -98,6 +101,11 @@ def run_distributed(
             pass  # the per-rank result files say which rank failed and why
         except mp.ProcessExitedException as exc:
             raise AssertionError(f"a rank died: {exc}") from None
+        finally:
+            if lazy is None:
+                del os.environ["LIGHTNING_SP_LAZY"]
+            else:
+                os.environ["LIGHTNING_SP_LAZY"] = lazy
         results: list[Any] = []
         failures: list[str] = []
         for rank in range(world_size):

@@ -341,7 +341,7 @@ def test_loader_with_a_stateful_sampler_is_resumable_for_lightning() -> None:
     from lightning.fabric.utilities.types import _Stateful
     from torch.utils.data import DataLoader
 
-    from lightning_sp.training.data.sampler import resumable_loader
+    from lightning_sp.training.checkpoint.checkpointer import resumable_loader
 
     class Sampler(list):
         position = 0

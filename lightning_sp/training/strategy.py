@@ -41,8 +41,8 @@ from lightning_sp.parallel.buffer import DEFAULT_BUCKET_NUMEL
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState, check_layout
 from lightning_sp.training.checkpoint import Checkpointer, Layout, Meta, rng_key
+from lightning_sp.training.checkpoint.checkpointer import resumable_loader
 from lightning_sp.training.checkpoint.shards import gpt_chunks
-from lightning_sp.training.data.sampler import resumable_loader
 from lightning_sp.training.guard import NonFiniteGuard
 from lightning_sp.training.processes import ProcessGroupStrategy
 from lightning_sp.training.protocol import ParallelModule, check_module, stage_model_of

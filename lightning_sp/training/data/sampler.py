@@ -83,16 +83,3 @@ class ResumableSampler(DistributedSampler):
             )
         self._resume = dict(state)
         self.epoch = int(state["epoch"])
-
-
-def resumable_loader(dataloader: object) -> object:
-    """Give a ``DataLoader`` whose sampler has ``state_dict`` / ``load_state_dict`` those two
-    methods (delegating to the sampler), so that Lightning saves and restores the data position
-    through its public loader protocol and does not warn that the loader is not resumable.
-    Other loaders are returned unchanged."""
-    sampler = getattr(dataloader, "sampler", None)
-    has = all(callable(getattr(sampler, name, None)) for name in ("state_dict", "load_state_dict"))
-    if sampler is not None and has and not callable(getattr(dataloader, "state_dict", None)):
-        dataloader.state_dict = sampler.state_dict  # type: ignore[attr-defined]
-        dataloader.load_state_dict = sampler.load_state_dict  # type: ignore[attr-defined]
-    return dataloader
