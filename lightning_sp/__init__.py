@@ -46,18 +46,22 @@ _LIGHTNING_NAMES = {
 """The names that import Lightning, and their modules."""
 
 
+def _load_lightning_names() -> None:
+    """Import the Lightning integration, register ``megatron_sp``, bind its names here."""
+    import_module("lightning_sp.training.strategy").register()
+    for name, module in _LIGHTNING_NAMES.items():
+        globals()[name] = getattr(import_module(module), name)
+
+
 def __getattr__(name: str) -> Any:
     if name not in _LIGHTNING_NAMES:
         raise AttributeError(f"module 'lightning_sp' has no attribute {name!r}")
-    import_module("lightning_sp.training.strategy").register()
-    value = getattr(import_module(_LIGHTNING_NAMES[name]), name)
-    globals()[name] = value
-    return value
+    _load_lightning_names()
+    return globals()[name]
 
 
 if os.environ.get("LIGHTNING_SP_LAZY") != "1":
-    for _name in _LIGHTNING_NAMES:
-        __getattr__(_name)
+    _load_lightning_names()
 
 __all__ = [
     "GPT",

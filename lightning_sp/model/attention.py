@@ -150,14 +150,13 @@ class Attention(nn.Module):
         self.core: CoreFn = self.backend.core
         self.recompute_core = recompute_core and self.backend.keeps_scores
         self.rng = rng
-        out_std = config.init_std / math.sqrt(2 * config.num_layers)
         self.qkv = ColumnParallelLinear(
             config.hidden_size, 3 * config.hidden_size, state,
             sequence_parallel=sp, init_std=config.init_std, **kwargs,
         )  # fmt: skip
         self.proj = RowParallelLinear(
             config.hidden_size, config.hidden_size, state,
-            sequence_parallel=sp, init_std=out_std, **kwargs,
+            sequence_parallel=sp, init_std=config.output_init_std, **kwargs,
         )  # fmt: skip
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

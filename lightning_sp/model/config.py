@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -101,6 +102,11 @@ class GPTConfig:
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def output_init_std(self) -> float:
+        """Init std of each layer's two output projections: ``init_std / sqrt(2L)``."""
+        return self.init_std / math.sqrt(2 * self.num_layers)
 
     @property
     def head_dim(self) -> int:

@@ -21,7 +21,6 @@ input, ``residual_mask`` the two masks; ``full`` keeps the layer input only.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -57,14 +56,13 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig, state: ParallelState, **kwargs: Any) -> None:
         super().__init__()
         sp = config.sequence_parallel
-        out_std = config.init_std / math.sqrt(2 * config.num_layers)
         self.fc1 = ColumnParallelLinear(
             config.hidden_size, config.ffn_size, state,
             sequence_parallel=sp, init_std=config.init_std, **kwargs,
         )  # fmt: skip
         self.fc2 = RowParallelLinear(
             config.ffn_size, config.hidden_size, state,
-            sequence_parallel=sp, init_std=out_std, **kwargs,
+            sequence_parallel=sp, init_std=config.output_init_std, **kwargs,
         )  # fmt: skip
         self.gelu_approximate = "tanh" if config.activation == "gelu_tanh" else "none"
 

@@ -94,7 +94,7 @@ class DistributedAdamW(torch.optim.AdamW):
         """This rank's share of the optimizer state: one :class:`Segment` per parameter range
         it owns (none on a rank that owns nothing)."""
         return [
-            Segment(p, start, end, master, self.state.setdefault(master, {}))
+            Segment(p, start, end, master, self.state.get(master, {}))
             for master, p, start, end, _ in self._segments
         ]
 

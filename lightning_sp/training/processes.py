@@ -80,8 +80,9 @@ class ProcessGroupStrategy(ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
-    def world_size(self) -> int:
-        """Processes over all nodes."""
+    def total_processes(self) -> int:
+        """Processes over all nodes (Lightning's ``world_size`` says so only once the ranks
+        are set)."""
         return self.num_nodes * self.num_processes
 
     @property
@@ -130,7 +131,7 @@ class ProcessGroupStrategy(ParallelStrategy):
             self.cluster_environment.set_global_rank(
                 self.node_rank * self.num_processes + self.local_rank
             )
-            self.cluster_environment.set_world_size(self.world_size)
+            self.cluster_environment.set_world_size(self.total_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @override

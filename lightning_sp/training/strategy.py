@@ -166,13 +166,13 @@ class MegatronSPStrategy(ProcessGroupStrategy):
     @override
     def check_before_launch(self) -> None:
         check_precision(self.precision_plugin.precision)
-        check_layout(self.world_size, self.tensor_parallel_size, self.pipeline_parallel_size)
+        check_layout(self.total_processes, self.tensor_parallel_size, self.pipeline_parallel_size)
 
     @override
     def setup_environment(self) -> None:
         """Check the layout and the module, start the process group, then build this rank's
         :class:`ParallelState` on the ``("pp", "dp", "tp")`` mesh."""
-        check_layout(self.world_size, self.tensor_parallel_size, self.pipeline_parallel_size)
+        check_layout(self.total_processes, self.tensor_parallel_size, self.pipeline_parallel_size)
         check_module(self.lightning_module, self.tensor_parallel_size, self.pipeline_parallel_size)
         super().setup_environment()
         self._parallel_state = ParallelState.from_process_group(

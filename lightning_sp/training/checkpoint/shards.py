@@ -183,8 +183,9 @@ def _add_segment(
     kept = shard.local.numel()  # the saved region is a prefix of the flat shard (dim 0 cut)
     assert kept == segment.param.numel() or shard.local.shape[1:] == segment.param.shape[1:]
     base = shard.offsets or (0,) * len(local_shape)
+    strides = _strides(local_shape)
     for offsets, sizes in flat_range_boxes(local_shape, segment.start, min(segment.end, kept)):
-        first = sum(o * s for o, s in zip(offsets, _strides(local_shape), strict=True))
+        first = sum(o * s for o, s in zip(offsets, strides, strict=True))
         at = tuple(b + o for b, o in zip(base, offsets, strict=True))
         for name, value in fields.items():
             piece = value[first - segment.start : first - segment.start + math.prod(sizes)]
