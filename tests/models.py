@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from lightning_sp import GPT, GPTConfig, ParallelState
-from lightning_sp.parallel.grads import allreduce_sequence_parallel_grads
+from lightning_sp.parallel.grads import (
+    allreduce_replicated_grads,
+    allreduce_sequence_parallel_grads,
+)
 
 
-def tiny_config(**overrides: object) -> GPTConfig:
-    """A 2-layer GPT small enough for float64 on four ranks; vocab 300 exercises padding."""
+def tiny_config(architecture: str = "gpt2", **overrides: object) -> GPTConfig:
+    """A 2-layer model of ``architecture`` (``GPTConfig.of``) small enough for float64 on
+    four ranks; vocab 300 exercises padding. Llama: 2 key/value groups of 2 query heads,
+    RoPE theta 500000, untied, SwiGLU of width 48."""
     fields: dict[str, object] = dict(
         vocab_size=300, seq_length=16, hidden_size=32, num_layers=2, num_heads=4,
         hidden_dropout=0.0, attention_dropout=0.0, seed=7,
     )  # fmt: skip
+    if architecture == "llama":
+        fields.update(num_query_groups=2, ffn_hidden_size=48)
     fields.update(overrides)
-    return GPTConfig(**fields)  # type: ignore[arg-type]
+    return GPTConfig.of(architecture, **fields)
 
 
 def batch(
@@ -38,6 +46,7 @@ def loss_and_grads(model: GPT, ids: torch.Tensor, labels: torch.Tensor) -> torch
     loss = model(ids, labels)
     loss.backward()
     allreduce_sequence_parallel_grads(model, model.state)
+    allreduce_replicated_grads(model, model.state)
     return loss.detach()
 
 
@@ -46,14 +55,27 @@ def reference_model(config: GPTConfig) -> GPT:
     return GPT(config, ParallelState.single(), dtype=torch.float64)
 
 
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = b.norm().item()
+def relative_error(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """``‖a - b‖ / ‖b‖``, with ``‖b‖`` taken as at least ``floor`` (and 1 where both are 0)."""
+    scale = max(b.norm().item(), floor)
     return (a - b).norm().item() / (scale if scale > 0 else 1.0)
 
 
 VOCAB_PARAMETER = "word_embeddings.weight"
-"""The one parameter sharded along the (padded) vocabulary: its rows past ``vocab_size`` are
-padding, whose number depends on ``t``, not model weights."""
+"""The embedding, sharded along the (padded) vocabulary: its rows past ``vocab_size`` are
+padding, whose number depends on ``t``, not model weights (so are an untied output layer's,
+marked ``padded_vocab`` like it)."""
+
+NULL_GRADIENT_FLOOR = 1e-6
+"""A gradient that is zero in exact arithmetic (the key bias: softmax ignores a shift common to
+all keys) is rounding noise; its error is taken relative to this fraction of the largest
+reference gradient's norm instead of its own."""
+
+
+def gradient_floor(grads: Iterable[torch.Tensor | None]) -> float:
+    """:data:`NULL_GRADIENT_FLOOR` times the largest norm among ``grads``: the ``floor`` of
+    :func:`relative_error` for comparing a model's gradients."""
+    return NULL_GRADIENT_FLOOR * max(g.norm().item() for g in grads if g is not None)
 
 
 @dataclass
@@ -75,7 +97,7 @@ class Comparison:
 def _true_rows(model: nn.Module, name: str, param: torch.Tensor) -> int:
     """How many of ``param``'s leading rows are real model weights (all of them except for
     the vocabulary shard, whose rows at or past ``vocab_size`` are padding)."""
-    if model.global_name(name) != VOCAB_PARAMETER:
+    if not getattr(param, "padded_vocab", False):
         return param.shape[0]
     vocab_size: int = model.config.vocab_size  # type: ignore[union-attr]
     return max(0, min(param.shape[0], vocab_size - param.shard.start))
@@ -125,8 +147,10 @@ def assert_matches_reference(
     compared.
     """
     reference_params = dict(reference.named_parameters())
-    ref_vocab = reference_params[VOCAB_PARAMETER]
-    _assert_padding_has_no_gradient(reference, VOCAB_PARAMETER, ref_vocab, f"{what} reference")
+    for name, ref_param in reference_params.items():
+        if getattr(ref_param, "padded_vocab", False):
+            _assert_padding_has_no_gradient(reference, name, ref_param, f"{what} reference")
+    floor = gradient_floor(p.grad for p in reference_params.values())
     result = Comparison()
     for name, param in model.named_parameters():
         assert param.grad is not None, f"{what} {name}: no gradient"
@@ -139,7 +163,7 @@ def assert_matches_reference(
             )
             result.padding_only.append(name)
         assert torch.equal(local.to(ref_param.dtype), ref_param), f"{what} {name}: weights differ"
-        err = relative_error(grad.to(ref_grad.dtype), ref_grad)
+        err = relative_error(grad.to(ref_grad.dtype), ref_grad, floor)
         assert err <= rtol, f"{what} {name}: gradient relative error {err:.3e} > {rtol}"
         result.parameters += 1
         result.elements += local.numel()
@@ -150,11 +174,12 @@ def max_gradient_error(model: nn.Module, reference: nn.Module) -> tuple[float, s
     """The largest relative gradient error of ``model``'s shards against ``reference`` (same
     slicing as :func:`assert_matches_reference`), and the parameter it occurs in."""
     reference_params = dict(reference.named_parameters())
+    floor = gradient_floor(p.grad for p in reference_params.values())
     worst, worst_name = 0.0, ""
     for name, param in model.named_parameters():
         ref = reference_params[model.global_name(name)]
         _, grad, _, ref_grad = _aligned(model, name, param, ref, "")
-        err = relative_error(grad.to(ref_grad.dtype), ref_grad)
+        err = relative_error(grad.to(ref_grad.dtype), ref_grad, floor)
         if err >= worst:
             worst, worst_name = err, name
     return worst, worst_name

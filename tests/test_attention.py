@@ -10,8 +10,8 @@ import torch
 
 from lightning_sp import GPT, ParallelState
 from lightning_sp.memory.formulas import layer_saved_terms
-from lightning_sp.model.attention import ATTENTION_BACKENDS, sdpa_core
-from lightning_sp.model.fused import gelu_row_linear, heads_row_linear, norm_column_linear
+from lightning_sp.model.cores import ATTENTION_BACKENDS, sdpa_core
+from lightning_sp.model.fused import act_row_linear, activate, fused_column_linear, heads_row_linear
 from lightning_sp.model.recompute import PRESETS, RECOMPUTE_MODULES, parse_recompute, policy_name
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.random import dropout
@@ -19,17 +19,33 @@ from lightning_sp.parallel.random import dropout
 from models import batch, loss_and_grads, relative_error, tiny_config
 
 
-def _qkv(seed: int = 0) -> tuple[torch.Tensor, ...]:
+def _qkv(seed: int = 0, per_group: int = 1) -> tuple[torch.Tensor, ...]:
+    """Q ``[B, r, s, d]``, K and V ``[B, 1, s, d]`` (B = 8 / r groups of r query heads)."""
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(8, 16, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    groups = 8 // per_group
+    q = torch.randn(groups, per_group, 16, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(groups, 1, 16, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    return q, k, v
 
 
-def test_sdpa_equals_math_without_dropout() -> None:
-    q, k, v = _qkv()
+def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal attention, every query head against its group's K and V (expanded)."""
+    s, d = q.shape[2], q.shape[3]
+    scores = q @ k.expand_as(q).transpose(-1, -2) / d**0.5
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(scores, -1) @ v.expand_as(q)
+
+
+@pytest.mark.parametrize("per_group", [1, 2, 8])
+def test_cores_equal_plain_attention_without_dropout(per_group: int) -> None:
+    """Both backends, multi-head (r = 1), grouped-query (r = 2) and multi-query (r = 8)."""
+    q, k, v = _qkv(per_group=per_group)
+    reference = _reference_attention(q, k, v)
     gen = torch.Generator()
-    math_out = ATTENTION_BACKENDS["math"].core(q, k, v, 0.0, gen, True)
-    sdpa_out = ATTENTION_BACKENDS["sdpa"].core(q, k, v, 0.0, gen, True)
-    assert relative_error(sdpa_out, math_out) <= 1e-12
+    for backend in ATTENTION_BACKENDS.values():
+        out = backend.core(q, k, v, 0.0, gen, True)
+        assert out.shape == q.shape, backend.name
+        assert relative_error(out, reference) <= 1e-12, backend.name
 
 
 def test_sdpa_dropout_is_drawn_from_our_stream_and_leaves_the_global_rng_alone() -> None:
@@ -68,16 +84,25 @@ def test_regenerated_dropout_draws_the_stored_mask() -> None:
     assert torch.equal(grads[0][2], grads[1][2])  # the stream advanced the same way
 
 
-def test_fused_linears_equal_the_modules_they_replace() -> None:
-    config = tiny_config()
+@pytest.mark.parametrize("architecture", ["gpt2", "llama"])
+def test_fused_linears_equal_the_modules_they_replace(architecture: str) -> None:
+    """Norm -> input linears (LayerNorm or RMSNorm; one weight or SwiGLU's gate and up),
+    activation -> fc2 and heads -> projection give the modules' results and gradients."""
+    config = tiny_config(architecture)
     layer = GPT(config, ParallelState.single(), dtype=torch.float64).layers[0]
+    mlp, kind = layer.mlp, layer.mlp.kind
     x = torch.randn(16, 2, 32, dtype=torch.float64, requires_grad=True)
+
+    def z() -> torch.Tensor:
+        return torch.cat([linear(x) for linear in mlp.inputs], dim=-1)
+
     checks = [
-        (lambda: norm_column_linear(x, layer.ln1, layer.attention.qkv),
-         lambda: layer.attention.qkv(layer.ln1(x))),
-        (lambda: gelu_row_linear(layer.mlp.fc1(x), layer.mlp.fc2),
-         lambda: layer.mlp.fc2(torch.nn.functional.gelu(layer.mlp.fc1(x)))),
-        (lambda: heads_row_linear(x.view(16, 8, 8).transpose(0, 1), layer.attention.proj, 2),
+        (lambda: fused_column_linear(x, mlp.inputs, 1, layer.ln2, mlp.norm_kind),
+         lambda: torch.cat([linear(layer.ln2(x)) for linear in mlp.inputs], dim=-1)),
+        (lambda: act_row_linear(z(), mlp.fc2, kind), lambda: mlp.fc2(kind.forward(z()))),
+        (lambda: activate(z(), kind), lambda: kind.forward(z())),
+        (lambda: heads_row_linear(x.view(16, 8, 1, 8).permute(1, 2, 0, 3),
+                                  layer.attention.proj, 2),
          lambda: layer.attention.proj(x)),
     ]  # fmt: skip
     params = [x, *layer.parameters()]

@@ -74,7 +74,7 @@ def test_table2_row_names_and_shape_record() -> None:
     # the record from a GPTConfig carries every field the formulas read
     config = GPTConfig(vocab_size=51200, seq_length=S, hidden_size=H, num_layers=96,
                        num_heads=A, sequence_parallel=True)  # fmt: skip
-    assert ActivationShape.from_config(config, T, B) == shape
+    assert config.activation_shape(T, B) == shape
 
 
 def test_generalised_to_dtype_mask_size_and_ffn_width() -> None:
@@ -280,7 +280,7 @@ def test_fake_measurement_matches_formula_at_t4(
     config = _small(seq_length=s, hidden_size=h, num_heads=a, num_layers=2, attention=attention)
     config = dataclasses.replace(config, sequence_parallel=sequence_parallel, recompute=recompute)
     got = measure_activations(config, tensor_parallel_size=t, micro_batch_size=b, layers=2)
-    shape = ActivationShape.from_config(config, t, b)
+    shape = config.activation_shape(t, b)
     if attention == "sdpa":  # traced as the fused kernel, i.e. without the CPU dropout fallback
         shape = dataclasses.replace(shape, attention_dropout=False)
     expected = activation_bytes_per_layer(shape, recompute)
@@ -302,7 +302,7 @@ def test_fake_measurement_of_a_full_k_model_follows_each_layer(rest: str) -> Non
         recompute_rest=rest,
     )  # fmt: skip
     got = measure_activations(config, tensor_parallel_size=t, micro_batch_size=b, layers=2)
-    shape = ActivationShape.from_config(config, t, b)
+    shape = config.activation_shape(t, b)
     expected = [
         activation_bytes_per_layer(shape, policy) + layernorm_stats_bytes_per_layer(shape, policy)
         for policy in ("full", rest)

@@ -24,14 +24,15 @@ import time
 import torch
 
 from lightning_sp.errors import positive_int
-from lightning_sp.model.attention import ATTENTION_BACKENDS
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.cores import ATTENTION_BACKENDS
 from lightning_sp.model.recompute import active_modules, parse_recompute
-from lightning_sp.model.shape import ActivationShape
+from lightning_sp.model.spec import ACTIVATIONS, attention_forward_flops
 
 __all__ = [
     "forward_flops_per_iteration",
     "hardware_flops_per_iteration",
+    "layer_forward_flops",
     "measure_peak_flops",
     "model_flops_per_iteration",
     "peak_flops",
@@ -42,25 +43,29 @@ def _check_batch(global_batch_size: int) -> None:
     positive_int("global_batch_size", global_batch_size)
 
 
-def _layer_forward_flops(config: GPTConfig, batch_size: int) -> tuple[int, int]:
-    """``(all matmuls, attention core only)`` of one layer's forward, for ``batch_size``
-    sequences of ``config.seq_length`` tokens."""
+def layer_forward_flops(config: GPTConfig, batch_size: int) -> float:
+    """Matmul FLOPs of one layer's forward for ``batch_size`` sequences of
+    ``config.seq_length`` tokens, from the parts' descriptors (:mod:`lightning_sp.model.spec`):
+    attention ``2Bsh(a + 2g)d + 4Bs²ad + 2Bsadh`` and the MLP ``2Bshf`` per projection."""
     b, s, h, f = batch_size, config.seq_length, config.hidden_size, config.ffn_size
-    attention_core = 4 * b * s * s * h  # QKᵀ and probs·V: two matmuls of 2Bs²h
-    projections = 8 * b * s * h * h  # QKV (6Bsh²) and the output projection (2Bsh²)
-    mlp = 4 * b * s * h * f  # fc1 and fc2, 2Bshf each
-    return projections + attention_core + mlp, attention_core
+    tokens = b * s
+    attention = attention_forward_flops(
+        tokens, s, h, config.num_heads, config.groups, config.head_dim
+    )
+    return attention + ACTIVATIONS[config.activation].forward_flops(tokens, h, f)
 
 
 def forward_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> float:
     """Matmul FLOPs of one forward pass over ``global_batch_size`` sequences of
-    ``config.seq_length`` tokens: ``L·(8Bsh² + 4Bshf + 4Bs²h) + 2Bshv``.
+    ``config.seq_length`` tokens: ``L·(8Bsh² + 4Bshf + 4Bs²h) + 2Bshv`` for GPT
+    (:func:`layer_forward_flops` for other architectures: grouped-query attention's smaller
+    K and V, SwiGLU's third projection).
 
     ``v`` is the true ``config.vocab_size`` (padding rows of the embedding are not model
     FLOPs); ``f`` is ``config.ffn_size``.
     """
     _check_batch(global_batch_size)
-    layer, _ = _layer_forward_flops(config, global_batch_size)
+    layer = layer_forward_flops(config, global_batch_size)
     logits = 2 * global_batch_size * config.seq_length * config.hidden_size * config.vocab_size
     return float(config.num_layers * layer + logits)
 
@@ -109,8 +114,8 @@ def hardware_flops_per_iteration(
       layer (the backend's ``backward_redone_flops``); ``core_attn`` does not act there.
     """
     model = model_flops_per_iteration(config, global_batch_size)
-    shape = ActivationShape.from_config(config, micro_batch_size=global_batch_size)
-    layer, _ = _layer_forward_flops(config, global_batch_size)
+    shape = config.activation_shape(micro_batch_size=global_batch_size)
+    layer = layer_forward_flops(config, global_batch_size)
     backend = ATTENTION_BACKENDS[config.attention].backward_redone_flops(shape)
     extra = 0.0
     chunk = layers_per_chunk or config.num_layers

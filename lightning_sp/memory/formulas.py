@@ -18,10 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.model.attention import ATTENTION_BACKENDS
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.cores import ATTENTION_BACKENDS
 from lightning_sp.model.recompute import active_modules, parse_recompute
 from lightning_sp.model.shape import ActivationShape
+from lightning_sp.model.spec import ACTIVATIONS, NORMS, POSITIONS, attention_parameters
 
 ACTIVATION_BYTES = 2
 """Bytes per stored activation element in the paper (fp16/bf16)."""
@@ -75,27 +76,34 @@ INSIDE, OUTSIDE = "inside", "outside"
 def layer_saved_terms(shape: ActivationShape) -> dict[str, tuple[float, str]]:
     """Every tensor one transformer layer saves for backward, as ``name -> (bytes for the
     whole layer before any split, region)``. With ``e = activation_bytes``, ``k =
-    mask_bytes``, ``f`` the MLP width:
+    mask_bytes``, ``f`` the MLP width, ``d = h/a`` the head dimension and ``g' = max(g, t)``
+    the key/value heads counted over the TP group (replicas included):
 
-    * outside (the paper's ``10sbh``): the inputs of LayerNorm 1 (``ln1_input``), the QKV
-      linear (``qkv_input``), LayerNorm 2 (``ln2_input``) and fc1 (``fc1_input``), ``e·sbh``
-      each; the residual dropout masks ``attn_residual_mask``, ``mlp_residual_mask``,
-      ``k·sbh`` each (with hidden dropout);
-    * inside (the paper's ``24sbh``): Q, K, V (``qkv``) ``3e·sbh``, the projection input
-      (``proj_input``, the attention core's own output) ``e·sbh``, the GeLU input
-      (``gelu_input``) and fc2 input (``fc2_input``) ``e·sbf`` each;
+    * outside (the paper's ``10sbh``): the inputs of norm 1 (``ln1_input``), the QKV
+      linears (``qkv_input``), norm 2 (``ln2_input``) and the MLP's input projections
+      (``fc1_input``), ``e·sbh`` each; the residual dropout masks ``attn_residual_mask``,
+      ``mlp_residual_mask``, ``k·sbh`` each (with hidden dropout);
+    * inside (the paper's ``24sbh`` for GPT): Q, K, V in one storage (``qkv``)
+      ``e·sb·d·(a + 2g')`` (``3e·sbh`` for multi-head attention; rotated in place of the
+      linear's output under RoPE), the projection input (``proj_input``, the attention core's
+      own output) ``e·sbh``, the activation's input (``act_input``: ``e·sbf``, SwiGLU's
+      ``[gate | up]`` ``2e·sbf``) and the fc2 input (``fc2_input``) ``e·sbf``;
     * the attention core, by backend: ``math`` keeps ``attention_scores``, the softmax
       output, its dropout mask and the dropout output, ``(2e + k)·as²b`` (the paper's
       ``5as²b``; ``e·as²b`` without attention dropout); ``sdpa`` keeps none, only the
       kernel's fp32 logsumexp ``attention_lse``, ``4asb``.
 
-    LayerNorm's per-row mean and rstd (``O(sb)``) are neglected, as in the paper.
+    The norms' per-row statistics (``O(sb)``) are neglected, as in the paper
+    (:func:`layernorm_stats_bytes_per_layer` has them). For a Llama layer (no dropout, SwiGLU,
+    ``g`` groups) with TP + SP and no recompute this is ``sbh/t·(6 + 2(a + 2g')/a + 6f/h)``
+    plus the core; see the README's derivation.
     """
     x, e, k = shape, shape.activation_bytes, shape.mask_bytes
     sbh, sbf = x.sbh, x.s * x.b * x.ffn
     mask = k * sbh if x.hidden_dropout else 0.0
     keeps_scores = ATTENTION_BACKENDS[x.attention].keeps_scores
     per_score = 2 * e + k if x.attention_dropout else e
+    d = x.h // x.a
     return {
         "ln1_input": (e * sbh, OUTSIDE),
         "qkv_input": (e * sbh, OUTSIDE),
@@ -103,11 +111,11 @@ def layer_saved_terms(shape: ActivationShape) -> dict[str, tuple[float, str]]:
         "ln2_input": (e * sbh, OUTSIDE),
         "fc1_input": (e * sbh, OUTSIDE),
         "mlp_residual_mask": (mask, OUTSIDE),
-        "qkv": (3 * e * sbh, INSIDE),
+        "qkv": (e * x.s * x.b * d * (x.a + 2 * x.kv_heads), INSIDE),
         "attention_scores": (per_score * x.a * x.s * x.s * x.b if keeps_scores else 0.0, INSIDE),
         "attention_lse": (0.0 if keeps_scores else 4.0 * x.a * x.s * x.b, INSIDE),
         "proj_input": (e * sbh, INSIDE),
-        "gelu_input": (e * sbf, INSIDE),
+        "act_input": (x.mlp.input_bytes(e, sbf), INSIDE),
         "fc2_input": (e * sbf, INSIDE),
     }
 
@@ -153,14 +161,16 @@ def activation_bytes_per_layer(shape: ActivationShape, recompute: object = "none
 
 
 def layernorm_stats_bytes_per_layer(shape: ActivationShape, recompute: object = "none") -> float:
-    """What Table 2 leaves out: the per-row mean and rstd the two LayerNorms save (``2·2·e·sb``,
-    divided by t under sequence parallelism; in the activation dtype on CPU). None under
-    ``full`` or with the ``layernorm`` module, which recompute the LayerNorms whole. The
-    measured bytes per layer are :func:`activation_bytes_per_layer` plus this, exactly."""
+    """What Table 2 leaves out: the per-row statistics the two norms save (LayerNorm: mean and
+    rstd in the activation dtype on CPU, ``2·2·e·sb``; RMSNorm: an fp32 rstd, ``2·4·sb``),
+    divided by t under sequence parallelism. None under ``full`` or with the ``layernorm``
+    module, which recompute the norms whole. The measured bytes per layer are
+    :func:`activation_bytes_per_layer` plus this, exactly."""
     policy = parse_recompute(recompute)
     if policy == "full" or "layernorm" in policy:
         return 0.0
-    return _per_rank(shape, 4 * shape.activation_bytes * shape.s * shape.b, OUTSIDE)
+    per_row = shape.norm_kind.stats_bytes_per_row(shape.activation_bytes)
+    return _per_rank(shape, 2 * per_row * shape.s * shape.b, OUTSIDE)
 
 
 def table2_bytes_per_layer(row: str, s: int, b: int, h: int, a: int, t: int = 1) -> float:
@@ -293,15 +303,30 @@ class ModelStatePrecision:
 MIXED_PRECISION_ADAM = ModelStatePrecision()
 
 
-def layer_parameter_count(h: int, t: int = 1, ffn_hidden_size: int | None = None) -> int:
-    """Parameters of one transformer layer on one tensor-parallel rank.
+def layer_parameter_count(
+    h: int,
+    t: int = 1,
+    ffn_hidden_size: int | None = None,
+    config: GPTConfig | None = None,
+) -> int:
+    """Parameters of one transformer layer on one tensor-parallel rank, from the parts'
+    descriptors (:mod:`lightning_sp.model.spec`); ``config`` gives the architecture (default:
+    GPT's, with ``h`` and ``ffn_hidden_size``).
 
-    Split by t: QKV ``3h² + 3h``, projection ``h²``, fc1 ``fh + f``, fc2 ``fh``. Replicated: the
-    projection and fc2 biases ``2h`` and both LayerNorms ``4h``. At ``f = 4h, t = 1`` this is
+    Split by t: the attention and MLP weights (and their column-parallel biases); key/value
+    heads replicated when there are fewer groups than ranks (``g' = max(g, t)``). Replicated:
+    the row-parallel biases and both norms. For GPT at ``f = 4h, t = 1`` this is
     ``12h² + 13h``.
     """
-    f = ffn_hidden_size or 4 * h
-    return (4 * h * h + 2 * f * h + 3 * h + f) // t + 6 * h
+    if config is None:
+        config = GPTConfig(hidden_size=h, num_heads=h, ffn_hidden_size=ffn_hidden_size)
+    h, a, f, d = config.hidden_size, config.num_heads, config.ffn_size, config.head_dim
+    kv = max(config.groups, t)
+    mlp = ACTIVATIONS[config.activation]
+    split = attention_parameters(h, a, kv, d, config.bias) + mlp.parameters(h, f, config.bias)
+    replicated = 2 * h if config.bias else 0  # the two row-parallel biases
+    split -= replicated
+    return split // t + replicated + 2 * NORMS[config.normalization].parameters(h)
 
 
 def stage_parameter_count(
@@ -313,18 +338,20 @@ def stage_parameter_count(
     """Parameters on one rank of pipeline stage ``stage`` (tensor-parallel shards counted once).
 
     A stage holds ``L/p`` layers; the first also the word embedding (``v_pad/t × h``, the
-    padded vocabulary) and the learned positions (``s × h``, replicated); the last its own copy
-    of the tied word embedding (the output layer) and the final LayerNorm ``2h``.
+    padded vocabulary) and the learned positions if any (``s × h``, replicated); the last the
+    output layer (its own copy of the tied embedding, or its own weight, ``v_pad/t × h``) and
+    the final norm.
     """
     t, p = tensor_parallel_size, pipeline_parallel_size
     h = config.hidden_size
-    count = config.num_layers // p * layer_parameter_count(h, t, config.ffn_size)
-    if stage == 0 or stage == p - 1:
-        count += config.padded_vocab_size(t) // t * h
+    count = config.num_layers // p * layer_parameter_count(h, t, config=config)
+    vocab = config.padded_vocab_size(t) // t * h
     if stage == 0:
-        count += config.seq_length * h
+        count += vocab + POSITIONS[config.position_embedding].parameters(config.seq_length, h)
     if stage == p - 1:
-        count += 2 * h
+        count += NORMS[config.normalization].parameters(h)
+        if p > 1 or not config.tie_embeddings:
+            count += vocab
     return count
 
 
@@ -340,7 +367,8 @@ def parameters_per_rank(
 
 
 def model_parameter_count(config: GPTConfig) -> int:
-    """Parameters of the whole model (tied embedding, vocabulary padded as at t = 1)."""
+    """Parameters of the whole model (the embedding once if tied, vocabulary padded as at
+    t = 1)."""
     return stage_parameter_count(config, 1, 1, 0)
 
 

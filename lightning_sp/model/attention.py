@@ -1,136 +1,94 @@
-"""Self-attention and its backends.
+"""Self-attention with query heads and key/value groups split over the tensor-parallel group,
+and rotary position embeddings.
 
-A backend is one descriptor in :data:`ATTENTION_BACKENDS`: the attention-core function
-(``[b·a/t, s, d]`` Q, K, V in, the context out, dropout drawn from the generator it is given),
-whether it keeps ``s x s`` tensors for backward (what ``core_attn`` recomputation can drop),
-and the matmul FLOPs its backward redoes. The memory formulas, the FLOPs count and the planner
-read the descriptor (``GPTConfig.attention`` names it).
+Heads: ``a`` query heads in ``g`` key/value groups of ``r = a/g`` (``g = a``: multi-head;
+``g < a``: grouped-query). The query, key and value projections are three column-parallel
+linears run as one matmul whose output rows are interleaved per group,
+``[s, b, group, (q_1 … q_r | k | v), d]`` (for ``g = a`` that is ``[head][q|k|v][d]``), so Q,
+K and V are views of one storage. Under tensor parallelism a rank holds ``a/t`` query heads
+and either ``g/t`` groups (t divides g) or, with fewer groups than ranks, the one group its
+query heads use, held by the ``t/g`` ranks that share it (``replicas``), whose weight
+gradients :func:`~lightning_sp.parallel.grads.finalize_grads` sums over them.
 
-* ``math``: the paper's: ``softmax(QKᵀ/√d + causal) -> dropout -> ·V``, storing the softmax
-  output, a 1-byte mask and the dropout output (``5as²b/t``, Table 2).
-* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``. The fused
-  kernels (flash / memory-efficient on CUDA, flash on CPU) store Q, K, V (views of the QKV
-  output, ``6sbh/t``), their output (``2sbh/t``, which the projection shares) and an fp32
-  logsumexp (``4asb/t`` bytes); their backward recomputes QKᵀ. Attention dropout draws from
-  our sharded stream (:func:`~lightning_sp.parallel.random.drawing_from` swaps it in as the
-  device's default generator, host-side, and torch's own state is restored), so masks differ
-  per TP rank and replay identically under recompute.
-  On CPU with ``dropout_p > 0`` torch leaves the fused kernel for a math fallback that stores
-  fp32 ``s x s`` scores and masks (measured 108sbh for one core at s=256, a=8, h=256, bf16,
-  torch 2.13); the model warns once when that happens.
+The attention core (:mod:`lightning_sp.model.cores`) sees ``q: [b·g_l, r_l, s, d]`` and
+``k, v: [b·g_l, 1, s, d]`` (``g_l`` groups and ``r_l`` query heads per group on this rank).
 """
 
 from __future__ import annotations
 
-import math
-import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_sp.errors import ConfigError
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.fused import heads_row_linear, norm_column_linear
+from lightning_sp.model.cores import ATTENTION_BACKENDS, CoreFn
+from lightning_sp.model.fused import fused_column_linear, heads_row_linear
+from lightning_sp.model.ops import rope_inverse_frequencies, rope_tables, rotate_half
 from lightning_sp.model.recompute import recompute
-from lightning_sp.model.shape import ActivationShape
+from lightning_sp.model.spec import NORMS, POSITIONS, NormModule
 from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from lightning_sp.parallel.random import RNGStreams, drawing_from, dropout
+from lightning_sp.parallel.random import RNGStreams
 from lightning_sp.parallel.state import ParallelState
 
-CoreFn = Callable[[Tensor, Tensor, Tensor, float, torch.Generator, bool], Tensor]
+
+class Rotary:
+    """The RoPE cos/sin tables of one model (no parameters), cached per (positions, dtype)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        self.inv_freq = rope_inverse_frequencies(
+            config.head_dim, config.rope_theta, config.rope_scaling
+        )
+        self._cache: dict[tuple[int, int, torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+
+    def tables(
+        self, start: int, length: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        """``cos, sin`` for positions ``[start, start + length)``, each ``[length, d]``."""
+        key = (start, length, dtype, device)
+        if key not in self._cache:
+            if len(self._cache) > 8:
+                self._cache.clear()
+            positions = torch.arange(start, start + length, device=device)
+            self._cache[key] = rope_tables(positions, self.inv_freq, dtype)
+        return self._cache[key]
 
 
-def attention_core(
-    q: Tensor, k: Tensor, v: Tensor, dropout_p: float, generator: torch.Generator, training: bool
-) -> Tensor:
-    """Causal softmax(QKᵀ/√d) V with dropout on the probabilities (the ``math`` backend, the
-    part ``core_attn`` recomputes). ``q, k, v``: ``[b·a/t, s, d]`` -> ``[b·a/t, s, d]``."""
-    s = q.shape[1]
-    causal = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
-    scores = torch.baddbmm(  # [b·a/t, s, s]; baddbmm saves only q and k
-        causal.expand(q.shape[0], s, s), q, k.transpose(1, 2), alpha=1.0 / math.sqrt(q.shape[-1])
-    )
-    probs = torch.softmax(scores, dim=-1)  # saves its output
-    probs = dropout(probs, dropout_p, generator, training)  # saves a 1-byte mask
-    return torch.bmm(probs, v)  # saves probs and v
+class _Rope(torch.autograd.Function):
+    """Rotate the queries and keys of a fused QKV tensor ``[s, B, r + 2, d]`` (slots ``:r+1``),
+    copying the values, into a new tensor of the same layout.
 
-
-def sdpa_core(
-    q: Tensor, k: Tensor, v: Tensor, dropout_p: float, generator: torch.Generator, training: bool
-) -> Tensor:
-    """Causal attention through ``F.scaled_dot_product_attention`` (the ``sdpa`` backend).
-
-    ``q, k, v``: ``[b·a/t, s, d]``; run as one batch of ``b·a/t`` heads, ``[1, b·a/t, s, d]``,
-    so that the fused kernels' output, laid out ``[1, s, b·a/t, d]`` in memory, merges into
-    ``[s, b, h/t]`` without a copy. Returns ``[b·a/t, s, d]``.
+    forward:  ``y = x·cos + rotate_half(x)·sin`` on Q and K; V copied.
+    backward: ``grad_x = grad·cos - rotate_half(grad·sin)`` on Q and K (the rotation is
+              orthogonal); V's gradient passed through.
+    saves:    nothing but the (shared, ``[s, d]``) tables: the rotation needs no input.
     """
-    p = dropout_p if training else 0.0
-    q, k, v = (y.unsqueeze(0) for y in (q, k, v))
-    if p == 0.0:
-        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return out.squeeze(0)
-    if q.device.type == "cpu":
-        warnings.warn(
-            "attention='sdpa' with attention_dropout > 0 on CPU: torch's fused CPU kernel has "
-            "no dropout, so SDPA falls back to its math path, which stores s x s scores and "
-            "masks (more than attention='math'); use attention_dropout=0 or attention='math' "
-            "on CPU",
-            stacklevel=2,
-        )
-    with drawing_from(generator):  # our sharded stream, not torch's global RNG
-        out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-    return out.squeeze(0)
 
+    @staticmethod
+    def forward(ctx: Any, qkv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.tables = (cos, sin)
+        out = qkv.clone()
+        qk = qkv[:, :, :-1]
+        out[:, :, :-1] = qk * cos + rotate_half(qk) * sin
+        return out
 
-@dataclass(frozen=True)
-class AttentionBackend:
-    """One attention backend: its core function and what it costs in memory and FLOPs."""
-
-    name: str
-    core: CoreFn
-    """``core(q, k, v, dropout_p, generator, training)``, ``[b·a/t, s, d]`` in and out."""
-    keeps_scores: bool
-    """Whether it stores ``s x s`` tensors for backward (``core_attn`` drops them)."""
-    backward_redone_flops: Callable[[ActivationShape], float]
-    """Matmul FLOPs its backward recomputes per layer for ``shape.b`` sequences (all ranks)."""
-
-
-ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
-    b.name: b
-    for b in (
-        AttentionBackend("math", attention_core, True, lambda x: 0.0),
-        # flash-style backward recomputes the scores QKᵀ (2bs²h) from the logsumexp
-        AttentionBackend("sdpa", sdpa_core, False, lambda x: 2.0 * x.b * x.s * x.s * x.h),
-    )
-}
-"""Every attention backend, by ``GPTConfig.attention`` name."""
-
-
-def check_attention(name: object) -> None:
-    """:class:`ConfigError` (one line) unless ``name`` is a backend this torch can run."""
-    if name not in ATTENTION_BACKENDS:
-        raise ConfigError(
-            f"attention={name!r} is not an attention backend; valid: "
-            f"{', '.join(ATTENTION_BACKENDS)}"
-        )
-    if name == "sdpa" and not hasattr(nn.functional, "scaled_dot_product_attention"):
-        raise ConfigError(
-            f"attention='sdpa' needs torch.nn.functional.scaled_dot_product_attention, which "
-            f"torch {torch.__version__} lacks (torch >= 2.0); use attention='math'"
-        )
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        cos, sin = ctx.tables
+        out = grad.clone()
+        gqk = grad[:, :, :-1]
+        out[:, :, :-1] = gqk * cos - rotate_half(gqk * sin)
+        return out, None, None
 
 
 class Attention(nn.Module):
-    """Self-attention, heads split over the tensor-parallel group.
+    """Self-attention, heads split over the tensor-parallel group (see module docstring).
 
     ``forward(x)``: ``[s/t or s, b, h]`` normalised input -> ``[s/t or s, b, h]`` (before the
     residual dropout). ``forward(x, norm)``: ``x`` is the layer input, normalised by ``norm``
-    inside the QKV linear and recomputed in its backward (``layernorm`` recompute).
-    Public pieces: ``qkv`` (column parallel, rows ordered ``[head][q|k|v][d]``), ``proj`` (row
-    parallel), ``core`` (the backend's core function).
+    inside the QKV linears and recomputed in their backward (``layernorm`` recompute).
+    Public pieces: ``query``, ``key``, ``value`` (column parallel), ``proj`` (row parallel),
+    ``heads`` (Q, K, V at given positions), ``output`` (the projection of a context).
     """
 
     def __init__(
@@ -139,37 +97,66 @@ class Attention(nn.Module):
         state: ParallelState,
         rng: RNGStreams,
         recompute_core: bool,
+        rotary: Rotary | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__()
+        t = state.tensor_parallel_size
+        a, g, d, h = config.num_heads, config.groups, config.head_dim, config.hidden_size
         sp = config.sequence_parallel
-        self.local_heads = config.num_heads // state.tensor_parallel_size
-        self.head_dim = config.head_dim
+        self.local_heads = a // t
+        self.local_groups = max(g // t, 1)
+        self.per_group = self.local_heads // self.local_groups
+        self.head_dim = d
+        replicas = max(t // g, 1)
         self.dropout_p = config.attention_dropout
         self.backend = ATTENTION_BACKENDS[config.attention]
         self.core: CoreFn = self.backend.core
         self.recompute_core = recompute_core and self.backend.keeps_scores
         self.rng = rng
-        self.qkv = ColumnParallelLinear(
-            config.hidden_size, 3 * config.hidden_size, state,
-            sequence_parallel=sp, init_std=config.init_std, **kwargs,
-        )  # fmt: skip
+        self.norm_kind = NORMS[config.normalization]
+        self.rotary = rotary if not POSITIONS[config.position_embedding].learned else None
+        common: dict[str, Any] = {
+            "sequence_parallel": sp, "bias": config.bias, "init_std": config.init_std, **kwargs
+        }  # fmt: skip
+        self.query = ColumnParallelLinear(h, a * d, state, **common)
+        self.key = ColumnParallelLinear(h, g * d, state, replicas=replicas, **common)
+        self.value = ColumnParallelLinear(h, g * d, state, replicas=replicas, **common)
+        state.tensor_parallel_subgroup(replicas)  # made now, on every rank together
         self.proj = RowParallelLinear(
-            config.hidden_size, config.hidden_size, state,
-            sequence_parallel=sp, init_std=config.output_init_std, **kwargs,
+            a * d, h, state, sequence_parallel=sp, bias=config.bias,
+            init_std=config.output_init_std, **kwargs,
         )  # fmt: skip
+
+    def heads(
+        self, x: Tensor, norm: NormModule | None = None, start: int = 0
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Q ``[B, r, s, d]``, K and V ``[B, 1, s, d]`` (``B = b·g_l``) of ``x`` ``[s/t or s, b,
+        h]``, rotated for positions ``[start, start + s)`` under RoPE; views of one storage."""
+        qkv = fused_column_linear(  # [s, b, g_l·(r+2)·d]
+            x, (self.query, self.key, self.value), self.local_groups, norm, self.norm_kind
+        )
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b * self.local_groups, self.per_group + 2, self.head_dim)
+        if self.rotary is not None:
+            cos, sin = self.rotary.tables(start, s, qkv.dtype, qkv.device)
+            qkv = _Rope.apply(qkv, cos[:, None, None], sin[:, None, None])
+        r = self.per_group
+        q, k, v = (y.permute(1, 2, 0, 3) for y in qkv.split([r, 1, 1], dim=2))
+        return q, k, v
+
+    def output(self, context: Tensor, b: int) -> Tensor:
+        """The output projection of a context ``[B, r, s, d]``: ``-> [s/t or s, b, h]``."""
+        return heads_row_linear(context, self.proj, b)
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return self.core(q, k, v, self.dropout_p, self.rng.sharded, self.training)
 
-    def forward(self, x: Tensor, norm: nn.LayerNorm | None = None) -> Tensor:
-        qkv = self.qkv(x) if norm is None else norm_column_linear(x, norm, self.qkv)
-        s, b, _ = qkv.shape  # [s, b, 3h/t]
-        qkv = qkv.view(s, b * self.local_heads, 3 * self.head_dim)
-        # three views of one storage: [s, b·a/t, d] -> [b·a/t, s, d]
-        q, k, v = (y.transpose(0, 1) for y in qkv.split(self.head_dim, dim=-1))
+    def forward(self, x: Tensor, norm: NormModule | None = None) -> Tensor:
+        q, k, v = self.heads(x, norm)
+        b = q.shape[0] // self.local_groups
         if self.recompute_core and self.training and torch.is_grad_enabled():
             context = recompute(self._core, self.rng, q, k, v)
         else:
             context = self._core(q, k, v)
-        return heads_row_linear(context, self.proj, b)  # [s/t or s, b, h]
+        return self.output(context, b)  # [s/t or s, b, h]

@@ -1,25 +1,35 @@
-"""The GPT configuration: one dataclass, one docstring per field."""
+"""The model configuration: one dataclass, one docstring per field. The architecture is data:
+the norm, the positions, the MLP activation, the key/value groups, biases and tied embeddings
+are fields naming descriptors of :mod:`lightning_sp.model.spec`; ``ARCHITECTURES`` holds the
+field values of each family (``GPTConfig.llama(...)`` builds one)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from lightning_sp.errors import ConfigError, divisors, positive_int
+from lightning_sp.model.cores import check_attention
+from lightning_sp.model.ops import RopeScaling
 from lightning_sp.model.recompute import POLICIES, parse_recompute, parse_rest, policy_name
+from lightning_sp.model.shape import ActivationShape
+from lightning_sp.model.spec import ACTIVATIONS, NORMS, POSITIONS
 
 RECOMPUTE_POLICIES = POLICIES
 """The named policies: the presets ``none``, ``selective``, ``lean`` and ``full``."""
-ACTIVATIONS = ("gelu", "gelu_tanh")
-Activation = Literal["gelu", "gelu_tanh"]
+Activation = Literal["gelu", "gelu_tanh", "swiglu"]
+Normalization = Literal["layernorm", "rmsnorm"]
+PositionEmbedding = Literal["learned", "rope"]
 
 
 @dataclass
 class GPTConfig:
-    """A GPT-3 style decoder (paper §3): learned positions, pre-LayerNorm, GeLU MLP, tied
-    input/output embeddings, dropout after the embedding, on attention probabilities and on
-    both residual branches."""
+    """A decoder-only transformer. The defaults are a GPT-3 style decoder (paper §3): learned
+    positions, pre-LayerNorm, GeLU MLP with biases, multi-head attention, tied input/output
+    embeddings, dropout after the embedding, on attention probabilities and on both residual
+    branches. The Llama family (``ARCHITECTURES["llama"]``) is RMSNorm, RoPE, SwiGLU,
+    grouped-query attention, no biases, untied embeddings, no dropout."""
 
     vocab_size: int = 50257
     """Vocabulary size of the tokenizer (v). The embedding is padded to a multiple of
@@ -39,8 +49,36 @@ class GPTConfig:
     """Number of attention heads (a); must divide hidden_size and be divisible by the
     tensor-parallel size."""
 
+    num_query_groups: int | None = None
+    """Key/value heads (g): ``None`` or num_heads is multi-head attention, fewer is
+    grouped-query attention (GQA; 1 is multi-query). Must divide num_heads. Under tensor
+    parallelism either t divides g (each rank holds g/t groups) or g divides t (each rank
+    holds the one group its query heads use, replicated over the t/g ranks that share it,
+    its gradient summed over them)."""
+
     ffn_hidden_size: int | None = None
-    """Width of the MLP's inner layer; default 4 * hidden_size."""
+    """Width of the MLP's inner layer (f); default 4 * hidden_size."""
+
+    normalization: Normalization = "layernorm"
+    """``layernorm`` (weight and bias) or ``rmsnorm`` (weight only, statistics in fp32)."""
+
+    position_embedding: PositionEmbedding = "learned"
+    """``learned``: a table of seq_length x hidden_size added to the token embedding;
+    ``rope``: rotary embeddings applied to queries and keys (no parameters)."""
+
+    rope_theta: float = 10000.0
+    """RoPE base (Llama 3: 500000). Used with position_embedding=rope."""
+
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1's RoPE frequency scaling (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings); None: unscaled."""
+
+    bias: bool = True
+    """Biases on every linear layer (GPT-2: yes; Llama: no)."""
+
+    tie_embeddings: bool = True
+    """The output layer uses the input embedding's weight (GPT-2); False gives it its own
+    (Llama). Under pipeline parallelism only a tied model keeps a copy on the last stage."""
 
     hidden_dropout: float = 0.1
     """Dropout probability after the embedding and on both residual branches."""
@@ -82,11 +120,12 @@ class GPTConfig:
     CPU, SDPA with attention dropout falls back to a math kernel that does store them."""
 
     activation: Activation = "gelu"
-    """The MLP's GeLU: ``gelu`` is exact (erf); ``gelu_tanh`` is the tanh approximation that
-    OpenAI's GPT-2 weights were trained with (Hugging Face's ``gelu_new``)."""
+    """The MLP's activation: ``gelu`` is exact (erf); ``gelu_tanh`` is the tanh approximation
+    that OpenAI's GPT-2 weights were trained with (Hugging Face's ``gelu_new``); ``swiglu`` is
+    ``silu(gate(x)) * up(x)`` (Llama), two input projections of width f."""
 
     layernorm_eps: float = 1e-5
-    """Epsilon of every LayerNorm."""
+    """Epsilon of every norm (LayerNorm or RMSNorm)."""
 
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation; the two output projections of
@@ -99,9 +138,53 @@ class GPTConfig:
     """Seed of the weight initialisation and of the dropout streams. A model built from the
     same seed has the same weights under every parallel layout."""
 
+    @classmethod
+    def of(cls, architecture: str, **overrides: Any) -> GPTConfig:
+        """A config of the family ``architecture`` (:data:`ARCHITECTURES`) with ``overrides``."""
+        if architecture not in ARCHITECTURES:
+            raise ConfigError(
+                f"architecture={architecture!r} is not known; valid: {', '.join(ARCHITECTURES)}"
+            )
+        return cls(**{**ARCHITECTURES[architecture], **overrides})
+
     @property
     def ffn_size(self) -> int:
+        """The MLP width f: ``ffn_hidden_size`` or 4h."""
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def groups(self) -> int:
+        """Key/value groups g (``num_query_groups`` or ``num_heads``)."""
+        return self.num_query_groups or self.num_heads
+
+    def activation_shape(
+        self,
+        tensor_parallel_size: int = 1,
+        micro_batch_size: int = 1,
+        *,
+        seq_length: int | None = None,
+        activation_bytes: float = 2,
+        mask_bytes: float = 1,
+    ) -> ActivationShape:
+        """The shape of this config's layers at tensor-parallel size ``t`` and micro-batch
+        ``b`` (``seq_length`` overrides the config's, for shorter inputs)."""
+        return ActivationShape(
+            s=seq_length or self.seq_length,
+            b=micro_batch_size,
+            h=self.hidden_size,
+            a=self.num_heads,
+            t=tensor_parallel_size,
+            f=self.ffn_hidden_size or 0,
+            sequence_parallel=self.sequence_parallel,
+            attention=self.attention,
+            activation_bytes=activation_bytes,
+            mask_bytes=mask_bytes,
+            hidden_dropout=self.hidden_dropout > 0,
+            attention_dropout=self.attention_dropout > 0,
+            g=0 if self.groups == self.num_heads else self.groups,
+            activation=self.activation,
+            norm=self.normalization,
+        )
 
     @property
     def output_init_std(self) -> float:
@@ -138,13 +221,32 @@ class GPTConfig:
             positive_int(name, getattr(self, name))
         parse_recompute(self.recompute)
         parse_rest(self.recompute_rest)
-        from lightning_sp.model.attention import check_attention
-
         check_attention(self.attention)
-        if self.activation not in ACTIVATIONS:
+        for name, registry in (
+            ("activation", ACTIVATIONS),
+            ("normalization", NORMS),
+            ("position_embedding", POSITIONS),
+        ):
+            if getattr(self, name) not in registry:
+                raise ConfigError(
+                    f"{name}={getattr(self, name)!r} is not known; valid: {', '.join(registry)}"
+                )
+        g = self.groups
+        positive_int("num_query_groups", g)
+        if self.num_heads % g:
             raise ConfigError(
-                f"activation={self.activation!r} is not an activation; "
-                f"valid: {', '.join(ACTIVATIONS)}"
+                f"num_query_groups={g} does not divide num_heads={self.num_heads}; "
+                f"num_query_groups must be one of {divisors(self.num_heads)}"
+            )
+        if g % t and t % g:
+            raise ConfigError(
+                f"num_query_groups={g} and tensor_parallel_size={t}: one must divide the other "
+                f"(tensor_parallel_size one of {sorted(set(divisors(g)) | _multiples(g, t))})"
+            )
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            raise ConfigError(
+                f"position_embedding='rope' needs an even head dimension; hidden_size/num_heads"
+                f" = {self.head_dim}"
             )
         if self.recompute_num_layers is not None and self.recompute_num_layers < 0:
             raise ConfigError(
@@ -180,3 +282,26 @@ class GPTConfig:
                 f"with sequence_parallel=True; use a seq_length that is a multiple of {t} "
                 "or sequence_parallel=False"
             )
+
+
+def _multiples(g: int, t: int) -> set[int]:
+    """Multiples of ``g`` up to ``t``."""
+    return set(range(g, t + 1, g))
+
+
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "gpt2": {},
+    "llama": {
+        "normalization": "rmsnorm",
+        "position_embedding": "rope",
+        "activation": "swiglu",
+        "bias": False,
+        "tie_embeddings": False,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "rope_theta": 500000.0,
+    },
+}
+"""The field values of each architecture family (the rest are given per model). A new family
+is one entry here if it is made of known parts, or a new descriptor in
+:mod:`lightning_sp.model.spec` if it brings a new part."""

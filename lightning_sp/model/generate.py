@@ -1,10 +1,12 @@
 """Text generation from a (tensor-parallel) :class:`~lightning_sp.model.gpt.GPT`, with a
 key/value cache for incremental decoding.
 
-The cached path reuses the GPT's own submodules (embedding, each layer's LayerNorms, QKV and
-projection linears and MLP, the final LayerNorm, the tied output layer) and replaces only the
-attention core: each step feeds the new tokens ``[n, b, h]``, appends their keys and values
-to the cache ``[b·a/t, s_max, d]`` and attends over every cached position. ``GPT.forward`` is
+The cached path reuses the GPT's own submodules (embedding, each layer's norms, its attention's
+``heads`` (Q, K, V, rotated at their true positions under RoPE) and ``output``, the MLP, the
+final norm and the output layer) and replaces only the attention core: each step feeds the new
+tokens ``[n, b, h]``, appends their keys and values (rotated keys under RoPE) to the cache
+``[b·g/t, 1, s_max, d]`` (one entry per key/value group) and attends over every cached
+position. ``GPT.forward`` is
 not involved, so the training path is untouched.
 
 Sequence parallelism shards the sequence over the TP group, which one new token cannot be:
@@ -32,7 +34,6 @@ from torch import Tensor, nn
 from lightning_sp.errors import ConfigError, positive_int
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.comm import all_gather_sequence
-from lightning_sp.parallel.layers import column_parallel_linear
 
 
 @dataclass
@@ -64,15 +65,6 @@ class GenerationConfig:
             raise ConfigError(f"temperature={self.temperature!r} must be >= 0 (0 is greedy)")
 
 
-# -- the GPT's parts that generation uses (one place to adapt when gpt.py changes) ---------------
-
-
-def _attention_projections(layer: Any) -> tuple[nn.Module, nn.Module, int, int]:
-    """``(qkv, proj, local_heads, head_dim)`` of a transformer layer's attention."""
-    attention = layer.attention
-    return attention.qkv, attention.proj, attention.local_heads, attention.head_dim
-
-
 def sequence_parallel_off(model: GPT) -> GPT:
     """``model`` itself if it runs without sequence parallelism, else a GPT built with
     ``sequence_parallel=False`` that shares ``model``'s parameters (nothing is copied)."""
@@ -91,7 +83,7 @@ def sequence_parallel_off(model: GPT) -> GPT:
 @dataclass
 class KVCache:
     """Keys and values of every layer for positions ``[0, length)``, each
-    ``[b·a/t, s_max, d]`` (this rank's heads)."""
+    ``[b·g/t, 1, s_max, d]`` (this rank's key/value groups)."""
 
     keys: list[Tensor]
     values: list[Tensor]
@@ -103,39 +95,33 @@ class KVCache:
         param = next(model.parameters())
         shapes = []
         for layer in model.layers:
-            _, _, heads, head_dim = _attention_projections(layer)
-            shapes.append((batch * heads, model.config.seq_length, head_dim))
+            attention: Any = layer.attention
+            shape = (batch * attention.local_groups, 1, model.config.seq_length, attention.head_dim)
+            shapes.append(shape)
         keys = [param.new_empty(shape) for shape in shapes]
         return cls(keys, [param.new_empty(shape) for shape in shapes])
 
 
 def _cached_attention(layer: Any, x: Tensor, cache: KVCache, index: int) -> Tensor:
     """Attention of the new positions ``x`` ``[n, b, h]`` over the cache plus themselves."""
-    qkv_linear, proj, heads, d = _attention_projections(layer)
-    qkv = qkv_linear(x)  # [n, b, 3h/t]
-    n, b, _ = qkv.shape
-    qkv = qkv.view(n, b, heads, 3 * d)  # rows ordered [head][q|k|v][d], as in training
-    q, k, v = (  # [b·a/t, n, d]
-        y.reshape(n, b * heads, d).transpose(0, 1) for y in qkv.split(d, dim=-1)
-    )
-    start, end = cache.length, cache.length + n
-    cache.keys[index][:, start:end] = k
-    cache.values[index][:, start:end] = v
-    keys, values = cache.keys[index][:, :end], cache.values[index][:, :end]  # [b·a/t, end, d]
+    attention = layer.attention
+    start, (n, b, _) = cache.length, x.shape
+    q, k, v = attention.heads(x, start=start)  # [b·g/t, r, n, d], [b·g/t, 1, n, d]
+    end = start + n
+    cache.keys[index][:, :, start:end] = k
+    cache.values[index][:, :, start:end] = v
+    keys, values = cache.keys[index][:, :, :end], cache.values[index][:, :, :end]
     # new position start + i sees cached positions j <= start + i
     mask = torch.full((n, end), float("-inf"), dtype=q.dtype, device=q.device).triu_(start + 1)
-    scores = torch.baddbmm(mask.expand(q.shape[0], n, end), q, keys.transpose(1, 2),
-                           alpha=1.0 / math.sqrt(d))  # fmt: skip
-    context = torch.bmm(torch.softmax(scores, dim=-1), values)  # [b·a/t, n, d]
-    return proj(context.transpose(0, 1).reshape(n, b, heads * d))  # [n, b, h]
+    scores = torch.matmul(q, keys.transpose(-1, -2)) / math.sqrt(q.shape[-1]) + mask
+    context = torch.matmul(torch.softmax(scores, dim=-1), values)  # [b·g/t, r, n, d]
+    return attention.output(context, b)  # [n, b, h]
 
 
 def _vocab_logits(model: GPT, x: Tensor) -> Tensor:
-    """Final LayerNorm and tied output layer, gathered over the vocabulary: ``[n or n/t, b, h]
-    -> [n, b, vocab_size]`` (identical on every TP rank)."""
-    x = model.final_norm(x)
-    weight = model.word_embeddings.weight
-    local = column_parallel_linear(x, weight, None, model.tp_group, model.sequence_parallel)
+    """Final norm and output layer, gathered over the vocabulary: ``[n or n/t, b, h] -> [n, b,
+    vocab_size]`` (identical on every TP rank)."""
+    local = model.logits(x)  # [n, b, v/t]
     full = all_gather_sequence(local.movedim(-1, 0).contiguous(), model.tp_group).movedim(0, -1)
     return full[..., : model.config.vocab_size]  # [n, b, v] without the padding rows
 
@@ -144,14 +130,12 @@ def _vocab_logits(model: GPT, x: Tensor) -> Tensor:
 def forward_cached(model: GPT, input_ids: Tensor, cache: KVCache) -> Tensor:
     """Feed ``input_ids`` ``[b, n]`` at positions ``cache.length`` on (``model`` without
     sequence parallelism); return the logits of the last one, ``[b, vocab_size]``."""
-    start, n = cache.length, input_ids.shape[1]
-    x = model.word_embeddings(input_ids.t())  # [n, b, h] (f̄ over TP)
-    x = x + model.position_embeddings[start : start + n].unsqueeze(1)
+    x = model.embed(input_ids, start=cache.length)  # [n, b, h] (f̄ over TP; dropout off)
     layers: list[Any] = list(model.layers)  # TransformerLayer: ln1, attention, ln2, mlp
     for index, layer in enumerate(layers):
         x = x + _cached_attention(layer, layer.ln1(x), cache, index)
         x = x + layer.mlp(layer.ln2(x))  # [n, b, h]
-    cache.length += n
+    cache.length += input_ids.shape[1]
     return _vocab_logits(model, x[-1:])[0]
 
 

@@ -1,21 +1,25 @@
-"""GPT in ``[s, b, h]`` layout, built from tensor- and sequence-parallel layers.
+"""A decoder in ``[s, b, h]`` layout, built from tensor- and sequence-parallel layers; its parts
+(norm, positions, MLP activation, key/value groups, biases, tied embeddings) come from the
+config's descriptors (:mod:`lightning_sp.model.spec`).
 
 A ``GPT`` is one rank's shard: its tensor-parallel slice of the layers ``layer_range`` (all of
 them unless pipeline parallelism splits the stack), with the embedding if it holds the first
-layer and the final LayerNorm + output layer if it holds the last.
+layer and the final norm + output layer if it holds the last.
 
 Bytes a layer saves for backward (2-byte activations, 1-byte masks; paper §4.1), which the
 code below keeps to exactly (term by term: :func:`lightning_sp.memory.formulas.layer_saved_terms`):
 
-* LayerNorm 1 and 2: their inputs, 2sbh each
-* attention: QKV input 2sbh; Q, K, V 6sbh (one storage); ``math``: softmax output 2as²b, its
-  dropout mask as²b and output 2as²b; ``sdpa``: an fp32 logsumexp 4asb bytes; projection input
-  (the core's own output) 2sbh; residual dropout mask sbh
-* MLP: fc1 input 2sbh; GeLU input 8sbh; fc2 input 8sbh; residual dropout mask sbh
+* norm 1 and 2: their inputs, 2sbh each (plus per-row statistics)
+* attention: QKV input 2sbh; Q, K, V ``2sb·d(a + 2g)`` (one storage; 6sbh for multi-head);
+  ``math``: softmax output 2as²b, its dropout mask as²b and output 2as²b; ``sdpa``: an fp32
+  logsumexp 4asb bytes; projection input (the core's own output) 2sbh; residual dropout mask
+  sbh
+* MLP: input 2sbh; activation input 2sbf (SwiGLU: ``[gate | up]``, 4sbf); fc2 input 2sbf;
+  residual dropout mask sbh
 
 Tensor parallelism divides what lives inside the attention and MLP blocks by t; sequence
 parallelism divides the rest. The recompute modules (:mod:`lightning_sp.model.recompute`) drop
-terms: ``core_attn`` the 5as²b, ``layernorm`` the QKV and fc1 inputs, ``mlp_act`` the fc2
+terms: ``core_attn`` the 5as²b, ``layernorm`` the QKV and MLP inputs, ``mlp_act`` the fc2
 input, ``residual_mask`` the two masks; ``full`` keeps the layer input only.
 """
 
@@ -27,10 +31,11 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.model.attention import Attention, attention_core
+from lightning_sp.model.attention import Attention, Rotary
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.fused import gelu_row_linear, norm_column_linear
+from lightning_sp.model.fused import act_row_linear, activate, fused_column_linear
 from lightning_sp.model.recompute import active_modules, parse_recompute, recompute
+from lightning_sp.model.spec import ACTIVATIONS, NORMS, POSITIONS, NormModule
 from lightning_sp.parallel.init import initialize_parameter, mark_parameter
 from lightning_sp.parallel.layers import (
     ColumnParallelLinear,
@@ -43,43 +48,55 @@ from lightning_sp.parallel.random import RNGStreams, dropout
 from lightning_sp.parallel.state import ParallelState
 
 
-def _layer_norm(config: GPTConfig, sequence_parallel: bool, **kwargs: Any) -> nn.LayerNorm:
-    norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps, **kwargs)
+def build_norm(config: GPTConfig, sequence_parallel: bool, **kwargs: Any) -> NormModule:
+    """The config's norm over ``hidden_size``, its parameters marked (ones / zeros)."""
+    norm = NORMS[config.normalization].build(config.hidden_size, config.layernorm_eps, **kwargs)
     mark_parameter(norm.weight, init="ones", sequence_parallel=sequence_parallel)
-    mark_parameter(norm.bias, init="zeros", sequence_parallel=sequence_parallel)
+    if norm.bias is not None:
+        mark_parameter(norm.bias, init="zeros", sequence_parallel=sequence_parallel)
     return norm
 
 
 class MLP(nn.Module):
-    """h -> 4h (column parallel) -> GeLU -> h (row parallel)."""
+    """h -> f (the activation's input projections, column parallel: ``fc1``, or ``gate`` and
+    ``up``) -> activation -> h (``fc2``, row parallel)."""
 
     def __init__(self, config: GPTConfig, state: ParallelState, **kwargs: Any) -> None:
         super().__init__()
         sp = config.sequence_parallel
-        self.fc1 = ColumnParallelLinear(
-            config.hidden_size, config.ffn_size, state,
-            sequence_parallel=sp, init_std=config.init_std, **kwargs,
-        )  # fmt: skip
+        self.kind = ACTIVATIONS[config.activation]
+        self.norm_kind = NORMS[config.normalization]
+        for name in self.kind.inputs:
+            linear = ColumnParallelLinear(
+                config.hidden_size, config.ffn_size, state, sequence_parallel=sp,
+                bias=config.bias, init_std=config.init_std, **kwargs,
+            )  # fmt: skip
+            self.add_module(name, linear)
         self.fc2 = RowParallelLinear(
-            config.ffn_size, config.hidden_size, state,
-            sequence_parallel=sp, init_std=config.output_init_std, **kwargs,
+            config.ffn_size, config.hidden_size, state, sequence_parallel=sp,
+            bias=config.bias, init_std=config.output_init_std, **kwargs,
         )  # fmt: skip
-        self.gelu_approximate = "tanh" if config.activation == "gelu_tanh" else "none"
+
+    @property
+    def inputs(self) -> list[ColumnParallelLinear]:
+        """The input projections, in the order of the activation's input ``z``."""
+        return [getattr(self, name) for name in self.kind.inputs]
 
     def forward(
-        self, x: Tensor, norm: nn.LayerNorm | None = None, recompute_act: bool = False
+        self, x: Tensor, norm: NormModule | None = None, recompute_act: bool = False
     ) -> Tensor:
         """``x``: the normalised input, or with ``norm`` the layer input (normalised inside
-        fc1, recomputed in its backward). ``recompute_act``: GeLU recomputed in fc2's
-        backward. ``[s/t or s, b, h]`` in and out, ``[s, b, f/t]`` inside."""
-        z = self.fc1(x) if norm is None else norm_column_linear(x, norm, self.fc1)
+        the input projections, recomputed in their backward). ``recompute_act``: the
+        activation recomputed in fc2's backward. ``[s/t or s, b, h]`` in and out, ``[s, b,
+        f/t]`` inside."""
+        z = fused_column_linear(x, self.inputs, 1, norm, self.norm_kind)  # [s, b, n·f/t]
         if recompute_act:
-            return gelu_row_linear(z, self.fc2, self.gelu_approximate)
-        return self.fc2(nn.functional.gelu(z, approximate=self.gelu_approximate))
+            return act_row_linear(z, self.fc2, self.kind)
+        return self.fc2(activate(z, self.kind))
 
 
 class TransformerLayer(nn.Module):
-    """Pre-LayerNorm transformer layer: ``x + drop(attn(ln1(x)))``, then the same with MLP.
+    """Pre-norm transformer layer: ``x + drop(attn(norm1(x)))``, then the same with the MLP.
 
     ``[s/t, b, h]`` under sequence parallelism, else ``[s, b, h]``, in and out.
     """
@@ -91,6 +108,7 @@ class TransformerLayer(nn.Module):
         rng: RNGStreams,
         layer_number: int,
         recompute: str,
+        rotary: Rotary | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -105,9 +123,9 @@ class TransformerLayer(nn.Module):
         self.recompute_act = "mlp_act" in active
         self.regenerate_masks = "residual_mask" in active
         sp = config.sequence_parallel
-        self.ln1 = _layer_norm(config, sp, **kwargs)
-        self.attention = Attention(config, state, rng, "core_attn" in active, **kwargs)
-        self.ln2 = _layer_norm(config, sp, **kwargs)
+        self.ln1 = build_norm(config, sp, **kwargs)
+        self.attention = Attention(config, state, rng, "core_attn" in active, rotary, **kwargs)
+        self.ln2 = build_norm(config, sp, **kwargs)
         self.mlp = MLP(config, state, **kwargs)
         self.rng = rng
         self.dropout_p = config.hidden_dropout
@@ -167,28 +185,56 @@ class GPT(nn.Module):
         sp, group = config.sequence_parallel, state.tp_group
         self.sequence_parallel, self.tp_group = sp, group
         self.padded_vocab_size = config.padded_vocab_size(state.tensor_parallel_size)
-        # the embedding table is also the output layer's weight (tied); a stage that has only
+        self.tied = config.tie_embeddings
+        # tied: the embedding table is also the output layer's weight; a stage that has only
         # the head still owns a copy, whose gradients pipeline parallelism sums with stage 0's
-        if self.has_embedding or self.has_head:
+        if self.has_embedding or (self.has_head and self.tied):
             self.word_embeddings = VocabParallelEmbedding(
                 self.padded_vocab_size, config.hidden_size, state,
                 sequence_parallel=sp, init_std=config.init_std, **kwargs,
             )  # fmt: skip
-        if self.has_embedding:
+            self.word_embeddings.weight.padded_vocab = True  # type: ignore[attr-defined]
+        if self.has_head and not self.tied:
+            self.output = ColumnParallelLinear(
+                config.hidden_size, self.padded_vocab_size, state,
+                sequence_parallel=sp, bias=False, init_std=config.init_std, **kwargs,
+            )  # fmt: skip
+            self.output.weight.padded_vocab = True  # type: ignore[attr-defined]
+        self.learned_positions = POSITIONS[config.position_embedding].learned
+        if self.has_embedding and self.learned_positions:
             self.position_embeddings = nn.Parameter(
                 torch.empty(config.seq_length, config.hidden_size, **kwargs)
             )
             mark_parameter(self.position_embeddings, std=config.init_std, sequence_parallel=sp)
+        self.rotary = None if self.learned_positions else Rotary(config)
         start = self.layer_range.start
         self.layers = nn.ModuleList(
             TransformerLayer(
-                config, state, self.rng, n, config.layer_recompute(n - start), **kwargs
+                config,
+                state,
+                self.rng,
+                n,
+                config.layer_recompute(n - start),
+                self.rotary,
+                **kwargs,
             )
             for n in self.layer_range
         )
         if self.has_head:
-            self.final_norm = _layer_norm(config, sp, **kwargs)
+            self.final_norm = build_norm(config, sp, **kwargs)
         self.reset_parameters()
+
+    @property
+    def output_weight(self) -> Tensor:
+        """The output layer's weight shard ``[v_pad/t, h]`` (the embedding's when tied)."""
+        return self.word_embeddings.weight if self.tied else self.output.weight
+
+    @property
+    def vocab_start(self) -> int:
+        """The global index of this rank's first vocabulary row."""
+        return self.state.tensor_parallel_rank * (
+            self.padded_vocab_size // self.state.tensor_parallel_size
+        )
 
     def reset_parameters(self) -> None:
         """(Re-)initialise every parameter of this shard from ``config.seed``."""
@@ -202,15 +248,17 @@ class GPT(nn.Module):
             return f"layers.{self.layers[int(index)].layer_number}.{rest}"
         return name
 
-    def embed(self, input_ids: Tensor) -> Tensor:
-        """Token + position embeddings with dropout: ``[b, s] -> [s/t or s, b, h]``."""
+    def embed(self, input_ids: Tensor, start: int = 0) -> Tensor:
+        """Token (+ learned position) embeddings with dropout for positions ``[start, start +
+        s)``: ``[b, s] -> [s/t or s, b, h]``."""
         ids = input_ids.t()  # [s, b]
         x = self.word_embeddings(ids)  # [s/t, b, h] under SP (ḡ), else [s, b, h] (f̄)
-        positions = self.position_embeddings[: ids.shape[0]]
-        if self.sequence_parallel:
-            shard = x.shape[0]
-            positions = positions[self.state.tensor_parallel_rank * shard :][:shard]
-        x = x + positions.unsqueeze(1)
+        if self.learned_positions:
+            positions = self.position_embeddings[start : start + ids.shape[0]]
+            if self.sequence_parallel:
+                shard = x.shape[0]
+                positions = positions[self.state.tensor_parallel_rank * shard :][:shard]
+            x = x + positions.unsqueeze(1)
         generator = self.rng.sharded if self.sequence_parallel else self.rng.replicated
         return dropout(x, self.config.hidden_dropout, generator, self.training)
 
@@ -238,14 +286,21 @@ class GPT(nn.Module):
         )
         return losses.mean()
 
+    def logits(self, x: Tensor) -> Tensor:
+        """Final norm and output layer: ``[s/t or s, b, h] -> [s, b, v_pad/t]``."""
+        return column_parallel_linear(
+            self.final_norm(x), self.output_weight, None, self.tp_group, self.sequence_parallel
+        )
+
     def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
         if not (self.has_embedding and self.has_head):
             raise RuntimeError("GPT.forward needs the whole stack; run stages through the pipeline")
-        self._check_sequence(input_ids)
+        self.check_sequence(input_ids.shape[-1])
         return self.loss(self.forward_layers(self.embed(input_ids)), labels)
 
-    def _check_sequence(self, input_ids: Tensor) -> None:
-        s, t = input_ids.shape[-1], self.state.tensor_parallel_size
+    def check_sequence(self, s: int) -> None:
+        """``ValueError`` (one line) unless ``s`` tokens fit this model and its layout."""
+        t = self.state.tensor_parallel_size
         if s > self.config.seq_length:
             raise ValueError(
                 f"input sequence length {s} exceeds seq_length={self.config.seq_length}"
@@ -257,4 +312,4 @@ class GPT(nn.Module):
             )
 
 
-__all__ = ["GPT", "MLP", "Attention", "TransformerLayer", "attention_core"]
+__all__ = ["GPT", "MLP", "Attention", "TransformerLayer"]

@@ -13,10 +13,12 @@ How each module is realised (``lightning_sp.model``):
 * ``core_attn``: :func:`recompute` around the attention core; only where the attention backend
   keeps ``s x s`` tensors (``math``). Under ``sdpa`` it would drop only SDPA's logsumexp for a
   second attention forward, so it is not applied (and the planner says so).
-* ``layernorm``: each LayerNorm is recomputed inside its consumer's backward (the QKV and fc1
-  linears save the LayerNorm *input* instead of its output; :mod:`lightning_sp.model.fused`).
-* ``mlp_act``: the GeLU is recomputed inside fc2's backward (fc2 saves the GeLU input, which
-  is kept anyway, instead of its output).
+* ``layernorm``: each norm (LayerNorm or RMSNorm) is recomputed inside its consumer's backward
+  (the QKV and MLP input linears save the norm's *input* instead of its output;
+  :mod:`lightning_sp.model.fused`).
+* ``mlp_act``: the MLP activation (GeLU, or SwiGLU's ``silu(gate)·up``) is recomputed inside
+  fc2's backward (fc2 saves the activation's input, which is kept anyway, instead of its
+  output).
 * ``residual_mask``: the two residual dropouts regenerate their masks from the RNG stream in
   backward instead of storing them (:func:`lightning_sp.parallel.random.dropout`).
 
@@ -33,6 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_sp.errors import ConfigError
+from lightning_sp.model.cores import ATTENTION_BACKENDS
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.random import RNGStreams
 
@@ -67,13 +70,13 @@ RECOMPUTE_MODULES: dict[str, RecomputeModule] = {
         ),
         RecomputeModule(
             "layernorm",
-            "both LayerNorms, replayed inside the QKV / fc1 linear's backward",
+            "both norms, replayed inside the QKV / MLP input linears' backward",
             ("qkv_input", "fc1_input"),
             lambda x: 0.0,
         ),
         RecomputeModule(
             "mlp_act",
-            "the GeLU, replayed inside fc2's backward",
+            "the MLP activation (GeLU or SwiGLU), replayed inside fc2's backward",
             ("fc2_input",),
             lambda x: 0.0,
         ),
@@ -160,8 +163,6 @@ def policy_name(policy: str | Sequence[str]) -> str:
 def active_modules(modules: Sequence[str], attention: str) -> tuple[RecomputeModule, ...]:
     """The descriptors of ``modules`` that act under the ``attention`` backend (``core_attn``
     does nothing where the backend keeps no ``s x s`` tensor)."""
-    from lightning_sp.model.attention import ATTENTION_BACKENDS
-
     keeps_scores = ATTENTION_BACKENDS[attention].keeps_scores
     return tuple(
         RECOMPUTE_MODULES[n]

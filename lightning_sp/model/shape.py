@@ -1,17 +1,16 @@
 """The activation-shape record: everything the memory and FLOPs formulas need to know about one
-layer's activations on one rank, built once from a :class:`GPTConfig`.
+layer's activations on one rank (built by :meth:`GPTConfig.activation_shape`).
 
 Symbols as in the paper: ``s`` sequence length, ``b`` micro-batch, ``h`` hidden size, ``a``
-heads, ``t`` tensor-parallel size; ``f`` is the MLP width (the paper's 4h).
+heads, ``t`` tensor-parallel size; ``f`` is the MLP width (the paper's 4h), ``g`` the key/value
+groups (``g = a``: multi-head attention; ``g < a``: grouped-query).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.spec import ACTIVATIONS, NORMS, ActivationKind, NormKind
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ class ActivationShape:
     sequence_parallel: bool = False
     """Whether the activations outside the tensor-parallel region are split by t."""
     attention: str = "math"
-    """The attention backend (:data:`lightning_sp.model.attention.ATTENTION_BACKENDS`)."""
+    """The attention backend (:data:`lightning_sp.model.cores.ATTENTION_BACKENDS`)."""
     activation_bytes: float = 2
     """Bytes per stored activation element (2: fp16/bf16, as in the paper)."""
     mask_bytes: float = 1
@@ -42,6 +41,12 @@ class ActivationShape:
     """Whether the residual (and embedding) dropouts are on, i.e. store masks."""
     attention_dropout: bool = True
     """Whether the attention-probability dropout is on."""
+    g: int = 0
+    """Key/value groups; 0 means ``a`` (multi-head attention)."""
+    activation: str = "gelu"
+    """The MLP activation (:data:`lightning_sp.model.spec.ACTIVATIONS`)."""
+    norm: str = "layernorm"
+    """The normalisation (:data:`lightning_sp.model.spec.NORMS`)."""
 
     @property
     def ffn(self) -> int:
@@ -49,34 +54,25 @@ class ActivationShape:
         return self.f or 4 * self.h
 
     @property
+    def groups(self) -> int:
+        """Key/value groups: ``g`` or ``a``."""
+        return self.g or self.a
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads over the whole tensor-parallel group, replicas counted:
+        ``max(g, t)`` (with fewer groups than ranks each rank holds one, shared)."""
+        return max(self.groups, self.t)
+
+    @property
     def sbh(self) -> int:
         """``s·b·h``, the unit Table 2 counts in."""
         return self.s * self.b * self.h
 
-    @classmethod
-    def from_config(
-        cls,
-        config: GPTConfig,
-        tensor_parallel_size: int = 1,
-        micro_batch_size: int = 1,
-        *,
-        seq_length: int | None = None,
-        activation_bytes: float = 2,
-        mask_bytes: float = 1,
-    ) -> ActivationShape:
-        """The shape of ``config``'s layers at tensor-parallel size ``t`` and micro-batch ``b``
-        (``seq_length`` overrides the config's, for shorter inputs)."""
-        return cls(
-            s=seq_length or config.seq_length,
-            b=micro_batch_size,
-            h=config.hidden_size,
-            a=config.num_heads,
-            t=tensor_parallel_size,
-            f=config.ffn_hidden_size or 0,
-            sequence_parallel=config.sequence_parallel,
-            attention=config.attention,
-            activation_bytes=activation_bytes,
-            mask_bytes=mask_bytes,
-            hidden_dropout=config.hidden_dropout > 0,
-            attention_dropout=config.attention_dropout > 0,
-        )
+    @property
+    def mlp(self) -> ActivationKind:
+        return ACTIVATIONS[self.activation]
+
+    @property
+    def norm_kind(self) -> NormKind:
+        return NORMS[self.norm]

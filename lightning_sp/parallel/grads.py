@@ -57,6 +57,21 @@ def allreduce_sequence_parallel_grads(module: nn.Module, state: ParallelState) -
         _all_reduce_coalesced(grads, state.tp_group, dist.ReduceOp.SUM)
 
 
+def allreduce_replicated_grads(module: nn.Module, state: ParallelState) -> None:
+    """Sum the gradients of shards that several tensor-parallel ranks hold (``ShardSpec.
+    replicas > 1``: the key/value heads of grouped-query attention with fewer groups than
+    ranks) over the ranks that share them: each computed only its own query heads' part."""
+    by_size: dict[int, list[Tensor]] = {}
+    for p in module.parameters():
+        shard = getattr(p, "shard", None)
+        if shard is not None and shard.replicas > 1 and (g := grad_of(p)) is not None:
+            by_size.setdefault(shard.replicas, []).append(g)
+    for size, grads in by_size.items():
+        subgroup = state.tensor_parallel_subgroup(size)
+        if subgroup is not None:
+            _all_reduce_coalesced(grads, subgroup, dist.ReduceOp.SUM)
+
+
 def average_data_parallel_grads(module: nn.Module, state: ParallelState) -> None:
     """Average every gradient over the data-parallel group (replicas see different data)."""
     if state.dp_group is None:
@@ -80,22 +95,27 @@ def finalize_grads(
     if buffer is not None:
         buffer.finish()
         allreduce_sequence_parallel_grads(module, state)
+        allreduce_replicated_grads(module, state)
         return
     allreduce_sequence_parallel_grads(module, state)
+    allreduce_replicated_grads(module, state)
     average_data_parallel_grads(module, state)
 
 
 def _counted_once(param: Tensor, state: ParallelState) -> bool:
     """Whether this rank contributes ``param`` to the global norm.
 
-    A shard of a tensor-parallel parameter is unique to its rank; a parameter replicated over
-    the tensor-parallel group is counted on TP rank 0 only; a pipeline stage's copy of the
-    tied embedding (``pipeline_copy``) is counted on the stage that owns the original.
+    A shard of a tensor-parallel parameter is unique to its rank (or, held by ``replicas``
+    ranks, counted on the first of them); a parameter replicated over the tensor-parallel
+    group is counted on TP rank 0 only; a pipeline stage's copy of the tied embedding
+    (``pipeline_copy``) is counted on the stage that owns the original.
     """
     if getattr(param, "pipeline_copy", False):
         return False
     shard = getattr(param, "shard", None)
-    return (shard is not None and shard.dim is not None) or state.tensor_parallel_rank == 0
+    if shard is not None and shard.dim is not None:
+        return state.tensor_parallel_rank % shard.replicas == 0
+    return state.tensor_parallel_rank == 0
 
 
 def global_grad_norm(

@@ -28,12 +28,18 @@ from lightning_sp.parallel.random import derive_seed
 class ShardSpec:
     """How a local parameter sits inside its full (unsharded) tensor.
 
-    ``dim`` is the sharded dimension (``None``: replicated over the tensor-parallel group) and
-    ``start`` the offset of this shard along it.
+    ``dim`` is the sharded dimension (``None``: replicated over the tensor-parallel group),
+    ``start`` the offset of this shard along it and ``replicas`` how many consecutive
+    tensor-parallel ranks hold this same shard (the full tensor is ``t / replicas`` shards).
     """
 
     dim: int | None = None
     start: int = 0
+    replicas: int = 1
+
+    def full_size(self, local_size: int, tensor_parallel_size: int) -> int:
+        """The full tensor's size along ``dim``, from the local one."""
+        return local_size * tensor_parallel_size // self.replicas
 
     def full_slice(self, full: Tensor, local_shape: torch.Size) -> Tensor:
         """The slice of ``full`` that this shard holds (clipped to ``full``'s size)."""

@@ -12,6 +12,7 @@ gathered input instead costs ``4sbh(1 - 1/t)`` bytes per layer, which is what DT
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,65 +38,140 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class _ColumnParallelLinearFn(torch.autograd.Function):
-    """``y = x Wᵀ + b`` with a column (output) shard of ``W`` and the input saved as given.
+NormFn = Callable[[Tensor, Tensor, Tensor | None, float], Tensor]
+"""``norm(x, weight, bias, eps)``, differentiable by autograd (LayerNorm, RMSNorm)."""
 
-    forward:  sequence_parallel: gather x ``[s/t, b, k] -> [s, b, k]`` (g), then matmul;
-              otherwise matmul on the replicated x (f is the identity).
-    backward: grad_x = grad_y W, then reduce-scatter along s (ḡ of g) or all-reduce (f);
-              grad_W = grad_yᵀ x_full, re-gathering x_full under sequence parallelism.
-    saves:    x as given (the local shard under sequence parallelism) and W.
+
+def weight_grad(grad: Tensor, x: Tensor) -> Tensor:
+    """``gradᵀ x`` over all leading dims: ``[..., n], [..., k] -> [n, k]``."""
+    return grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+
+
+def interleave(parts: Sequence[Tensor], groups: int) -> Tensor:
+    """Rows of ``parts`` interleaved group by group: each part ``[groups·n_i, ...]`` viewed as
+    ``[groups, n_i, ...]`` and concatenated along the second dimension, ``[groups·Σn_i, ...]``
+    (one part: itself). This is how Q, K and V rows sit in the fused QKV output."""
+    if len(parts) == 1:
+        return parts[0]
+    views = [p.reshape(groups, p.shape[0] // groups, *p.shape[1:]) for p in parts]
+    joined = torch.cat(views, dim=1)
+    return joined.reshape(-1, *joined.shape[2:])
+
+
+def deinterleave(whole: Tensor, sizes: Sequence[int], groups: int) -> list[Tensor]:
+    """The inverse of :func:`interleave`: ``sizes`` are the parts' row counts."""
+    if len(sizes) == 1:
+        return [whole]
+    per_group = [n // groups for n in sizes]
+    view = whole.reshape(groups, sum(per_group), *whole.shape[1:])
+    return [p.reshape(-1, *whole.shape[1:]) for p in view.split(per_group, dim=1)]
+
+
+class _ColumnParallelFn(torch.autograd.Function):
+    """``y = norm(x) Wᵀ + b`` with a column (output) shard of ``W``, where ``W`` is one or more
+    weights whose rows are interleaved per group (:func:`interleave`; the fused QKV's
+    ``[group][q_1 … q_r | k | v]``, SwiGLU's ``[gate | up]``), and the input saved as given.
+
+    forward:  ``norm`` (optional) on x; sequence_parallel: gather ``[s/t, b, k] -> [s, b, k]``
+              (g), then one matmul; otherwise matmul on the replicated x (f is the identity).
+    backward: grad_in = grad_y W, then reduce-scatter along s (ḡ of g) or all-reduce (f);
+              grad_W = grad_yᵀ x_full, re-gathering x_full under sequence parallelism; with
+              ``norm``, the norm is recomputed from x (with a graph) and back-propagated.
+    saves:    x as given (the local shard under sequence parallelism, the norm's *input* with
+              ``norm``), the norm's weight and bias, and the weights.
     """
 
     @staticmethod
     def forward(
         ctx: Any,
         x: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
+        norm_weight: Tensor | None,
+        norm_bias: Tensor | None,
+        norm: NormFn | None,
+        eps: float,
+        groups: int,
         group: Group,
         sequence_parallel: bool,
+        *params: Tensor | None,
     ) -> Tensor:
-        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
-        ctx.save_for_backward(x, weight)
-        full = all_gather_sequence(x, group) if sequence_parallel else x  # [s, b, k]
-        out = torch.matmul(full, weight.t())  # [s, b, n/t]
-        return out + bias if bias is not None else out
+        weights = [w for w in params[0::2] if w is not None]
+        biases = list(params[1::2])
+        ctx.norm, ctx.eps, ctx.groups = norm, eps, groups
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        ctx.has_bias = [b is not None for b in biases]
+        ctx.save_for_backward(x, norm_weight, norm_bias, *weights)
+        y = (
+            norm(x, norm_weight, norm_bias, eps)
+            if norm is not None and norm_weight is not None
+            else x
+        )
+        full = all_gather_sequence(y, group) if sequence_parallel else y  # [s, b, k]
+        out = torch.matmul(full, interleave(weights, groups).t())  # [s, b, Σn/t]
+        present = [b for b in biases if b is not None]
+        if present:
+            out = out + interleave(present, groups)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        group = ctx.group
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_full = torch.matmul(grad, weight)  # [s, b, k], a partial sum per rank
-            grad_x = (
-                reduce_scatter_sequence(grad_full, group)
-                if ctx.sequence_parallel
-                else all_reduce(grad_full, group)
-            )
-        if ctx.needs_input_grad[1]:
-            full = all_gather_sequence(x, group) if ctx.sequence_parallel else x
-            grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
-        return grad_x, grad_w, grad_b, None, None
+        x, norm_weight, norm_bias, *weights = ctx.saved_tensors
+        group, sp, groups = ctx.group, ctx.sequence_parallel, ctx.groups
+        leaves: list[Tensor] = []
+        y = x
+        if ctx.norm is not None:
+            with torch.enable_grad():  # the norm again, this time with a graph
+                leaves = [
+                    t.detach().requires_grad_(True)
+                    for t in (x, norm_weight, norm_bias)
+                    if t is not None
+                ]
+                bias = leaves[2] if norm_bias is not None else None
+                y = ctx.norm(leaves[0], leaves[1], bias, ctx.eps)
+        weight = interleave(weights, groups)
+        grad_full = torch.matmul(grad, weight)  # [s, b, k], a partial sum per rank
+        grad_y = reduce_scatter_sequence(grad_full, group) if sp else all_reduce(grad_full, group)
+        full = all_gather_sequence(y.detach(), group) if sp else y.detach()
+        sizes = [w.shape[0] for w in weights]
+        grad_ws = deinterleave(weight_grad(grad, full), sizes, groups)
+        grad_bs = deinterleave(grad.reshape(-1, grad.shape[-1]).sum(0), sizes, groups)
+        params: list[Tensor | None] = []
+        for w_grad, b_grad, has_bias in zip(grad_ws, grad_bs, ctx.has_bias, strict=True):
+            params += [w_grad, b_grad if has_bias else None]
+        grad_x, grad_nw, grad_nb = grad_y, None, None
+        if ctx.norm is not None:
+            grads = torch.autograd.grad(y, leaves, grad_y)
+            grad_x, grad_nw = grads[0], grads[1]
+            grad_nb = grads[2] if norm_bias is not None else None
+        return (grad_x, grad_nw, grad_nb, None, None, None, None, None, *params)
 
 
 def column_parallel_linear(
     x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
+    weight: Tensor | Sequence[Tensor],
+    bias: Tensor | Sequence[Tensor | None] | None,
     group: Group,
     sequence_parallel: bool,
+    *,
+    norm: NormFn | None = None,
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+    eps: float = 0.0,
+    groups: int = 1,
 ) -> Tensor:
-    """Column-parallel linear (see :class:`_ColumnParallelLinearFn`).
+    """Column-parallel linear (see :class:`_ColumnParallelFn`), optionally with several
+    weights (interleaved per ``groups``) and a norm applied first and recomputed in backward.
 
-    ``x``: ``[s/t, b, k]`` under sequence parallelism, else ``[s, b, k]``; returns ``[s, b, n/t]``.
+    ``x``: ``[s/t, b, k]`` under sequence parallelism, else ``[s, b, k]``; returns ``[s, b,
+    Σn/t]``.
     """
-    if group_size(group) == 1:
-        return nn.functional.linear(x, weight, bias)
-    return _ColumnParallelLinearFn.apply(x, weight, bias, group, sequence_parallel)
+    weights = [weight] if isinstance(weight, Tensor) else list(weight)
+    biases = [bias] * len(weights) if bias is None or isinstance(bias, Tensor) else list(bias)
+    if norm is None and len(weights) == 1 and group_size(group) == 1:
+        return nn.functional.linear(x, weights[0], biases[0])
+    params = [p for pair in zip(weights, biases, strict=True) for p in pair]
+    return _ColumnParallelFn.apply(
+        x, norm_weight, norm_bias, norm, eps, groups, group, sequence_parallel, *params
+    )
 
 
 class ColumnParallelLinear(nn.Module):
@@ -114,22 +190,28 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool,
         bias: bool = True,
         init_std: float = 0.02,
+        replicas: int = 1,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
+        """``replicas``: how many consecutive tensor-parallel ranks hold the same slice (each
+        rank then holds ``out·replicas/t`` rows; its gradient is summed over them by
+        :func:`~lightning_sp.parallel.grads.finalize_grads`). Grouped-query attention with
+        fewer key/value heads than ranks uses it."""
         super().__init__()
         t, rank = state.tensor_parallel_size, state.tensor_parallel_rank
-        local = _divide(out_features, t, "out_features")
+        local = _divide(out_features * replicas, t, "out_features * replicas")
+        start = rank // replicas * local
         self.group, self.sequence_parallel = state.tp_group, sequence_parallel
         self.weight = mark_parameter(
             nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device)),
-            shard=ShardSpec(0, rank * local),
+            shard=ShardSpec(0, start, replicas),
             std=init_std,
         )
         self.bias = (
             mark_parameter(
                 nn.Parameter(torch.empty(local, dtype=dtype, device=device)),
-                shard=ShardSpec(0, rank * local),
+                shard=ShardSpec(0, start, replicas),
                 init="zeros",
             )
             if bias
@@ -179,10 +261,15 @@ class RowParallelLinear(nn.Module):
             else None
         )
 
-    def forward(self, x: Tensor) -> Tensor:
-        partial = torch.matmul(x, self.weight.t())  # [s, b, out], a partial sum per rank
-        out = g_bar(partial, self.group) if self.sequence_parallel else f_bar(partial, self.group)
+    def reduce(self, partial: Tensor) -> Tensor:
+        """Sum this layer's partial products over the group (ḡ or f̄) and add the replicated
+        bias: ``[s, b, out]`` per rank -> ``[s/t or s, b, out]``."""
+        group = self.group
+        out = g_bar(partial, group) if self.sequence_parallel else f_bar(partial, group)
         return out + self.bias if self.bias is not None else out
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.reduce(torch.matmul(x, self.weight.t()))  # [s, b, out] partial per rank
 
 
 class VocabParallelEmbedding(nn.Module):

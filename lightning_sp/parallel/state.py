@@ -9,7 +9,7 @@ everything that communicates; nothing in this package keeps process groups in gl
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,6 +69,9 @@ class ParallelState:
     dp_group: dist.ProcessGroup | None
     device: torch.device
     mesh: DeviceMesh | None = None
+    _subgroups: dict[int, dist.ProcessGroup | None] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> ParallelState:
@@ -142,6 +145,26 @@ class ParallelState:
     def is_last_stage(self) -> bool:
         """Whether this rank holds the last pipeline stage (final LayerNorm, output layer, loss)."""
         return self.pipeline_parallel_rank == self.pipeline_parallel_size - 1
+
+    def tensor_parallel_subgroup(self, size: int) -> dist.ProcessGroup | None:
+        """The group of the ``size`` consecutive tensor-parallel ranks this rank belongs to
+        (blocks ``[k·size, (k+1)·size)`` of every TP group); ``None`` for ``size = 1``.
+
+        Made on first use and kept: every rank of the world must make the first call for a
+        ``size`` together (building the model does), as ``new_group`` is collective."""
+        if size <= 1 or self.mesh is None:
+            return None
+        if size not in self._subgroups:
+            t = self.tensor_parallel_size
+            mine = None
+            for row in self.mesh.mesh.reshape(-1, t).tolist():
+                for start in range(0, t, size):
+                    ranks = row[start : start + size]
+                    made = dist.new_group(ranks, timeout=DEFAULT_TIMEOUT)
+                    if dist.get_rank() in ranks:
+                        mine = made
+            self._subgroups[size] = mine
+        return self._subgroups[size]
 
     @property
     def world_size(self) -> int:

@@ -114,7 +114,7 @@ class Pipeline(nn.Module):
         self.stage_indices = [c * p + state.pipeline_parallel_rank for c in range(m)]
         self.has_embedding = self.models[0].has_embedding
         self.has_head = self.models[-1].has_head
-        if p > 1 and self.has_head:
+        if p > 1 and self.has_head and config.tie_embeddings:
             # the output layer's copy of the tied embedding: its gradient is summed with stage
             # 0's, and the global norm counts the original only
             self.models[-1].word_embeddings.weight.pipeline_copy = True  # type: ignore[attr-defined]
@@ -130,7 +130,7 @@ class Pipeline(nn.Module):
         a copy of the tied embedding; ``None`` on other ranks and without pipelining."""
         state = self.state
         p = state.pipeline_parallel_size
-        if p == 1:
+        if p == 1 or not self.config.tie_embeddings:
             return None
         if p == 2:
             return state.pp_group
@@ -171,16 +171,7 @@ class Pipeline(nn.Module):
             )
         batch, seq = input_ids.shape
         micro = check_batch(batch, self.num_microbatches)
-        t = self.state.tensor_parallel_size
-        if seq > self.config.seq_length:
-            raise ValueError(
-                f"input sequence length {seq} exceeds seq_length={self.config.seq_length}"
-            )
-        if self.config.sequence_parallel and seq % t:
-            raise ValueError(
-                f"input sequence length {seq} is not divisible by tensor_parallel_size={t} "
-                "with sequence_parallel=True"
-            )
+        self.models[0].check_sequence(seq)
         return micro
 
     def _loss_fn(self, output: Tensor, target: Tensor) -> Tensor:

@@ -43,7 +43,6 @@ from lightning_sp.memory.formulas import (
 )
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.recompute import AUTO, policy_name
-from lightning_sp.model.shape import ActivationShape
 from lightning_sp.planner.layout import DEFAULT_DEVICE_BYTES, Layout
 from lightning_sp.planner.records import (
     COMBINATIONS,
@@ -60,7 +59,7 @@ from lightning_sp.planner.records import (
 def formula_activations(layout: Layout, config: GPTConfig) -> Activations:
     """The paper's bytes (Table 2 generalised, §4.5) for ``config`` laid out as ``layout``."""
     t = layout.tensor_parallel_size
-    shape = ActivationShape.from_config(config, t, layout.micro_batch_size)
+    shape = config.activation_shape(t, layout.micro_batch_size)
     return Activations(
         per_layer=activation_bytes_per_layer(shape, config.recompute),
         embedding=embedding_activation_bytes(shape),

@@ -30,7 +30,6 @@ from lightning_sp.errors import positive_int
 from lightning_sp.memory.formulas import activation_bytes_per_layer, layers_in_flight
 from lightning_sp.memory.saved import ActivationReport, LiveActivationTracker, SavedTensorTracker
 from lightning_sp.model.gpt import GPT
-from lightning_sp.model.shape import ActivationShape
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.training.protocol import stage_model_of
 
@@ -281,8 +280,8 @@ class ActivationMemoryMonitor(Callback):
     def _formula_per_layer(self, gpt: GPT, b: int, s: int) -> float:
         """Table 2 for this model, averaged over ``gpt``'s layers (see ``_record``)."""
         config, state = gpt.config, gpt.state
-        shape = ActivationShape.from_config(
-            config, state.tensor_parallel_size, b, seq_length=s,
+        shape = config.activation_shape(
+            state.tensor_parallel_size, b, seq_length=s,
             activation_bytes=next(gpt.parameters()).element_size(),
         )  # fmt: skip
         return sum(

@@ -61,8 +61,8 @@ def parameter_shards(module: nn.Module) -> Iterator[tuple[str, Tensor, Shard | N
                 yield gname, param, Shard(param.detach(), shape)
                 continue
             full = list(shape)
-            full[spec.dim] *= t
-            if gname == "word_embeddings.weight":  # padding rows depend on t: true rows only
+            full[spec.dim] = spec.full_size(shape[spec.dim], t)
+            if getattr(param, "padded_vocab", False):  # padding rows depend on t: true rows only
                 full[0] = chunk.config.vocab_size
             length = min(shape[spec.dim], full[spec.dim] - spec.start)
             if length <= 0:
