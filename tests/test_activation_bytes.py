@@ -48,6 +48,14 @@ ROW_SETTINGS = {  # row -> (sequence_parallel, recompute, attention); Table 2's 
     "sdpa_sequence_parallel": (True, "none", "sdpa"),
     "sdpa_selective_sequence_parallel": (True, "selective", "sdpa"),  # = none: nothing to drop
     "sdpa_lean_sequence_parallel": (True, "lean", "sdpa"),
+    # Llama blocks (RMSNorm, RoPE, SwiGLU of width 704, 2 key/value groups: replicated at t=4)
+    "llama_tensor_parallel": (False, "none", "math", "llama"),
+    "llama_tensor_sequence_parallel": (True, "none", "math", "llama"),
+    "llama_selective_sequence_parallel": (True, "selective", "math", "llama"),
+    "llama_lean_sequence_parallel": (True, "lean", "math", "llama"),
+    "llama_full_sequence_parallel": (True, "full", "math", "llama"),
+    "llama_sdpa_sequence_parallel": (True, "none", "sdpa", "llama"),
+    "llama_sdpa_lean_sequence_parallel": (True, "lean", "sdpa", "llama"),
 }
 TABLE2 = list(ROW_SETTINGS)[:6]
 MIXED_ROWS = {  # row -> (sequence_parallel, recompute_rest): full on layer 0, the rest on 1
@@ -55,12 +63,26 @@ MIXED_ROWS = {  # row -> (sequence_parallel, recompute_rest): full on layer 0, t
 }
 
 
-def _config(sequence_parallel: bool, recompute: str, attention: str, **fields: object) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=512, seq_length=S, hidden_size=H, num_layers=LAYERS, num_heads=A,
-        hidden_dropout=0.1, attention_dropout=0.1 if attention == "math" else 0.0,
-        sequence_parallel=sequence_parallel, recompute=recompute,  # type: ignore[arg-type]
-        attention=attention, **fields,  # type: ignore[arg-type]
+LLAMA = {"num_query_groups": 2, "ffn_hidden_size": 704}
+"""The Llama rows' shape: 8 query heads in 2 groups (fewer than t = 4), f = 2.75h."""
+
+
+def _config(
+    sequence_parallel: bool,
+    recompute: str,
+    attention: str,
+    architecture: str = "gpt2",
+    **fields: object,
+) -> GPTConfig:
+    if architecture == "llama":
+        fields = {**LLAMA, **fields}
+    else:
+        fields.setdefault("hidden_dropout", 0.1)
+        fields.setdefault("attention_dropout", 0.1 if attention == "math" else 0.0)
+    return GPTConfig.of(
+        architecture, vocab_size=512, seq_length=S, hidden_size=H, num_layers=LAYERS,
+        num_heads=A, sequence_parallel=sequence_parallel, recompute=recompute,
+        attention=attention, **fields,
     )  # fmt: skip
 
 

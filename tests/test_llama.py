@@ -1,0 +1,117 @@
+"""Llama blocks (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases, untied output) in
+every tensor/sequence-parallel layout, recompute preset and attention backend equal one float64
+process; key/value groups 1, 2 and 8 under t = 1, 2, 4 cover t dividing g and g dividing t
+(each rank then holds its one group, shared with t/g - 1 other ranks, its gradient summed
+over them)."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+
+from lightning_sp import GPT, ParallelState
+from lightning_sp.errors import ConfigError
+
+from models import (
+    assert_matches_reference,
+    batch,
+    gradient_floor,
+    loss_and_grads,
+    reference_model,
+    relative_error,
+    tiny_config,
+)
+from spawn import run_distributed
+
+RTOL = 1e-10
+GROUPS = (1, 2, 8)
+PRESETS = (("none", None), ("selective", None), ("lean", None), ("full", None), ("full", 1))
+
+
+def _config(groups: int, **fields: object):
+    return tiny_config("llama", num_heads=8, num_query_groups=groups, **fields)
+
+
+def _parity_worker(rank: int, world_size: int) -> None:
+    state = ParallelState.from_process_group(tensor_parallel_size=world_size)
+    for groups in GROUPS:
+        config = _config(groups)
+        ids, labels = batch(config)
+        reference = reference_model(config)
+        ref_loss = loss_and_grads(reference, ids, labels)
+        for sp, attention, (recompute, layers) in itertools.product(
+            (False, True), ("math", "sdpa"), PRESETS
+        ):
+            case = f"llama g={groups} t={world_size} sp={sp} {attention} {recompute}/{layers}"
+            cfg = _config(
+                groups, sequence_parallel=sp, attention=attention, recompute=recompute,
+                recompute_num_layers=layers, recompute_rest="lean",
+            )  # fmt: skip
+            model = GPT(cfg, state, dtype=torch.float64)
+            loss = loss_and_grads(model, ids, labels)
+            assert relative_error(loss, ref_loss) <= RTOL, f"{case}: loss {loss} vs {ref_loss}"
+            compared = assert_matches_reference(model, reference, RTOL, case)
+            assert compared.parameters == len(list(model.parameters())) > 0
+
+
+def _dropout_worker(rank: int, world_size: int) -> None:
+    """With dropout on, every preset draws and replays the same masks: same loss, same
+    gradients as ``none`` (both dropouts from the streams, SwiGLU / RMSNorm recomputed)."""
+    warnings.filterwarnings("ignore", message="attention='sdpa' with attention_dropout")
+    state = ParallelState.from_process_group(tensor_parallel_size=world_size)
+    for sp in (False, True):
+        results = []
+        for recompute, layers in PRESETS:
+            cfg = _config(
+                2, sequence_parallel=sp, recompute=recompute, recompute_num_layers=layers,
+                recompute_rest="lean", hidden_dropout=0.2, attention_dropout=0.3,
+            )  # fmt: skip
+            model = GPT(cfg, state, dtype=torch.float64)
+            ids, labels = batch(cfg)
+            losses = [loss_and_grads(model, ids, labels) for _ in range(2)]
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            results.append((f"{recompute}/{layers}", losses, grads))
+        base, base_losses, base_grads = results[0]
+        assert base_losses[0] != base_losses[1], "dropout drew the same masks twice"
+        floor = gradient_floor(base_grads.values())
+        for policy, losses, grads in results[1:]:
+            case = f"llama t={world_size} sp={sp} dropout: {policy} vs {base}"
+            for a, b in zip(losses, base_losses, strict=True):
+                assert relative_error(a, b) <= 1e-12, f"{case}: loss {a} vs {b}"
+            for name, grad in grads.items():
+                err = relative_error(grad, base_grads[name], floor)
+                assert err <= 1e-12, f"{case}: {name} gradient relative error {err:.2e}"
+
+
+def _worker(rank: int, world_size: int) -> None:
+    _parity_worker(rank, world_size)
+    _dropout_worker(rank, world_size)
+
+
+def test_llama_one_process_matches_float64_reference() -> None:
+    """The quick tier's case: t = 1 in this process (groups 1, 2, 8; every preset)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        _parity_worker(0, 1)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_llama_layouts_match_single_process_float64(world_size: int) -> None:
+    run_distributed(_worker, world_size)
+
+
+def test_kv_groups_and_tensor_parallel_size_must_divide_one_another() -> None:
+    with pytest.raises(ConfigError, match=r"num_query_groups=2 and tensor_parallel_size=3"):
+        _config(2).validate(3)
+    with pytest.raises(ConfigError, match=r"num_query_groups=3 does not divide num_heads=8"):
+        _config(3).validate(1)
+    _config(2).validate(4)  # fewer groups than ranks: replicated, allowed
+    _config(8).validate(4)
