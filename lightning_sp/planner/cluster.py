@@ -236,6 +236,14 @@ def cluster_from_dict(data: dict[str, Any], name: str) -> Cluster:
         data["calibration"] = Calibration(device=str(raw.get("device", "")), kernels=kernels)
     if "gemm_tile" in data:
         data["gemm_tile"] = tuple(data["gemm_tile"])
+    for f in dataclasses.fields(Cluster):
+        if f.name in data and f.type in ("float", "int"):  # YAML reads 50.0e9 as a string
+            try:
+                data[f.name] = (float if f.type == "float" else int)(data[f.name])
+            except (TypeError, ValueError):
+                raise ConfigError(
+                    f"cluster {name}: {f.name}={data[f.name]!r} is not a number"
+                ) from None
     if base_name is not None:
         cluster = dataclasses.replace(PRESETS[base_name], name=name, **data)
     else:

@@ -52,7 +52,7 @@ from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_
 from lightning_sp.memory.formulas import parameters_per_rank
 from lightning_sp.model.attention import ATTENTION_BACKENDS
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.recompute import active_modules, parse_recompute
+from lightning_sp.model.recompute import RECOMPUTE_MODULES, active_modules, parse_recompute
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.kernels import (
@@ -66,6 +66,8 @@ from lightning_sp.planner.kernels import (
 from lightning_sp.planner.layout import Layout
 from lightning_sp.planner.ops import (
     ACT,
+    Gemm,
+    MemoryOp,
     backward_gemms,
     embedding_memory_ops,
     head_gemms,
@@ -185,11 +187,17 @@ def _layer_time(config: GPTConfig, t: int, b: int, cluster: Cluster) -> LayerTim
     return LayerTime(forward, backward, _replays(config, t, b, cluster, gemms, secs, ops))
 
 
-def _replays(config, t, b, cluster, gemms, secs, ops) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def _replays(
+    config: GPTConfig,
+    t: int,
+    b: int,
+    cluster: Cluster,
+    gemms: dict[str, Gemm],
+    secs: dict[str, float],
+    ops: list[MemoryOp],
+) -> dict[str, float]:
     """Seconds each recompute module's replay takes: its tagged memory kernels, and its tagged
     GEMMs scaled to the FLOPs its descriptor redoes (per rank: ``/t``)."""
-    from lightning_sp.model.recompute import RECOMPUTE_MODULES
-
     shape = ActivationShape.from_config(config, t, b)
     replays = {}
     for name, module in RECOMPUTE_MODULES.items():
