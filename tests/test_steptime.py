@@ -53,7 +53,9 @@ A100 = A100_80GB
 SMALL = GPTConfig(vocab_size=1000, seq_length=512, hidden_size=1024, num_layers=8, num_heads=16)
 
 
-def small(t: int = 2, p: int = 1, m: int = 1, n: int = 1, b: int = 2, d: int = 1, **kw: object):
+def small(
+    t: int = 2, p: int = 1, m: int = 1, n: int = 1, b: int = 2, d: int = 1, **kw: object
+) -> Layout:
     config = dataclasses.replace(SMALL, **kw)  # type: ignore[arg-type]
     return Layout(config, t, p, m, n, b, d)
 
@@ -321,3 +323,24 @@ def test_estimate_json_has_the_time_columns(capsys: pytest.CaptureFixture[str]) 
             assert math.isfinite(row[key]) and row[key] > 0, key
         assert row["tokens_per_second"] == pytest.approx(4 * 2048 / row["iteration_seconds"])
         assert row["mfu"] == pytest.approx(row["model_tflops_per_gpu"] * 1e12 / 989e12)
+
+
+def test_calibrate_smoke_on_cpu(tmp_path: Path) -> None:
+    """``python -m benchmarks.calibrate --smoke`` on this CPU writes a cluster file that
+    ``--cluster`` reads: every GEMM the model asks for at the measured (t, b) is timed as
+    measured, the attention core too, and the peak and bandwidth are the measured ones."""
+    from benchmarks.calibrate import SMOKE_CONFIG, main, model_gemms
+
+    out = tmp_path / "cpu.yaml"
+    assert main(["--smoke", "--device", "cpu", "--out", str(out)]) == 0
+    cluster = load_cluster(str(out))
+    assert cluster.calibration.device == "cpu" and cluster.gemm_efficiency == 1.0
+    assert 0 < cluster.peak_flops < A100.peak_flops
+    for t in (1, 2):
+        for g in model_gemms(SMOKE_CONFIG, t, 1):
+            measured = cluster.calibration.lookup("gemm", g.m, g.n, g.k, g.batch)
+            assert measured is not None and gemm_seconds(cluster, g) == measured > 0
+        heads = SMOKE_CONFIG.num_heads // t
+        assert cluster.calibration.lookup("attention", 128, 32, 0, heads) is not None
+    layout = Layout(dataclasses.replace(SMOKE_CONFIG, attention="sdpa"), 2, 1, 1, 1, 1, 1)
+    assert step_time(layout, cluster).iteration_seconds > step_time(layout, A100).iteration_seconds
