@@ -344,3 +344,22 @@ def test_calibrate_smoke_on_cpu(tmp_path: Path) -> None:
         assert cluster.calibration.lookup("attention", 128, 32, 0, heads) is not None
     layout = Layout(dataclasses.replace(SMOKE_CONFIG, attention="sdpa"), 2, 1, 1, 1, 1, 1)
     assert step_time(layout, cluster).iteration_seconds > step_time(layout, A100).iteration_seconds
+
+
+def test_search_json_is_ranked_and_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    """``estimate --search true --format json`` on the 22B config (8 GPUs, global batch 4):
+    layouts of 8 GPUs, fastest first, each fitting, the paper's t=8 among them."""
+    from lightning_sp.planner.report import main
+
+    args = ["--config", CONFIGS["gpt22b"], "--model.config.attention", "math"]
+    assert main(read_estimate_args, [*args, "--search", "true", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert 0 < len(rows) <= 10
+    times = [r["iteration_seconds"] for r in rows]
+    assert times == sorted(times)
+    for r in rows:
+        assert r["fits"] and r["total_bytes"] <= 80e9
+        sizes = (r["tensor_parallel_size"], r["pipeline_parallel_size"], r["data_parallel_size"])
+        assert math.prod(sizes) * r["context_parallel_size"] == 8
+        assert r["micro_batch_size"] * r["num_microbatches"] * r["data_parallel_size"] == 4
+    assert any(r["tensor_parallel_size"] == 8 for r in rows)
