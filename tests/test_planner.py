@@ -3,7 +3,7 @@
 Figure 7 (each technique's per-layer activations as a percentage of the tensor-parallel
 baseline) measured on one rank's shard of the real model agrees with Table 2 within 1
 percentage point for 22B, 175B, 530B and 1T; the 175B estimate reports SP + selective =
-34sbh/t per layer; ``recompute: auto`` picks the least recomputation that fits; every
+34sbh/t per layer; ``recompute: auto`` picks the fastest recomputation that fits; every
 size that does not divide is a one-line ``ConfigError`` naming the field and value.
 """
 
