@@ -3,7 +3,8 @@
 Subcommands ``fit``, ``validate``, ``test`` come from Lightning's ``LightningCLI``;
 ``estimate`` is the activation-memory planner: it takes exactly ``fit``'s arguments
 (``python cli.py estimate --config configs/gpt175b.yaml --trainer.num_nodes 16``) plus its own
-(``--format json``, ``--plot FILE``, ``--device_memory 80GB``; see ``estimate --help``).
+(``--format json``, ``--plot FILE``, ``--device_memory 80GB``, ``--cluster h100-80gb`` for the
+step-time prediction, ``--search true`` to rank layouts; see ``estimate --help``).
 ``prepare`` tokenizes the config's corpus once into ``data.prepared_dir`` (same arguments
 as ``fit``).
 ``export`` writes a checkpoint as a Hugging Face GPT-2 directory

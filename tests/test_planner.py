@@ -3,7 +3,7 @@
 Figure 7 (each technique's per-layer activations as a percentage of the tensor-parallel
 baseline) measured on one rank's shard of the real model agrees with Table 2 within 1
 percentage point for 22B, 175B, 530B and 1T; the 175B estimate reports SP + selective =
-34sbh/t per layer; ``recompute: auto`` picks the least recomputation that fits; every
+34sbh/t per layer; ``recompute: auto`` picks the fastest recomputation that fits; every
 size that does not divide is a one-line ``ConfigError`` naming the field and value.
 """
 
@@ -177,7 +177,8 @@ def _auto(sequence_parallel: bool = True, attention: str = "math") -> Layout:
     )  # fmt: skip
 
 
-def test_auto_picks_the_least_recomputation_that_fits() -> None:
+def test_auto_picks_the_fastest_recomputation_that_fits() -> None:
+    """On these layouts the fastest that fits is also the least recomputation that fits."""
     layout = _auto()
     # SP on: selective fits in 80 GB (none does not)
     choice = estimate(layout, 80e9).choice
@@ -248,6 +249,55 @@ def test_estimate_table_names_autos_partial_choice(capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "full 1/4 + lean *" in out
     assert "recompute: auto -> full on 1 layer(s) per model chunk, lean on the rest" in out
+
+
+def test_auto_choice_is_the_fastest_row_that_fits() -> None:
+    """Among every row of the layout's SP setting that fits (each policy, and the split auto
+    appended), auto's choice has the shortest predicted iteration, and the table says it."""
+    for sp, device in ((True, 80e9), (False, 67e9), (True, 60e9)):
+        result = estimate(_auto(sequence_parallel=sp), device, measure=False)
+        choice = result.choice
+        assert choice is not None and choice.fits
+        fitting = [r for r in result.rows if r.sequence_parallel == sp and r.fits]
+        fastest = min(r.iteration_seconds for r in fitting)
+        assert choice.iteration_seconds == fastest
+        chosen = next(r for r in result.rows if r.selected)
+        assert chosen.iteration_seconds == fastest and chosen.fits
+        assert f"predicted {fastest:.3g} s per iteration" in choice.describe()
+        slower = [r for r in fitting if r.recompute == "full" and r.recompute_num_layers is None]
+        assert all(r.iteration_seconds > fastest for r in slower)
+
+
+@pytest.mark.slow
+def test_search_175b_on_1024_gpus_ranks_the_papers_layout_high(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``estimate --search`` for GPT-3 175B on 1024 A100s (global batch 1024): a ranked table
+    of layouts that fit; the best row with the paper's t=8, p=8, m=3, b=1 is in the top 5."""
+    from lightning_sp.planner.search import search
+
+    layout = read_layout(
+        "gpt175b", "--trainer.num_nodes", "128", "--model.config.attention", "math"
+    )
+    assert (layout.world_size, layout.global_batch_size) == (1024, 1024)
+    from lightning_sp.planner.cluster import A100_80GB
+
+    found = search(layout, A100_80GB, 80e9)
+    times = [x.row.iteration_seconds for x in found.ranked]
+    assert times == sorted(times) and all(x.row.fits for x in found.ranked)
+    assert all(x.layout.world_size == 1024 for x in found.ranked)
+    assert all(x.layout.global_batch_size == 1024 for x in found.ranked)
+    paper = next(
+        i
+        for i, x in enumerate(found.ranked, 1)
+        if x.key()[:5] == (8, 8, 3, 1, 1)  # t, p, m, c, b
+    )
+    assert paper <= 5, paper
+    args = ["--config", CONFIGS["gpt175b"], "--trainer.num_nodes", "128"]
+    assert main([*args, "--model.config.attention", "math", "--search", "true", "--top", "5"]) == 0
+    table = capsys.readouterr().out
+    assert "search over 1024 GPUs (a100-80gb), global batch 1024" in table
+    assert table.count("\n") >= 7 and "(* the configured layout: t=8 p=8 m=3 b=1" in table
 
 
 def test_auto_under_sdpa_skips_selective() -> None:

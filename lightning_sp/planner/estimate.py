@@ -16,10 +16,14 @@ measure_activations`), and by the paper's formulas — and sets them against the
 workspaces, allocator fragmentation and transient buffers (all-gathered inputs, gradients in
 flight), so give it the memory you can actually allocate.
 
-``recompute: auto`` picks the least recomputation that fits: each policy of :data:`LADDER`
-but the last in turn, else the last (``full``) on just enough layers of each model chunk (the
-others on the policy below it that stores least, ``lean``, so that the fewest layers need
-full recomputation), else the last on every layer. The records
+Each row also carries the predicted iteration time, throughput, MFU and HFU on a
+:class:`~lightning_sp.planner.cluster.Cluster` (:mod:`lightning_sp.planner.steptime`).
+
+``recompute: auto`` picks the fastest recomputation that fits: among the policies of
+:data:`LADDER` and, for each policy below ``full``, ``full`` on just enough layers of each
+model chunk with that policy on the others, the one with the shortest predicted iteration
+whose memory fits (on a tie, the earlier: less recomputation); if none fits, ``full`` on every
+layer. The records
 (:class:`Estimate`, its rows, :class:`RecomputeChoice`, :data:`LADDER`) are in
 :mod:`lightning_sp.planner.records`.
 """
@@ -43,6 +47,7 @@ from lightning_sp.memory.formulas import (
 )
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.recompute import AUTO, policy_name
+from lightning_sp.planner.cluster import Cluster, load_cluster
 from lightning_sp.planner.layout import DEFAULT_DEVICE_BYTES, Layout
 from lightning_sp.planner.records import (
     COMBINATIONS,
@@ -52,6 +57,7 @@ from lightning_sp.planner.records import (
     EstimateRow,
     RecomputeChoice,
 )
+from lightning_sp.planner.steptime import step_time
 
 # -- the estimate ------------------------------------------------------------------------------
 
@@ -96,6 +102,7 @@ def _row(
     by_policy: dict[str, tuple[Activations, Activations]],
     state_bytes: int,
     device_bytes: int,
+    cluster: Cluster,
     recompute_num_layers: int | None = None,
     recompute_rest: str | None = None,
 ) -> EstimateRow:
@@ -110,6 +117,7 @@ def _row(
         first = first_stage_bytes(layout, layers, by_policy[recompute][which])
         sums.append((sum(layers) / len(layers), first))
     (got, got_first), (formula, formula_first) = sums
+    time = step_time(layout, cluster, config)
     return EstimateRow(
         sequence_parallel=sequence_parallel,
         recompute=recompute,
@@ -122,6 +130,11 @@ def _row(
         device_bytes=device_bytes,
         recompute_num_layers=recompute_num_layers,
         recompute_rest=None if recompute_num_layers is None else policies[-1],
+        iteration_seconds=time.iteration_seconds,
+        tokens_per_second=time.tokens_per_second,
+        model_tflops_per_gpu=time.model_tflops_per_gpu,
+        mfu=time.mfu,
+        hfu=time.hfu,
     )
 
 
@@ -132,8 +145,10 @@ def estimate(
     layers: int = 1,
     measure: bool = True,
     precision: ModelStatePrecision = MIXED_PRECISION_ADAM,
+    cluster: Cluster | str | None = None,
 ) -> Estimate:
-    """Per-rank memory for each of :data:`COMBINATIONS` of ``layout``, and the resolution of
+    """Per-rank memory and predicted step time on ``cluster`` (default: the paper's A100
+    cluster) for each of :data:`COMBINATIONS` of ``layout``, and the resolution of
     ``recompute: auto`` if ``layout`` has it.
 
     ``measure``: trace ``layers`` layers of rank 0's shard under fake tensors (needs
@@ -142,6 +157,7 @@ def estimate(
     left out.
     """
     layout.validate()
+    hardware = load_cluster(cluster)
     cfg, t = layout.config, layout.tensor_parallel_size
     n_params = parameters_per_rank(cfg, t, layout.pipeline_parallel_size)
     state_bytes = round(
@@ -163,10 +179,15 @@ def estimate(
             m = measurements[(sp, rc)] = _measure(layout, combo, layers)
             got = Activations(m.bytes_per_layer, m.embedding_bytes, m.head_bytes or 0)
         acts[sp][rc] = (got, formula)
-    rows = [_row(layout, sp, rc, acts[sp], state_bytes, device) for sp in acts for rc in acts[sp]]
+    rows = [
+        _row(layout, sp, rc, acts[sp], state_bytes, device, hardware)
+        for sp in acts
+        for rc in acts[sp]
+    ]
     k, sp = _configured_split(layout), layout.sequence_parallel
     if k is not None and policy_name(cfg.recompute) in acts[sp]:
-        rows.append(_row(layout, sp, policy_name(cfg.recompute), acts[sp], state_bytes, device, k))
+        policy = policy_name(cfg.recompute)
+        rows.append(_row(layout, sp, policy, acts[sp], state_bytes, device, hardware, k))
     result = Estimate(
         layout=layout,
         device_bytes=device,
@@ -175,38 +196,46 @@ def estimate(
         parameters_per_rank=n_params,
         model_parameters=model_parameter_count(cfg),
         seconds=time.perf_counter() - start,
+        cluster=hardware.name,
     )
     if layout.recompute == "auto":
-        result.choice = _choose(result, acts[layout.sequence_parallel], state_bytes)
+        result.choice = _choose(result, acts[layout.sequence_parallel], state_bytes, hardware)
     _mark_selected(result)
     return result
 
 
 def _choose(
-    result: Estimate, by_policy: dict[str, tuple[Activations, Activations]], state_bytes: int
+    result: Estimate,
+    by_policy: dict[str, tuple[Activations, Activations]],
+    state_bytes: int,
+    cluster: Cluster,
 ) -> RecomputeChoice:
-    """The least recomputation that fits, for the layout's sequence-parallel setting; a row for
-    a partial choice of the last policy is appended to ``result.rows``."""
+    """The fastest recomputation that fits, for the layout's sequence-parallel setting: each
+    policy of :data:`LADDER`, and for each policy below ``full`` the split with ``full`` on
+    the fewest layers of a chunk that fits; the row of a chosen split is appended to
+    ``result.rows``. Nothing fits: ``full`` on every layer."""
     layout, sp, measured = result.layout, result.layout.sequence_parallel, bool(result.measurements)
-    previous: int | None = None
-    rest = LADDER[0]  # the last rung that stored less than the one before it
-    for policy in LADDER[:-1]:
-        row = result.row(sp, policy)
-        if previous is not None and row.formula_bytes_per_layer >= previous:
-            continue  # recomputes for no gain (selective under sdpa)
-        previous, rest = row.formula_bytes_per_layer, policy
-        if row.fits:
-            return RecomputeChoice(policy, None, row.total_bytes, result.device_bytes, measured)
-    last = LADDER[-1]
-    for k in range(1, layout.layers_per_chunk):
-        row = _row(layout, sp, last, by_policy, state_bytes, result.device_bytes, k, rest)
-        if row.fits:
-            result.rows.append(row)
-            return RecomputeChoice(
-                last, k, row.total_bytes, result.device_bytes, measured, recompute_rest=rest
-            )
-    everything = result.row(sp, last)
-    return RecomputeChoice(last, None, everything.total_bytes, result.device_bytes, measured)
+    device, last = result.device_bytes, LADDER[-1]
+    candidates = [result.row(sp, policy) for policy in LADDER]
+    for rest in LADDER[:-1]:
+        for k in range(1, layout.layers_per_chunk):
+            row = _row(layout, sp, last, by_policy, state_bytes, device, cluster, k, rest)
+            if row.fits:
+                candidates.append(row)
+                break
+    fitting = [row for row in candidates if row.fits]
+    best = min(fitting, key=lambda r: r.iteration_seconds) if fitting else result.row(sp, last)
+    if best.recompute_num_layers is not None:
+        result.rows.append(best)
+    return RecomputeChoice(
+        best.recompute,
+        best.recompute_num_layers,
+        best.total_bytes,
+        device,
+        measured,
+        recompute_rest=best.recompute_rest,
+        iteration_seconds=best.iteration_seconds,
+    )
 
 
 def _combinations(layout: Layout) -> tuple[tuple[bool, str], ...]:
@@ -233,7 +262,7 @@ def no_gain_notes(result: Estimate) -> list[str]:
             notes.append(
                 f"SP {'on' if sp else 'off'}: selective (core_attn) stores what none stores "
                 f"with attention={result.layout.config.attention} (no s x s tensor to drop): "
-                "it buys nothing, so the model does not recompute and auto skips it"
+                "it buys nothing, so the model does not recompute and auto prefers none"
             )
     return notes
 
@@ -270,10 +299,13 @@ def resolve_recompute(
     device_bytes: float = DEFAULT_DEVICE_BYTES,
     layers: int = 1,
     measure: bool | None = None,
+    cluster: Cluster | str | None = None,
 ) -> RecomputeChoice:
-    """Resolve ``recompute: auto`` for a running layout: the least recomputation with which the
-    most loaded rank's model state + first-stage activations fit ``device_bytes`` (see
-    :func:`estimate`; ``fits`` is False when even full recompute of every layer does not).
+    """Resolve ``recompute: auto`` for a running layout: the recomputation with the shortest
+    predicted iteration on ``cluster`` (default: the A100 preset; the ranking of policies
+    hardly depends on it) with which the most loaded rank's model state + first-stage
+    activations fit ``device_bytes`` (see :func:`estimate`; ``fits`` is False when even full
+    recompute of every layer does not).
 
     ``config.recompute`` is ignored. ``sequence_parallel`` defaults to
     ``config.sequence_parallel``. ``measure``: trace under fake tensors (``None``: when
@@ -298,6 +330,6 @@ def resolve_recompute(
         data_parallel_size=data_parallel_size,
         source="the running layout",
     )
-    choice = estimate(layout, device_bytes, layers=layers, measure=measure).choice
+    choice = estimate(layout, device_bytes, layers=layers, measure=measure, cluster=cluster).choice
     assert choice is not None
     return choice

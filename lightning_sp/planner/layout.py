@@ -29,6 +29,7 @@ from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.parallel.state import check_layout
 from lightning_sp.pipeline import check_pipeline
+from lightning_sp.planner.cluster import load_cluster
 
 DEFAULT_DEVICE_BYTES = 80e9
 """An A100 80GB, in bytes."""
@@ -153,6 +154,15 @@ class PlannerOptions:
     measure: bool = True
     """Trace under fake tensors (else: formulas only)."""
 
+    cluster: str = "a100-80gb"
+    """The hardware of the step-time prediction: a preset or a cluster YAML file."""
+
+    search: bool = False
+    """Enumerate layouts of the same GPUs and global batch and rank them by predicted time."""
+
+    top: int = 10
+    """How many layouts ``search`` prints."""
+
 
 def parse_bytes(text: str) -> float:
     """``"80e9"``, ``"80GB"``, ``"80 GiB"``, ``"81920MiB"``, ``"80G"`` -> bytes (G = GB = 10⁹,
@@ -172,10 +182,25 @@ def add_planner_arguments(parser: LightningArgumentParser) -> None:
     """The options ``estimate`` adds to ``fit``'s."""
     parser.add_argument(
         "--device_memory",
-        type=str,
-        default="80GB",
-        help="memory per GPU: bytes, or 80GB / 80GiB style (default 80GB = 80e9 bytes)",
+        type=str | None,
+        default=None,
+        help="memory per GPU: bytes, or 80GB / 80GiB style (default: the cluster's, 80GB)",
     )
+    parser.add_argument(
+        "--cluster",
+        type=str,
+        default="a100-80gb",
+        help="hardware of the step-time prediction: a100-80gb (the paper's Selene), "
+        "h100-80gb, or a cluster YAML file (python -m benchmarks.calibrate writes one)",
+    )
+    parser.add_argument(
+        "--search",
+        type=bool,
+        default=False,
+        help="rank the layouts (t, p, m, d, micro-batch, recompute, SP, distributed optimizer) "
+        "of the same GPUs and global batch that fit, fastest first",
+    )
+    parser.add_argument("--top", type=int, default=10, help="layouts --search prints")
     parser.add_argument(
         "--format", type=Literal["table", "json"], default="table", help="a table or JSON rows"
     )
@@ -192,8 +217,13 @@ def add_planner_arguments(parser: LightningArgumentParser) -> None:
 
 def planner_options(parsed: Namespace) -> PlannerOptions:
     """:class:`PlannerOptions` from the parsed ``estimate`` command line."""
+    cluster = load_cluster(parsed.cluster)
+    memory = parsed.device_memory
     return PlannerOptions(
-        device_bytes=parse_bytes(parsed.device_memory),
+        device_bytes=cluster.hbm_bytes if memory is None else parse_bytes(memory),
+        cluster=parsed.cluster,
+        search=parsed.search,
+        top=positive_int("--top", parsed.top),
         format=parsed.format,
         plot=parsed.plot,
         layers=positive_int("--layers", parsed.layers),

@@ -17,9 +17,7 @@ from lightning_sp.planner.layout import Layout
 
 LADDER: tuple[str, ...] = RECOMPUTE_POLICIES
 """The recompute policies the planner tabulates, least recomputation first: the one place
-the planner enumerates them (``auto`` climbs it in this order, skipping a policy that stores no
-less than the one before it, such as ``selective`` under ``attention: sdpa``: it would
-recompute for no gain)."""
+the planner enumerates them (``auto`` picks the fastest that fits; on a tie, the first)."""
 
 COMBINATIONS: tuple[tuple[bool, str], ...] = tuple(
     (sp, rc) for sp in (False, True) for rc in LADDER
@@ -98,6 +96,21 @@ class EstimateRow:
     selected: bool = False
     """The configured combination, or the one ``recompute: auto`` chose."""
 
+    iteration_seconds: float = 0.0
+    """Predicted time of one iteration (:mod:`lightning_sp.planner.steptime`)."""
+
+    tokens_per_second: float = 0.0
+    """Global batch x sequence length / ``iteration_seconds``."""
+
+    model_tflops_per_gpu: float = 0.0
+    """Model FLOPs per second per GPU, in 10¹² (the paper's Appendix A count)."""
+
+    mfu: float = 0.0
+    """Model FLOPs utilization: ``model_tflops_per_gpu`` / the GPU's dense BF16 peak."""
+
+    hfu: float = 0.0
+    """Hardware FLOPs utilization: recomputation included."""
+
     @property
     def fits(self) -> bool:
         return self.total_bytes <= self.device_bytes
@@ -133,9 +146,11 @@ class RecomputeChoice:
     """Whether the activation bytes were measured (else: from the formulas)."""
 
     recompute_rest: str | None = None
-    """With ``recompute_num_layers``: what a chunk's other layers run, the last policy below
-    ``full`` on :data:`LADDER` that stores less than the one before it (``lean``), so that the
-    fewest layers need full recomputation; ``None`` otherwise."""
+    """With ``recompute_num_layers``: what a chunk's other layers run (a policy below
+    ``full`` on :data:`LADDER`, the one whose split is fastest); ``None`` otherwise."""
+
+    iteration_seconds: float = 0.0
+    """The predicted iteration time under this choice."""
 
     @property
     def fits(self) -> bool:
@@ -151,7 +166,8 @@ class RecomputeChoice:
         source = "measured" if self.measured else "formula"
         return (
             f"recompute: auto -> {what} ({gigabytes(self.total_bytes)} of "
-            f"{gigabytes(self.device_bytes)}, {verdict}; {source})"
+            f"{gigabytes(self.device_bytes)}, {verdict}; {source}; predicted "
+            f"{self.iteration_seconds:.3g} s per iteration)"
         )
 
 
@@ -183,6 +199,9 @@ class Estimate:
 
     seconds: float = 0.0
     """Wall time spent measuring."""
+
+    cluster: str = ""
+    """The cluster the step times are predicted for (its name)."""
 
     def row(self, sequence_parallel: bool, recompute: str) -> EstimateRow:
         """The row of one of :data:`COMBINATIONS` (every layer on ``recompute``)."""

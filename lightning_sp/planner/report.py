@@ -18,9 +18,11 @@ from lightning_sp.memory.formulas import (
     layers_in_flight,
     model_state_bytes,
 )
+from lightning_sp.planner.cluster import load_cluster
 from lightning_sp.planner.estimate import estimate, no_gain_notes
 from lightning_sp.planner.layout import FitLayoutCLI
 from lightning_sp.planner.records import Estimate, EstimateRow, gigabytes
+from lightning_sp.planner.search import format_search, search
 
 JSON_KEYS = (
     "sequence_parallel",
@@ -32,6 +34,11 @@ JSON_KEYS = (
     "total_bytes",
     "device_bytes",
     "fits",
+    "iteration_seconds",
+    "tokens_per_second",
+    "model_tflops_per_gpu",
+    "mfu",
+    "hfu",
 )
 """The keys every ``--format json`` row has first."""
 
@@ -44,6 +51,22 @@ def to_json(row: EstimateRow) -> dict[str, Any]:
     out["recompute_rest"] = row.recompute_rest
     out["selected"] = row.selected
     return out
+
+
+def _candidate_json(candidate: Any) -> dict[str, Any]:
+    """One ``--search --format json`` object: the layout's sizes, then its row."""
+    lay = candidate.layout
+    out = {
+        "tensor_parallel_size": lay.tensor_parallel_size,
+        "pipeline_parallel_size": lay.pipeline_parallel_size,
+        "virtual_pipeline_size": lay.virtual_pipeline_size,
+        "context_parallel_size": candidate.context_parallel_size,
+        "data_parallel_size": lay.data_parallel_size,
+        "micro_batch_size": lay.micro_batch_size,
+        "num_microbatches": lay.num_microbatches,
+        "distributed_optimizer": lay.distributed_optimizer,
+    }
+    return out | to_json(candidate.row)
 
 
 def _model_state_line(result: Estimate) -> str:
@@ -98,6 +121,8 @@ def format_table(result: Estimate) -> str:
         ("SP", "", -4), ("recompute", "", -24), ("per layer", "(MB)", 10),
         ("formula", "(MB)", 10), ("diff", "", 8), ("1st stage act", "(GB)", 13),
         ("model state", "(GB)", 11), ("total", "(GB)", 8), ("device", "(GB)", 8), ("fits", "", -4),
+        ("step", "(s)", 8), ("tokens/s", "", 9), ("TFLOP/s", "/GPU", 7), ("MFU", "", 6),
+        ("HFU", "", 6),
     )  # fmt: skip
 
     def render(cells: Sequence[str]) -> str:
@@ -125,10 +150,18 @@ def format_table(result: Estimate) -> str:
                     f"{r.total_bytes / 1e9:.2f}",
                     f"{r.device_bytes / 1e9:.2f}",
                     "yes" if r.fits else "no",
+                    f"{r.iteration_seconds:.3f}",
+                    f"{r.tokens_per_second:.0f}",
+                    f"{r.model_tflops_per_gpu:.1f}",
+                    f"{r.mfu:.1%}",
+                    f"{r.hfu:.1%}",
                 ]
             )
         )
-    lines.append("(* the configured combination, or auto's choice; MB = 10^6 B, GB = 10^9 B)")
+    lines.append(
+        "(* the configured combination, or auto's choice; MB = 10^6 B, GB = 10^9 B; step: "
+        f"predicted iteration on {result.cluster}, MFU/HFU of its dense BF16 peak)"
+    )
     lines += no_gain_notes(result)
     try:
         measured, formula = result.figure7(True), result.figure7(False)
@@ -240,8 +273,20 @@ def main(read: Callable[[list[str]], FitLayoutCLI], argv: list[str]) -> int:
     try:
         parsed = read(argv)
         options = parsed.options
+        cluster = load_cluster(options.cluster)
+        if options.search:
+            found = search(parsed.layout, cluster, options.device_bytes)
+            if options.format == "json":
+                print(json.dumps([_candidate_json(x) for x in found.ranked[: options.top]]))
+            else:
+                print(format_search(found, options.top))
+            return 0
         result = estimate(
-            parsed.layout, options.device_bytes, layers=options.layers, measure=options.measure
+            parsed.layout,
+            options.device_bytes,
+            layers=options.layers,
+            measure=options.measure,
+            cluster=cluster,
         )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

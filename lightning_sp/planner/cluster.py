@@ -1,0 +1,284 @@
+"""The hardware a step-time estimate is made for: one GPU type, how GPUs are wired, and the
+efficiencies published (or measured on the device at hand) for its kernels and links.
+
+Every constant of the two presets is a vendor datasheet figure or a published measurement,
+with its source beside it. None is fitted to the paper's Table 5 (or to any step time): the
+step-time model (:mod:`lightning_sp.planner.steptime`) takes them as they are.
+
+Sources (quoted by the comments below):
+
+* [A100-DS] NVIDIA A100 Tensor Core GPU datasheet (2021): SXM4 80GB, 312 TFLOP/s dense BF16
+  Tensor Core, 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s (both directions together).
+* [A100-WP] NVIDIA A100 Tensor Core GPU Architecture whitepaper (2020): 108 SMs; NVLink 3,
+  12 links x 50 GB/s = 600 GB/s total, 300 GB/s each way.
+* [DGXA100] NVIDIA DGX A100 System Architecture whitepaper / datasheet: 8 A100 per node on 6
+  NVSwitches; 8 single-port Mellanox ConnectX-6 HDR 200 Gb/s InfiniBand adapters for the
+  compute fabric, one per GPU (25 GB/s each way per GPU). Selene, the paper's machine, is a
+  DGX SuperPOD of DGX A100 nodes.
+* [H100-DS] NVIDIA H100 Tensor Core GPU datasheet (2022): SXM5 80GB, 989 TFLOP/s dense BF16
+  (1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (both directions).
+* [H100-WP] NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022): 132 SMs (SXM5).
+* [DGXH100] NVIDIA DGX H100 datasheet: 8 H100 per node on 4 NVSwitches; 8 ConnectX-7 NDR
+  400 Gb/s InfiniBand adapters for the compute fabric, one per GPU (50 GB/s each way).
+* [MAMF] S. Bekman, *Machine Learning Engineering*, "Maximum Achievable Matmul FLOPS
+  comparison table" (github.com/stas00/ml-engineering, compute/accelerator/README.md),
+  BF16 ``matmul`` over a brute-force shape search: A100 SXM 267.9 of 312 TFLOP/s (85.9%),
+  H100 SXM 792.1 of 989 (80.1%). (This project measured 786 TFLOP/s on an H100, DESIGN.md.)
+* [MMBG] NVIDIA, *Matrix Multiplication Background User's Guide* (DU-09799-001, 2023):
+  cuBLAS computes a GEMM's output in tiles, one thread block per tile; 256x128 is its most
+  efficient tile; tile and wave quantization (a last, partly idle wave of thread blocks over
+  the SMs) set how much of the peak a GEMM shape can reach.
+* [NCCL-A100] Bekman, ibid., network/README.md: ``nccl-tests`` all-reduce on an 8 x A100
+  node reaches 235 GB/s bus bandwidth, about 80% of NVLink 3's 300 GB/s each way.
+* [NCCL-H] Bekman, ibid., network/benchmarks (8 x H200, NVLink 4 / NVSwitch gen 3, the
+  fabric of DGX H100): ring all-reduce bus bandwidth 365.6 GB/s of 450 (81%).
+* [NET80] Bekman, ibid., network/README.md: a link measured at "about 80%" of its
+  one-direction rate "is expected"; used for the InfiniBand fabrics (no per-fabric figure).
+* [HBM-A100] NVIDIA developer forum, "Trouble to Reach Peak Bandwidth of A100" (2024): a
+  read kernel measured at 1.80 of 2.04 TB/s (88%) on an A100 80GB SXM, with the best kernel
+  in NVIDIA's GTC talk at about 90%. The H100 preset uses the same fraction (no H100 figure
+  was checked).
+* [FA2] T. Dao, *FlashAttention-2* (2023): forward + backward reaches 50-73% of the A100's
+  peak (the low end is used). [FA3] J. Shah et al., *FlashAttention-3* (2024):
+  FlashAttention-2 reaches 35% of the H100's peak.
+
+A cluster is a preset name (:data:`PRESETS`) or a YAML file of :class:`Cluster` fields
+(``base: a100-80gb`` starts from a preset); a calibration file written by
+``python -m benchmarks.calibrate`` is such a YAML file with measured efficiencies and a table
+of measured GEMM and attention times (:class:`Calibration`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_sp.errors import ConfigError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class MeasuredKernel:
+    """One measured kernel time: a GEMM ``[batch] x (m x k) @ (k x n)`` (``kind = "gemm"``) or
+    an attention core (``kind = "attention"``: ``m`` = sequence, ``n`` = head dim, ``batch``
+    = micro-batch x heads on one rank; forward + backward)."""
+
+    kind: str
+    m: int
+    n: int
+    k: int
+    batch: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Kernel times measured on one device (``benchmarks.calibrate``); the step-time model
+    uses a measured time when it has the exact shape, and its analytic model otherwise."""
+
+    device: str = ""
+    """The device measured (``torch.cuda.get_device_name`` or ``cpu``)."""
+
+    kernels: tuple[MeasuredKernel, ...] = ()
+    """The measured kernel times."""
+
+    def lookup(self, kind: str, m: int, n: int, k: int, batch: int) -> float | None:
+        """The measured seconds of this exact kernel, or ``None``."""
+        for x in self.kernels:
+            if (x.kind, x.m, x.n, x.k, x.batch) == (kind, m, n, k, batch):
+                return x.seconds
+        return None
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """One GPU type and its wiring. Bandwidths are bytes per second per GPU, one direction."""
+
+    name: str
+    """Preset name or file the cluster was read from."""
+
+    peak_flops: float
+    """Dense BF16 Tensor Core peak of one GPU, FLOP/s (datasheet)."""
+
+    hbm_bytes: float
+    """Memory per GPU, bytes (the default for ``--device_memory``)."""
+
+    hbm_bandwidth: float
+    """Memory bandwidth per GPU, bytes/s (datasheet)."""
+
+    num_sms: int
+    """Streaming multiprocessors per GPU (wave quantization of GEMMs)."""
+
+    gpus_per_node: int
+    """GPUs joined by NVLink in one node."""
+
+    nvlink_bandwidth: float
+    """NVLink bandwidth per GPU, one direction, bytes/s."""
+
+    network_bandwidth: float
+    """Inter-node bandwidth per GPU, one direction, bytes/s (one NIC per GPU)."""
+
+    gemm_efficiency: float
+    """Fraction of ``peak_flops`` the best-shaped large GEMM reaches (MAMF)."""
+
+    hbm_efficiency: float
+    """Fraction of ``hbm_bandwidth`` a streaming kernel reaches."""
+
+    nvlink_efficiency: float
+    """Fraction of ``nvlink_bandwidth`` NCCL's ring collectives reach (bus bandwidth)."""
+
+    network_efficiency: float
+    """Fraction of ``network_bandwidth`` collectives and send/recv reach."""
+
+    flash_attention_efficiency: float
+    """Fraction of ``peak_flops`` a fused (flash) attention kernel reaches, forward +
+    backward (``attention: sdpa``)."""
+
+    gemm_tile: tuple[int, int] = (256, 128)
+    """Output tile of one thread block, ``(rows, cols)``; either orientation is tried."""
+
+    calibration: Calibration = field(default_factory=Calibration)
+    """Measured kernel times (empty for the presets)."""
+
+    def validate(self) -> None:
+        """:class:`ConfigError` (one line) unless every figure is positive and every
+        efficiency is in (0, 1]."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("efficiency") and not 0 < value <= 1:
+                raise ConfigError(f"cluster {self.name}: {f.name}={value!r} must be in (0, 1]")
+            if isinstance(value, int | float) and not isinstance(value, bool) and value <= 0:
+                raise ConfigError(f"cluster {self.name}: {f.name}={value!r} must be positive")
+
+    @property
+    def gemm_flops(self) -> float:
+        """The best GEMM rate, FLOP/s: ``peak_flops x gemm_efficiency``."""
+        return self.peak_flops * self.gemm_efficiency
+
+    @property
+    def memory_rate(self) -> float:
+        """Achievable memory bandwidth, bytes/s."""
+        return self.hbm_bandwidth * self.hbm_efficiency
+
+    def link_rate(self, within_node: bool) -> float:
+        """Achievable bandwidth per GPU, one direction, of NVLink or the network."""
+        if within_node:
+            return self.nvlink_bandwidth * self.nvlink_efficiency
+        return self.network_bandwidth * self.network_efficiency
+
+
+A100_80GB = Cluster(
+    name="a100-80gb",
+    peak_flops=312e12,  # [A100-DS] dense BF16 Tensor Core
+    hbm_bytes=80 * GB,  # [A100-DS]
+    hbm_bandwidth=2039 * GB,  # [A100-DS] HBM2e
+    num_sms=108,  # [A100-WP]
+    gpus_per_node=8,  # [DGXA100]
+    nvlink_bandwidth=300 * GB,  # [A100-WP] 600 GB/s both ways
+    network_bandwidth=25 * GB,  # [DGXA100] one HDR 200 Gb/s adapter per GPU
+    gemm_efficiency=267.9 / 312,  # [MAMF]
+    hbm_efficiency=1.80 / 2.04,  # [HBM-A100]
+    nvlink_efficiency=235 / 300,  # [NCCL-A100]
+    network_efficiency=0.80,  # [NET80]
+    flash_attention_efficiency=0.50,  # [FA2]
+)
+"""The paper's Selene: DGX A100 80GB nodes of 8, 8 x HDR InfiniBand per node."""
+
+H100_80GB = Cluster(
+    name="h100-80gb",
+    peak_flops=989e12,  # [H100-DS] dense BF16
+    hbm_bytes=80 * GB,  # [H100-DS]
+    hbm_bandwidth=3350 * GB,  # [H100-DS] HBM3
+    num_sms=132,  # [H100-WP]
+    gpus_per_node=8,  # [DGXH100]
+    nvlink_bandwidth=450 * GB,  # [H100-DS] 900 GB/s both ways
+    network_bandwidth=50 * GB,  # [DGXH100] one NDR 400 Gb/s adapter per GPU
+    gemm_efficiency=792.1 / 989,  # [MAMF]
+    hbm_efficiency=1.80 / 2.04,  # [HBM-A100], the same fraction
+    nvlink_efficiency=365.6 / 450,  # [NCCL-H]
+    network_efficiency=0.80,  # [NET80]
+    flash_attention_efficiency=0.35,  # [FA3]
+)
+"""DGX H100 nodes of 8, 8 x NDR InfiniBand per node."""
+
+PRESETS: dict[str, Cluster] = {c.name: c for c in (A100_80GB, H100_80GB)}
+"""The named clusters of ``estimate --cluster``."""
+
+DEFAULT_CLUSTER = A100_80GB
+"""The paper's hardware."""
+
+
+def cluster_from_dict(data: dict[str, Any], name: str) -> Cluster:
+    """A :class:`Cluster` from YAML/JSON fields: ``base`` (a preset to start from), any
+    :class:`Cluster` field, and ``calibration`` (``{device, kernels: [{kind, m, n, k, batch,
+    seconds}]}``). :class:`ConfigError` (one line) on an unknown key or a bad value."""
+    data = dict(data)
+    base_name = data.pop("base", None)
+    if base_name is not None and base_name not in PRESETS:
+        raise ConfigError(
+            f"cluster {name}: base={base_name!r} is not a preset; valid: {', '.join(PRESETS)}"
+        )
+    known = {f.name for f in dataclasses.fields(Cluster)} - {"name"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(
+            f"cluster {name}: unknown key {unknown[0]!r}; valid: base, {', '.join(sorted(known))}"
+        )
+    if "calibration" in data:
+        raw = data["calibration"] or {}
+        try:
+            kernels = tuple(MeasuredKernel(**k) for k in raw.get("kernels", []))
+        except TypeError as exc:
+            raise ConfigError(f"cluster {name}: calibration kernels: {exc}") from None
+        data["calibration"] = Calibration(device=str(raw.get("device", "")), kernels=kernels)
+    if "gemm_tile" in data:
+        data["gemm_tile"] = tuple(data["gemm_tile"])
+    for f in dataclasses.fields(Cluster):
+        if f.name in data and f.type in ("float", "int"):  # YAML reads 50.0e9 as a string
+            try:
+                data[f.name] = (float if f.type == "float" else int)(data[f.name])
+            except (TypeError, ValueError):
+                raise ConfigError(
+                    f"cluster {name}: {f.name}={data[f.name]!r} is not a number"
+                ) from None
+    if base_name is not None:
+        cluster = dataclasses.replace(PRESETS[base_name], name=name, **data)
+    else:
+        missing = sorted(
+            f.name
+            for f in dataclasses.fields(Cluster)
+            if f.name not in data and f.name != "name"
+            and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )  # fmt: skip
+        if missing:
+            raise ConfigError(
+                f"cluster {name}: missing {', '.join(missing)} (or give base: a100-80gb)"
+            )
+        cluster = Cluster(name=name, **data)
+    cluster.validate()
+    return cluster
+
+
+def load_cluster(spec: str | Cluster | None) -> Cluster:
+    """A preset by name, a :class:`Cluster` as is, ``None`` (the default, the paper's A100
+    cluster), or a YAML file of :func:`cluster_from_dict` fields."""
+    if spec is None:
+        return DEFAULT_CLUSTER
+    if isinstance(spec, Cluster):
+        return spec
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if not os.path.isfile(spec):
+        raise ConfigError(
+            f"--cluster={spec!r} is neither a preset ({', '.join(PRESETS)}) nor a YAML file"
+        )
+    import yaml
+
+    with open(spec) as fh:
+        data = yaml.safe_load(fh)
+    if not isinstance(data, dict):
+        raise ConfigError(f"--cluster={spec!r}: expected a mapping of cluster fields")
+    return cluster_from_dict(data, os.path.basename(spec))

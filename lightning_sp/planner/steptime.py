@@ -1,0 +1,341 @@
+"""The time of one training iteration of a :class:`~lightning_sp.planner.layout.Layout` on a
+:class:`~lightning_sp.planner.cluster.Cluster`, from its parts (pure, no I/O).
+
+Per transformer layer and micro-batch, on one rank (:mod:`lightning_sp.planner.ops` lists the
+kernels, :mod:`lightning_sp.planner.kernels` times them):
+
+* **compute**: the forward GEMMs; backward, a data- and a weight-gradient GEMM for each; with
+  ``attention: sdpa`` the attention core is one fused kernel instead of two GEMMs and the
+  softmax/dropout kernels;
+* **memory-bound kernels**: LayerNorms, bias-dropout-adds, GeLU, softmax, attention dropout;
+* **recompute** in backward: ``full`` replays the layer's forward (its TP collectives
+  included); a module set replays, for each active module, the kernels tagged with it, the
+  GEMMs scaled to the FLOPs the module's descriptor says it redoes
+  (:data:`lightning_sp.model.recompute.RECOMPUTE_MODULES`);
+* **tensor-parallel collectives** (Megatron's placement and overlap): without SP, an
+  all-reduce of the ``2sbh``-byte activation after the projection and after fc2 (exposed) and
+  in backward before QKV and fc1 (overlapped with their weight-gradient GEMMs: only what
+  outlasts the GEMM is exposed); with SP, an all-gather before QKV and fc1 and a
+  reduce-scatter after the projection and fc2 (exposed), in backward the all-gathers of the
+  gradient entering the projection and fc2 (exposed), the re-gather of QKV's and fc1's
+  input (overlapped with the data-gradient GEMM) and the reduce-scatter of their input
+  gradient (overlapped with the weight-gradient GEMM).
+
+Per micro-batch and pipeline stage: its ``L/p`` layers, the embedding on the first stage and
+the output layer + loss on the last, and ``2m`` point-to-point transfers of the
+``2sbh/t``-byte boundary activation (one forward, one backward per model chunk; without SP
+each receive is followed by an all-gather over the TP group, Megatron's scatter/gather
+optimisation), not overlapped. Per iteration:
+
+``n·T_max + (p-1)/m·T_mean`` (the slowest stage sets the pace of the steady state; the
+pipeline fills and drains through the others: the bubble ``(p-1)/(m·n)`` of the paper)
+``+`` the data-parallel gradient reduction that outlasts the last micro-batch's backward
+(fp32 gradients; all-reduce, or with the distributed optimizer reduce-scatter plus an
+exposed all-gather of the bf16 weights) ``+`` the all-reduce of the tied embedding's gradient
+between the first and last stage ``+`` the optimizer step (memory bound: the gradient norm
+reads 4 bytes per parameter and zeroing writes 4; Adam reads the fp32 gradient, master,
+m and v and writes master, m, v and the bf16 weight, 30 bytes per parameter of its shard).
+
+MFU and HFU are the paper's: model FLOPs (:func:`lightning_sp.memory.flops.
+model_flops_per_iteration`) and hardware FLOPs (recomputation included, :func:`lightning_sp.
+memory.flops.hardware_flops_per_iteration`) per second per GPU over the dense BF16 peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
+
+from lightning_sp.errors import ConfigError
+from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
+from lightning_sp.memory.formulas import parameters_per_rank
+from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.cores import ATTENTION_BACKENDS
+from lightning_sp.model.recompute import RECOMPUTE_MODULES, active_modules, parse_recompute
+from lightning_sp.planner.cluster import Cluster
+from lightning_sp.planner.kernels import (
+    all_reduce_seconds,
+    flash_attention_seconds,
+    gather_seconds,
+    gemm_seconds,
+    memory_seconds,
+    transfer_seconds,
+)
+from lightning_sp.planner.layout import Layout
+from lightning_sp.planner.ops import (
+    ACT,
+    Gemm,
+    MemoryOp,
+    backward_gemms,
+    embedding_memory_ops,
+    head_gemms,
+    head_memory_ops,
+    layer_gemms,
+    layer_memory_ops,
+)
+
+GRAD_BYTES, OPTIMIZER_BYTES, UNSHARDED_STEP_BYTES = 4, 30, 8
+"""fp32 gradient bytes per parameter reduced over data parallelism; bytes Adam moves per
+parameter of its shard; bytes per parameter of the gradient norm and zeroing."""
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """Seconds of one transformer layer for one micro-batch on one rank."""
+
+    forward: dict[str, float]
+    """``gemm``, ``attention`` (the core: GEMMs + softmax/dropout, or the fused kernel),
+    ``memory`` (the other memory-bound kernels), ``tp`` (exposed collectives)."""
+
+    backward: dict[str, float]
+    """The same parts of backward (before any recompute)."""
+
+    replays: dict[str, float] = field(default_factory=dict)
+    """Recompute module -> seconds its replay adds to backward."""
+
+    def recompute_seconds(self, policy: str, attention: str) -> float:
+        """What ``policy`` (a layer's, by :meth:`GPTConfig.layer_recompute`) adds to
+        backward."""
+        parsed = parse_recompute(policy)
+        if parsed == "full":
+            return sum(self.forward.values())
+        if parsed == "auto":
+            raise ConfigError("recompute='auto' has no step time until the planner resolves it")
+        return sum(self.replays[m.name] for m in active_modules(parsed, attention))
+
+    def seconds(self, policy: str, attention: str) -> float:
+        """Forward + backward + recompute under ``policy``."""
+        return (
+            sum(self.forward.values())
+            + sum(self.backward.values())
+            + self.recompute_seconds(policy, attention)
+        )
+
+
+def tp_within_node(cluster: Cluster, t: int) -> bool:
+    """Whether a TP group of ``t`` consecutive ranks lies inside one node."""
+    return t <= cluster.gpus_per_node and cluster.gpus_per_node % t == 0
+
+
+_LAYER_TIMES: dict[tuple[str, int, int, Cluster], LayerTime] = {}
+"""Memo of :func:`layer_time` by ``(repr(config without its recompute fields), t, b,
+cluster)``: a search asks for the same layer under many layouts."""
+
+
+def layer_time(config: GPTConfig, t: int, b: int, cluster: Cluster) -> LayerTime:
+    """The parts of one layer of ``config`` (its ``sequence_parallel`` and ``attention``) at
+    tensor-parallel size ``t`` and micro-batch ``b`` on ``cluster`` (memoised; the recompute
+    fields do not enter it)."""
+    plain = dataclasses.replace(
+        config, recompute="none", recompute_num_layers=None, recompute_rest="none"
+    )
+    key = (repr(plain), t, b, cluster)
+    if key not in _LAYER_TIMES:
+        if len(_LAYER_TIMES) > 4096:
+            _LAYER_TIMES.clear()
+        _LAYER_TIMES[key] = _layer_time(plain, t, b, cluster)
+    return _LAYER_TIMES[key]
+
+
+def _layer_time(config: GPTConfig, t: int, b: int, cluster: Cluster) -> LayerTime:
+    sp, backend = config.sequence_parallel, ATTENTION_BACKENDS[config.attention]
+    gemms = {g.name: g for g in layer_gemms(config, t, b)}
+    grads = {name: backward_gemms(g) for name, g in gemms.items()}
+    secs = {name: gemm_seconds(cluster, g) for name, g in gemms.items()}
+    dgrad = {name: gemm_seconds(cluster, d) for name, (d, _) in grads.items()}
+    wgrad = {name: gemm_seconds(cluster, w) for name, (_, w) in grads.items()}
+    core = [name for name, g in gemms.items() if g.tag == "core_attn"]
+    ops = layer_memory_ops(config, t, b, sp)
+    core_memory = [op for op in ops if op.tag == "core_attn"]
+    if backend.keeps_scores:  # math: the core's GEMMs and its softmax / dropout kernels
+        attn_fwd = sum(secs[n] for n in core) + sum(
+            memory_seconds(cluster, op.forward_bytes) for op in core_memory
+        )
+        attn_bwd = sum(dgrad[n] + wgrad[n] for n in core) + sum(
+            memory_seconds(cluster, op.backward_bytes) for op in core_memory
+        )
+    else:  # one fused kernel; its backward's own recomputation of QKᵀ is inside
+        scores = gemms[core[0]]
+        attn_fwd, attn_bwd = flash_attention_seconds(cluster, scores.m, scores.k, scores.batch)
+    others = [op for op in ops if op.tag != "core_attn"]
+    dense = [name for name in gemms if name not in core]
+    unit = gather_seconds(
+        cluster, ACT * config.seq_length * b * config.hidden_size, t, tp_within_node(cluster, t)
+    )
+    if sp:  # all-gather before qkv/fc1, reduce-scatter after projection/fc2
+        tp_fwd = 4 * unit
+        tp_bwd = 2 * unit + sum(
+            max(0.0, unit - dgrad[n]) + max(0.0, unit - wgrad[n]) for n in ("qkv", "fc1")
+        )
+    else:  # all-reduce after projection/fc2; backward's before qkv/fc1 overlap wgrad
+        tp_fwd = 4 * unit
+        tp_bwd = sum(max(0.0, 2 * unit - wgrad[n]) for n in ("qkv", "fc1"))
+    forward = {
+        "gemm": sum(secs[n] for n in dense),
+        "attention": attn_fwd,
+        "memory": sum(memory_seconds(cluster, op.forward_bytes) for op in others),
+        "tp": tp_fwd,
+    }
+    backward = {
+        "gemm": sum(dgrad[n] + wgrad[n] for n in dense),
+        "attention": attn_bwd,
+        "memory": sum(memory_seconds(cluster, op.backward_bytes) for op in others),
+        "tp": tp_bwd,
+    }
+    return LayerTime(forward, backward, _replays(config, t, b, cluster, gemms, secs, ops))
+
+
+def _replays(
+    config: GPTConfig,
+    t: int,
+    b: int,
+    cluster: Cluster,
+    gemms: dict[str, Gemm],
+    secs: dict[str, float],
+    ops: list[MemoryOp],
+) -> dict[str, float]:
+    """Seconds each recompute module's replay takes: its tagged memory kernels, and its tagged
+    GEMMs scaled to the FLOPs its descriptor redoes (per rank: ``/t``)."""
+    shape = config.activation_shape(t, b)
+    replays = {}
+    for name, module in RECOMPUTE_MODULES.items():
+        tagged = [n for n, g in gemms.items() if g.tag == name]
+        flops = sum(gemms[n].flops for n in tagged)
+        redone = module.redone_flops(shape) / t
+        if redone and not flops:
+            raise ValueError(f"recompute module {name} redoes FLOPs but tags no GEMM")
+        seconds = sum(secs[n] for n in tagged) * (redone / flops) if flops else 0.0
+        seconds += sum(memory_seconds(cluster, op.replayed) for op in ops if op.tag == name)
+        replays[name] = seconds
+    return replays
+
+
+def _recompute_flops(config: GPTConfig, batch: int, chunk: int) -> float:
+    """Hardware FLOPs beyond the model FLOPs of one model chunk of ``chunk`` layers
+    (:func:`lightning_sp.memory.flops.hardware_flops_per_iteration` on a one-chunk model: the
+    recompute pattern repeats every chunk)."""
+    one = dataclasses.replace(config, num_layers=chunk)
+    return hardware_flops_per_iteration(one, batch, chunk) - model_flops_per_iteration(one, batch)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The predicted iteration and its parts (seconds unless named otherwise)."""
+
+    iteration_seconds: float
+    tokens_per_second: float
+    model_tflops_per_gpu: float
+    mfu: float
+    """Model FLOPs per second per GPU / peak (the paper's MFU)."""
+    hfu: float
+    """Hardware FLOPs (recomputation included) per second per GPU / peak."""
+    parts: dict[str, float]
+    """``pipeline`` (``n·T_max + bubble``), ``bubble``, ``p2p`` (per iteration on the
+    slowest stage), ``layer_forward``, ``layer_backward``, ``layer_recompute``, ``tp`` (per
+    iteration, one stage's layers), ``dp_exposed``, ``embedding_grad``, ``optimizer``."""
+    layer: LayerTime
+    """The parts of one layer for one micro-batch."""
+
+
+def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None) -> StepTime:
+    """The iteration time of ``layout`` on ``cluster``; ``config`` (default
+    ``layout.config``) fixes the row's ``sequence_parallel`` and recompute policy (no
+    ``auto``)."""
+    cfg = layout.config if config is None else config
+    t, p, m = (
+        layout.tensor_parallel_size,
+        layout.pipeline_parallel_size,
+        layout.virtual_pipeline_size,
+    )
+    n, b, d = layout.num_microbatches, layout.micro_batch_size, layout.data_parallel_size
+    sp, s, h = cfg.sequence_parallel, cfg.seq_length, cfg.hidden_size
+    layer = layer_time(cfg, t, b, cluster)
+    chunk = layout.layers_per_chunk
+    policies = Counter(cfg.layer_recompute(i) for i in range(chunk))
+    per_chunk = sum(k * layer.seconds(policy, cfg.attention) for policy, k in policies.items())
+    layers = m * per_chunk
+    within_tp = tp_within_node(cluster, t)
+    unit = gather_seconds(cluster, ACT * s * b * h, t, within_tp)
+    # embedding (first stage) and output layer + loss (last stage)
+    emb = (
+        sum(
+            memory_seconds(cluster, op.forward_bytes + op.backward_bytes)
+            for op in embedding_memory_ops(cfg, t, b, sp)
+        )
+        + 2 * unit
+    )  # SP: reduce-scatter forward, all-gather backward; else an all-reduce forward
+    logits = head_gemms(cfg, t, b)[0]
+    dgrad, wgrad = (gemm_seconds(cluster, g) for g in backward_gemms(logits))
+    head = gemm_seconds(cluster, logits) + dgrad + wgrad
+    head += sum(
+        memory_seconds(cluster, op.forward_bytes + op.backward_bytes)
+        for op in head_memory_ops(cfg, t, b, sp)
+    )
+    head += (unit + max(0.0, unit - wgrad)) if sp else max(0.0, 2 * unit - wgrad)
+    # pipeline
+    p2p = 0.0
+    if p > 1:
+        in_node = t * d * p <= cluster.gpus_per_node
+        one = transfer_seconds(cluster, ACT * s * b * h / t, in_node)
+        if not sp:
+            one += unit  # scatter/gather: the receiving TP group all-gathers the message
+        p2p = 2 * m * one
+    if p == 1:
+        slowest = mean = layers + emb + head
+    else:
+        slowest = max(layers + emb, layers + head) + p2p
+        mean = layers + p2p + (emb + head) / p
+    bubble = (p - 1) / m * mean
+    pipeline = n * slowest + bubble
+    # data parallelism, tied embedding, optimizer
+    params = parameters_per_rank(cfg, t, p)
+    dp_exposed = 0.0
+    if d > 1:
+        in_node = t * d <= cluster.gpus_per_node
+        grads = GRAD_BYTES * params
+        if layout.distributed_optimizer:
+            reduce = gather_seconds(cluster, grads, d, in_node)
+            gather = gather_seconds(cluster, ACT * params, d, in_node)
+        else:
+            reduce, gather = all_reduce_seconds(cluster, grads, d, in_node), 0.0
+        last_backward = m * sum(
+            k * (sum(layer.backward.values()) + layer.recompute_seconds(pol, cfg.attention))
+            for pol, k in policies.items()
+        )
+        dp_exposed = max(0.0, reduce - last_backward) + gather
+    embedding_grad = 0.0
+    if p > 1:
+        vocab = cfg.padded_vocab_size(t) // t * h
+        in_node = t * d * p <= cluster.gpus_per_node
+        embedding_grad = all_reduce_seconds(cluster, GRAD_BYTES * vocab, 2, in_node)
+    shard = params / d if layout.distributed_optimizer else params
+    optimizer = memory_seconds(cluster, UNSHARDED_STEP_BYTES * params + OPTIMIZER_BYTES * shard)
+    iteration = pipeline + dp_exposed + embedding_grad + optimizer
+    # the paper's metrics
+    batch, gpus = layout.global_batch_size, layout.world_size
+    model = model_flops_per_iteration(cfg, batch)
+    hardware = model + cfg.num_layers // chunk * _recompute_flops(cfg, batch, chunk)
+    per_gpu = 1.0 / (iteration * gpus)
+    recompute = m * sum(k * layer.recompute_seconds(p, cfg.attention) for p, k in policies.items())
+    parts = {
+        "pipeline": pipeline,
+        "bubble": bubble,
+        "p2p": n * p2p,
+        "layer_forward": n * m * chunk * sum(layer.forward.values()),
+        "layer_backward": n * m * chunk * sum(layer.backward.values()),
+        "layer_recompute": n * recompute,
+        "tp": n * m * chunk * (layer.forward["tp"] + layer.backward["tp"]),
+        "dp_exposed": dp_exposed,
+        "embedding_grad": embedding_grad,
+        "optimizer": optimizer,
+    }
+    return StepTime(
+        iteration_seconds=iteration,
+        tokens_per_second=batch * s / iteration,
+        model_tflops_per_gpu=model * per_gpu / 1e12,
+        mfu=model * per_gpu / cluster.peak_flops,
+        hfu=hardware * per_gpu / cluster.peak_flops,
+        parts=parts,
+        layer=layer,
+    )
