@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.cores import ATTENTION_BACKENDS, CoreFn
@@ -36,9 +37,7 @@ class Rotary:
     """The RoPE cos/sin tables of one model (no parameters), cached per (positions, dtype)."""
 
     def __init__(self, config: GPTConfig) -> None:
-        self.inv_freq = rope_inverse_frequencies(
-            config.head_dim, config.rope_theta, config.rope_scaling
-        )
+        self.config = config
         self._cache: dict[tuple[int, int, torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
 
     def tables(
@@ -46,12 +45,17 @@ class Rotary:
     ) -> tuple[Tensor, Tensor]:
         """``cos, sin`` for positions ``[start, start + length)``, each ``[length, d]``."""
         key = (start, length, dtype, device)
-        if key not in self._cache:
+        if key in self._cache:
+            return self._cache[key]
+        config = self.config
+        inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        positions = torch.arange(start, start + length, device=device)
+        tables = rope_tables(positions, inv_freq, dtype)
+        if not is_fake(tables[0]):  # tables made under a fake mode (the planner's) are not kept
             if len(self._cache) > 8:
                 self._cache.clear()
-            positions = torch.arange(start, start + length, device=device)
-            self._cache[key] = rope_tables(positions, self.inv_freq, dtype)
-        return self._cache[key]
+            self._cache[key] = tables
+        return tables
 
 
 class _Rope(torch.autograd.Function):

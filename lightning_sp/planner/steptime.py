@@ -53,6 +53,7 @@ from lightning_sp.memory.formulas import parameters_per_rank
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.cores import ATTENTION_BACKENDS
 from lightning_sp.model.recompute import RECOMPUTE_MODULES, active_modules, parse_recompute
+from lightning_sp.model.spec import ACTIVATIONS
 from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.kernels import (
     all_reduce_seconds,
@@ -163,14 +164,19 @@ def _layer_time(config: GPTConfig, t: int, b: int, cluster: Cluster) -> LayerTim
     unit = gather_seconds(
         cluster, ACT * config.seq_length * b * config.hidden_size, t, tp_within_node(cluster, t)
     )
+    # the input linears of attention and of the MLP (fc1, or SwiGLU's gate and up run as one)
+    inputs = (("qkv",), ACTIVATIONS[config.activation].inputs)
+    in_dgrad = [sum(dgrad[n] for n in names) for names in inputs]
+    in_wgrad = [sum(wgrad[n] for n in names) for names in inputs]
     if sp:  # all-gather before qkv/fc1, reduce-scatter after projection/fc2
         tp_fwd = 4 * unit
         tp_bwd = 2 * unit + sum(
-            max(0.0, unit - dgrad[n]) + max(0.0, unit - wgrad[n]) for n in ("qkv", "fc1")
+            max(0.0, unit - dg) + max(0.0, unit - wg)
+            for dg, wg in zip(in_dgrad, in_wgrad, strict=True)
         )
     else:  # all-reduce after projection/fc2; backward's before qkv/fc1 overlap wgrad
         tp_fwd = 4 * unit
-        tp_bwd = sum(max(0.0, 2 * unit - wgrad[n]) for n in ("qkv", "fc1"))
+        tp_bwd = sum(max(0.0, 2 * unit - wg) for wg in in_wgrad)
     forward = {
         "gemm": sum(secs[n] for n in dense),
         "attention": attn_fwd,
