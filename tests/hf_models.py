@@ -77,7 +77,7 @@ def full_logits(chunks: list[GPT], state: ParallelState, ids: torch.Tensor) -> t
         return None
     x = chunk.final_norm(x)
     local = column_parallel_linear(  # [s, b, v/t]
-        x, chunk.word_embeddings.weight, None, state.tp_group, chunk.sequence_parallel
+        x, chunk.output_weight, None, state.tp_group, chunk.sequence_parallel
     )
     if state.tensor_parallel_size > 1:
         parts = [torch.empty_like(local) for _ in range(state.tensor_parallel_size)]

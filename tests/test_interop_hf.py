@@ -37,7 +37,7 @@ from hf_models import (
 )
 
 from lightning_sp import ConfigError, GPTConfig, GPTModule
-from lightning_sp.interop.hf import check_gpt2_directory, load_gpt2_weights
+from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState
@@ -81,7 +81,7 @@ def _import_worker(rank: int, world_size: int, directory: str, reference: str, c
     ref = torch.load(reference)
     ids, labels = ref["ids"], ref["labels"]
     single = GPT(our_config(), ParallelState.single(), dtype=torch.float64)
-    load_gpt2_weights(single, directory)
+    load_hf_weights(single, directory)
 
     def single_step(i: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = single(i, y)
@@ -99,7 +99,7 @@ def _import_worker(rank: int, world_size: int, directory: str, reference: str, c
         else:
             model = Pipeline(config, state, num_microbatches=2, dtype=torch.float64)
             chunks = list(model.chunks)
-        read = sum(load_gpt2_weights(chunk, directory) for chunk in chunks)
+        read = sum(load_hf_weights(chunk, directory) for chunk in chunks)
         assert read == _unpadded_elements(chunks), f"{what}: read {read} elements, not its slices"
         with torch.no_grad():
             loss = model(ids, labels) if p == 1 else model.eval_step(ids, labels)
@@ -136,9 +136,9 @@ def test_import_gelu_new_gpt2(tmp_path: Path) -> None:
     """OpenAI's GPT-2 uses the tanh GeLU (``gelu_new``): activation=gelu_tanh computes it."""
     model = save_random_gpt2(tmp_path, activation_function="gelu_new")
     with pytest.raises(ConfigError, match="activation='gelu' does not match"):
-        check_gpt2_directory(tmp_path, our_config())
+        check_hf_directory(tmp_path, our_config())
     ours = GPT(our_config(activation="gelu_tanh"), ParallelState.single(), dtype=torch.float64)
-    load_gpt2_weights(ours, tmp_path)
+    load_hf_weights(ours, tmp_path)
     ids, labels = tokens()
     logits, loss = hf_logits_and_loss(model, ids, labels)
     with torch.no_grad():
@@ -171,7 +171,9 @@ def test_bad_directories_fail_with_one_line(tmp_path: Path, gpt2: tuple[Path, Pa
     (not_gpt2 / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(ConfigError) as error:
         GPTModule(our_config(), init_from=str(not_gpt2))
-    assert "is not a GPT-2 model: config.json has model_type='bert'" in _one_line(error)
+    assert "is not a supported model: config.json has model_type='bert'; valid: 'gpt2', 'llama'" in (
+        _one_line(error)
+    )
 
     with pytest.raises(ConfigError) as error:  # size mismatch names our field
         GPTModule(our_config(hidden_size=32), init_from=str(gpt2[0]))
@@ -199,7 +201,7 @@ def test_bad_directories_fail_with_one_line(tmp_path: Path, gpt2: tuple[Path, Pa
     (tmp_path / "one_layer" / "config.json").write_text((gpt2[0] / "config.json").read_text())
     with pytest.raises(ConfigError) as error:
         GPTModule(our_config(), init_from=str(tmp_path / "one_layer"))
-    assert "the weights have no tensor 'h.1.ln_1.weight'" in _one_line(error)
+    assert "the weights have no tensor 'transformer.h.1.ln_1.weight'" in _one_line(error)
     save_random_gpt2(tmp_path / "wide", n_inner=128)
     (tmp_path / "wide" / "config.json").write_text((gpt2[0] / "config.json").read_text())
     with pytest.raises(ConfigError) as error:
@@ -212,13 +214,13 @@ def test_finetune_config_matches_gpt2_small() -> None:
     GPT-2 small), and the CLI parses it."""
     import yaml
 
-    from lightning_sp.interop.hf_config import check_gpt2_config
+    from lightning_sp.interop.hf_config import check_config
+    from lightning_sp.interop.hf_types import GPT2
 
     raw = yaml.safe_load((ROOT / "configs" / "gpt2_finetune.yaml").read_text())
     assert raw["model"]["init_from"] == "gpt2"
-    check_gpt2_config(
-        transformers.GPT2Config().to_dict(), GPTConfig(**raw["model"]["config"]), "gpt2"
-    )
+    hf = transformers.GPT2Config().to_dict()
+    check_config(GPT2.config, hf, GPTConfig(**raw["model"]["config"]), "gpt2")
     result = subprocess.run(
         [sys.executable, str(ROOT / "cli.py"), "fit", "--config",
          str(ROOT / "configs" / "gpt2_finetune.yaml"), "--print_config"],
