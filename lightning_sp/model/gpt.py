@@ -269,20 +269,13 @@ class GPT(nn.Module):
         return x
 
     def loss(self, x: Tensor, labels: Tensor) -> Tensor:
-        """Final LayerNorm, output layer (tied embedding) and mean cross entropy.
+        """Final norm, output layer (the tied embedding or its own) and mean cross entropy.
 
         ``x``: ``[s/t or s, b, h]``; ``labels``: ``[b, s]``; returns an fp32 scalar.
         """
-        x = self.final_norm(x)
-        logits = column_parallel_linear(  # [s, b, v/t], never gathered over the vocabulary
-            x, self.word_embeddings.weight, None, self.tp_group, self.sequence_parallel
-        )
+        logits = self.logits(x)  # [s, b, v/t], never gathered over the vocabulary
         losses = vocab_parallel_cross_entropy(  # [s, b]
-            logits,
-            labels.t(),
-            self.word_embeddings.vocab_start,
-            self.config.vocab_size,
-            self.tp_group,
+            logits, labels.t(), self.vocab_start, self.config.vocab_size, self.tp_group
         )
         return losses.mean()
 
