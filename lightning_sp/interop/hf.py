@@ -241,12 +241,16 @@ class HFWeights:
         return torch.cat(pieces, split)
 
 
-def read_hf_config(directory: str | Path, field: str = "init_from") -> dict[str, Any]:
-    """The ``GPTConfig`` fields of the Hugging Face model in ``directory`` (any supported
-    ``model_type``; ``seq_length`` is its whole position table): ``GPTConfig(**fields)`` is
-    that model. :class:`ConfigError` (one line) for a directory we cannot read."""
+def read_hf_config(
+    directory: str | Path, field: str = "init_from", **overrides: Any
+) -> GPTConfig:
+    """The ``GPTConfig`` of the Hugging Face model in ``directory`` (any supported
+    ``model_type``): its family's fields (``GPTConfig.of``), the sizes and options its
+    ``config.json`` gives (``seq_length``: its whole position table), then ``overrides``.
+    :class:`ConfigError` (one line) for a directory we cannot read."""
     with HFWeights(directory, field) as weights:
-        return weights.config_fields()
+        fields = weights.config_fields()
+        return GPTConfig.of(weights.model_type.architecture, **{**fields, **overrides})
 
 
 def check_hf_directory(directory: str | Path, config: GPTConfig, field: str = "init_from") -> None:

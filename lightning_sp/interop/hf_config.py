@@ -84,7 +84,11 @@ class ConfigField:
         ours = self.of(config)
         if self.choices is None:
             return ours
-        return next(k for k, v in self.choices.items() if v == ours)
+        for theirs, value in self.choices.items():  # the first spelling is the one written
+            if value == ours:
+                return theirs
+        valid = ", ".join(repr(v) for v in dict.fromkeys(self.choices.values()))
+        raise ConfigError(f"{self.ours}={ours!r} has no {self.hf} value; valid: {valid}")
 
 
 @dataclass(frozen=True)
@@ -189,8 +193,6 @@ def fits(table: ConfigTable, config: GPTConfig) -> str | None:
         check_config(table, write_config(table, config), config, f"a {table.title} model")
     except ConfigError as error:
         return str(error)
-    except StopIteration:  # no config.json value for one of our values
-        return f"a {table.title} model cannot express this config"
     return None
 
 

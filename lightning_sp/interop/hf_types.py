@@ -48,12 +48,14 @@ def norm(ours: str, hf: str) -> tuple[WeightMap, ...]:
 
 @dataclass(frozen=True)
 class HFModelType:
-    """A Hugging Face model family: ``model_type``, its ``*ForCausalLM`` class, the
+    """A Hugging Face model family: ``model_type``, its ``*ForCausalLM`` class, our
+    architecture family it reads into (``GPTConfig.of``: dropouts and the rest), the
     ``config.json`` table and the weight table. ``optional_prefix``: a prefix that files
     written elsewhere may lack (OpenAI's GPT-2 upload has no ``transformer.``)."""
 
     model_type: str
     hf_class: str
+    architecture: str
     config: ConfigTable
     weights: tuple[WeightMap, ...]
     optional_prefix: str = ""
@@ -65,14 +67,15 @@ class HFModelType:
 
 # -- GPT-2 ------------------------------------------------------------------------------------
 
-_GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
-# what export writes: torch's own tanh GeLU, so the exported model computes exactly ours
-_GPT2_EXPORTED_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
+GPT2_CLASS = "GPT2LMHeadModel"
+# activation_function -> ours; export writes the first: torch's own tanh GeLU for gelu_tanh,
+# so the exported model computes exactly ours (OpenAI's gelu_new is the same function)
+_GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 
 
 def _gpt2_extra(config: GPTConfig, eos: int | None) -> dict[str, Any]:
     return {
-        "architectures": ["GPT2LMHeadModel"],
+        "architectures": [GPT2_CLASS],
         "model_type": "gpt2",
         "resid_pdrop": config.hidden_dropout,
         "embd_pdrop": config.hidden_dropout,
@@ -85,7 +88,8 @@ def _gpt2_extra(config: GPTConfig, eos: int | None) -> dict[str, Any]:
 
 GPT2 = HFModelType(
     model_type="gpt2",
-    hf_class="GPT2LMHeadModel",
+    hf_class=GPT2_CLASS,
+    architecture="gpt2",
     config=ConfigTable(
         title="GPT-2",
         fields=(
@@ -100,10 +104,7 @@ GPT2 = HFModelType(
             ),  # fmt: skip
             ConfigField("seq_length", "n_positions", at_most=True),
             ConfigField("layernorm_eps", "layer_norm_epsilon", default=1e-5),
-            ConfigField(
-                "activation", "activation_function", choices=_GPT2_ACTIVATIONS,
-                write=lambda c: _GPT2_EXPORTED_ACTIVATION.get(c.activation),
-            ),  # fmt: skip
+            ConfigField("activation", "activation_function", choices=_GPT2_ACTIVATIONS),
             ConfigField("normalization", default="layernorm"),
             ConfigField("position_embedding", default="learned"),
             ConfigField("bias", default=True),
@@ -141,6 +142,9 @@ GPT2 = HFModelType(
 # -- Llama ------------------------------------------------------------------------------------
 
 
+LLAMA_CLASS = "LlamaForCausalLM"
+
+
 def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
     """RoPE's parameters: ``rope_parameters`` (transformers 5) or the older ``rope_theta``
     and ``rope_scaling``."""
@@ -175,7 +179,7 @@ def _write_rope_scaling(config: GPTConfig) -> dict[str, Any] | None:
 
 def _llama_extra(config: GPTConfig, eos: int | None) -> dict[str, Any]:
     return {
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": [LLAMA_CLASS],
         "model_type": "llama",
         "attention_dropout": config.attention_dropout,
         "initializer_range": config.init_std,
@@ -186,7 +190,8 @@ def _llama_extra(config: GPTConfig, eos: int | None) -> dict[str, Any]:
 
 LLAMA = HFModelType(
     model_type="llama",
-    hf_class="LlamaForCausalLM",
+    hf_class=LLAMA_CLASS,
+    architecture="llama",
     config=ConfigTable(
         title="Llama",
         fields=(
