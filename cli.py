@@ -7,7 +7,7 @@ Subcommands ``fit``, ``validate``, ``test`` come from Lightning's ``LightningCLI
 step-time prediction, ``--search true`` to rank layouts; see ``estimate --help``).
 ``prepare`` tokenizes the config's corpus once into ``data.prepared_dir`` (same arguments
 as ``fit``).
-``export`` writes a checkpoint as a Hugging Face GPT-2 directory
+``export`` writes a checkpoint as a Hugging Face directory (GPT-2 or Llama, by architecture)
 (``python cli.py export --ckpt_path CKPT --output DIR``).
 ``generate`` continues a prompt with a checkpoint
 (``python cli.py generate --config ... --ckpt_path ... --prompt "def "``).

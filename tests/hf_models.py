@@ -1,5 +1,6 @@
-"""Shared by the Hugging Face tests: a small random GPT-2 saved locally (nothing is
-downloaded), our matching config, a fixed batch, and logits gathered from any layout."""
+"""Shared by the Hugging Face tests: a small random GPT-2 and a small random Llama (grouped-query
+attention with 2 key/value groups, untied, rope_theta 500000) saved locally (nothing is
+downloaded), our matching configs, a fixed batch, and logits gathered from any layout."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS = 300, 32, 64, 2, 4
+LLAMA_HEADS, LLAMA_GROUPS, LLAMA_FFN = 8, 2, 96  # 2 KV groups: fewer than t = 4
 TOLERANCE = 1e-10
 STEPS = 3
 
@@ -50,6 +52,43 @@ def our_config(**overrides: Any) -> GPTConfig:
     return GPTConfig(**fields)  # type: ignore[arg-type]
 
 
+def llama_hf_config(**overrides: Any) -> Any:
+    """A small ``LlamaConfig`` (sdpa attention: transformers' eager path casts the softmax to
+    fp32, which float64 parity cannot survive)."""
+    fields = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=LLAMA_HEADS,
+                  num_key_value_heads=LLAMA_GROUPS, intermediate_size=LLAMA_FFN,
+                  vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-5,
+                  rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=0,
+                  eos_token_id=0, pad_token_id=None,
+                  attn_implementation="sdpa")  # fmt: skip
+    fields.update(overrides)
+    return transformers.LlamaConfig(**fields)
+
+
+def save_random_llama(directory: Path, max_shard_size: str | None = None, **overrides: Any) -> Any:
+    """A random LlamaForCausalLM, every parameter perturbed (norm weights included), saved in
+    ``directory`` (in shards with an index when ``max_shard_size`` is given); returned in
+    float64 eval mode."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(llama_hf_config(**overrides))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param), alpha=0.05)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, **kwargs)
+    assert model.config._attn_implementation == "sdpa"
+    return model.double().eval()
+
+
+def llama_config(**overrides: Any) -> GPTConfig:
+    """Our config of :func:`save_random_llama`'s model."""
+    fields = dict(vocab_size=VOCAB, seq_length=SEQ, hidden_size=HIDDEN, num_layers=LAYERS,
+                  num_heads=LLAMA_HEADS, num_query_groups=LLAMA_GROUPS,
+                  ffn_hidden_size=LLAMA_FFN, recompute="none")  # fmt: skip
+    fields.update(overrides)
+    return GPTConfig.of("llama", **fields)
+
+
 def tokens(batch: int = 4, seed: int = 1, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, vocab, (batch, SEQ + 1), generator=torch.Generator().manual_seed(seed))
     return ids[:, :-1], ids[:, 1:]
@@ -77,7 +116,7 @@ def full_logits(chunks: list[GPT], state: ParallelState, ids: torch.Tensor) -> t
         return None
     x = chunk.final_norm(x)
     local = column_parallel_linear(  # [s, b, v/t]
-        x, chunk.word_embeddings.weight, None, state.tp_group, chunk.sequence_parallel
+        x, chunk.output_weight, None, state.tp_group, chunk.sequence_parallel
     )
     if state.tensor_parallel_size > 1:
         parts = [torch.empty_like(local) for _ in range(state.tensor_parallel_size)]
@@ -102,10 +141,21 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def save_gpt2_with_reference(directory: Path) -> tuple[Path, Path]:
     """A saved random GPT-2 in ``directory`` and, beside it, the float64 reference logits and
-    loss on a fixed batch (``reference.pt``)."""
-    model = save_random_gpt2(directory)
+    loss on a fixed batch (``<name>.reference.pt``)."""
+    return save_with_reference(directory, save_random_gpt2(directory))
+
+
+def save_llama_with_reference(directory: Path) -> tuple[Path, Path]:
+    """A random Llama saved in shards (``model.safetensors.index.json``) in ``directory`` and,
+    beside it, the float64 reference logits and loss on a fixed batch (``<name>.reference.pt``)."""
+    model = save_random_llama(directory, max_shard_size="60KB")
+    assert (directory / "model.safetensors.index.json").is_file()
+    return save_with_reference(directory, model)
+
+
+def save_with_reference(directory: Path, model: Any) -> tuple[Path, Path]:
     ids, labels = tokens()
     logits, loss = hf_logits_and_loss(model, ids, labels)
-    reference = directory.parent / "reference.pt"
+    reference = directory.parent / f"{directory.name}.reference.pt"
     torch.save({"ids": ids, "labels": labels, "logits": logits, "loss": loss}, reference)
     return directory, reference

@@ -1,15 +1,22 @@
-"""Hugging Face GPT-2 import (lightning_sp.interop.hf, interop.hf_config).
+"""Hugging Face import (lightning_sp.interop.hf, interop.hf_config, interop.hf_types), for
+GPT-2 and Llama.
 
-Nothing is downloaded: each test builds a small random ``GPT2LMHeadModel`` with transformers
-(every weight perturbed, so LayerNorm and bias mappings are exercised) and saves it locally
-(``tests/hf_models.py``).
+Nothing is downloaded: each test builds a small random ``GPT2LMHeadModel`` or
+``LlamaForCausalLM`` with transformers (every weight perturbed, so norm and bias mappings are
+exercised) and saves it locally (``tests/hf_models.py``); the Llama has grouped-query attention
+with 2 key/value groups, untied embeddings, rope_theta 500000, and is saved in shards with a
+``model.safetensors.index.json``.
 
-* Import: the saved model loaded at t = 1, 2, 4 with SP, at p = 2 and at t = 2 x p = 2 gives
-  transformers' float64 logits and loss (relative error <= 1e-10), and three AdamW steps from
-  it equal three steps of the one-process float64 model loaded the same way; each rank reads
-  only its own slices.
-* Bad input: not GPT-2, a size mismatch, a missing or unreadable file -> one ConfigError line
-  each; the fine-tuning config fits GPT-2 small.
+* Import: the saved model loaded at t = 1, at t = 2 and 4 with SP (the Llama's 2 KV groups
+  fewer than t = 4: each held by 2 ranks), at p = 2 and at t = 2 x p = 2 gives transformers'
+  float64 logits and loss (relative error <= 1e-10; transformers' Llama with sdpa attention),
+  and three AdamW steps from it equal three steps of the one-process float64 model loaded the
+  same way; each rank reads only its own slices. Llama 3.1's RoPE scaling read from
+  ``config.json`` gives transformers' logits too.
+* Generation with RoPE: the cached greedy decoding of the imported Llama equals transformers'
+  greedy ``generate``.
+* Bad input: not a supported model, a size or architecture mismatch, a missing or unreadable
+  file -> one ConfigError line each; the fine-tuning config fits GPT-2 small.
 """
 
 from __future__ import annotations
@@ -23,21 +30,26 @@ from typing import Any
 import pytest
 import torch
 from hf_models import (
+    LLAMA_GROUPS,
     ROOT,
     STEPS,
     TOLERANCE,
     full_logits,
     hf_logits_and_loss,
+    llama_config,
     our_config,
     relative,
     save_gpt2_with_reference,
+    save_llama_with_reference,
     save_random_gpt2,
+    save_random_llama,
     tokens,
     transformers,
 )
 
 from lightning_sp import ConfigError, GPTConfig, GPTModule
-from lightning_sp.interop.hf import check_gpt2_directory, load_gpt2_weights
+from lightning_sp.interop.hf import check_hf_directory, load_hf_weights, read_hf_config
+from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState
@@ -47,17 +59,21 @@ from lightning_sp.training.optim import build_adamw
 from spawn import run_distributed
 
 
+CONFIGS = {"gpt2": our_config, "llama": llama_config}
+"""Our config of each saved model, by name."""
+
+
 def _unpadded_elements(chunks: list[GPT]) -> int:
     """Elements of these shards' parameters, less the vocabulary padding rows: what the import
     must read from the file (and no more)."""
     total = 0
     for chunk in chunks:
-        total += sum(p.numel() for p in chunk.parameters())
-        if hasattr(chunk, "word_embeddings"):
-            embedding = chunk.word_embeddings
-            start, stop = embedding.vocab_start, embedding.vocab_end
-            padding = stop - max(start, min(stop, chunk.config.vocab_size))
-            total -= padding * chunk.config.hidden_size
+        for param in chunk.parameters():
+            total += param.numel()
+            if getattr(param, "padded_vocab", False):
+                start, rows = param.shard.start, param.shape[0]  # type: ignore[attr-defined]
+                real = max(0, min(rows, chunk.config.vocab_size - start))
+                total -= (rows - real) * param.shape[1]
     return total
 
 
@@ -65,6 +81,18 @@ def _unpadded_elements(chunks: list[GPT]) -> int:
 def gpt2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A saved random GPT-2 and the float64 reference logits and loss on a fixed batch."""
     return save_gpt2_with_reference(tmp_path_factory.mktemp("gpt2"))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A random Llama saved in shards and its float64 reference logits and loss."""
+    return save_llama_with_reference(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def saved(gpt2: tuple[Path, Path], llama: tuple[Path, Path]) -> dict[str, tuple[str, str]]:
+    """Both saved models, by name: ``(directory, reference)``."""
+    return {"gpt2": (str(gpt2[0]), str(gpt2[1])), "llama": (str(llama[0]), str(llama[1]))}
 
 
 def _train(model: torch.nn.Module, step: Any, ids: torch.Tensor, labels: torch.Tensor) -> list:
@@ -77,29 +105,37 @@ def _train(model: torch.nn.Module, step: Any, ids: torch.Tensor, labels: torch.T
     return losses
 
 
-def _import_worker(rank: int, world_size: int, directory: str, reference: str, cases: list) -> None:
-    ref = torch.load(reference)
-    ids, labels = ref["ids"], ref["labels"]
-    single = GPT(our_config(), ParallelState.single(), dtype=torch.float64)
-    load_gpt2_weights(single, directory)
+def _reference_losses(name: str, directory: str, ids: torch.Tensor, labels: torch.Tensor) -> list:
+    """Training losses of the one-process float64 model loaded from ``directory``."""
+    single = GPT(CONFIGS[name](), ParallelState.single(), dtype=torch.float64)
+    load_hf_weights(single, directory)
 
     def single_step(i: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = single(i, y)
         loss.backward()
         return loss.detach()
 
-    ref_losses = _train(single, single_step, ids, labels)
-    for t, p in cases:
-        what = f"t={t} p={p}"
+    return _train(single, single_step, ids, labels)
+
+
+def _import_worker(rank: int, world_size: int, saved: dict, cases: list) -> None:
+    """Each ``(model name, t, p)`` case: import, logits and loss against transformers, three
+    training steps against the one-process model's."""
+    for name, t, p in cases:
+        directory, reference = saved[name]
+        ref = torch.load(reference)
+        ids, labels = ref["ids"], ref["labels"]
+        ref_losses = _reference_losses(name, directory, ids, labels)
+        what = f"{name} t={t} p={p}"
         state = ParallelState.single() if t * p == 1 else ParallelState.from_process_group(t, p)
-        config = our_config(sequence_parallel=t > 1)
+        config = CONFIGS[name](sequence_parallel=t > 1)
         if p == 1:
             model: torch.nn.Module = GPT(config, state, dtype=torch.float64)
             chunks = [model]
         else:
             model = Pipeline(config, state, num_microbatches=2, dtype=torch.float64)
             chunks = list(model.chunks)
-        read = sum(load_gpt2_weights(chunk, directory) for chunk in chunks)
+        read = sum(load_hf_weights(chunk, directory) for chunk in chunks)
         assert read == _unpadded_elements(chunks), f"{what}: read {read} elements, not its slices"
         with torch.no_grad():
             loss = model(ids, labels) if p == 1 else model.eval_step(ids, labels)
@@ -128,17 +164,18 @@ def _import_worker(rank: int, world_size: int, directory: str, reference: str, c
         assert losses[-1] < losses[0], f"{what}: loss did not fall {losses}"
 
 
-def test_import_one_process_equals_transformers(gpt2: tuple[Path, Path]) -> None:
-    _import_worker(0, 1, str(gpt2[0]), str(gpt2[1]), [(1, 1)])
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_import_one_process_equals_transformers(saved: dict, name: str) -> None:
+    _import_worker(0, 1, saved, [(name, 1, 1)])
 
 
 def test_import_gelu_new_gpt2(tmp_path: Path) -> None:
     """OpenAI's GPT-2 uses the tanh GeLU (``gelu_new``): activation=gelu_tanh computes it."""
     model = save_random_gpt2(tmp_path, activation_function="gelu_new")
     with pytest.raises(ConfigError, match="activation='gelu' does not match"):
-        check_gpt2_directory(tmp_path, our_config())
+        check_hf_directory(tmp_path, our_config())
     ours = GPT(our_config(activation="gelu_tanh"), ParallelState.single(), dtype=torch.float64)
-    load_gpt2_weights(ours, tmp_path)
+    load_hf_weights(ours, tmp_path)
     ids, labels = tokens()
     logits, loss = hf_logits_and_loss(model, ids, labels)
     with torch.no_grad():
@@ -147,13 +184,67 @@ def test_import_gelu_new_gpt2(tmp_path: Path) -> None:
     assert err <= TOLERANCE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    ("world_size", "cases"), [(2, [(2, 1), (1, 2)]), (4, [(4, 1), (2, 2)])], ids=["ws2", "ws4"]
+    ("world_size", "cases"),
+    [
+        (2, [("gpt2", 2, 1), ("gpt2", 1, 2), ("llama", 2, 1), ("llama", 1, 2)]),
+        (4, [("gpt2", 4, 1), ("gpt2", 2, 2), ("llama", 4, 1), ("llama", 2, 2)]),
+    ],
+    ids=["ws2", "ws4"],
 )
-def test_import_any_layout_equals_transformers(
-    gpt2: tuple[Path, Path], world_size: int, cases: list
-) -> None:
-    run_distributed(_import_worker, world_size, str(gpt2[0]), str(gpt2[1]), cases)
+def test_import_any_layout_equals_transformers(saved: dict, world_size: int, cases: list) -> None:
+    """t = 2 and 4 with SP (the Llama's 2 KV groups < t = 4), p = 2, t = 2 x p = 2."""
+    assert LLAMA_GROUPS < 4
+    run_distributed(_import_worker, world_size, saved, cases)
+
+
+def test_llama3_rope_scaling_equals_transformers(tmp_path: Path) -> None:
+    """Llama 3.1's RoPE frequency scaling (``rope_type: llama3``) is read from config.json
+    and gives transformers' logits; the wavelengths chosen put some frequencies in each of
+    the three bands (kept, interpolated, divided by ``factor``)."""
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=2.0, high_freq_factor=32.0,
+                   original_max_position_embeddings=512)  # fmt: skip
+    model = save_random_llama(tmp_path, rope_scaling=scaling)
+    read = read_hf_config(tmp_path)
+    assert read.rope_scaling is not None and read.rope_theta == 500000.0
+    with pytest.raises(ConfigError, match="rope_scaling=None does not match rope_scaling="):
+        check_hf_directory(tmp_path, llama_config())
+    ours = GPT(llama_config(rope_scaling=read.rope_scaling), ParallelState.single(),
+               dtype=torch.float64)  # fmt: skip
+    load_hf_weights(ours, tmp_path)
+    ids, labels = tokens()
+    logits, loss = hf_logits_and_loss(model, ids, labels)
+    unscaled, _ = hf_logits_and_loss(save_random_llama(tmp_path / "plain"), ids, labels)
+    assert relative(unscaled, logits) > 1e-3, "the scaling changes nothing at these positions"
+    with torch.no_grad():
+        assert relative(ours(ids, labels), loss) <= TOLERANCE
+        err = relative(full_logits([ours], ours.state, ids), logits)
+    assert err <= TOLERANCE, f"logits relative error {err:.2e}"
+
+
+def test_llama_cached_generation_equals_transformers_greedy(llama: tuple[Path, Path]) -> None:
+    """RoPE under the key/value cache (rotated keys cached at their positions): our greedy
+    decoding of the imported Llama gives transformers' greedy tokens."""
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        llama[0], dtype=torch.float64, attn_implementation="sdpa"
+    ).eval()
+    ours = GPT(llama_config(), ParallelState.single(), dtype=torch.float64)
+    load_hf_weights(ours, llama[0])
+    prompt = tokens(batch=1, seed=3)[0][0, :7].tolist()
+    steps = 20
+    greedy = GenerationConfig(max_new_tokens=steps, temperature=0.0)
+    cached = generate(ours, prompt, greedy)
+    full = generate(ours, prompt, GenerationConfig(max_new_tokens=steps, temperature=0.0,
+                                                   use_cache=False))  # fmt: skip
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)  # fmt: skip
+    theirs = out[0, len(prompt) :].tolist()
+    assert len(cached) == steps and len(set(cached)) > 3, cached  # not one repeated token
+    assert cached == full, "the cache changes the tokens"
+    assert cached == theirs, f"ours {cached}, transformers {theirs}"
 
 
 # -- bad input ------------------------------------------------------------------------------------
@@ -171,7 +262,9 @@ def test_bad_directories_fail_with_one_line(tmp_path: Path, gpt2: tuple[Path, Pa
     (not_gpt2 / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(ConfigError) as error:
         GPTModule(our_config(), init_from=str(not_gpt2))
-    assert "is not a GPT-2 model: config.json has model_type='bert'" in _one_line(error)
+    assert "is not a supported model: config.json has model_type='bert'; valid: 'gpt2', 'llama'" in (
+        _one_line(error)
+    )
 
     with pytest.raises(ConfigError) as error:  # size mismatch names our field
         GPTModule(our_config(hidden_size=32), init_from=str(gpt2[0]))
@@ -199,7 +292,7 @@ def test_bad_directories_fail_with_one_line(tmp_path: Path, gpt2: tuple[Path, Pa
     (tmp_path / "one_layer" / "config.json").write_text((gpt2[0] / "config.json").read_text())
     with pytest.raises(ConfigError) as error:
         GPTModule(our_config(), init_from=str(tmp_path / "one_layer"))
-    assert "the weights have no tensor 'h.1.ln_1.weight'" in _one_line(error)
+    assert "the weights have no tensor 'transformer.h.1.ln_1.weight'" in _one_line(error)
     save_random_gpt2(tmp_path / "wide", n_inner=128)
     (tmp_path / "wide" / "config.json").write_text((gpt2[0] / "config.json").read_text())
     with pytest.raises(ConfigError) as error:
@@ -207,18 +300,77 @@ def test_bad_directories_fail_with_one_line(tmp_path: Path, gpt2: tuple[Path, Pa
     assert "has shape [64, 128] but config.json needs [64, 256]" in _one_line(error)
 
 
+def test_llama_mismatches_fail_with_one_line(tmp_path: Path, llama: tuple[Path, Path]) -> None:
+    """Each architecture field of ours is checked against the Llama's config.json."""
+    directory = llama[0]
+    read = read_hf_config(directory, recompute="none")
+    assert read == llama_config(seq_length=64)  # config.json read into ours
+    where = f"of the Llama model in {str(directory)!r}"
+    for overrides, message in [
+        ({"num_query_groups": 4}, "num_query_groups=4 does not match num_key_value_heads=2 "
+         f"{where}; set num_query_groups: 2"),
+        ({"tie_embeddings": True}, "tie_embeddings=True does not match tie_word_embeddings="
+         f"False {where}; set tie_embeddings: false"),
+        ({"rope_theta": 10000.0}, "rope_theta=10000.0 does not match rope_theta=500000.0"),
+        ({"normalization": "layernorm"}, "normalization='layernorm' does not match its "
+         f"normalization='rmsnorm' {where}; set normalization: rmsnorm"),
+        ({"activation": "gelu"}, "activation='gelu' does not match hidden_act='silu'"),
+        ({"bias": True}, "bias=True does not match attention_bias=False"),
+        ({"seq_length": 128}, "seq_length=128 exceeds max_position_embeddings=64"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError) as error:
+            GPTModule(llama_config(**overrides), init_from=str(directory))
+        assert message in _one_line(error), overrides
+    hf = json.loads((directory / "config.json").read_text())
+    for edit, message in [
+        ({"head_dim": 16}, "sets head_dim=16; this GPT computes head_dim=8"),
+        ({"hidden_act": "gelu"}, "uses hidden_act='gelu', which this GPT does not compute; "
+         "valid: 'silu'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0}},
+         "rope_type='yarn' (rope scaling) is not computed by this GPT; valid: 'default', "
+         "'llama3'"),
+    ]:  # fmt: skip
+        edited = tmp_path / next(iter(edit))
+        edited.mkdir()
+        for file in directory.iterdir():
+            (edited / file.name).symlink_to(file)
+        (edited / "config.json").unlink()
+        (edited / "config.json").write_text(json.dumps({**hf, **edit}))
+        with pytest.raises(ConfigError) as error:
+            check_hf_directory(edited, llama_config())
+        assert message in _one_line(error), edit
+
+
+def test_export_picks_the_model_type_that_holds_the_config() -> None:
+    from lightning_sp.interop.hf_types import GPT2, LLAMA, model_type_for
+
+    assert model_type_for(our_config()) is GPT2
+    assert model_type_for(our_config(activation="gelu_tanh")) is GPT2
+    assert model_type_for(llama_config()) is LLAMA
+    assert model_type_for(llama_config(tie_embeddings=True, bias=True)) is LLAMA
+    with pytest.raises(ConfigError) as error:  # RMSNorm with GeLU: neither family
+        model_type_for(our_config(normalization="rmsnorm"))
+    message = _one_line(error)
+    assert message.startswith("no Hugging Face model type holds this config (gpt2: ")
+    assert "normalization='rmsnorm' does not match its normalization='layernorm'" in message
+    assert "llama: activation='gelu' has no hidden_act value; valid: 'swiglu'" in message
+    with pytest.raises(ConfigError, match="num_query_groups=2 does not match n_head=4"):
+        model_type_for(our_config(num_query_groups=2))  # GPT-2 with GQA: not expressible
+
+
+@pytest.mark.slow
 def test_finetune_config_matches_gpt2_small() -> None:
     """configs/gpt2_finetune.yaml fits OpenAI's GPT-2 (transformers' GPT2Config defaults are
     GPT-2 small), and the CLI parses it."""
     import yaml
 
-    from lightning_sp.interop.hf_config import check_gpt2_config
+    from lightning_sp.interop.hf_config import check_config
+    from lightning_sp.interop.hf_types import GPT2
 
     raw = yaml.safe_load((ROOT / "configs" / "gpt2_finetune.yaml").read_text())
     assert raw["model"]["init_from"] == "gpt2"
-    check_gpt2_config(
-        transformers.GPT2Config().to_dict(), GPTConfig(**raw["model"]["config"]), "gpt2"
-    )
+    hf = transformers.GPT2Config().to_dict()
+    check_config(GPT2.config, hf, GPTConfig(**raw["model"]["config"]), "gpt2")
     result = subprocess.run(
         [sys.executable, str(ROOT / "cli.py"), "fit", "--config",
          str(ROOT / "configs" / "gpt2_finetune.yaml"), "--print_config"],

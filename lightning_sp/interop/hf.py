@@ -1,24 +1,32 @@
-"""Hugging Face GPT-2 weights in and out: any layout's shard from a ``model.safetensors``, and
-a layout-free stream of our parameters to a directory ``GPT2LMHeadModel`` loads.
+"""Hugging Face weights in and out, for every model type of
+:data:`~lightning_sp.interop.hf_types.HF_MODEL_TYPES` (GPT-2, Llama): any layout's shard from
+a directory's safetensors file(s), and a layout-free stream of our parameters to a directory
+``AutoModelForCausalLM`` loads.
 
-Our parameters map one to one onto GPT-2's (:data:`WEIGHTS`), with three differences:
+The Hugging Face tensors of a config (:func:`hf_layout`) come from the model itself: a
+:class:`GPT` built on the ``meta`` device names our parameters and their full shapes (what
+its descriptors build), the model type's weight table names the tensor holding each; three
+things differ between the two:
 
-* GPT-2's ``Conv1D`` stores ``[in, out]``; our linears store ``[out, in]`` (transposed).
-* The fused QKV rows are ordered ``[head][q|k|v][d]`` here, so a tensor-parallel shard of rows
-  is whole heads; GPT-2's columns are ``[q|k|v][head][d]`` (:func:`qkv_permutation`).
-* Our vocabulary is padded to a multiple of ``128·t``; padded rows are dropped on export and
-  zero on import (no token id reaches them, and they never receive probability).
+* a tensor may hold several of ours, concatenated along our dim 0 (GPT-2's ``c_attn``: query,
+  key, value);
+* a tensor may be stored transposed (GPT-2's ``Conv1D``: ``[in, out]``);
+* our vocabulary is padded to a multiple of ``128·t`` (parameters marked ``padded_vocab``);
+  padded rows are dropped on export and zero on import (no token id reaches them, and they
+  never receive probability).
 
-Import (:func:`load_gpt2_weights`) fills each parameter of a :class:`GPT` shard from the slice
-its :class:`~lightning_sp.parallel.init.ShardSpec` names, reading only that slice from the file
-(``safe_open(...).get_slice``): a rank never reads another rank's weights. Export
-(:func:`save_gpt2`) takes ``(global name, full tensor)`` pairs from any source (a checkpoint
-reader, a model's state dict) and writes ``config.json``, ``model.safetensors`` and the
-tokenizer files.
+Import (:func:`load_hf_weights`) fills each parameter of a :class:`GPT` shard from the slice
+its :class:`~lightning_sp.parallel.init.ShardSpec` names (``replicas`` included: a rank
+holding a key/value group shared with other ranks reads that group), reading only that slice
+(``safe_open(...).get_slice``, sharded files through ``model.safetensors.index.json``): a rank
+never reads another rank's weights. Export (:func:`save_hf`) takes ``(global name, full
+tensor)`` pairs from any source (a checkpoint reader, a model's state dict) and writes
+``config.json``, ``model.safetensors`` and the tokenizer files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import shutil
@@ -38,89 +46,86 @@ from lightning_sp.interop.hf_config import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
-    check_gpt2_config,
-    gpt2_config,
-    read_gpt2_config,
+    check_config,
+    config_fields,
+    read_config_json,
+    write_config,
 )
+from lightning_sp.interop.hf_types import HFModelType, WeightMap, hf_model_type, model_type_for
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
+from lightning_sp.parallel.state import ParallelState
 
 
 @dataclass(frozen=True)
-class WeightMap:
-    """One of our parameters and the GPT-2 tensor that holds it.
-
-    ``ours`` / ``hf`` are names with ``{i}`` for the layer number (``hf`` without the
-    ``transformer.`` prefix); ``conv1d``: GPT-2 stores it transposed; ``qkv``: its rows (our
-    dim 0) are the fused QKV in our per-head order.
-    """
+class Part:
+    """One of our parameters inside a Hugging Face tensor: rows ``[offset, offset + rows)``
+    of our dim 0 in the (untransposed) concatenation, of a parameter whose full shape, less
+    vocabulary padding, is ``shape``."""
 
     ours: str
-    hf: str
-    conv1d: bool = False
-    qkv: bool = False
+    offset: int
+    shape: tuple[int, ...]
 
 
-WEIGHTS = (
-    WeightMap("word_embeddings.weight", "wte.weight"),
-    WeightMap("position_embeddings", "wpe.weight"),
-    WeightMap("final_norm.weight", "ln_f.weight"),
-    WeightMap("final_norm.bias", "ln_f.bias"),
-)
-LAYER_WEIGHTS = (
-    WeightMap("layers.{i}.ln1.weight", "h.{i}.ln_1.weight"),
-    WeightMap("layers.{i}.ln1.bias", "h.{i}.ln_1.bias"),
-    WeightMap("layers.{i}.attention.qkv.weight", "h.{i}.attn.c_attn.weight", conv1d=True, qkv=True),
-    WeightMap("layers.{i}.attention.qkv.bias", "h.{i}.attn.c_attn.bias", qkv=True),
-    WeightMap("layers.{i}.attention.proj.weight", "h.{i}.attn.c_proj.weight", conv1d=True),
-    WeightMap("layers.{i}.attention.proj.bias", "h.{i}.attn.c_proj.bias"),
-    WeightMap("layers.{i}.ln2.weight", "h.{i}.ln_2.weight"),
-    WeightMap("layers.{i}.ln2.bias", "h.{i}.ln_2.bias"),
-    WeightMap("layers.{i}.mlp.fc1.weight", "h.{i}.mlp.c_fc.weight", conv1d=True),
-    WeightMap("layers.{i}.mlp.fc1.bias", "h.{i}.mlp.c_fc.bias"),
-    WeightMap("layers.{i}.mlp.fc2.weight", "h.{i}.mlp.c_proj.weight", conv1d=True),
-    WeightMap("layers.{i}.mlp.fc2.bias", "h.{i}.mlp.c_proj.bias"),
-)
-_BY_NAME = {w.ours: w for w in WEIGHTS + LAYER_WEIGHTS}
+@dataclass(frozen=True)
+class HFTensor:
+    """A Hugging Face tensor: its name, its stored shape, the parts of ours it concatenates,
+    and whether it is stored transposed."""
+
+    name: str
+    shape: tuple[int, ...]
+    parts: tuple[Part, ...]
+    transpose: bool
 
 
-def weight_map(global_name: str) -> tuple[WeightMap, str]:
-    """The :class:`WeightMap` of one of our global parameter names and the GPT-2 name."""
-    layer = None
-    key = global_name
+def _table(model_type: HFModelType) -> dict[str, WeightMap]:
+    return {w.ours: w for w in model_type.weights}
+
+
+def weight_map(model_type: HFModelType, global_name: str) -> tuple[WeightMap, str]:
+    """The :class:`WeightMap` of one of our global parameter names and its tensor's name."""
+    layer, key = None, global_name
     if global_name.startswith("layers."):
         _, layer, rest = global_name.split(".", 2)
         key = f"layers.{{i}}.{rest}"
-    if key not in _BY_NAME:
-        raise KeyError(f"{global_name!r} is not a GPT parameter with a GPT-2 counterpart")
-    mapping = _BY_NAME[key]
+    table = _table(model_type)
+    if key not in table:
+        raise KeyError(f"{global_name!r} has no {model_type.title} counterpart")
+    mapping = table[key]
     return mapping, mapping.hf.format(i=layer)
 
 
-def gpt2_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
-    """GPT-2 tensor name (no prefix) -> shape, for the ``config.json`` ``hf``."""
-    h, v, n = hf["n_embd"], hf["vocab_size"], hf["n_positions"]
-    f = hf.get("n_inner") or 4 * h
-    shapes = {"wte.weight": (v, h), "wpe.weight": (n, h), "ln_f.weight": (h,), "ln_f.bias": (h,)}
-    layer = {
-        "ln_1.weight": (h,), "ln_1.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,),
-        "attn.c_attn.weight": (h, 3 * h), "attn.c_attn.bias": (3 * h,),
-        "attn.c_proj.weight": (h, h), "attn.c_proj.bias": (h,),
-        "mlp.c_fc.weight": (h, f), "mlp.c_fc.bias": (f,),
-        "mlp.c_proj.weight": (f, h), "mlp.c_proj.bias": (h,),
-    }  # fmt: skip
-    for i in range(hf["n_layer"]):
-        shapes.update({f"h.{i}.{name}": shape for name, shape in layer.items()})
+def _full_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Our global parameter names and full shapes, vocabulary padding removed (a one-process
+    model of ``config`` built on the ``meta`` device: nothing is allocated)."""
+    meta_config = dataclasses.replace(config, recompute="none", sequence_parallel=False)
+    model = GPT(meta_config, ParallelState.single(), device="meta")
+    shapes = {}
+    for name, param in model.named_parameters():
+        shape = tuple(param.shape)
+        if getattr(param, "padded_vocab", False):
+            shape = (config.vocab_size, *shape[1:])
+        shapes[name] = shape
     return shapes
 
 
-def qkv_permutation(num_heads: int, head_dim: int) -> Tensor:
-    """For each of our fused QKV rows ``[head][q|k|v][d]``, its GPT-2 column
-    ``[q|k|v][head][d]``: ``perm[r]`` (a permutation of ``range(3h)``)."""
-    rows = torch.arange(3 * num_heads * head_dim)
-    head, within = rows // (3 * head_dim), rows % (3 * head_dim)
-    part, d = within // head_dim, within % head_dim
-    return part * (num_heads * head_dim) + head * head_dim + d
+def hf_layout(model_type: HFModelType, config: GPTConfig) -> dict[str, HFTensor]:
+    """Every Hugging Face tensor of the ``model_type`` model equal to ``config``, by name."""
+    grouped: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    transposed: dict[str, bool] = {}
+    for name, shape in _full_shapes(config).items():
+        mapping, hf_name = weight_map(model_type, name)
+        grouped.setdefault(hf_name, []).append((name, shape))
+        transposed[hf_name] = mapping.transpose
+    layout = {}
+    for hf_name, members in grouped.items():
+        offsets = itertools.accumulate((shape[0] for _, shape in members), initial=0)
+        parts = tuple(Part(n, o, s) for (n, s), o in zip(members, offsets, strict=False))
+        shape = (sum(s[0] for _, s in members), *members[0][1][1:])
+        stored = shape[::-1] if transposed[hf_name] else shape
+        layout[hf_name] = HFTensor(hf_name, stored, parts, transposed[hf_name])
+    return layout
 
 
 # -- reading slices -------------------------------------------------------------------------------
@@ -133,21 +138,31 @@ def _runs(index: Tensor) -> list[tuple[int, int]]:
     return [(int(index[a]), int(index[b - 1]) + 1) for a, b in itertools.pairwise(edges)]
 
 
-class GPT2Weights:
-    """Read access to a GPT-2 directory's safetensors file(s), a slice at a time.
-
-    A context manager; names are GPT-2's without the ``transformer.`` prefix, which files
-    written by ``save_pretrained`` carry and OpenAI's original upload does not.
-    """
+class HFWeights:
+    """Read access to a Hugging Face directory's safetensors file(s), a slice at a time: a
+    context manager with ``hf`` (its ``config.json``) and ``model_type``."""
 
     def __init__(self, directory: str | Path, field: str = "init_from") -> None:
         self.directory, self.field = Path(directory), field
-        self.hf = read_gpt2_config(directory, field)
+        self.where = f"{field}={str(directory)!r}"
+        self.hf = read_config_json(directory, field)
+        self.model_type = hf_model_type(self.hf, self.where)
         if (self.directory / WEIGHTS_FILE).is_file():
             files = [WEIGHTS_FILE]
+        elif not (self.directory / WEIGHTS_INDEX_FILE).is_file():
+            raise ConfigError(
+                f"{self.where} has no {WEIGHTS_FILE}; save the model with "
+                "save_pretrained(..., safe_serialization=True) (pytorch_model.bin is not read)"
+            )
         else:  # sharded: model.safetensors.index.json names the file of each tensor
-            index = json.loads((self.directory / WEIGHTS_INDEX_FILE).read_text())
-            files = sorted(set(index["weight_map"].values()))
+            try:
+                index = json.loads((self.directory / WEIGHTS_INDEX_FILE).read_text())
+                files = sorted(set(index["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+                raise ConfigError(
+                    f"{self.where}: {WEIGHTS_INDEX_FILE} is not a readable index "
+                    f"({type(error).__name__}: {error})"
+                ) from None
         self._stack = ExitStack()
         self._keys: dict[str, Any] = {}  # tensor name -> the open file holding it
         for file in files:
@@ -161,39 +176,57 @@ class GPT2Weights:
             self._stack.close()
             reason = (str(error).splitlines() or [type(error).__name__])[0]
             raise ConfigError(
-                f"{self.field}={str(self.directory)!r}: {file} is not a readable safetensors "
-                f"file ({reason})"
+                f"{self.where}: {file} is not a readable safetensors file ({reason})"
             ) from None
 
-    def __enter__(self) -> GPT2Weights:
+    def __enter__(self) -> HFWeights:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
+    @property
+    def model_name(self) -> str:
+        """The model in messages: ``the Llama model in '<dir>'``."""
+        return f"the {self.model_type.title} model in {str(self.directory)!r}"
+
+    def config_fields(self) -> dict[str, Any]:
+        """The ``GPTConfig`` field values of this model (``seq_length``: its position table)."""
+        return config_fields(self.model_type.config, self.hf, self.model_name)
+
+    def check_config(self, config: GPTConfig) -> None:
+        """:class:`ConfigError` (one line naming our field) unless ``config`` is this model."""
+        check_config(self.model_type.config, self.hf, config, self.model_name)
+
     def _key(self, name: str) -> str | None:
-        return next((k for k in (f"transformer.{name}", name) if k in self._keys), None)
+        prefix = self.model_type.optional_prefix
+        short = name.removeprefix(prefix) if prefix else name
+        return next((k for k in (name, short) if k in self._keys), None)
+
+    def layout(self) -> dict[str, HFTensor]:
+        """The tensors ``config.json`` implies (:func:`hf_layout` of its model, whose
+        ``seq_length`` is the whole position table)."""
+        return hf_layout(self.model_type, GPTConfig(**self.config_fields()))
 
     def check(self) -> None:
         """Raise :class:`ConfigError` unless every tensor ``config.json`` implies is in the
-        file with its shape (one line: the tensor, its shape, the expected shape)."""
-        where = f"{self.field}={str(self.directory)!r}"
-        for name, shape in gpt2_shapes(self.hf).items():
+        files with its shape (one line: the tensor, its shape, the expected shape)."""
+        for name, tensor in self.layout().items():
             key = self._key(name)
             if key is None:
                 raise ConfigError(
-                    f"{where}: the weights have no tensor {name!r}, which {CONFIG_FILE} implies "
-                    f"(n_layer={self.hf['n_layer']}); the files do not belong together"
+                    f"{self.where}: the weights have no tensor {name!r}, which {CONFIG_FILE} "
+                    "implies; the files do not belong together"
                 )
             found = tuple(self._keys[key].get_slice(key).get_shape())
-            if found != shape:
+            if found != tensor.shape:
                 raise ConfigError(
-                    f"{where}: tensor {key!r} has shape {list(found)} but {CONFIG_FILE} needs "
-                    f"{list(shape)}; the files do not belong together"
+                    f"{self.where}: tensor {key!r} has shape {list(found)} but {CONFIG_FILE} "
+                    f"needs {list(tensor.shape)}; the files do not belong together"
                 )
 
     def read(self, name: str, index: list[Tensor]) -> Tensor:
-        """``tensor[index[0]][:, index[1]]...`` of GPT-2 tensor ``name``, reading only those
+        """``tensor[index[0]][:, index[1]]...`` of tensor ``name``, reading only those
         elements: every dim but one must be a contiguous range; the one may be any list of
         ascending runs (read one run at a time)."""
         key = self._key(name)
@@ -208,41 +241,50 @@ class GPT2Weights:
         return torch.cat(pieces, split)
 
 
-def check_gpt2_directory(
-    directory: str | Path, config: GPTConfig, field: str = "init_from"
-) -> None:
-    """Everything :func:`load_gpt2_weights` needs, checked before any work: the directory is a
-    GPT-2 model, its sizes are ``config``'s, and its weights file has every tensor in shape."""
-    with GPT2Weights(directory, field) as weights:
-        check_gpt2_config(weights.hf, config, directory)
+def read_hf_config(
+    directory: str | Path, field: str = "init_from", **overrides: Any
+) -> GPTConfig:
+    """The ``GPTConfig`` of the Hugging Face model in ``directory`` (any supported
+    ``model_type``): its family's fields (``GPTConfig.of``), the sizes and options its
+    ``config.json`` gives (``seq_length``: its whole position table), then ``overrides``.
+    :class:`ConfigError` (one line) for a directory we cannot read."""
+    with HFWeights(directory, field) as weights:
+        fields = weights.config_fields()
+        return GPTConfig.of(weights.model_type.architecture, **{**fields, **overrides})
+
+
+def check_hf_directory(directory: str | Path, config: GPTConfig, field: str = "init_from") -> None:
+    """Everything :func:`load_hf_weights` needs, checked before any work: the directory is a
+    supported model, ``config`` is that model, and its weights have every tensor in shape."""
+    with HFWeights(directory, field) as weights:
+        weights.check_config(config)
         weights.check()
 
 
 @torch.no_grad()
-def load_gpt2_weights(model: GPT, directory: str | Path, field: str = "init_from") -> int:
+def load_hf_weights(model: GPT, directory: str | Path, field: str = "init_from") -> int:
     """Set every parameter of ``model`` (one rank's shard, any t / p / m) to its slice of the
-    GPT-2 weights in ``directory``, reading only that slice. Padded vocabulary rows become 0.
-    Returns the number of elements read from the file."""
+    Hugging Face weights in ``directory``, reading only that slice. Padded vocabulary rows
+    become 0. Returns the number of elements read from the files."""
     config = model.config
-    perm = qkv_permutation(config.num_heads, config.head_dim)
     elements = 0
-    with GPT2Weights(directory, field) as weights:
-        check_gpt2_config(weights.hf, config, directory)
-        hf_shapes = gpt2_shapes(weights.hf)
+    with HFWeights(directory, field) as weights:
+        weights.check_config(config)
+        layout = weights.layout()
+        parts = {part.ours: (tensor, part) for tensor in layout.values() for part in tensor.parts}
         for name, param in model.named_parameters():
-            mapping, hf_name = weight_map(model.global_name(name))
-            extent = hf_shapes[hf_name][::-1] if mapping.conv1d else hf_shapes[hf_name]
+            tensor, part = parts[model.global_name(name)]
             spec = param.shard  # type: ignore[attr-defined]
-            index = []  # per dim of ours: the rows of the full tensor this shard holds
+            index = []  # per dim of ours: the rows of the HF tensor this shard holds
             for dim, size in enumerate(param.shape):
                 start = spec.start if spec.dim == dim else 0
-                rows = torch.arange(start, max(start, min(start + size, extent[dim])))
-                index.append(perm[rows] if mapping.qkv and dim == 0 else rows)
+                rows = torch.arange(start, max(start, min(start + size, part.shape[dim])))
+                index.append(rows + part.offset if dim == 0 else rows)
             param.zero_()
             if any(len(rows) == 0 for rows in index):  # a shard of padding only
                 continue
-            block = weights.read(hf_name, index[::-1] if mapping.conv1d else index)
-            block = block.t() if mapping.conv1d else block
+            block = weights.read(tensor.name, index[::-1] if tensor.transpose else index)
+            block = block.t() if tensor.transpose else block
             param[tuple(slice(0, n) for n in block.shape)].copy_(block)
             elements += block.numel()
     return elements
@@ -251,22 +293,36 @@ def load_gpt2_weights(model: GPT, directory: str | Path, field: str = "init_from
 # -- export ---------------------------------------------------------------------------------------
 
 
-def to_gpt2_tensor(global_name: str, full: Tensor, config: GPTConfig) -> tuple[str, Tensor]:
-    """One of our full parameters (any vocabulary padding) as GPT-2's named tensor."""
-    mapping, hf_name = weight_map(global_name)
-    tensor = full.detach()
-    if mapping.ours == "word_embeddings.weight":
-        tensor = tensor[: config.vocab_size]  # drop padding
-    if mapping.qkv:
-        reordered = torch.empty_like(tensor)
-        reordered[qkv_permutation(config.num_heads, config.head_dim)] = tensor
-        tensor = reordered
-    if mapping.conv1d:
-        tensor = tensor.t()
-    return f"transformer.{hf_name}", tensor.contiguous().clone()
+def hf_tensors(
+    model_type: HFModelType, config: GPTConfig, tensors: Iterable[tuple[str, Tensor]]
+) -> dict[str, Tensor]:
+    """The Hugging Face tensors, by name, of ``(global name, full tensor)`` pairs holding each
+    of our parameters once, whole (vocabulary padding allowed); a repeat (a pipeline stage's
+    copy of the tied embedding) must be equal."""
+    layout = hf_layout(model_type, config)
+    owner = {part.ours: part for tensor in layout.values() for part in tensor.parts}
+    ours: dict[str, Tensor] = {}
+    for name, full in tensors:
+        if name not in owner:
+            raise ValueError(f"{name!r} is not a parameter of this config's model")
+        part = owner[name]
+        tensor = full.detach()[: part.shape[0]]  # drops vocabulary padding
+        if tuple(tensor.shape) != part.shape:
+            raise ValueError(f"{name} has shape {list(full.shape)}, not {list(part.shape)}")
+        if name in ours and not torch.equal(ours[name], tensor):
+            raise ValueError(f"{name} given twice with different values")
+        ours[name] = tensor
+    out = {}
+    for hf_name, tensor in layout.items():
+        missing = [p.ours for p in tensor.parts if p.ours not in ours]
+        if missing:
+            raise ValueError(f"no tensor for {missing[0]} ({model_type.title}'s {hf_name})")
+        joined = torch.cat([ours[p.ours] for p in tensor.parts])
+        out[hf_name] = (joined.t() if tensor.transpose else joined).contiguous().clone()
+    return out
 
 
-def save_gpt2(
+def save_hf(
     config: GPTConfig,
     tensors: Iterable[tuple[str, Tensor]],
     output: str | Path,
@@ -275,24 +331,14 @@ def save_gpt2(
     tokenizer_file: str | Path | None = None,
     eos_token: str | None = None,
 ) -> Path:
-    """Write a Hugging Face GPT-2 directory from ``(global name, full tensor)`` pairs.
-
-    ``tensors`` must hold each of our global parameters (``GPT.global_name``) once, whole
-    (vocabulary padding allowed); a repeat (a pipeline stage's copy of the tied embedding) must
-    be equal. Writes ``config.json``, ``model.safetensors`` and, given ``tokenizer_file`` (a
-    ``tokenizers`` ``tokenizer.json``), that file with a ``tokenizer_config.json`` naming
-    ``eos_token``. Returns the directory.
-    """
-    out: dict[str, Tensor] = {}
-    for name, full in tensors:
-        key, tensor = to_gpt2_tensor(name, full, config)
-        if key in out and not torch.equal(out[key], tensor):
-            raise ValueError(f"{name} given twice with different values")
-        out[key] = tensor
-    hf = gpt2_config(config, eos_token_id=eos_token_id)
-    missing = [n for n in gpt2_shapes(hf) if f"transformer.{n}" not in out]
-    if missing:
-        raise ValueError(f"no tensor for GPT-2's {missing[0]} (and {len(missing) - 1} more)")
+    """Write a Hugging Face directory of the model type that holds ``config``
+    (:func:`~lightning_sp.interop.hf_types.model_type_for`: GPT-2 or Llama) from ``(global
+    name, full tensor)`` pairs (see :func:`hf_tensors`). Writes ``config.json``,
+    ``model.safetensors`` and, given ``tokenizer_file`` (a ``tokenizers`` ``tokenizer.json``),
+    that file with a ``tokenizer_config.json`` naming ``eos_token``. Returns the directory."""
+    model_type = model_type_for(config)
+    out = hf_tensors(model_type, config, tensors)
+    hf = write_config(model_type.config, config, eos_token_id=eos_token_id)
     dtypes = {t.dtype for t in out.values()}
     hf["dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
     path = Path(output)

@@ -1,14 +1,22 @@
-"""Hugging Face GPT-2's ``config.json`` against :class:`GPTConfig`: read, check, write.
+"""A Hugging Face ``config.json`` against :class:`GPTConfig`, as data: each model type lists
+its :class:`ConfigField` s (one of our fields, the ``config.json`` key that holds it and how to
+convert) and its :class:`Option` s (``config.json`` keys with no field of ours, which must hold
+the value this GPT computes). From those lists alone:
 
-Our GPT is GPT-2's architecture (learned positions, pre-LayerNorm, GeLU MLP, tied
-embeddings, attention scaled by 1/√d), so a GPT-2 directory fits a ``GPTConfig`` when the
-sizes agree field by field. Every mismatch is one :class:`ConfigError` line naming our field,
-its value and the value the directory needs.
+* :func:`config_fields` reads a ``config.json`` into ``GPTConfig`` field values;
+* :func:`check_config` checks a ``GPTConfig`` against one (one :class:`ConfigError` line per
+  mismatch: our field, its value, the value the directory needs);
+* :func:`write_config` writes the ``config.json`` keys of a ``GPTConfig``.
+
+A model type can hold a config exactly when the config survives writing and reading back
+(:func:`fits`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,124 +27,179 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
-# Hugging Face's activation_function -> our GPTConfig.activation
-ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
-# what export writes: torch's own tanh GeLU, so the exported model computes exactly ours
-EXPORTED_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
-
-# GPT-2 options our model does not have, with the value it computes
-UNSUPPORTED_OPTIONS = {
-    "scale_attn_weights": True,
-    "scale_attn_by_inverse_layer_idx": False,
-    "reorder_and_upcast_attn": False,
-    "add_cross_attention": False,
-    "tie_word_embeddings": True,
-}
+_MISSING = object()
 
 
-def read_gpt2_config(directory: str | Path, field: str = "init_from") -> dict[str, Any]:
-    """The ``config.json`` of a local GPT-2 directory (``field`` names the option that gave it
-    in error messages). Raises :class:`ConfigError` when the directory, its ``config.json``
-    or its weights file is missing, or when it is not a GPT-2 model."""
+@dataclass(frozen=True)
+class ConfigField:
+    """One of our config fields and where a ``config.json`` holds it.
+
+    ``hf`` is the key (``None``: the model type fixes the value, ``default``). ``choices``
+    maps the key's values to ours (a value outside it is one the model does not compute).
+    ``read(hf)`` overrides the lookup (several keys, legacy names); ``write(config)`` the
+    written value; ``value(config)`` what of ours is compared (a property such as
+    ``ffn_size``; default the field). ``at_most``: ours may be smaller (``seq_length``
+    against the position table).
+    """
+
+    ours: str
+    hf: str | None = None
+    default: Any = _MISSING
+    choices: Mapping[Any, Any] | None = None
+    read: Callable[[Mapping[str, Any]], Any] | None = None
+    write: Callable[[GPTConfig], Any] | None = None
+    value: Callable[[GPTConfig], Any] | None = None
+    at_most: bool = False
+
+    def raw(self, hf: Mapping[str, Any]) -> Any:
+        """The ``config.json`` value (before ``choices``), or ``default``."""
+        if self.read is not None:
+            return self.read(hf)
+        if self.hf is None or self.hf not in hf or hf[self.hf] is None:
+            return self.default
+        return hf[self.hf]
+
+    def ours_from(self, hf: Mapping[str, Any], where: str) -> Any:
+        """Our field's value in the model whose ``config.json`` is ``hf``."""
+        raw = self.raw(hf)
+        if raw is _MISSING:
+            raise ConfigError(f"{where} has no {self.hf} in {CONFIG_FILE}")
+        if self.choices is None:
+            return raw
+        if raw not in self.choices:
+            valid = ", ".join(repr(c) for c in self.choices)
+            raise ConfigError(
+                f"{where} uses {self.hf}={raw!r}, which this GPT does not compute; valid: {valid}"
+            )
+        return self.choices[raw]
+
+    def of(self, config: GPTConfig) -> Any:
+        """Our value, as compared."""
+        return self.value(config) if self.value is not None else getattr(config, self.ours)
+
+    def written(self, config: GPTConfig) -> Any:
+        """The ``config.json`` value for ``config``."""
+        if self.write is not None:
+            return self.write(config)
+        ours = self.of(config)
+        if self.choices is None:
+            return ours
+        for theirs, value in self.choices.items():  # the first spelling is the one written
+            if value == ours:
+                return theirs
+        valid = ", ".join(repr(v) for v in dict.fromkeys(self.choices.values()))
+        raise ConfigError(f"{self.ours}={ours!r} has no {self.hf} value; valid: {valid}")
+
+
+@dataclass(frozen=True)
+class Option:
+    """A ``config.json`` key with no field of ours: ``computes(hf)`` is the value this GPT
+    computes given the rest of the config (a constant for most)."""
+
+    hf: str
+    computes: Callable[[Mapping[str, Any]], Any]
+
+    @classmethod
+    def constant(cls, hf: str, value: Any) -> Option:
+        return cls(hf, lambda _: value)
+
+
+@dataclass(frozen=True)
+class ConfigTable:
+    """What a model type's ``config.json`` says: its fields and options, and the keys only
+    written (``extra(config, eos_token_id)``: class names, dropouts, token ids)."""
+
+    title: str
+    """The model's name in messages (``GPT-2``, ``Llama``)."""
+    fields: tuple[ConfigField, ...]
+    options: tuple[Option, ...] = ()
+    extra: Callable[[GPTConfig, int | None], dict[str, Any]] = field(
+        default=lambda config, eos: {}
+    )
+
+
+def read_config_json(directory: str | Path, field: str = "init_from") -> dict[str, Any]:
+    """The ``config.json`` of a local Hugging Face directory (``field`` names the option that
+    gave it in error messages). :class:`ConfigError` when the directory or its ``config.json``
+    is missing or unreadable."""
     path = Path(directory)
+    where = f"{field}={str(directory)!r}"
+    advice = "give a local Hugging Face model directory (as written by save_pretrained)"
     if not path.is_dir():
-        raise ConfigError(
-            f"{field}={str(directory)!r} is not a directory; give a local Hugging Face GPT-2 "
-            "directory (as written by save_pretrained)"
-        )
+        raise ConfigError(f"{where} is not a directory; {advice}")
     if not (path / CONFIG_FILE).is_file():
-        raise ConfigError(
-            f"{field}={str(directory)!r} has no {CONFIG_FILE}; give a local Hugging Face GPT-2 "
-            "directory (as written by save_pretrained)"
-        )
+        raise ConfigError(f"{where} has no {CONFIG_FILE}; {advice}")
     try:
         hf = json.loads((path / CONFIG_FILE).read_text())
     except (OSError, json.JSONDecodeError) as error:
         reason = str(error).splitlines()[0]
-        raise ConfigError(
-            f"{field}={str(directory)!r}: {CONFIG_FILE} is not readable JSON ({reason})"
-        ) from None
-    model_type = hf.get("model_type") if isinstance(hf, dict) else None
-    if model_type != "gpt2":
-        raise ConfigError(
-            f"{field}={str(directory)!r} is not a GPT-2 model: {CONFIG_FILE} has "
-            f"model_type={model_type!r}; give a directory with model_type 'gpt2'"
-        )
-    if not (path / WEIGHTS_FILE).is_file() and not (path / WEIGHTS_INDEX_FILE).is_file():
-        raise ConfigError(
-            f"{field}={str(directory)!r} has no {WEIGHTS_FILE}; save the model with "
-            "save_pretrained(..., safe_serialization=True) (pytorch_model.bin is not read)"
-        )
+        raise ConfigError(f"{where}: {CONFIG_FILE} is not readable JSON ({reason})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{where}: {CONFIG_FILE} is not a JSON object")
     return hf
 
 
-def check_gpt2_config(hf: dict[str, Any], config: GPTConfig, directory: str | Path) -> None:
-    """Raise :class:`ConfigError` (one line naming our field) unless ``config`` has the sizes
-    and options of the GPT-2 model whose ``config.json`` is ``hf``.
+def config_fields(table: ConfigTable, hf: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The ``GPTConfig`` field values of the model whose ``config.json`` is ``hf``
+    (``seq_length``: the full position table). :class:`ConfigError` for a value this GPT
+    does not compute."""
+    return {f.ours: f.ours_from(hf, where) for f in table.fields}
 
-    ``seq_length`` may be shorter than GPT-2's ``n_positions`` (the first rows are used).
-    """
-    where = f"the GPT-2 model in {str(directory)!r}"
-    inner = hf.get("n_inner") or 4 * hf.get("n_embd", 0)
-    equal = (
-        ("vocab_size", config.vocab_size, "vocab_size", hf.get("vocab_size")),
-        ("hidden_size", config.hidden_size, "n_embd", hf.get("n_embd")),
-        ("num_layers", config.num_layers, "n_layer", hf.get("n_layer")),
-        ("num_heads", config.num_heads, "n_head", hf.get("n_head")),
-        ("ffn_hidden_size", config.ffn_size, "n_inner", inner),
-        ("layernorm_eps", config.layernorm_eps, "layer_norm_epsilon", hf.get("layer_norm_epsilon")),
-    )
-    for ours, value, theirs, needed in equal:
-        if value != needed:
+
+def check_config(
+    table: ConfigTable, hf: Mapping[str, Any], config: GPTConfig, where: str
+) -> None:
+    """Raise :class:`ConfigError` (one line naming our field, or the option) unless ``config``
+    is the model whose ``config.json`` is ``hf``. ``where`` names the model in messages."""
+    for f in table.fields:
+        needed, value = f.ours_from(hf, where), f.of(config)
+        theirs = f"{f.hf}={f.raw(hf)!r}" if f.hf is not None else f"its {f.ours}={needed!r}"
+        if f.at_most:
+            if not isinstance(needed, int) or value > needed:
+                raise ConfigError(
+                    f"{f.ours}={value!r} exceeds {theirs} of {where}; use {f.ours} <= {needed}"
+                )
+        elif value != needed:
             raise ConfigError(
-                f"{ours}={value} does not match {theirs}={needed} of {where}; set {ours}: {needed}"
+                f"{f.ours}={value!r} does not match {theirs} of {where}; "
+                f"set {f.ours}: {_yaml(needed)}"
             )
-    positions = hf.get("n_positions")
-    if not isinstance(positions, int) or config.seq_length > positions:
-        raise ConfigError(
-            f"seq_length={config.seq_length} exceeds n_positions={positions} of {where}; "
-            f"use seq_length <= {positions}"
-        )
-    activation = hf.get("activation_function")
-    if activation not in ACTIVATIONS:
-        raise ConfigError(
-            f"{where} uses activation_function={activation!r}, which our MLP does not compute; "
-            f"valid: {', '.join(ACTIVATIONS)}"
-        )
-    if config.activation != ACTIVATIONS[activation]:
-        raise ConfigError(
-            f"activation={config.activation!r} does not match activation_function="
-            f"{activation!r} of {where}; set activation: {ACTIVATIONS[activation]}"
-        )
-    for option, computed in UNSUPPORTED_OPTIONS.items():
-        if hf.get(option, computed) != computed:
+    for option in table.options:
+        computed = option.computes(hf)
+        given = hf.get(option.hf, computed)
+        if given is not None and given != computed:
             raise ConfigError(
-                f"{where} sets {option}={hf[option]!r}; this GPT computes {option}={computed}"
+                f"{where} sets {option.hf}={given!r}; this GPT computes {option.hf}={computed!r}"
             )
 
 
-def gpt2_config(
-    config: GPTConfig, *, eos_token_id: int | None = None, dtype: str = "float32"
+def write_config(
+    table: ConfigTable, config: GPTConfig, *, eos_token_id: int | None = None
 ) -> dict[str, Any]:
-    """The ``config.json`` of the GPT-2 model equal to ``config`` (positions: ``seq_length``;
-    dropouts as trained; ``eos_token_id`` also serves as the BOS token, as in GPT-2)."""
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": config.vocab_size,
-        "n_positions": config.seq_length,
-        "n_embd": config.hidden_size,
-        "n_layer": config.num_layers,
-        "n_head": config.num_heads,
-        "n_inner": config.ffn_size,
-        "activation_function": EXPORTED_ACTIVATION[config.activation],
-        "resid_pdrop": config.hidden_dropout,
-        "embd_pdrop": config.hidden_dropout,
-        "attn_pdrop": config.attention_dropout,
-        "layer_norm_epsilon": config.layernorm_eps,
-        "initializer_range": config.init_std,
-        "bos_token_id": eos_token_id,
-        "eos_token_id": eos_token_id,
-        "dtype": dtype,
-        **UNSUPPORTED_OPTIONS,
-    }
+    """The ``config.json`` of the model equal to ``config`` (positions: ``seq_length``)."""
+    hf: dict[str, Any] = dict(table.extra(config, eos_token_id))
+    for f in table.fields:
+        if f.hf is not None:
+            hf[f.hf] = f.written(config)
+    for option in table.options:
+        hf[option.hf] = option.computes(hf)
+    return hf
+
+
+def fits(table: ConfigTable, config: GPTConfig) -> str | None:
+    """``None`` if the model type holds ``config`` exactly (written and read back, it checks),
+    else the one-line reason."""
+    try:
+        check_config(table, write_config(table, config), config, f"a {table.title} model")
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def _yaml(value: Any) -> str:
+    """A value as one writes it in a YAML config."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)

@@ -1,10 +1,11 @@
 """``python cli.py export --ckpt_path CKPT --output DIR``: a checkpoint of any layout as a
-Hugging Face GPT-2 directory.
+Hugging Face directory of the model type that holds its architecture (GPT-2 or Llama,
+:func:`lightning_sp.interop.hf_types.model_type_for`).
 
 This module only *reads* the checkpoint (a ``megatron_sp`` DCP directory,
 :mod:`lightning_sp.training.checkpoint`, whose keys are global parameter names; or a
 one-process Lightning ``.ckpt`` file) into layout-free ``(global name, full tensor)`` pairs;
-:func:`lightning_sp.interop.hf.save_gpt2` turns those into the directory. DCP assembles one
+:func:`lightning_sp.interop.hf.save_hf` turns those into the directory. DCP assembles one
 full tensor at a time from whichever ranks' shards hold its pieces, so no full model is held
 beyond the output.
 """
@@ -26,7 +27,7 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.interop.hf import save_gpt2
+from lightning_sp.interop.hf import save_hf
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.training.checkpoint import verify
 from lightning_sp.training.data import BYTE_EOS_ID, EOS_TOKENS
@@ -126,14 +127,14 @@ def _tokenizer(ckpt: CheckpointModel, override: str | None) -> tuple[str | None,
 def export_checkpoint(
     ckpt_path: str | Path, output: str | Path, tokenizer: str | None = None
 ) -> Path:
-    """Write the checkpoint at ``ckpt_path`` (any layout) as a Hugging Face GPT-2 directory at
+    """Write the checkpoint at ``ckpt_path`` (any layout) as a Hugging Face directory at
     ``output``, with the run's tokenizer files when it used a ``tokenizer.json`` (or
     ``tokenizer``, which must be the same file)."""
     ckpt = open_checkpoint(ckpt_path)
     tokenizer_file, eos_token, eos_id = _tokenizer(ckpt, tokenizer)
     if Path(output).is_file():
         raise ConfigError(f"output={str(output)!r} is a file; give a directory")
-    return save_gpt2(
+    return save_hf(
         ckpt.config,
         iter_full_tensors(ckpt),
         output,
@@ -147,8 +148,9 @@ def main(argv: list[str]) -> int:
     """``cli.py export``'s entry point."""
     parser = argparse.ArgumentParser(
         prog="cli.py export",
-        description="Write a checkpoint (any layout) as a Hugging Face GPT-2 directory that "
-        "transformers.GPT2LMHeadModel.from_pretrained loads.",
+        description="Write a checkpoint (any layout) as a Hugging Face directory that "
+        "transformers.AutoModelForCausalLM.from_pretrained loads (GPT2LMHeadModel or "
+        "LlamaForCausalLM, by the model's architecture).",
     )
     parser.add_argument("--ckpt_path", required=True, help="checkpoint directory or .ckpt file")
     parser.add_argument("--output", required=True, help="directory to write")

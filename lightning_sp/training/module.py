@@ -26,7 +26,7 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.interop.hf import check_gpt2_directory, load_gpt2_weights
+from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
@@ -62,9 +62,10 @@ class GPTModule(LightningModule):
         config: The model (``lightning_sp.GPTConfig``). Under ``megatron_sp`` the strategy's
             ``sequence_parallel`` decides that field.
         optimizer: AdamW and learning-rate schedule settings.
-        init_from: A local Hugging Face GPT-2 directory (``config.json`` +
-            ``model.safetensors``) to start from instead of the seeded initialisation; each
-            rank reads only its own slices. Its sizes must equal ``config``'s (checked here).
+        init_from: A local Hugging Face directory of a GPT-2 or Llama model (``config.json``
+            + ``model.safetensors``, or shards with ``model.safetensors.index.json``) to start
+            from instead of the seeded initialisation; each rank reads only its own slices.
+            Its architecture and sizes must equal ``config``'s (checked here).
         compile_layers: ``torch.compile`` each transformer layer, in any layout (see
             :func:`~lightning_sp.training.validation.check_compile`). Measured on CPU (torch
             2.13; t=1, t=2 + SP with lean recompute, p=2): the eager loss, gradients within
@@ -93,7 +94,7 @@ class GPTModule(LightningModule):
         check_optimizer(self.optimizer_config)
         self.init_from = init_from
         if init_from is not None:
-            check_gpt2_directory(init_from, self.config)
+            check_hf_directory(init_from, self.config)
         self.generation.validate()
         self.save_hyperparameters(
             {
@@ -189,7 +190,7 @@ class GPTModule(LightningModule):
         """Overwrite the seeded weights with ``init_from``'s (this rank's slices only)."""
         if self.init_from is not None:
             for chunk in self.chunks:
-                load_gpt2_weights(chunk, self.init_from)
+                load_hf_weights(chunk, self.init_from)
 
     def _resolve_auto_recompute(self, config: GPTConfig, state: ParallelState) -> GPTConfig:
         """Pick the least recomputation that fits this device (the memory planner)."""

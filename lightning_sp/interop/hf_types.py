@@ -1,0 +1,265 @@
+"""The Hugging Face model types we read and write, as data: per ``model_type`` its
+``config.json`` table (:class:`~lightning_sp.interop.hf_config.ConfigTable`) and its weight
+table (:class:`WeightMap` rows: our parameter name -> the Hugging Face tensor).
+
+Which of our parameters exist is the model's business (its descriptors: a norm with or
+without bias, ``fc1`` or ``gate`` + ``up``, learned positions or RoPE, tied or untied output);
+a weight table only names, for each parameter a model of that family can have, the tensor that
+holds it. Several of our parameters may share one tensor (GPT-2's ``c_attn`` holds query, key
+and value): they are concatenated along our dim 0 in table order.
+
+A new Hugging Face family made of parts we have is one :class:`HFModelType` entry in
+:data:`HF_MODEL_TYPES`; nothing else asks which family it is looking at.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_sp.errors import ConfigError
+from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option, fits
+from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.ops import RopeScaling
+
+
+@dataclass(frozen=True)
+class WeightMap:
+    """One of our parameters (``ours``, a global name with ``{i}`` for the layer) and the
+    Hugging Face tensor that holds it (``hf``, the name ``save_pretrained`` writes);
+    ``transpose``: stored ``[in, out]`` (GPT-2's ``Conv1D``) where ours is ``[out, in]``."""
+
+    ours: str
+    hf: str
+    transpose: bool = False
+
+
+def linear(ours: str, hf: str, transpose: bool = False) -> tuple[WeightMap, ...]:
+    """The weight and bias rows of a linear layer (modules ``ours`` and ``hf``)."""
+    return (WeightMap(f"{ours}.weight", f"{hf}.weight", transpose), WeightMap(f"{ours}.bias", f"{hf}.bias"))  # fmt: skip
+
+
+def norm(ours: str, hf: str) -> tuple[WeightMap, ...]:
+    """The weight and (LayerNorm) bias rows of a norm."""
+    return linear(ours, hf)
+
+
+@dataclass(frozen=True)
+class HFModelType:
+    """A Hugging Face model family: ``model_type``, its ``*ForCausalLM`` class, our
+    architecture family it reads into (``GPTConfig.of``: dropouts and the rest), the
+    ``config.json`` table and the weight table. ``optional_prefix``: a prefix that files
+    written elsewhere may lack (OpenAI's GPT-2 upload has no ``transformer.``)."""
+
+    model_type: str
+    hf_class: str
+    architecture: str
+    config: ConfigTable
+    weights: tuple[WeightMap, ...]
+    optional_prefix: str = ""
+
+    @property
+    def title(self) -> str:
+        return self.config.title
+
+
+# -- GPT-2 ------------------------------------------------------------------------------------
+
+GPT2_CLASS = "GPT2LMHeadModel"
+# activation_function -> ours; export writes the first: torch's own tanh GeLU for gelu_tanh,
+# so the exported model computes exactly ours (OpenAI's gelu_new is the same function)
+_GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+
+
+def _gpt2_extra(config: GPTConfig, eos: int | None) -> dict[str, Any]:
+    return {
+        "architectures": [GPT2_CLASS],
+        "model_type": "gpt2",
+        "resid_pdrop": config.hidden_dropout,
+        "embd_pdrop": config.hidden_dropout,
+        "attn_pdrop": config.attention_dropout,
+        "initializer_range": config.init_std,
+        "bos_token_id": eos,  # GPT-2's end-of-text token also begins documents
+        "eos_token_id": eos,
+    }
+
+
+GPT2 = HFModelType(
+    model_type="gpt2",
+    hf_class=GPT2_CLASS,
+    architecture="gpt2",
+    config=ConfigTable(
+        title="GPT-2",
+        fields=(
+            ConfigField("vocab_size", "vocab_size"),
+            ConfigField("hidden_size", "n_embd"),
+            ConfigField("num_layers", "n_layer"),
+            ConfigField("num_heads", "n_head"),
+            ConfigField("num_query_groups", "n_head", value=lambda c: c.groups, write=lambda c: c.num_heads),  # fmt: skip
+            ConfigField(
+                "ffn_hidden_size", "n_inner", value=lambda c: c.ffn_size,
+                read=lambda hf: hf.get("n_inner") or 4 * hf.get("n_embd", 0),
+            ),  # fmt: skip
+            ConfigField("seq_length", "n_positions", at_most=True),
+            ConfigField("layernorm_eps", "layer_norm_epsilon", default=1e-5),
+            ConfigField("activation", "activation_function", choices=_GPT2_ACTIVATIONS),
+            ConfigField("normalization", default="layernorm"),
+            ConfigField("position_embedding", default="learned"),
+            ConfigField("bias", default=True),
+            ConfigField("tie_embeddings", default=True),
+        ),
+        options=tuple(
+            Option.constant(key, value)
+            for key, value in {
+                "scale_attn_weights": True,
+                "scale_attn_by_inverse_layer_idx": False,
+                "reorder_and_upcast_attn": False,
+                "add_cross_attention": False,
+                "tie_word_embeddings": True,
+            }.items()
+        ),
+        extra=_gpt2_extra,
+    ),
+    weights=(
+        WeightMap("word_embeddings.weight", "transformer.wte.weight"),
+        WeightMap("position_embeddings", "transformer.wpe.weight"),
+        *norm("final_norm", "transformer.ln_f"),
+        *norm("layers.{i}.ln1", "transformer.h.{i}.ln_1"),
+        *linear("layers.{i}.attention.query", "transformer.h.{i}.attn.c_attn", True),
+        *linear("layers.{i}.attention.key", "transformer.h.{i}.attn.c_attn", True),
+        *linear("layers.{i}.attention.value", "transformer.h.{i}.attn.c_attn", True),
+        *linear("layers.{i}.attention.proj", "transformer.h.{i}.attn.c_proj", True),
+        *norm("layers.{i}.ln2", "transformer.h.{i}.ln_2"),
+        *linear("layers.{i}.mlp.fc1", "transformer.h.{i}.mlp.c_fc", True),
+        *linear("layers.{i}.mlp.fc2", "transformer.h.{i}.mlp.c_proj", True),
+    ),
+    optional_prefix="transformer.",
+)
+
+
+# -- Llama ------------------------------------------------------------------------------------
+
+
+LLAMA_CLASS = "LlamaForCausalLM"
+
+
+def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """RoPE's parameters: ``rope_parameters`` (transformers 5) or the older ``rope_theta``
+    and ``rope_scaling``."""
+    rope = dict(hf.get("rope_scaling") or {})
+    rope.update(hf.get("rope_parameters") or {})
+    if "rope_theta" not in rope:
+        rope["rope_theta"] = hf.get("rope_theta", 10000.0)
+    return rope
+
+
+_SCALING_FIELDS = tuple(f.name for f in dataclasses.fields(RopeScaling))
+
+
+def _rope_scaling(hf: Mapping[str, Any]) -> RopeScaling | None:
+    rope = _rope(hf)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ConfigError(
+            f"rope_type={kind!r} (rope scaling) is not computed by this GPT; valid: "
+            "'default', 'llama3'"
+        )
+    return RopeScaling(**{k: rope[k] for k in _SCALING_FIELDS if k in rope})
+
+
+def _write_rope_scaling(config: GPTConfig) -> dict[str, Any] | None:
+    if config.rope_scaling is None:
+        return None
+    return {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)}
+
+
+def _llama_extra(config: GPTConfig, eos: int | None) -> dict[str, Any]:
+    return {
+        "architectures": [LLAMA_CLASS],
+        "model_type": "llama",
+        "attention_dropout": config.attention_dropout,
+        "initializer_range": config.init_std,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+    }
+
+
+LLAMA = HFModelType(
+    model_type="llama",
+    hf_class=LLAMA_CLASS,
+    architecture="llama",
+    config=ConfigTable(
+        title="Llama",
+        fields=(
+            ConfigField("vocab_size", "vocab_size"),
+            ConfigField("hidden_size", "hidden_size"),
+            ConfigField("num_layers", "num_hidden_layers"),
+            ConfigField("num_heads", "num_attention_heads"),
+            ConfigField(
+                "num_query_groups", "num_key_value_heads", value=lambda c: c.groups,
+                read=lambda hf: hf.get("num_key_value_heads") or hf.get("num_attention_heads"),
+            ),  # fmt: skip
+            ConfigField("ffn_hidden_size", "intermediate_size", value=lambda c: c.ffn_size),
+            ConfigField("seq_length", "max_position_embeddings", at_most=True),
+            ConfigField("layernorm_eps", "rms_norm_eps", default=1e-6),
+            ConfigField("activation", "hidden_act", choices={"silu": "swiglu"}),
+            ConfigField("normalization", default="rmsnorm"),
+            ConfigField("position_embedding", default="rope"),
+            ConfigField("rope_theta", "rope_theta", read=lambda hf: _rope(hf)["rope_theta"]),
+            ConfigField("rope_scaling", "rope_scaling", read=_rope_scaling, write=_write_rope_scaling),  # fmt: skip
+            ConfigField("bias", "attention_bias", default=False),
+            ConfigField("bias", "mlp_bias", default=False),
+            ConfigField("tie_embeddings", "tie_word_embeddings", default=False),
+        ),
+        options=(
+            Option("head_dim", lambda hf: hf["hidden_size"] // hf["num_attention_heads"]),
+            Option.constant("pretraining_tp", 1),
+        ),
+        extra=_llama_extra,
+    ),
+    weights=(
+        WeightMap("word_embeddings.weight", "model.embed_tokens.weight"),
+        WeightMap("output.weight", "lm_head.weight"),
+        *norm("final_norm", "model.norm"),
+        *norm("layers.{i}.ln1", "model.layers.{i}.input_layernorm"),
+        *linear("layers.{i}.attention.query", "model.layers.{i}.self_attn.q_proj"),
+        *linear("layers.{i}.attention.key", "model.layers.{i}.self_attn.k_proj"),
+        *linear("layers.{i}.attention.value", "model.layers.{i}.self_attn.v_proj"),
+        *linear("layers.{i}.attention.proj", "model.layers.{i}.self_attn.o_proj"),
+        *norm("layers.{i}.ln2", "model.layers.{i}.post_attention_layernorm"),
+        *linear("layers.{i}.mlp.gate", "model.layers.{i}.mlp.gate_proj"),
+        *linear("layers.{i}.mlp.up", "model.layers.{i}.mlp.up_proj"),
+        *linear("layers.{i}.mlp.fc2", "model.layers.{i}.mlp.down_proj"),
+    ),
+)
+
+
+HF_MODEL_TYPES: dict[str, HFModelType] = {m.model_type: m for m in (GPT2, LLAMA)}
+"""Every Hugging Face model type we read and write, by ``config.json`` ``model_type``."""
+
+
+def hf_model_type(hf: Mapping[str, Any], where: str) -> HFModelType:
+    """The model type of the ``config.json`` ``hf``; :class:`ConfigError` if we have none."""
+    model_type = hf.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise ConfigError(
+            f"{where} is not a supported model: config.json has model_type={model_type!r}; "
+            f"valid: {', '.join(repr(m) for m in HF_MODEL_TYPES)}"
+        )
+    return HF_MODEL_TYPES[model_type]
+
+
+def model_type_for(config: GPTConfig) -> HFModelType:
+    """The Hugging Face model type that holds ``config`` exactly (the first that fits);
+    :class:`ConfigError` naming each type's first mismatch if none does."""
+    reasons = []
+    for model_type in HF_MODEL_TYPES.values():
+        reason = fits(model_type.config, config)
+        if reason is None:
+            return model_type
+        reasons.append(f"{model_type.model_type}: {reason}")
+    raise ConfigError("no Hugging Face model type holds this config (" + "; ".join(reasons) + ")")
