@@ -24,9 +24,15 @@ In total ``e·b·(s/c)·d·(hq + 2·hkv)`` bytes (+ the generator state): nothin
 projection keeps it, as without CP).
 
 **Transient** (freed before the call returns): the gathered K/V, ``2·e·b·hkv·s·d`` (forward and
-backward), and dK/dV before the reduce-scatter, the same size; the core's per-chunk
-intermediates (``math``: scores and probabilities ``[b, hq, L, (i+1)L]``; in backward, their
-autograd graph for one chunk at a time is freed after its gradient).
+backward; twice that for a moment while it is put into global order), and dK/dV before the
+reduce-scatter, the same size; the core's intermediates (``math``: scores and probabilities
+``[b, hq, L, (i+1)L]`` per local chunk, and in backward their autograd graph).
+
+Why an all-gather and not a ring of send/recv: with GQA, K and V together are ``2·hkv/hq`` of
+the queries' size (1/4 for Llama 3 70B's 64 query and 8 KV heads); one collective per direction
+replaces ``c - 1`` dependent steps; and each query chunk attends one contiguous key prefix, so
+the causal mask needs no per-step bookkeeping. The price is the transient ``2·e·b·hkv·s·d``
+above where a ring holds two chunks.
 
 **Communication per call and rank**: forward one all-gather of ``2·b·hkv·(s/c)·d`` elements per
 rank; backward one all-gather and one reduce-scatter of the same size. **Compute**: each rank's
@@ -102,7 +108,10 @@ def _sdpa_chunk(
 ) -> Tensor:
     """One query chunk through ``F.scaled_dot_product_attention`` with the boolean mask
     ``allowed`` (True: attend); dropout drawn from ``generator`` (swapped in as the device's
-    default generator, :func:`~lightning_sp.parallel.random.drawing_from`)."""
+    default generator, :func:`~lightning_sp.parallel.random.drawing_from`). On CUDA an explicit
+    mask selects the memory-efficient kernel, not flash (``allowed`` is the lower-right causal
+    mask of ``torch.nn.attention.bias.causal_lower_right``, which would keep flash: not yet
+    measured on a GPU)."""
     kwargs: dict[str, Any] = {}
     if q.shape[1] != k.shape[1]:
         if _SDPA_GQA:
