@@ -55,9 +55,7 @@ def loss_and_grads(model: GPT, ids: torch.Tensor, labels: torch.Tensor) -> torch
     return loss.detach()
 
 
-def context_shards(
-    state: ParallelState, *tensors: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
+def context_shards(state: ParallelState, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """This CP rank's load-balanced shards ``[b, s/c]`` of full ``[b, s]`` batches (the
     tensors themselves for ``c = 1``)."""
     c, r = state.context_parallel_size, state.context_parallel_rank

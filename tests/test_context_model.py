@@ -26,8 +26,10 @@ from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
 from lightning_sp.memory.formulas import (
     CONTEXT_GENERATOR_STATE_BYTES,
     activation_bytes_per_layer,
+    layer_saved_terms,
     layernorm_stats_bytes_per_layer,
 )
+from lightning_sp.model.recompute import active_modules, parse_recompute
 
 from models import (
     assert_matches_reference,
@@ -135,7 +137,9 @@ def _memory_worker(rank: int, world_size: int) -> dict[str, tuple[list[int], flo
     results = {}
     for row in MEMORY_ROWS:
         config = _memory_config(row, sequence_parallel=t > 1)
-        ids = torch.randint(0, config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(
+            0, config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0)
+        )
         (local,) = context_shards(state, ids)
         model = GPT(config, state, dtype=torch.bfloat16)
         model.train()
@@ -160,26 +164,29 @@ def test_bytes_per_layer_at_c2_equal_the_formula(world_size: int) -> None:
 
 
 def test_formula_divides_by_c_and_drops_the_core_scores() -> None:
-    """c divides every term; the CP core keeps no s x s scores nor logsumexp."""
-    config = tiny_config("gpt2", seq_length=S, hidden_size=H, num_heads=A, hidden_dropout=0.1)
-    for attention in BACKENDS:
-        cfg = tiny_config(
+    """At c = 2 each rank stores half of every c = 1 term except the core's scores and
+    logsumexp, which the CP core does not keep (both backends, TP + SP, every preset but
+    ``full``, which keeps half the layer input)."""
+    core_terms = {"attention_scores", "attention_lse"}
+    for attention, preset in itertools.product(BACKENDS, ("none", "selective")):
+        config = tiny_config(
             "gpt2", seq_length=S, hidden_size=H, num_heads=A, hidden_dropout=0.1,
-            attention=attention,
+            attention_dropout=0.1, attention=attention, sequence_parallel=True,
         )  # fmt: skip
-        one = cfg.activation_shape(2, B)
-        two = cfg.activation_shape(2, B, context_parallel_size=2)
-        no_core = activation_bytes_per_layer(one, "full") * 0 + sum(
-            v for k, v in _terms_per_rank(one).items() if k not in {"attention_scores", "attention_lse"}
+        one = config.activation_shape(2, B)
+        two = config.activation_shape(2, B, context_parallel_size=2)
+        assert (two.c, two.s) == (2, S)
+        dropped = {
+            term for m in active_modules(parse_recompute(preset), attention) for term in m.drops
+        }
+        kept = sum(
+            nbytes / one.t  # TP + SP: every term is split by t
+            for name, (nbytes, _) in layer_saved_terms(one).items()
+            if name not in core_terms | dropped
         )
-        assert activation_bytes_per_layer(two) == no_core / 2
-    assert config.activation_shape(1, B, context_parallel_size=4).c == 4
-
-
-def _terms_per_rank(shape) -> dict[str, float]:
-    from lightning_sp.memory.formulas import INSIDE, layer_saved_terms
-
-    return {
-        name: nbytes / shape.t if region == INSIDE or shape.sequence_parallel else nbytes
-        for name, (nbytes, region) in layer_saved_terms(shape).items()
-    }
+        assert activation_bytes_per_layer(two, preset) == kept / 2, (attention, preset)
+        scores = sum(layer_saved_terms(one)[name][0] for name in core_terms)
+        assert scores > 0 and all(layer_saved_terms(two)[name][0] == 0 for name in core_terms)
+        assert (
+            activation_bytes_per_layer(two, "full") == activation_bytes_per_layer(one, "full") / 2
+        )

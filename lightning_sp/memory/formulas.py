@@ -22,7 +22,6 @@ K/V, ``2·e·b·(g'/t)·s·d`` per layer while one attention runs (not stored); 
 and optimizer states (CP shards none of them); the FLOPs (each rank does ``1/c`` of them).
 """
 
-
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -45,7 +45,6 @@ from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_sp.parallel.random import RNGStreams
 from lightning_sp.parallel.state import ParallelState
 
-
 Context = tuple[int, int]
 """``(context_parallel_size, context_parallel_rank)``: which tokens a local sequence holds."""
 

@@ -21,9 +21,10 @@ Tensor parallelism divides what lives inside the attention and MLP blocks by t; 
 parallelism divides the rest. Context parallelism (``c > 1``) divides every term by c: each
 rank holds its two load-balanced chunks of every sequence, ``[s/(c·t), b, h]`` under SP
 (``[s/c, b, h]`` without), and the CP attention core stores no ``s x s`` or logsumexp term
-(only q, k, v, which are the QKV storage above); see :mod:`lightning_sp.model.attention`. The recompute modules (:mod:`lightning_sp.model.recompute`) drop
-terms: ``core_attn`` the 5as²b, ``layernorm`` the QKV and MLP inputs, ``mlp_act`` the fc2
-input, ``residual_mask`` the two masks; ``full`` keeps the layer input only.
+(only q, k, v, which are the QKV storage above); see :mod:`lightning_sp.model.attention`.
+The recompute modules (:mod:`lightning_sp.model.recompute`) drop terms: ``core_attn`` the
+5as²b, ``layernorm`` the QKV and MLP inputs, ``mlp_act`` the fc2 input, ``residual_mask`` the
+two masks; ``full`` keeps the layer input only.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 layer's activations on one rank (built by :meth:`GPTConfig.activation_shape`).
 
 Symbols as in the paper: ``s`` sequence length, ``b`` micro-batch, ``h`` hidden size, ``a``
-heads, ``t`` tensor-parallel size, ``c`` context-parallel size; ``f`` is the MLP width (the paper's 4h), ``g`` the key/value
-groups (``g = a``: multi-head attention; ``g < a``: grouped-query).
+heads, ``t`` tensor-parallel size; ``f`` is the MLP width (the paper's 4h), ``g`` the key/value
+groups (``g = a``: multi-head attention; ``g < a``: grouped-query), ``c`` the context-parallel
+size.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Ranks are laid out on a 4-D ``DeviceMesh`` with dimensions ``("pp", "dp", "cp", 
 tensor parallel dimension varies fastest, so the ``t`` ranks of one tensor-parallel group are
 adjacent (on one node, where NVLink is); the context-parallel dimension comes next, so a
 context-parallel group joins the same TP rank of ``c`` neighbouring TP groups (the K/V exchange
-of :mod:`lightning_sp.parallel.context_attention` runs between them). World ``= t·c·p·d``. A ``ParallelState`` is built once and passed explicitly to
-everything that communicates; nothing in this package keeps process groups in globals.
+of :mod:`lightning_sp.parallel.context_attention` runs between them). World ``= t·c·p·d``.
+A ``ParallelState`` is built once and passed explicitly to everything that communicates;
+nothing in this package keeps process groups in globals.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ def check_layout(
         what, sizes = (
             ("tensor_parallel_size * pipeline_parallel_size", "t * p")
             if context_parallel_size == 1
-            else ("tensor_parallel_size * pipeline_parallel_size * context_parallel_size", "t * p * c")
+            else (
+                "tensor_parallel_size * pipeline_parallel_size * context_parallel_size",
+                "t * p * c",
+            )
         )
         factors = [tensor_parallel_size, pipeline_parallel_size] + (
             [context_parallel_size] if context_parallel_size > 1 else []
