@@ -9,9 +9,11 @@ import torch
 from torch import nn
 
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.grads import (
     allreduce_replicated_grads,
     allreduce_sequence_parallel_grads,
+    sum_context_parallel_grads,
 )
 
 
@@ -41,13 +43,23 @@ def batch(
 
 
 def loss_and_grads(model: GPT, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """One forward/backward; gradients finished as the trainer does (SP grads reduced)."""
+    """One forward/backward; gradients finished as the trainer does (SP grads reduced, and
+    summed over the CP group under context parallelism, where ``ids`` and ``labels`` are this
+    rank's shards: :func:`context_shards`)."""
     model.zero_grad(set_to_none=True)
     loss = model(ids, labels)
     loss.backward()
     allreduce_sequence_parallel_grads(model, model.state)
     allreduce_replicated_grads(model, model.state)
+    sum_context_parallel_grads(model, model.state)
     return loss.detach()
+
+
+def context_shards(state: ParallelState, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """This CP rank's load-balanced shards ``[b, s/c]`` of full ``[b, s]`` batches (the
+    tensors themselves for ``c = 1``)."""
+    c, r = state.context_parallel_size, state.context_parallel_rank
+    return tuple(shard_for_context_parallel(x, 1, c, r) for x in tensors)
 
 
 def reference_model(config: GPTConfig) -> GPT:

@@ -241,9 +241,7 @@ class HFWeights:
         return torch.cat(pieces, split)
 
 
-def read_hf_config(
-    directory: str | Path, field: str = "init_from", **overrides: Any
-) -> GPTConfig:
+def read_hf_config(directory: str | Path, field: str = "init_from", **overrides: Any) -> GPTConfig:
     """The ``GPTConfig`` of the Hugging Face model in ``directory`` (any supported
     ``model_type``): its family's fields (``GPTConfig.of``), the sizes and options its
     ``config.json`` gives (``seq_length``: its whole position table), then ``overrides``.

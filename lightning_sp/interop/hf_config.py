@@ -113,9 +113,7 @@ class ConfigTable:
     """The model's name in messages (``GPT-2``, ``Llama``)."""
     fields: tuple[ConfigField, ...]
     options: tuple[Option, ...] = ()
-    extra: Callable[[GPTConfig, int | None], dict[str, Any]] = field(
-        default=lambda config, eos: {}
-    )
+    extra: Callable[[GPTConfig, int | None], dict[str, Any]] = field(default=lambda config, eos: {})
 
 
 def read_config_json(directory: str | Path, field: str = "init_from") -> dict[str, Any]:
@@ -146,9 +144,7 @@ def config_fields(table: ConfigTable, hf: Mapping[str, Any], where: str) -> dict
     return {f.ours: f.ours_from(hf, where) for f in table.fields}
 
 
-def check_config(
-    table: ConfigTable, hf: Mapping[str, Any], config: GPTConfig, where: str
-) -> None:
+def check_config(table: ConfigTable, hf: Mapping[str, Any], config: GPTConfig, where: str) -> None:
     """Raise :class:`ConfigError` (one line naming our field, or the option) unless ``config``
     is the model whose ``config.json`` is ``hf``. ``where`` names the model in messages."""
     for f in table.fields:

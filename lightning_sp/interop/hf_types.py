@@ -38,7 +38,10 @@ class WeightMap:
 
 def linear(ours: str, hf: str, transpose: bool = False) -> tuple[WeightMap, ...]:
     """The weight and bias rows of a linear layer (modules ``ours`` and ``hf``)."""
-    return (WeightMap(f"{ours}.weight", f"{hf}.weight", transpose), WeightMap(f"{ours}.bias", f"{hf}.bias"))  # fmt: skip
+    return (
+        WeightMap(f"{ours}.weight", f"{hf}.weight", transpose),
+        WeightMap(f"{ours}.bias", f"{hf}.bias"),
+    )
 
 
 def norm(ours: str, hf: str) -> tuple[WeightMap, ...]:
@@ -97,11 +100,15 @@ GPT2 = HFModelType(
             ConfigField("hidden_size", "n_embd"),
             ConfigField("num_layers", "n_layer"),
             ConfigField("num_heads", "n_head"),
-            ConfigField("num_query_groups", "n_head", value=lambda c: c.groups, write=lambda c: c.num_heads),  # fmt: skip
             ConfigField(
-                "ffn_hidden_size", "n_inner", value=lambda c: c.ffn_size,
+                "num_query_groups", "n_head", value=lambda c: c.groups, write=lambda c: c.num_heads
+            ),
+            ConfigField(
+                "ffn_hidden_size",
+                "n_inner",
+                value=lambda c: c.ffn_size,
                 read=lambda hf: hf.get("n_inner") or 4 * hf.get("n_embd", 0),
-            ),  # fmt: skip
+            ),
             ConfigField("seq_length", "n_positions", at_most=True),
             ConfigField("layernorm_eps", "layer_norm_epsilon", default=1e-5),
             ConfigField("activation", "activation_function", choices=_GPT2_ACTIVATIONS),
@@ -200,9 +207,11 @@ LLAMA = HFModelType(
             ConfigField("num_layers", "num_hidden_layers"),
             ConfigField("num_heads", "num_attention_heads"),
             ConfigField(
-                "num_query_groups", "num_key_value_heads", value=lambda c: c.groups,
+                "num_query_groups",
+                "num_key_value_heads",
+                value=lambda c: c.groups,
                 read=lambda hf: hf.get("num_key_value_heads") or hf.get("num_attention_heads"),
-            ),  # fmt: skip
+            ),
             ConfigField("ffn_hidden_size", "intermediate_size", value=lambda c: c.ffn_size),
             ConfigField("seq_length", "max_position_embeddings", at_most=True),
             ConfigField("layernorm_eps", "rms_norm_eps", default=1e-6),
@@ -210,7 +219,9 @@ LLAMA = HFModelType(
             ConfigField("normalization", default="rmsnorm"),
             ConfigField("position_embedding", default="rope"),
             ConfigField("rope_theta", "rope_theta", read=lambda hf: _rope(hf)["rope_theta"]),
-            ConfigField("rope_scaling", "rope_scaling", read=_rope_scaling, write=_write_rope_scaling),  # fmt: skip
+            ConfigField(
+                "rope_scaling", "rope_scaling", read=_rope_scaling, write=_write_rope_scaling
+            ),
             ConfigField("bias", "attention_bias", default=False),
             ConfigField("bias", "mlp_bias", default=False),
             ConfigField("tie_embeddings", "tie_word_embeddings", default=False),

@@ -10,6 +10,16 @@ masks in 1; both are fields there, as are the MLP width (the paper's 4h), whethe
 is on and the attention backend. What each recompute module drops comes from its descriptor
 (:data:`lightning_sp.model.recompute.RECOMPUTE_MODULES`).
 
+Context parallelism (``ActivationShape.c = c > 1``): every stored term is divided by ``c``
+(each rank holds ``s/c`` tokens of every sequence, its two load-balanced chunks), and the
+attention core stores no ``s x s`` scores and no logsumexp whatever the backend: the CP core
+(:mod:`lightning_sp.parallel.context_attention`) keeps only q, k, v (views of the QKV storage,
+the ``qkv`` term) and recomputes itself in backward. What does not divide by ``c``: with
+attention dropout the CP core also keeps its generator state, a constant per layer (5056 bytes
+for CPU's Mersenne Twister, 16 for CUDA's Philox; not in these formulas, like the norms'
+statistics they are stated apart: :data:`CONTEXT_GENERATOR_STATE_BYTES`); the transient gathered
+K/V, ``2·e·b·(g'/t)·s·d`` per layer while one attention runs (not stored); parameters, gradients
+and optimizer states (CP shards none of them); the FLOPs (each rank does ``1/c`` of them).
 """
 
 from __future__ import annotations
@@ -68,6 +78,10 @@ def table2_row(sequence_parallel: bool, recompute: str, tensor_parallel_size: in
     return base + ("_selective" if recompute == "selective" else "")
 
 
+CONTEXT_GENERATOR_STATE_BYTES = {"cpu": 5056, "cuda": 16}
+"""Bytes of the generator state the CP attention core keeps per layer with attention dropout,
+by device type (not divided by c, not in :func:`activation_bytes_per_layer`)."""
+
 INSIDE, OUTSIDE = "inside", "outside"
 """Where a saved tensor lives: inside the tensor-parallel region (split by t), or outside it
 (replicated over t, or split by t under sequence parallelism)."""
@@ -97,11 +111,16 @@ def layer_saved_terms(shape: ActivationShape) -> dict[str, tuple[float, str]]:
     (:func:`layernorm_stats_bytes_per_layer` has them). For a Llama layer (no dropout, SwiGLU,
     ``g`` groups) with TP + SP and no recompute this is ``sbh/t·(6 + 2(a + 2g')/a + 6f/h)``
     plus the core; see the README's derivation.
+
+    Under context parallelism (``c > 1``) the terms are still those of the whole sequence (the
+    per-rank division by ``c`` is :func:`_per_rank`'s), except the core's: the CP core stores
+    neither ``attention_scores`` nor ``attention_lse`` (0 for both backends).
     """
     x, e, k = shape, shape.activation_bytes, shape.mask_bytes
     sbh, sbf = x.sbh, x.s * x.b * x.ffn
     mask = k * sbh if x.hidden_dropout else 0.0
     keeps_scores = ATTENTION_BACKENDS[x.attention].keeps_scores
+    context_core = x.c > 1  # stores q, k, v only (the qkv term)
     per_score = 2 * e + k if x.attention_dropout else e
     d = x.h // x.a
     return {
@@ -112,8 +131,14 @@ def layer_saved_terms(shape: ActivationShape) -> dict[str, tuple[float, str]]:
         "fc1_input": (e * sbh, OUTSIDE),
         "mlp_residual_mask": (mask, OUTSIDE),
         "qkv": (e * x.s * x.b * d * (x.a + 2 * x.kv_heads), INSIDE),
-        "attention_scores": (per_score * x.a * x.s * x.s * x.b if keeps_scores else 0.0, INSIDE),
-        "attention_lse": (0.0 if keeps_scores else 4.0 * x.a * x.s * x.b, INSIDE),
+        "attention_scores": (
+            per_score * x.a * x.s * x.s * x.b if keeps_scores and not context_core else 0.0,
+            INSIDE,
+        ),
+        "attention_lse": (
+            0.0 if keeps_scores or context_core else 4.0 * x.a * x.s * x.b,
+            INSIDE,
+        ),
         "proj_input": (e * sbh, INSIDE),
         "act_input": (x.mlp.input_bytes(e, sbf), INSIDE),
         "fc2_input": (e * sbf, INSIDE),
@@ -121,8 +146,10 @@ def layer_saved_terms(shape: ActivationShape) -> dict[str, tuple[float, str]]:
 
 
 def _per_rank(shape: ActivationShape, nbytes: float, region: str) -> float:
+    """One rank's part of a whole-layer term: ``/t`` inside the TP region (and outside under
+    sequence parallelism), ``/c`` everywhere (each CP rank holds ``s/c`` tokens)."""
     split = region == INSIDE or shape.sequence_parallel
-    return nbytes / shape.t if split else nbytes
+    return (nbytes / shape.t if split else nbytes) / shape.c
 
 
 def dropped_bytes_per_layer(shape: ActivationShape, module: str) -> float:
@@ -254,10 +281,11 @@ def output_activation_bytes(shape: ActivationShape, v: int, logit_bytes: float =
 
     Final LayerNorm input ``2sbh/t`` and output-layer input ``2sbh/t`` under sequence
     parallelism (``2sbh`` each without), and the fp32 softmax over this rank's vocabulary
-    shard ``4sbv/t``. ``v`` is the (padded) vocabulary the output layer has.
+    shard ``4sbv/t``. ``v`` is the (padded) vocabulary the output layer has. Each divided by
+    ``c`` under context parallelism.
     """
     inputs = _per_rank(shape, 2 * shape.activation_bytes * shape.sbh, OUTSIDE)
-    return inputs + logit_bytes * shape.s * shape.b * v / shape.t
+    return inputs + logit_bytes * shape.s * shape.b * v / shape.t / shape.c
 
 
 def extra_activation_bytes(

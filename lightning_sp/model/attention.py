@@ -12,6 +12,18 @@ gradients :func:`~lightning_sp.parallel.grads.finalize_grads` sums over them.
 
 The attention core (:mod:`lightning_sp.model.cores`) sees ``q: [b·g_l, r_l, s, d]`` and
 ``k, v: [b·g_l, 1, s, d]`` (``g_l`` groups and ``r_l`` query heads per group on this rank).
+
+Context parallelism (``c > 1``): the rank's local sequence is its two load-balanced chunks,
+``s/c`` tokens (``[s/(c·t), b, h]`` in and out under SP, ``[s/c, b, h]`` without). RoPE rotates
+by the chunks' true global positions (:func:`token_positions`). The core is
+:func:`~lightning_sp.parallel.context_attention.context_parallel_attention` over the CP group,
+which takes the same views unchanged: ``q [B, r, s/c, d]`` as its ``[b, hq, s/c, d]`` with
+``b = B`` and ``hq = r``, ``k, v [B, 1, s/c, d]`` as ``[b, hkv = 1, s/c, d]`` (query head ``j``
+of a group uses the group's one K/V head, as it requires). It stores ``q, k, v`` (views of the
+one QKV storage, already counted) and recomputes its own core in backward, so ``core_attn``
+recomputation is off under CP (it would only redo the same work twice); its K/V exchange runs
+between the same TP rank of each CP group. Dropout draws from the sharded stream, which is
+seeded per CP rank.
 """
 
 from __future__ import annotations
@@ -28,9 +40,27 @@ from lightning_sp.model.fused import fused_column_linear, heads_row_linear
 from lightning_sp.model.ops import rope_inverse_frequencies, rope_tables, rotate_half
 from lightning_sp.model.recompute import recompute
 from lightning_sp.model.spec import NORMS, POSITIONS, NormModule
+from lightning_sp.parallel.context import load_balanced_positions
+from lightning_sp.parallel.context_attention import context_parallel_attention
 from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_sp.parallel.random import RNGStreams
 from lightning_sp.parallel.state import ParallelState
+
+Context = tuple[int, int]
+"""``(context_parallel_size, context_parallel_rank)``: which tokens a local sequence holds."""
+
+
+def token_positions(
+    start: int, length: int, context: Context = (1, 0), device: torch.device | None = None
+) -> Tensor:
+    """The global positions (int64 ``[length]``) of a local sequence of ``length`` tokens:
+    ``start .. start + length - 1`` for ``c = 1``; under context parallelism (``c > 1``,
+    ``start`` 0 in training) this CP rank's two load-balanced chunks of the ``length·c``-token
+    sequence (:func:`~lightning_sp.parallel.context.load_balanced_positions`) plus ``start``."""
+    size, rank = context
+    if size == 1:
+        return torch.arange(start, start + length, device=device)
+    return start + load_balanced_positions(length * size, size, rank, device=device)
 
 
 class Rotary:
@@ -38,24 +68,35 @@ class Rotary:
 
     def __init__(self, config: GPTConfig) -> None:
         self.config = config
-        self._cache: dict[tuple[int, int, torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+        self._cache: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
 
     def tables(
-        self, start: int, length: int, dtype: torch.dtype, device: torch.device
+        self,
+        start: int,
+        length: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        context: Context = (1, 0),
     ) -> tuple[Tensor, Tensor]:
-        """``cos, sin`` for positions ``[start, start + length)``, each ``[length, d]``."""
-        key = (start, length, dtype, device)
+        """``cos, sin``, each ``[length, d]``, for the positions :func:`token_positions` gives
+        (``[start, start + length)`` without context parallelism; the generation cache's path
+        passes ``start``)."""
+        key = (start, length, context, dtype, device)
         if key in self._cache:
             return self._cache[key]
-        config = self.config
-        inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
-        positions = torch.arange(start, start + length, device=device)
-        tables = rope_tables(positions, inv_freq, dtype)
+        positions = token_positions(start, length, context, device)
+        tables = self.tables_at(positions, dtype)
         if not is_fake(tables[0]):  # tables made under a fake mode (the planner's) are not kept
             if len(self._cache) > 8:
                 self._cache.clear()
             self._cache[key] = tables
         return tables
+
+    def tables_at(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``cos, sin`` (``[n, d]``, not cached) for any positions ``[n]``."""
+        config = self.config
+        inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        return rope_tables(positions, inv_freq, dtype)
 
 
 class _Rope(torch.autograd.Function):
@@ -116,7 +157,11 @@ class Attention(nn.Module):
         self.dropout_p = config.attention_dropout
         self.backend = ATTENTION_BACKENDS[config.attention]
         self.core: CoreFn = self.backend.core
-        self.recompute_core = recompute_core and self.backend.keeps_scores
+        self.cp_group = state.cp_group
+        self.context: Context = (state.context_parallel_size, state.context_parallel_rank)
+        # the CP core recomputes itself in backward: core_attn would redo it twice
+        cp = state.context_parallel_size > 1
+        self.recompute_core = recompute_core and self.backend.keeps_scores and not cp
         self.rng = rng
         self.norm_kind = NORMS[config.normalization]
         self.rotary = rotary if not POSITIONS[config.position_embedding].learned else None
@@ -136,14 +181,16 @@ class Attention(nn.Module):
         self, x: Tensor, norm: NormModule | None = None, start: int = 0
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Q ``[B, r, s, d]``, K and V ``[B, 1, s, d]`` (``B = b·g_l``) of ``x`` ``[s/t or s, b,
-        h]``, rotated for positions ``[start, start + s)`` under RoPE; views of one storage."""
+        h]``, rotated under RoPE for positions ``[start, start + s)``, or under context
+        parallelism (``s`` the local sequence) for this CP rank's chunks' true positions
+        (:func:`token_positions`); views of one storage."""
         qkv = fused_column_linear(  # [s, b, g_l·(r+2)·d]
             x, (self.query, self.key, self.value), self.local_groups, norm, self.norm_kind
         )
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b * self.local_groups, self.per_group + 2, self.head_dim)
         if self.rotary is not None:
-            cos, sin = self.rotary.tables(start, s, qkv.dtype, qkv.device)
+            cos, sin = self.rotary.tables(start, s, qkv.dtype, qkv.device, self.context)
             qkv = _Rope.apply(qkv, cos[:, None, None], sin[:, None, None])
         r = self.per_group
         q, k, v = (y.permute(1, 2, 0, 3) for y in qkv.split([r, 1, 1], dim=2))
@@ -154,6 +201,11 @@ class Attention(nn.Module):
         return heads_row_linear(context, self.proj, b)
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.context[0] > 1:  # [B, r, s/c, d] as [b, hq, s/c, d]; K/V [B, 1, s/c, d]
+            return context_parallel_attention(
+                q, k, v, self.cp_group, core=self.backend.name, dropout_p=self.dropout_p,
+                generator=self.rng.sharded, training=self.training,
+            )  # fmt: skip
         return self.core(q, k, v, self.dropout_p, self.rng.sharded, self.training)
 
     def forward(self, x: Tensor, norm: NormModule | None = None) -> Tensor:

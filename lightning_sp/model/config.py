@@ -165,9 +165,11 @@ class GPTConfig:
         seq_length: int | None = None,
         activation_bytes: float = 2,
         mask_bytes: float = 1,
+        context_parallel_size: int = 1,
     ) -> ActivationShape:
-        """The shape of this config's layers at tensor-parallel size ``t`` and micro-batch
-        ``b`` (``seq_length`` overrides the config's, for shorter inputs)."""
+        """The shape of this config's layers at tensor-parallel size ``t``, micro-batch ``b``
+        and context-parallel size ``c`` (``seq_length`` overrides the config's, for shorter
+        inputs; it is the whole sequence, of which a rank holds ``s/c`` under CP)."""
         return ActivationShape(
             s=seq_length or self.seq_length,
             b=micro_batch_size,
@@ -184,6 +186,7 @@ class GPTConfig:
             g=0 if self.groups == self.num_heads else self.groups,
             activation=self.activation,
             norm=self.normalization,
+            c=context_parallel_size,
         )
 
     @property

@@ -18,9 +18,13 @@ code below keeps to exactly (term by term: :func:`lightning_sp.memory.formulas.l
   residual dropout mask sbh
 
 Tensor parallelism divides what lives inside the attention and MLP blocks by t; sequence
-parallelism divides the rest. The recompute modules (:mod:`lightning_sp.model.recompute`) drop
-terms: ``core_attn`` the 5as²b, ``layernorm`` the QKV and MLP inputs, ``mlp_act`` the fc2
-input, ``residual_mask`` the two masks; ``full`` keeps the layer input only.
+parallelism divides the rest. Context parallelism (``c > 1``) divides every term by c: each
+rank holds its two load-balanced chunks of every sequence, ``[s/(c·t), b, h]`` under SP
+(``[s/c, b, h]`` without), and the CP attention core stores no ``s x s`` or logsumexp term
+(only q, k, v, which are the QKV storage above); see :mod:`lightning_sp.model.attention`.
+The recompute modules (:mod:`lightning_sp.model.recompute`) drop terms: ``core_attn`` the
+5as²b, ``layernorm`` the QKV and MLP inputs, ``mlp_act`` the fc2 input, ``residual_mask`` the
+two masks; ``full`` keeps the layer input only.
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.model.attention import Attention, Rotary
+from lightning_sp.model.attention import Attention, Rotary, token_positions
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.fused import act_row_linear, activate, fused_column_linear
 from lightning_sp.model.recompute import active_modules, parse_recompute, recompute
 from lightning_sp.model.spec import ACTIVATIONS, NORMS, POSITIONS, NormModule
+from lightning_sp.parallel.context import context_token_mean
 from lightning_sp.parallel.init import initialize_parameter, mark_parameter
 from lightning_sp.parallel.layers import (
     ColumnParallelLinear,
@@ -157,6 +162,14 @@ class GPT(nn.Module):
     ``forward(input_ids [b, s], labels [b, s]) -> mean cross-entropy loss`` (fp32 scalar).
     Weights are initialised from ``config.seed`` so that every layout holds slices of the
     same model; only this rank's shard is ever allocated.
+
+    Under context parallelism (``state.context_parallel_size = c > 1``) ``input_ids`` and
+    ``labels`` are this CP rank's shards ``[b, s/c]`` of the full batch, i.e.
+    ``shard_for_context_parallel(x, 1, c, cp_rank)`` of the ``[b, s]`` tensors every CP rank
+    reads (the data path shards, the model never sees the full sequence); the loss returned is
+    the token mean over the whole CP group, identical on its ranks and equal to one process's.
+    Its gradients are this rank's share: sum them over the CP group
+    (:func:`~lightning_sp.parallel.grads.finalize_grads` does).
     """
 
     def __init__(
@@ -176,6 +189,7 @@ class GPT(nn.Module):
                 "(lightning_sp.planner.estimate.resolve_recompute; GPTModule does it)"
             )
         self.config, self.state = config, state
+        self.context = (state.context_parallel_size, state.context_parallel_rank)
         self.layer_range = layer_range if layer_range is not None else range(config.num_layers)
         self.has_embedding = self.layer_range.start == 0
         self.has_head = self.layer_range.stop == config.num_layers
@@ -250,11 +264,16 @@ class GPT(nn.Module):
 
     def embed(self, input_ids: Tensor, start: int = 0) -> Tensor:
         """Token (+ learned position) embeddings with dropout for positions ``[start, start +
-        s)``: ``[b, s] -> [s/t or s, b, h]``."""
-        ids = input_ids.t()  # [s, b]
+        s)``, or under context parallelism (``s`` the local sequence, ``s/c``) this CP rank's
+        chunks' true positions: ``[b, s] -> [s/t or s, b, h]``."""
+        ids = input_ids.t()  # [s, b] (s: the local s/c under CP)
         x = self.word_embeddings(ids)  # [s/t, b, h] under SP (ḡ), else [s, b, h] (f̄)
         if self.learned_positions:
-            positions = self.position_embeddings[start : start + ids.shape[0]]
+            if self.context[0] > 1:  # an index, whose backward adds into the rows it read
+                where = token_positions(start, ids.shape[0], self.context, ids.device)
+                positions = self.position_embeddings[where]
+            else:
+                positions = self.position_embeddings[start : start + ids.shape[0]]
             if self.sequence_parallel:
                 shard = x.shape[0]
                 positions = positions[self.state.tensor_parallel_rank * shard :][:shard]
@@ -271,12 +290,16 @@ class GPT(nn.Module):
     def loss(self, x: Tensor, labels: Tensor) -> Tensor:
         """Final norm, output layer (the tied embedding or its own) and mean cross entropy.
 
-        ``x``: ``[s/t or s, b, h]``; ``labels``: ``[b, s]``; returns an fp32 scalar.
+        ``x``: ``[s/t or s, b, h]``; ``labels``: ``[b, s]``; returns an fp32 scalar. Under
+        context parallelism (``s`` the local ``s/c``) the mean is over the tokens of the whole
+        CP group (:func:`~lightning_sp.parallel.context.context_token_mean`).
         """
         logits = self.logits(x)  # [s, b, v/t], never gathered over the vocabulary
         losses = vocab_parallel_cross_entropy(  # [s, b]
             logits, labels.t(), self.vocab_start, self.config.vocab_size, self.tp_group
         )
+        if self.context[0] > 1:
+            return context_token_mean(losses.sum(), losses.numel(), self.state.cp_group)
         return losses.mean()
 
     def logits(self, x: Tensor) -> Tensor:
@@ -292,11 +315,19 @@ class GPT(nn.Module):
         return self.loss(self.forward_layers(self.embed(input_ids)), labels)
 
     def check_sequence(self, s: int) -> None:
-        """``ValueError`` (one line) unless ``s`` tokens fit this model and its layout."""
-        t = self.state.tensor_parallel_size
-        if s > self.config.seq_length:
+        """``ValueError`` (one line) unless ``s`` tokens fit this model and its layout; ``s``
+        is the local sequence (``s/c`` of the full one under context parallelism)."""
+        t, c = self.state.tensor_parallel_size, self.context[0]
+        if s * c > self.config.seq_length:
+            whole = f"{s} x context_parallel_size {c} = {s * c}" if c > 1 else f"{s}"
             raise ValueError(
-                f"input sequence length {s} exceeds seq_length={self.config.seq_length}"
+                f"input sequence length {whole} exceeds seq_length={self.config.seq_length}"
+            )
+        if c > 1 and s % 2:
+            raise ValueError(
+                f"local sequence length {s} under context_parallel_size={c} is odd: each CP "
+                "rank holds two equal chunks (shard_for_context_parallel of a sequence "
+                f"divisible by 2c = {2 * c})"
             )
         if self.sequence_parallel and s % t:
             raise ValueError(

@@ -3,7 +3,8 @@ layer's activations on one rank (built by :meth:`GPTConfig.activation_shape`).
 
 Symbols as in the paper: ``s`` sequence length, ``b`` micro-batch, ``h`` hidden size, ``a``
 heads, ``t`` tensor-parallel size; ``f`` is the MLP width (the paper's 4h), ``g`` the key/value
-groups (``g = a``: multi-head attention; ``g < a``: grouped-query).
+groups (``g = a``: multi-head attention; ``g < a``: grouped-query), ``c`` the context-parallel
+size.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class ActivationShape:
     """The MLP activation (:data:`lightning_sp.model.spec.ACTIVATIONS`)."""
     norm: str = "layernorm"
     """The normalisation (:data:`lightning_sp.model.spec.NORMS`)."""
+    c: int = 1
+    """Context-parallel size: each rank holds ``s/c`` tokens of every sequence (``s`` stays the
+    whole sequence length)."""
 
     @property
     def ffn(self) -> int:

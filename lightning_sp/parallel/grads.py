@@ -72,6 +72,23 @@ def allreduce_replicated_grads(module: nn.Module, state: ParallelState) -> None:
             _all_reduce_coalesced(grads, subgroup, dist.ReduceOp.SUM)
 
 
+def sum_context_parallel_grads(module: nn.Module, state: ParallelState) -> None:
+    """Sum every gradient over the context-parallel group.
+
+    Each CP rank holds the gradient of its own tokens' share of the loss
+    (:func:`~lightning_sp.parallel.context.context_token_mean` gives ``1 / Σ tokens`` of the
+    whole CP group, not of the rank), so the sum over the group is the gradient of the loss of
+    the whole sequences: afterwards every CP rank holds the same gradient, as a data-parallel
+    replica does after its mean. The convention is *sum over cp, then mean over dp* (not a mean
+    over dp × cp with the loss scaled by c). No-op for ``c = 1``.
+    """
+    if state.cp_group is None:
+        return
+    grads = [g for p in module.parameters() if (g := grad_of(p)) is not None]
+    if grads:
+        _all_reduce_coalesced(grads, state.cp_group, dist.ReduceOp.SUM)
+
+
 def average_data_parallel_grads(module: nn.Module, state: ParallelState) -> None:
     """Average every gradient over the data-parallel group (replicas see different data)."""
     if state.dp_group is None:
@@ -91,15 +108,17 @@ def finalize_grads(
     With a :class:`~lightning_sp.parallel.buffer.GradBuffer` the data-parallel mean is the
     buffer's bucketed reduction (most of it already launched during backward), finished
     here; the sequence-parallel sums over TP follow it (both are linear, so they commute).
+    Under context parallelism every gradient is then summed over the CP group
+    (:func:`sum_context_parallel_grads`; with a distributed optimizer's buffer each CP rank
+    sums the shard it holds, which is the same shard on every CP rank of a DP rank).
     """
     if buffer is not None:
         buffer.finish()
-        allreduce_sequence_parallel_grads(module, state)
-        allreduce_replicated_grads(module, state)
-        return
     allreduce_sequence_parallel_grads(module, state)
     allreduce_replicated_grads(module, state)
-    average_data_parallel_grads(module, state)
+    if buffer is None:
+        average_data_parallel_grads(module, state)
+    sum_context_parallel_grads(module, state)
 
 
 def _counted_once(param: Tensor, state: ParallelState) -> bool:

@@ -10,7 +10,10 @@ Two streams per rank (paper §4.2.2, Megatron's "model-parallel RNG"):
   differ per rank (attention probabilities in the TP region; every dropout under sequence
   parallelism) must draw independent masks, or the shards are correlated.
 
-Both depend on the pipeline and data-parallel coordinates, so replicas see independent masks.
+Both depend on the pipeline and data-parallel coordinates, so replicas see independent masks,
+and under context parallelism (``c > 1``) on the context-parallel rank too: CP ranks hold
+different tokens, so even the ``replicated`` stream (identical over TP only) must differ
+between them. With ``c = 1`` the seeds are those of a layout without CP.
 Recomputation snapshots and restores both streams, which replays identical masks.
 
 The generators live on the device of the tensors they draw for (``ParallelState.device``; a
@@ -78,10 +81,12 @@ class RNGStreams:
             state.data_parallel_rank,
             state.tensor_parallel_rank,
         )
+        # the CP coordinate joins the seeds only when there is one (c = 1 keeps old streams)
+        cp = (state.context_parallel_rank,) if state.context_parallel_size > 1 else ()
         self.replicated = torch.Generator(device=device)
-        self.replicated.manual_seed(derive_seed(seed, "replicated", pp, dp, chunk))
+        self.replicated.manual_seed(derive_seed(seed, "replicated", pp, dp, chunk, *cp))
         self.sharded = torch.Generator(device=device)
-        self.sharded.manual_seed(derive_seed(seed, "sharded", pp, dp, tp, chunk))
+        self.sharded.manual_seed(derive_seed(seed, "sharded", pp, dp, tp, chunk, *cp))
 
     def get_state(self) -> tuple[Tensor, Tensor]:
         """Snapshot both generators (a copy, safe to keep)."""

@@ -1,9 +1,12 @@
 """Parallel state: the sizes, coordinates and process groups of one rank.
 
-Ranks are laid out on a 3-D ``DeviceMesh`` with dimensions ``("pp", "dp", "tp")``. The tensor
-parallel dimension varies fastest, so the ``t`` ranks of one tensor-parallel group are adjacent
-(on one node, where NVLink is). A ``ParallelState`` is built once and passed explicitly to
-everything that communicates; nothing in this package keeps process groups in globals.
+Ranks are laid out on a 4-D ``DeviceMesh`` with dimensions ``("pp", "dp", "cp", "tp")``. The
+tensor parallel dimension varies fastest, so the ``t`` ranks of one tensor-parallel group are
+adjacent (on one node, where NVLink is); the context-parallel dimension comes next, so a
+context-parallel group joins the same TP rank of ``c`` neighbouring TP groups (the K/V exchange
+of :mod:`lightning_sp.parallel.context_attention` runs between them). World ``= t·c·p·d``.
+A ``ParallelState`` is built once and passed explicitly to everything that communicates;
+nothing in this package keeps process groups in globals.
 """
 
 from __future__ import annotations
@@ -21,19 +24,36 @@ from lightning_sp.errors import ConfigError, divisors, positive_int
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 
-def check_layout(world_size: int, tensor_parallel_size: int, pipeline_parallel_size: int) -> int:
-    """Validate a (t, p) layout against a world size and return the data-parallel size."""
+def check_layout(
+    world_size: int,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    context_parallel_size: int = 1,
+) -> int:
+    """Validate a (t, p, c) layout against a world size and return the data-parallel size."""
     for name, value in (
         ("tensor_parallel_size", tensor_parallel_size),
         ("pipeline_parallel_size", pipeline_parallel_size),
+        ("context_parallel_size", context_parallel_size),
     ):
         positive_int(name, value)
-    model_parallel = tensor_parallel_size * pipeline_parallel_size
+    model_parallel = tensor_parallel_size * pipeline_parallel_size * context_parallel_size
     if world_size % model_parallel:
+        what, sizes = (
+            ("tensor_parallel_size * pipeline_parallel_size", "t * p")
+            if context_parallel_size == 1
+            else (
+                "tensor_parallel_size * pipeline_parallel_size * context_parallel_size",
+                "t * p * c",
+            )
+        )
+        factors = [tensor_parallel_size, pipeline_parallel_size] + (
+            [context_parallel_size] if context_parallel_size > 1 else []
+        )
         raise ConfigError(
-            f"world size {world_size} is not divisible by tensor_parallel_size * "
-            f"pipeline_parallel_size = {tensor_parallel_size} * {pipeline_parallel_size} = "
-            f"{model_parallel}; t * p must be one of {divisors(world_size)}"
+            f"world size {world_size} is not divisible by {what} = "
+            f"{' * '.join(map(str, factors))} = {model_parallel}; {sizes} must be one of "
+            f"{divisors(world_size)}"
         )
     return world_size // model_parallel
 
@@ -52,10 +72,11 @@ def _group_options(backend: str, timeout: datetime.timedelta) -> tuple[str, Any]
 
 @dataclass(frozen=True)
 class ParallelState:
-    """Where this rank sits in the tensor / pipeline / data parallel layout.
+    """Where this rank sits in the tensor / pipeline / data / context parallel layout.
 
     Groups are ``None`` for a dimension of size one, and always ``None`` in :meth:`single`,
-    so code that communicates is a no-op without a process group.
+    so code that communicates is a no-op without a process group. The context-parallel fields
+    come last with defaults (``c = 1``), so layouts without CP are built as before.
     """
 
     tensor_parallel_size: int
@@ -69,6 +90,12 @@ class ParallelState:
     dp_group: dist.ProcessGroup | None
     device: torch.device
     mesh: DeviceMesh | None = None
+    context_parallel_size: int = 1
+    """``c``: ranks each sample's sequence is split over (causal load balancing,
+    :mod:`lightning_sp.parallel.context`)."""
+    context_parallel_rank: int = 0
+    cp_group: dist.ProcessGroup | None = None
+    """The ``c`` ranks of equal (pp, dp, tp) coordinates; ``None`` for ``c = 1``."""
     _subgroups: dict[int, dist.ProcessGroup | None] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -85,6 +112,7 @@ class ParallelState:
         pipeline_parallel_size: int = 1,
         device: str | torch.device | None = None,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        context_parallel_size: int = 1,
     ) -> ParallelState:
         """Build the state from the initialised default process group.
 
@@ -97,7 +125,8 @@ class ParallelState:
                 "(torch.distributed.init_process_group); use ParallelState.single() for one process"
             )
         world_size = dist.get_world_size()
-        dp = check_layout(world_size, tensor_parallel_size, pipeline_parallel_size)
+        t, c = tensor_parallel_size, context_parallel_size
+        dp = check_layout(world_size, t, pipeline_parallel_size, c)
         backend = dist.get_backend()
         if device is None:
             device = (
@@ -109,15 +138,17 @@ class ParallelState:
         options = _group_options(backend, timeout)
         mesh = init_device_mesh(
             device.type,
-            (pipeline_parallel_size, dp, tensor_parallel_size),
-            mesh_dim_names=("pp", "dp", "tp"),
+            (pipeline_parallel_size, dp, c, t),
+            mesh_dim_names=("pp", "dp", "cp", "tp"),
             backend_override=(
-                {name: options for name in ("pp", "dp", "tp")} if options is not None else None
+                {name: options for name in ("pp", "dp", "cp", "tp")}
+                if options is not None
+                else None
             ),
         )
         coords = mesh.get_coordinate()
         assert coords is not None
-        pp_rank, dp_rank, tp_rank = coords
+        pp_rank, dp_rank, cp_rank, tp_rank = coords
 
         def group(name: str, size: int) -> dist.ProcessGroup | None:
             return mesh.get_group(name) if size > 1 else None
@@ -134,6 +165,9 @@ class ParallelState:
             dp_group=group("dp", dp),
             device=device,
             mesh=mesh,
+            context_parallel_size=c,
+            context_parallel_rank=cp_rank,
+            cp_group=group("cp", c),
         )
 
     @property
@@ -168,11 +202,17 @@ class ParallelState:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+        return (
+            self.tensor_parallel_size
+            * self.context_parallel_size
+            * self.pipeline_parallel_size
+            * self.data_parallel_size
+        )
 
     def __repr__(self) -> str:
         return (
             f"ParallelState(tp={self.tensor_parallel_rank}/{self.tensor_parallel_size}, "
             f"pp={self.pipeline_parallel_rank}/{self.pipeline_parallel_size}, "
-            f"dp={self.data_parallel_rank}/{self.data_parallel_size}, device={self.device})"
+            f"dp={self.data_parallel_rank}/{self.data_parallel_size}, "
+            f"cp={self.context_parallel_rank}/{self.context_parallel_size}, device={self.device})"
         )
