@@ -42,9 +42,8 @@ from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
+from lightning_sp.testing.spawn import run_distributed
 from lightning_sp.training.optim import build_adamw
-
-from spawn import run_distributed
 
 
 def _unpadded_elements(chunks: list[GPT]) -> int:
@@ -147,6 +146,7 @@ def test_import_gelu_new_gpt2(tmp_path: Path) -> None:
     assert err <= TOLERANCE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("world_size", "cases"), [(2, [(2, 1), (1, 2)]), (4, [(4, 1), (2, 2)])], ids=["ws2", "ws4"]
 )
@@ -207,6 +207,7 @@ def test_bad_directories_fail_with_one_line(tmp_path: Path, gpt2: tuple[Path, Pa
     assert "has shape [64, 128] but config.json needs [64, 256]" in _one_line(error)
 
 
+@pytest.mark.slow
 def test_finetune_config_matches_gpt2_small() -> None:
     """configs/gpt2_finetune.yaml fits OpenAI's GPT-2 (transformers' GPT2Config defaults are
     GPT-2 small), and the CLI parses it."""
