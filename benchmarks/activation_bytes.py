@@ -32,7 +32,7 @@ from benchmarks import dtensor_gpt
 from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
 from lightning_sp.memory.formulas import activation_bytes_per_layer
 from lightning_sp.model.shape import ActivationShape
-from tests.spawn import run_distributed
+from lightning_sp.testing.spawn import run_distributed
 
 POLICIES = ("none", "selective", "full")
 IMPLEMENTATIONS = ("ours", "dtensor", "dtensor_native_dropout")

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.parallel.grads import finalize_grads
+from lightning_sp.testing.spawn import run_distributed
 from lightning_sp.training.checkpoint import Checkpointer, Layout, Meta
 from lightning_sp.training.optim import build_adamw
-from tests.spawn import run_distributed
 
 SCHEDULES = ("none", "async", "sync")
 

@@ -31,7 +31,7 @@ from benchmarks.throughput import ThroughputShape, model_config
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.memory.fake import fake_world
 from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
-from tests.spawn import run_distributed
+from lightning_sp.testing.spawn import run_distributed
 
 POLICIES: tuple[str, ...] = ("none", "selective", "full")
 

@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from benchmarks import _cpu, dtensor_gpt
 from benchmarks._stats import median_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
-from tests.spawn import run_distributed
+from lightning_sp.testing.spawn import run_distributed
 
 POLICIES = ("none", "selective", "full")
 IMPLEMENTATIONS = ("ours", "dtensor")

@@ -64,9 +64,9 @@ from lightning_sp.memory.flops import (
     model_flops_per_iteration,
 )
 from lightning_sp.parallel.state import ParallelState
+from lightning_sp.testing.spawn import run_distributed
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.optim import configure_adamw
-from tests.spawn import run_distributed
 
 TIMEOUT_SECONDS = 300.0
 STRATEGIES = ("ours", "lightning_model_parallel")

@@ -29,8 +29,7 @@ from lightning_sp.memory.formulas import (
     layernorm_stats_bytes_per_layer,
     table2_bytes_per_layer,
 )
-
-from spawn import run_distributed
+from lightning_sp.testing.spawn import run_distributed
 
 S, B, H, A, LAYERS = 256, 2, 256, 8, 2
 SBH = S * B * H
@@ -128,6 +127,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("t", "row"), CASES, ids=[f"t{t}-{row}" for t, row in CASES])
 def test_bytes_per_layer_equal_the_formula(t: int, row: str) -> None:
     recompute = ROW_SETTINGS[row][1]
@@ -144,6 +144,7 @@ def test_bytes_per_layer_equal_the_formula(t: int, row: str) -> None:
             )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t", [1, 2, 4])
 @pytest.mark.parametrize("row", list(MIXED_ROWS))
 def test_mixed_layers_each_equal_their_formula(t: int, row: str) -> None:
@@ -163,6 +164,7 @@ def test_mixed_layers_each_equal_their_formula(t: int, row: str) -> None:
             )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t", [2, 4])
 def test_lean_holds_at_most_20_sbh_over_t(t: int) -> None:
     """Issue 10's bar: TP+SP+lean <= 20.1 sbh/t measured, in bf16 (34 - 4 - 8 - 2)."""

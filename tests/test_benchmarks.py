@@ -22,8 +22,7 @@ if str(ROOT) not in sys.path:  # `benchmarks` is a top-level package of the repo
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import dtensor_gpt, verdicts  # noqa: E402
-
-from spawn import run_distributed  # noqa: E402
+from lightning_sp.testing.spawn import run_distributed  # noqa: E402
 
 SECTIONS = ("meta", "activation_bytes", "layer_time", "flops", "throughput", "summary")
 
@@ -54,6 +53,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
     return out, json.loads((out / "report.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_smoke_run_writes_the_report(smoke: tuple[Path, dict[str, Any]]) -> None:
     out, report = smoke
@@ -74,6 +74,7 @@ def test_smoke_run_writes_the_report(smoke: tuple[Path, dict[str, Any]]) -> None
     assert all(r["total_seconds"] > 0 for r in report["layer_time"]["rows"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_smoke_bytes_are_table2_and_dtensor_keeps_more(smoke: tuple[Path, dict[str, Any]]) -> None:
     section = smoke[1]["activation_bytes"]
@@ -95,6 +96,7 @@ def test_smoke_bytes_are_table2_and_dtensor_keeps_more(smoke: tuple[Path, dict[s
         assert r["dtensor_sbh"] - r["dtensor_native_dropout_sbh"] == pytest.approx(2 / t)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_smoke_flops_are_the_papers(smoke: tuple[Path, dict[str, Any]]) -> None:
     section = smoke[1]["flops"]
@@ -139,6 +141,7 @@ def _equivalence_worker(rank: int, world_size: int, sp: bool, policy: str) -> di
     return errors
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
 def test_dtensor_reference_is_our_gpt(sp: bool) -> None:

@@ -29,12 +29,12 @@ from lightning_sp import (
     Pipeline,
 )
 from lightning_sp.parallel.grads import finalize_grads
+from lightning_sp.testing.spawn import run_distributed
 from lightning_sp.training.checkpoint import Checkpointer, Layout, Meta, read_full, rng_key
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.optim import build_adamw
 
 from models import batch, tiny_config
-from spawn import run_distributed
 
 # (t, p, m, SP); d = 4 / (t * p)
 LAYOUT_A = (2, 1, 1, True)
@@ -165,6 +165,7 @@ def _reshard_worker(rank: int, world_size: int, root: str) -> None:
         _compare(read_full(root_path / "bf16-again"), full, 0, "bf16 re-save")
 
 
+@pytest.mark.slow
 def test_resharding_between_layouts() -> None:
     """Save at (t=2, SP), resume at t=1, t=4 and (p=2, m=2); save at (t=2, p=2, m=2), resume
     at t=1. Float64: a reload is bit-exact (re-saving gives the same bytes); the next two
@@ -246,6 +247,7 @@ FAULTS = {  # the 4th save is last.ckpt at step 4 (saves: step2, last, step4, la
 
 
 # the first of these also pays for the module's straight run (a Trainer run of its own)
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("point", list(FAULTS))
 def test_kill_during_save_leaves_last_at_the_previous_checkpoint(
@@ -276,6 +278,7 @@ def test_kill_during_save_leaves_last_at_the_previous_checkpoint(
             assert mine[step] == pytest.approx(theirs[step], rel=1e-6), step
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)  # a whole cli.py run; over 300 s seen on the shared 2-core machine
 def test_nonfinite_loss_stops_with_one_line_and_keeps_last(straight: Path, tmp_path: Path) -> None:
     """lr 1e6 makes the loss NaN: exit 3, one line naming the step, and the checkpoint that
@@ -309,6 +312,7 @@ class PoisonedModule(GPTModule):
         return loss
 
 
+@pytest.mark.slow
 def test_skip_policy_drops_nonfinite_steps_and_continues(tmp_path: Path) -> None:
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger

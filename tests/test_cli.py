@@ -30,6 +30,7 @@ QUICK = ["--trainer.max_steps", "4", "--data.max_documents", "30",
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["lightning", "torchrun"])
 def test_fit_tiny_config_trains_logs_and_checkpoints(tmp_path: Path, launcher: str) -> None:
     """Lightning's own launcher re-runs the script per rank; torchrun starts the ranks itself."""
@@ -45,6 +46,7 @@ def test_fit_tiny_config_trains_logs_and_checkpoints(tmp_path: Path, launcher: s
     assert (checkpoint / "meta.json").is_file() and (checkpoint / ".metadata").is_file()
 
 
+@pytest.mark.slow
 def test_fit_tiny_pipeline_config(tmp_path: Path) -> None:
     """configs/tiny_pp.yaml: 4 processes, t=2 x p=2, interleaved m=2 (a few steps here)."""
     config = str(ROOT / "configs" / "tiny_pp.yaml")
@@ -57,6 +59,7 @@ def test_fit_tiny_pipeline_config(tmp_path: Path) -> None:
     }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_help_documents_every_option(tmp_path: Path) -> None:
     result = run([CLI, "fit", "--help"], tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -66,6 +69,7 @@ def test_help_documents_every_option(tmp_path: Path) -> None:
         assert text in shown, text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -116,6 +120,7 @@ def test_bad_config_fails_with_one_line(tmp_path: Path, args: list[str], message
     assert not (tmp_path / "checkpoints").exists(), "work started before the config was checked"
 
 
+@pytest.mark.slow
 def test_readme_example_runs_under_torchrun(tmp_path: Path) -> None:
     result = run(
         ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

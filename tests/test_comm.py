@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sp.parallel import comm
-
-from spawn import run_distributed
+from lightning_sp.testing.spawn import run_distributed
 
 # op, input kind, output kind: "R" replicated over the group, "D" distinct per rank
 OPS = [
@@ -59,7 +58,7 @@ def _adjoint_worker(rank: int, world_size: int) -> None:
         assert out.shape[0] == expected_rows, (name, out.shape)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ops_are_adjoint(world_size: int) -> None:
     run_distributed(_adjoint_worker, world_size)
 

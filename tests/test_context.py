@@ -39,9 +39,9 @@ from lightning_sp.parallel.context_attention import (
     context_parallel_attention,
 )
 from lightning_sp.parallel.random import derive_seed, drawing_from
+from lightning_sp.testing.spawn import run_distributed
 
 from models import relative_error
-from spawn import run_distributed
 
 TOLERANCE = 1e-10
 HEADS = ((4, 4), (4, 2), (4, 1))  # (hq, hkv): MHA, GQA, one KV head

@@ -30,6 +30,7 @@ from lightning_sp.memory.formulas import (
     layernorm_stats_bytes_per_layer,
 )
 from lightning_sp.model.recompute import active_modules, parse_recompute
+from lightning_sp.testing.spawn import run_distributed
 
 from models import (
     assert_matches_reference,
@@ -40,7 +41,6 @@ from models import (
     relative_error,
     tiny_config,
 )
-from spawn import run_distributed
 
 RTOL = 1e-10
 ARCHITECTURES = ("gpt2", "llama")

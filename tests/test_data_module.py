@@ -161,6 +161,7 @@ def _recorded(folder: Path, rank: int) -> dict[int, list]:
     return {step: rows for step, rows in map(json.loads, lines)}
 
 
+@pytest.mark.slow
 def test_exact_mid_epoch_resume_with_two_data_parallel_ranks(tmp_path: Path) -> None:
     prepared = _prepare(tmp_path, "corpus", n=8, words=60, numbered=True)
     data = lambda: TextDataModule(prepared_dir=prepared, seq_length=32, batch_size=2)  # noqa: E731

@@ -156,6 +156,7 @@ def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_cli_prepare_reads_the_fit_config_and_overrides(tmp_path: Path) -> None:
     corpus = jsonl(tmp_path / "c.jsonl", [{"body": document(i, 20)} for i in range(30)])
     tok = bpe_tokenizer(tmp_path / "tok")

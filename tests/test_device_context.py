@@ -21,11 +21,11 @@ from lightning_sp.errors import ConfigError
 from lightning_sp.parallel.init import materialize
 from lightning_sp.parallel.random import RNGStreams, dropout
 from lightning_sp.parallel.state import _group_options
+from lightning_sp.testing.spawn import run_distributed
 from lightning_sp.training.module import GPTModule
 from lightning_sp.training.validation import check_compile
 
 from models import batch, tiny_config
-from spawn import run_distributed
 
 CONFIG = tiny_config(hidden_dropout=0.1, attention_dropout=0.1, recompute="selective")
 
@@ -101,6 +101,7 @@ def test_process_group_options_carry_the_timeout(backend: str) -> None:
     assert options._timeout == timeout  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 def test_compiled_layers_give_the_eager_loss_and_gradients() -> None:
     """``GPTModule(compile_layers=True)``: dropout and selective recomputation included."""
     config = tiny_config(
@@ -170,5 +171,6 @@ def _compiled_layouts_worker(rank: int, world_size: int) -> None:
                                        msg=f"{name} {key}")  # fmt: skip
 
 
+@pytest.mark.slow
 def test_compiled_layers_in_parallel_layouts_give_the_eager_loss_and_gradients() -> None:
     run_distributed(_compiled_layouts_worker, 2)

@@ -11,19 +11,20 @@ import dataclasses
 import math
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from lightning_sp import GPT, ParallelState
 from lightning_sp.memory.formulas import distributed_optimizer_elements, model_state_bytes
 from lightning_sp.parallel.grads import finalize_grads
+from lightning_sp.testing.spawn import run_distributed
 from lightning_sp.training.checkpoint import Checkpointer, Layout, Meta, read_full, rng_key
 from lightning_sp.training.checkpoint.shards import flat_range_boxes
 from lightning_sp.training.distributed_optim import DistributedAdamW
 from lightning_sp.training.optim import build_adamw
 
 from models import batch, tiny_config
-from spawn import run_distributed
 
 BUCKET = 3000
 
@@ -142,6 +143,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict[str, list[int]]:
     return measured
 
 
+@pytest.mark.slow
 def test_state_bytes_per_rank_and_resharding(tmp_path: Path) -> None:
     results = run_distributed(_worker, 4, str(tmp_path))
     for d in (1, 2, 4):

@@ -26,11 +26,11 @@ from lightning_sp.model.generate import (
     generate,
     sequence_parallel_off,
 )
+from lightning_sp.testing.spawn import run_distributed
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.prompts import TextPredictionWriter
 
 from models import relative_error, tiny_config
-from spawn import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [5, 17, 99, 3, 250]
@@ -78,6 +78,7 @@ def _tp_worker(rank: int, world_size: int) -> None:
     assert all(torch.equal(b, both[0]) for b in both), "TP ranks sampled different tokens"
 
 
+@pytest.mark.slow
 def test_cache_equals_full_forward_tp2_with_sequence_parallelism() -> None:
     run_distributed(_tp_worker, 2)
 
@@ -134,6 +135,7 @@ def restored_environment() -> Iterator[None]:
     os.environ.update(before)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("restored_environment")
 def test_predict_and_cli_generate_from_a_checkpoint(tmp_path: Path) -> None:
     corpus = _corpus(tmp_path)
@@ -189,6 +191,7 @@ def test_predict_and_cli_generate_from_a_checkpoint(tmp_path: Path) -> None:
     assert "ckpt_path='nowhere.ckpt' does not exist" in errors[0]
 
 
+@pytest.mark.slow
 def test_benchmark_smoke_reports_a_ratio() -> None:
     """``benchmarks/generate.py`` runs (its timings are not asserted; it checks itself that
     both modes generate the same tokens)."""

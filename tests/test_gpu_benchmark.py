@@ -19,6 +19,7 @@ from benchmarks import gpu  # noqa: E402
 from lightning_sp.model.config import RECOMPUTE_POLICIES  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_refuses_in_one_line_without_cuda() -> None:
     run = subprocess.run(
@@ -30,6 +31,7 @@ def test_refuses_in_one_line_without_cuda() -> None:
     assert len(lines) == 1 and "needs a CUDA device" in lines[0], run.stderr
 
 
+@pytest.mark.slow
 def test_cpu_smoke_runs_every_piece(tmp_path: Path) -> None:
     args = ["--device", "cpu", "--smoke", "--no-compile", "--warmup", "1", "--steps", "1"]
     args += ["--dropout", "0"]  # CPU SDPA with dropout leaves the fused kernel (DESIGN.md)

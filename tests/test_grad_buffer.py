@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -22,11 +23,11 @@ from lightning_sp import GPT, ParallelState
 from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.grads import clip_grad_norm_, finalize_grads, global_grad_norm, grad_of
 from lightning_sp.pipeline import Pipeline
+from lightning_sp.testing.spawn import run_distributed
 from lightning_sp.training.optim import build_adamw
 from lightning_sp.training.strategy import MegatronSPStrategy
 
 from models import batch, gradient_floor, relative_error, tiny_config
-from spawn import run_distributed
 
 RTOL = 1e-10
 BUCKET = 3000  # elements: the tiny GPT's ~40k parameters make a dozen buckets
@@ -168,6 +169,7 @@ def _worker(rank: int, world_size: int) -> dict[str, object]:
     return results
 
 
+@pytest.mark.slow
 def test_bucketed_overlapped_reduction_matches_todays_updates_without_a_gradient_copy() -> None:
     results = run_distributed(_worker, 4)
     for rank, result in enumerate(results):

@@ -7,13 +7,14 @@ reference gradient, the global norm equals the reference's norm, and clipping sc
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightning_sp import GPT, ParallelState
 from lightning_sp.parallel.grads import clip_grad_norm_, finalize_grads, global_grad_norm
+from lightning_sp.testing.spawn import run_distributed
 
 from models import assert_matches_reference, batch, reference_model, tiny_config
-from spawn import run_distributed
 
 
 def _worker(rank: int, world_size: int) -> None:
@@ -53,5 +54,6 @@ def _worker(rank: int, world_size: int) -> None:
     )
 
 
+@pytest.mark.slow
 def test_dp_tp_gradients_norm_and_clipping_match_single_process() -> None:
     run_distributed(_worker, 4)

@@ -109,6 +109,7 @@ def _check_exported(directory: Path, run_logits: Path, vocab: int) -> Any:
     return model
 
 
+@pytest.mark.slow
 def test_export_round_trip_tp2_sp_from_gpt2_with_tokenizer(
     tmp_path: Path, corpus: Path, gpt2: tuple[Path, Path]
 ) -> None:
@@ -146,6 +147,7 @@ def data_tokenizer_ids(path: Path, text: str) -> list[int]:
     return Tokenizer.from_file(str(path)).encode(text).ids
 
 
+@pytest.mark.slow
 def test_export_round_trip_pp2(tmp_path: Path, corpus: Path) -> None:
     """p=2 (1F1B, two micro-batches), seeded init, byte-level data (no tokenizer files)."""
     module = GPTModule(our_config(vocab_size=257, hidden_dropout=0.1, attention_dropout=0.1),
@@ -179,6 +181,7 @@ def test_export_round_trip_pp2(tmp_path: Path, corpus: Path) -> None:
     assert ours and ours == theirs[: len(ours)], f"generated {ours}, transformers {theirs}"
 
 
+@pytest.mark.slow
 def test_export_bad_checkpoint_fails_with_one_line(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "cli.py"), "export", "--ckpt_path", str(tmp_path / "nope"),

@@ -54,9 +54,8 @@ from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
+from lightning_sp.testing.spawn import run_distributed
 from lightning_sp.training.optim import build_adamw
-
-from spawn import run_distributed
 
 CONFIGS = {"gpt2": our_config, "llama": llama_config}
 """Our config of each saved model, by name."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from lightning_sp import GPT, ParallelState
 from lightning_sp.parallel.layers import vocab_parallel_cross_entropy
+from lightning_sp.testing.spawn import run_distributed
 
 from models import (
     VOCAB_PARAMETER,
@@ -25,7 +26,6 @@ from models import (
     reference_model,
     tiny_config,
 )
-from spawn import run_distributed
 
 # padded rows of each TP rank's shard of the embedding, by hand: vocab 300, padded to 384 at
 # t=1 (rows 300–383) and to 512 at t=2 (rank 1: 300–511) and t=4 (rank 2: 300–383, rank 3:
@@ -85,6 +85,7 @@ def _worker(rank: int, world_size: int) -> None:
         _check_model(state, reference)
 
 
+@pytest.mark.slow
 def test_padding_gets_no_probability_at_t_1_2_4() -> None:
     run_distributed(_worker, 4)
 

@@ -14,6 +14,7 @@ import torch
 
 from lightning_sp import GPT, ParallelState
 from lightning_sp.errors import ConfigError
+from lightning_sp.testing.spawn import run_distributed
 
 from models import (
     assert_matches_reference,
@@ -24,7 +25,6 @@ from models import (
     relative_error,
     tiny_config,
 )
-from spawn import run_distributed
 
 RTOL = 1e-10
 GROUPS = (1, 2, 8)

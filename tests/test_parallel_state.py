@@ -11,8 +11,7 @@ import torch.distributed as dist
 
 from lightning_sp import ParallelState
 from lightning_sp.parallel.random import RNGStreams
-
-from spawn import run_distributed
+from lightning_sp.testing.spawn import run_distributed
 
 
 def _layout_worker(rank: int, world_size: int) -> None:
@@ -42,6 +41,7 @@ def _layout_worker(rank: int, world_size: int) -> None:
         assert not torch.equal(replicated[rank], replicated[other_replica])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_mesh_layout_and_rng_streams(world_size: int) -> None:
     run_distributed(_layout_worker, world_size)
@@ -58,6 +58,7 @@ def _timeout_worker(rank: int, world_size: int) -> None:
         time.sleep(6)
 
 
+@pytest.mark.slow
 def test_group_collective_times_out_instead_of_hanging() -> None:
     run_distributed(_timeout_worker, 2)
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.testing.spawn import run_distributed
 
 from models import (
     assert_matches_reference,
@@ -25,7 +26,6 @@ from models import (
     relative_error,
     tiny_config,
 )
-from spawn import run_distributed
 
 # (recompute, recompute_num_layers, recompute_rest): full on layer 0 only and lean on layer 1
 # is the mix that recompute: auto picks when full on every layer is more than needed (and
@@ -78,7 +78,10 @@ def _parity_worker(rank: int, world_size: int) -> None:
         assert compared.parameters == len(list(model.parameters())) > 0
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize(  # 2 ranks in the quick tier
+    "world_size",
+    [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)],
+)
 def test_layouts_match_single_process_float64(world_size: int) -> None:
     run_distributed(_parity_worker, world_size)
 
@@ -126,6 +129,7 @@ def _dropout_worker(rank: int, world_size: int) -> None:
             _assert_replicated_grads_agree(model, base_grads, state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_recompute_policies_replay_identical_dropout(world_size: int) -> None:
     run_distributed(_dropout_worker, world_size)

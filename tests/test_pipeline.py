@@ -44,6 +44,7 @@ from lightning_sp.memory.saved import UNTRACKED, LiveActivationTracker
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.grads import global_grad_norm
 from lightning_sp.pipeline import Pipeline, check_batch, check_pipeline, chunk_layer_ranges
+from lightning_sp.testing.spawn import run_distributed
 
 from models import (
     assert_matches_reference,
@@ -54,7 +55,6 @@ from models import (
     relative_error,
     tiny_config,
 )
-from spawn import run_distributed
 
 RTOL = 1e-10
 GLOBAL_BATCH, MICROBATCHES, LAYERS = 8, 4, 4
@@ -256,13 +256,15 @@ def case_results(world_size: int, key: str) -> list[dict]:
 
 # -- parity -------------------------------------------------------------------------------------
 
-PARITY = [(w, case) for w, cases in PARITY_CASES.items() for case in cases]
+PARITY = [  # the world of 4 is the full suite's; the quick tier runs 2 ranks
+    pytest.param(w, case, id=_case_name(*case), marks=[pytest.mark.slow] if w == 4 else [])
+    for w, cases in PARITY_CASES.items()
+    for case in cases
+]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(
-    ("world_size", "case"), PARITY, ids=[_case_name(*case) for _, case in PARITY]
-)
+@pytest.mark.parametrize(("world_size", "case"), PARITY)
 def test_pipeline_matches_single_process_float64(world_size: int, case: tuple) -> None:
     """Loss, validation loss and every gradient shard (tied embedding on both stages and the
     position embedding included) equal one float64 process on the whole batch."""
@@ -289,14 +291,19 @@ def test_pipeline_matches_single_process_float64(world_size: int, case: tuple) -
 
 # -- activation memory on the first stage (eq. 5 and the interleaving factor) ----------------
 
-MEMORY = [(w, case) for w, cases in MEMORY_CASES.items() for case in cases]
+MEMORY = [
+    pytest.param(
+        w, case, id=_case_name(*case, names="tpmLn"), marks=[pytest.mark.slow] if w == 4 else []
+    )
+    for w, cases in MEMORY_CASES.items()
+    for case in cases
+]
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     ("world_size", "case"),
     MEMORY,
-    ids=[_case_name(*case, names="tpmLn") for _, case in MEMORY],
 )
 def test_first_stage_peak_activations(world_size: int, case: tuple) -> None:
     """First stage, rank 0: the transformer layers' saved bytes at the peak are eq. 5's ``L``

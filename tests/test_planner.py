@@ -146,6 +146,7 @@ def test_estimate_175b_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert not baseline["fits"]
 
 
+@pytest.mark.slow
 def test_estimate_cli_subprocess_table() -> None:
     """``python cli.py estimate`` end to end (the lead's cli.py dispatches to planner.main)."""
     cli = os.path.join(ROOT, "cli.py")

@@ -32,9 +32,9 @@ import lightning_sp.model
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.parallel import random as random_module
 from lightning_sp.parallel.random import default_generator, drawing_from
+from lightning_sp.testing.spawn import run_distributed
 
 from models import batch, tiny_config
-from spawn import run_distributed
 
 POLICIES = ("none", "selective", "full")
 # the sites of one forward, in order: the embedding's dropout, then per layer the attention
@@ -204,6 +204,7 @@ def _worker(rank: int, world_size: int, backends: tuple[str, ...]) -> None:
             _check_case(backend, sequence_parallel, state)
 
 
+@pytest.mark.slow
 def test_dropout_masks_come_from_the_right_stream_and_replay() -> None:
     """t=2: sharded activations draw different masks per TP rank, replicated ones identical
     masks; recompute redraws the forward's masks, for every attention backend."""

@@ -9,8 +9,7 @@ import torch
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.parallel.threads import available_cores, threads_per_rank
-
-from spawn import run_distributed
+from lightning_sp.testing.spawn import run_distributed
 
 
 @pytest.mark.parametrize(
@@ -42,6 +41,7 @@ def _report_threads(rank: int, world_size: int) -> None:
     assert torch.get_num_threads() == expected, (torch.get_num_threads(), expected)
 
 
+@pytest.mark.slow
 def test_spawned_test_ranks_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without OMP_NUM_THREADS each of the spawn helper's ranks runs cores // ranks threads
     (torch's own default would be every core in every rank)."""

@@ -89,6 +89,7 @@ def data(corpus: Path, batch_size: int = 4) -> TextDataModule:
     return TextDataModule(paths=str(corpus), seq_length=64, batch_size=batch_size, val_fraction=0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2-sp", "dp2"])
 def test_training_reduces_loss_and_keeps_replicas_in_sync(
     tmp_path: Path, corpus: Path, layout: str
@@ -101,6 +102,7 @@ def test_training_reduces_loss_and_keeps_replicas_in_sync(
     assert last < 0.6 * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2-sp", "pp2-interleaved", "dp2-zero1"])
 def test_resume_is_exact(tmp_path: Path, corpus: Path, layout: str) -> None:
     every_10 = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1,
@@ -134,6 +136,7 @@ def test_resume_is_exact(tmp_path: Path, corpus: Path, layout: str) -> None:
         assert torch.equal(a[key], b[key]), f"{key} differs after resume"
 
 
+@pytest.mark.slow
 def test_bf16_run_logs_activation_bytes_equal_to_table2(tmp_path: Path, corpus: Path) -> None:
     """bf16 weights and activations (fp32 master weights in the optimizer), TP=2 + SP,
     selective recompute: the monitor's measured bytes per layer equal the paper's 34 sbh / t."""
@@ -153,6 +156,7 @@ def test_bf16_run_logs_activation_bytes_equal_to_table2(tmp_path: Path, corpus: 
     assert losses[5] < losses[0]
 
 
+@pytest.mark.slow
 def test_resume_with_another_vocabulary_fails_before_training(tmp_path: Path, corpus: Path) -> None:
     checkpoints = ModelCheckpoint(
         dirpath=tmp_path / "ckpt", every_n_train_steps=2, filename="{step}"
@@ -175,6 +179,7 @@ def test_unknown_strategy_argument_is_one_clear_line() -> None:
         MegatronSPStrategy(tensor_paralel_size=2)
 
 
+@pytest.mark.slow
 def test_pipeline_trains_exactly_like_one_process(tmp_path: Path, corpus: Path) -> None:
     """p=2 with m=2 interleaved chunks and 4 micro-batches against one process on the same
     batches (dropout 0, fp32): the same loss at every step; the activation monitor reports

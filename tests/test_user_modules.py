@@ -19,10 +19,10 @@ from lightning.pytorch.loggers import CSVLogger
 import lightning_sp  # noqa: F401  (registers megatron_sp)
 from examples.custom_mlp import CustomMLPModule, ParallelMLP, regression_data
 from lightning_sp import ConfigError, MegatronSPStrategy, ParallelState
+from lightning_sp.testing.spawn import run_distributed
 from lightning_sp.training.strategy import check_module
 
 from models import relative_error
-from spawn import run_distributed
 
 RTOL = 1e-10
 
@@ -83,10 +83,12 @@ def _trainer(devices: int, strategy: Any, tmp_path: Path | None = None, **kwargs
     )
 
 
+@pytest.mark.slow
 def test_boring_model_is_data_parallel_with_broadcast_weights() -> None:
     _trainer(2, "megatron_sp_spawn").fit(UnseededBoring())
 
 
+@pytest.mark.slow
 def test_boring_model_with_tensor_parallelism_is_refused_before_training() -> None:
     strategy = MegatronSPStrategy(tensor_parallel_size=2, start_method="spawn")
     with pytest.raises(Exception) as info:
@@ -134,6 +136,7 @@ def _custom_parity_worker(rank: int, world_size: int) -> None:
             assert err <= RTOL, f"t={world_size} sp={sp} {name}: gradient error {err:.3e}"
 
 
+@pytest.mark.slow
 def test_custom_mlp_matches_one_float64_process() -> None:
     run_distributed(_custom_parity_worker, 2)
 
@@ -143,6 +146,7 @@ def _losses(tmp_path: Path) -> dict[int, float]:
         return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(fh)}
 
 
+@pytest.mark.slow
 def test_custom_mlp_trains_at_t2_with_sp_like_one_process(tmp_path: Path) -> None:
     strategy = MegatronSPStrategy(tensor_parallel_size=2, start_method="spawn")
     _trainer(2, strategy, tmp_path / "tp").fit(CustomMLPModule())

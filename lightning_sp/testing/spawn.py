@@ -1,9 +1,10 @@
 """Run a function on N gloo ranks in fresh processes and collect what each rank returns; a
 rank's exception is re-raised in the parent with the rank named.
 
-The one spawn helper of the repository: the tests import it as ``spawn``, the benchmarks as
-``tests.spawn``. Each rank runs ``cores // world size`` threads unless ``OMP_NUM_THREADS`` says
-otherwise (the package's rule for runs). Every process group gets a timeout, and the file
+The one spawn helper of the repository, imported by the tests and the benchmarks alike
+(``from lightning_sp.testing.spawn import run_distributed``). Each rank runs
+``cores // world size`` threads unless ``OMP_NUM_THREADS`` says otherwise (the package's rule
+for runs). Every process group gets a timeout, and the file
 store lives in a fresh temporary directory, so concurrent runs never share a port and a
 missing collective fails instead of hanging.
 """

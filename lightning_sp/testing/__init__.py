@@ -1,0 +1,1 @@
+"""Helpers shared by the test suite and the benchmarks (which must not import ``tests``)."""
