@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from lightning_sp import ModelCheckpoint
 from lightning_sp.training.checkpoint import read_full
 
