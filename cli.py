@@ -39,6 +39,13 @@ from lightning_sp.training.module import GPTModule
 from lightning_sp.training.validation import check_fit_config
 
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
+LIGHTNING_MODEL_CHECKPOINT = (
+    "lightning.pytorch.callbacks.ModelCheckpoint",
+    "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint",
+    "pytorch_lightning.callbacks.ModelCheckpoint",
+)
+"""Lightning's ModelCheckpoint, as a config names it; the CLI builds
+:class:`lightning_sp.ModelCheckpoint` (which also saves the step that ends the run) instead."""
 
 
 def _default_loggers() -> list[dict]:
@@ -67,16 +74,22 @@ class GPTCLI(LightningCLI):
 
     @override
     def before_instantiate_classes(self) -> None:
-        """Check the fit config before launch (one-line errors), and use
+        """Check the fit config before launch (one-line errors), build
+        :class:`lightning_sp.ModelCheckpoint` where the config names Lightning's, and use
         :class:`lightning_sp.ProgressBar` (short names and units) unless the config disables
         the bar or names a progress bar of its own."""
         if self.subcommand is not None:  # fit / validate / test (not estimate, prepare)
             check_fit_config(self.config[self.subcommand])
         config = self.config.get(str(self.subcommand), self.config)
         trainer = config.get("trainer")
-        if trainer is None or trainer.get("enable_progress_bar") is False:
+        if trainer is None:
             return
         callbacks = list(trainer.get("callbacks") or [])
+        for callback in callbacks:  # last.ckpt that always continues the run
+            if getattr(callback, "class_path", None) in LIGHTNING_MODEL_CHECKPOINT:
+                callback.class_path = "lightning_sp.ModelCheckpoint"
+        if trainer.get("enable_progress_bar") is False:
+            return
         if any("ProgressBar" in str(getattr(c, "class_path", "")) for c in callbacks):
             return
         bar = Namespace(class_path="lightning_sp.ProgressBar", init_args=Namespace())

@@ -28,6 +28,7 @@ from lightning_sp.pipeline import Pipeline
 if TYPE_CHECKING:
     from lightning_sp.training.callbacks import ActivationMemoryMonitor
     from lightning_sp.training.data import TextDataModule
+    from lightning_sp.training.last_checkpoint import ModelCheckpoint
     from lightning_sp.training.module import GPTModule
     from lightning_sp.training.optim import OptimizerConfig
     from lightning_sp.training.progress import ProgressBar
@@ -38,6 +39,7 @@ _LIGHTNING_NAMES = {
     "ActivationMemoryMonitor": "lightning_sp.training.callbacks",
     "TextDataModule": "lightning_sp.training.data",
     "GPTModule": "lightning_sp.training.module",
+    "ModelCheckpoint": "lightning_sp.training.last_checkpoint",
     "OptimizerConfig": "lightning_sp.training.optim",
     "ProgressBar": "lightning_sp.training.progress",
     "MegatronSPStrategy": "lightning_sp.training.strategy",
@@ -73,6 +75,7 @@ __all__ = [
     "LiveActivationTracker",
     "MFUMonitor",
     "MegatronSPStrategy",
+    "ModelCheckpoint",
     "OptimizerConfig",
     "ParallelState",
     "Pipeline",

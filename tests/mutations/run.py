@@ -251,6 +251,35 @@ MUTATIONS = (
         ("tests/test_attention.py", "-k", "sdpa_dropout"),
         r"does not draw from the stream given",
     ),
+    Mutation(
+        "guard_decides_per_rank",
+        "the non-finite guard decides on each rank's own flags without exchanging them: with a "
+        "gradient infinite on one rank only, one rank stops (or skips) and the others step",
+        (
+            (
+                "lightning_sp/training/guard.py",
+                "world = dist.get_world_size() if dist.is_available() and dist.is_initialized() "
+                "else 1",
+                "world = 1",
+            ),
+        ),
+        ("tests/test_guard.py",),
+        r"ranks disagree on the non-finite guard",
+    ),
+    Mutation(
+        "zero_clips_by_local_norm",
+        "under the distributed optimizer a Trainer run clips by this rank's shard's gradient "
+        "norm and logs rank 0's as train/grad_norm",
+        (
+            (
+                "lightning_sp/training/module.py",
+                "sharded = buffer is not None and buffer.distributed",
+                "sharded = False",
+            ),
+        ),
+        ("tests/test_clipping.py",),
+        r"the distributed optimizer logged train/grad_norm .* \(not the global norm\)",
+    ),
 )
 
 

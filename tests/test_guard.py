@@ -1,0 +1,49 @@
+"""The non-finite guard decides identically on every rank: a gradient that is infinite on one
+rank only (one tensor-parallel shard, one distributed-optimizer shard) stops every rank under
+``stop`` and skips the step on every rank under ``skip``. Deciding per rank would let one rank
+raise while the others block in the next collective, or let replicas silently diverge."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_sp.testing.spawn import run_distributed
+from lightning_sp.training.guard import NonFiniteError, NonFiniteGuard
+
+POISONED_RANK = 1
+
+
+def _guard_worker(rank: int, world_size: int, policy: str) -> tuple[str, str, bool]:
+    """One guarded step per rank; rank 1's gradient holds an Inf (its loss is finite).
+    Returns (outcome, message, whether this rank's gradients were zeroed)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4)
+    layer(torch.randn(2, 4)).sum().backward()
+    if rank == POISONED_RANK:
+        assert layer.weight.grad is not None
+        layer.weight.grad[0, 0] = float("inf")
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    guard = NonFiniteGuard(policy, max_skipped_steps=3)
+    loss = torch.tensor(1.0)
+    try:
+        outcome = "stepped" if guard.check(loss, layer, optimizer, step=5) else "skipped"
+        message = ""
+    except NonFiniteError as error:
+        outcome, message = "stopped", str(error)
+    return outcome, message, layer.weight.grad is None
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_a_gradient_infinite_on_one_rank_only() -> None:
+    runs = {policy: run_distributed(_guard_worker, 2, policy) for policy in ("stop", "skip")}
+    outcomes = {
+        policy: {rank: outcome for rank, (outcome, _, _) in enumerate(results)}
+        for policy, results in runs.items()
+    }
+    disagree = {policy: o for policy, o in outcomes.items() if len(set(o.values())) > 1}
+    assert not disagree, f"ranks disagree on the non-finite guard: {disagree}"
+    assert outcomes["stop"][0] == "stopped" and outcomes["skip"][0] == "skipped", outcomes
+    for _, message, _ in runs["stop"]:  # every rank names the poisoned one
+        assert f"non-finite gradient norm (rank {POISONED_RANK}) at step 5" in message, message
+    assert all(zeroed for _, _, zeroed in runs["skip"]), "a skipped step kept its gradients"
