@@ -304,19 +304,19 @@ def hf_tensors(
         if name not in owner:
             raise ValueError(f"{name!r} is not a parameter of this config's model")
         part = owner[name]
-        tensor = full.detach()[: part.shape[0]]  # drops vocabulary padding
-        if tuple(tensor.shape) != part.shape:
+        value = full.detach()[: part.shape[0]]  # drops vocabulary padding
+        if tuple(value.shape) != part.shape:
             raise ValueError(f"{name} has shape {list(full.shape)}, not {list(part.shape)}")
-        if name in ours and not torch.equal(ours[name], tensor):
+        if name in ours and not torch.equal(ours[name], value):
             raise ValueError(f"{name} given twice with different values")
-        ours[name] = tensor
+        ours[name] = value
     out = {}
-    for hf_name, tensor in layout.items():
-        missing = [p.ours for p in tensor.parts if p.ours not in ours]
+    for hf_name, entry in layout.items():
+        missing = [p.ours for p in entry.parts if p.ours not in ours]
         if missing:
             raise ValueError(f"no tensor for {missing[0]} ({model_type.title}'s {hf_name})")
-        joined = torch.cat([ours[p.ours] for p in tensor.parts])
-        out[hf_name] = (joined.t() if tensor.transpose else joined).contiguous().clone()
+        joined = torch.cat([ours[p.ours] for p in entry.parts])
+        out[hf_name] = (joined.t() if entry.transpose else joined).contiguous().clone()
     return out
 
 
