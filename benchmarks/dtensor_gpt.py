@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import checkpoint
 
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.parallel.layers import interleave
 
 __all__ = [
     "DTensorGPT",
@@ -255,6 +256,10 @@ def load_from_lightning_sp(model: nn.Module, state_dict: dict[str, Tensor]) -> N
     renamed = {
         ("positions.weight" if k == "position_embeddings" else k): v for k, v in state_dict.items()
     }
+    for key in [k for k in renamed if ".query." in k]:  # ours: three linears; here one qkv
+        parts = [renamed.pop(key.replace(".query.", f".{n}.")) for n in ("query", "key", "value")]
+        heads = next(m for m in model.modules() if isinstance(m, Attention)).heads
+        renamed[key.replace(".query.", ".qkv.")] = interleave(parts, heads)  # [head][q|k|v][d]
     if isinstance(model, DTensorGPT):
         renamed["output.weight"] = renamed["word_embeddings.weight"]
     missing, unexpected = model.load_state_dict(renamed, strict=False)
