@@ -258,7 +258,8 @@ def load_from_lightning_sp(model: nn.Module, state_dict: dict[str, Tensor]) -> N
     }
     for key in [k for k in renamed if ".query." in k]:  # ours: three linears; here one qkv
         parts = [renamed.pop(key.replace(".query.", f".{n}.")) for n in ("query", "key", "value")]
-        heads = next(m for m in model.modules() if isinstance(m, Attention)).heads
+        head_dim = next(m for m in model.modules() if isinstance(m, Attention)).head_dim
+        heads = parts[0].shape[0] // head_dim
         renamed[key.replace(".query.", ".qkv.")] = interleave(parts, heads)  # [head][q|k|v][d]
     if isinstance(model, DTensorGPT):
         renamed["output.weight"] = renamed["word_embeddings.weight"]
