@@ -225,32 +225,15 @@ class GPTConfig:
         parse_recompute(self.recompute)
         parse_rest(self.recompute_rest)
         check_attention(self.attention)
-        for name, registry in (
-            ("activation", ACTIVATIONS),
-            ("normalization", NORMS),
-            ("position_embedding", POSITIONS),
+        for name, registry, what in (
+            ("activation", ACTIVATIONS, "an activation"),
+            ("normalization", NORMS, "a normalization"),
+            ("position_embedding", POSITIONS, "a position embedding"),
         ):
             if getattr(self, name) not in registry:
                 raise ConfigError(
-                    f"{name}={getattr(self, name)!r} is not known; valid: {', '.join(registry)}"
+                    f"{name}={getattr(self, name)!r} is not {what}; valid: {', '.join(registry)}"
                 )
-        g = self.groups
-        positive_int("num_query_groups", g)
-        if self.num_heads % g:
-            raise ConfigError(
-                f"num_query_groups={g} does not divide num_heads={self.num_heads}; "
-                f"num_query_groups must be one of {divisors(self.num_heads)}"
-            )
-        if g % t and t % g:
-            raise ConfigError(
-                f"num_query_groups={g} and tensor_parallel_size={t}: one must divide the other "
-                f"(tensor_parallel_size one of {sorted(set(divisors(g)) | _multiples(g, t))})"
-            )
-        if self.position_embedding == "rope" and self.head_dim % 2:
-            raise ConfigError(
-                f"position_embedding='rope' needs an even head dimension; hidden_size/num_heads"
-                f" = {self.head_dim}"
-            )
         if self.recompute_num_layers is not None and self.recompute_num_layers < 0:
             raise ConfigError(
                 f"recompute_num_layers={self.recompute_num_layers} must be >= 0 or null"
@@ -273,6 +256,23 @@ class GPTConfig:
             raise ConfigError(
                 f"num_heads={self.num_heads} is not divisible by tensor_parallel_size={t}; "
                 f"tensor_parallel_size must be one of {divisors(self.num_heads)}"
+            )
+        g = self.groups
+        positive_int("num_query_groups", g)
+        if self.num_heads % g:
+            raise ConfigError(
+                f"num_query_groups={g} does not divide num_heads={self.num_heads}; "
+                f"num_query_groups must be one of {divisors(self.num_heads)}"
+            )
+        if g % t and t % g:
+            raise ConfigError(
+                f"num_query_groups={g} and tensor_parallel_size={t}: one must divide the other "
+                f"(tensor_parallel_size one of {sorted(set(divisors(g)) | _multiples(g, t))})"
+            )
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            raise ConfigError(
+                f"position_embedding='rope' needs an even head dimension; hidden_size/num_heads"
+                f" = {self.head_dim}"
             )
         if self.ffn_size % t:
             raise ConfigError(
