@@ -62,6 +62,32 @@ def context_shards(state: ParallelState, *tensors: torch.Tensor) -> tuple[torch.
     return tuple(shard_for_context_parallel(x, 1, c, r) for x in tensors)
 
 
+PolicyResult = tuple[str, list[torch.Tensor], dict[str, torch.Tensor]]
+"""``(policy, the losses of two steps, the gradients after the second)``."""
+
+
+def two_steps(model: GPT, policy: str) -> PolicyResult:
+    """Two forward/backward passes of ``model`` on its config's batch (dropout draws anew)."""
+    ids, labels = batch(model.config)
+    losses = [loss_and_grads(model, ids, labels) for _ in range(2)]
+    return policy, losses, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_policies_agree(results: list[PolicyResult], what: str) -> None:
+    """Every result equals the first (losses and gradients to 1e-12): the recompute policies
+    replayed the masks the first one drew; and the first drew different masks each step."""
+    base, base_losses, base_grads = results[0]
+    assert base_losses[0] != base_losses[1], "dropout drew the same masks twice"
+    floor = gradient_floor(base_grads.values())
+    for policy, losses, grads in results[1:]:
+        case = f"{what}: {policy} vs {base}"
+        for a, b in zip(losses, base_losses, strict=True):
+            assert relative_error(a, b) <= 1e-12, f"{case}: loss {a} vs {b}"
+        for name, grad in grads.items():
+            err = relative_error(grad, base_grads[name], floor)
+            assert err <= 1e-12, f"{case}: {name} gradient relative error {err:.2e}"
+
+
 def reference_model(config: GPTConfig) -> GPT:
     """The one-process float64 model from the same seed."""
     return GPT(config, ParallelState.single(), dtype=torch.float64)

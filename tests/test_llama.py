@@ -18,12 +18,13 @@ from lightning_sp.testing.spawn import run_distributed
 
 from models import (
     assert_matches_reference,
+    assert_policies_agree,
     batch,
-    gradient_floor,
     loss_and_grads,
     reference_model,
     relative_error,
     tiny_config,
+    two_steps,
 )
 
 RTOL = 1e-10
@@ -70,20 +71,8 @@ def _dropout_worker(rank: int, world_size: int) -> None:
                 recompute_rest="lean", hidden_dropout=0.2, attention_dropout=0.3,
             )  # fmt: skip
             model = GPT(cfg, state, dtype=torch.float64)
-            ids, labels = batch(cfg)
-            losses = [loss_and_grads(model, ids, labels) for _ in range(2)]
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-            results.append((f"{recompute}/{layers}", losses, grads))
-        base, base_losses, base_grads = results[0]
-        assert base_losses[0] != base_losses[1], "dropout drew the same masks twice"
-        floor = gradient_floor(base_grads.values())
-        for policy, losses, grads in results[1:]:
-            case = f"llama t={world_size} sp={sp} dropout: {policy} vs {base}"
-            for a, b in zip(losses, base_losses, strict=True):
-                assert relative_error(a, b) <= 1e-12, f"{case}: loss {a} vs {b}"
-            for name, grad in grads.items():
-                err = relative_error(grad, base_grads[name], floor)
-                assert err <= 1e-12, f"{case}: {name} gradient relative error {err:.2e}"
+            results.append(two_steps(model, f"{recompute}/{layers}"))
+        assert_policies_agree(results, f"llama t={world_size} sp={sp} dropout")
 
 
 def _worker(rank: int, world_size: int) -> None:

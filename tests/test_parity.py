@@ -19,12 +19,13 @@ from lightning_sp.testing.spawn import run_distributed
 
 from models import (
     assert_matches_reference,
+    assert_policies_agree,
     batch,
-    gradient_floor,
     loss_and_grads,
     reference_model,
     relative_error,
     tiny_config,
+    two_steps,
 )
 
 # (recompute, recompute_num_layers, recompute_rest): full on layer 0 only and lean on layer 1
@@ -111,20 +112,9 @@ def _dropout_worker(rank: int, world_size: int) -> None:
                 attention=attention, hidden_dropout=0.2, attention_dropout=0.3,
             )  # fmt: skip
             model = GPT(cfg, state, dtype=torch.float64)
-            ids, labels = batch(cfg)
-            losses = [loss_and_grads(model, ids, labels) for _ in range(2)]
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-            results.append((f"{recompute}/{layers}/{rest}", losses, grads))
-        base_policy, base_losses, base_grads = results[0]
-        assert base_losses[0] != base_losses[1], "dropout drew the same masks twice"
-        for policy, losses, grads in results[1:]:
-            case = f"t={world_size} sp={sequence_parallel} {attention}: {policy} vs {base_policy}"
-            for a, b in zip(losses, base_losses, strict=True):
-                assert relative_error(a, b) <= 1e-12, f"{case}: loss {a} vs {b}"
-            floor = gradient_floor(base_grads.values())
-            for name, grad in grads.items():
-                err = relative_error(grad, base_grads[name], floor)
-                assert err <= 1e-12, f"{case}: {name} gradient relative error {err:.2e}"
+            results.append(two_steps(model, f"{recompute}/{layers}/{rest}"))
+        assert_policies_agree(results, f"t={world_size} sp={sequence_parallel} {attention}")
+        base_grads = results[0][2]
         if world_size > 1:
             _assert_replicated_grads_agree(model, base_grads, state)
 
