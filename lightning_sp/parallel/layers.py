@@ -133,10 +133,13 @@ class _ColumnParallelFn(torch.autograd.Function):
         full = all_gather_sequence(y.detach(), group) if sp else y.detach()
         sizes = [w.shape[0] for w in weights]
         grad_ws = deinterleave(weight_grad(grad, full), sizes, groups)
-        grad_bs = deinterleave(grad.reshape(-1, grad.shape[-1]).sum(0), sizes, groups)
+        grad_bs: list[Tensor | None] = [None] * len(sizes)
+        if any(ctx.has_bias):  # no reduction over every token for a bias-free model
+            summed = deinterleave(grad.reshape(-1, grad.shape[-1]).sum(0), sizes, groups)
+            grad_bs = [g if has else None for g, has in zip(summed, ctx.has_bias, strict=True)]
         params: list[Tensor | None] = []
-        for w_grad, b_grad, has_bias in zip(grad_ws, grad_bs, ctx.has_bias, strict=True):
-            params += [w_grad, b_grad if has_bias else None]
+        for w_grad, b_grad in zip(grad_ws, grad_bs, strict=True):
+            params += [w_grad, b_grad]
         grad_x, grad_nw, grad_nb = grad_y, None, None
         if ctx.norm is not None:
             grads = torch.autograd.grad(y, leaves, grad_y)
