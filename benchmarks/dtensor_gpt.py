@@ -250,17 +250,25 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool) -> 
     return model
 
 
+def dtensor_names(tensors: dict[str, Tensor], head_dim: int) -> dict[str, Tensor]:
+    """Tensors of a one-process ``lightning_sp.GPT`` (weights, or their gradients) under this
+    module's names: the positions renamed, our three ``query``/``key``/``value`` linears joined
+    into one ``qkv`` with rows ``[head][q|k|v][d]``."""
+    renamed = {
+        ("positions.weight" if k == "position_embeddings" else k): v for k, v in tensors.items()
+    }
+    for key in [k for k in renamed if ".query." in k]:
+        parts = [renamed.pop(key.replace(".query.", f".{n}.")) for n in ("query", "key", "value")]
+        heads = parts[0].shape[0] // head_dim
+        renamed[key.replace(".query.", ".qkv.")] = interleave(parts, heads)
+    return renamed
+
+
 def load_from_lightning_sp(model: nn.Module, state_dict: dict[str, Tensor]) -> None:
     """Copy a one-process ``lightning_sp.GPT`` (or ``TransformerLayer``) state dict into a
     :class:`DTensorGPT` (or :class:`DTensorLayer`) before it is parallelised."""
-    renamed = {
-        ("positions.weight" if k == "position_embeddings" else k): v for k, v in state_dict.items()
-    }
-    for key in [k for k in renamed if ".query." in k]:  # ours: three linears; here one qkv
-        parts = [renamed.pop(key.replace(".query.", f".{n}.")) for n in ("query", "key", "value")]
-        head_dim = next(m for m in model.modules() if isinstance(m, Attention)).head_dim
-        heads = parts[0].shape[0] // head_dim
-        renamed[key.replace(".query.", ".qkv.")] = interleave(parts, heads)  # [head][q|k|v][d]
+    head_dim = next(m for m in model.modules() if isinstance(m, Attention)).head_dim
+    renamed = dtensor_names(state_dict, head_dim)
     if isinstance(model, DTensorGPT):
         renamed["output.weight"] = renamed["word_embeddings.weight"]
     missing, unexpected = model.load_state_dict(renamed, strict=False)

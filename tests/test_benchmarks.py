@@ -132,8 +132,9 @@ def _equivalence_worker(rank: int, world_size: int, sp: bool, policy: str) -> di
     loss = model(ids[:, :-1], ids[:, 1:])
     with loss_parallel():
         loss.backward()
-    grads = {n: p.grad for n, p in ours.named_parameters()}
-    grads["positions.weight"] = grads.pop("position_embeddings")
+    grads = dtensor_gpt.dtensor_names(
+        {n: p.grad for n, p in ours.named_parameters()}, config.head_dim
+    )
     errors = {"loss": abs(float(loss.full_tensor()) - float(reference_loss))}
     for name, param in model.named_parameters():
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
