@@ -171,6 +171,10 @@ class Attention(nn.Module):
         self.query = ColumnParallelLinear(h, a * d, state, **common)
         self.key = ColumnParallelLinear(h, g * d, state, replicas=replicas, **common)
         self.value = ColumnParallelLinear(h, g * d, state, replicas=replicas, **common)
+        if self.key.bias is not None and self.rotary is None:
+            # softmax ignores a shift common to every key of a row (causal mask and dropout
+            # included): unrotated, the key bias's gradient is zero in exact arithmetic
+            self.key.bias.inert_gradient = True  # type: ignore[attr-defined]
         state.tensor_parallel_subgroup(replicas)  # made now, on every rank together
         self.proj = RowParallelLinear(
             a * d, h, state, sequence_parallel=sp, bias=config.bias,

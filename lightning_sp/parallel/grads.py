@@ -57,6 +57,16 @@ def allreduce_sequence_parallel_grads(module: nn.Module, state: ParallelState) -
         _all_reduce_coalesced(grads, state.tp_group, dist.ReduceOp.SUM)
 
 
+def zero_inert_grads(module: nn.Module) -> None:
+    """Set exactly to zero the gradients of parameters marked ``inert_gradient`` (their
+    gradient is zero in exact arithmetic, e.g. the key bias without rotary embeddings: what
+    is computed is rounding noise, which Adam's normalisation would turn into updates that
+    differ between layouts)."""
+    for p in module.parameters():
+        if getattr(p, "inert_gradient", False) and (g := grad_of(p)) is not None:
+            g.zero_()
+
+
 def allreduce_replicated_grads(module: nn.Module, state: ParallelState) -> None:
     """Sum the gradients of shards that several tensor-parallel ranks hold (``ShardSpec.
     replicas > 1``: the key/value heads of grouped-query attention with fewer groups than
@@ -110,7 +120,9 @@ def finalize_grads(
     here; the sequence-parallel sums over TP follow it (both are linear, so they commute).
     Under context parallelism every gradient is then summed over the CP group
     (:func:`sum_context_parallel_grads`; with a distributed optimizer's buffer each CP rank
-    sums the shard it holds, which is the same shard on every CP rank of a DP rank).
+    sums the shard it holds, which is the same shard on every CP rank of a DP rank). Last,
+    gradients that are zero in exact arithmetic are made exactly zero
+    (:func:`zero_inert_grads`).
     """
     if buffer is not None:
         buffer.finish()
@@ -119,6 +131,7 @@ def finalize_grads(
     if buffer is None:
         average_data_parallel_grads(module, state)
     sum_context_parallel_grads(module, state)
+    zero_inert_grads(module)
 
 
 def _counted_once(param: Tensor, state: ParallelState) -> bool:
