@@ -40,12 +40,13 @@ from lightning_sp.training.validation import check_fit_config
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
 
 
-def _default_loggers() -> list[dict]:
-    """CSV logs under logs/csv, and TensorBoard logs under logs/tensorboard when installed."""
+def _default_loggers(root: str) -> list[Namespace]:
+    """CSV logs under ``root``/csv, and TensorBoard logs under ``root``/tensorboard when
+    installed (``root``: ``trainer.default_root_dir``, where any Lightning run logs)."""
 
-    def logger(name: str, folder: str) -> dict:
+    def logger(name: str, folder: str) -> Namespace:
         path = f"lightning.pytorch.loggers.{name}"
-        return {"class_path": path, "init_args": {"save_dir": "logs", "name": folder}}
+        return Namespace(class_path=path, init_args=Namespace(save_dir=root, name=folder))
 
     loggers = [logger("CSVLogger", "csv")]
     try:
@@ -62,18 +63,22 @@ class GPTCLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.config.seq_length", "data.seq_length")
-        parser.set_defaults({"trainer.logger": _default_loggers()})
 
     @override
     def before_instantiate_classes(self) -> None:
-        """Check the fit config before launch (one-line errors), and use
+        """Check the fit config before launch (one-line errors); log to CSV (and TensorBoard)
+        under ``trainer.default_root_dir`` unless the config names loggers (or ``false``); use
         :class:`lightning_sp.ProgressBar` (short names and units) unless the config disables
         the bar or names a progress bar of its own."""
         if self.subcommand is not None:  # fit / validate / test (not estimate, prepare)
             check_fit_config(self.config[self.subcommand])
         config = self.config.get(str(self.subcommand), self.config)
         trainer = config.get("trainer")
-        if trainer is None or trainer.get("enable_progress_bar") is False:
+        if trainer is None:
+            return
+        if trainer.get("logger") in (None, True):  # Lightning's default logger: ours
+            trainer["logger"] = _default_loggers(trainer.get("default_root_dir") or os.getcwd())
+        if trainer.get("enable_progress_bar") is False:
             return
         callbacks = list(trainer.get("callbacks") or [])
         if any("ProgressBar" in str(getattr(c, "class_path", "")) for c in callbacks):

@@ -69,6 +69,9 @@ class ParallelState:
     dp_group: dist.ProcessGroup | None
     device: torch.device
     mesh: DeviceMesh | None = None
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    """How long a collective of this rank's groups may wait; groups made later for this
+    layout (the pipeline's embedding group) use it too."""
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> ParallelState:
@@ -131,6 +134,7 @@ class ParallelState:
             dp_group=group("dp", dp),
             device=device,
             mesh=mesh,
+            timeout=timeout,
         )
 
     @property

@@ -44,6 +44,7 @@ from lightning_sp.memory.formulas import (
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.recompute import AUTO, policy_name
 from lightning_sp.model.shape import ActivationShape
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.layout import DEFAULT_DEVICE_BYTES, Layout
 from lightning_sp.planner.records import (
     COMBINATIONS,
@@ -165,7 +166,7 @@ def estimate(
             got = Activations(m.bytes_per_layer, m.embedding_bytes, m.head_bytes or 0)
         acts[sp][rc] = (got, formula)
     rows = [_row(layout, sp, rc, acts[sp], state_bytes, device) for sp in acts for rc in acts[sp]]
-    k, sp = _configured_split(layout), layout.sequence_parallel
+    k, sp = _configured_split(layout), layout.config.sequence_parallel
     if k is not None and policy_name(cfg.recompute) in acts[sp]:
         rows.append(_row(layout, sp, policy_name(cfg.recompute), acts[sp], state_bytes, device, k))
     result = Estimate(
@@ -178,7 +179,7 @@ def estimate(
         seconds=time.perf_counter() - start,
     )
     if layout.recompute == "auto":
-        result.choice = _choose(result, acts[layout.sequence_parallel], state_bytes)
+        result.choice = _choose(result, acts[layout.config.sequence_parallel], state_bytes)
     _mark_selected(result)
     return result
 
@@ -188,7 +189,11 @@ def _choose(
 ) -> RecomputeChoice:
     """The least recomputation that fits, for the layout's sequence-parallel setting; a row for
     a partial choice of the last policy is appended to ``result.rows``."""
-    layout, sp, measured = result.layout, result.layout.sequence_parallel, bool(result.measurements)
+    layout, sp, measured = (
+        result.layout,
+        result.layout.config.sequence_parallel,
+        bool(result.measurements),
+    )
     previous: int | None = None
     rest = LADDER[0]  # the last rung that stored less than the one before it
     for policy in LADDER[:-1]:
@@ -251,52 +256,45 @@ def _configured_split(layout: Layout) -> int | None:
 def _mark_selected(result: Estimate) -> None:
     layout, choice = result.layout, result.choice
     if choice is None:
-        key = (layout.sequence_parallel, policy_name(layout.recompute), _configured_split(layout))
+        key = (
+            layout.config.sequence_parallel,
+            policy_name(layout.recompute),
+            _configured_split(layout),
+        )
     else:
-        key = (layout.sequence_parallel, choice.recompute, choice.recompute_num_layers)
+        key = (layout.config.sequence_parallel, choice.recompute, choice.recompute_num_layers)
     for row in result.rows:
         row.selected = (row.sequence_parallel, row.recompute, row.recompute_num_layers) == key
 
 
 def resolve_recompute(
     config: GPTConfig,
+    parallel: ParallelConfig | None = None,
     *,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    virtual_pipeline_size: int = 1,
-    num_microbatches: int = 1,
     micro_batch_size: int = 1,
-    data_parallel_size: int = 1,
-    sequence_parallel: bool | None = None,
     device_bytes: float = DEFAULT_DEVICE_BYTES,
     layers: int = 1,
     measure: bool | None = None,
 ) -> RecomputeChoice:
-    """Resolve ``recompute: auto`` for a running layout: the least recomputation with which the
-    most loaded rank's model state + first-stage activations fit ``device_bytes`` (see
-    :func:`estimate`; ``fits`` is False when even full recompute of every layer does not).
+    """Resolve ``recompute: auto`` for a running layout (``parallel``; default: one process):
+    the least recomputation with which the most loaded rank's model state + first-stage
+    activations fit ``device_bytes`` (see :func:`estimate`; ``fits`` is False when even full
+    recompute of every layer does not).
 
-    ``config.recompute`` is ignored. ``sequence_parallel`` defaults to
-    ``config.sequence_parallel``. ``measure``: trace under fake tensors (``None``: when
-    ``torch.distributed`` is not yet initialised in this process, since the fake world cannot
-    coexist with a real one; otherwise the formulas, which the measurement matches within
-    0.01%). Deterministic, so every rank resolves the same choice.
+    ``config.recompute`` is ignored. ``parallel.sequence_parallel`` must agree with
+    ``config.sequence_parallel`` (``None``: the config's). ``measure``: trace under fake
+    tensors (``None``: when ``torch.distributed`` is not yet initialised in this process,
+    since the fake world cannot coexist with a real one; otherwise the formulas, which the
+    measurement matches within 0.01%). Deterministic, so every rank resolves the same choice.
     """
     import torch.distributed as dist
 
     if measure is None:
         measure = not (dist.is_available() and dist.is_initialized())
-    sp = config.sequence_parallel if sequence_parallel is None else sequence_parallel
     layout = Layout(
-        config=dataclasses.replace(
-            config, sequence_parallel=sp, recompute="auto", recompute_num_layers=None
-        ),
-        tensor_parallel_size=tensor_parallel_size,
-        pipeline_parallel_size=pipeline_parallel_size,
-        virtual_pipeline_size=virtual_pipeline_size,
-        num_microbatches=num_microbatches,
+        **dataclasses.asdict(parallel or ParallelConfig()),
+        config=dataclasses.replace(config, recompute="auto", recompute_num_layers=None),
         micro_batch_size=micro_batch_size,
-        data_parallel_size=data_parallel_size,
         source="the running layout",
     )
     choice = estimate(layout, device_bytes, layers=layers, measure=measure).choice
