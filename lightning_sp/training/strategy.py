@@ -184,7 +184,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
     @override
     def check_before_launch(self) -> None:
         check_precision(self.precision_plugin.precision)
-        self.parallel_config.for_world_size(self.total_processes)
+        self.parallel_config.for_world_size(self.total_processes)  # t·p divides the world
 
     @override
     def setup_environment(self) -> None:
@@ -197,7 +197,9 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         check_module(module, config.tensor_parallel_size, config.pipeline_parallel_size)
         receiver = module if isinstance(module, ParallelModule) else None
         # the module's own choice of sequence parallelism (a plain module has none)
-        model_sp = receiver.sequence_parallel if receiver else bool(config.sequence_parallel)
+        model_sp = (
+            receiver.sequence_parallel if receiver is not None else bool(config.sequence_parallel)
+        )
         self.parallel_config = config = config.with_sequence_parallel(model_sp)
         super().setup_environment()
         self._parallel_state = state = ParallelState.from_process_group(
