@@ -48,12 +48,13 @@ LIGHTNING_MODEL_CHECKPOINT = (
 :class:`lightning_sp.ModelCheckpoint` (which also saves the step that ends the run) instead."""
 
 
-def _default_loggers() -> list[dict]:
-    """CSV logs under logs/csv, and TensorBoard logs under logs/tensorboard when installed."""
+def _default_loggers(root: str) -> list[Namespace]:
+    """CSV logs under ``root``/csv, and TensorBoard logs under ``root``/tensorboard when
+    installed (``root``: ``trainer.default_root_dir``, where any Lightning run logs)."""
 
-    def logger(name: str, folder: str) -> dict:
+    def logger(name: str, folder: str) -> Namespace:
         path = f"lightning.pytorch.loggers.{name}"
-        return {"class_path": path, "init_args": {"save_dir": "logs", "name": folder}}
+        return Namespace(class_path=path, init_args=Namespace(save_dir=root, name=folder))
 
     loggers = [logger("CSVLogger", "csv")]
     try:
@@ -70,12 +71,12 @@ class GPTCLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.config.seq_length", "data.seq_length")
-        parser.set_defaults({"trainer.logger": _default_loggers()})
 
     @override
     def before_instantiate_classes(self) -> None:
-        """Check the fit config before launch (one-line errors), build
-        :class:`lightning_sp.ModelCheckpoint` where the config names Lightning's, and use
+        """Check the fit config before launch (one-line errors); log to CSV (and TensorBoard)
+        under ``trainer.default_root_dir`` unless the config names loggers (or ``false``); build
+        :class:`lightning_sp.ModelCheckpoint` where the config names Lightning's; use
         :class:`lightning_sp.ProgressBar` (short names and units) unless the config disables
         the bar or names a progress bar of its own."""
         if self.subcommand is not None:  # fit / validate / test (not estimate, prepare)
@@ -83,6 +84,9 @@ class GPTCLI(LightningCLI):
         config = self.config.get(str(self.subcommand), self.config)
         trainer = config.get("trainer")
         if trainer is None:
+            return
+        if trainer.get("logger") in (None, True):  # Lightning's default logger: ours
+            trainer["logger"] = _default_loggers(trainer.get("default_root_dir") or os.getcwd())
             return
         callbacks = list(trainer.get("callbacks") or [])
         for callback in callbacks:  # last.ckpt that always continues the run

@@ -22,9 +22,10 @@ import torch.distributed as dist
 
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.checkpoint import Checkpointer, Layout, Meta
+from lightning_sp.training.checkpoint import Checkpointer, Meta
 from lightning_sp.training.optim import build_adamw
 
 SCHEDULES = ("none", "async", "sync")
@@ -39,7 +40,7 @@ def _rank(rank: int, world_size: int, rounds: int, every: int, folder: str) -> d
     optimizer = build_adamw(model, 1e-4, 0.1, (0.9, 0.95), 1e-8)
     tokens = torch.randint(0, 257, (8, 257), generator=torch.Generator().manual_seed(0))
     savers = {"async": Checkpointer(async_save=True), "sync": Checkpointer()}
-    meta = Meta(0, Layout(2, 1, 1, 1, True), {})
+    meta = Meta(0, ParallelConfig(tensor_parallel_size=2, sequence_parallel=True), {})
 
     def step() -> None:
         optimizer.zero_grad()

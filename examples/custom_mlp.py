@@ -16,10 +16,11 @@ built from ``lightning_sp.parallel``:
   (LayerNorm parameters are marked ``sequence_parallel`` so their partial gradients are summed
   over the TP group).
 
-``CustomMLPModule`` implements :class:`lightning_sp.training.protocol.ParallelModule`: it
-builds this rank's shard in ``configure_model`` from the strategy's parallel state and returns
-it from ``stage_model()``; the shard's ``finalize_grads`` is what the strategy calls after
-backward. Layouts are ``[s, b, h]`` (``[s/t, b, h]`` inside the sequence-parallel region).
+``CustomMLPModule`` implements :class:`lightning_sp.training.protocol.ParallelModule`: the
+strategy pushes the parallel state and layout in (``setup_parallel``), the module builds this
+rank's shard from them in ``configure_model`` and returns it from ``stage_model()``; the
+shard's ``finalize_grads`` is what the strategy calls after backward. Layouts are
+``[s, b, h]`` (``[s/t, b, h]`` inside the sequence-parallel region).
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.comm import gather_from_sequence_parallel, scatter_to_sequence_parallel
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.init import initialize_parameter, mark_parameter
 from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_sp.parallel.random import RNGStreams, dropout
 from lightning_sp.parallel.state import ParallelState
-from lightning_sp.training.strategy import MegatronSPStrategy
 
 
 class ParallelMLP(nn.Module):
@@ -92,10 +94,11 @@ class ParallelMLP(nn.Module):
             h = gather_from_sequence_parallel(h, group)  # [s, b, h]
         return nn.functional.mse_loss(h, target.transpose(0, 1))
 
-    def finalize_grads(self) -> None:
+    def finalize_grads(self, buffer: GradBuffer | None = None) -> None:
         """LayerNorm / row-parallel-bias gradients summed over TP (under SP), all averaged
-        over DP: the :class:`~lightning_sp.training.protocol.StageModel` contract."""
-        finalize_grads(self, self.state)
+        over DP (through the optimizer's gradient ``buffer``, if it has one): the
+        :class:`~lightning_sp.training.protocol.StageModel` contract."""
+        finalize_grads(self, self.state, buffer)
 
 
 def regression_data(samples: int = 64, seq: int = 8, hidden: int = 32) -> TensorDataset:
@@ -106,22 +109,39 @@ def regression_data(samples: int = 64, seq: int = 8, hidden: int = 32) -> Tensor
 
 class CustomMLPModule(LightningModule):
     """Trains :class:`ParallelMLP` with any ``megatron_sp`` layout of ``p = 1``, or on one
-    process under any other strategy."""
+    process under any other strategy (the :class:`~lightning_sp.training.protocol.ParallelModule`
+    protocol: the strategy pushes the state and layout in through :meth:`setup_parallel`)."""
 
     supports_pipeline_parallel = False
 
-    def __init__(self, hidden: int = 32, dropout_p: float = 0.0, lr: float = 1e-2) -> None:
+    def __init__(
+        self,
+        hidden: int = 32,
+        dropout_p: float = 0.0,
+        lr: float = 1e-2,
+        sequence_parallel: bool = True,
+    ) -> None:
         super().__init__()
         self.hidden, self.dropout_p, self.lr = hidden, dropout_p, lr
+        self._sequence_parallel = sequence_parallel
+        self._parallel: tuple[ParallelState, ParallelConfig] | None = None
         self.mlp: ParallelMLP | None = None
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the shard is sequence parallel under ``megatron_sp``."""
+        return self._sequence_parallel
+
+    def setup_parallel(self, state: ParallelState, config: ParallelConfig) -> None:
+        """Receive this rank's state and the run's layout (before ``configure_model``)."""
+        self._parallel = (state, config)
 
     @override
     def configure_model(self) -> None:
         if self.mlp is not None:
             return
-        strategy = self.trainer.strategy
-        if isinstance(strategy, MegatronSPStrategy):
-            state, sp = strategy.parallel_state, strategy.sequence_parallel
+        if self._parallel is not None:  # under megatron_sp
+            state, sp = self._parallel[0], bool(self._parallel[1].sequence_parallel)
         else:
             state, sp = ParallelState.single(self.device), False
         dtype = torch.get_default_dtype()
@@ -154,11 +174,13 @@ class CustomMLPModule(LightningModule):
 if __name__ == "__main__":
     import lightning as L
 
+    from lightning_sp.training.strategy import MegatronSPStrategy
+
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
         max_steps=20,
-        strategy=MegatronSPStrategy(tensor_parallel_size=2, sequence_parallel=True),
+        strategy=MegatronSPStrategy(tensor_parallel_size=2),
         enable_checkpointing=False,
         logger=False,
     )

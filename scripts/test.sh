@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh), lint (ruff), type-check (mypy) and run the whole test suite.
-# Extra arguments go to pytest.
+# Extra arguments go to pytest (`-m "not slow"`: the quick tier, tests/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

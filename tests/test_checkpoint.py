@@ -28,9 +28,10 @@ from lightning_sp import (
     ParallelState,
     Pipeline,
 )
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.checkpoint import Checkpointer, Layout, Meta, read_full, rng_key
+from lightning_sp.training.checkpoint import Checkpointer, Meta, read_full, rng_key
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.optim import build_adamw
 
@@ -60,10 +61,15 @@ class Run:
         self.optimizer = build_adamw(self.model, 1e-2, 0.1, (0.9, 0.95), 1e-8)
 
     @property
-    def layout(self) -> Layout:
+    def layout(self) -> ParallelConfig:
         s = self.state
-        return Layout(s.tensor_parallel_size, s.pipeline_parallel_size, s.data_parallel_size,
-                      self.m, self.sp)  # fmt: skip
+        return ParallelConfig(
+            tensor_parallel_size=s.tensor_parallel_size,
+            pipeline_parallel_size=s.pipeline_parallel_size,
+            virtual_pipeline_size=self.m,
+            data_parallel_size=s.data_parallel_size,
+            sequence_parallel=self.sp,
+        )
 
     def step(self, step: int) -> float:
         """One optimizer step on global batch ``step``; returns the global mean loss."""
@@ -322,7 +328,8 @@ def test_skip_policy_drops_nonfinite_steps_and_continues(tmp_path: Path) -> None
     for i in range(4):
         (corpus / f"doc{i}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * 60)
     config = GPTConfig(vocab_size=257, seq_length=32, hidden_size=32, num_layers=2, num_heads=4,
-                       hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+                       hidden_dropout=0.0, attention_dropout=0.0,
+                       sequence_parallel=True)  # fmt: skip
     strategy = MegatronSPStrategy(tensor_parallel_size=2, start_method="spawn",
                                   nonfinite="skip", max_skipped_steps=1)  # fmt: skip
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=6,

@@ -55,7 +55,8 @@ def test_fit_tiny_pipeline_config(tmp_path: Path) -> None:
     checkpoint = tmp_path / "checkpoints" / "tiny_pp" / "last.ckpt"
     assert json.loads((checkpoint / "meta.json").read_text())["layout"] == {
         "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "data_parallel_size": 1,
-        "virtual_pipeline_size": 2, "sequence_parallel": True,
+        "virtual_pipeline_size": 2, "sequence_parallel": True, "num_microbatches": 4,
+        "distributed_optimizer": False,
     }  # fmt: skip
 
 
@@ -151,3 +152,20 @@ def test_cli_shows_the_short_progress_bar_unless_disabled(enabled: bool, tmp_pat
     bars = [c for c in cli.trainer.callbacks if isinstance(c, ProgressBar)]  # type: ignore[attr-defined]
     assert len(bars) == (1 if enabled else 0)
     assert (cli.trainer.progress_bar_callback is not None) == enabled
+
+
+def test_logs_go_under_the_default_root_dir(tmp_path: Path) -> None:
+    """Like any Lightning run, the CLI's loggers write under ``trainer.default_root_dir``
+    (configs/tiny.yaml sets ``logs``); a config's own loggers are left alone."""
+    sys.path.insert(0, str(ROOT))
+    from cli import GPTCLI
+    from lightning_sp import GPTModule, TextDataModule
+
+    base = ["--config", TINY, "--trainer.devices", "1", "--trainer.strategy", "auto"]
+    cli = GPTCLI(GPTModule, TextDataModule, run=False,
+                 args=[*base, "--trainer.default_root_dir", str(tmp_path / "root")])  # fmt: skip
+    dirs = {type(lg).__name__: Path(lg.log_dir) for lg in cli.trainer.loggers}  # type: ignore[attr-defined]
+    assert dirs["CSVLogger"].parent == tmp_path / "root" / "csv", dirs
+    assert all(d.is_relative_to(tmp_path / "root") for d in dirs.values()), dirs
+    cli = GPTCLI(GPTModule, TextDataModule, run=False, args=[*base, "--trainer.logger", "false"])
+    assert not cli.trainer.loggers  # type: ignore[attr-defined]

@@ -205,7 +205,7 @@ STRATEGY_CASES = [  # (strategy arguments, the field named in the one line)
     ({"timeout": 0}, "timeout=0 must be a positive number"),
     ({"nonfinite": "ignore"}, "nonfinite='ignore' is not one of stop, skip"),
     ({"max_skipped_steps": -1}, "max_skipped_steps=-1 must be a non-negative integer"),
-    ({"tensor_paralel_size": 2}, "unknown argument tensor_paralel_size=2"),
+    ({"sequence_parallel": "yes"}, "sequence_parallel='yes' must be true, false or null"),
 ]  # fmt: skip
 
 
@@ -215,6 +215,24 @@ def test_strategy_arguments(args: dict, message: str) -> None:
 
     _raises(re.escape(message), validation.check_strategy_args, **args)
     _raises(re.escape(message), MegatronSPStrategy, **args)  # the constructor says the same
+
+
+def test_sequence_parallel_is_set_in_one_place() -> None:
+    """The strategy's ``sequence_parallel`` left unset takes the model's; given, it must agree:
+    a conflict is one line, never a silent override."""
+    from lightning_sp.parallel.config import ParallelConfig
+
+    assert ParallelConfig().with_sequence_parallel(True).sequence_parallel is True
+    assert (
+        ParallelConfig(sequence_parallel=False).with_sequence_parallel(False).sequence_parallel
+        is False
+    )
+    _raises(
+        r"^trainer.strategy.sequence_parallel=True conflicts with "
+        r"model.config.sequence_parallel=False;",
+        ParallelConfig(sequence_parallel=True).with_sequence_parallel,
+        False,
+    )
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "16-true"])
@@ -249,14 +267,15 @@ def saved(tmp_path_factory: pytest.TempPathFactory):
     """A real checkpoint of the tiny model (one process) and its config."""
     import dataclasses
 
-    from lightning_sp.training.checkpoint import Checkpointer, Layout, Meta
+    from lightning_sp.parallel.config import ParallelConfig
+    from lightning_sp.training.checkpoint import Checkpointer, Meta
     from lightning_sp.training.optim import build_adamw
 
     config = tiny_config()
     model = GPT(config, ParallelState.single())
     optimizer = build_adamw(model, 1e-3, 0.1, (0.9, 0.95), 1e-8)
     path = tmp_path_factory.mktemp("saved") / "last.ckpt"
-    meta = Meta(0, Layout(1, 1, 1), dataclasses.asdict(config))
+    meta = Meta(0, ParallelConfig(), dataclasses.asdict(config))
     Checkpointer().save(path, model, [optimizer], meta=meta, lightning_state={},
                         rng=("rng.pp0.dp0.tp0", None))  # fmt: skip
     return path, config

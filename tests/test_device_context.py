@@ -154,7 +154,7 @@ def _compiled_layouts_worker(rank: int, world_size: int) -> None:
         for compiled in (False, True):
             model = Pipeline(config, state, num_microbatches=2 if state is pp else 1)
             if compiled:
-                for chunk in model.models:
+                for chunk in model.chunks:
                     for layer in chunk.layers:
                         layer.compile(backend="aot_eager")
             loss = model.train_step(ids, labels) if model.runs_backward else model(ids, labels)

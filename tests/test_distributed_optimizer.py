@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 from lightning_sp import GPT, ParallelState
 from lightning_sp.memory.formulas import distributed_optimizer_elements, model_state_bytes
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.checkpoint import Checkpointer, Layout, Meta, read_full, rng_key
+from lightning_sp.training.checkpoint import Checkpointer, Meta, read_full, rng_key
 from lightning_sp.training.checkpoint.shards import flat_range_boxes
 from lightning_sp.training.distributed_optim import DistributedAdamW
 from lightning_sp.training.optim import build_adamw
@@ -58,10 +59,13 @@ class Run:
         finalize_grads(self.model, self.state, self.optimizer.grad_buffer)  # type: ignore[attr-defined]
         self.optimizer.step()
 
-    def _layout(self) -> Layout:
+    def _layout(self) -> ParallelConfig:
         s = self.state
         t = s.tensor_parallel_size
-        return Layout(t, 1, s.data_parallel_size, 1, t > 1)
+        return ParallelConfig(
+            tensor_parallel_size=t, data_parallel_size=s.data_parallel_size,
+            sequence_parallel=t > 1,
+        )  # fmt: skip
 
     def save(self, path: Path) -> None:
         s = self.state

@@ -143,7 +143,7 @@ def test_predict_and_cli_generate_from_a_checkpoint(tmp_path: Path) -> None:
     checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     fit = _trainer(strategy=MegatronSPStrategy(), max_steps=3, callbacks=[checkpoints],
                    limit_val_batches=0)  # fmt: skip
-    fit.fit(GPTModule(GPTConfig(**CONFIG)), data)  # type: ignore[arg-type]
+    fit.fit(GPTModule(GPTConfig(**CONFIG, sequence_parallel=True)), data)  # type: ignore[arg-type]
     ckpt = tmp_path / "ckpt" / "last.ckpt"
 
     generation = GenerationConfig(max_new_tokens=10, temperature=1.0, seed=11)

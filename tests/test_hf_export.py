@@ -115,12 +115,13 @@ def test_export_round_trip_tp2_sp_from_gpt2_with_tokenizer(
 ) -> None:
     """t=2 + SP, started from the imported GPT-2, a tokenizer.json; exported by the CLI."""
     tokenizer = _train_tokenizer(corpus, tmp_path / "tokenizer.json")
-    module = GPTModule(our_config(hidden_dropout=0.1, attention_dropout=0.1),
+    module = GPTModule(our_config(hidden_dropout=0.1, attention_dropout=0.1,
+                                  sequence_parallel=True),
                        OptimizerConfig(lr=1e-3, warmup_steps=1),
                        init_from=str(gpt2[0]))  # fmt: skip
     data = TextDataModule(paths=str(corpus), tokenizer=str(tokenizer), seq_length=SEQ,
                           batch_size=4, val_fraction=0.1)  # fmt: skip
-    ckpt = _fit(tmp_path, module, data, {"tensor_parallel_size": 2, "sequence_parallel": True})
+    ckpt = _fit(tmp_path, module, data, {"tensor_parallel_size": 2})
     out = tmp_path / "hf"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
@@ -150,7 +151,8 @@ def data_tokenizer_ids(path: Path, text: str) -> list[int]:
 @pytest.mark.slow
 def test_export_round_trip_pp2(tmp_path: Path, corpus: Path) -> None:
     """p=2 (1F1B, two micro-batches), seeded init, byte-level data (no tokenizer files)."""
-    module = GPTModule(our_config(vocab_size=257, hidden_dropout=0.1, attention_dropout=0.1),
+    module = GPTModule(our_config(vocab_size=257, hidden_dropout=0.1, attention_dropout=0.1,
+                                  sequence_parallel=True),
                        OptimizerConfig(lr=1e-3, warmup_steps=1))  # fmt: skip
     data = TextDataModule(paths=str(corpus), seq_length=SEQ, batch_size=4, val_fraction=0.1)
     ckpt = _fit(tmp_path, module, data, {"pipeline_parallel_size": 2, "num_microbatches": 2})

@@ -41,8 +41,7 @@ def _layout_worker(rank: int, world_size: int) -> None:
         assert not torch.equal(replicated[rank], replicated[other_replica])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_mesh_layout_and_rng_streams(world_size: int) -> None:
     run_distributed(_layout_worker, world_size)
 

@@ -29,6 +29,7 @@ from lightning_sp.memory.formulas import (
     figure7_percentages,
     table2_bytes_per_layer,
 )
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.estimate import estimate, resolve_recompute
 from lightning_sp.planner.layout import Layout, parse_bytes
 from lightning_sp.planner.records import Estimate
@@ -173,7 +174,7 @@ def test_plot_writes_png(tmp_path: Path) -> None:
 def _auto(sequence_parallel: bool = True, attention: str = "math") -> Layout:
     sp = str(sequence_parallel).lower()
     return read_layout(
-        "gpt175b", "--model.config.recompute", "auto", "--trainer.strategy.sequence_parallel", sp,
+        "gpt175b", "--model.config.recompute", "auto", "--model.config.sequence_parallel", sp,
         "--model.config.attention", attention,
     )  # fmt: skip
 
@@ -223,7 +224,7 @@ def test_auto_picks_the_fastest_recomputation_that_fits() -> None:
         configured = read_layout(
             "gpt175b", "--model.config.recompute", "full", "--model.config.attention", "math",
             "--model.config.recompute_num_layers", "1", "--model.config.recompute_rest", rest,
-            "--trainer.strategy.sequence_parallel", "false",
+            "--model.config.sequence_parallel", "false",
         )  # fmt: skip
         row = estimate(configured, 67e9, measure=False).rows[-1]
         assert row.selected and (row.recompute_num_layers, row.recompute_rest) == (1, rest)
@@ -243,7 +244,7 @@ def test_estimate_table_names_autos_partial_choice(capsys: pytest.CaptureFixture
     per-layer policy to ask)."""
     args = [
         "--config", CONFIGS["gpt175b"], "--model.config.recompute", "auto",
-        "--trainer.strategy.sequence_parallel", "false", "--model.config.attention", "math",
+        "--model.config.sequence_parallel", "false", "--model.config.attention", "math",
         "--device_memory", "67GB", "--formula_only", "true",
     ]  # fmt: skip
     assert main(args) == 0
@@ -317,16 +318,17 @@ def test_resolve_recompute_api_measured_and_formula_agree() -> None:
         vocab_size=51200, seq_length=2048, hidden_size=12288, num_layers=96, num_heads=96,
         sequence_parallel=False,
     )  # fmt: skip
-    kwargs = dict(
+    parallel = ParallelConfig(
         tensor_parallel_size=8, pipeline_parallel_size=8, virtual_pipeline_size=3,
-        num_microbatches=64, micro_batch_size=1,
+        num_microbatches=64,
     )  # fmt: skip
-    measured_choice = resolve_recompute(config, **kwargs)  # type: ignore[arg-type]
-    formula_choice = resolve_recompute(config, measure=False, **kwargs)  # type: ignore[arg-type]
+    measured_choice = resolve_recompute(config, parallel, micro_batch_size=1)
+    formula_choice = resolve_recompute(config, parallel, micro_batch_size=1, measure=False)
     assert measured_choice.measured and not formula_choice.measured
     assert (measured_choice.recompute, measured_choice.recompute_num_layers) == ("lean", None)
     assert (formula_choice.recompute, formula_choice.recompute_num_layers) == ("lean", None)
-    choice = resolve_recompute(config, sequence_parallel=True, **kwargs)  # type: ignore[arg-type]
+    sp = dataclasses.replace(config, sequence_parallel=True)
+    choice = resolve_recompute(sp, parallel, micro_batch_size=1)
     assert choice.recompute == "selective"
 
 
@@ -355,6 +357,10 @@ BAD = [  # (fit overrides of gpt175b.yaml, fragments the one-line message must c
         ["num_microbatches=4", "pipeline_parallel_size=8"],
     ),
     ([f"{STRATEGY}.virtual_pipeline_size", "0"], ["virtual_pipeline_size=0", "positive"]),
+    (
+        [f"{STRATEGY}.sequence_parallel", "false"],
+        ["trainer.strategy.sequence_parallel=False", "model.config.sequence_parallel=True"],
+    ),
     (["--trainer.devices", "auto"], ["trainer.devices='auto'"]),
     (["--layers", "0"], ["--layers=0", "positive"]),
     (["--device_memory", "lots"], ["--device_memory='lots'", "80GiB"]),
@@ -406,7 +412,7 @@ def test_fit_overrides_change_the_estimate(capsys: pytest.CaptureFixture[str]) -
     assert b2.row(True, "selective").first_stage_activation_bytes == pytest.approx(
         2 * first.first_stage_activation_bytes, rel=1e-9
     )
-    tp_only = read_layout("gpt175b", f"{STRATEGY}.sequence_parallel", "false")
+    tp_only = read_layout("gpt175b", "--model.config.sequence_parallel", "false")
     assert not tp_only.sequence_parallel and base.sequence_parallel
     tp_rows = estimate(tp_only, measure=False)
     assert [(r.sequence_parallel, r.recompute) for r in tp_rows.rows if r.selected] == [

@@ -204,7 +204,6 @@ def _worker(rank: int, world_size: int, backends: tuple[str, ...]) -> None:
             _check_case(backend, sequence_parallel, state)
 
 
-@pytest.mark.slow
 def test_dropout_masks_come_from_the_right_stream_and_replay() -> None:
     """t=2: sharded activations draw different masks per TP rank, replicated ones identical
     masks; recompute redraws the forward's masks, for every attention backend."""

@@ -52,11 +52,19 @@ A100 = A100_80GB
 SMALL = GPTConfig(vocab_size=1000, seq_length=512, hidden_size=1024, num_layers=8, num_heads=16)
 
 
+def layout_of(config: GPTConfig, t: int, p: int, m: int, n: int, b: int, d: int) -> Layout:
+    """The layout t, p, m (chunks per stage), n micro-batches of b samples, d replicas."""
+    return Layout(
+        config=config, tensor_parallel_size=t, pipeline_parallel_size=p,
+        virtual_pipeline_size=m, num_microbatches=n, micro_batch_size=b, data_parallel_size=d,
+    )  # fmt: skip
+
+
 def small(
     t: int = 2, p: int = 1, m: int = 1, n: int = 1, b: int = 2, d: int = 1, **kw: object
 ) -> Layout:
     config = dataclasses.replace(SMALL, **kw)  # type: ignore[arg-type]
-    return Layout(config, t, p, m, n, b, d)
+    return layout_of(config, t, p, m, n, b, d)
 
 
 # -- the kernels -----------------------------------------------------------------------------
@@ -190,7 +198,7 @@ def test_more_chunks_less_bubble() -> None:
         vocab_size=51200, seq_length=2048, hidden_size=12288, num_layers=96, num_heads=96,
         sequence_parallel=True, recompute="selective",
     )  # fmt: skip
-    runs = {m: step_time(Layout(config, 8, 8, m, 64, 1, 1), A100) for m in (1, 2, 3, 4, 6)}
+    runs = {m: step_time(layout_of(config, 8, 8, m, 64, 1, 1), A100) for m in (1, 2, 3, 4, 6)}
     bubbles = [runs[m].parts["bubble"] for m in sorted(runs)]
     p2p = [runs[m].parts["p2p"] for m in sorted(runs)]
     assert bubbles == sorted(bubbles, reverse=True) and len(set(bubbles)) == 5
@@ -347,7 +355,7 @@ def test_calibrate_smoke_on_cpu(tmp_path: Path) -> None:
             assert measured is not None and gemm_seconds(cluster, g) == measured > 0
         heads = SMOKE_CONFIG.num_heads // t
         assert cluster.calibration.lookup("attention", 128, 32, 0, heads) is not None
-    layout = Layout(dataclasses.replace(SMOKE_CONFIG, attention="sdpa"), 2, 1, 1, 1, 1, 1)
+    layout = layout_of(dataclasses.replace(SMOKE_CONFIG, attention="sdpa"), 2, 1, 1, 1, 1, 1)
     assert step_time(layout, cluster).iteration_seconds > step_time(layout, A100).iteration_seconds
 
 

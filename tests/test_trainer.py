@@ -40,7 +40,7 @@ class AssertReplicasInSync(Callback):
 def model(**overrides: Any) -> GPTModule:
     fields = dict(
         vocab_size=257, seq_length=64, hidden_size=64, num_layers=2, num_heads=4,
-        hidden_dropout=0.1, attention_dropout=0.1, recompute="selective",
+        hidden_dropout=0.1, attention_dropout=0.1, recompute="selective", sequence_parallel=True,
     )  # fmt: skip
     fields.update(overrides)
     return GPTModule(GPTConfig(**fields), OptimizerConfig(lr=3e-3, warmup_steps=5, min_lr=3e-4))

@@ -136,7 +136,6 @@ def _custom_parity_worker(rank: int, world_size: int) -> None:
             assert err <= RTOL, f"t={world_size} sp={sp} {name}: gradient error {err:.3e}"
 
 
-@pytest.mark.slow
 def test_custom_mlp_matches_one_float64_process() -> None:
     run_distributed(_custom_parity_worker, 2)
 

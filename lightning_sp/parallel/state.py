@@ -96,6 +96,9 @@ class ParallelState:
     context_parallel_rank: int = 0
     cp_group: dist.ProcessGroup | None = None
     """The ``c`` ranks of equal (pp, dp, tp) coordinates; ``None`` for ``c = 1``."""
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    """How long a collective of this rank's groups may wait; groups made later for this
+    layout (the pipeline's embedding group) use it too."""
     _subgroups: dict[int, dist.ProcessGroup | None] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -168,6 +171,7 @@ class ParallelState:
             context_parallel_size=c,
             context_parallel_rank=cp_rank,
             cp_group=group("cp", c),
+            timeout=timeout,
         )
 
     @property
@@ -194,7 +198,7 @@ class ParallelState:
             for row in self.mesh.mesh.reshape(-1, t).tolist():
                 for start in range(0, t, size):
                     ranks = row[start : start + size]
-                    made = dist.new_group(ranks, timeout=DEFAULT_TIMEOUT)
+                    made = dist.new_group(ranks, timeout=self.timeout)
                     if dist.get_rank() in ranks:
                         mine = made
             self._subgroups[size] = mine

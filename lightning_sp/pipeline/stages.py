@@ -27,6 +27,8 @@ whole batch, exactly as one process computing the batch at once would.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterator
+from typing import cast, overload
 
 import torch
 import torch.distributed as dist
@@ -64,6 +66,22 @@ class _Stage(nn.Module):
         if self.chunk.has_embedding:
             x = self.chunk.embed(x)  # [b, s] -> [s/t or s, b, h]
         return self.chunk.forward_layers(x)  # [s/t or s, b, h]
+
+
+class Chunks(nn.ModuleList):
+    """A rank's model chunks: an ``nn.ModuleList`` of :class:`GPT` (typed as such)."""
+
+    @overload
+    def __getitem__(self, index: slice) -> Chunks: ...
+
+    @overload
+    def __getitem__(self, index: int) -> GPT: ...
+
+    def __getitem__(self, index: int | slice) -> GPT | Chunks:
+        return cast("GPT | Chunks", super().__getitem__(index))  # it holds GPTs only
+
+    def __iter__(self) -> Iterator[GPT]:
+        return (self[i] for i in range(len(self)))
 
 
 class Pipeline(nn.Module):
@@ -108,18 +126,18 @@ class Pipeline(nn.Module):
         self.num_microbatches = num_microbatches
         self.virtual_pipeline_size = m
         ranges = chunk_layer_ranges(config.num_layers, p, m, state.pipeline_parallel_rank)
-        models = [GPT(config, state, layer_range=r, dtype=dtype, device=device) for r in ranges]
-        self.chunks = nn.ModuleList(models)  # registered here: parameters ``chunks.<c>.…``
-        self.models: list[GPT] = models  # the same chunks, typed
+        # registered here: parameters ``chunks.<c>.…``
+        self.chunks: Chunks = Chunks(GPT(config, state, layer_range=r, dtype=dtype, device=device)
+                             for r in ranges)  # fmt: skip
         self.stage_indices = [c * p + state.pipeline_parallel_rank for c in range(m)]
-        self.has_embedding = self.models[0].has_embedding
-        self.has_head = self.models[-1].has_head
+        self.has_embedding = self.chunks[0].has_embedding
+        self.has_head = self.chunks[-1].has_head
         if p > 1 and self.has_head and config.tie_embeddings:
             # the output layer's copy of the tied embedding: its gradient is summed with stage
             # 0's, and the global norm counts the original only
-            self.models[-1].word_embeddings.weight.pipeline_copy = True  # type: ignore[attr-defined]
+            self.chunks[-1].word_embeddings.weight.pipeline_copy = True  # type: ignore[attr-defined]
         # plain lists, so the chunks are registered once (under ``chunks``)
-        self._stage_modules = [_Stage(chunk) for chunk in self.models]
+        self._stage_modules = [_Stage(chunk) for chunk in self.chunks]
         self._schedules: dict[tuple[int, int, torch.dtype], _Schedule] = {}
         self._embedding_group = self._make_embedding_group(timeout)
 
@@ -148,12 +166,12 @@ class Pipeline(nn.Module):
 
     @property
     def _device(self) -> torch.device:
-        return next(self.models[0].parameters()).device
+        return next(self.chunks[0].parameters()).device
 
     @property
     def _loss_dtype(self) -> torch.dtype:
         """fp32 for bf16/fp16 models (the cross entropy runs in fp32), else the model's."""
-        return torch.promote_types(next(self.models[0].parameters()).dtype, torch.float32)
+        return torch.promote_types(next(self.chunks[0].parameters()).dtype, torch.float32)
 
     def _hidden_shape(self, micro_batch: int, seq: int) -> tuple[int, int, int]:
         t = self.state.tensor_parallel_size
@@ -171,13 +189,13 @@ class Pipeline(nn.Module):
             )
         batch, seq = input_ids.shape
         micro = check_batch(batch, self.num_microbatches)
-        self.models[0].check_sequence(seq)
+        self.chunks[0].check_sequence(seq)
         return micro
 
     def _loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
         """Head and loss of one micro-batch, divided by ``n``: summed over micro-batches this
         is the mean loss of the batch, and its gradients those of the mean."""
-        return self.models[-1].loss(output, target) / self.num_microbatches
+        return self.chunks[-1].loss(output, target) / self.num_microbatches
 
     def _schedule(self, input_ids: Tensor) -> _Schedule:
         """The schedule (and its stages) for the micro-batch shape of ``input_ids``, built on
@@ -187,7 +205,7 @@ class Pipeline(nn.Module):
         if key in self._schedules:
             return self._schedules[key]
         p, m = self.state.pipeline_parallel_size, self.virtual_pipeline_size
-        param = next(self.models[0].parameters())
+        param = next(self.chunks[0].parameters())
         hidden = torch.empty(  # what every stage sends on: [s/t or s, b, h]
             self._hidden_shape(micro_batch, seq),
             dtype=param.dtype,
@@ -276,7 +294,7 @@ class Pipeline(nn.Module):
 
     def _accumulate(self, input_ids: Tensor, labels: Tensor, backward: bool) -> Tensor:
         """``p = 1``: the micro-batches one after another (gradient accumulation)."""
-        chunk, n = self.models[0], self.num_microbatches
+        chunk, n = self.chunks[0], self.num_microbatches
         total = torch.zeros((), dtype=self._loss_dtype, device=self._device)
         for ids, target in zip(input_ids.chunk(n), labels.chunk(n), strict=True):
             loss = self._loss_fn(chunk.forward_layers(chunk.embed(ids)), target)
@@ -302,7 +320,7 @@ class Pipeline(nn.Module):
         embedding; last stage: the output layer), so both copies take the same update."""
         if self._embedding_group is None:
             return
-        chunk = self.models[0] if self.has_embedding else self.models[-1]
+        chunk = self.chunks[0] if self.has_embedding else self.chunks[-1]
         weight = chunk.word_embeddings.weight
         grad = grad_utils.grad_of(weight)
         if grad is None:
@@ -314,7 +332,7 @@ class Pipeline(nn.Module):
         a gradient buffer reduces it over data parallelism only after that sum."""
         if self._embedding_group is None:
             return []
-        chunk = self.models[0] if self.has_embedding else self.models[-1]
+        chunk = self.chunks[0] if self.has_embedding else self.chunks[-1]
         return [chunk.word_embeddings.weight]
 
     def finalize_grads(self, buffer: GradBuffer | None = None) -> None:
@@ -327,14 +345,14 @@ class Pipeline(nn.Module):
 
     def rng_state_dict(self) -> dict[str, dict[str, Tensor]]:
         """The dropout streams of every chunk, keyed by chunk index (for checkpoints)."""
-        return {str(c): chunk.rng.state_dict() for c, chunk in enumerate(self.models)}
+        return {str(c): chunk.rng.state_dict() for c, chunk in enumerate(self.chunks)}
 
     def load_rng_state_dict(self, state_dict: dict[str, dict[str, Tensor]]) -> None:
         """Restore :meth:`rng_state_dict`."""
-        for c, chunk in enumerate(self.models):
+        for c, chunk in enumerate(self.chunks):
             chunk.rng.load_state_dict(state_dict[str(c)])
 
     def global_name(self, name: str) -> str:
         """A parameter's name (``chunks.<c>.…``) in the unsplit, unsharded model."""
         _, c, rest = name.split(".", 2)
-        return self.models[int(c)].global_name(rest)
+        return self.chunks[int(c)].global_name(rest)

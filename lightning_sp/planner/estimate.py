@@ -47,6 +47,7 @@ from lightning_sp.memory.formulas import (
 )
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.recompute import AUTO, policy_name
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.cluster import Cluster, load_cluster
 from lightning_sp.planner.layout import DEFAULT_DEVICE_BYTES, Layout
 from lightning_sp.planner.records import (
@@ -184,7 +185,7 @@ def estimate(
         for sp in acts
         for rc in acts[sp]
     ]
-    k, sp = _configured_split(layout), layout.sequence_parallel
+    k, sp = _configured_split(layout), layout.config.sequence_parallel
     if k is not None and policy_name(cfg.recompute) in acts[sp]:
         policy = policy_name(cfg.recompute)
         rows.append(_row(layout, sp, policy, acts[sp], state_bytes, device, hardware, k))
@@ -199,7 +200,9 @@ def estimate(
         cluster=hardware.name,
     )
     if layout.recompute == "auto":
-        result.choice = _choose(result, acts[layout.sequence_parallel], state_bytes, hardware)
+        result.choice = _choose(
+            result, acts[layout.config.sequence_parallel], state_bytes, hardware
+        )
     _mark_selected(result)
     return result
 
@@ -214,7 +217,11 @@ def _choose(
     policy of :data:`LADDER`, and for each policy below ``full`` the split with ``full`` on
     the fewest layers of a chunk that fits; the row of a chosen split is appended to
     ``result.rows``. Nothing fits: ``full`` on every layer."""
-    layout, sp, measured = result.layout, result.layout.sequence_parallel, bool(result.measurements)
+    layout, sp, measured = (
+        result.layout,
+        result.layout.config.sequence_parallel,
+        bool(result.measurements),
+    )
     device, last = result.device_bytes, LADDER[-1]
     candidates = [result.row(sp, policy) for policy in LADDER]
     for rest in LADDER[:-1]:
@@ -279,55 +286,47 @@ def _configured_split(layout: Layout) -> int | None:
 def _mark_selected(result: Estimate) -> None:
     layout, choice = result.layout, result.choice
     if choice is None:
-        key = (layout.sequence_parallel, policy_name(layout.recompute), _configured_split(layout))
+        key = (
+            layout.config.sequence_parallel,
+            policy_name(layout.recompute),
+            _configured_split(layout),
+        )
     else:
-        key = (layout.sequence_parallel, choice.recompute, choice.recompute_num_layers)
+        key = (layout.config.sequence_parallel, choice.recompute, choice.recompute_num_layers)
     for row in result.rows:
         row.selected = (row.sequence_parallel, row.recompute, row.recompute_num_layers) == key
 
 
 def resolve_recompute(
     config: GPTConfig,
+    parallel: ParallelConfig | None = None,
     *,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    virtual_pipeline_size: int = 1,
-    num_microbatches: int = 1,
     micro_batch_size: int = 1,
-    data_parallel_size: int = 1,
-    sequence_parallel: bool | None = None,
     device_bytes: float = DEFAULT_DEVICE_BYTES,
     layers: int = 1,
     measure: bool | None = None,
     cluster: Cluster | str | None = None,
 ) -> RecomputeChoice:
-    """Resolve ``recompute: auto`` for a running layout: the recomputation with the shortest
-    predicted iteration on ``cluster`` (default: the A100 preset; the ranking of policies
-    hardly depends on it) with which the most loaded rank's model state + first-stage
-    activations fit ``device_bytes`` (see :func:`estimate`; ``fits`` is False when even full
-    recompute of every layer does not).
+    """Resolve ``recompute: auto`` for a running layout (``parallel``; default: one process):
+    the recomputation with the shortest predicted iteration on ``cluster`` (default: the A100
+    preset; the ranking of policies hardly depends on it) with which the most loaded rank's
+    model state + first-stage activations fit ``device_bytes`` (see :func:`estimate`;
+    ``fits`` is False when even full recompute of every layer does not).
 
-    ``config.recompute`` is ignored. ``sequence_parallel`` defaults to
-    ``config.sequence_parallel``. ``measure``: trace under fake tensors (``None``: when
-    ``torch.distributed`` is not yet initialised in this process, since the fake world cannot
-    coexist with a real one; otherwise the formulas, which the measurement matches within
-    0.01%). Deterministic, so every rank resolves the same choice.
+    ``config.recompute`` is ignored. ``parallel.sequence_parallel`` must agree with
+    ``config.sequence_parallel`` (``None``: the config's). ``measure``: trace under fake
+    tensors (``None``: when ``torch.distributed`` is not yet initialised in this process,
+    since the fake world cannot coexist with a real one; otherwise the formulas, which the
+    measurement matches within 0.01%). Deterministic, so every rank resolves the same choice.
     """
     import torch.distributed as dist
 
     if measure is None:
         measure = not (dist.is_available() and dist.is_initialized())
-    sp = config.sequence_parallel if sequence_parallel is None else sequence_parallel
     layout = Layout(
-        config=dataclasses.replace(
-            config, sequence_parallel=sp, recompute="auto", recompute_num_layers=None
-        ),
-        tensor_parallel_size=tensor_parallel_size,
-        pipeline_parallel_size=pipeline_parallel_size,
-        virtual_pipeline_size=virtual_pipeline_size,
-        num_microbatches=num_microbatches,
+        **dataclasses.asdict(parallel or ParallelConfig()),
+        config=dataclasses.replace(config, recompute="auto", recompute_num_layers=None),
         micro_batch_size=micro_batch_size,
-        data_parallel_size=data_parallel_size,
         source="the running layout",
     )
     choice = estimate(layout, device_bytes, layers=layers, measure=measure, cluster=cluster).choice

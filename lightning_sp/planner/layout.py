@@ -1,8 +1,10 @@
 """The training layout the planner estimates, and how ``cli.py estimate`` reads it.
 
-:class:`Layout` is the record the pure estimate takes: the model config and how one training
-step is laid out over ranks. The runtime (``recompute: auto`` in ``GPTModule``) builds it from
-the running strategy's sizes; ``cli.py estimate`` builds it from a ``fit`` command line.
+:class:`Layout` is the record the pure estimate takes: the run's
+:class:`~lightning_sp.parallel.config.ParallelConfig` with the model config and the
+micro-batch size beside it. The runtime (``recompute: auto`` in ``GPTModule``) builds it from
+the layout the strategy pushed; ``cli.py estimate`` from a ``fit`` command line, reading the
+strategy's ``parallel_config``.
 
 :class:`FitLayoutCLI` reads that command line through the CLI's own parser: mixed in before
 the project's ``LightningCLI`` subclass it parses exactly what ``fit`` parses (``--config``
@@ -18,7 +20,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -27,6 +29,7 @@ from typing_extensions import override
 
 from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.parallel.config import ParallelConfig, resolve_sequence_parallel
 from lightning_sp.parallel.state import check_layout
 from lightning_sp.pipeline import check_pipeline
 from lightning_sp.planner.cluster import load_cluster
@@ -35,53 +38,31 @@ DEFAULT_DEVICE_BYTES = 80e9
 """An A100 80GB, in bytes."""
 
 
-@dataclass(frozen=True)
-class Layout:
-    """One training step laid out over ranks: what the memory of the most loaded rank
-    depends on."""
+@dataclass(frozen=True, kw_only=True)
+class Layout(ParallelConfig):
+    """One training step laid out over ranks (the run's :class:`ParallelConfig`), with the
+    model and the micro-batch: what the memory of the most loaded rank depends on."""
 
     config: GPTConfig
-    """The model; its ``sequence_parallel`` is the strategy's and its ``recompute`` is as
-    configured (``auto`` included)."""
-
-    tensor_parallel_size: int = 1
-    """t."""
-
-    pipeline_parallel_size: int = 1
-    """p."""
-
-    virtual_pipeline_size: int = 1
-    """m, model chunks per pipeline rank; ``> 1`` is the interleaved schedule."""
-
-    num_microbatches: int = 1
-    """Micro-batches per optimizer step."""
+    """The model; its ``recompute`` is as configured (``auto`` included) and its
+    ``sequence_parallel`` is the layout's."""
 
     micro_batch_size: int = 1
     """b, samples per micro-batch."""
 
-    data_parallel_size: int = 1
-    """d = world / (t·p)."""
-
-    distributed_optimizer: bool = False
-    """The strategy's ``distributed_optimizer``: fp32 masters and Adam moments split over d."""
-
     source: str = "<layout>"
     """Where the layout was read from, for messages."""
 
-    @property
-    def sequence_parallel(self) -> bool:
-        return self.config.sequence_parallel
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        sp = resolve_sequence_parallel(self.sequence_parallel, self.config.sequence_parallel)
+        object.__setattr__(self, "sequence_parallel", sp)  # frozen: decided once, here
 
     @property
     def recompute(self) -> str | list[str]:
         """The recompute policy as configured (``auto`` included; a list of modules is kept as
         given)."""
         return self.config.recompute
-
-    @property
-    def world_size(self) -> int:
-        """GPUs: t·p·d."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
     @property
     def global_batch_size(self) -> int:
@@ -247,22 +228,23 @@ def _devices(value: Any) -> int:
     return positive_int("trainer.devices", value)
 
 
-def _parallel_sizes(strategy: Any, config: GPTConfig) -> tuple[int, int, int, int, bool]:
-    """``(t, p, m, num_microbatches, sequence_parallel)`` of the configured strategy; a
-    strategy other than ``megatron_sp`` (``ddp``, ``auto``, ...) is pure data parallelism."""
-    from lightning_sp.training.strategy import MegatronSPStrategy  # reading a fit config
+@runtime_checkable
+class LaidOut(Protocol):
+    """A strategy that states its layout (``MegatronSPStrategy``)."""
 
+    parallel_config: ParallelConfig
+
+
+def strategy_layout(strategy: Any) -> ParallelConfig:
+    """The layout the configured strategy states; a strategy other than ``megatron_sp``
+    (``ddp``, ``auto``, ...) is pure data parallelism."""
     if isinstance(strategy, str) and strategy in StrategyRegistry:
         strategy = StrategyRegistry.get(strategy)
-    if isinstance(strategy, MegatronSPStrategy):
-        return (
-            strategy.tensor_parallel_size, strategy.pipeline_parallel_size,
-            strategy.virtual_pipeline_size, strategy.num_microbatches,
-            strategy.sequence_parallel,
-        )  # fmt: skip
+    if isinstance(strategy, LaidOut):
+        return strategy.parallel_config
     if not isinstance(strategy, Strategy | str):
         raise ConfigError(f"trainer.strategy={strategy!r} is not a Lightning strategy")
-    return 1, 1, 1, 1, config.sequence_parallel
+    return ParallelConfig()
 
 
 def layout_from_fit(
@@ -279,7 +261,12 @@ def layout_from_fit(
     gpus_per_node = _devices(devices)
     nodes = positive_int("trainer.num_nodes", num_nodes)
     batch = positive_int("data.batch_size", batch_size)
-    t, p, m, n, sp = _parallel_sizes(strategy, model_config)
+    parallel = strategy_layout(strategy)
+    t, p, n = (
+        parallel.tensor_parallel_size,
+        parallel.pipeline_parallel_size,
+        parallel.num_microbatches,
+    )
     world = gpus_per_node * nodes
     try:
         d = check_layout(world, t, p)
@@ -294,14 +281,9 @@ def layout_from_fit(
             f"batch_size / num_microbatches); num_microbatches must be one of {divisors(batch)}"
         )
     layout = Layout(
-        config=dataclasses.replace(model_config, sequence_parallel=sp),
-        tensor_parallel_size=t,
-        pipeline_parallel_size=p,
-        virtual_pipeline_size=m,
-        num_microbatches=n,
+        **dataclasses.asdict(parallel) | {"data_parallel_size": d},
+        config=model_config,
         micro_batch_size=batch // n,
-        data_parallel_size=d,
-        distributed_optimizer=bool(getattr(strategy, "distributed_optimizer", False)),
         source=source,
     )
     layout.validate()

@@ -83,7 +83,7 @@ def base_key(layout: Layout) -> tuple[int, int, int, int, int, bool, str, bool]:
     rc = layout.recompute
     return (
         layout.tensor_parallel_size, layout.pipeline_parallel_size,
-        layout.virtual_pipeline_size, 1, layout.micro_batch_size, layout.sequence_parallel,
+        layout.virtual_pipeline_size, 1, layout.micro_batch_size, layout.config.sequence_parallel,
         rc if rc == "auto" else policy_name(rc), layout.distributed_optimizer,
     )  # fmt: skip
 
@@ -143,7 +143,9 @@ def search(
             rows += 1
             if row.fits:
                 chosen = dataclasses.replace(
-                    layout, config=layout.with_policy(row.sequence_parallel, row.recompute)
+                    layout,
+                    sequence_parallel=row.sequence_parallel,
+                    config=layout.with_policy(row.sequence_parallel, row.recompute),
                 )
                 ranked.append(Candidate(chosen, c, row))
     ranked.sort(key=lambda x: x.row.iteration_seconds)

@@ -18,7 +18,6 @@ them formatted (``progress_bar_items``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -26,68 +25,18 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_sp.errors import positive_int
 from lightning_sp.memory.formulas import activation_bytes_per_layer, layers_in_flight
 from lightning_sp.memory.saved import ActivationReport, LiveActivationTracker, SavedTensorTracker
 from lightning_sp.model.gpt import GPT
-from lightning_sp.pipeline import Pipeline
-from lightning_sp.training.protocol import stage_model_of
+from lightning_sp.training.monitoring import (
+    batch_shape,
+    check_every,
+    gpt_of,
+    is_due,
+    scheduled_pipeline_of,
+)
 
 __all__ = ["ActivationMemoryMonitor"]
-
-
-def _pipeline(pl_module: LightningModule) -> Pipeline | None:
-    """The module's stage model when it is a :class:`Pipeline` (e.g. ``GPTModule``)."""
-    stage = stage_model_of(pl_module)
-    return stage if isinstance(stage, Pipeline) else None
-
-
-def _schedule(pl_module: LightningModule) -> Pipeline | None:
-    """The module's pipeline when its schedule runs forward and backward inside the step."""
-    pipeline = _pipeline(pl_module)
-    return pipeline if pipeline is not None and pipeline.runs_backward else None
-
-
-def _gpt(pl_module: LightningModule) -> GPT:
-    """The module's GPT: its pipeline's first model chunk (every chunk has the same config
-    and parallel state), or the bare ``gpt`` of a module of one's own."""
-    pipeline = _pipeline(pl_module)
-    if pipeline is not None:
-        return pipeline.models[0]
-    gpt = getattr(pl_module, "gpt", None)
-    if not isinstance(gpt, GPT):
-        raise AttributeError(
-            f"{type(pl_module).__name__} has neither a stage_model() that is a lightning_sp "
-            "Pipeline nor an attribute `gpt` holding a lightning_sp.GPT; the lightning_sp "
-            "callbacks need one (build it in configure_model)"
-        )
-    return gpt
-
-
-def _batch_shape(batch: Any) -> tuple[int, int]:
-    """``(b, s)`` of a batch ``{"input_ids": [b, s], ...}``."""
-    if not isinstance(batch, Mapping) or "input_ids" not in batch:
-        raise TypeError(
-            "expected a batch {'input_ids': LongTensor[b, s], 'labels': LongTensor[b, s]}, "
-            f"got {type(batch).__name__}"
-        )
-    b, s = batch["input_ids"].shape
-    return int(b), int(s)
-
-
-def _check_every(log_every_n_steps: int | None) -> int | None:
-    if log_every_n_steps is None:
-        return None
-    return positive_int("log_every_n_steps", log_every_n_steps)
-
-
-def _due(trainer: Trainer, log_every_n_steps: int | None, step: int) -> bool:
-    """Whether optimizer step ``step`` is measured: every ``log_every_n_steps`` steps
-    (``None``: the trainer's ``log_every_n_steps``)."""
-    every: int = (  # the Trainer sets log_every_n_steps on itself
-        log_every_n_steps if log_every_n_steps else int(getattr(trainer, "log_every_n_steps", 1))
-    )
-    return step % max(1, every) == 0
 
 
 class ActivationMemoryMonitor(Callback):
@@ -124,7 +73,7 @@ class ActivationMemoryMonitor(Callback):
 
     def __init__(self, log_every_n_steps: int | None = None, prog_bar: bool = True) -> None:
         super().__init__()
-        self.log_every_n_steps = _check_every(log_every_n_steps)
+        self.log_every_n_steps = check_every(log_every_n_steps)
         self.prog_bar = prog_bar
         self.last_sbh: int | None = None
         self.last_peak_allocated: int | None = None
@@ -166,20 +115,20 @@ class ActivationMemoryMonitor(Callback):
     ) -> None:
         self._stop_all()  # a previous step that never reached backward or batch end
         self._shape = None
-        if not _due(trainer, self.log_every_n_steps, trainer.global_step):
+        if not is_due(trainer, self.log_every_n_steps, trainer.global_step):
             return
-        gpt = _gpt(pl_module)
-        self._shape = _batch_shape(batch)
+        gpt = gpt_of(pl_module)
+        self._shape = batch_shape(batch)
         self._cuda_device = None
         device = next(gpt.parameters()).device
         if device.type == "cuda":
             self._cuda_device = device
             torch.cuda.reset_peak_memory_stats(device)
-        pipeline = _schedule(pl_module)
+        pipeline = scheduled_pipeline_of(pl_module)
         if pipeline is not None:  # the schedule runs forward and backward inside the step
             modules = {
                 f"chunks.{c}.layers.{i}": layer
-                for c, chunk in enumerate(pipeline.models)
+                for c, chunk in enumerate(pipeline.chunks)
                 for i, layer in enumerate(chunk.layers)
             }
             live = LiveActivationTracker(modules, exclude=list(pipeline.parameters()))
@@ -262,7 +211,7 @@ class ActivationMemoryMonitor(Callback):
         return items
 
     def _record(self, pl_module: LightningModule, report: ActivationReport, b: int, s: int) -> None:
-        gpt = _gpt(pl_module)
+        gpt = gpt_of(pl_module)
         per_layer = [report.bytes_of(f"layers.{i}") for i in range(len(gpt.layers))]
         # the paper's formula for this model: its activation dtype, which dropouts exist, its
         # FFN width, and each layer's own policy (full, else recompute_rest past the split)
@@ -297,13 +246,13 @@ class ActivationMemoryMonitor(Callback):
         beside it: the per-layer bytes of one micro-batch times the layers' worth in flight
         (eq. 5, ``L``; interleaved ``L·(1 + (p-1)/(p·m))``), embedding extras left out."""
         self._log(pl_module, "pipeline_stage_peak_bytes", float(peak_bytes), b)
-        pipeline = _schedule(pl_module)
+        pipeline = scheduled_pipeline_of(pl_module)
         if pipeline is None or not pipeline.state.is_first_stage:
             return
-        gpt, n = pipeline.models[0], pipeline.num_microbatches
+        gpt, n = pipeline.chunks[0], pipeline.num_microbatches
         state = gpt.state
         in_flight = layers_in_flight(
-            gpt.config.num_layers, state.pipeline_parallel_size, len(pipeline.models), n
+            gpt.config.num_layers, state.pipeline_parallel_size, len(pipeline.chunks), n
         )
         formula = self._formula_per_layer(gpt, b // n, s) * in_flight
         self.last_stage_peak, self.last_stage_formula = peak_bytes, formula

@@ -14,6 +14,7 @@ its continuation.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any
@@ -73,12 +74,14 @@ def main(argv: list[str], cli_class: Any) -> int:
         cli = cli_class(GPTModule, TextDataModule, args=rest, run=False, save_config_callback=None)
     module, data = cli.model, cli.datamodule
     module.generation = generation
+    # one new token cannot be split along the sequence: the same weights, built without SP
+    module.config = dataclasses.replace(module.config, sequence_parallel=False)
     data.prompts = [args.prompt]
     trainer = L.Trainer(
         accelerator=cli.config.trainer.accelerator,
         devices=t,
         precision=cli.config.trainer.precision,
-        strategy=MegatronSPStrategy(tensor_parallel_size=t, sequence_parallel=False),
+        strategy=MegatronSPStrategy(tensor_parallel_size=t),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

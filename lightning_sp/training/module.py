@@ -1,8 +1,9 @@
 """``GPTModule``: the LightningModule that trains a ``lightning_sp.GPT``.
 
 The model is created in ``configure_model``, directly as this rank's shard (no full model is
-ever materialised), from the parallel state of the ``megatron_sp`` strategy, or as a whole
-model on one process under any other strategy. It is always one
+ever materialised), from the parallel state and layout the ``megatron_sp`` strategy pushed in
+(:meth:`GPTModule.setup_parallel`), or as a whole model on one process under any other
+strategy. It is always one
 :class:`~lightning_sp.pipeline.Pipeline` of this rank's model chunks (one chunk when
 ``p = 1``), the module's :meth:`~GPTModule.stage_model` (the
 :class:`~lightning_sp.training.protocol.ParallelModule` protocol the strategy drives). With
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from lightning.pytorch import LightningModule
@@ -30,12 +31,12 @@ from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.grads import clip_grad_norm_
-from lightning_sp.parallel.state import DEFAULT_TIMEOUT, ParallelState
+from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline, check_batch
-from lightning_sp.training.optim import OptimizerConfig, configure_adamw
+from lightning_sp.training.optim import OptimizerConfig, configure_adamw, grad_buffer_of
 from lightning_sp.training.prompts import Codec
-from lightning_sp.training.strategy import MegatronSPStrategy
 from lightning_sp.training.validation import (
     check_compile,
     check_data,
@@ -55,12 +56,29 @@ COMPILED_MEMORY_WARNING = (
 )
 
 
+@runtime_checkable
+class Batched(Protocol):
+    """A data module that states its batch size per data-parallel rank
+    (:class:`~lightning_sp.training.data.TextDataModule`)."""
+
+    batch_size: int
+
+
+@runtime_checkable
+class GradBufferSettings(Protocol):
+    """A strategy that buckets gradients (``MegatronSPStrategy``): how the optimizer's
+    gradient buffer is built."""
+
+    bucket_size: int
+    overlap_grad_reduce: bool
+
+
 class GPTModule(LightningModule):
     """Trains a GPT shard: next-token loss, AdamW, validation loss and perplexity.
 
     Args:
-        config: The model (``lightning_sp.GPTConfig``). Under ``megatron_sp`` the strategy's
-            ``sequence_parallel`` decides that field.
+        config: The model (``lightning_sp.GPTConfig``). Its ``sequence_parallel`` is the
+            run's; the strategy's ``sequence_parallel``, if given, must agree.
         optimizer: AdamW and learning-rate schedule settings.
         init_from: A local Hugging Face directory of a GPT-2 or Llama model (``config.json``
             + ``model.safetensors``, or shards with ``model.safetensors.index.json``) to start
@@ -105,12 +123,23 @@ class GPTModule(LightningModule):
             }
         )
         self.pipeline: Pipeline | None = None  # this rank's model chunks (one when p = 1)
+        self._parallel: tuple[ParallelState, ParallelConfig] | None = None  # pushed by megatron_sp
         self.val_loss = MeanMetric()
 
     # -- model -------------------------------------------------------------------------------
 
     supports_pipeline_parallel = True
     """The strategy may run this module with ``pipeline_parallel_size > 1``."""
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """``config.sequence_parallel`` (the ``ParallelModule`` protocol)."""
+        return self.config.sequence_parallel
+
+    def setup_parallel(self, state: ParallelState, config: ParallelConfig) -> None:
+        """Receive this rank's state and the run's layout from the strategy (the
+        ``ParallelModule`` protocol); ``configure_model`` builds the shard from them."""
+        self._parallel = (state, config)
 
     def stage_model(self) -> Pipeline:
         """This rank's model chunks (built in ``configure_model``)."""
@@ -120,56 +149,52 @@ class GPTModule(LightningModule):
 
     @property
     def parallel_state(self) -> ParallelState:
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        if isinstance(strategy, MegatronSPStrategy):
-            return strategy.parallel_state
+        """The state the strategy pushed, else one process on the strategy's device."""
+        if self._parallel is not None:
+            return self._parallel[0]
         # the device the strategy will run on (this module is still on the CPU while
         # configure_model runs), so the model and its RNG streams are built there
+        strategy = self._trainer.strategy if self._trainer is not None else None
         device = strategy.root_device if strategy is not None else self.device
         return ParallelState.single(device)
 
     @property
+    def parallel_config(self) -> ParallelConfig:
+        """The layout the strategy pushed, else one process (every size 1)."""
+        if self._parallel is not None:
+            return self._parallel[1]
+        return ParallelConfig(sequence_parallel=self.config.sequence_parallel)
+
+    @property
     def chunks(self) -> list[GPT]:
         """This rank's model chunks (one :class:`GPT` when ``p = 1``)."""
-        return list(self.stage_model().models)
+        return list(self.stage_model().chunks)
 
     @override
     def configure_model(self) -> None:
         if self.pipeline is not None:
             return
-        config = self.config
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        if isinstance(strategy, MegatronSPStrategy):
-            config = dataclasses.replace(config, sequence_parallel=strategy.sequence_parallel)
+        config, state, layout = self.config, self.parallel_state, self.parallel_config
         check_data(getattr(self._trainer, "datamodule", None), config)
-        state = self.parallel_state
         if self.compile_layers:
             check_compile(state)
         if config.recompute == "auto":
-            config = self._resolve_auto_recompute(config, state)
-        dtype = torch.get_default_dtype()
-        n, m, timeout = 1, 1, DEFAULT_TIMEOUT
-        if isinstance(strategy, MegatronSPStrategy):  # p = 1 there implies n = m = 1
-            n, m, timeout = (
-                strategy.num_microbatches,
-                strategy.virtual_pipeline_size,
-                strategy.timeout,
-            )
-            if state.pipeline_parallel_size > 1:
-                self._check_pipeline_batch(n)
+            config = self._resolve_auto_recompute(config, state, layout)
+        if state.pipeline_parallel_size > 1:
+            self._check_pipeline_batch(layout.num_microbatches)
         self.pipeline = Pipeline(
             config,
             state,
-            num_microbatches=n,
-            virtual_pipeline_size=m,
-            dtype=dtype,
+            num_microbatches=layout.num_microbatches,
+            virtual_pipeline_size=layout.virtual_pipeline_size,
+            dtype=torch.get_default_dtype(),
             device=state.device,
-            timeout=timeout,
+            timeout=state.timeout,
         )
         self._load_init_from()
         if self.compile_layers:
             rank_zero_warn(COMPILED_MEMORY_WARNING)
-            for chunk in self.pipeline.models:
+            for chunk in self.pipeline.chunks:
                 for layer in chunk.layers:
                     layer.compile()
 
@@ -182,9 +207,14 @@ class GPTModule(LightningModule):
                 "pipeline_parallel_size > 1; the schedule accumulates over num_microbatches, "
                 "use accumulate_grad_batches=1"
             )
-        batch_size = getattr(getattr(self._trainer, "datamodule", None), "batch_size", None)
+        batch_size = self._batch_size()
         if batch_size is not None:  # this replica's batch splits into the micro-batches
             check_batch(batch_size, num_microbatches)
+
+    def _batch_size(self) -> int | None:
+        """Samples per step per data-parallel rank, if the data module states it."""
+        datamodule = getattr(self._trainer, "datamodule", None)  # set by Trainer.fit
+        return datamodule.batch_size if isinstance(datamodule, Batched) else None
 
     def _load_init_from(self) -> None:
         """Overwrite the seeded weights with ``init_from``'s (this rank's slices only)."""
@@ -192,13 +222,14 @@ class GPTModule(LightningModule):
             for chunk in self.chunks:
                 load_hf_weights(chunk, self.init_from)
 
-    def _resolve_auto_recompute(self, config: GPTConfig, state: ParallelState) -> GPTConfig:
+    def _resolve_auto_recompute(
+        self, config: GPTConfig, state: ParallelState, layout: ParallelConfig
+    ) -> GPTConfig:
         """Pick the least recomputation that fits this device (the memory planner)."""
         from lightning_sp.planner.estimate import DEFAULT_DEVICE_BYTES, resolve_recompute
 
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        microbatches = getattr(strategy, "num_microbatches", 1)
-        batch_size = getattr(getattr(self._trainer, "datamodule", None), "batch_size", microbatches)
+        microbatches = layout.num_microbatches
+        batch_size = self._batch_size() or microbatches
         device_bytes = (
             torch.cuda.get_device_properties(state.device).total_memory
             if state.device.type == "cuda"
@@ -206,12 +237,8 @@ class GPTModule(LightningModule):
         )
         choice = resolve_recompute(
             config,
-            tensor_parallel_size=state.tensor_parallel_size,
-            pipeline_parallel_size=state.pipeline_parallel_size,
-            virtual_pipeline_size=getattr(strategy, "virtual_pipeline_size", 1),
-            num_microbatches=microbatches,
+            layout,
             micro_batch_size=max(1, batch_size // microbatches),
-            data_parallel_size=state.data_parallel_size,
             device_bytes=device_bytes,
         )
         rank_zero_info(f"recompute=auto: {choice.describe()}")
@@ -299,9 +326,9 @@ class GPTModule(LightningModule):
             {
                 "bucket_numel": strategy.bucket_size,
                 "overlap_grad_reduce": strategy.overlap_grad_reduce,
-                "distributed_optimizer": strategy.distributed_optimizer,
+                "distributed_optimizer": self.parallel_config.distributed_optimizer,
             }
-            if isinstance(strategy, MegatronSPStrategy)
+            if isinstance(strategy, GradBufferSettings)
             else {}
         )
         return configure_adamw(
@@ -322,7 +349,7 @@ class GPTModule(LightningModule):
             raise ConfigError(
                 f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not supported; use 'norm'"
             )
-        buffer = getattr(optimizer, "grad_buffer", None)
+        buffer = grad_buffer_of(optimizer)
         sharded = buffer is not None and buffer.distributed
         norm = clip_grad_norm_(self.parameters(), gradient_clip_val, self.parallel_state, sharded)
         self.log("train/grad_norm", norm, prog_bar=False)

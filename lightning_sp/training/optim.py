@@ -21,13 +21,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 
 from lightning_sp.parallel.buffer import GradBuffer
+from lightning_sp.parallel.state import ParallelState
 from lightning_sp.training.distributed_optim import DistributedAdamW, run_closure
 
 
@@ -58,6 +59,38 @@ class OptimizerConfig:
 
     decay_steps: int | None = None
     """Steps until the cosine decay reaches min_lr; default: the trainer's max_steps."""
+
+
+@runtime_checkable
+class HasGradBuffer(Protocol):
+    """An optimizer over a :class:`~lightning_sp.parallel.buffer.GradBuffer`
+    (:class:`MasterWeightAdamW`,
+    :class:`~lightning_sp.training.distributed_optim.DistributedAdamW`)."""
+
+    grad_buffer: GradBuffer | None
+
+
+def grad_buffer_of(optimizer: object) -> GradBuffer | None:
+    """The gradient buffer ``optimizer`` steps from, if any (a plain ``AdamW`` has none)."""
+    return optimizer.grad_buffer if isinstance(optimizer, HasGradBuffer) else None
+
+
+@runtime_checkable
+class Sharded(Protocol):
+    """A model a gradient buffer can serve: it knows its parallel state (a ``GPT``, a
+    ``Pipeline``, any shard built on ``lightning_sp.parallel``)."""
+
+    state: ParallelState
+
+
+@runtime_checkable
+class Scheduled(Protocol):
+    """A pipeline stage (``Pipeline``): several backward passes per step, and a tied
+    embedding whose copies are summed over stages before the data-parallel reduction."""
+
+    num_microbatches: int
+
+    def tied_embedding_weights(self) -> list[Tensor]: ...
 
 
 def _accumulate_into_main_grad(param: Tensor) -> None:
@@ -180,14 +213,17 @@ def build_adamw(
     device = params[0].device if params else torch.device("cpu")
     kernel: dict[str, Any] = dict(lr=lr, betas=betas, eps=eps, **kernel_options(device))
     if bucket_numel is not None:
-        tied = getattr(model, "tied_embedding_weights", None)
+        if not isinstance(model, Sharded):
+            raise TypeError(f"a gradient buffer needs the model's parallel state: "
+                            f"{type(model).__name__} has no `state`")  # fmt: skip
+        stage = model if isinstance(model, Scheduled) else None
         buffer = GradBuffer(
             params,
-            model.state,  # type: ignore[arg-type]
+            model.state,
             bucket_numel,
-            deferred=tied() if tied is not None else (),
+            deferred=stage.tied_embedding_weights() if stage is not None else (),
             overlap=overlap_grad_reduce,
-            backwards_per_step=getattr(model, "num_microbatches", 1),
+            backwards_per_step=stage.num_microbatches if stage is not None else 1,
             distributed=distributed_optimizer,
         )
         if distributed_optimizer:

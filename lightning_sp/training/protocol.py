@@ -2,10 +2,14 @@
 shard, and the stage model it holds.
 
 A LightningModule that satisfies :class:`ParallelModule` is trained with tensor, sequence
-(and, if it says so, pipeline) parallelism: it builds this rank's shard in
-``configure_model`` from ``trainer.strategy.parallel_state`` and returns it from
-``stage_model()``; after the last backward of a step the strategy calls its
-``finalize_grads()``. :class:`~lightning_sp.training.module.GPTModule` holds a
+(and, if it says so, pipeline) parallelism. The strategy pushes, the module receives (as
+Lightning's ``ModelParallelStrategy`` hands the module its device mesh): before
+``configure_model`` the strategy calls ``setup_parallel(state, config)`` with this rank's
+:class:`~lightning_sp.parallel.state.ParallelState` and the run's
+:class:`~lightning_sp.parallel.config.ParallelConfig`; the module builds its shard from them
+in ``configure_model`` and returns it from ``stage_model()``; after the last backward of a
+step the strategy calls the shard's ``finalize_grads(buffer)``.
+:class:`~lightning_sp.training.module.GPTModule` holds a
 :class:`~lightning_sp.pipeline.Pipeline` (for every ``p``, including 1);
 ``examples/custom_mlp.py`` shows a custom tensor-parallel model on ``lightning_sp.parallel``.
 
@@ -17,6 +21,8 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from lightning_sp.errors import ConfigError
+from lightning_sp.parallel.buffer import GradBuffer
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.state import ParallelState
 
 
@@ -30,10 +36,11 @@ class StageModel(Protocol):
 
     state: ParallelState
 
-    def finalize_grads(self) -> None:
+    def finalize_grads(self, buffer: GradBuffer | None = None) -> None:
         """Every gradient reduction between the last backward of a step and the optimizer
         step: sequence-parallel parameters summed over the TP group, copies of tied weights
-        summed, and every gradient averaged over the DP group (for instance
+        summed, and every gradient averaged over the DP group, through the optimizer's
+        bucketed ``buffer`` when it has one (for instance
         :func:`lightning_sp.parallel.grads.finalize_grads`)."""
         ...
 
@@ -49,6 +56,18 @@ class ParallelModule(Protocol):
     """
 
     supports_pipeline_parallel: bool
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the shard this module builds is sequence parallel (``GPTModule``:
+        ``model.config.sequence_parallel``); the strategy's ``sequence_parallel``, when given,
+        must agree."""
+        ...
+
+    def setup_parallel(self, state: ParallelState, config: ParallelConfig) -> None:
+        """Receive this rank's parallel state and the run's layout (sequence parallelism
+        and the data-parallel size decided), before ``configure_model``."""
+        ...
 
     def stage_model(self) -> StageModel:
         """This rank's shard, built in ``configure_model``; ``RuntimeError`` before that."""

@@ -1,12 +1,14 @@
-"""``MegatronSPStrategy``: tensor, sequence (and, shaped for it, pipeline) parallelism for
-Lightning, registered as ``"megatron_sp"``.
+"""``MegatronSPStrategy``: tensor, sequence and pipeline parallelism (with data parallelism
+over the rest of the world) for Lightning, registered as ``"megatron_sp"``.
 
 The strategy owns the process groups. Its base,
 :class:`~lightning_sp.training.processes.ProcessGroupStrategy`, starts the processes and the
 default process group the way Lightning's DDP does (its subprocess/spawn launchers, SLURM,
-torchrun); this class builds a :class:`~lightning_sp.ParallelState` on a
-``("pp", "dp", "tp")`` device mesh and hands it to the LightningModule's ``configure_model``.
-It wraps nothing.
+torchrun); this class holds the run's layout (a
+:class:`~lightning_sp.parallel.config.ParallelConfig` made from its arguments), builds this
+rank's :class:`~lightning_sp.ParallelState` on a ``("pp", "dp", "tp")`` device mesh, and
+pushes both into the LightningModule before ``configure_model`` (as Lightning's
+``ModelParallelStrategy`` pushes its device mesh). It wraps nothing.
 
 What it parallelises: a LightningModule implementing
 :class:`~lightning_sp.training.protocol.ParallelModule` builds its own shard (``GPTModule``: a
@@ -26,6 +28,7 @@ skips the step (:mod:`~lightning_sp.training.guard`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,13 +40,16 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sp.errors import ConfigError
 from lightning_sp.parallel.buffer import DEFAULT_BUCKET_NUMEL
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.grads import finalize_grads
-from lightning_sp.parallel.state import ParallelState, check_layout
-from lightning_sp.training.checkpoint import Checkpointer, Layout, Meta, rng_key
+from lightning_sp.parallel.state import ParallelState
+from lightning_sp.training.checkpoint import Checkpointer, Meta, rng_key
 from lightning_sp.training.checkpoint.checkpointer import resumable_loader
 from lightning_sp.training.checkpoint.shards import gpt_chunks
 from lightning_sp.training.guard import NonFiniteGuard
+from lightning_sp.training.optim import grad_buffer_of
 from lightning_sp.training.processes import ProcessGroupStrategy
 from lightning_sp.training.protocol import ParallelModule, check_module, stage_model_of
 from lightning_sp.training.validation import check_precision, check_strategy_args
@@ -70,7 +76,9 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         pipeline_parallel_size: Pipeline stages (p). The data-parallel size is
             world size / (t * p).
         sequence_parallel: Shard LayerNorm/dropout activations along the sequence over the
-            tensor-parallel group (paper §4.2.2). Overrides the model config's field.
+            tensor-parallel group (paper §4.2.2). ``None`` (default): as the module says
+            (``GPTModule``: ``model.config.sequence_parallel``); a value that differs from
+            the module's is a one-line error at setup, never a silent override.
         num_microbatches: Micro-batches per optimizer step; each step's batch (per
             data-parallel rank) is split into this many.
         virtual_pipeline_size: Model chunks per pipeline stage (m) for the interleaved
@@ -103,7 +111,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         self,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
-        sequence_parallel: bool = True,
+        sequence_parallel: bool | None = None,
         num_microbatches: int = 1,
         virtual_pipeline_size: int = 1,
         timeout: float = 600.0,
@@ -117,6 +125,13 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         distributed_optimizer: bool = False,
         **kwargs: Any,
     ) -> None:
+        if kwargs:  # a typo: one line naming it and the valid names (this signature's)
+            name = next(iter(kwargs))
+            valid = [p for p in inspect.signature(MegatronSPStrategy).parameters if p != "kwargs"]
+            raise ConfigError(
+                f"MegatronSPStrategy got an unknown argument {name}={kwargs[name]!r}; "
+                f"valid: {', '.join(valid)}"
+            )
         check_strategy_args(
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
@@ -132,20 +147,23 @@ class MegatronSPStrategy(ProcessGroupStrategy):
             bucket_size=bucket_size,
             overlap_grad_reduce=overlap_grad_reduce,
             distributed_optimizer=distributed_optimizer,
-            **kwargs,
         )
         super().__init__(timeout, process_group_backend, start_method)
-        self.tensor_parallel_size = tensor_parallel_size
-        self.pipeline_parallel_size = pipeline_parallel_size
-        self.sequence_parallel = sequence_parallel
-        self.num_microbatches = num_microbatches
-        self.virtual_pipeline_size = virtual_pipeline_size
+        self.parallel_config = ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            virtual_pipeline_size=virtual_pipeline_size,
+            sequence_parallel=sequence_parallel,
+            num_microbatches=num_microbatches,
+            distributed_optimizer=distributed_optimizer,
+        )
+        """The layout: as given until setup, then completed (``data_parallel_size`` from the
+        world size, ``sequence_parallel`` agreed with the module's) and pushed into the module."""
         self._parallel_state: ParallelState | None = None
         self.checkpointer = Checkpointer(async_save=async_save)
         self.guard = NonFiniteGuard(nonfinite, max_skipped_steps)
         self.bucket_size = bucket_size
         self.overlap_grad_reduce = overlap_grad_reduce
-        self.distributed_optimizer = distributed_optimizer
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -166,21 +184,32 @@ class MegatronSPStrategy(ProcessGroupStrategy):
     @override
     def check_before_launch(self) -> None:
         check_precision(self.precision_plugin.precision)
-        check_layout(self.total_processes, self.tensor_parallel_size, self.pipeline_parallel_size)
+        self.parallel_config.for_world_size(self.total_processes)  # t·p divides the world
 
     @override
     def setup_environment(self) -> None:
-        """Check the layout and the module, start the process group, then build this rank's
-        :class:`ParallelState` on the ``("pp", "dp", "tp")`` mesh."""
-        check_layout(self.total_processes, self.tensor_parallel_size, self.pipeline_parallel_size)
-        check_module(self.lightning_module, self.tensor_parallel_size, self.pipeline_parallel_size)
+        """Check the layout and the module, start the process group, build this rank's
+        :class:`ParallelState` on the ``("pp", "dp", "tp")`` mesh, and push it with the
+        completed :attr:`parallel_config` into a :class:`ParallelModule` (before Lightning
+        calls its ``configure_model``)."""
+        module = self.lightning_module
+        config = self.parallel_config.for_world_size(self.total_processes)
+        check_module(module, config.tensor_parallel_size, config.pipeline_parallel_size)
+        receiver = module if isinstance(module, ParallelModule) else None
+        # the module's own choice of sequence parallelism (a plain module has none)
+        model_sp = (
+            receiver.sequence_parallel if receiver is not None else bool(config.sequence_parallel)
+        )
+        self.parallel_config = config = config.with_sequence_parallel(model_sp)
         super().setup_environment()
-        self._parallel_state = ParallelState.from_process_group(
-            self.tensor_parallel_size,
-            self.pipeline_parallel_size,
+        self._parallel_state = state = ParallelState.from_process_group(
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
             device=self.root_device,
             timeout=self.timeout,
         )
+        if receiver is not None:
+            receiver.setup_parallel(state, config)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -208,15 +237,12 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         assert module is not None
         stage = stage_model_of(module)
 
-        buffer = getattr(optimizer, "grad_buffer", None)
+        buffer = grad_buffer_of(optimizer)
 
         def closure_then_reduce() -> Any:
             result = closure()
             if stage is not None:  # e.g. a Pipeline: also sums the tied embedding's copies
-                if buffer is not None:  # the bucketed reduction of the optimizer's buffer
-                    stage.finalize_grads(buffer)  # type: ignore[call-arg]
-                else:
-                    stage.finalize_grads()
+                stage.finalize_grads(buffer)
             else:  # plain data parallelism
                 finalize_grads(module, self.parallel_state, buffer)
             return result
@@ -236,7 +262,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning's gradient accumulation: backward passes inside this block only
         accumulate; the bucketed reduction starts on the last micro-batch's backward."""
-        buffers = [b for o in self.optimizers if (b := getattr(o, "grad_buffer", None))]
+        buffers = [b for o in self.optimizers if (b := grad_buffer_of(o)) is not None]
         for buffer in buffers:
             buffer.sync = False
         try:
@@ -256,18 +282,6 @@ class MegatronSPStrategy(ProcessGroupStrategy):
     @override
     def lightning_restore_optimizer(self) -> bool:
         return True
-
-    @property
-    def layout(self) -> Layout:
-        """The layout a checkpoint records (and compares on load)."""
-        state = self.parallel_state
-        return Layout(
-            state.tensor_parallel_size,
-            state.pipeline_parallel_size,
-            state.data_parallel_size,
-            self.virtual_pipeline_size,
-            self.sequence_parallel,
-        )
 
     def _model_config(self) -> dict[str, Any]:
         assert self.lightning_module is not None
@@ -290,7 +304,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         checkpoint.pop("state_dict", None)
         checkpoint.pop("optimizer_states", None)
         streams = {"streams": checkpoint.pop("rng_streams", None), "torch": torch.get_rng_state()}
-        meta = Meta(checkpoint.get("global_step", 0), self.layout, self._model_config())
+        meta = Meta(checkpoint.get("global_step", 0), self.parallel_config, self._model_config())
         self.checkpointer.save(
             Path(self.broadcast(str(filepath))),
             self.lightning_module,
@@ -311,7 +325,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
             Path(checkpoint_path),
             self.lightning_module,
             self.optimizers,
-            layout=self.layout,
+            layout=self.parallel_config,
             model_config=self._model_config(),
             rng_name=self._rng_key(),
         )

@@ -19,7 +19,7 @@ from lightning_sp.memory.flops import (
     peak_flops,
 )
 from lightning_sp.model.gpt import GPT
-from lightning_sp.training.callbacks import _batch_shape, _check_every, _due, _gpt
+from lightning_sp.training.monitoring import batch_shape, check_every, gpt_of, is_due
 from lightning_sp.training.progress import si_format
 
 __all__ = ["MFUMonitor"]
@@ -131,7 +131,7 @@ class MFUMonitor(Callback):
             raise ValueError(f"window_size={window_size!r} must be an integer >= 2")
         self.peak_flops_per_device = peak_flops_per_device
         self.window_size = window_size
-        self.log_every_n_steps = _check_every(log_every_n_steps)
+        self.log_every_n_steps = check_every(log_every_n_steps)
         self.prog_bar = prog_bar
         self._model: Throughput | None = None
         self._hardware: Throughput | None = None
@@ -154,7 +154,7 @@ class MFUMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        gpt = _gpt(pl_module)
+        gpt = gpt_of(pl_module)
         if self.peak_flops_per_device is None:
             device = next(gpt.parameters()).device
             measured = peak_flops(device, self._compute_dtype(trainer, gpt))
@@ -189,8 +189,8 @@ class MFUMonitor(Callback):
     ) -> None:
         if not self._clock.stop() or self._model is None or self._hardware is None:
             return
-        gpt = _gpt(pl_module)
-        b, s = _batch_shape(batch)
+        gpt = gpt_of(pl_module)
+        b, s = batch_shape(batch)
         state = gpt.state
         global_batch = b * state.data_parallel_size
         config = gpt.config
@@ -202,7 +202,7 @@ class MFUMonitor(Callback):
             / state.world_size
         )
         self._steps.append((global_batch, global_batch * s, model_flops, hardware_flops))
-        if not _due(trainer, self.log_every_n_steps, self._step):
+        if not is_due(trainer, self.log_every_n_steps, self._step):
             return
         self._update()
         model, hardware = self._model.compute(), self._hardware.compute()

@@ -17,27 +17,17 @@ from typing import Any
 
 from lightning_sp.errors import ConfigError, positive_int
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.parallel.config import resolve_sequence_parallel
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import check_pipeline_schedule
 
-STRATEGY_ARGS = (
-    "tensor_parallel_size", "pipeline_parallel_size", "sequence_parallel", "num_microbatches",
-    "virtual_pipeline_size", "timeout", "process_group_backend", "start_method", "async_save",
-    "nonfinite", "max_skipped_steps", "bucket_size", "overlap_grad_reduce",
-    "distributed_optimizer",
-)  # fmt: skip
 SUPPORTED_PRECISION = ("32-true", "bf16-true", "64-true")
 STRATEGY = "trainer.strategy"
 
 
 def check_strategy_args(**args: Any) -> None:
-    """``MegatronSPStrategy``'s arguments (names as in its signature)."""
-    unknown = [name for name in args if name not in STRATEGY_ARGS]
-    if unknown:
-        raise ConfigError(
-            f"MegatronSPStrategy got an unknown argument {unknown[0]}={args[unknown[0]]!r}; "
-            f"valid: {', '.join(STRATEGY_ARGS)}"
-        )
+    """The values of ``MegatronSPStrategy``'s arguments (names as in its signature; an unknown
+    name is refused by the constructor, and by the CLI's parser before that)."""
     get = args.get
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "num_microbatches",
                  "virtual_pipeline_size"):  # fmt: skip
@@ -61,6 +51,11 @@ def check_strategy_args(**args: Any) -> None:
     for name in ("overlap_grad_reduce", "distributed_optimizer"):
         if not isinstance(get(name, True), bool):
             raise ConfigError(f"{name}={get(name)!r} must be true or false")
+    if get("sequence_parallel") not in (None, True, False):
+        raise ConfigError(
+            f"sequence_parallel={get('sequence_parallel')!r} must be true, false or null (the "
+            "model config's)"
+        )
     p, n = get("pipeline_parallel_size", 1), get("num_microbatches", 1)
     if n > 1 and p == 1:
         raise ConfigError(
@@ -133,7 +128,7 @@ def check_fit_config(config: Any) -> None:
         if isinstance(devices, int) and devices > 0:
             t, p = args.get("tensor_parallel_size", 1), args.get("pipeline_parallel_size", 1)
             check_layout(devices * (trainer.num_nodes or 1), t, p)
-            model_config.sequence_parallel = bool(args.get("sequence_parallel", True))
+            resolve_sequence_parallel(args.get("sequence_parallel"), model_config.sequence_parallel)
             model_config.validate(t)
     check_optimizer(config.model.optimizer)
     ckpt_path = getattr(config, "ckpt_path", None)

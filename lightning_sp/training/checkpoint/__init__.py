@@ -17,7 +17,8 @@ Keys::
     rng.pp<p>.dp<d>.tp<t>               one rank's dropout streams and torch RNG state
     lightning                           Lightning's loop, callback, scheduler and datamodule state
 
-and ``meta.json`` beside DCP's files: format version, layout, step, model config and a
+and ``meta.json`` beside DCP's files: format version, layout
+(:class:`~lightning_sp.parallel.config.ParallelConfig`), step, model config and a
 CRC32 of every file (so a truncated or corrupt file is named before anything is read).
 
 The vocabulary is padded to a multiple of ``128·t``, which depends on t: only the true
@@ -28,13 +29,13 @@ same ``optim.`` keys (:mod:`.shards`). RNG streams are per rank and restored onl
 layout; another layout starts its streams from the seed.
 
 Modules: :mod:`.format` (``meta.json``, keys), :mod:`.shards` (global identities of weights and
-optimizer state), :mod:`.planners` (DCP planners with global offsets), :mod:`.verify`
+optimizer state), :mod:`.dcp_planners` (DCP planners with global offsets), :mod:`.verify`
 (completeness, checksums, shapes; ``read_full``), :mod:`.checkpointer` (save and load from
 every rank, async save), :mod:`.commit` (crash-safe publishing by atomic rename).
 """
 
 from lightning_sp.training.checkpoint.checkpointer import Checkpointer
-from lightning_sp.training.checkpoint.format import Layout, Meta, rng_key
+from lightning_sp.training.checkpoint.format import Meta, rng_key
 from lightning_sp.training.checkpoint.verify import read_full, verify
 
-__all__ = ["Checkpointer", "Layout", "Meta", "read_full", "rng_key", "verify"]
+__all__ = ["Checkpointer", "Meta", "read_full", "rng_key", "verify"]

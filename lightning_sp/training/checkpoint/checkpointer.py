@@ -24,13 +24,14 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_sp.errors import ConfigError
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.training.checkpoint import commit
-from lightning_sp.training.checkpoint.format import META_FILE, Layout, Meta
-from lightning_sp.training.checkpoint.planners import (
+from lightning_sp.training.checkpoint.dcp_planners import (
     FaultyWriter,
     GlobalLoadPlanner,
     GlobalSavePlanner,
 )
+from lightning_sp.training.checkpoint.format import META_FILE, Meta
 from lightning_sp.training.checkpoint.shards import (
     checkpoint_key,
     global_shapes,
@@ -175,7 +176,7 @@ class Checkpointer:
         module: nn.Module,
         optimizers: list[torch.optim.Optimizer],
         *,
-        layout: Layout,
+        layout: ParallelConfig,
         model_config: dict[str, Any],
         rng_name: str,
     ) -> dict[str, Any]:
@@ -208,7 +209,7 @@ class Checkpointer:
         }
         state["lightning"] = None
         state["optim.param_groups"] = None
-        same_layout = meta.layout == layout
+        same_layout = meta.layout.same_shards(layout)
         if same_layout and rng_name in stored:
             state[rng_name] = None
         dcp.load(state, storage_reader=FileSystemReader(data), planner=GlobalLoadPlanner(shards))

@@ -1,13 +1,16 @@
-"""What a checkpoint records beside DCP's files: ``meta.json`` (format, layout, step, model
-config, file checksums), and the key of each rank's RNG state (the keys:
+"""What a checkpoint records beside DCP's files: ``meta.json`` (format, the layout that saved
+it, step, model config, file checksums), and the key of each rank's RNG state (the keys:
 :mod:`lightning_sp.training.checkpoint`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lightning_sp.parallel.config import ParallelConfig
 
 FORMAT = "lightning_sp.dcp"
 FORMAT_VERSION = 1
@@ -16,42 +19,26 @@ DCP_METADATA = ".metadata"
 
 
 @dataclass
-class Layout:
-    """What a checkpoint records about the run that wrote it."""
-
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
-    data_parallel_size: int
-    virtual_pipeline_size: int = 1
-    sequence_parallel: bool = False
-
-    def describe(self) -> str:
-        return (
-            f"t={self.tensor_parallel_size}, p={self.pipeline_parallel_size}, "
-            f"m={self.virtual_pipeline_size}, d={self.data_parallel_size}, "
-            f"SP={self.sequence_parallel}"
-        )
-
-
-@dataclass
 class Meta:
     """``meta.json``."""
 
     step: int
-    layout: Layout
+    layout: ParallelConfig
+    """The run's layout (files written before micro-batches and the distributed optimizer
+    were recorded read with their defaults)."""
     model: dict[str, Any]
     format: str = FORMAT
     version: int = FORMAT_VERSION
     checksums: dict[str, int] = field(default_factory=dict)
 
     def dumps(self) -> str:
-        data = dict(self.__dict__, layout=self.layout.__dict__)
+        data = dict(self.__dict__, layout=dataclasses.asdict(self.layout))
         return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod
     def read(cls, path: Path) -> Meta:
         data = json.loads((path / META_FILE).read_text())
-        return cls(**dict(data, layout=Layout(**data["layout"])))
+        return cls(**dict(data, layout=ParallelConfig(**data["layout"])))
 
 
 def rng_key(pipeline_rank: int, data_rank: int, tensor_rank: int) -> str:

@@ -1,0 +1,98 @@
+"""``ParallelConfig``: how one training run is laid out over ranks, the one record of it.
+
+The strategy's arguments fill it (``MegatronSPStrategy(tensor_parallel_size=..., ...)``); at
+setup the strategy completes it (the data-parallel size from the world size, sequence
+parallelism agreed with the module's) and pushes it, with the rank's
+:class:`~lightning_sp.parallel.state.ParallelState`, into the module. The planner's
+:class:`~lightning_sp.planner.layout.Layout` holds one beside the model config and the batch,
+and a checkpoint's ``meta.json`` records one (:mod:`lightning_sp.training.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from lightning_sp.errors import ConfigError, positive_int
+from lightning_sp.parallel.state import check_layout
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The sizes and switches of a run's layout; ``t·p·d`` ranks in all."""
+
+    tensor_parallel_size: int = 1
+    """t: ranks in one tensor-parallel group (they should share a node)."""
+
+    pipeline_parallel_size: int = 1
+    """p: pipeline stages."""
+
+    virtual_pipeline_size: int = 1
+    """m: model chunks per pipeline stage; ``> 1`` runs the interleaved schedule."""
+
+    data_parallel_size: int = 1
+    """d = world size / (t·p): replicas of the model. The strategy's arguments leave it 1
+    until the world size is known (:meth:`for_world_size`, at setup)."""
+
+    sequence_parallel: bool | None = None
+    """Shard LayerNorm/dropout activations along the sequence over the tensor-parallel group
+    (paper §4.2.2). ``None``: not decided here, the module's model decides
+    (``GPTModule``: ``model.config.sequence_parallel``); the strategy resolves it at setup, so
+    a running layout, the planner's and a checkpoint's always hold a bool."""
+
+    num_microbatches: int = 1
+    """Micro-batches per optimizer step under the pipeline schedule (each data-parallel
+    rank's batch is split into this many); 1 without pipeline parallelism."""
+
+    distributed_optimizer: bool = False
+    """fp32 master weights and Adam moments sharded over the d data-parallel ranks (ZeRO-1,
+    Megatron's distributed optimizer)."""
+
+    def __post_init__(self) -> None:
+        for field in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size",
+                      "data_parallel_size", "num_microbatches"):  # fmt: skip
+            positive_int(field, getattr(self, field))
+
+    @property
+    def world_size(self) -> int:
+        """t·p·d ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    def for_world_size(self, world_size: int) -> ParallelConfig:
+        """This layout on ``world_size`` ranks: d = world / (t·p), :class:`ConfigError` (one
+        line) unless t·p divides the world."""
+        d = check_layout(world_size, self.tensor_parallel_size, self.pipeline_parallel_size)
+        return dataclasses.replace(self, data_parallel_size=d)
+
+    def with_sequence_parallel(self, model_value: bool) -> ParallelConfig:
+        """The layout with sequence parallelism decided: the model's ``model_value`` when this
+        layout leaves it open, else this layout's, which must agree (:class:`ConfigError`)."""
+        return dataclasses.replace(
+            self, sequence_parallel=resolve_sequence_parallel(self.sequence_parallel, model_value)
+        )
+
+    def same_shards(self, other: ParallelConfig) -> bool:
+        """Whether every rank holds the same shard and dropout streams under ``other`` (t, p,
+        m, d and SP equal): a checkpoint's RNG streams are restored only then. Micro-batches
+        and the optimizer's sharding change neither."""
+        return _shard_fields(self) == _shard_fields(other)
+
+
+def resolve_sequence_parallel(strategy_value: bool | None, model_value: bool) -> bool:
+    """Sequence parallelism is set in one place: the strategy's ``sequence_parallel`` when it
+    is given must equal the model config's (:class:`ConfigError`, one line, if not); left
+    ``None`` the model's value holds."""
+    if strategy_value is None or strategy_value == model_value:
+        return model_value
+    raise ConfigError(
+        f"trainer.strategy.sequence_parallel={strategy_value} conflicts with "
+        f"model.config.sequence_parallel={model_value}; set it in one place "
+        "(model.config.sequence_parallel) and leave the strategy's unset"
+    )
+
+
+def _shard_fields(config: ParallelConfig) -> tuple[int, int, int, int, bool | None]:
+    return (
+        config.tensor_parallel_size, config.pipeline_parallel_size,
+        config.virtual_pipeline_size, config.data_parallel_size, config.sequence_parallel,
+    )  # fmt: skip
