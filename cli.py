@@ -33,6 +33,7 @@ from typing_extensions import override
 import lightning_sp  # noqa: F401  (registers the "megatron_sp" strategy)
 from lightning_sp.errors import ConfigError
 from lightning_sp.planner.layout import FitLayoutCLI
+from lightning_sp.training import shutdown
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.guard import NonFiniteError
 from lightning_sp.training.module import GPTModule
@@ -173,10 +174,52 @@ def fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-if __name__ == "__main__":
+def ended_early() -> int | None:
+    """The exit code when a signal or a dead rank ended the run (the reason printed once, by
+    rank 0); None otherwise."""
+    # a signal (to this process, or agreed by all) comes first: children then end by it
+    signalled = shutdown.received() or shutdown.agreed()
+    dead = shutdown.find_dead_rank() if _rank() == 0 and not signalled else None
+    if dead is not None:
+        code, message = dead
+        if not shutdown.dead_rank_reported():
+            print(f"error: {message}; the other ranks stopped", file=sys.stderr)
+        return code
+    signum = shutdown.received() or shutdown.agreed()
+    if not signum:
+        return None
+    if _rank() == 0:
+        saved = (
+            "; the step it ended on was saved (last.ckpt continues the run)"
+            if shutdown.agreed()
+            else ""
+        )
+        print(f"error: stopped by {shutdown.signal_name(signum)}{saved}", file=sys.stderr)
+    return shutdown.exit_code(signum)
+
+
+def run() -> None:
+    """``main()`` with its outcome as an exit code: 0, 2 (bad input, one line), 3 (non-finite
+    step), 128 + N for signal N (130 Ctrl-C, 143 SIGTERM; a SIGTERM during training first
+    saves the step), or a dead rank's code (named in one line)."""
+    shutdown.install()
     try:
         main()
     except ConfigError as error:  # a bad config: one line, no traceback
         fail(str(error), EXIT_CONFIG)
     except NonFiniteError as error:
         fail(str(error), EXIT_NONFINITE)
+    except BaseException as error:
+        code = ended_early()
+        shutdown.end_children()
+        if code is None or (isinstance(error, SystemExit) and error.code == code):
+            raise
+        sys.exit(code)
+    code = ended_early()
+    if code is not None:
+        shutdown.end_children()
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()

@@ -4,25 +4,13 @@ checkpoint are written, bad configs fail with one line; and the README's by-hand
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-CLI = str(ROOT / "cli.py")
-TINY = str(ROOT / "configs" / "tiny.yaml")
-
-
-def run(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
-
+from cli_runs import CLI, ROOT, TINY, run
 
 QUICK = ["--trainer.max_steps", "4", "--data.max_documents", "30",
          "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "2",

@@ -10,9 +10,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 from lightning.pytorch.loggers import CSVLogger
-from test_trainer import LAYOUTS, data, logged, model
 
 from lightning_sp import MegatronSPStrategy
+
+from test_trainer import LAYOUTS, data, logged, model
 
 CLIP = 0.05
 STEPS = 6

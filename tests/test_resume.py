@@ -7,10 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_trainer import data, logged, model, trainer
 
 from lightning_sp import ModelCheckpoint
 from lightning_sp.training.checkpoint import read_full
+
+from test_trainer import data, logged, model, trainer
 
 EVERY, FIRST, TOTAL = 2, 5, 9  # 2 does not divide 5; all of it inside epoch 0
 

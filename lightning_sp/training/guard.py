@@ -1,7 +1,8 @@
 """The non-finite guard: a NaN or Inf loss or gradient never reaches the weights unnoticed.
 
 After forward, backward and the gradient reductions of a step, every rank tells every other
-whether its loss and its gradient norm are finite (one all-gather of two flags per rank). If any
+whether its loss and its gradient norm are finite (one all-gather of two flags per rank, and
+of a stop signal it may have received: :mod:`lightning_sp.training.shutdown`). If any
 is not, the policy decides, identically on every rank:
 
 * ``stop``: raise :class:`NonFiniteError`, one line naming the step, the ranks and the
@@ -54,15 +55,21 @@ class NonFiniteGuard:
         self.max_skipped_steps = max_skipped_steps
         self.skipped = 0
         self.total_skipped = 0
+        self.stop_signal = 0
 
-    def check(self, result: Any, module: nn.Module, optimizer: Any, step: int) -> bool:
+    def check(
+        self, result: Any, module: nn.Module, optimizer: Any, step: int, stop_signal: int = 0
+    ) -> bool:
         """True if the step may update the weights; False to skip it (its gradients are
-        zeroed); raises :class:`NonFiniteError` to stop."""
+        zeroed); raises :class:`NonFiniteError` to stop. ``stop_signal``: a signal this rank
+        received (0: none), exchanged in the same all-gather; afterwards ``self.stop_signal``
+        holds the largest any rank reported, the same on every rank."""
         loss = _loss_of(result)
         flags = torch.tensor(
             [
                 loss is not None and not bool(torch.isfinite(loss.detach()).all()),
                 not _grad_norm_finite(module),
+                stop_signal,
             ],
             dtype=torch.int32,
         )
@@ -73,6 +80,8 @@ class NonFiniteGuard:
             table = torch.stack(gathered)  # [rank, (loss, grad)]
         else:
             table = flags.unsqueeze(0)
+        self.stop_signal = int(table[:, 2].max())
+        table = table[:, :2]
         if not bool(table.any()):
             self.skipped = 0
             return True

@@ -26,10 +26,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import (
-    _MultiProcessingLauncher,
-    _SubprocessScriptLauncher,
-)
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -37,6 +34,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_sp.parallel.threads import set_rank_threads
+from lightning_sp.training import shutdown
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -62,6 +60,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._start_method = start_method
         self._num_nodes = 1
+        self._failed = False  # an exception is ending this process: no barrier in teardown
 
     def check_before_launch(self) -> None:
         """Refuse a configuration that cannot run, before any process starts (the Trainer is
@@ -104,7 +103,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         if self._start_method == "spawn":
             self._launcher = _MultiProcessingLauncher(self, start_method="spawn")
         else:
-            self._launcher = _SubprocessScriptLauncher(
+            self._launcher = shutdown.WatchedLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
 
@@ -113,6 +112,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         """In each process: its ranks, CPU threads and seed, then the default process group
         (with ``timeout``; NCCL bound to this process's device)."""
         super().setup_environment()
+        shutdown.install()
         set_rank_threads(self.num_processes)  # this host's cores shared among its ranks
         reset_seed()
         self.set_world_ranks()
@@ -179,9 +179,31 @@ class ProcessGroupStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    # -- how the run ends (lightning_sp.training.shutdown) ------------------------------------
+
+    @override
+    def on_train_start(self) -> None:
+        """Our signal handlers replace Lightning's (registered just before training), whose
+        SIGTERM handler runs a collective inside the handler."""
+        shutdown.install()
+        shutdown.set_training(True)
+
+    @override
+    def on_train_end(self) -> None:
+        shutdown.set_training(False)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """An exception ends this rank: teardown skips its barrier (a peer may be dead or
+        blocked in a collective this rank will never join)."""
+        self._failed = True
+        shutdown.set_training(False)
+        shutdown.stopping()
+
     @override
     def teardown(self) -> None:
-        # no rank may leave while a peer's last collective is in flight: gloo aborts the peer
-        if _distributed_is_initialized():
+        # no rank may leave while a peer's last collective is in flight: gloo aborts the peer;
+        # after an exception, though, a peer may never arrive: leave at once
+        if _distributed_is_initialized() and not self._failed:
             dist.barrier()
         super().teardown()

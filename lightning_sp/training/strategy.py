@@ -45,6 +45,7 @@ from lightning_sp.parallel.buffer import DEFAULT_BUCKET_NUMEL
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState
+from lightning_sp.training import shutdown
 from lightning_sp.training.checkpoint import Checkpointer, Meta, rng_key
 from lightning_sp.training.checkpoint.checkpointer import resumable_loader
 from lightning_sp.training.checkpoint.shards import gpt_chunks
@@ -251,7 +252,11 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         result = closure_then_reduce()
         pl_module = self.lightning_module
         step = pl_module.trainer.global_step if pl_module is not None else 0
-        if not self.guard.check(result, module, optimizer, step):
+        ok = self.guard.check(result, module, optimizer, step, shutdown.received())
+        if self.guard.stop_signal and pl_module is not None:  # every rank stops after this step
+            shutdown.agree(self.guard.stop_signal)
+            pl_module.trainer.should_stop = True
+        if not ok:
             if pl_module is not None:
                 pl_module.log("train/skipped_steps", float(self.guard.total_skipped))
             return result

@@ -1,0 +1,74 @@
+"""Running ``python cli.py`` as a user does, for the tests that go through it: the one helper
+for these subprocesses (``run`` to completion, ``start`` to signal it mid-run), a small
+config, and the ``error:`` lines of a run's stderr."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = str(ROOT / "cli.py")
+TINY = str(ROOT / "configs" / "tiny.yaml")
+SMALL = ["--model.config.hidden_size", "64", "--model.config.num_layers", "2",
+         "--model.config.num_heads", "4", "--model.config.seq_length", "64",
+         "--data.batch_size", "4", "--data.max_documents", "30",
+         "--trainer.limit_val_batches", "0", "--trainer.num_sanity_val_steps", "0",
+         "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false"]  # fmt: skip
+"""configs/tiny.yaml shrunk to seconds per step on 2 busy cores (no validation)."""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python *args`` in ``cwd`` to its end (stdout and stderr captured as text)."""
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=_env(), capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    """``python *args`` in ``cwd``, running (stdout and stderr to files in ``cwd``, so that a
+    full pipe never blocks it); :func:`finish` waits for it."""
+    out, err = open(cwd / "stdout.txt", "w"), open(cwd / "stderr.txt", "w")  # noqa: SIM115
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=_env(), stdout=out, stderr=err)
+
+
+def finish(proc: subprocess.Popen, cwd: Path, timeout: float) -> tuple[int, str]:
+    """Wait at most ``timeout`` seconds for ``proc`` (killed, with its children, after that):
+    its exit code and stderr."""
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [*children(proc.pid), proc.pid]:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
+        code = None  # type: ignore[assignment]
+    return code, (cwd / "stderr.txt").read_text()
+
+
+def children(pid: int) -> list[int]:
+    """The process ids of ``pid``'s children (Linux)."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.exists() else []
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Wait until ``path`` exists (the run got that far); fail if ``proc`` ended first."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before {path}"
+        assert time.monotonic() < deadline, f"no {path} after {timeout} s"
+        time.sleep(0.2)
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The ``error:`` lines of a run's stderr."""
+    return [line for line in stderr.splitlines() if line.startswith("error:")]

@@ -1,0 +1,87 @@
+"""How a ``cli.py fit`` run ends when signalled or when a rank dies (2 ranks under Lightning's
+launcher): every rank stops within seconds, the exit code says why (130 Ctrl-C, 143 SIGTERM,
+the dead rank's code), one ``error:`` line names the cause, and a SIGTERM during training
+first saves the step, which a resume continues from."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_sp.training.checkpoint import read_full
+
+from cli_runs import CLI, SMALL, TINY, children, error_lines, finish, start, wait_for
+
+STOP_WITHIN = 30  # seconds from the signal to the exit of every rank
+
+
+def _training(tmp_path: Path) -> tuple:
+    """A run that would train for long, once it has saved step 2 (so training is under way):
+    (the launcher process, its rank-1 child's pid)."""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        Path(TINY).read_text().replace("every_n_train_steps: 100", "every_n_train_steps: 2")
+    )
+    args = [CLI, "fit", "--config", str(config), *SMALL, "--trainer.max_steps", "100000"]
+    proc = start(args, tmp_path)
+    wait_for(tmp_path / "checkpoints" / "tiny" / "step2.ckpt", proc)
+    (rank1,) = children(proc.pid)
+    return proc, rank1
+
+
+def _stopped(proc, tmp_path: Path, rank1: int, signalled_at: float) -> tuple[int, str]:
+    code, stderr = finish(proc, tmp_path, timeout=STOP_WITHIN + 30)
+    took = time.monotonic() - signalled_at
+    assert code is not None, f"still running {STOP_WITHIN + 30} s after the signal:\n{stderr}"
+    assert took < STOP_WITHIN, f"took {took:.0f} s to stop:\n{stderr[-3000:]}"
+    assert (
+        not Path(f"/proc/{rank1}").exists() or "zombie" in Path(f"/proc/{rank1}/status").read_text()
+    ), "rank 1 outlived the launcher"
+    return code, stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("target", "signum", "code", "message"),
+    [
+        ("launcher", signal.SIGINT, 130, r"^error: stopped by SIGINT$"),
+        (
+            "rank1",
+            signal.SIGINT,
+            130,
+            r"^error: rank 1 \(pid {pid}\) exited with code 130 \(SIGINT\)",
+        ),
+        ("rank1", signal.SIGKILL, 137, r"^error: rank 1 \(pid {pid}\) was killed by SIGKILL"),
+    ],
+    ids=["ctrl-c-launcher", "ctrl-c-rank1", "kill-9-rank1"],
+)
+def test_interrupt_or_dead_rank_stops_every_rank(
+    tmp_path: Path, target: str, signum: int, code: int, message: str
+) -> None:
+    proc, rank1 = _training(tmp_path)
+    os.kill(proc.pid if target == "launcher" else rank1, signum)
+    got, stderr = _stopped(proc, tmp_path, rank1, time.monotonic())
+    assert got == code, stderr[-3000:]
+    errors = error_lines(stderr)
+    assert len(errors) == 1 and re.search(message.format(pid=rank1), errors[0]), stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["launcher", "rank1"])
+def test_sigterm_saves_the_step_then_exits_143(tmp_path: Path, target: str) -> None:
+    proc, rank1 = _training(tmp_path)
+    os.kill(proc.pid if target == "launcher" else rank1, signal.SIGTERM)
+    got, stderr = _stopped(proc, tmp_path, rank1, time.monotonic())
+    assert got == 143, stderr[-3000:]
+    errors = error_lines(stderr)
+    assert errors == [
+        "error: stopped by SIGTERM; the step it ended on was saved (last.ckpt continues the run)"
+    ], stderr[-3000:]
+    last = read_full(tmp_path / "checkpoints" / "tiny" / "last.ckpt")["lightning"]
+    assert last["global_step"] > 2, last["global_step"]  # the step the signal ended
