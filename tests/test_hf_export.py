@@ -90,9 +90,10 @@ def test_llama_round_trip_gives_back_every_tensor(tmp_path: Path, overrides: dic
     unequal = [k for k in theirs if not torch.equal(theirs[k], mine[k])]
     assert not unequal, f"{len(unequal)} tensors changed, e.g. {unequal[0]}"
     written = json.loads((out / "config.json").read_text())
-    for key, value in {"hidden_act": "silu", "num_key_value_heads": original.config.num_key_value_heads,
-                       "rms_norm_eps": 1e-5, "attention_bias": False, "mlp_bias": False,
-                       "head_dim": 8, "max_position_embeddings": SEQ}.items():  # fmt: skip
+    groups = original.config.num_key_value_heads
+    for key, value in {"hidden_act": "silu", "num_key_value_heads": groups, "rms_norm_eps": 1e-5,
+                       "attention_bias": False, "mlp_bias": False, "head_dim": 8,
+                       "max_position_embeddings": SEQ}.items():  # fmt: skip
         assert written[key] == value, (key, written[key], value)
     for key in ("rope_parameters", "tie_word_embeddings", "num_attention_heads",
                 "intermediate_size", "vocab_size"):  # fmt: skip

@@ -49,7 +49,6 @@ from lightning_sp.interop.hf_config import (
     check_config,
     config_fields,
     read_config_json,
-    write_config,
 )
 from lightning_sp.interop.hf_types import HFModelType, WeightMap, hf_model_type, model_type_for
 from lightning_sp.model.config import GPTConfig
@@ -241,9 +240,7 @@ class HFWeights:
         return torch.cat(pieces, split)
 
 
-def read_hf_config(
-    directory: str | Path, field: str = "init_from", **overrides: Any
-) -> GPTConfig:
+def read_hf_config(directory: str | Path, field: str = "init_from", **overrides: Any) -> GPTConfig:
     """The ``GPTConfig`` of the Hugging Face model in ``directory`` (any supported
     ``model_type``): its family's fields (``GPTConfig.of``), the sizes and options its
     ``config.json`` gives (``seq_length``: its whole position table), then ``overrides``.
@@ -300,7 +297,7 @@ def hf_tensors(
     of our parameters once, whole (vocabulary padding allowed); a repeat (a pipeline stage's
     copy of the tied embedding) must be equal."""
     layout = hf_layout(model_type, config)
-    owner = {part.ours: part for tensor in layout.values() for part in tensor.parts}
+    owner = {part.ours: part for entry in layout.values() for part in entry.parts}
     ours: dict[str, Tensor] = {}
     for name, full in tensors:
         if name not in owner:
@@ -313,12 +310,12 @@ def hf_tensors(
             raise ValueError(f"{name} given twice with different values")
         ours[name] = tensor
     out = {}
-    for hf_name, tensor in layout.items():
-        missing = [p.ours for p in tensor.parts if p.ours not in ours]
+    for hf_name, entry in layout.items():
+        missing = [p.ours for p in entry.parts if p.ours not in ours]
         if missing:
             raise ValueError(f"no tensor for {missing[0]} ({model_type.title}'s {hf_name})")
-        joined = torch.cat([ours[p.ours] for p in tensor.parts])
-        out[hf_name] = (joined.t() if tensor.transpose else joined).contiguous().clone()
+        joined = torch.cat([ours[p.ours] for p in entry.parts])
+        out[hf_name] = (joined.t() if entry.transpose else joined).contiguous().clone()
     return out
 
 
@@ -338,7 +335,7 @@ def save_hf(
     that file with a ``tokenizer_config.json`` naming ``eos_token``. Returns the directory."""
     model_type = model_type_for(config)
     out = hf_tensors(model_type, config, tensors)
-    hf = write_config(model_type.config, config, eos_token_id=eos_token_id)
+    hf = model_type.config_json(config, eos_token_id)
     dtypes = {t.dtype for t in out.values()}
     hf["dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
     path = Path(output)

@@ -107,15 +107,13 @@ class Option:
 @dataclass(frozen=True)
 class ConfigTable:
     """What a model type's ``config.json`` says: its fields and options, and the keys only
-    written (``extra(config, eos_token_id)``: class names, dropouts, token ids)."""
+    written (``extra(config)``: dropouts)."""
 
     title: str
     """The model's name in messages (``GPT-2``, ``Llama``)."""
     fields: tuple[ConfigField, ...]
     options: tuple[Option, ...] = ()
-    extra: Callable[[GPTConfig, int | None], dict[str, Any]] = field(
-        default=lambda config, eos: {}
-    )
+    extra: Callable[[GPTConfig], dict[str, Any]] = field(default=lambda config: {})
 
 
 def read_config_json(directory: str | Path, field: str = "init_from") -> dict[str, Any]:
@@ -146,9 +144,7 @@ def config_fields(table: ConfigTable, hf: Mapping[str, Any], where: str) -> dict
     return {f.ours: f.ours_from(hf, where) for f in table.fields}
 
 
-def check_config(
-    table: ConfigTable, hf: Mapping[str, Any], config: GPTConfig, where: str
-) -> None:
+def check_config(table: ConfigTable, hf: Mapping[str, Any], config: GPTConfig, where: str) -> None:
     """Raise :class:`ConfigError` (one line naming our field, or the option) unless ``config``
     is the model whose ``config.json`` is ``hf``. ``where`` names the model in messages."""
     for f in table.fields:
@@ -173,11 +169,10 @@ def check_config(
             )
 
 
-def write_config(
-    table: ConfigTable, config: GPTConfig, *, eos_token_id: int | None = None
-) -> dict[str, Any]:
-    """The ``config.json`` of the model equal to ``config`` (positions: ``seq_length``)."""
-    hf: dict[str, Any] = dict(table.extra(config, eos_token_id))
+def write_config(table: ConfigTable, config: GPTConfig) -> dict[str, Any]:
+    """The ``config.json`` keys of ``table`` for the model equal to ``config`` (positions:
+    ``seq_length``)."""
+    hf: dict[str, Any] = dict(table.extra(config))
     for f in table.fields:
         if f.hf is not None:
             hf[f.hf] = f.written(config)

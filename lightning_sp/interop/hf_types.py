@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option, fits
+from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option, fits, write_config
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.ops import RopeScaling
 
@@ -38,7 +38,8 @@ class WeightMap:
 
 def linear(ours: str, hf: str, transpose: bool = False) -> tuple[WeightMap, ...]:
     """The weight and bias rows of a linear layer (modules ``ours`` and ``hf``)."""
-    return (WeightMap(f"{ours}.weight", f"{hf}.weight", transpose), WeightMap(f"{ours}.bias", f"{hf}.bias"))  # fmt: skip
+    weight = WeightMap(f"{ours}.weight", f"{hf}.weight", transpose)
+    return weight, WeightMap(f"{ours}.bias", f"{hf}.bias")
 
 
 def norm(ours: str, hf: str) -> tuple[WeightMap, ...]:
@@ -64,31 +65,37 @@ class HFModelType:
     def title(self) -> str:
         return self.config.title
 
+    def config_json(self, config: GPTConfig, eos_token_id: int | None = None) -> dict[str, Any]:
+        """The ``config.json`` of the model equal to ``config``: class, ``model_type``, token
+        ids (the end-of-document token also begins documents), then the table's keys."""
+        return {
+            "architectures": [self.hf_class],
+            "model_type": self.model_type,
+            "initializer_range": config.init_std,
+            "bos_token_id": eos_token_id,
+            "eos_token_id": eos_token_id,
+            **write_config(self.config, config),
+        }
+
 
 # -- GPT-2 ------------------------------------------------------------------------------------
 
-GPT2_CLASS = "GPT2LMHeadModel"
 # activation_function -> ours; export writes the first: torch's own tanh GeLU for gelu_tanh,
 # so the exported model computes exactly ours (OpenAI's gelu_new is the same function)
 _GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 
 
-def _gpt2_extra(config: GPTConfig, eos: int | None) -> dict[str, Any]:
+def _gpt2_dropouts(config: GPTConfig) -> dict[str, Any]:
     return {
-        "architectures": [GPT2_CLASS],
-        "model_type": "gpt2",
         "resid_pdrop": config.hidden_dropout,
         "embd_pdrop": config.hidden_dropout,
         "attn_pdrop": config.attention_dropout,
-        "initializer_range": config.init_std,
-        "bos_token_id": eos,  # GPT-2's end-of-text token also begins documents
-        "eos_token_id": eos,
     }
 
 
 GPT2 = HFModelType(
     model_type="gpt2",
-    hf_class=GPT2_CLASS,
+    hf_class="GPT2LMHeadModel",
     architecture="gpt2",
     config=ConfigTable(
         title="GPT-2",
@@ -97,11 +104,15 @@ GPT2 = HFModelType(
             ConfigField("hidden_size", "n_embd"),
             ConfigField("num_layers", "n_layer"),
             ConfigField("num_heads", "n_head"),
-            ConfigField("num_query_groups", "n_head", value=lambda c: c.groups, write=lambda c: c.num_heads),  # fmt: skip
             ConfigField(
-                "ffn_hidden_size", "n_inner", value=lambda c: c.ffn_size,
+                "num_query_groups", "n_head", value=lambda c: c.groups, write=lambda c: c.num_heads
+            ),
+            ConfigField(
+                "ffn_hidden_size",
+                "n_inner",
+                value=lambda c: c.ffn_size,
                 read=lambda hf: hf.get("n_inner") or 4 * hf.get("n_embd", 0),
-            ),  # fmt: skip
+            ),
             ConfigField("seq_length", "n_positions", at_most=True),
             ConfigField("layernorm_eps", "layer_norm_epsilon", default=1e-5),
             ConfigField("activation", "activation_function", choices=_GPT2_ACTIVATIONS),
@@ -120,7 +131,7 @@ GPT2 = HFModelType(
                 "tie_word_embeddings": True,
             }.items()
         ),
-        extra=_gpt2_extra,
+        extra=_gpt2_dropouts,
     ),
     weights=(
         WeightMap("word_embeddings.weight", "transformer.wte.weight"),
@@ -140,9 +151,6 @@ GPT2 = HFModelType(
 
 
 # -- Llama ------------------------------------------------------------------------------------
-
-
-LLAMA_CLASS = "LlamaForCausalLM"
 
 
 def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -177,20 +185,9 @@ def _write_rope_scaling(config: GPTConfig) -> dict[str, Any] | None:
     return {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)}
 
 
-def _llama_extra(config: GPTConfig, eos: int | None) -> dict[str, Any]:
-    return {
-        "architectures": [LLAMA_CLASS],
-        "model_type": "llama",
-        "attention_dropout": config.attention_dropout,
-        "initializer_range": config.init_std,
-        "bos_token_id": eos,
-        "eos_token_id": eos,
-    }
-
-
 LLAMA = HFModelType(
     model_type="llama",
-    hf_class=LLAMA_CLASS,
+    hf_class="LlamaForCausalLM",
     architecture="llama",
     config=ConfigTable(
         title="Llama",
@@ -200,9 +197,11 @@ LLAMA = HFModelType(
             ConfigField("num_layers", "num_hidden_layers"),
             ConfigField("num_heads", "num_attention_heads"),
             ConfigField(
-                "num_query_groups", "num_key_value_heads", value=lambda c: c.groups,
+                "num_query_groups",
+                "num_key_value_heads",
+                value=lambda c: c.groups,
                 read=lambda hf: hf.get("num_key_value_heads") or hf.get("num_attention_heads"),
-            ),  # fmt: skip
+            ),
             ConfigField("ffn_hidden_size", "intermediate_size", value=lambda c: c.ffn_size),
             ConfigField("seq_length", "max_position_embeddings", at_most=True),
             ConfigField("layernorm_eps", "rms_norm_eps", default=1e-6),
@@ -210,7 +209,9 @@ LLAMA = HFModelType(
             ConfigField("normalization", default="rmsnorm"),
             ConfigField("position_embedding", default="rope"),
             ConfigField("rope_theta", "rope_theta", read=lambda hf: _rope(hf)["rope_theta"]),
-            ConfigField("rope_scaling", "rope_scaling", read=_rope_scaling, write=_write_rope_scaling),  # fmt: skip
+            ConfigField(
+                "rope_scaling", "rope_scaling", read=_rope_scaling, write=_write_rope_scaling
+            ),
             ConfigField("bias", "attention_bias", default=False),
             ConfigField("bias", "mlp_bias", default=False),
             ConfigField("tie_embeddings", "tie_word_embeddings", default=False),
@@ -219,7 +220,7 @@ LLAMA = HFModelType(
             Option("head_dim", lambda hf: hf["hidden_size"] // hf["num_attention_heads"]),
             Option.constant("pretraining_tp", 1),
         ),
-        extra=_llama_extra,
+        extra=lambda config: {"attention_dropout": config.attention_dropout},
     ),
     weights=(
         WeightMap("word_embeddings.weight", "model.embed_tokens.weight"),
