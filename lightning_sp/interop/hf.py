@@ -205,7 +205,8 @@ class HFWeights:
     def layout(self) -> dict[str, HFTensor]:
         """The tensors ``config.json`` implies (:func:`hf_layout` of its model, whose
         ``seq_length`` is the whole position table)."""
-        return hf_layout(self.model_type, GPTConfig(**self.config_fields()))
+        config = GPTConfig.of(self.model_type.architecture, **self.config_fields())
+        return hf_layout(self.model_type, config)
 
     def check(self) -> None:
         """Raise :class:`ConfigError` unless every tensor ``config.json`` implies is in the
