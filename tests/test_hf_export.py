@@ -1,9 +1,10 @@
 """Hugging Face export (lightning_sp.interop.hf.save_hf, lightning_sp.training.hf_export,
 ``cli.py export``), GPT-2 and Llama.
 
-* Round trip: a random Llama (GQA, untied; and tied with Llama 3.1 RoPE scaling) imported into
-  our model and exported again loads in transformers as ``LlamaForCausalLM`` with every tensor
-  equal to the original's and the same config; the export reads back into ours exactly.
+* Round trip: a random GPT-2 and a random Llama (GQA, untied; and tied with Llama 3.1 RoPE
+  scaling) imported into our model and exported again load in transformers as their class
+  with every tensor equal to the original's and the same config; the export reads back into
+  ours exactly.
 * A Trainer run (t = 2 + SP started from an imported random GPT-2 or Llama with a
   tokenizer.json; p = 2 from the seeded init) trains 3 steps and checkpoints; ``cli.py
   export`` writes a directory ``AutoModelForCausalLM`` loads, whose fp32 logits equal the
@@ -35,6 +36,7 @@ from hf_models import (
     our_config,
     save_gpt2_with_reference,
     save_llama_with_reference,
+    save_random_gpt2,
     save_random_llama,
     tokens,
     transformers,
@@ -66,42 +68,47 @@ CONFIGS = {
 HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+               "high_freq_factor": 32.0, "original_max_position_embeddings": 512}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "overrides",
-    [{}, {"tie_word_embeddings": True, "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 32.0,
-        "original_max_position_embeddings": 512}}],
-    ids=["untied", "tied_llama3_rope"],
+    ("name", "overrides"),
+    [("gpt2", {}), ("llama", {}),
+     ("llama", {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE})],
+    ids=["gpt2", "llama_untied", "llama_tied_llama3_rope"],
 )  # fmt: skip
-def test_llama_round_trip_gives_back_every_tensor(tmp_path: Path, overrides: dict) -> None:
-    """transformers -> ours (t = 1) -> save_hf -> transformers: every tensor equal, the same
-    config; and the export reads back into ours exactly."""
-    original = save_random_llama(tmp_path / "original", **overrides).float()
-    config = read_hf_config(tmp_path / "original", seq_length=SEQ)
-    assert config.tie_embeddings == overrides.get("tie_word_embeddings", False)
+def test_round_trip_gives_back_every_tensor(tmp_path: Path, name: str, overrides: dict) -> None:
+    """transformers -> ours (t = 1) -> save_hf -> transformers: the same class, every tensor
+    equal, the same config; and the export reads back into ours exactly."""
+    save = {"gpt2": save_random_gpt2, "llama": save_random_llama}[name]
+    original = save(tmp_path / "original", **overrides).float()
+    config = read_hf_config(tmp_path / "original")
     ours = GPT(config, ParallelState.single())
     load_hf_weights(ours, tmp_path / "original")
     named = [(ours.global_name(n), p) for n, p in ours.named_parameters()]
     out = save_hf(config, named, tmp_path / "exported", eos_token_id=0)
     exported = transformers.AutoModelForCausalLM.from_pretrained(out)
-    assert type(exported).__name__ == "LlamaForCausalLM"
+    assert type(exported).__name__ == HF_CLASSES[name]
     theirs, mine = original.state_dict(), exported.state_dict()
     assert sorted(theirs) == sorted(mine)
     unequal = [k for k in theirs if not torch.equal(theirs[k], mine[k])]
     assert not unequal, f"{len(unequal)} tensors changed, e.g. {unequal[0]}"
-    written = json.loads((out / "config.json").read_text())
-    groups = original.config.num_key_value_heads
-    for key, value in {"hidden_act": "silu", "num_key_value_heads": groups, "rms_norm_eps": 1e-5,
-                       "attention_bias": False, "mlp_bias": False, "head_dim": 8,
-                       "max_position_embeddings": SEQ}.items():  # fmt: skip
-        assert written[key] == value, (key, written[key], value)
-    for key in ("rope_parameters", "tie_word_embeddings", "num_attention_heads",
-                "intermediate_size", "vocab_size"):  # fmt: skip
-        assert getattr(exported.config, key) == getattr(original.config, key), key
+    if name == "llama":
+        assert config.tie_embeddings == overrides.get("tie_word_embeddings", False)
+        written = json.loads((out / "config.json").read_text())
+        groups = original.config.num_key_value_heads
+        for key, value in {"hidden_act": "silu", "num_key_value_heads": groups,
+                           "rms_norm_eps": 1e-5, "attention_bias": False, "mlp_bias": False,
+                           "head_dim": 8}.items():  # fmt: skip
+            assert written[key] == value, (key, written[key], value)
+        for key in ("rope_parameters", "tie_word_embeddings", "num_attention_heads",
+                    "intermediate_size", "vocab_size", "max_position_embeddings"):  # fmt: skip
+            assert getattr(exported.config, key) == getattr(original.config, key), key
     again = GPT(config, ParallelState.single())
     load_hf_weights(again, out)
-    for (name, a), b in zip(named, again.parameters(), strict=True):
-        assert torch.equal(a, b), name
+    for (param, a), b in zip(named, again.parameters(), strict=True):
+        assert torch.equal(a, b), param
     ids, _ = tokens(batch=2)
     with torch.no_grad():
         assert torch.equal(original(ids).logits, exported(ids).logits)
