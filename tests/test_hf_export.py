@@ -1,15 +1,22 @@
-"""Hugging Face GPT-2 export (lightning_sp.training.hf_export, ``cli.py export``).
+"""Hugging Face export (lightning_sp.interop.hf.save_hf, lightning_sp.training.hf_export,
+``cli.py export``), GPT-2 and Llama.
 
-A Trainer run (t = 2 + SP started from an imported random GPT-2 with a tokenizer.json; p = 2
-from the seeded init) trains 3 steps and checkpoints; ``cli.py export`` writes a directory
-transformers loads, whose fp32 logits equal the run's own (gathered) logits within fp32
-rounding (max |diff| <= 1e-5 · max |logit|), and ``model.generate`` runs. A bad checkpoint
-fails with one line. The p = 2 checkpoint also generates in one process: greedy tokens equal
-transformers' greedy tokens from the exported model.
+* Round trip: a random GPT-2 and a random Llama (GQA, untied; and tied with Llama 3.1 RoPE
+  scaling) imported into our model and exported again load in transformers as their class
+  with every tensor equal to the original's and the same config; the export reads back into
+  ours exactly.
+* A Trainer run (t = 2 + SP started from an imported random GPT-2 or Llama with a
+  tokenizer.json; p = 2 from the seeded init) trains 3 steps and checkpoints; ``cli.py
+  export`` writes a directory ``AutoModelForCausalLM`` loads, whose fp32 logits equal the
+  run's own (gathered) logits within fp32 rounding (max |diff| <= 1e-5 · max |logit|), and
+  ``model.generate`` runs. A bad checkpoint fails with one line. The p = 2 checkpoint also
+  generates in one process: greedy tokens equal transformers' greedy tokens from the exported
+  model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -26,23 +33,86 @@ from hf_models import (
     STEPS,
     VOCAB,
     full_logits,
+    llama_config,
     our_config,
     save_gpt2_with_reference,
+    save_llama_with_reference,
+    save_random_gpt2,
+    save_random_llama,
     tokens,
     transformers,
 )
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_sp import GPTModule, MegatronSPStrategy, OptimizerConfig
+from lightning_sp import GPTModule, MegatronSPStrategy, OptimizerConfig, ParallelState
+from lightning_sp.interop.hf import load_hf_weights, read_hf_config, save_hf
 from lightning_sp.model.generate import GenerationConfig
+from lightning_sp.model.gpt import GPT
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.hf_export import export_checkpoint
 
 
 @pytest.fixture(scope="module")
-def gpt2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A saved random GPT-2 and the float64 reference logits and loss on a fixed batch."""
-    return save_gpt2_with_reference(tmp_path_factory.mktemp("gpt2"))
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A saved random GPT-2 and Llama, by name."""
+    return {
+        "gpt2": save_gpt2_with_reference(tmp_path_factory.mktemp("gpt2"))[0],
+        "llama": save_llama_with_reference(tmp_path_factory.mktemp("llama"))[0],
+    }
+
+
+CONFIGS = {
+    "gpt2": lambda: our_config(hidden_dropout=0.1, attention_dropout=0.1),
+    "llama": llama_config,
+}
+"""Our config of each saved model, as trained."""
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+               "high_freq_factor": 32.0, "original_max_position_embeddings": 512}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [("gpt2", {}), ("llama", {}),
+     ("llama", {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE})],
+    ids=["gpt2", "llama_untied", "llama_tied_llama3_rope"],
+)  # fmt: skip
+def test_round_trip_gives_back_every_tensor(tmp_path: Path, name: str, overrides: dict) -> None:
+    """transformers -> ours (t = 1) -> save_hf -> transformers: the same class, every tensor
+    equal, the same config; and the export reads back into ours exactly."""
+    save = {"gpt2": save_random_gpt2, "llama": save_random_llama}[name]
+    original = save(tmp_path / "original", **overrides).float()
+    config = read_hf_config(tmp_path / "original")
+    ours = GPT(config, ParallelState.single())
+    load_hf_weights(ours, tmp_path / "original")
+    named = [(ours.global_name(n), p) for n, p in ours.named_parameters()]
+    out = save_hf(config, named, tmp_path / "exported", eos_token_id=0)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(exported).__name__ == HF_CLASSES[name]
+    theirs, mine = original.state_dict(), exported.state_dict()
+    assert sorted(theirs) == sorted(mine)
+    unequal = [k for k in theirs if not torch.equal(theirs[k], mine[k])]
+    assert not unequal, f"{len(unequal)} tensors changed, e.g. {unequal[0]}"
+    if name == "llama":
+        assert config.tie_embeddings == overrides.get("tie_word_embeddings", False)
+        written = json.loads((out / "config.json").read_text())
+        groups = original.config.num_key_value_heads
+        for key, value in {"hidden_act": "silu", "num_key_value_heads": groups,
+                           "rms_norm_eps": 1e-5, "attention_bias": False, "mlp_bias": False,
+                           "head_dim": 8}.items():  # fmt: skip
+            assert written[key] == value, (key, written[key], value)
+        for key in ("rope_parameters", "tie_word_embeddings", "num_attention_heads",
+                    "intermediate_size", "vocab_size", "max_position_embeddings"):  # fmt: skip
+            assert getattr(exported.config, key) == getattr(original.config, key), key
+    again = GPT(config, ParallelState.single())
+    load_hf_weights(again, out)
+    for (param, a), b in zip(named, again.parameters(), strict=True):
+        assert torch.equal(a, b), param
+    ids, _ = tokens(batch=2)
+    with torch.no_grad():
+        assert torch.equal(original(ids).logits, exported(ids).logits)
 
 
 class SaveLogits(Callback):
@@ -94,9 +164,11 @@ def _fit(tmp_path: Path, module: GPTModule, data: TextDataModule, strategy: dict
     return tmp_path / "ckpt" / "final.ckpt"
 
 
-def _check_exported(directory: Path, run_logits: Path, vocab: int) -> Any:
-    """The exported directory loads in transformers and gives the run's logits; returns it."""
-    model = transformers.GPT2LMHeadModel.from_pretrained(directory).eval()
+def _check_exported(directory: Path, run_logits: Path, vocab: int, hf_class: str) -> Any:
+    """The exported directory loads in transformers as ``hf_class`` and gives the run's
+    logits; returns it."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    assert type(model).__name__ == hf_class
     ids, _ = tokens(batch=2, vocab=vocab)
     expected = torch.load(run_logits)
     with torch.no_grad():
@@ -110,15 +182,15 @@ def _check_exported(directory: Path, run_logits: Path, vocab: int) -> Any:
 
 
 @pytest.mark.slow
-def test_export_round_trip_tp2_sp_from_gpt2_with_tokenizer(
-    tmp_path: Path, corpus: Path, gpt2: tuple[Path, Path]
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_export_round_trip_tp2_sp_with_tokenizer(
+    tmp_path: Path, corpus: Path, saved: dict[str, Path], name: str
 ) -> None:
-    """t=2 + SP, started from the imported GPT-2, a tokenizer.json; exported by the CLI."""
+    """t=2 + SP, started from the imported model, a tokenizer.json; exported by the CLI."""
     tokenizer = _train_tokenizer(corpus, tmp_path / "tokenizer.json")
-    module = GPTModule(our_config(hidden_dropout=0.1, attention_dropout=0.1,
-                                  sequence_parallel=True),
-                       OptimizerConfig(lr=1e-3, warmup_steps=1),
-                       init_from=str(gpt2[0]))  # fmt: skip
+    config = dataclasses.replace(CONFIGS[name](), sequence_parallel=True)
+    module = GPTModule(config, OptimizerConfig(lr=1e-3, warmup_steps=1),
+                       init_from=str(saved[name]))  # fmt: skip
     data = TextDataModule(paths=str(corpus), tokenizer=str(tokenizer), seq_length=SEQ,
                           batch_size=4, val_fraction=0.1)  # fmt: skip
     ckpt = _fit(tmp_path, module, data, {"tensor_parallel_size": 2})
@@ -130,12 +202,10 @@ def test_export_round_trip_tp2_sp_from_gpt2_with_tokenizer(
         capture_output=True, text=True, env=env, timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    model = _check_exported(out, tmp_path / "logits.pt", VOCAB)
-    trained = model.transformer.h[0].attn.c_attn.weight
-    start = (
-        transformers.GPT2LMHeadModel.from_pretrained(gpt2[0]).transformer.h[0].attn.c_attn.weight
-    )
-    assert not torch.equal(trained, start), "the export holds the untrained weights"
+    model = _check_exported(out, tmp_path / "logits.pt", VOCAB, HF_CLASSES[name])
+    start = transformers.AutoModelForCausalLM.from_pretrained(saved[name]).state_dict()
+    trained = model.state_dict()
+    assert any(not torch.equal(trained[k], start[k]) for k in start), "the untrained weights"
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     eos = json.loads((out / "config.json").read_text())["eos_token_id"]
     assert hf_tokenizer.eos_token == "<|endoftext|>" and hf_tokenizer.eos_token_id == eos
@@ -157,7 +227,7 @@ def test_export_round_trip_pp2(tmp_path: Path, corpus: Path) -> None:
     data = TextDataModule(paths=str(corpus), seq_length=SEQ, batch_size=4, val_fraction=0.1)
     ckpt = _fit(tmp_path, module, data, {"pipeline_parallel_size": 2, "num_microbatches": 2})
     out = export_checkpoint(ckpt, tmp_path / "hf")
-    model = _check_exported(out, tmp_path / "logits.pt", 257)
+    model = _check_exported(out, tmp_path / "logits.pt", 257, "GPT2LMHeadModel")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == 256
 

@@ -260,10 +260,8 @@ def test_bad_directories_fail_with_one_line(tmp_path: Path, gpt2: tuple[Path, Pa
     (not_gpt2 / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(ConfigError) as error:
         GPTModule(our_config(), init_from=str(not_gpt2))
-    assert (
-        "is not a supported model: config.json has model_type='bert'; valid: 'gpt2', 'llama'"
-        in (_one_line(error))
-    )
+    message = "is not a supported model: config.json has model_type='bert'; valid: 'gpt2', 'llama'"
+    assert message in _one_line(error)
 
     with pytest.raises(ConfigError) as error:  # size mismatch names our field
         GPTModule(our_config(hidden_size=32), init_from=str(gpt2[0]))

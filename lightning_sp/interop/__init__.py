@@ -1,1 +1,1 @@
-"""Interoperability with other model formats (Hugging Face GPT-2)."""
+"""Interoperability with other model formats (Hugging Face GPT-2 and Llama)."""

@@ -49,7 +49,6 @@ from lightning_sp.interop.hf_config import (
     check_config,
     config_fields,
     read_config_json,
-    write_config,
 )
 from lightning_sp.interop.hf_types import HFModelType, WeightMap, hf_model_type, model_type_for
 from lightning_sp.model.config import GPTConfig
@@ -206,7 +205,8 @@ class HFWeights:
     def layout(self) -> dict[str, HFTensor]:
         """The tensors ``config.json`` implies (:func:`hf_layout` of its model, whose
         ``seq_length`` is the whole position table)."""
-        return hf_layout(self.model_type, GPTConfig(**self.config_fields()))
+        config = GPTConfig.of(self.model_type.architecture, **self.config_fields())
+        return hf_layout(self.model_type, config)
 
     def check(self) -> None:
         """Raise :class:`ConfigError` unless every tensor ``config.json`` implies is in the
@@ -298,7 +298,7 @@ def hf_tensors(
     of our parameters once, whole (vocabulary padding allowed); a repeat (a pipeline stage's
     copy of the tied embedding) must be equal."""
     layout = hf_layout(model_type, config)
-    owner = {part.ours: part for tensor in layout.values() for part in tensor.parts}
+    owner = {part.ours: part for entry in layout.values() for part in entry.parts}
     ours: dict[str, Tensor] = {}
     for name, full in tensors:
         if name not in owner:
@@ -336,7 +336,7 @@ def save_hf(
     that file with a ``tokenizer_config.json`` naming ``eos_token``. Returns the directory."""
     model_type = model_type_for(config)
     out = hf_tensors(model_type, config, tensors)
-    hf = write_config(model_type.config, config, eos_token_id=eos_token_id)
+    hf = model_type.config_json(config, eos_token_id)
     dtypes = {t.dtype for t in out.values()}
     hf["dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
     path = Path(output)

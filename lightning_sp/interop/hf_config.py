@@ -107,13 +107,17 @@ class Option:
 @dataclass(frozen=True)
 class ConfigTable:
     """What a model type's ``config.json`` says: its fields and options, and the keys only
-    written (``extra(config, eos_token_id)``: class names, dropouts, token ids)."""
+    written (``extra(config)``: dropouts)."""
 
     title: str
     """The model's name in messages (``GPT-2``, ``Llama``)."""
     fields: tuple[ConfigField, ...]
     options: tuple[Option, ...] = ()
+<<<<<<< HEAD
     extra: Callable[[GPTConfig, int | None], dict[str, Any]] = field(default=lambda config, eos: {})
+=======
+    extra: Callable[[GPTConfig], dict[str, Any]] = field(default=lambda config: {})
+>>>>>>> hf
 
 
 def read_config_json(directory: str | Path, field: str = "init_from") -> dict[str, Any]:
@@ -169,11 +173,10 @@ def check_config(table: ConfigTable, hf: Mapping[str, Any], config: GPTConfig, w
             )
 
 
-def write_config(
-    table: ConfigTable, config: GPTConfig, *, eos_token_id: int | None = None
-) -> dict[str, Any]:
-    """The ``config.json`` of the model equal to ``config`` (positions: ``seq_length``)."""
-    hf: dict[str, Any] = dict(table.extra(config, eos_token_id))
+def write_config(table: ConfigTable, config: GPTConfig) -> dict[str, Any]:
+    """The ``config.json`` keys of ``table`` for the model equal to ``config`` (positions:
+    ``seq_length``)."""
+    hf: dict[str, Any] = dict(table.extra(config))
     for f in table.fields:
         if f.hf is not None:
             hf[f.hf] = f.written(config)

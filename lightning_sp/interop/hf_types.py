@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option, fits
+from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option, fits, write_config
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.ops import RopeScaling
 
@@ -38,10 +38,15 @@ class WeightMap:
 
 def linear(ours: str, hf: str, transpose: bool = False) -> tuple[WeightMap, ...]:
     """The weight and bias rows of a linear layer (modules ``ours`` and ``hf``)."""
+<<<<<<< HEAD
     return (
         WeightMap(f"{ours}.weight", f"{hf}.weight", transpose),
         WeightMap(f"{ours}.bias", f"{hf}.bias"),
     )
+=======
+    weight = WeightMap(f"{ours}.weight", f"{hf}.weight", transpose)
+    return weight, WeightMap(f"{ours}.bias", f"{hf}.bias")
+>>>>>>> hf
 
 
 def norm(ours: str, hf: str) -> tuple[WeightMap, ...]:
@@ -67,31 +72,37 @@ class HFModelType:
     def title(self) -> str:
         return self.config.title
 
+    def config_json(self, config: GPTConfig, eos_token_id: int | None = None) -> dict[str, Any]:
+        """The ``config.json`` of the model equal to ``config``: class, ``model_type``, token
+        ids (the end-of-document token also begins documents), then the table's keys."""
+        return {
+            "architectures": [self.hf_class],
+            "model_type": self.model_type,
+            "initializer_range": config.init_std,
+            "bos_token_id": eos_token_id,
+            "eos_token_id": eos_token_id,
+            **write_config(self.config, config),
+        }
+
 
 # -- GPT-2 ------------------------------------------------------------------------------------
 
-GPT2_CLASS = "GPT2LMHeadModel"
 # activation_function -> ours; export writes the first: torch's own tanh GeLU for gelu_tanh,
 # so the exported model computes exactly ours (OpenAI's gelu_new is the same function)
 _GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 
 
-def _gpt2_extra(config: GPTConfig, eos: int | None) -> dict[str, Any]:
+def _gpt2_dropouts(config: GPTConfig) -> dict[str, Any]:
     return {
-        "architectures": [GPT2_CLASS],
-        "model_type": "gpt2",
         "resid_pdrop": config.hidden_dropout,
         "embd_pdrop": config.hidden_dropout,
         "attn_pdrop": config.attention_dropout,
-        "initializer_range": config.init_std,
-        "bos_token_id": eos,  # GPT-2's end-of-text token also begins documents
-        "eos_token_id": eos,
     }
 
 
 GPT2 = HFModelType(
     model_type="gpt2",
-    hf_class=GPT2_CLASS,
+    hf_class="GPT2LMHeadModel",
     architecture="gpt2",
     config=ConfigTable(
         title="GPT-2",
@@ -127,7 +138,7 @@ GPT2 = HFModelType(
                 "tie_word_embeddings": True,
             }.items()
         ),
-        extra=_gpt2_extra,
+        extra=_gpt2_dropouts,
     ),
     weights=(
         WeightMap("word_embeddings.weight", "transformer.wte.weight"),
@@ -147,9 +158,6 @@ GPT2 = HFModelType(
 
 
 # -- Llama ------------------------------------------------------------------------------------
-
-
-LLAMA_CLASS = "LlamaForCausalLM"
 
 
 def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -184,20 +192,9 @@ def _write_rope_scaling(config: GPTConfig) -> dict[str, Any] | None:
     return {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)}
 
 
-def _llama_extra(config: GPTConfig, eos: int | None) -> dict[str, Any]:
-    return {
-        "architectures": [LLAMA_CLASS],
-        "model_type": "llama",
-        "attention_dropout": config.attention_dropout,
-        "initializer_range": config.init_std,
-        "bos_token_id": eos,
-        "eos_token_id": eos,
-    }
-
-
 LLAMA = HFModelType(
     model_type="llama",
-    hf_class=LLAMA_CLASS,
+    hf_class="LlamaForCausalLM",
     architecture="llama",
     config=ConfigTable(
         title="Llama",
@@ -230,7 +227,7 @@ LLAMA = HFModelType(
             Option("head_dim", lambda hf: hf["hidden_size"] // hf["num_attention_heads"]),
             Option.constant("pretraining_tp", 1),
         ),
-        extra=_llama_extra,
+        extra=lambda config: {"attention_dropout": config.attention_dropout},
     ),
     weights=(
         WeightMap("word_embeddings.weight", "model.embed_tokens.weight"),
