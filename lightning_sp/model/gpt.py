@@ -288,22 +288,15 @@ class GPT(nn.Module):
         return x
 
     def loss(self, x: Tensor, labels: Tensor) -> Tensor:
-        """Final norm, output layer (or tied embedding) and mean cross entropy.
+        """Final norm, output layer (the tied embedding or its own) and mean cross entropy.
 
         ``x``: ``[s/t or s, b, h]``; ``labels``: ``[b, s]``; returns an fp32 scalar. Under
         context parallelism (``s`` the local ``s/c``) the mean is over the tokens of the whole
         CP group (:func:`~lightning_sp.parallel.context.context_token_mean`).
         """
-        x = self.final_norm(x)
-        logits = column_parallel_linear(  # [s, b, v/t], never gathered over the vocabulary
-            x, self.output_weight, None, self.tp_group, self.sequence_parallel
-        )
+        logits = self.logits(x)  # [s, b, v/t], never gathered over the vocabulary
         losses = vocab_parallel_cross_entropy(  # [s, b]
-            logits,
-            labels.t(),
-            self.word_embeddings.vocab_start,
-            self.config.vocab_size,
-            self.tp_group,
+            logits, labels.t(), self.vocab_start, self.config.vocab_size, self.tp_group
         )
         if self.context[0] > 1:
             return context_token_mean(losses.sum(), losses.numel(), self.state.cp_group)
