@@ -190,3 +190,80 @@ def test_formula_divides_by_c_and_drops_the_core_scores() -> None:
         assert (
             activation_bytes_per_layer(two, "full") == activation_bytes_per_layer(one, "full") / 2
         )
+
+
+def _dropout_worker(rank: int, world_size: int) -> dict[str, float]:
+    """c = 2 with hidden and attention dropout: every preset draws (and replays) the same
+    masks, so loss and gradients agree across presets; returns the worst disagreements."""
+    state = ParallelState.from_process_group(context_parallel_size=world_size)
+    worst: dict[str, float] = {}
+    for architecture, attention in itertools.product(ARCHITECTURES, BACKENDS):
+        runs = {}
+        for preset in PRESETS:
+            config = tiny_config(
+                architecture, attention=attention, recompute=preset,
+                hidden_dropout=0.1, attention_dropout=0.2,
+            )  # fmt: skip
+            ids, labels = context_shards(state, *batch(config))
+            model = GPT(config, state, dtype=torch.float64)
+            loss = loss_and_grads(model, ids, labels)
+            runs[preset] = (loss, {n: p.grad for n, p in model.named_parameters()})
+        base_loss, base_grads = runs["none"]
+        for preset in PRESETS[1:]:
+            loss, grads = runs[preset]
+            err = max(
+                [relative_error(loss, base_loss)]
+                + [relative_error(grads[n], g) for n, g in base_grads.items()]
+            )
+            worst[f"{architecture} {attention} {preset}"] = err
+    return worst
+
+
+@pytest.mark.slow
+def test_dropout_replays_identically_under_every_preset() -> None:
+    """c = 2, dropout on: ``selective`` and ``full`` equal ``none`` (masks drawn from the
+    per-CP-rank streams and replayed by recompute and by the CP core's own backward)."""
+    for rank, worst in enumerate(run_distributed(_dropout_worker, 2)):
+        assert len(worst) == len(ARCHITECTURES) * len(BACKENDS) * (len(PRESETS) - 1)
+        for case, err in worst.items():
+            assert err <= RTOL, f"rank {rank} {case}: {err:.2e} from recompute none"
+
+
+def test_streams_differ_per_context_rank_and_keep_c1_seeds() -> None:
+    """Both dropout streams are seeded with the CP rank when c > 1 (different tokens, so
+    different masks, even where TP replicas must agree); with c = 1 the seeds are unchanged."""
+    from dataclasses import replace
+
+    from lightning_sp.parallel.random import RNGStreams, derive_seed
+
+    single = ParallelState.single()
+    streams = RNGStreams(7, single)
+    assert streams.replicated.initial_seed() == derive_seed(7, "replicated", 0, 0, 0)
+    assert streams.sharded.initial_seed() == derive_seed(7, "sharded", 0, 0, 0, 0)
+    seeds = set()
+    for rank in range(2):
+        state = replace(single, context_parallel_size=2, context_parallel_rank=rank)
+        cp = RNGStreams(7, state)
+        seeds |= {cp.replicated.initial_seed(), cp.sharded.initial_seed()}
+    assert len(seeds | {streams.replicated.initial_seed(), streams.sharded.initial_seed()}) == 6
+
+
+def test_layout_and_sequence_errors_name_the_values() -> None:
+    """``check_layout`` counts c in the world; ``check_sequence`` checks the local sequence."""
+    from dataclasses import replace
+
+    from lightning_sp.errors import ConfigError
+    from lightning_sp.parallel.state import check_layout
+
+    assert check_layout(8, 2, 1, 2) == 2
+    with pytest.raises(ConfigError, match=r"context_parallel_size = 2 \* 1 \* 4 = 8; t \* p \* c"):
+        check_layout(12, 2, 1, 4)
+    with pytest.raises(ConfigError, match="context_parallel_size"):
+        check_layout(4, 1, 1, 0)
+    state = replace(ParallelState.single(), context_parallel_size=2, context_parallel_rank=1)
+    model = GPT(tiny_config(), state, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"length 10 x context_parallel_size 2 = 20 exceeds"):
+        model.check_sequence(10)
+    with pytest.raises(ValueError, match="local sequence length 7 under context_parallel_size=2"):
+        model.check_sequence(7)
+    model.check_sequence(8)
