@@ -113,11 +113,7 @@ class ConfigTable:
     """The model's name in messages (``GPT-2``, ``Llama``)."""
     fields: tuple[ConfigField, ...]
     options: tuple[Option, ...] = ()
-<<<<<<< HEAD
-    extra: Callable[[GPTConfig, int | None], dict[str, Any]] = field(default=lambda config, eos: {})
-=======
     extra: Callable[[GPTConfig], dict[str, Any]] = field(default=lambda config: {})
->>>>>>> hf
 
 
 def read_config_json(directory: str | Path, field: str = "init_from") -> dict[str, Any]:

@@ -38,15 +38,8 @@ class WeightMap:
 
 def linear(ours: str, hf: str, transpose: bool = False) -> tuple[WeightMap, ...]:
     """The weight and bias rows of a linear layer (modules ``ours`` and ``hf``)."""
-<<<<<<< HEAD
-    return (
-        WeightMap(f"{ours}.weight", f"{hf}.weight", transpose),
-        WeightMap(f"{ours}.bias", f"{hf}.bias"),
-    )
-=======
     weight = WeightMap(f"{ours}.weight", f"{hf}.weight", transpose)
     return weight, WeightMap(f"{ours}.bias", f"{hf}.bias")
->>>>>>> hf
 
 
 def norm(ours: str, hf: str) -> tuple[WeightMap, ...]:
