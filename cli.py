@@ -88,7 +88,6 @@ class GPTCLI(LightningCLI):
             return
         if trainer.get("logger") in (None, True):  # Lightning's default logger: ours
             trainer["logger"] = _default_loggers(trainer.get("default_root_dir") or os.getcwd())
-            return
         callbacks = list(trainer.get("callbacks") or [])
         for callback in callbacks:  # last.ckpt that always continues the run
             if getattr(callback, "class_path", None) in LIGHTNING_MODEL_CHECKPOINT:
