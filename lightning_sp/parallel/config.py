@@ -19,7 +19,7 @@ from lightning_sp.parallel.state import check_layout
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The sizes and switches of a run's layout; ``t·p·d`` ranks in all."""
+    """The sizes and switches of a run's layout; ``t·c·p·d`` ranks in all."""
 
     tensor_parallel_size: int = 1
     """t: ranks in one tensor-parallel group (they should share a node)."""
@@ -30,8 +30,13 @@ class ParallelConfig:
     virtual_pipeline_size: int = 1
     """m: model chunks per pipeline stage; ``> 1`` runs the interleaved schedule."""
 
+    context_parallel_size: int = 1
+    """c: ranks each sample's sequence is split over (context parallelism, causal load
+    balancing: CP rank r holds chunks r and 2c-1-r of the sequence cut into 2c); the mesh is
+    (pp, dp, cp, tp), TP innermost."""
+
     data_parallel_size: int = 1
-    """d = world size / (t·p): replicas of the model. The strategy's arguments leave it 1
+    """d = world size / (t·c·p): replicas of the model. The strategy's arguments leave it 1
     until the world size is known (:meth:`for_world_size`, at setup)."""
 
     sequence_parallel: bool | None = None
@@ -50,18 +55,25 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for field in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size",
-                      "data_parallel_size", "num_microbatches"):  # fmt: skip
+                      "context_parallel_size", "data_parallel_size",
+                      "num_microbatches"):  # fmt: skip
             positive_int(field, getattr(self, field))
 
     @property
     def world_size(self) -> int:
-        """t·p·d ranks."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+        """t·c·p·d ranks."""
+        return (
+            self.tensor_parallel_size * self.context_parallel_size
+            * self.pipeline_parallel_size * self.data_parallel_size
+        )  # fmt: skip
 
     def for_world_size(self, world_size: int) -> ParallelConfig:
-        """This layout on ``world_size`` ranks: d = world / (t·p), :class:`ConfigError` (one
-        line) unless t·p divides the world."""
-        d = check_layout(world_size, self.tensor_parallel_size, self.pipeline_parallel_size)
+        """This layout on ``world_size`` ranks: d = world / (t·c·p), :class:`ConfigError` (one
+        line) unless t·c·p divides the world."""
+        d = check_layout(
+            world_size, self.tensor_parallel_size, self.pipeline_parallel_size,
+            self.context_parallel_size,
+        )  # fmt: skip
         return dataclasses.replace(self, data_parallel_size=d)
 
     def with_sequence_parallel(self, model_value: bool) -> ParallelConfig:
@@ -73,7 +85,7 @@ class ParallelConfig:
 
     def same_shards(self, other: ParallelConfig) -> bool:
         """Whether every rank holds the same shard and dropout streams under ``other`` (t, p,
-        m, d and SP equal): a checkpoint's RNG streams are restored only then. Micro-batches
+        m, c, d and SP equal): a checkpoint's RNG streams are restored only then. Micro-batches
         and the optimizer's sharding change neither."""
         return _shard_fields(self) == _shard_fields(other)
 
@@ -91,8 +103,9 @@ def resolve_sequence_parallel(strategy_value: bool | None, model_value: bool) ->
     )
 
 
-def _shard_fields(config: ParallelConfig) -> tuple[int, int, int, int, bool | None]:
+def _shard_fields(config: ParallelConfig) -> tuple[int, int, int, int, int, bool | None]:
     return (
         config.tensor_parallel_size, config.pipeline_parallel_size,
-        config.virtual_pipeline_size, config.data_parallel_size, config.sequence_parallel,
+        config.virtual_pipeline_size, config.context_parallel_size, config.data_parallel_size,
+        config.sequence_parallel,
     )  # fmt: skip
