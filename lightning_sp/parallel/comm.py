@@ -1,8 +1,13 @@
 """The conjugate communication operators of tensor and sequence parallelism.
 
 Paper, §4.2: ``f`` / ``f̄`` bracket a tensor-parallel region, ``g`` / ``ḡ`` replace them when
-the regions around it are sequence parallel. Sequence shards live on dimension 0 (layout
-``[s, b, h]``), so gathers and scatters are contiguous and copy nothing extra.
+the regions around it are sequence parallel. ``f`` and ``g`` (entering the region) have no
+function of their own: they are the collectives inside the column-parallel linear's autograd
+function (:class:`lightning_sp.parallel.layers.ColumnParallelLinear`; forward all-gather along
+s under SP, backward all-reduce or reduce-scatter of the input gradient), which keeps the
+gathered input out of the saved tensors and recomputes it in backward. Sequence shards live
+on dimension 0 (layout ``[s, b, h]``), so gathers and scatters are contiguous and copy nothing
+extra.
 
 Every op is a ``torch.autograd.Function`` over an explicit process group, is the identity for
 a group of ``None`` or of one rank, and never writes into its (autograd) input.
@@ -10,9 +15,7 @@ a group of ``None`` or of one rank, and never writes into its (autograd) input.
 =====================================  ===========================  ===========================
 op                                     forward                      backward
 =====================================  ===========================  ===========================
-``f``      (enter TP region)           identity                     all-reduce
 ``f_bar``  (leave TP region)           all-reduce                   identity
-``g``      (SP -> TP region)           all-gather along s           reduce-scatter along s
 ``g_bar``  (TP -> SP region)           reduce-scatter along s       all-gather along s
 ``scatter_to_sequence_parallel``       keep own shard of s          all-gather along s
 ``gather_from_sequence_parallel``      all-gather along s           keep own shard of s
@@ -111,9 +114,7 @@ def _identity(x: Tensor, group: Group) -> Tensor:
     return x.view_as(x)
 
 
-_F = _conjugate_op("F", _identity, all_reduce)
 _FBar = _conjugate_op("FBar", all_reduce, _identity)
-_G = _conjugate_op("G", all_gather_sequence, reduce_scatter_sequence)
 _GBar = _conjugate_op("GBar", reduce_scatter_sequence, all_gather_sequence)
 _Scatter = _conjugate_op("Scatter", split_sequence, all_gather_sequence)
 _Gather = _conjugate_op("Gather", all_gather_sequence, split_sequence)
@@ -123,23 +124,9 @@ def _apply(fn: type[torch.autograd.Function], x: Tensor, group: Group) -> Tensor
     return x if group_size(group) == 1 else fn.apply(x, group)
 
 
-def f(x: Tensor, group: Group) -> Tensor:
-    """Enter a tensor-parallel region: forward identity, backward all-reduce over ``group``."""
-    return _apply(_F, x, group)
-
-
 def f_bar(x: Tensor, group: Group) -> Tensor:
     """Leave a tensor-parallel region: forward all-reduce over ``group``, backward identity."""
     return _apply(_FBar, x, group)
-
-
-def g(x: Tensor, group: Group) -> Tensor:
-    """Sequence- to tensor-parallel: forward all-gather along s, backward reduce-scatter.
-
-    ``[s/t, b, h] -> [s, b, h]``. Use where the gradient arriving from the tensor-parallel
-    region is a partial sum on each rank (the input of a column-parallel linear).
-    """
-    return _apply(_G, x, group)
 
 
 def g_bar(x: Tensor, group: Group) -> Tensor:

@@ -1,7 +1,7 @@
 """Pipeline parallelism (paper §4.4): model chunks per stage and torch's 1F1B / interleaved
 schedules, with TP+SP inside every stage."""
 
-from lightning_sp.pipeline.layout import (
+from lightning_sp.pipeline.split import (
     check_batch,
     check_pipeline,
     check_pipeline_schedule,

@@ -1,8 +1,8 @@
 """Pipeline parallelism: GPT stages run by ``torch.distributed.pipelining`` (paper §4.4).
 
-Each rank holds the model chunks :func:`~lightning_sp.pipeline.layout.chunk_layer_ranges`
+Each rank holds the model chunks :func:`~lightning_sp.pipeline.split.chunk_layer_ranges`
 gives it (chunk ``c`` of pipeline rank ``r`` is virtual stage ``c·p + r``; the layout and
-its checks are in :mod:`lightning_sp.pipeline.layout`). Each chunk is a
+its checks are in :mod:`lightning_sp.pipeline.split`). Each chunk is a
 :class:`~lightning_sp.model.gpt.GPT` built with its ``layer_range``, so tensor and sequence
 parallelism (their collectives on the TP group) run unchanged inside every stage. Virtual
 stage 0 holds the embedding, virtual stage ``p·m − 1`` the final LayerNorm, the output layer
@@ -40,7 +40,7 @@ from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel import grads as grad_utils
 from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.state import DEFAULT_TIMEOUT, ParallelState
-from lightning_sp.pipeline.layout import (
+from lightning_sp.pipeline.split import (
     ScheduleName,
     check_batch,
     check_pipeline,

@@ -125,7 +125,7 @@ MUTATIONS = (
         "interleaved pipeline: chunk c of rank r holds virtual stage r·m + c, not c·p + r",
         (
             (
-                "lightning_sp/pipeline/layout.py",
+                "lightning_sp/pipeline/split.py",
                 "range((c * p + rank) * per_chunk, (c * p + rank + 1) * per_chunk)",
                 "range((rank * m + c) * per_chunk, (rank * m + c + 1) * per_chunk)",
             ),

@@ -1,4 +1,4 @@
-"""Pipeline layout (paper §4.4): which layers each model chunk holds, and the checks a
+"""The pipeline split (paper §4.4): which layers each model chunk holds, and the checks a
 pipeline configuration must pass before any work starts.
 
 The ``L`` layers are split into ``p·m`` chunks of ``L/(p·m)`` layers (``p`` pipeline ranks,
