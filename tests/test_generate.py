@@ -1,6 +1,8 @@
 """Generation: the key/value-cached decoding equals a full forward every step (t = 1, and t = 2
-with sequence parallelism on real gloo ranks), seeds, EOS, one-line errors, ``predict``
-through a Trainer and ``cli.py generate`` from a checkpoint."""
+with sequence parallelism on real gloo ranks; GPT-2 and Llama, whose cache holds keys rotated
+at their true positions), seeds, EOS, one-line errors, ``predict`` through a Trainer and
+``cli.py generate`` from a checkpoint. (A trained Llama's ``predict`` through a Trainer, cached
+and not, against transformers' greedy tokens: ``test_hf_export.py``.)"""
 
 from __future__ import annotations
 
@@ -37,9 +39,14 @@ PROMPT = [5, 17, 99, 3, 250]
 GREEDY = GenerationConfig(max_new_tokens=20, temperature=0.0)
 
 
-def _model(state: ParallelState, sequence_parallel: bool) -> GPT:
+ARCHITECTURES = ("gpt2", "llama")
+
+
+def _model(state: ParallelState, sequence_parallel: bool, architecture: str = "gpt2") -> GPT:
     # a large init spread: an untrained model whose greedy choices vary from token to token
-    config = tiny_config(seq_length=32, init_std=0.5, sequence_parallel=sequence_parallel)
+    config = tiny_config(
+        architecture, seq_length=32, init_std=0.5, sequence_parallel=sequence_parallel
+    )
     return GPT(config, state, dtype=torch.float64)
 
 
@@ -62,20 +69,22 @@ def _check_cache_equals_full_forward(model: GPT) -> list[int]:
     return with_cache
 
 
-def test_cache_equals_full_forward_one_process() -> None:
-    _check_cache_equals_full_forward(_model(ParallelState.single(), sequence_parallel=False))
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_cache_equals_full_forward_one_process(architecture: str) -> None:
+    _check_cache_equals_full_forward(_model(ParallelState.single(), False, architecture))
 
 
 def _tp_worker(rank: int, world_size: int) -> None:
     state = ParallelState.from_process_group(tensor_parallel_size=world_size)
-    model = _model(state, sequence_parallel=True)
-    tokens = _check_cache_equals_full_forward(model)
-    reference = generate(_model(ParallelState.single(), False), PROMPT, GREEDY)
-    assert tokens == reference, "t=2 with SP generates other tokens than one process"
-    sampled = generate(model, PROMPT, GenerationConfig(max_new_tokens=12, seed=5))
-    both = [torch.zeros(12, dtype=torch.long) for _ in range(world_size)]
-    dist.all_gather(both, torch.tensor(sampled))
-    assert all(torch.equal(b, both[0]) for b in both), "TP ranks sampled different tokens"
+    for architecture in ARCHITECTURES:  # Llama: 2 key/value groups, one per rank
+        model = _model(state, True, architecture)
+        tokens = _check_cache_equals_full_forward(model)
+        reference = generate(_model(ParallelState.single(), False, architecture), PROMPT, GREEDY)
+        assert tokens == reference, f"{architecture}: t=2 with SP generates other tokens"
+        sampled = generate(model, PROMPT, GenerationConfig(max_new_tokens=12, seed=5))
+        both = [torch.zeros(12, dtype=torch.long) for _ in range(world_size)]
+        dist.all_gather(both, torch.tensor(sampled))
+        assert all(torch.equal(b, both[0]) for b in both), f"{architecture}: ranks sampled apart"
 
 
 @pytest.mark.slow

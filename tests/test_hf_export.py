@@ -33,6 +33,7 @@ from hf_models import (
     STEPS,
     VOCAB,
     full_logits,
+    hf_logits_and_loss,
     llama_config,
     our_config,
     save_gpt2_with_reference,
@@ -142,23 +143,47 @@ def _train_tokenizer(corpus: Path, out: Path) -> Path:
     return out
 
 
-def _fit(tmp_path: Path, module: GPTModule, data: TextDataModule, strategy: dict) -> Path:
-    """Train 3 steps under ``megatron_sp`` on 2 spawned ranks; the run's logits on a fixed
+class SaveHeldOutLoss(Callback):
+    """At the end of training, the run's own loss (eval mode) on the first validation batch,
+    which training never read; saved with the batch by global rank 0 (``p = 1``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: GPTModule) -> None:
+        batch = next(iter(trainer.datamodule.val_dataloader()))  # type: ignore[attr-defined]
+        pl_module.eval()
+        with torch.no_grad():
+            loss = pl_module.chunks[0](batch["input_ids"], batch["labels"])
+        if trainer.is_global_zero:
+            torch.save({**batch, "loss": loss}, self.path)
+
+
+def _fit(
+    tmp_path: Path,
+    module: GPTModule,
+    data: TextDataModule,
+    strategy: dict,
+    steps: int = STEPS,
+    callbacks: tuple[Callback, ...] = (),
+) -> Path:
+    """Train ``steps`` under ``megatron_sp`` on 2 spawned ranks; the run's logits on a fixed
     batch go to ``logits.pt``; returns the checkpoint."""
     ids, _ = tokens(batch=2, vocab=module.config.vocab_size)
     L.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=MegatronSPStrategy(**strategy, start_method="spawn"),
-        max_steps=STEPS,
+        max_steps=steps,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         callbacks=[
-            ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="final", every_n_train_steps=STEPS),
+            ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="final", every_n_train_steps=steps),
             SaveLogits(tmp_path / "logits.pt", ids),
+            *callbacks,
         ],
     ).fit(module, data)
     return tmp_path / "ckpt" / "final.ckpt"
@@ -218,6 +243,21 @@ def data_tokenizer_ids(path: Path, text: str) -> list[int]:
     return Tokenizer.from_file(str(path)).encode(text).ids
 
 
+def _predict(module: GPTModule, data: TextDataModule, ckpt: Path) -> list[int]:
+    """The token ids ``Trainer.predict`` generates (one process) for ``data``'s one prompt."""
+    predicted = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=MegatronSPStrategy(sequence_parallel=False),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    ).predict(module, data, ckpt_path=str(ckpt))
+    assert predicted is not None and len(predicted) == 1
+    return predicted[0]["token_ids"]  # type: ignore[index]
+
+
 @pytest.mark.slow
 def test_export_round_trip_pp2(tmp_path: Path, corpus: Path) -> None:
     """p=2 (1F1B, two micro-batches), seeded init, byte-level data (no tokenizer files)."""
@@ -237,20 +277,60 @@ def test_export_round_trip_pp2(tmp_path: Path, corpus: Path) -> None:
     greedy = GenerationConfig(max_new_tokens=8, temperature=0.0)
     generator = GPTModule(our_config(vocab_size=257), generation=greedy)
     prompts = TextDataModule(paths=str(corpus), seq_length=SEQ, prompts=[prompt])
-    predicted = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=MegatronSPStrategy(sequence_parallel=False),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    ).predict(generator, prompts, ckpt_path=str(ckpt))
-    assert predicted is not None
-    ours: list[int] = predicted[0]["token_ids"]  # type: ignore[index]
+    ours = _predict(generator, prompts, ckpt)
     ids = torch.tensor([list(prompt.encode())])
     theirs = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :].tolist()
     assert ours and ours == theirs[: len(ours)], f"generated {ours}, transformers {theirs}"
+
+
+LOSS_RTOL = 1e-6
+"""The run's loss is fp32 at t = 2 + SP; transformers' is float64 from the same fp32 weights:
+they differ by fp32 rounding of the forward (measured 3e-8 relative)."""
+
+
+@pytest.mark.slow
+def test_trained_llama_exported_gives_its_own_loss_and_greedy_tokens(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """llama_tiny's recipe in small: seeded init, t = 2 + SP, byte-level data; exported by
+    ``export_checkpoint``; loss on a held-out batch and greedy generation agree."""
+    config = llama_config(vocab_size=257, sequence_parallel=True)
+    module = GPTModule(config, OptimizerConfig(lr=1e-2, warmup_steps=1))
+    data = TextDataModule(paths=str(corpus), seq_length=SEQ, batch_size=4, val_fraction=0.1)
+    held_out = tmp_path / "held_out.pt"
+    ckpt = _fit(tmp_path, module, data, {"tensor_parallel_size": 2}, steps=10,
+                callbacks=(SaveHeldOutLoss(held_out),))  # fmt: skip
+    out = export_checkpoint(ckpt, tmp_path / "hf")
+    model = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float64).eval()
+    saved = torch.load(held_out)
+    _, hf_loss = hf_logits_and_loss(model, saved["input_ids"], saved["labels"])
+    error = abs(hf_loss.item() - saved["loss"].item()) / hf_loss.item()
+    print(f"held-out loss: run {saved['loss'].item():.8f}, transformers {hf_loss.item():.8f}, "
+          f"relative {error:.1e}")  # fmt: skip
+    assert saved["loss"].item() < 5.0, "10 steps did not train (ln 257 = 5.55)"
+    assert error <= LOSS_RTOL, f"held-out loss {saved['loss']} vs transformers' {hf_loss}"
+
+    # greedy (12 spaces after 10 steps: the corpus is mostly indentation) against
+    # transformers; sampled with a seed, cached against the full forward every token
+    prompt, n = "def add", 12
+    prompts = TextDataModule(paths=str(corpus), seq_length=SEQ, prompts=[prompt])
+    runs = {
+        name: GenerationConfig(max_new_tokens=n, temperature=temperature, top_k=None, seed=3,
+                               use_cache=cache)
+        for name, temperature, cache in [("greedy", 0.0, True), ("sampled", 1.0, True),
+                                         ("sampled_full", 1.0, False)]
+    }  # fmt: skip
+    ours = {
+        name: _predict(GPTModule(llama_config(vocab_size=257), generation=g), prompts, ckpt)
+        for name, g in runs.items()
+    }
+    ids = torch.tensor([list(prompt.encode())])
+    theirs = model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1] :].tolist()
+    for name, got in [*ours.items(), ("transformers", theirs)]:
+        print(f"{name} after {prompt!r}: {got} {bytes(t for t in got if t < 256)!r}")
+    assert ours["greedy"] and ours["greedy"] == theirs[: len(ours["greedy"])], (ours, theirs)
+    assert len(set(ours["sampled"])) > 3, f"sampling drew few tokens: {ours['sampled']}"
+    assert ours["sampled"] == ours["sampled_full"], ours
 
 
 @pytest.mark.slow
