@@ -186,3 +186,24 @@ def test_estimate_command_at_128k_with_c8(capsys: pytest.CaptureFixture[str]) ->
     out = capsys.readouterr().out
     assert "layout: t=8 p=4 m=5 c=8 d=1 on 256 GPUs" in out
     assert " yes " in out and "34sbh/(t*c)" in out
+
+
+def test_auto_considers_c() -> None:
+    """``recompute: auto`` resolves against the layout's c: at a long sequence on a small
+    device c = 1 needs ``full`` on some layers while c = 4 fits without recomputation."""
+    from lightning_sp.parallel.config import ParallelConfig
+    from lightning_sp.planner.estimate import resolve_recompute
+
+    config = dataclasses.replace(LLAMA, seq_length=32768, attention="sdpa")
+    one, four = (
+        resolve_recompute(
+            config,
+            ParallelConfig(tensor_parallel_size=2, context_parallel_size=c),
+            device_bytes=2.5e9,
+            measure=False,
+            cluster=H100_80GB,
+        )
+        for c in (1, 4)
+    )
+    assert one.fits and one.recompute == "full"
+    assert four.fits and (four.recompute, four.recompute_num_layers) == ("none", None)
