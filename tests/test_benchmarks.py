@@ -179,3 +179,15 @@ def test_report_verdicts_follow_the_numbers() -> None:
     assert "*all-gathered* input" not in text and "is not the all-gathered" in text
     tied = [_bytes_row(4, False, "full", 2.0, 2.0, 2.01)]
     assert "we tie at t=4 TP + full" in verdicts.notes({"activation_bytes": {"rows": tied}})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_context_benchmark_smoke() -> None:
+    """``python -m benchmarks.context --smoke``: both layouts ran s tokens per rank and the
+    ratio lies in its interval (the timings themselves are not asserted)."""
+    from benchmarks import context
+
+    out = context.main(["--smoke"])
+    assert out["low"] <= out["ratio"] <= out["high"]
+    assert all(math.isfinite(v) and v > 0 for v in out.values())

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
 from lightning_sp.memory.fake import fake_world, measure_activations
 from lightning_sp.memory.formulas import (
+    CONTEXT_GENERATOR_STATE_BYTES,
     MIXED_PRECISION_ADAM,
     TABLE2_ROWS,
     ModelStatePrecision,
@@ -325,3 +326,38 @@ def test_head_measurement_matches_section_4_5() -> None:
         shape = ActivationShape(s, b, h, 8, t, sequence_parallel=sp)
         expected = output_activation_bytes(shape, v)
         assert got.head_bytes == pytest.approx(expected, rel=0.02)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "c", "t", "recompute", "attention"),
+    [("gpt2", 2, 1, "none", "math"), ("gpt2", 4, 2, "selective", "math"),
+     ("gpt2", 2, 2, "lean", "math"), ("gpt2", 4, 1, "full", "math"),
+     ("gpt2", 2, 2, "selective", "sdpa"), ("llama", 2, 2, "none", "math"),
+     ("llama", 4, 1, "selective", "sdpa")],
+)  # fmt: skip
+def test_fake_measurement_matches_formula_under_cp(
+    architecture: str, c: int, t: int, recompute: str, attention: str
+) -> None:
+    """Context parallelism at c = 2 and 4 (t = 2 with SP): the fake trace of CP rank 0's
+    shard, CP core included, is the formula (every term / c, no s x s scores) + the norms'
+    statistics + the CP core's generator state with attention dropout, byte for byte (bf16)."""
+    s, b, h, a = 128, 2, 64, 4
+    extra = {"num_query_groups": 2, "attention_dropout": 0.0} if architecture == "llama" else {}
+    config = GPTConfig.of(
+        architecture, vocab_size=300, seq_length=s, hidden_size=h, num_heads=a, num_layers=2,
+        attention=attention, sequence_parallel=t > 1, recompute=recompute,
+        **({"hidden_dropout": 0.1, "attention_dropout": 0.1} | extra),
+    )  # fmt: skip
+    got = measure_activations(
+        config, tensor_parallel_size=t, micro_batch_size=b, layers=2, context_parallel_size=c
+    )
+    shape = config.activation_shape(t, b, context_parallel_size=c)
+    if attention == "sdpa":  # traced without attention dropout (see measure_activations)
+        shape = dataclasses.replace(shape, attention_dropout=False)
+    expected = activation_bytes_per_layer(shape, recompute)
+    expected += layernorm_stats_bytes_per_layer(shape, recompute)
+    if shape.attention_dropout and recompute != "full":
+        expected += CONTEXT_GENERATOR_STATE_BYTES["cpu"]
+    assert got.per_layer_bytes == [expected] * 2
+    one = activation_bytes_per_layer(config.activation_shape(t, b), recompute)
+    assert activation_bytes_per_layer(shape, recompute) <= one / c  # the core's scores go

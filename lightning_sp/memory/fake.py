@@ -96,7 +96,8 @@ def _trace(
 
     from lightning_sp.model.gpt import GPT
 
-    s, b, t = config.seq_length, micro_batch_size, state.tensor_parallel_size
+    b, t, c = micro_batch_size, state.tensor_parallel_size, state.context_parallel_size
+    s = config.seq_length // c  # this rank's tokens of each sequence
     # built on "meta" so that no initialisation runs (initialize_parameter skips meta; under
     # fake tensors its row-by-row loop takes ~30 s for one 175B layer), then made fake
     gpt = GPT(config, state, layer_range=range(0, layers), dtype=dtype, device="meta")
@@ -139,8 +140,11 @@ def measure_activations(
     layers: int = 1,
     head: bool = False,
     dtype: torch.dtype = torch.bfloat16,
+    context_parallel_size: int = 1,
 ) -> ActivationMeasurement:
-    """Measure, for one micro-batch, the activation bytes rank 0 of a ``t × p × d`` layout saves:
+    """Measure, for one micro-batch, the activation bytes rank 0 of a ``t × c × p × d`` layout
+    saves (under context parallelism ``c`` it holds ``s/c`` tokens of each sequence, CP rank
+    0's two chunks, and runs the CP attention core, whose collectives the fake group skips):
     per transformer layer (the first ``layers`` layers, traced in training mode with the
     config's dropout and recompute policy), for the embedding, and with ``head`` for the final
     LayerNorm + output layer + loss (traced on a separate last-layer shard). ``attention:
@@ -148,11 +152,11 @@ def measure_activations(
     with dropout as without (their RNG seed and offset aside), while the CPU kernel would
     fall back to a math path storing ``s x s`` scores.
 
-    Runs under ``FakeTensorMode`` and a fake process group of ``t·p·d`` ranks (see
+    Runs under ``FakeTensorMode`` and a fake process group of ``t·c·p·d`` ranks (see
     :func:`fake_world`): costs no activation memory and no weight initialisation; needs
     ``torch.distributed`` not to be initialised in this process.
     """
-    t, p = tensor_parallel_size, pipeline_parallel_size
+    t, p, c = tensor_parallel_size, pipeline_parallel_size, context_parallel_size
     if not 1 <= layers <= config.num_layers:
         raise ConfigError(f"layers={layers} must be between 1 and num_layers={config.num_layers}")
     config.validate(t)
@@ -161,6 +165,6 @@ def measure_activations(
         # that stores s x s scores, which the GPUs the plan is for do not (their flash /
         # memory-efficient kernels draw dropout inside and store the same tensors as without)
         config = replace(config, attention_dropout=0.0)
-    with fake_world(t * p * data_parallel_size):
-        state = ParallelState.from_process_group(t, p, device="cpu")
+    with fake_world(t * c * p * data_parallel_size):
+        state = ParallelState.from_process_group(t, p, device="cpu", context_parallel_size=c)
         return _trace(config, state, micro_batch_size, layers, head, dtype)

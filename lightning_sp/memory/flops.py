@@ -87,7 +87,10 @@ def model_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> floa
 
 
 def hardware_flops_per_iteration(
-    config: GPTConfig, global_batch_size: int, layers_per_chunk: int | None = None
+    config: GPTConfig,
+    global_batch_size: int,
+    layers_per_chunk: int | None = None,
+    context_parallel_size: int = 1,
 ) -> float:
     """FLOPs the hardware executes in one iteration: model FLOPs plus the forward work that
     ``config.recompute`` runs again during backward, plus what the attention backend's own
@@ -112,6 +115,11 @@ def hardware_flops_per_iteration(
       checks both readings.
     * ``attention: sdpa``: the fused kernel's backward recomputes QKᵀ, ``2·B·s²·h`` per
       layer (the backend's ``backward_redone_flops``); ``core_attn`` does not act there.
+    * context parallelism (``context_parallel_size > 1``): the CP attention core replays its
+      forward in its backward whatever the policy (:mod:`lightning_sp.parallel.
+      context_attention`), ``4·B·s²·h`` per layer in the paper's count (the same as
+      ``core_attn``'s, which the model does not apply under CP), on top of the backend's own
+      backward recomputation and of ``full``'s replay.
     """
     model = model_flops_per_iteration(config, global_batch_size)
     shape = config.activation_shape(micro_batch_size=global_batch_size)
@@ -119,14 +127,19 @@ def hardware_flops_per_iteration(
     backend = ATTENTION_BACKENDS[config.attention].backward_redone_flops(shape)
     extra = 0.0
     chunk = layers_per_chunk or config.num_layers
+    cp_core = 0.0
+    if positive_int("context_parallel_size", context_parallel_size) > 1:
+        cp_core = 4.0 * global_batch_size * config.seq_length**2 * config.hidden_size
     for index in range(config.num_layers):
         policy = config.layer_recompute(index % chunk)  # ConfigError for auto or unknown
         modules = parse_recompute(policy)
         if modules == "full":
-            extra += layer + backend
+            extra += layer + backend + cp_core
         else:
-            extra += sum(m.redone_flops(shape) for m in active_modules(modules, config.attention))
-            extra += backend
+            active = active_modules(modules, config.attention)
+            if cp_core:  # core_attn leaves the CP core alone; the core replays itself
+                active = tuple(m for m in active if not m.needs_scores)
+            extra += sum(m.redone_flops(shape) for m in active) + backend + cp_core
     return model + extra
 
 

@@ -12,6 +12,13 @@ measure_activations`), and by the paper's formulas — and sets them against the
 * parameters + gradients + optimizer state per rank (18 bytes per parameter, see
   :class:`lightning_sp.memory.formulas.ModelStatePrecision`).
 
+Context parallelism (``layout.context_parallel_size = c``): the activations are those of the
+rank's ``s/c`` tokens (the formulas divide every term by ``c`` and drop the core's ``s x s``
+scores and logsumexp, which the CP core does not keep; the fake trace runs CP rank 0's shard
+with its CP core). Model state is unchanged by ``c``: CP shards no parameter, and the
+distributed optimizer is taken to shard over the ``d`` data-parallel ranks only (not over
+dp x cp; :func:`optimizer_shards`).
+
 ``total = model state + first-stage activations``; it leaves out the CUDA context, library
 workspaces, allocator fragmentation and transient buffers (all-gathered inputs, gradients in
 flight), so give it the memory you can actually allocate.
@@ -66,7 +73,9 @@ from lightning_sp.planner.steptime import step_time
 def formula_activations(layout: Layout, config: GPTConfig) -> Activations:
     """The paper's bytes (Table 2 generalised, §4.5) for ``config`` laid out as ``layout``."""
     t = layout.tensor_parallel_size
-    shape = config.activation_shape(t, layout.micro_batch_size)
+    shape = config.activation_shape(
+        t, layout.micro_batch_size, context_parallel_size=layout.context_parallel_size
+    )
     return Activations(
         per_layer=activation_bytes_per_layer(shape, config.recompute),
         embedding=embedding_activation_bytes(shape),
@@ -83,7 +92,16 @@ def _measure(layout: Layout, config: GPTConfig, layers: int) -> ActivationMeasur
         micro_batch_size=layout.micro_batch_size,
         layers=min(layers, config.num_layers),
         head=layout.pipeline_parallel_size == 1,
+        context_parallel_size=layout.context_parallel_size,
     )
+
+
+def optimizer_shards(layout: Layout) -> int:
+    """Ranks the distributed optimizer splits the fp32 masters and Adam moments over: the
+    ``d`` data-parallel ranks. Assumed, not over dp x cp (Megatron-Core's choice): this
+    branch's optimizer shards over the data-parallel group; change it here if the strategy
+    shards over dp x cp."""
+    return layout.data_parallel_size
 
 
 def first_stage_bytes(layout: Layout, layer_bytes: list[float], acts: Activations) -> float:
@@ -154,7 +172,7 @@ def estimate(
 
     ``measure``: trace ``layers`` layers of rank 0's shard under fake tensors (needs
     ``torch.distributed`` uninitialised in this process); otherwise the formulas only.
-    Combinations that cannot run (sequence parallelism with ``s`` not divisible by t) are
+    Combinations that cannot run (sequence parallelism with ``s/c`` not divisible by t) are
     left out.
     """
     layout.validate()
@@ -163,15 +181,16 @@ def estimate(
     n_params = parameters_per_rank(cfg, t, layout.pipeline_parallel_size)
     state_bytes = round(
         model_state_bytes(
-            n_params, precision, layout.data_parallel_size, layout.distributed_optimizer
+            n_params, precision, optimizer_shards(layout), layout.distributed_optimizer
         )
     )
     device = round(device_bytes)
     start = time.perf_counter()
     measurements: dict[tuple[bool, str], ActivationMeasurement] = {}
     acts: dict[bool, dict[str, tuple[Activations, Activations]]] = {False: {}, True: {}}
+    local = cfg.seq_length // layout.context_parallel_size  # each rank's tokens per sequence
     for sp, rc in _combinations(layout):
-        if sp and cfg.seq_length % t:
+        if sp and local % t:
             continue
         combo = layout.with_policy(sp, rc)
         formula = formula_activations(layout, combo)

@@ -68,6 +68,19 @@ def flash_attention_seconds(
     return forward / rate, 2.5 * forward / rate
 
 
+def masked_attention_seconds(
+    cluster: Cluster, pairs: int, head_dim: int, heads: int
+) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of a fused attention kernel under an explicit mask over
+    ``pairs`` query-key pairs per head (every pair computed, none skipped): ``4·pairs·d`` FLOPs
+    per head forward, backward 2.5x, at ``flash_attention_efficiency`` of the peak (the
+    context-parallel core's ``sdpa`` chunks; no separate published figure for the
+    memory-efficient kernel a mask selects, so the flash one is used)."""
+    forward = 4.0 * pairs * head_dim * heads
+    rate = cluster.peak_flops * cluster.flash_attention_efficiency
+    return forward / rate, 2.5 * forward / rate
+
+
 def gather_seconds(cluster: Cluster, nbytes: float, group: int, within_node: bool) -> float:
     """A ring all-gather (or reduce-scatter) whose full tensor is ``nbytes``."""
     if group <= 1:

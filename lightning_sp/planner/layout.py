@@ -77,14 +77,22 @@ class Layout(ParallelConfig):
     def validate(self) -> None:
         """Raise :class:`ConfigError` (one line: field, value, what is valid) unless the sizes
         are positive and divide: heads, hidden and FFN width by t, layers by p and by p·m,
-        and, interleaved, micro-batches ≥ p."""
+        the sequence by 2c (causal load balancing), and, interleaved, micro-batches ≥ p."""
         for name in (
             "tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size",
-            "num_microbatches", "micro_batch_size", "data_parallel_size",
+            "context_parallel_size", "num_microbatches", "micro_batch_size",
+            "data_parallel_size",
         ):  # fmt: skip
             positive_int(name, getattr(self, name))
         t, p = self.tensor_parallel_size, self.pipeline_parallel_size
         self.config.validate(t)
+        c, s = self.context_parallel_size, self.config.seq_length
+        if s % (2 * c):
+            raise ConfigError(
+                f"context_parallel_size={c}: seq_length={s} is not divisible by 2c = {2 * c} "
+                "(causal load balancing cuts each sequence into 2c chunks); "
+                f"context_parallel_size must be one of {[x for x in divisors(s // 2)]}"
+            )
         layers = self.config.num_layers
         if layers % p:
             raise ConfigError(
@@ -256,24 +264,25 @@ def layout_from_fit(
     source: str = "<config>",
 ) -> Layout:
     """The validated :class:`Layout` of a ``fit`` run: ``model.config``, the instantiated
-    ``trainer.strategy``, ``trainer.devices × trainer.num_nodes`` GPUs (= t·p·d) and
+    ``trainer.strategy``, ``trainer.devices × trainer.num_nodes`` GPUs (= t·c·p·d) and
     ``data.batch_size`` samples per data-parallel rank per step (= b × micro-batches)."""
     gpus_per_node = _devices(devices)
     nodes = positive_int("trainer.num_nodes", num_nodes)
     batch = positive_int("data.batch_size", batch_size)
     parallel = strategy_layout(strategy)
-    t, p, n = (
+    t, p, c, n = (
         parallel.tensor_parallel_size,
         parallel.pipeline_parallel_size,
+        parallel.context_parallel_size,
         parallel.num_microbatches,
     )
     world = gpus_per_node * nodes
     try:
-        d = check_layout(world, t, p)
+        d = check_layout(world, t, p, c)
     except ConfigError as exc:
         raise ConfigError(
             f"trainer.devices={gpus_per_node} x trainer.num_nodes={nodes} = {world} GPUs must "
-            f"be t * p * d: {exc}"
+            f"be t * c * p * d: {exc}"
         ) from None
     if batch % n:
         raise ConfigError(

@@ -92,7 +92,7 @@ def format_table(result: Estimate) -> str:
         layout.pipeline_parallel_size,
         layout.virtual_pipeline_size,
     )
-    n = layout.num_microbatches
+    n, c = layout.num_microbatches, layout.context_parallel_size
     lif = layers_in_flight(cfg.num_layers, p, m, n)
     mb = 1e6
     lines = [
@@ -100,7 +100,9 @@ def format_table(result: Estimate) -> str:
         f"(s={cfg.seq_length} h={cfg.hidden_size} a={cfg.num_heads} L={cfg.num_layers} "
         f"v={cfg.vocab_size}, padded {cfg.padded_vocab_size(t)}), "
         f"dropout {cfg.hidden_dropout}/{cfg.attention_dropout}",
-        f"layout: t={t} p={p} m={m} d={layout.data_parallel_size} on {layout.world_size} GPUs; "
+        f"layout: t={t} p={p} m={m}"
+        + (f" c={c}" if c > 1 else "")
+        + f" d={layout.data_parallel_size} on {layout.world_size} GPUs; "
         f"micro-batch b={layout.micro_batch_size} x {n} micro-batches "
         f"(global batch {layout.global_batch_size})",
         f"first stage: {cfg.num_layers // p} layers ({m} chunk(s) of {layout.layers_per_chunk}), "
@@ -182,11 +184,12 @@ def format_table(result: Estimate) -> str:
         (r for r in result.rows if r.sequence_parallel and r.recompute == "selective"), None
     )
     if sp_sel is not None:
-        paper = 34 * cfg.seq_length * layout.micro_batch_size * cfg.hidden_size / t
+        paper = 34 * cfg.seq_length * layout.micro_batch_size * cfg.hidden_size / (t * c)
         how = "measured" if result.measurements else "by formula"
+        unit = "34sbh/t" if c == 1 else "34sbh/(t*c)"
         lines.append(
             f"SP + selective per layer: {sp_sel.activation_bytes_per_layer:,} B {how} vs "
-            f"34sbh/t = {paper:,.0f} B ({sp_sel.activation_bytes_per_layer / paper - 1:+.4%})"
+            f"{unit} = {paper:,.0f} B ({sp_sel.activation_bytes_per_layer / paper - 1:+.4%})"
         )
     if result.choice is not None:
         lines.append(result.choice.describe())

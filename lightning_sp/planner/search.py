@@ -3,9 +3,9 @@ iteration time among those whose most loaded rank fits the device (pure, no I/O)
 
 The dimensions: tensor-parallel size t, pipeline size p, model chunks m (interleaving), data
 parallelism d (= GPUs / (t·p·c)), micro-batch b (micro-batches n = global batch / (d·b)),
-recompute policy, sequence parallelism and the distributed optimizer; c (context
-parallelism) is a dimension too, searched at its only value today, 1
-(:data:`CONTEXT_PARALLEL_SIZES`). Memory is the formulas' (:func:`lightning_sp.planner.
+recompute policy, sequence parallelism and the distributed optimizer, and the
+context-parallel size c (:data:`CONTEXT_PARALLEL_SIZES`, where ``2c`` divides the sequence:
+causal load balancing). Memory is the formulas' (:func:`lightning_sp.planner.
 estimate.estimate` with ``measure=False``), the time :mod:`lightning_sp.planner.steptime`'s.
 """
 
@@ -22,9 +22,9 @@ from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.layout import Layout
 from lightning_sp.planner.records import EstimateRow
 
-CONTEXT_PARALLEL_SIZES: tuple[int, ...] = (1,)
-"""Context-parallel sizes searched (c divides the GPUs with t·p·d; only 1 until context
-parallelism lands in the model)."""
+CONTEXT_PARALLEL_SIZES: tuple[int, ...] = (1, 2, 4, 8)
+"""Context-parallel sizes searched (c divides the GPUs with t·p·d and ``2c`` the sequence);
+Megatron-Core and NeMo recipes use these (one node's worth at most with t = 1)."""
 
 VIRTUAL_PIPELINE_SIZES: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
 """Model chunks per pipeline rank tried (where the layers divide into p·m chunks)."""
@@ -83,7 +83,8 @@ def base_key(layout: Layout) -> tuple[int, int, int, int, int, bool, str, bool]:
     rc = layout.recompute
     return (
         layout.tensor_parallel_size, layout.pipeline_parallel_size,
-        layout.virtual_pipeline_size, 1, layout.micro_batch_size, layout.config.sequence_parallel,
+        layout.virtual_pipeline_size, layout.context_parallel_size, layout.micro_batch_size,
+        layout.config.sequence_parallel,
         rc if rc == "auto" else policy_name(rc), layout.distributed_optimizer,
     )  # fmt: skip
 
@@ -94,6 +95,8 @@ def _layouts(base: Layout, max_micro_batch: int) -> list[tuple[Layout, int]]:
     config = dataclasses.replace(cfg, recompute="none", recompute_num_layers=None)
     out = []
     for c in CONTEXT_PARALLEL_SIZES:
+        if gpus % c or cfg.seq_length % (2 * c):
+            continue
         for t in divisors(gpus // c):
             try:  # sequence parallelism is a row of the estimate, checked there
                 dataclasses.replace(config, sequence_parallel=False).validate(t)
@@ -115,7 +118,8 @@ def _layouts(base: Layout, max_micro_batch: int) -> list[tuple[Layout, int]]:
                                 config=config, tensor_parallel_size=t,
                                 pipeline_parallel_size=p, virtual_pipeline_size=m,
                                 num_microbatches=n, micro_batch_size=b, data_parallel_size=d,
-                                distributed_optimizer=zero, source=base.source,
+                                context_parallel_size=c, distributed_optimizer=zero,
+                                source=base.source,
                             )  # fmt: skip
                             out.append((layout, c))
     return out
@@ -186,7 +190,7 @@ def format_search(result: SearchResult, top: int) -> str:
     rank = result.rank_of(key)
     where = f"rank {rank}" if rank is not None else "does not fit (or is not a searched layout)"
     lines.append(
-        f"(* the configured layout: t={key[0]} p={key[1]} m={key[2]} b={key[4]} "
+        f"(* the configured layout: t={key[0]} p={key[1]} m={key[2]} c={key[3]} b={key[4]} "
         f"SP {'on' if key[5] else 'off'} {key[6]}: {where})"
     )
     return "\n".join(lines)

@@ -19,7 +19,18 @@ kernels, :mod:`lightning_sp.planner.kernels` times them):
   reduce-scatter after the projection and fc2 (exposed), in backward the all-gathers of the
   gradient entering the projection and fc2 (exposed), the re-gather of QKV's and fc1's
   input (overlapped with the data-gradient GEMM) and the reduce-scatter of their input
-  gradient (overlapped with the weight-gradient GEMM).
+  gradient (overlapped with the weight-gradient GEMM);
+* **context parallelism** (``c > 1``, :mod:`lightning_sp.parallel.context_attention`): every
+  kernel above runs on the rank's ``s/c`` tokens; the attention core is the CP core's, rank
+  0's two chunks against their key prefixes (``(2c+1)·L²`` query-key pairs per head, ``L =
+  s/(2c)``, dense masked blocks: :func:`lightning_sp.planner.ops.attention_pairs`), and its
+  backward first replays its forward (whatever the recompute policy; ``core_attn`` does not
+  act under CP). Its exchanges are what the code runs: forward one all-gather of this TP
+  rank's K and V (``2·b·(g'/t)·s·d`` elements in all, GQA's KV heads only), backward one
+  all-gather and one reduce-scatter of the same size, each over the CP group (NVLink when the
+  ``t·c`` ranks of a TP x CP block share a node, else the network), none overlapped (the
+  code calls them before and after the core, synchronously: no ring of per-chunk transfers to
+  hide behind compute, as Megatron/TransformerEngine's ring would).
 
 Per micro-batch and pipeline stage: its ``L/p`` layers, the embedding on the first stage and
 the output layer + loss on the last, and ``2m`` point-to-point transfers of the
@@ -30,11 +41,14 @@ optimisation), not overlapped. Per iteration:
 ``n·T_max + (p-1)/m·T_mean`` (the slowest stage sets the pace of the steady state; the
 pipeline fills and drains through the others: the bubble ``(p-1)/(m·n)`` of the paper)
 ``+`` the data-parallel gradient reduction that outlasts the last micro-batch's backward
-(fp32 gradients; all-reduce, or with the distributed optimizer reduce-scatter plus an
-exposed all-gather of the bf16 weights) ``+`` the all-reduce of the tied embedding's gradient
-between the first and last stage ``+`` the optimizer step (memory bound: the gradient norm
-reads 4 bytes per parameter and zeroing writes 4; Adam reads the fp32 gradient, master,
-m and v and writes master, m, v and the bf16 weight, 30 bytes per parameter of its shard).
+(fp32 gradients, summed over the ``d·c`` ranks of dp x cp; all-reduce, or with the
+distributed optimizer, which shards over the ``d`` data-parallel ranks only (this branch's
+assumption, as :func:`lightning_sp.memory.formulas.model_state_bytes`), an all-reduce over
+cp, a reduce-scatter over dp and an exposed all-gather of the bf16 weights) ``+`` the
+all-reduce of the tied embedding's gradient between the first and last stage ``+`` the
+optimizer step (memory bound: the gradient norm reads 4 bytes per parameter and zeroing
+writes 4; Adam reads the fp32 gradient, master, m and v and writes master, m, v and the bf16
+weight, 30 bytes per parameter of its shard).
 
 MFU and HFU are the paper's: model FLOPs (:func:`lightning_sp.memory.flops.
 model_flops_per_iteration`) and hardware FLOPs (recomputation included, :func:`lightning_sp.
@@ -60,14 +74,17 @@ from lightning_sp.planner.kernels import (
     flash_attention_seconds,
     gather_seconds,
     gemm_seconds,
+    masked_attention_seconds,
     memory_seconds,
     transfer_seconds,
 )
 from lightning_sp.planner.layout import Layout
 from lightning_sp.planner.ops import (
     ACT,
+    CP_CORE,
     Gemm,
     MemoryOp,
+    attention_pairs,
     backward_gemms,
     embedding_memory_ops,
     head_gemms,
@@ -87,7 +104,8 @@ class LayerTime:
 
     forward: dict[str, float]
     """``gemm``, ``attention`` (the core: GEMMs + softmax/dropout, or the fused kernel),
-    ``memory`` (the other memory-bound kernels), ``tp`` (exposed collectives)."""
+    ``memory`` (the other memory-bound kernels), ``tp`` (exposed collectives), ``cp`` (the
+    context-parallel K/V exchange, 0 without CP)."""
 
     backward: dict[str, float]
     """The same parts of backward (before any recompute)."""
@@ -119,51 +137,85 @@ def tp_within_node(cluster: Cluster, t: int) -> bool:
     return t <= cluster.gpus_per_node and cluster.gpus_per_node % t == 0
 
 
-_LAYER_TIMES: dict[tuple[str, int, int, Cluster], LayerTime] = {}
+_LAYER_TIMES: dict[tuple[str, int, int, Cluster, int], LayerTime] = {}
 """Memo of :func:`layer_time` by ``(repr(config without its recompute fields), t, b,
-cluster)``: a search asks for the same layer under many layouts."""
+cluster, c)``: a search asks for the same layer under many layouts."""
 
 
-def layer_time(config: GPTConfig, t: int, b: int, cluster: Cluster) -> LayerTime:
+def layer_time(config: GPTConfig, t: int, b: int, cluster: Cluster, c: int = 1) -> LayerTime:
     """The parts of one layer of ``config`` (its ``sequence_parallel`` and ``attention``) at
-    tensor-parallel size ``t`` and micro-batch ``b`` on ``cluster`` (memoised; the recompute
-    fields do not enter it)."""
+    tensor-parallel size ``t``, micro-batch ``b`` and context-parallel size ``c`` on
+    ``cluster`` (memoised; the recompute fields do not enter it)."""
     plain = dataclasses.replace(
         config, recompute="none", recompute_num_layers=None, recompute_rest="none"
     )
-    key = (repr(plain), t, b, cluster)
+    key = (repr(plain), t, b, cluster, c)
     if key not in _LAYER_TIMES:
         if len(_LAYER_TIMES) > 4096:
             _LAYER_TIMES.clear()
-        _LAYER_TIMES[key] = _layer_time(plain, t, b, cluster)
+        _LAYER_TIMES[key] = _layer_time(plain, t, b, cluster, c)
     return _LAYER_TIMES[key]
 
 
-def _layer_time(config: GPTConfig, t: int, b: int, cluster: Cluster) -> LayerTime:
-    sp, backend = config.sequence_parallel, ATTENTION_BACKENDS[config.attention]
-    gemms = {g.name: g for g in layer_gemms(config, t, b)}
+def cp_exchange_seconds(config: GPTConfig, t: int, b: int, cluster: Cluster, c: int) -> float:
+    """One all-gather (or reduce-scatter) of this TP rank's K and V over the CP group: the
+    gathered ``[2, b, g'/t, s, d]`` tensor, ``g' = max(g, t)``, over ``c`` ranks (NVLink when
+    the ``t·c`` ranks of a TP x CP block share a node)."""
+    kv_heads = max(config.groups, t) // t
+    nbytes = ACT * 2 * b * kv_heads * config.seq_length * config.head_dim
+    return gather_seconds(cluster, nbytes, c, tp_within_node(cluster, t * c))
+
+
+def _core_seconds(
+    config: GPTConfig,
+    cluster: Cluster,
+    gemms: dict[str, Gemm],
+    secs: tuple[dict[str, float], dict[str, float], dict[str, float]],
+    core_memory: list[MemoryOp],
+    c: int,
+) -> tuple[float, float]:
+    """``(forward, backward)`` of the attention core; under CP the backward includes the CP
+    core's replay of its forward."""
+    fwd_secs, dgrad, wgrad = secs
+    core = [name for name, g in gemms.items() if g.tag in ("core_attn", CP_CORE)]
+    if ATTENTION_BACKENDS[config.attention].keeps_scores:  # math: GEMMs, softmax / dropout
+        forward = sum(fwd_secs[n] for n in core) + sum(
+            memory_seconds(cluster, op.forward_bytes) for op in core_memory
+        )
+        backward = sum(dgrad[n] + wgrad[n] for n in core) + sum(
+            memory_seconds(cluster, op.backward_bytes) for op in core_memory
+        )
+    elif c == 1:  # one fused kernel; its backward's own recomputation of QKᵀ is inside
+        scores = gemms[core[0]]
+        forward, backward = flash_attention_seconds(cluster, scores.m, scores.k, scores.batch)
+    else:  # the CP chunks: fused kernels under a mask, every pair computed
+        scores = gemms[core[0]]
+        pairs = attention_pairs(config.seq_length, c)
+        forward, backward = masked_attention_seconds(cluster, pairs, scores.k, scores.batch)
+    return forward, backward + (forward if c > 1 else 0.0)
+
+
+def _layer_time(config: GPTConfig, t: int, b: int, cluster: Cluster, c: int) -> LayerTime:
+    sp = config.sequence_parallel
+    gemms = {g.name: g for g in layer_gemms(config, t, b, c)}
     grads = {name: backward_gemms(g) for name, g in gemms.items()}
     secs = {name: gemm_seconds(cluster, g) for name, g in gemms.items()}
     dgrad = {name: gemm_seconds(cluster, d) for name, (d, _) in grads.items()}
     wgrad = {name: gemm_seconds(cluster, w) for name, (_, w) in grads.items()}
-    core = [name for name, g in gemms.items() if g.tag == "core_attn"]
-    ops = layer_memory_ops(config, t, b, sp)
-    core_memory = [op for op in ops if op.tag == "core_attn"]
-    if backend.keeps_scores:  # math: the core's GEMMs and its softmax / dropout kernels
-        attn_fwd = sum(secs[n] for n in core) + sum(
-            memory_seconds(cluster, op.forward_bytes) for op in core_memory
-        )
-        attn_bwd = sum(dgrad[n] + wgrad[n] for n in core) + sum(
-            memory_seconds(cluster, op.backward_bytes) for op in core_memory
-        )
-    else:  # one fused kernel; its backward's own recomputation of QKᵀ is inside
-        scores = gemms[core[0]]
-        attn_fwd, attn_bwd = flash_attention_seconds(cluster, scores.m, scores.k, scores.batch)
-    others = [op for op in ops if op.tag != "core_attn"]
+    core_tags = ("core_attn", CP_CORE)
+    core = [name for name, g in gemms.items() if g.tag in core_tags]
+    ops = layer_memory_ops(config, t, b, sp, c)
+    core_memory = [op for op in ops if op.tag in core_tags]
+    attn_fwd, attn_bwd = _core_seconds(config, cluster, gemms, (secs, dgrad, wgrad), core_memory, c)
+    others = [op for op in ops if op.tag not in core_tags]
     dense = [name for name in gemms if name not in core]
     unit = gather_seconds(
-        cluster, ACT * config.seq_length * b * config.hidden_size, t, tp_within_node(cluster, t)
+        cluster,
+        ACT * config.seq_length // c * b * config.hidden_size,
+        t,
+        tp_within_node(cluster, t),
     )
+    exchange = cp_exchange_seconds(config, t, b, cluster, c) if c > 1 else 0.0
     # the input linears of attention and of the MLP (fc1, or SwiGLU's gate and up run as one)
     inputs = (("qkv",), ACTIVATIONS[config.activation].inputs)
     in_dgrad = [sum(dgrad[n] for n in names) for names in inputs]
@@ -182,14 +234,16 @@ def _layer_time(config: GPTConfig, t: int, b: int, cluster: Cluster) -> LayerTim
         "attention": attn_fwd,
         "memory": sum(memory_seconds(cluster, op.forward_bytes) for op in others),
         "tp": tp_fwd,
+        "cp": exchange,
     }
     backward = {
         "gemm": sum(dgrad[n] + wgrad[n] for n in dense),
         "attention": attn_bwd,
         "memory": sum(memory_seconds(cluster, op.backward_bytes) for op in others),
         "tp": tp_bwd,
+        "cp": 2 * exchange,  # the all-gather again and the reduce-scatter of dK/dV
     }
-    return LayerTime(forward, backward, _replays(config, t, b, cluster, gemms, secs, ops))
+    return LayerTime(forward, backward, _replays(config, t, b, cluster, gemms, secs, ops, c))
 
 
 def _replays(
@@ -200,15 +254,20 @@ def _replays(
     gemms: dict[str, Gemm],
     secs: dict[str, float],
     ops: list[MemoryOp],
+    c: int = 1,
 ) -> dict[str, float]:
     """Seconds each recompute module's replay takes: its tagged memory kernels, and its tagged
-    GEMMs scaled to the FLOPs its descriptor redoes (per rank: ``/t``)."""
-    shape = config.activation_shape(t, b)
+    GEMMs scaled to the FLOPs its descriptor redoes (per rank: ``/(t·c)``). Under CP
+    ``core_attn`` replays nothing (the model leaves the CP core, which replays itself, alone)."""
+    shape = config.activation_shape(t, b, context_parallel_size=c)
     replays = {}
     for name, module in RECOMPUTE_MODULES.items():
+        if c > 1 and module.needs_scores:
+            replays[name] = 0.0
+            continue
         tagged = [n for n, g in gemms.items() if g.tag == name]
         flops = sum(gemms[n].flops for n in tagged)
-        redone = module.redone_flops(shape) / t
+        redone = module.redone_flops(shape) / (t * c)
         if redone and not flops:
             raise ValueError(f"recompute module {name} redoes FLOPs but tags no GEMM")
         seconds = sum(secs[n] for n in tagged) * (redone / flops) if flops else 0.0
@@ -217,12 +276,13 @@ def _replays(
     return replays
 
 
-def _recompute_flops(config: GPTConfig, batch: int, chunk: int) -> float:
+def _recompute_flops(config: GPTConfig, batch: int, chunk: int, c: int = 1) -> float:
     """Hardware FLOPs beyond the model FLOPs of one model chunk of ``chunk`` layers
     (:func:`lightning_sp.memory.flops.hardware_flops_per_iteration` on a one-chunk model: the
     recompute pattern repeats every chunk)."""
     one = dataclasses.replace(config, num_layers=chunk)
-    return hardware_flops_per_iteration(one, batch, chunk) - model_flops_per_iteration(one, batch)
+    hardware = hardware_flops_per_iteration(one, batch, chunk, context_parallel_size=c)
+    return hardware - model_flops_per_iteration(one, batch)
 
 
 @dataclass(frozen=True)
@@ -238,8 +298,9 @@ class StepTime:
     """Hardware FLOPs (recomputation included) per second per GPU / peak."""
     parts: dict[str, float]
     """``pipeline`` (``n·T_max + bubble``), ``bubble``, ``p2p`` (per iteration on the
-    slowest stage), ``layer_forward``, ``layer_backward``, ``layer_recompute``, ``tp`` (per
-    iteration, one stage's layers), ``dp_exposed``, ``embedding_grad``, ``optimizer``."""
+    slowest stage), ``layer_forward``, ``layer_backward``, ``layer_recompute``, ``tp`` and
+    ``cp`` (per iteration, one stage's layers), ``dp_exposed``, ``embedding_grad``,
+    ``optimizer``."""
     layer: LayerTime
     """The parts of one layer for one micro-batch."""
 
@@ -255,8 +316,9 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
         layout.virtual_pipeline_size,
     )
     n, b, d = layout.num_microbatches, layout.micro_batch_size, layout.data_parallel_size
-    sp, s, h = cfg.sequence_parallel, cfg.seq_length, cfg.hidden_size
-    layer = layer_time(cfg, t, b, cluster)
+    c = layout.context_parallel_size
+    sp, s, h = cfg.sequence_parallel, cfg.seq_length // c, cfg.hidden_size  # s: this rank's
+    layer = layer_time(cfg, t, b, cluster, c)
     chunk = layout.layers_per_chunk
     policies = Counter(cfg.layer_recompute(i) for i in range(chunk))
     per_chunk = sum(k * layer.seconds(policy, cfg.attention) for policy, k in policies.items())
@@ -267,22 +329,22 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
     emb = (
         sum(
             memory_seconds(cluster, op.forward_bytes + op.backward_bytes)
-            for op in embedding_memory_ops(cfg, t, b, sp)
+            for op in embedding_memory_ops(cfg, t, b, sp, c)
         )
         + 2 * unit
     )  # SP: reduce-scatter forward, all-gather backward; else an all-reduce forward
-    logits = head_gemms(cfg, t, b)[0]
+    logits = head_gemms(cfg, t, b, c)[0]
     dgrad, wgrad = (gemm_seconds(cluster, g) for g in backward_gemms(logits))
     head = gemm_seconds(cluster, logits) + dgrad + wgrad
     head += sum(
         memory_seconds(cluster, op.forward_bytes + op.backward_bytes)
-        for op in head_memory_ops(cfg, t, b, sp)
+        for op in head_memory_ops(cfg, t, b, sp, c)
     )
     head += (unit + max(0.0, unit - wgrad)) if sp else max(0.0, 2 * unit - wgrad)
     # pipeline
     p2p = 0.0
     if p > 1:
-        in_node = t * d * p <= cluster.gpus_per_node
+        in_node = t * c * d * p <= cluster.gpus_per_node
         one = transfer_seconds(cluster, ACT * s * b * h / t, in_node)
         if not sp:
             one += unit  # scatter/gather: the receiving TP group all-gathers the message
@@ -297,14 +359,16 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
     # data parallelism, tied embedding, optimizer
     params = parameters_per_rank(cfg, t, p)
     dp_exposed = 0.0
-    if d > 1:
-        in_node = t * d <= cluster.gpus_per_node
+    if d * c > 1:  # gradients summed over dp x cp (the ranks of one TP / PP position)
+        in_node = t * c * d <= cluster.gpus_per_node
         grads = GRAD_BYTES * params
-        if layout.distributed_optimizer:
-            reduce = gather_seconds(cluster, grads, d, in_node)
+        if layout.distributed_optimizer:  # sharded over dp only: all-reduce over cp first
+            within_cp = tp_within_node(cluster, t * c)
+            reduce = all_reduce_seconds(cluster, grads, c, within_cp)
+            reduce += gather_seconds(cluster, grads, d, in_node)
             gather = gather_seconds(cluster, ACT * params, d, in_node)
         else:
-            reduce, gather = all_reduce_seconds(cluster, grads, d, in_node), 0.0
+            reduce, gather = all_reduce_seconds(cluster, grads, d * c, in_node), 0.0
         last_backward = m * sum(
             k * (sum(layer.backward.values()) + layer.recompute_seconds(pol, cfg.attention))
             for pol, k in policies.items()
@@ -313,7 +377,7 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
     embedding_grad = 0.0
     if p > 1:
         vocab = cfg.padded_vocab_size(t) // t * h
-        in_node = t * d * p <= cluster.gpus_per_node
+        in_node = t * c * d * p <= cluster.gpus_per_node
         embedding_grad = all_reduce_seconds(cluster, GRAD_BYTES * vocab, 2, in_node)
     shard = params / d if layout.distributed_optimizer else params
     optimizer = memory_seconds(cluster, UNSHARDED_STEP_BYTES * params + OPTIMIZER_BYTES * shard)
@@ -321,7 +385,7 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
     # the paper's metrics
     batch, gpus = layout.global_batch_size, layout.world_size
     model = model_flops_per_iteration(cfg, batch)
-    hardware = model + cfg.num_layers // chunk * _recompute_flops(cfg, batch, chunk)
+    hardware = model + cfg.num_layers // chunk * _recompute_flops(cfg, batch, chunk, c)
     per_gpu = 1.0 / (iteration * gpus)
     recompute = m * sum(k * layer.recompute_seconds(p, cfg.attention) for p, k in policies.items())
     parts = {
@@ -332,13 +396,14 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
         "layer_backward": n * m * chunk * sum(layer.backward.values()),
         "layer_recompute": n * recompute,
         "tp": n * m * chunk * (layer.forward["tp"] + layer.backward["tp"]),
+        "cp": n * m * chunk * (layer.forward["cp"] + layer.backward["cp"]),
         "dp_exposed": dp_exposed,
         "embedding_grad": embedding_grad,
         "optimizer": optimizer,
     }
     return StepTime(
         iteration_seconds=iteration,
-        tokens_per_second=batch * s / iteration,
+        tokens_per_second=batch * cfg.seq_length / iteration,
         model_tflops_per_gpu=model * per_gpu / 1e12,
         mfu=model * per_gpu / cluster.peak_flops,
         hfu=hardware * per_gpu / cluster.peak_flops,

@@ -104,6 +104,8 @@ class MegatronSPStrategy(ProcessGroupStrategy):
             data-parallel ranks (ZeRO-1, Megatron's distributed optimizer): gradients are
             reduce-scattered, each rank steps its 1/d and the weights are all-gathered
             (:mod:`lightning_sp.training.distributed_optim`).
+        context_parallel_size: Ranks each sample's sequence is split over (c); stored in
+            ``parallel_config`` (read by ``estimate``; the run side lands with the CP strategy).
     """
 
     strategy_name = "megatron_sp"
@@ -124,6 +126,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         bucket_size: int = DEFAULT_BUCKET_NUMEL,
         overlap_grad_reduce: bool = True,
         distributed_optimizer: bool = False,
+        context_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         if kwargs:  # a typo: one line naming it and the valid names (this signature's)
@@ -157,6 +160,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
             sequence_parallel=sequence_parallel,
             num_microbatches=num_microbatches,
             distributed_optimizer=distributed_optimizer,
+            context_parallel_size=context_parallel_size,
         )
         """The layout: as given until setup, then completed (``data_parallel_size`` from the
         world size, ``sequence_parallel`` agreed with the module's) and pushed into the module."""

@@ -1,0 +1,108 @@
+"""Time per token with context parallelism c=2 against c=1 at equal tokens per rank:
+``python -m benchmarks.context`` (``--smoke`` for a seconds-long run).
+
+2 gloo ranks, a small fp32 GPT (the model-level CP of :mod:`lightning_sp.parallel.context`),
+the same sequence length ``s`` in both layouts and ``s`` tokens per rank per step:
+
+* ``c=1``: data parallel d=2, each rank one whole sequence; gradients averaged over dp;
+* ``c=2``: one CP group, two sequences, each rank their load-balanced halves (``s/2`` tokens
+  of each), the CP attention core (K/V all-gather forward; all-gather, replay and
+  reduce-scatter backward); gradients summed over cp.
+
+A step is zero-grad + forward + backward + the gradient reduction, timed as the slower rank's
+wall time; the layouts alternate round by round (AB AB ...) so the machine's drift hits both
+alike. Reported: median time per token c=2 over c=1 with a 95% bootstrap interval (the
+ratio of step times, the token counts being equal), and each median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from benchmarks._stats import ratio_of_medians_ci
+from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.parallel.context import shard_for_context_parallel
+from lightning_sp.parallel.grads import average_data_parallel_grads, sum_context_parallel_grads
+from lightning_sp.testing.spawn import run_distributed
+
+LAYOUTS = ("c1", "c2")
+
+
+def _config(seq_length: int, hidden: int) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=257, seq_length=seq_length, hidden_size=hidden, num_layers=4,
+        num_heads=8, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=False,
+        recompute="none", attention="math",
+    )  # fmt: skip
+
+
+def _rank(rank: int, world_size: int, rounds: int, seq_length: int, hidden: int) -> dict:
+    config = _config(seq_length, hidden)
+    states = {
+        "c1": ParallelState.from_process_group(),
+        "c2": ParallelState.from_process_group(context_parallel_size=world_size),
+    }
+    torch.manual_seed(0)
+    models = {name: GPT(config, states[name]) for name in LAYOUTS}
+    tokens = torch.randint(
+        0, 257, (world_size, seq_length + 1), generator=torch.Generator().manual_seed(0)
+    )
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    batches = {  # s tokens per rank in both
+        "c1": (ids[rank : rank + 1], labels[rank : rank + 1]),
+        "c2": tuple(shard_for_context_parallel(x, 1, world_size, rank) for x in (ids, labels)),
+    }
+    reduce = {"c1": average_data_parallel_grads, "c2": sum_context_parallel_grads}
+    times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+    for r in range(rounds + 1):  # round 0 warms up
+        for name in LAYOUTS:
+            model, (x, y) = models[name], batches[name]
+            assert x.numel() == seq_length
+            dist.barrier()
+            start = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            model(x, y).backward()
+            reduce[name](model, states[name])
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if r > 0:
+                times[name].append(elapsed.item())
+    return {"times": times}
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Run and print the ratio; returns ``{"ratio", "low", "high", "c1_ms", "c2_ms"}``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--seq-length", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--smoke", action="store_true", help="2 rounds of s=64, hidden 64")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.seq_length, args.hidden = 2, 64, 64
+    result = run_distributed(_rank, 2, args.rounds, args.seq_length, args.hidden, threads=1)[0]
+    c1, c2 = result["times"]["c1"], result["times"]["c2"]
+    ratio, lo, hi = ratio_of_medians_ci(c2, c1)
+    out = {
+        "ratio": ratio,
+        "low": lo,
+        "high": hi,
+        "c1_ms": statistics.median(c1) * 1e3,
+        "c2_ms": statistics.median(c2) * 1e3,
+    }
+    print(
+        f"2 gloo ranks, fp32 GPT h={args.hidden} L=4 a=8 math attention, s={args.seq_length}, "
+        f"{args.seq_length} tokens per rank per step, {len(c1)} rounds"
+    )
+    print(f"  time per token c=2 / c=1: {ratio:.3f} (95% CI {lo:.3f}-{hi:.3f})")
+    print(f"  median step c=1 {out['c1_ms']:.1f} ms, c=2 {out['c2_ms']:.1f} ms")
+    return out
+
+
+if __name__ == "__main__":
+    main()
