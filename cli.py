@@ -29,6 +29,7 @@ import os
 import sys
 import time
 import warnings
+from typing import Any
 
 from jsonargparse import Namespace, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -42,6 +43,7 @@ from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.guard import NonFiniteError
 from lightning_sp.training.launch_checks import check_before_launch
 from lightning_sp.training.module import GPTModule
+from lightning_sp.training.parse_errors import OneLineErrorParser
 from lightning_sp.training.validation import check_fit_config
 
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
@@ -73,6 +75,10 @@ def _default_loggers(root: str) -> list[Namespace]:
 class GPTCLI(LightningCLI):
     """LightningCLI for ``GPTModule`` + ``TextDataModule``, sequence length shared by both;
     the parsed config is checked before any class is instantiated."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", OneLineErrorParser)  # one line, a close match
+        super().__init__(*args, **kwargs)
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
