@@ -163,3 +163,19 @@ def test_resume_applies_the_command_lines_optimizer_settings(tmp_path: Path, cor
     # the same resume with the checkpoint's settings used the checkpoint's: what changed is ours
     assert before["lr"] == [saved.lr * lr_multiplier(k, saved.lr, saved.min_lr, 2, total)] * 2
     assert before["weight_decay"] == [saved.weight_decay, 0.0]
+
+
+@pytest.mark.slow
+def test_a_second_run_into_one_checkpoint_directory_is_named(tmp_path: Path, corpus: Path) -> None:
+    optimizer = OptimizerConfig(lr=3e-3, warmup_steps=1)
+    lines = []
+    for run in ("a", "b"):
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True, save_top_k=0)
+        with Notices() as notices:
+            _one_process(tmp_path, run, 1, [checkpoints]).fit(_module(optimizer), data(corpus))
+        lines.append(notices.containing("from another run"))
+    assert lines[0] == [], lines
+    assert len(lines[1]) == 1 and "already holds last.ckpt" in lines[1][0], lines
+    assert "last-v1.ckpt" in lines[1][0], lines
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir() if not p.name.startswith("."))
+    assert names == ["last-v1.ckpt", "last.ckpt"]  # hidden: the checkpoints' data directories
