@@ -16,7 +16,11 @@ as ``fit``).
 A bad input ends the run with one line ``error: ...`` on stderr, printed by rank 0 only, and
 exit code 2; a non-finite loss or gradient (strategy ``nonfinite: stop``) with one line and
 exit code 3. Checks that need only the config run before any class is built or any process
-starts (:func:`lightning_sp.training.validation.check_fit_config`).
+starts (:func:`lightning_sp.training.validation.check_fit_config`,
+:func:`lightning_sp.training.launch_checks.check_before_launch`: the tokenizer fits the
+vocabulary, checkpoint directories can be written); a bad input found after launch (an empty
+corpus, a JSONL row without the text field) is agreed by every rank and printed once
+(:mod:`lightning_sp.training.agree`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import os
 import sys
 import time
 import warnings
+from typing import Any
 
 from jsonargparse import Namespace, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -36,7 +41,9 @@ from lightning_sp.planner.layout import FitLayoutCLI
 from lightning_sp.training import shutdown
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.guard import NonFiniteError
+from lightning_sp.training.launch_checks import check_before_launch
 from lightning_sp.training.module import GPTModule
+from lightning_sp.training.parse_errors import OneLineErrorParser
 from lightning_sp.training.validation import check_fit_config
 
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
@@ -69,6 +76,10 @@ class GPTCLI(LightningCLI):
     """LightningCLI for ``GPTModule`` + ``TextDataModule``, sequence length shared by both;
     the parsed config is checked before any class is instantiated."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", OneLineErrorParser)  # one line, a close match
+        super().__init__(*args, **kwargs)
+
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.config.seq_length", "data.seq_length")
@@ -82,6 +93,7 @@ class GPTCLI(LightningCLI):
         the bar or names a progress bar of its own."""
         if self.subcommand is not None:  # fit / validate / test (not estimate, prepare)
             check_fit_config(self.config[self.subcommand])
+            check_before_launch(self.config[self.subcommand])  # tokenizer, writable dirs
         config = self.config.get(str(self.subcommand), self.config)
         trainer = config.get("trainer")
         if trainer is None:

@@ -30,6 +30,7 @@ from lightning_sp.model.generate import (
 )
 from lightning_sp.testing.spawn import run_distributed
 from lightning_sp.training.data import TextDataModule
+from lightning_sp.training.generate_command import at_context_length, context_notice
 from lightning_sp.training.prompts import TextPredictionWriter
 
 from models import relative_error, tiny_config
@@ -105,6 +106,26 @@ def test_same_seed_same_text_and_eos_stops() -> None:
     # the model reads at most seq_length = 32 positions: the last token read is the 32nd and
     # the token it predicts the 33rd, so 33 - 5 prompt tokens
     assert len(generate(model, PROMPT, GenerationConfig(max_new_tokens=100, temperature=0))) == 28
+
+
+def test_generate_says_when_it_stopped_at_the_context_length() -> None:
+    """``cli.py generate``'s notice (training/generate_command.py) is printed exactly when
+    generation stopped at seq_length, not at max_new_tokens or an end-of-document token."""
+    model = _model(ParallelState.single(), sequence_parallel=False)
+    config = model.config
+    many = GenerationConfig(max_new_tokens=100, temperature=0.0)
+    full = generate(model, PROMPT, many)
+    assert at_context_length(len(PROMPT), len(full), many, config)
+    few = generate(model, PROMPT, GREEDY)
+    assert len(few) == GREEDY.max_new_tokens
+    assert not at_context_length(len(PROMPT), len(few), GREEDY, config)
+    exactly = GenerationConfig(max_new_tokens=len(full), temperature=0.0)
+    assert not at_context_length(len(PROMPT), len(generate(model, PROMPT, exactly)), exactly,
+                                 config)  # fmt: skip
+    ended = generate(model, PROMPT, many, eos_id=full[10])
+    assert len(ended) <= 10 and not at_context_length(len(PROMPT), len(ended), many, config)
+    notice = context_notice(config.seq_length)
+    assert "\n" not in notice and f"seq_length={config.seq_length}" in notice
 
 
 def test_prompt_longer_than_seq_length_is_one_line() -> None:

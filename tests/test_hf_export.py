@@ -45,7 +45,7 @@ from hf_models import (
 )
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_sp import GPTModule, MegatronSPStrategy, OptimizerConfig, ParallelState
+from lightning_sp import ConfigError, GPTModule, MegatronSPStrategy, OptimizerConfig, ParallelState
 from lightning_sp.interop.hf import load_hf_weights, read_hf_config, save_hf
 from lightning_sp.model.generate import GenerationConfig
 from lightning_sp.model.gpt import GPT
@@ -344,3 +344,50 @@ def test_export_bad_checkpoint_fails_with_one_line(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         f"error: ckpt_path={str(tmp_path / 'nope')!r} does not exist"
     ]
+
+
+def _one_process_ckpt(path: Path) -> Path:
+    """A one-process Lightning ``.ckpt`` of a seeded byte-level GPT (what export reads)."""
+    config = our_config(vocab_size=257)
+    model = GPT(config, ParallelState.single(torch.device("cpu")))
+    weights = {f"gpt.{name}": p.detach() for name, p in model.named_parameters()}
+    torch.save({"hyper_parameters": {"config": dataclasses.asdict(config)},
+                "state_dict": weights, "vocabulary": {"tokenizer": "bytes"}}, path)  # fmt: skip
+    return path
+
+
+def test_export_refuses_a_used_directory_and_overwrites_only_model_files(tmp_path: Path) -> None:
+    ckpt = _one_process_ckpt(tmp_path / "model.ckpt")
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "tokenizer.json").write_text("{}")  # a previous model's 1000-token tokenizer
+    (out / "config.json").write_text("{}")
+    with pytest.raises(ConfigError) as refused:
+        export_checkpoint(ckpt, out)
+    message = str(refused.value)
+    assert "\n" not in message and repr(str(out)) in message and "--overwrite true" in message
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "notes.txt", "tokenizer.json"]
+    assert (out / "config.json").read_text() == "{}"
+
+    lines: list[str] = []
+    old = os.umask(0o027)
+    try:
+        export_checkpoint(ckpt, out, overwrite=True, log=lines.append)
+    finally:
+        os.umask(old)
+    assert len(lines) == 1 and str(out) in lines[0], lines
+    assert "config.json, tokenizer.json" in lines[0] and "notes.txt" not in lines[0], lines
+    # the byte-level model writes no tokenizer: the stale one is gone, the user's file stays
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "notes.txt",
+    ]
+    assert (out / "notes.txt").read_text() == "mine"
+    for name in ("config.json", "model.safetensors"):
+        mode = (out / name).stat().st_mode & 0o777
+        assert mode == 0o640, f"{name}: mode {oct(mode)} under umask 0o027"
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 257
+    with pytest.raises(ConfigError, match="is a file"):
+        export_checkpoint(ckpt, out / "notes.txt", overwrite=True)

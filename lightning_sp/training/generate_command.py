@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import lightning as L
 
 from lightning_sp.errors import ConfigError, positive_int
+from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.generate import GenerationConfig
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.module import GPTModule
@@ -91,4 +93,27 @@ def main(argv: list[str], cli_class: Any) -> int:
     if trainer.is_global_zero and predictions:
         result: dict[str, Any] = predictions[0]  # type: ignore[assignment]
         print(result["prompt"] + result["completion"], flush=True)
+        prompt_tokens = len(data.codec.encode(args.prompt))
+        if at_context_length(prompt_tokens, len(result["token_ids"]), generation, module.config):
+            print(context_notice(module.config.seq_length), file=sys.stderr, flush=True)
     return 0
+
+
+def at_context_length(
+    prompt_tokens: int, new_tokens: int, generation: GenerationConfig, config: GPTConfig
+) -> bool:
+    """Whether :func:`~lightning_sp.model.generate.generate` stopped because the text filled
+    the context (``config.seq_length`` tokens, the last one sampled from a full window), not at
+    an end-of-document token or at ``generation.max_new_tokens``."""
+    return (
+        new_tokens < generation.max_new_tokens
+        and prompt_tokens + new_tokens == config.seq_length + 1
+    )
+
+
+def context_notice(seq_length: int) -> str:
+    """The one line ``generate`` prints when it stopped at the context length."""
+    return (
+        f"notice: stopped at the context length (model.config.seq_length={seq_length} tokens), "
+        "before an end-of-document token or --max_new_tokens; shorten the prompt for more"
+    )

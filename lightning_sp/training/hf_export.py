@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,24 +125,88 @@ def _tokenizer(ckpt: CheckpointModel, override: str | None) -> tuple[str | None,
     return str(path), eos, eos_id if eos_id is not None else BYTE_EOS_ID
 
 
+MODEL_FILES = (
+    "config.json", "generation_config.json", "model.safetensors",
+    "model.safetensors.index.json", "model-*-of-*.safetensors", "pytorch_model.bin",
+    "pytorch_model.bin.index.json", "pytorch_model-*-of-*.bin", "tokenizer.json",
+    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "tokenizer.model", "chat_template.jinja",
+)  # fmt: skip
+"""Names (globs) of a Hugging Face model directory's files: what ``--overwrite true`` removes
+before writing, so that no file of a previous model (a stale ``tokenizer.json`` beside a
+byte-level model) is left behind. Nothing else in the directory is touched."""
+
+
+def model_files(directory: Path) -> list[Path]:
+    """The files of ``directory`` that :data:`MODEL_FILES` names, sorted."""
+    found = {p for pattern in MODEL_FILES for p in directory.glob(pattern) if p.is_file()}
+    return sorted(found)
+
+
+def clear_output(output: Path, overwrite: bool) -> list[str]:
+    """Make ``output`` ready for a model: a new or empty directory as it is; a non-empty one
+    only with ``overwrite``, after removing the previous model's files (returned, by name;
+    every other entry stays). :class:`ConfigError` (one line) otherwise."""
+    if output.is_file():
+        raise ConfigError(f"output={str(output)!r} is a file; give a directory")
+    if not output.is_dir() or not any(output.iterdir()):
+        return []
+    if not overwrite:
+        raise ConfigError(
+            f"output={str(output)!r} is not empty; give a new or empty directory, or "
+            "--overwrite true to replace the model files in it"
+        )
+    removed = model_files(output)
+    for path in removed:
+        path.unlink()
+    return [path.name for path in removed]
+
+
+def umask_modes(paths: list[Path]) -> None:
+    """Give ``paths`` the mode a new file gets under the user's umask (``0o666 & ~umask``):
+    safetensors writes its file with mode 0600 whatever the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in paths:
+        path.chmod(0o666 & ~umask)
+
+
 def export_checkpoint(
-    ckpt_path: str | Path, output: str | Path, tokenizer: str | None = None
+    ckpt_path: str | Path,
+    output: str | Path,
+    tokenizer: str | None = None,
+    overwrite: bool = False,
+    log: Callable[[str], object] = print,
 ) -> Path:
     """Write the checkpoint at ``ckpt_path`` (any layout) as a Hugging Face directory at
     ``output``, with the run's tokenizer files when it used a ``tokenizer.json`` (or
-    ``tokenizer``, which must be the same file)."""
+    ``tokenizer``, which must be the same file). ``output`` must be new or empty unless
+    ``overwrite``, which first removes the previous model's files (:func:`clear_output`;
+    ``log`` gets one line naming them). Files get the user's umask."""
     ckpt = open_checkpoint(ckpt_path)
     tokenizer_file, eos_token, eos_id = _tokenizer(ckpt, tokenizer)
-    if Path(output).is_file():
-        raise ConfigError(f"output={str(output)!r} is a file; give a directory")
-    return save_hf(
+    directory = Path(output)
+    removed = clear_output(directory, overwrite)
+    if removed:
+        log(f"removed the previous model's files from {directory}: {', '.join(removed)}")
+    path = save_hf(
         ckpt.config,
         iter_full_tensors(ckpt),
-        output,
+        directory,
         eos_token_id=eos_id,
         tokenizer_file=tokenizer_file,
         eos_token=eos_token,
     )
+    umask_modes(model_files(path))
+    return path
+
+
+def _flag(value: str) -> bool:
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"{value!r} is not true or false")
 
 
 def main(argv: list[str]) -> int:
@@ -159,7 +224,15 @@ def main(argv: list[str]) -> int:
         default=None,
         help="the run's tokenizer.json (default: the path the checkpoint records)",
     )
+    parser.add_argument(
+        "--overwrite",
+        type=_flag,
+        default=False,
+        help="true: write into a non-empty directory, first removing the files of the model "
+        "there (config.json, model.safetensors*, tokenizer files; named in one line); other "
+        "files stay. false (default): refuse a non-empty directory",
+    )
     args = parser.parse_args(argv)
-    path = export_checkpoint(args.ckpt_path, args.output, args.tokenizer)
+    path = export_checkpoint(args.ckpt_path, args.output, args.tokenizer, args.overwrite)
     print(f"wrote {path}")
     return 0

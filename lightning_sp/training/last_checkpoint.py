@@ -10,15 +10,27 @@ mid-epoch position and the resumed run continues with the next unseen batch. "Th
 ends the run" is ``max_steps`` or a stop requested during the step (``trainer.should_stop``,
 as a preemption signal sets it: :mod:`lightning_sp.training.shutdown`).
 
+It also says what Lightning does silently: when ``dirpath`` already holds a file of this
+run's name (an earlier run wrote into the same directory), Lightning names this run's files
+``-v1`` (``last-v1.ckpt``); one line says so, once. And in ``setup`` every rank checks that
+``dirpath`` can be written, agreed by all ranks (:mod:`lightning_sp.training.agree`): one
+line, once, instead of a traceback per rank at the first save.
+
 ``cli.py`` uses this class wherever a config names Lightning's ``ModelCheckpoint``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
 from typing_extensions import override
+
+from lightning_sp.training.agree import ranks_agree
+from lightning_sp.training.launch_checks import check_writable
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -31,7 +43,38 @@ def ends_the_run(trainer: pl.Trainer) -> bool:
 
 class ModelCheckpoint(LightningModelCheckpoint):
     """Lightning's ``ModelCheckpoint`` (same arguments) that also saves the step that ends the
-    run (see the module docstring)."""
+    run, says when its names get ``-vN`` versions, and checks ``dirpath`` on every rank (see
+    the module docstring)."""
+
+    _versioned_notice = False
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        with ranks_agree():
+            if self.dirpath is not None and stage == "fit":
+                check_writable("ModelCheckpoint dirpath", str(self.dirpath))
+
+    @override
+    def format_checkpoint_name(
+        self,
+        metrics: dict[str, Tensor],
+        filename: str | None = None,
+        ver: int | None = None,
+        prefix: str | None = None,
+    ) -> str:
+        name = super().format_checkpoint_name(metrics, filename, ver, prefix)
+        if ver is not None and not self._versioned_notice:  # Lightning found a name clash
+            self._versioned_notice = True
+            taken = os.path.basename(
+                super().format_checkpoint_name(metrics, filename, None, prefix)
+            )
+            rank_zero_info(
+                f"ModelCheckpoint: {self.dirpath} already holds {taken} from another run; "
+                f"this run's checkpoints get -vN names ({os.path.basename(name)}); give a "
+                "fresh dirpath, or continue that run with --ckpt_path"
+            )
+        return name
 
     @override
     def on_train_batch_end(

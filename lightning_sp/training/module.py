@@ -35,6 +35,7 @@ from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.grads import clip_grad_norm_
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline, check_batch
+from lightning_sp.training import resume
 from lightning_sp.training.optim import OptimizerConfig, configure_adamw, grad_buffer_of
 from lightning_sp.training.prompts import Codec
 from lightning_sp.training.validation import (
@@ -125,6 +126,8 @@ class GPTModule(LightningModule):
         self.pipeline: Pipeline | None = None  # this rank's model chunks (one when p = 1)
         self._parallel: tuple[ParallelState, ParallelConfig] | None = None  # pushed by megatron_sp
         self.val_loss = MeanMetric()
+        self._configured: list[dict[str, Any]] | None = None  # this run's optimizer settings
+        self._resumed_optimizer: dict[str, Any] | None = None  # the checkpoint's (resuming)
 
     # -- model -------------------------------------------------------------------------------
 
@@ -331,9 +334,11 @@ class GPTModule(LightningModule):
             if isinstance(strategy, GradBufferSettings)
             else {}
         )
-        return configure_adamw(
+        configured = configure_adamw(
             self.stage_model(), self.optimizer_config, self.trainer.max_steps, **buffer
         )
+        self._configured = resume.configured_settings(configured["optimizer"])
+        return configured
 
     @override
     def configure_gradient_clipping(
@@ -372,7 +377,23 @@ class GPTModule(LightningModule):
         checkpoint["vocabulary"] = self._vocabulary_identity()
 
     @override
+    def on_train_start(self) -> None:
+        """A resumed run trains with this run's optimizer settings (restored from the
+        checkpoint just before): :mod:`lightning_sp.training.resume`; one line if they differ
+        from the checkpoint's."""
+        if self._resumed_optimizer is None or self._configured is None:
+            return
+        scheduler = self.lr_schedulers()
+        for optimizer in self.trainer.optimizers:
+            resume.apply_settings(optimizer, scheduler, self._configured)
+        changes = resume.changed_settings(self._resumed_optimizer, self.optimizer_config)
+        if changes:
+            rank_zero_info(resume.notice(changes, self.trainer.global_step))
+        self._resumed_optimizer = None
+
+    @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._resumed_optimizer = checkpoint.get("hyper_parameters", {}).get("optimizer", {})
         check_vocabulary(checkpoint.get("vocabulary", {}), self._vocabulary_identity())
         weights = checkpoint.get("state_dict", {})
         for key in [k for k in weights if k.startswith("gpt.")]:  # saved before the one holder

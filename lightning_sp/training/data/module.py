@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_sp.errors import ConfigError, positive_int
+from lightning_sp.training.agree import ranks_agree
 from lightning_sp.training.data.blend import parse_blend
 from lightning_sp.training.data.order import SampleOrder
 from lightning_sp.training.data.prepare import (
@@ -182,6 +183,7 @@ class TextDataModule(pl.LightningDataModule):
         self.val_dataset: PackedSamples | None = None
         self._sampler: ResumableSampler | None = None
         self._resume: dict[str, Any] | None = None
+        self._prepare_error: ConfigError | None = None  # raised by every rank in setup
 
     @property
     def files(self) -> list[str]:
@@ -238,15 +240,29 @@ class TextDataModule(pl.LightningDataModule):
 
     @override
     def prepare_data(self) -> None:
-        """Prepare the source on first use (one process per node; the others wait)."""
-        self.check_model_vocab(self._model_vocab())
-        if self.source is not None and not self._predicting:
-            self.prepare_corpus()
+        """Prepare the source on first use (one process per node; the others wait). Under a
+        Trainer of several processes a bad input found here is raised by every rank in
+        :meth:`setup` (:mod:`lightning_sp.training.agree`), not by this rank alone."""
+        try:
+            self.check_model_vocab(self._model_vocab())
+            if self.source is not None and not self._predicting:
+                self.prepare_corpus()
+        except ConfigError as error:
+            if self.trainer is None or self.trainer.world_size == 1:
+                raise
+            self._prepare_error = error
 
     @override
     def setup(self, stage: str) -> None:
         """Map the prepared splits (nothing is read whole); later calls are no-ops. Nothing
-        to map for ``predict`` (it reads ``prompts``)."""
+        to map for ``predict`` (it reads ``prompts``). A bad input found here or by
+        :meth:`prepare_data` on any rank is raised by every rank (one ``ConfigError``)."""
+        with ranks_agree():
+            if self._prepare_error is not None:
+                raise self._prepare_error
+            self._setup(stage)
+
+    def _setup(self, stage: str) -> None:
         if self.train_dataset is not None or stage == "predict":
             return
         self.check_model_vocab(self._model_vocab())
