@@ -180,6 +180,7 @@ def test_llama_context_and_tensor_parallel_equals_one_process_and_monitors_count
         cp["throughput/tokens_per_sec"].items(),
         strict=True,
     )
+    assert cp["throughput/model_tflops_per_sec"], "MFUMonitor logged nothing"
     for (step, tflops), (_, tokens) in rates:
         assert tflops * 1e12 / tokens == pytest.approx(per_token, rel=1e-6), step
 
@@ -195,3 +196,17 @@ def test_sequence_must_split_into_2c_chunks() -> None:
     check_context_sequence(tiny_config(seq_length=20), 4, 2)  # without SP: 2c = 4 divides
     with pytest.raises(ConfigError, match=r"^context_parallel_size=0 must be a positive integer"):
         MegatronSPStrategy(context_parallel_size=0)
+
+
+def test_context_parallel_needs_a_module_that_shards_its_batches() -> None:
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_sp.training.protocol import check_module
+
+    with pytest.raises(ConfigError, match=r"^context_parallel_size=2 needs a module that builds"):
+        check_module(BoringModel(), 1, 1, 2)
+    custom = module("gpt2")
+    custom.supports_context_parallel = False  # e.g. examples/custom_mlp.py: it does not shard
+    with pytest.raises(ConfigError, match=r"^context_parallel_size=2 but GPTModule does not"):
+        check_module(custom, 1, 1, 2)
+    check_module(module("gpt2"), 1, 1, 2)
