@@ -10,7 +10,11 @@ stage 0 holds the embedding, virtual stage ``p·m − 1`` the final LayerNorm, t
 
 What crosses a stage boundary is the hidden state in the layout the layers use: the sequence
 shard ``[s/t, b, h]`` under sequence parallelism, else ``[s, b, h]`` (batch on dim 1). The
-global batch ``[B, s]`` is split into ``n`` micro-batches along dim 0.
+global batch ``[B, s]`` is split into ``n`` micro-batches along dim 0. Under context
+parallelism the batch given is the CP rank's chunks ``[B, s/c]`` (``s`` below is that local
+length), so stages pass ``[s/(c·t), b, h]``; the loss function's token mean over the CP group
+and the attention's K/V exchanges are collectives of the CP ranks of one stage, which run the
+same schedule in the same order.
 
 Schedules are torch's: :class:`~torch.distributed.pipelining.Schedule1F1B` for ``m = 1`` and
 :class:`~torch.distributed.pipelining.ScheduleInterleaved1F1B` for ``m > 1``. Stage shapes are
@@ -144,7 +148,7 @@ class Pipeline(nn.Module):
     # -- layout --------------------------------------------------------------------------------
 
     def _make_embedding_group(self, timeout: datetime.timedelta) -> dist.ProcessGroup | None:
-        """The group of the two ranks (first and last stage, same tp/dp coordinates) that hold
+        """The group of the two ranks (first and last stage, same dp/cp/tp coordinates) that hold
         a copy of the tied embedding; ``None`` on other ranks and without pipelining."""
         state = self.state
         p = state.pipeline_parallel_size
@@ -153,15 +157,14 @@ class Pipeline(nn.Module):
         if p == 2:
             return state.pp_group
         assert state.mesh is not None
-        ranks = state.mesh.mesh  # [pp, dp, tp] -> global rank
+        ranks = state.mesh.mesh.reshape(p, -1)  # [pp, (dp, cp, tp)] -> global rank
         mine = None
         # every rank creates every group, in the same order (new_group is collective)
-        for d in range(ranks.shape[1]):
-            for t in range(ranks.shape[2]):
-                pair = [int(ranks[0, d, t]), int(ranks[p - 1, d, t])]
-                group = dist.new_group(pair, timeout=timeout)
-                if dist.get_rank() in pair:
-                    mine = group
+        for column in range(ranks.shape[1]):
+            pair = [int(ranks[0, column]), int(ranks[p - 1, column])]
+            group = dist.new_group(pair, timeout=timeout)
+            if dist.get_rank() in pair:
+                mine = group
         return mine if (self.has_embedding or self.has_head) else None
 
     @property

@@ -55,9 +55,11 @@ class ActivationMemoryMonitor(Callback):
 
     * ``memory/activation_bytes_per_layer``: mean over this rank's layers, as measured
     * ``memory/activation_bytes_per_layer_formula``: Table 2 for the running layout (``s``,
-      ``b`` from the batch, ``h``, ``a``, FFN width and dropouts from the config, ``t`` from
-      ``gpt.state``, each layer's recompute policy), generalised to the parameters' element
-      size (Table 2 itself assumes 2-byte activations; fp32 runs count 4).
+      ``b`` from the batch, ``h``, ``a``, FFN width and dropouts from the config, ``t`` and
+      ``c`` from ``gpt.state``, each layer's recompute policy), generalised to the parameters'
+      element size (Table 2 itself assumes 2-byte activations; fp32 runs count 4). Under
+      context parallelism ``s`` is the batch's whole sequence and the formula is this rank's
+      ``1/c`` of it (:func:`~lightning_sp.memory.formulas.activation_bytes_per_layer`).
     * ``memory/activation_bytes_ratio``: measured / formula
     * ``memory/activation_bytes_total``: everything saved, including embedding and head
     * ``memory/peak_allocated_bytes``: on CUDA, ``torch.cuda.max_memory_allocated`` over the
@@ -65,7 +67,8 @@ class ActivationMemoryMonitor(Callback):
 
     The last measurement stays in ``last_per_layer`` (bytes of each layer of this shard),
     ``last_formula``, ``last_total`` and ``last_report``, and ``last_sbh`` (``s·b·h`` of that
-    step). ``prog_bar``: show ``act <measured> sbh (paper <formula>)`` in
+    step, ``s`` the whole sequence, so a CP rank shows about ``1/c`` of c = 1's sbh).
+    ``prog_bar``: show ``act <measured> sbh (paper <formula>)`` in
     :class:`~lightning_sp.ProgressBar` (the metrics are logged with ``prog_bar=False``).
     """
 
@@ -229,9 +232,10 @@ class ActivationMemoryMonitor(Callback):
     def _formula_per_layer(self, gpt: GPT, b: int, s: int) -> float:
         """Table 2 for this model, averaged over ``gpt``'s layers (see ``_record``)."""
         config, state = gpt.config, gpt.state
-        shape = config.activation_shape(
+        shape = config.activation_shape(  # s: the whole sequence; a CP rank holds s/c of it
             state.tensor_parallel_size, b, seq_length=s,
             activation_bytes=next(gpt.parameters()).element_size(),
+            context_parallel_size=state.context_parallel_size,
         )  # fmt: skip
         return sum(
             activation_bytes_per_layer(shape, config.layer_recompute(i))

@@ -9,6 +9,12 @@ strategy. It is always one
 :class:`~lightning_sp.training.protocol.ParallelModule` protocol the strategy drives). With
 ``p > 1`` a training step runs the whole schedule (forward and backward of every
 micro-batch) inside ``training_step``; with ``p = 1`` Lightning runs backward as usual.
+
+Under context parallelism (``c > 1``) every CP rank of a data-parallel replica reads the same
+batch ``[b, s]`` and feeds its model only its two load-balanced chunks ``[b, s/c]``
+(:func:`~lightning_sp.parallel.context.shard_for_context_parallel`), in training, validation
+and the pipeline schedule alike; the loss the model returns, and the one logged, is the token
+mean over the whole sequences (equal on the CP ranks).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.config import ParallelConfig
+from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.grads import clip_grad_norm_
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline, check_batch
@@ -40,6 +47,7 @@ from lightning_sp.training.optim import OptimizerConfig, configure_adamw, grad_b
 from lightning_sp.training.prompts import Codec
 from lightning_sp.training.validation import (
     check_compile,
+    check_context_sequence,
     check_data,
     check_optimizer,
     check_vocabulary,
@@ -134,6 +142,10 @@ class GPTModule(LightningModule):
     supports_pipeline_parallel = True
     """The strategy may run this module with ``pipeline_parallel_size > 1``."""
 
+    supports_context_parallel = True
+    """The strategy may run this module with ``context_parallel_size > 1`` (each CP rank
+    keeps its chunks of every batch)."""
+
     @property
     def sequence_parallel(self) -> bool:
         """``config.sequence_parallel`` (the ``ParallelModule`` protocol)."""
@@ -179,6 +191,7 @@ class GPTModule(LightningModule):
             return
         config, state, layout = self.config, self.parallel_state, self.parallel_config
         check_data(getattr(self._trainer, "datamodule", None), config)
+        check_context_sequence(config, state.tensor_parallel_size, state.context_parallel_size)
         if self.compile_layers:
             check_compile(state)
         if config.recompute == "auto":
@@ -253,8 +266,12 @@ class GPTModule(LightningModule):
         )
 
     def _loss(self, batch: dict[str, Tensor], train: bool) -> Tensor:
-        ids, labels = batch["input_ids"], batch["labels"]
         model = self.stage_model()
+        c, r = model.state.context_parallel_size, model.state.context_parallel_rank
+        # under context parallelism: this CP rank's two chunks [b, s/c] of the batch
+        ids, labels = (
+            shard_for_context_parallel(batch[k], 1, c, r) for k in ("input_ids", "labels")
+        )
         if not train:
             return model.eval_step(ids, labels)
         if not model.runs_backward:
@@ -269,7 +286,14 @@ class GPTModule(LightningModule):
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch, train=True)
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        # the mean over data-parallel replicas (the TP, CP and PP ranks of one already agree):
+        # the loss of the global batch. Reduced here, since Lightning's sync_dist is a no-op
+        # under a strategy its accelerator connector does not know as distributed.
+        logged, group = loss.detach().clone(), self.parallel_state.dp_group
+        if group is not None:
+            torch.distributed.all_reduce(logged, group=group)
+            logged /= self.parallel_state.data_parallel_size
+        self.log("train/loss", logged, prog_bar=True)
         return loss
 
     @override
@@ -298,12 +322,13 @@ class GPTModule(LightningModule):
         ``{"prompt", "completion", "token_ids"}`` (text decoded with the datamodule's
         ``codec``, which also gives the end-of-document token that stops generation)."""
         codec: Codec | None = getattr(getattr(self.trainer, "datamodule", None), "codec", None)
-        model = self.stage_model()
-        if model.state.pipeline_parallel_size > 1:
-            raise ConfigError(
-                f"pipeline_parallel_size={model.state.pipeline_parallel_size}: predict needs the "
-                "whole model on each rank; predict with pipeline_parallel_size=1"
-            )
+        state = self.stage_model().state
+        for field in ("pipeline_parallel_size", "context_parallel_size"):
+            if getattr(state, field) > 1:
+                raise ConfigError(
+                    f"{field}={getattr(state, field)}: predict needs the whole model and "
+                    f"sequence on each rank; predict with {field}=1"
+                )
         ids = batch["input_ids"][0].tolist()
         eos = codec.eos_id if codec is not None else None
         tokens = generate(self.chunks[0], ids, self.generation, eos_id=eos)

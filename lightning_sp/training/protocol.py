@@ -13,7 +13,7 @@ step the strategy calls the shard's ``finalize_grads(buffer)``.
 :class:`~lightning_sp.pipeline.Pipeline` (for every ``p``, including 1);
 ``examples/custom_mlp.py`` shows a custom tensor-parallel model on ``lightning_sp.parallel``.
 
-Any other LightningModule is trained as plain data parallelism (``t = p = 1`` only).
+Any other LightningModule is trained as plain data parallelism (``t = p = c = 1`` only).
 """
 
 from __future__ import annotations
@@ -86,21 +86,37 @@ def stage_model_of(module: object) -> StageModel | None:
     return model if isinstance(model, StageModel) else None
 
 
-def check_module(module: object, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
-    """Refuse, in one line, a layout ``module`` cannot be parallelised over: tensor or pipeline
-    parallelism need a :class:`~lightning_sp.training.protocol.ParallelModule` (which builds
-    its own shard), pipeline parallelism one that says it runs a schedule."""
-    if module is None or (tensor_parallel_size == 1 and pipeline_parallel_size == 1):
+def check_module(
+    module: object,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    context_parallel_size: int = 1,
+) -> None:
+    """Refuse, in one line, a layout ``module`` cannot be parallelised over: tensor, pipeline
+    or context parallelism need a :class:`~lightning_sp.training.protocol.ParallelModule`
+    (which builds its own shard; under CP it feeds its model each CP rank's chunks), pipeline
+    parallelism one that says it runs a schedule."""
+    sizes = {
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "context_parallel_size": context_parallel_size,
+    }
+    if module is None or all(v == 1 for v in sizes.values()):
         return
     name = type(module).__name__
     if not isinstance(module, ParallelModule):
-        field = "tensor_parallel_size" if tensor_parallel_size > 1 else "pipeline_parallel_size"
-        value = max(tensor_parallel_size, pipeline_parallel_size)
+        field, value = next((k, v) for k, v in sizes.items() if v > 1)
         raise ConfigError(
             f"{field}={value} needs a module that builds its own model-parallel shard, but "
-            f"{name} is a plain LightningModule; use tensor_parallel_size=1 and "
-            "pipeline_parallel_size=1 (data parallelism), or implement "
-            "lightning_sp.training.protocol.ParallelModule (see examples/custom_mlp.py)"
+            f"{name} is a plain LightningModule; use tensor_parallel_size=1, "
+            "pipeline_parallel_size=1 and context_parallel_size=1 (data parallelism), or "
+            "implement lightning_sp.training.protocol.ParallelModule (see examples/custom_mlp.py)"
+        )
+    if context_parallel_size > 1 and not getattr(module, "supports_context_parallel", False):
+        raise ConfigError(
+            f"context_parallel_size={context_parallel_size} but {name} does not split its "
+            "batches' sequences over the context-parallel group (supports_context_parallel is "
+            "not True); use context_parallel_size=1"
         )
     if pipeline_parallel_size > 1 and not module.supports_pipeline_parallel:
         raise ConfigError(

@@ -6,7 +6,8 @@ The strategy owns the process groups. Its base,
 default process group the way Lightning's DDP does (its subprocess/spawn launchers, SLURM,
 torchrun); this class holds the run's layout (a
 :class:`~lightning_sp.parallel.config.ParallelConfig` made from its arguments), builds this
-rank's :class:`~lightning_sp.ParallelState` on a ``("pp", "dp", "tp")`` device mesh, and
+rank's :class:`~lightning_sp.ParallelState` on a ``("pp", "dp", "cp", "tp")`` device mesh,
+and
 pushes both into the LightningModule before ``configure_model`` (as Lightning's
 ``ModelParallelStrategy`` pushes its device mesh). It wraps nothing.
 
@@ -15,9 +16,10 @@ What it parallelises: a LightningModule implementing
 :class:`~lightning_sp.pipeline.Pipeline`, which also runs the pipeline schedule when ``p > 1``);
 after the last backward of a step the strategy calls that shard's ``finalize_grads``
 (sequence-parallel gradients summed over the TP group, the tied embedding's two copies over
-the first and last pipeline stage, all gradients averaged over the DP group), then lets the
-optimizer step. Any other LightningModule runs as plain data parallelism (``t = p = 1`` only,
-else refused at setup in one line): its parameters and buffers are broadcast from
+the first and last pipeline stage, all gradients averaged over the DP group and, under context
+parallelism, summed over the CP group), then lets the optimizer step. Any other
+LightningModule runs as plain data parallelism (``t = p = c = 1`` only, else refused at setup
+in one line): its parameters and buffers are broadcast from
 data-parallel rank 0 before the first step and its gradients averaged.
 
 Checkpoints are layout-independent DCP directories published by an atomic rename
@@ -75,7 +77,13 @@ class MegatronSPStrategy(ProcessGroupStrategy):
     Args:
         tensor_parallel_size: Ranks in one tensor-parallel group (t). They should share a node.
         pipeline_parallel_size: Pipeline stages (p). The data-parallel size is
-            world size / (t * p).
+            world size / (t * c * p).
+        context_parallel_size: Ranks each sample's sequence is split over (c, context
+            parallelism): the sequence is cut into 2c chunks and CP rank r holds chunks r and
+            2c-1-r (causal load balancing); attention exchanges keys and values over the
+            group. The mesh is (pp, dp, cp, tp), TP innermost. ``model.config.seq_length``
+            must be divisible by 2c (and by 2c·t with sequence parallelism). Gradients are
+            summed over the CP group and averaged over the DP group.
         sequence_parallel: Shard LayerNorm/dropout activations along the sequence over the
             tensor-parallel group (paper §4.2.2). ``None`` (default): as the module says
             (``GPTModule``: ``model.config.sequence_parallel``); a value that differs from
@@ -103,9 +111,9 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         distributed_optimizer: Shard the fp32 master weights and Adam moments over
             data-parallel ranks (ZeRO-1, Megatron's distributed optimizer): gradients are
             reduce-scattered, each rank steps its 1/d and the weights are all-gathered
-            (:mod:`lightning_sp.training.distributed_optim`).
-        context_parallel_size: Ranks each sample's sequence is split over (c); stored in
-            ``parallel_config`` (read by ``estimate``; the run side lands with the CP strategy).
+            (:mod:`lightning_sp.training.distributed_optim`). Under context parallelism the
+            state is sharded over the d data-parallel ranks only: the c CP ranks of a DP rank
+            hold and step the same 1/d (their gradients are summed over CP first).
     """
 
     strategy_name = "megatron_sp"
@@ -114,6 +122,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         self,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        context_parallel_size: int = 1,
         sequence_parallel: bool | None = None,
         num_microbatches: int = 1,
         virtual_pipeline_size: int = 1,
@@ -126,7 +135,6 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         bucket_size: int = DEFAULT_BUCKET_NUMEL,
         overlap_grad_reduce: bool = True,
         distributed_optimizer: bool = False,
-        context_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         if kwargs:  # a typo: one line naming it and the valid names (this signature's)
@@ -139,6 +147,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         check_strategy_args(
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
+            context_parallel_size=context_parallel_size,
             sequence_parallel=sequence_parallel,
             num_microbatches=num_microbatches,
             virtual_pipeline_size=virtual_pipeline_size,
@@ -157,10 +166,10 @@ class MegatronSPStrategy(ProcessGroupStrategy):
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             virtual_pipeline_size=virtual_pipeline_size,
+            context_parallel_size=context_parallel_size,
             sequence_parallel=sequence_parallel,
             num_microbatches=num_microbatches,
             distributed_optimizer=distributed_optimizer,
-            context_parallel_size=context_parallel_size,
         )
         """The layout: as given until setup, then completed (``data_parallel_size`` from the
         world size, ``sequence_parallel`` agreed with the module's) and pushed into the module."""
@@ -182,24 +191,28 @@ class MegatronSPStrategy(ProcessGroupStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # data is sharded over data-parallel replicas only: TP/PP ranks of one replica share it
+        # data is sharded over data-parallel replicas only: the TP/PP/CP ranks of one replica
+        # read the same samples (CP ranks then keep their chunks: GPTModule)
         state = self.parallel_state
         return {"num_replicas": state.data_parallel_size, "rank": state.data_parallel_rank}
 
     @override
     def check_before_launch(self) -> None:
         check_precision(self.precision_plugin.precision)
-        self.parallel_config.for_world_size(self.total_processes)  # t·p divides the world
+        self.parallel_config.for_world_size(self.total_processes)  # t·c·p divides the world
 
     @override
     def setup_environment(self) -> None:
         """Check the layout and the module, start the process group, build this rank's
-        :class:`ParallelState` on the ``("pp", "dp", "tp")`` mesh, and push it with the
+        :class:`ParallelState` on the ``("pp", "dp", "cp", "tp")`` mesh, and push it with the
         completed :attr:`parallel_config` into a :class:`ParallelModule` (before Lightning
         calls its ``configure_model``)."""
         module = self.lightning_module
         config = self.parallel_config.for_world_size(self.total_processes)
-        check_module(module, config.tensor_parallel_size, config.pipeline_parallel_size)
+        check_module(
+            module, config.tensor_parallel_size, config.pipeline_parallel_size,
+            config.context_parallel_size,
+        )  # fmt: skip
         receiver = module if isinstance(module, ParallelModule) else None
         # the module's own choice of sequence parallelism (a plain module has none)
         model_sp = (
@@ -212,6 +225,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
             config.pipeline_parallel_size,
             device=self.root_device,
             timeout=self.timeout,
+            context_parallel_size=config.context_parallel_size,
         )
         if receiver is not None:
             receiver.setup_parallel(state, config)
@@ -299,9 +313,11 @@ class MegatronSPStrategy(ProcessGroupStrategy):
 
     def _rng_key(self) -> str:
         state = self.parallel_state
+        cp_rank = state.context_parallel_rank if state.context_parallel_size > 1 else None
         return rng_key(
-            state.pipeline_parallel_rank, state.data_parallel_rank, state.tensor_parallel_rank
-        )
+            state.pipeline_parallel_rank, state.data_parallel_rank, state.tensor_parallel_rank,
+            cp_rank,
+        )  # fmt: skip
 
     @override
     def save_checkpoint(

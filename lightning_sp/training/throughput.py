@@ -89,7 +89,9 @@ class MFUMonitor(Callback):
     for the first ``window_size - 1`` steps (which also keeps the warm-up step out).
 
     FLOPs of a step: the global batch is ``b · gpt.state.data_parallel_size`` sequences of
-    the batch's ``s`` tokens; each of the ``t·p·d`` devices does ``1/(t·p·d)`` of
+    the batch's ``s`` tokens (the whole sequence: under context parallelism every CP rank sees
+    the full batch and keeps its ``s/c`` chunks); each of the ``t·c·p·d`` devices does
+    ``1/(t·c·p·d)`` of
     :func:`~lightning_sp.memory.flops.model_flops_per_iteration` (MFU) or
     :func:`~lightning_sp.memory.flops.hardware_flops_per_iteration` (HFU, adds what the recompute
     policy re-executes). Tokens per step are ``global batch · s``.

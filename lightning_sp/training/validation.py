@@ -29,8 +29,8 @@ def check_strategy_args(**args: Any) -> None:
     """The values of ``MegatronSPStrategy``'s arguments (names as in its signature; an unknown
     name is refused by the constructor, and by the CLI's parser before that)."""
     get = args.get
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "num_microbatches",
-                 "virtual_pipeline_size"):  # fmt: skip
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
+                 "num_microbatches", "virtual_pipeline_size"):  # fmt: skip
         positive_int(name, get(name, 1))
     timeout = get("timeout", 600.0)
     if not isinstance(timeout, int | float) or not timeout > 0 or not math.isfinite(timeout):
@@ -127,13 +127,37 @@ def check_fit_config(config: Any) -> None:
         devices = trainer.devices
         if isinstance(devices, int) and devices > 0:
             t, p = args.get("tensor_parallel_size", 1), args.get("pipeline_parallel_size", 1)
-            check_layout(devices * (trainer.num_nodes or 1), t, p)
+            c = args.get("context_parallel_size", 1)
+            check_layout(devices * (trainer.num_nodes or 1), t, p, c)
             resolve_sequence_parallel(args.get("sequence_parallel"), model_config.sequence_parallel)
             model_config.validate(t)
+            check_context_sequence(model_config, t, c)
     check_optimizer(config.model.optimizer)
     ckpt_path = getattr(config, "ckpt_path", None)
     if ckpt_path and ckpt_path not in ("last", "hpc", "best", "registry"):
         check_checkpoint(ckpt_path, model_config)
+
+
+def check_context_sequence(config: GPTConfig, tensor_parallel_size: int, cp_size: int) -> None:
+    """Under context parallelism (``cp_size = c > 1``) every sequence is cut into ``2c``
+    equal chunks, and with sequence parallelism each rank's ``s/c`` tokens are split again over
+    ``t``: ``model.config.seq_length`` must be a multiple of ``2c`` (with SP, of
+    ``lcm(2c, c·t)``). One-line :class:`ConfigError` otherwise, naming the nearest valid
+    lengths."""
+    if cp_size == 1:
+        return
+    s, t = config.seq_length, tensor_parallel_size
+    need = 2 * cp_size
+    why = f"context_parallel_size={cp_size} cuts each sequence into {need} chunks"
+    if config.sequence_parallel and t > 1:
+        need = math.lcm(need, cp_size * t)
+        why += f" and sequence parallelism splits each rank's s/c over tensor_parallel_size={t}"
+    if s % need:
+        below, above = s // need * need, (s // need + 1) * need
+        nearest = f"{below} or {above}" if below else f"{above}"
+        raise ConfigError(
+            f"model.config.seq_length={s} is not a multiple of {need} ({why}); use e.g. {nearest}"
+        )
 
 
 def check_checkpoint(ckpt_path: str, model_config: Any) -> None:

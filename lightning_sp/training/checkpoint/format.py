@@ -41,6 +41,11 @@ class Meta:
         return cls(**dict(data, layout=ParallelConfig(**data["layout"])))
 
 
-def rng_key(pipeline_rank: int, data_rank: int, tensor_rank: int) -> str:
-    """The key of one rank's RNG state (per rank: only the same layout restores it)."""
-    return f"rng.pp{pipeline_rank}.dp{data_rank}.tp{tensor_rank}"
+def rng_key(
+    pipeline_rank: int, data_rank: int, tensor_rank: int, context_rank: int | None = None
+) -> str:
+    """The key of one rank's RNG state (per rank: only the same layout restores it);
+    ``context_rank`` under context parallelism (``None`` for ``c = 1``, the key of runs
+    without CP)."""
+    cp = "" if context_rank is None else f".cp{context_rank}"
+    return f"rng.pp{pipeline_rank}.dp{data_rank}{cp}.tp{tensor_rank}"
