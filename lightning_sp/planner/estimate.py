@@ -40,6 +40,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import torch
+
 from lightning_sp.memory.fake import ActivationMeasurement, measure_activations
 from lightning_sp.memory.formulas import (
     MIXED_PRECISION_ADAM,
@@ -351,3 +353,26 @@ def resolve_recompute(
     choice = estimate(layout, device_bytes, layers=layers, measure=measure, cluster=cluster).choice
     assert choice is not None
     return choice
+
+
+def auto_recompute_config(
+    config: GPTConfig, parallel: ParallelConfig, micro_batch_size: int, device: torch.device
+) -> tuple[GPTConfig, RecomputeChoice]:
+    """``config`` with ``recompute: auto`` resolved for a running layout on ``device`` (its
+    memory on CUDA, else :data:`DEFAULT_DEVICE_BYTES`), and the choice
+    (:func:`resolve_recompute`)."""
+    device_bytes = (
+        torch.cuda.get_device_properties(device).total_memory
+        if device.type == "cuda"
+        else DEFAULT_DEVICE_BYTES
+    )
+    choice = resolve_recompute(
+        config, parallel, micro_batch_size=micro_batch_size, device_bytes=device_bytes
+    )
+    resolved = dataclasses.replace(
+        config,
+        recompute=choice.recompute,  # a policy of the planner's ladder
+        recompute_num_layers=choice.recompute_num_layers,
+        recompute_rest=choice.recompute_rest or config.recompute_rest,
+    )
+    return resolved, choice

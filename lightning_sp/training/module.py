@@ -194,8 +194,13 @@ class GPTModule(LightningModule):
         check_context_sequence(config, state.tensor_parallel_size, state.context_parallel_size)
         if self.compile_layers:
             check_compile(state)
-        if config.recompute == "auto":
-            config = self._resolve_auto_recompute(config, state, layout)
+        if config.recompute == "auto":  # the planner's fastest recomputation that fits
+            from lightning_sp.planner.estimate import auto_recompute_config
+
+            per_step = self._batch_size() or layout.num_microbatches
+            micro_batch = max(1, per_step // layout.num_microbatches)
+            config, choice = auto_recompute_config(config, layout, micro_batch, state.device)
+            rank_zero_info(f"recompute=auto: {choice.describe()}")
         if state.pipeline_parallel_size > 1:
             self._check_pipeline_batch(layout.num_microbatches)
         self.pipeline = Pipeline(
@@ -237,33 +242,6 @@ class GPTModule(LightningModule):
         if self.init_from is not None:
             for chunk in self.chunks:
                 load_hf_weights(chunk, self.init_from)
-
-    def _resolve_auto_recompute(
-        self, config: GPTConfig, state: ParallelState, layout: ParallelConfig
-    ) -> GPTConfig:
-        """Pick the least recomputation that fits this device (the memory planner)."""
-        from lightning_sp.planner.estimate import DEFAULT_DEVICE_BYTES, resolve_recompute
-
-        microbatches = layout.num_microbatches
-        batch_size = self._batch_size() or microbatches
-        device_bytes = (
-            torch.cuda.get_device_properties(state.device).total_memory
-            if state.device.type == "cuda"
-            else DEFAULT_DEVICE_BYTES
-        )
-        choice = resolve_recompute(
-            config,
-            layout,
-            micro_batch_size=max(1, batch_size // microbatches),
-            device_bytes=device_bytes,
-        )
-        rank_zero_info(f"recompute=auto: {choice.describe()}")
-        return dataclasses.replace(
-            config,
-            recompute=choice.recompute,  # a policy of the planner's ladder
-            recompute_num_layers=choice.recompute_num_layers,
-            recompute_rest=choice.recompute_rest or config.recompute_rest,
-        )
 
     def _loss(self, batch: dict[str, Tensor], train: bool) -> Tensor:
         model = self.stage_model()
