@@ -11,7 +11,9 @@ global batches (dropout 0, so every layout computes the same function):
   weights and continues with the one-process run's losses.
 * Llama block (RoPE, GQA, SwiGLU) at ``c = 2 x t = 2`` with sequence parallelism: per-step loss
   and gradient norm and the step-3 weights; the activation monitor's formula is the ``c = 2``
-  one and the MFU monitor counts the whole sequence's FLOPs over the ``t·c·p·d`` ranks.
+  one and the MFU monitor counts the whole sequence's FLOPs over the ``t·c·p·d`` ranks; and at
+  ``c = 2 x p = 2`` (1F1B over two micro-batches: the stages pass CP shards) the same losses,
+  norms and weights.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def fit(
     The per-rank batch is the global batch over the data-parallel ranks."""
     d = devices // (
         strategy.get("tensor_parallel_size", 1) * strategy.get("context_parallel_size", 1)
-    )
+        * strategy.get("pipeline_parallel_size", 1)
+    )  # fmt: skip
     every_3 = ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=3, save_top_k=-1,
                               filename="{step}")  # fmt: skip
     trainer = L.Trainer(
@@ -149,7 +152,7 @@ def test_gpt2_context_and_data_parallel_with_zero1_equals_one_process_and_reshar
 
 
 @pytest.mark.slow
-def test_llama_context_and_tensor_parallel_equals_one_process_and_monitors_count_it(
+def test_llama_context_with_tensor_or_pipeline_parallel_equals_one_process_and_monitors(
     tmp_path: Path, corpus: Path
 ) -> None:
     single = fit(tmp_path, "single", corpus, module("llama", sequence_parallel=True), STEPS)
@@ -183,6 +186,15 @@ def test_llama_context_and_tensor_parallel_equals_one_process_and_monitors_count
     assert cp["throughput/model_tflops_per_sec"], "MFUMonitor logged nothing"
     for (step, tflops), (_, tokens) in rates:
         assert tflops * 1e12 / tokens == pytest.approx(per_token, rel=1e-6), step
+
+    # the pipeline passes CP shards: c = 2 x p = 2 (1F1B, two micro-batches) is the same run
+    pp = fit(tmp_path, "pp", corpus, module("llama", sequence_parallel=True), STEPS, devices=4,
+             pipeline_parallel_size=2, context_parallel_size=2, num_microbatches=2)  # fmt: skip
+    assert sorted(pp["train/loss"]) == list(range(STEPS))
+    assert_same_steps(pp["train/loss"], single["train/loss"], "c=2 x p=2 loss")
+    assert_same_steps(pp["train/grad_norm"], single["train/grad_norm"], "c=2 x p=2 grad norm")
+    saved = read_full(tmp_path / "pp" / f"step={STEPS}.ckpt")
+    assert assert_same_tensors(saved, reference, "model.") > 10
 
 
 def test_sequence_must_split_into_2c_chunks() -> None:
