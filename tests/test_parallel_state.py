@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sp import ParallelState
+from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.random import RNGStreams
 from lightning_sp.testing.spawn import run_distributed
 
@@ -39,6 +40,21 @@ def _layout_worker(rank: int, world_size: int) -> None:
     if world_size > 2:
         other_replica = (rank + 2) % world_size
         assert not torch.equal(replicated[rank], replicated[other_replica])
+
+    # context parallelism (t = 1, c = 2): the gradient group is every rank of equal (pp, tp),
+    # dp-major, and a distributed buffer's shards over it are disjoint and cover every element
+    cp = ParallelState.from_process_group(context_parallel_size=2)
+    group = cp.gradient_group
+    assert dist.get_process_group_ranks(group) == list(range(world_size))
+    assert cp.gradient_shards == world_size and dist.get_rank(group) == cp.gradient_shard_rank
+    assert cp.gradient_shard_rank == cp.data_parallel_rank * 2 + cp.context_parallel_rank
+    weight = torch.nn.Parameter(torch.zeros(7))
+    owned = GradBuffer([weight], cp, distributed=True).owned().get(id(weight))
+    start, end = owned[:2] if owned else (0, 0)
+    ranges = [None] * world_size
+    dist.all_gather_object(ranges, (start, end))
+    covered = sorted(i for lo, hi in ranges for i in range(lo, hi))
+    assert covered == list(range(7)), ranges
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])

@@ -409,7 +409,8 @@ def model_state_bytes(
     """Weights + gradients + optimizer state for ``num_parameters`` parameters on one rank.
 
     With the distributed optimizer (ZeRO-1) the fp32 masters and Adam moments are split over
-    the ``d`` data-parallel ranks: ``2 + 4 + 12/d`` bytes per parameter by default.
+    the ``data_parallel_size`` ranks given (``d·c`` under context parallelism):
+    ``2 + 4 + 12/d`` bytes per parameter by default.
     """
     n = num_parameters
     replicated = n * (precision.param_bytes + precision.grad_bytes)

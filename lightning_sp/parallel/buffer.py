@@ -65,16 +65,20 @@ class GradBuffer:
 
     Args:
         params: The parameters (those without ``requires_grad`` are skipped).
-        state: This rank's layout; the reduction runs over ``state.dp_group``.
+        state: This rank's layout; the reduction runs over ``state.dp_group`` (distributed:
+            over ``state.gradient_group``, the d·c ranks, summing over CP as well).
         bucket_numel: Elements per bucket (a bucket closes once it holds at least this many).
         deferred: Parameters reduced only by :meth:`finish` (in buckets of their own).
         overlap: Launch each bucket's collective during backward; ``False`` reduces every
             bucket in :meth:`finish` (the same result, no overlap).
         backwards_per_step: Backward passes per synchronising step (micro-batches that one
             ``training_step`` runs): the last of them makes a parameter ready.
-        distributed: Reduce-scatter instead of all-reduce (the distributed optimizer): after
-            :meth:`finish` each rank holds the mean on its own shard of every bucket
-            (:meth:`owned`) and zeros elsewhere.
+        distributed: Reduce-scatter over the d·c ranks of ``state.gradient_group``
+            instead of all-reduce over d (the distributed optimizer): after :meth:`finish`
+            each rank holds, on its own 1/(d·c) shard of every bucket (:meth:`owned`), the
+            gradient summed over CP and averaged over DP (the convention of
+            :func:`~lightning_sp.parallel.grads.sum_context_parallel_grads`), and zeros
+            elsewhere.
     """
 
     def __init__(
@@ -102,7 +106,7 @@ class GradBuffer:
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
         self._counts: dict[int, int] = {id(p): 0 for p in self.params}
-        d = state.data_parallel_size if distributed else 1
+        d = state.gradient_shards if distributed else 1
         for dtype, group in by_dtype.items():
             plan = _plan(group, bucket_numel, deferred_ids)
             sizes = [-(-sum(p.numel() for p in members) // d) * d for members, _ in plan]
@@ -151,11 +155,16 @@ class GradBuffer:
         """``[lo, hi)`` of ``bucket`` that this rank owns (the whole bucket unless sharded)."""
         if not self.distributed:
             return 0, bucket.data.numel()
-        per = bucket.data.numel() // self.state.data_parallel_size
-        return self.state.data_parallel_rank * per, (self.state.data_parallel_rank + 1) * per
+        per = bucket.data.numel() // self.state.gradient_shards
+        return self.state.gradient_shard_rank * per, (self.state.gradient_shard_rank + 1) * per
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The group the buffer reduces over: d ranks, or d·c when sharded."""
+        return self.state.gradient_group if self.distributed else self.state.dp_group
 
     def _launch(self, bucket: Bucket) -> None:
-        group = self.state.dp_group
+        group = self.group
         if group is None or bucket.handle is not None:
             return
         if self.distributed:  # the output is this rank's shard of the bucket itself
@@ -181,10 +190,10 @@ class GradBuffer:
     def gather(
         self, pieces: dict[int, Tensor], dtype: torch.dtype
     ) -> Iterator[tuple[Tensor, Tensor]]:
-        """All-gather over data parallelism: ``pieces`` maps ``id(param)`` to this rank's
-        owned range of some per-element quantity (see :meth:`owned`); yields ``(param, the
-        whole quantity in the parameter's shape)``, one bucket (one collective of the
-        bucket's size, a fresh tensor) at a time."""
+        """All-gather over the buffer's group (:attr:`group`): ``pieces`` maps
+        ``id(param)`` to this rank's owned range of some per-element quantity (see
+        :meth:`owned`); yields ``(param, the whole quantity in the parameter's shape)``, one
+        bucket (one collective of the bucket's size, a fresh tensor) at a time."""
         for bucket in self.buckets:
             lo, hi = self._shard_range(bucket)
             full = torch.zeros(bucket.data.numel(), dtype=dtype, device=bucket.data.device)
@@ -192,15 +201,15 @@ class GradBuffer:
                 a, b = max(lo, offset), min(hi, offset + p.numel())
                 if a < b:
                     full[a:b] = pieces[id(p)]
-            if self.distributed and self.state.dp_group is not None:
-                dist.all_gather_into_tensor(full, full[lo:hi].clone(), group=self.state.dp_group)
+            if self.distributed and self.group is not None:
+                dist.all_gather_into_tensor(full, full[lo:hi].clone(), group=self.group)
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 yield p, full[offset : offset + p.numel()].view_as(p)
 
     def finish(self) -> None:
         """Launch the buckets not yet launched, wait for all, divide by the data-parallel
-        size. Afterwards every ``main_grad`` is the data-parallel mean (sharded: on this
-        rank's shard, and zero elsewhere)."""
+        size. Afterwards every ``main_grad`` is the data-parallel mean (sharded: summed over
+        CP too, on this rank's shard, and zero elsewhere)."""
         d = self.state.data_parallel_size
         for bucket in self.buckets:
             self._launch(bucket)

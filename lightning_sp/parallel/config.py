@@ -50,8 +50,8 @@ class ParallelConfig:
     rank's batch is split into this many); 1 without pipeline parallelism."""
 
     distributed_optimizer: bool = False
-    """fp32 master weights and Adam moments sharded over the d data-parallel ranks (ZeRO-1,
-    Megatron's distributed optimizer)."""
+    """fp32 master weights and Adam moments sharded over the d·c ranks of dp x cp (ZeRO-1,
+    Megatron's distributed optimizer; the d data-parallel ranks for c = 1)."""
 
     def __post_init__(self) -> None:
         for field in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size",

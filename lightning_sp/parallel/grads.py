@@ -119,8 +119,8 @@ def finalize_grads(
     buffer's bucketed reduction (most of it already launched during backward), finished
     here; the sequence-parallel sums over TP follow it (both are linear, so they commute).
     Under context parallelism every gradient is then summed over the CP group
-    (:func:`sum_context_parallel_grads`; with a distributed optimizer's buffer each CP rank
-    sums the shard it holds, which is the same shard on every CP rank of a DP rank). Last,
+    (:func:`sum_context_parallel_grads`), except with a distributed optimizer's buffer, whose
+    reduce-scatter over the d·c ranks already summed it. Last,
     gradients that are zero in exact arithmetic are made exactly zero
     (:func:`zero_inert_grads`).
     """
@@ -130,7 +130,8 @@ def finalize_grads(
     allreduce_replicated_grads(module, state)
     if buffer is None:
         average_data_parallel_grads(module, state)
-    sum_context_parallel_grads(module, state)
+    if buffer is None or not buffer.distributed:
+        sum_context_parallel_grads(module, state)
     zero_inert_grads(module)
 
 
@@ -156,9 +157,9 @@ def global_grad_norm(
     """The L2 norm of the whole model's gradient, over all TP and PP shards (an fp32 scalar;
     fp64 for fp64 gradients).
 
-    Data-parallel replicas hold identical gradients after averaging, so they are not summed;
-    ``sharded_over_dp`` (the distributed optimizer's buffer: each replica holds its own shard
-    of the mean, zeros elsewhere) sums them too.
+    Data-parallel (and context-parallel) replicas hold identical gradients after the
+    reduction, so they are not summed; ``sharded_over_dp`` (the distributed optimizer's
+    buffer: each of the d·c ranks holds its own shard, zeros elsewhere) sums them too.
     """
     params = list(params)
     device = params[0].device if params else state.device
@@ -170,7 +171,8 @@ def global_grad_norm(
         g = grad_of(p)
         if g is not None and _counted_once(p, state):
             total += g.detach().to(dtype).pow(2).sum()
-    for group in (state.tp_group, state.pp_group, state.dp_group if sharded_over_dp else None):
+    shards = state.gradient_group if sharded_over_dp else None
+    for group in (state.tp_group, state.pp_group, shards):
         if group is not None:
             dist.all_reduce(total, group=group)
     return total.sqrt()

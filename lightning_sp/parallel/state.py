@@ -96,6 +96,9 @@ class ParallelState:
     context_parallel_rank: int = 0
     cp_group: dist.ProcessGroup | None = None
     """The ``c`` ranks of equal (pp, dp, tp) coordinates; ``None`` for ``c = 1``."""
+    data_context_group: dist.ProcessGroup | None = None
+    """Under context parallelism, the ``d·c`` ranks of equal (pp, tp) coordinates (group rank
+    ``dp_rank·c + cp_rank``); ``None`` for ``c = 1``. See :attr:`gradient_group`."""
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
     """How long a collective of this rank's groups may wait; groups made later for this
     layout (the pipeline's embedding group) use it too."""
@@ -156,6 +159,14 @@ class ParallelState:
         def group(name: str, size: int) -> dist.ProcessGroup | None:
             return mesh.get_group(name) if size > 1 else None
 
+        data_context = None
+        if c > 1:  # every rank makes every group (new_group is collective)
+            grid = mesh.mesh.permute(0, 3, 1, 2).reshape(-1, dp * c)  # [(pp, tp), (dp, cp)]
+            for ranks in grid.tolist():
+                made = dist.new_group(ranks, timeout=timeout)
+                if dist.get_rank() in ranks:
+                    data_context = made
+
         return cls(
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
@@ -171,6 +182,7 @@ class ParallelState:
             context_parallel_size=c,
             context_parallel_rank=cp_rank,
             cp_group=group("cp", c),
+            data_context_group=data_context,
             timeout=timeout,
         )
 
@@ -203,6 +215,24 @@ class ParallelState:
                         mine = made
             self._subgroups[size] = mine
         return self._subgroups[size]
+
+    @property
+    def gradient_group(self) -> dist.ProcessGroup | None:
+        """The ``d·c`` ranks that hold the same model shard (equal pp, tp): the distributed
+        optimizer's gradient reduce-scatter and state shards span it. The ``dp_group`` for
+        ``c = 1``."""
+        return self.data_context_group if self.context_parallel_size > 1 else self.dp_group
+
+    @property
+    def gradient_shards(self) -> int:
+        """``d·c``: the ranks of :attr:`gradient_group`, over which the distributed
+        optimizer shards its state."""
+        return self.data_parallel_size * self.context_parallel_size
+
+    @property
+    def gradient_shard_rank(self) -> int:
+        """This rank's index in :attr:`gradient_group`: ``dp_rank·c + cp_rank``."""
+        return self.data_parallel_rank * self.context_parallel_size + self.context_parallel_rank
 
     @property
     def world_size(self) -> int:

@@ -15,9 +15,8 @@ measure_activations`), and by the paper's formulas — and sets them against the
 Context parallelism (``layout.context_parallel_size = c``): the activations are those of the
 rank's ``s/c`` tokens (the formulas divide every term by ``c`` and drop the core's ``s x s``
 scores and logsumexp, which the CP core does not keep; the fake trace runs CP rank 0's shard
-with its CP core). Model state is unchanged by ``c``: CP shards no parameter, and the
-distributed optimizer is taken to shard over the ``d`` data-parallel ranks only (not over
-dp x cp; :func:`optimizer_shards`).
+with its CP core). CP shards no parameter; the distributed optimizer shards its state over
+the ``d·c`` ranks of dp x cp (:func:`optimizer_shards`).
 
 ``total = model state + first-stage activations``; it leaves out the CUDA context, library
 workspaces, allocator fragmentation and transient buffers (all-gathered inputs, gradients in
@@ -100,10 +99,8 @@ def _measure(layout: Layout, config: GPTConfig, layers: int) -> ActivationMeasur
 
 def optimizer_shards(layout: Layout) -> int:
     """Ranks the distributed optimizer splits the fp32 masters and Adam moments over: the
-    ``d`` data-parallel ranks. Assumed, not over dp x cp (Megatron-Core's choice): this
-    branch's optimizer shards over the data-parallel group; change it here if the strategy
-    shards over dp x cp."""
-    return layout.data_parallel_size
+    ``d·c`` ranks of dp x cp (``ParallelState.gradient_group``, as Megatron-Core)."""
+    return layout.data_parallel_size * layout.context_parallel_size
 
 
 def first_stage_bytes(layout: Layout, layer_bytes: list[float], acts: Activations) -> float:

@@ -72,14 +72,15 @@ def _candidate_json(candidate: Any) -> dict[str, Any]:
 def _model_state_line(result: Estimate) -> str:
     """Model-state bytes per rank: the paper's replicated Adam (18 B per parameter) beside
     the distributed optimizer's ``2 + 4 + 12/d``; the one the run uses is marked."""
-    n, d = result.parameters_per_rank, result.layout.data_parallel_size
+    layout = result.layout
+    n, d = result.parameters_per_rank, layout.data_parallel_size * layout.context_parallel_size
     zero = model_state_bytes(n, MIXED_PRECISION_ADAM, d, distributed_optimizer=True)
     used = "distributed optimizer" if result.layout.distributed_optimizer else "replicated"
     return (
         f"model state per rank: {n / 1e9:.3f}B parameters x "
         f"{MIXED_PRECISION_ADAM.bytes_per_parameter:g} B (bf16 weight 2 + fp32 grad 4 + "
         f"fp32 master 4 + Adam m,v 8) = {gigabytes(model_state_bytes(n))} replicated (paper); "
-        f"distributed optimizer at d={d}: 2 + 4 + 12/{d} = {6 + 12 / d:g} B = "
+        f"distributed optimizer over d·c={d}: 2 + 4 + 12/{d} = {6 + 12 / d:g} B = "
         f"{gigabytes(zero)}; this run: {used}"
     )
 

@@ -42,9 +42,8 @@ optimisation), not overlapped. Per iteration:
 pipeline fills and drains through the others: the bubble ``(p-1)/(m·n)`` of the paper)
 ``+`` the data-parallel gradient reduction that outlasts the last micro-batch's backward
 (fp32 gradients, summed over the ``d·c`` ranks of dp x cp; all-reduce, or with the
-distributed optimizer, which shards over the ``d`` data-parallel ranks only (this branch's
-assumption, as :func:`lightning_sp.memory.formulas.model_state_bytes`), an all-reduce over
-cp, a reduce-scatter over dp and an exposed all-gather of the bf16 weights) ``+`` the
+distributed optimizer, which shards over those ``d·c`` ranks, a reduce-scatter and an
+exposed all-gather of the bf16 weights) ``+`` the
 all-reduce of the tied embedding's gradient between the first and last stage ``+`` the
 optimizer step (memory bound: the gradient norm reads 4 bytes per parameter and zeroing
 writes 4; Adam reads the fp32 gradient, master, m and v and writes master, m, v and the bf16
@@ -362,11 +361,9 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
     if d * c > 1:  # gradients summed over dp x cp (the ranks of one TP / PP position)
         in_node = t * c * d <= cluster.gpus_per_node
         grads = GRAD_BYTES * params
-        if layout.distributed_optimizer:  # sharded over dp only: all-reduce over cp first
-            within_cp = tp_within_node(cluster, t * c)
-            reduce = all_reduce_seconds(cluster, grads, c, within_cp)
-            reduce += gather_seconds(cluster, grads, d, in_node)
-            gather = gather_seconds(cluster, ACT * params, d, in_node)
+        if layout.distributed_optimizer:  # sharded over the d·c ranks
+            reduce = gather_seconds(cluster, grads, d * c, in_node)
+            gather = gather_seconds(cluster, ACT * params, d * c, in_node)
         else:
             reduce, gather = all_reduce_seconds(cluster, grads, d * c, in_node), 0.0
         last_backward = m * sum(
@@ -379,7 +376,7 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
         vocab = cfg.padded_vocab_size(t) // t * h
         in_node = t * c * d * p <= cluster.gpus_per_node
         embedding_grad = all_reduce_seconds(cluster, GRAD_BYTES * vocab, 2, in_node)
-    shard = params / d if layout.distributed_optimizer else params
+    shard = params / (d * c) if layout.distributed_optimizer else params
     optimizer = memory_seconds(cluster, UNSHARDED_STEP_BYTES * params + OPTIMIZER_BYTES * shard)
     iteration = pipeline + dp_exposed + embedding_grad + optimizer
     # the paper's metrics

@@ -1,12 +1,14 @@
 """The distributed optimizer (ZeRO-1, as Megatron's): AdamW state sharded over data parallelism.
 
 The gradient buffer (:class:`~lightning_sp.parallel.buffer.GradBuffer` with
-``distributed=True``) reduce-scatters each bucket, so data-parallel rank r ends backward with
-the mean gradient of its 1/d of every bucket. :class:`DistributedAdamW` keeps fp32 master
-weights and Adam moments for exactly that range (flat segments of the parameters it overlaps),
+``distributed=True``) reduce-scatters each bucket over the d·c ranks of dp x cp
+(``ParallelState.gradient_group``; d for c = 1), so each ends backward with the gradient
+(summed over CP, averaged over DP) of its 1/(d·c) of every bucket. :class:`DistributedAdamW`
+keeps fp32 master weights and Adam moments for exactly that range (flat segments of the
+parameters it overlaps),
 steps them, writes the updated segments into the model's (bf16) parameters and all-gathers
 them bucket by bucket, so every replica again holds the whole updated model. Per parameter a
-rank keeps 12/d optimizer bytes (fp32 master, exp_avg, exp_avg_sq) instead of 12.
+rank keeps 12/(d·c) optimizer bytes (fp32 master, exp_avg, exp_avg_sq) instead of 12.
 
 Checkpoints: each rank saves and loads only its own segments
 (:meth:`DistributedAdamW.segments`), as chunks of the same per-parameter tensors the replicated

@@ -111,9 +111,8 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         distributed_optimizer: Shard the fp32 master weights and Adam moments over
             data-parallel ranks (ZeRO-1, Megatron's distributed optimizer): gradients are
             reduce-scattered, each rank steps its 1/d and the weights are all-gathered
-            (:mod:`lightning_sp.training.distributed_optim`). Under context parallelism the
-            state is sharded over the d data-parallel ranks only: the c CP ranks of a DP rank
-            hold and step the same 1/d (their gradients are summed over CP first).
+            (:mod:`lightning_sp.training.distributed_optim`). Under context parallelism over
+            the d·c ranks of dp x cp: each steps its 1/(d·c).
     """
 
     strategy_name = "megatron_sp"
