@@ -12,6 +12,7 @@ import pytest
 from lightning_sp import ConfigError
 from lightning_sp.testing.spawn import run_distributed
 from lightning_sp.training.agree import ranks_agree
+from lightning_sp.training.data import TextDataModule
 
 from cli_runs import CLI, SMALL, TINY, error_lines, run
 
@@ -53,3 +54,34 @@ def test_error_after_launch_is_one_line_from_two_ranks(tmp_path: Path) -> None:
     assert len(errors) == 1, result.stderr[-3000:]
     assert errors[0].startswith("error: the corpus is empty: 1 entries"), errors
     assert result.stderr.count("the corpus is empty") == 1, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("files", "kwargs", "message"),
+    [
+        ({"rows.jsonl": '{"text": "hello"}\n{"body": "no text"}\n'}, {},
+         r"^text_field='text': .*rows.jsonl line 2 has no such field; set data.text_field"),
+        ({f"d{i}.txt": "ab" for i in range(4)}, {"val_fraction": 0.25},
+         r"^seq_length=64 needs at least 65 training tokens per corpus, but .* has 9; add text "
+         r"or lower seq_length$"),
+        ({"only.txt": "one document"}, {},
+         r"^val_fraction=0.02 needs at least 2 documents, the corpus has 1"),
+    ],
+    ids=["jsonl_row_without_the_field", "corpus_shorter_than_a_sample", "one_document"],
+)  # fmt: skip
+def test_data_errors_found_after_launch_are_one_line_config_errors(
+    tmp_path: Path, files: dict[str, str], kwargs: dict, message: str
+) -> None:
+    """The data errors that only show once the corpus is read (``prepare_data`` / ``setup``,
+    after launch) are one-line ``ConfigError``s: what :func:`ranks_agree` carries to every
+    rank and ``cli.py`` prints once (the 2-rank run above shows the path end to end)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, text in files.items():
+        (corpus / name).write_text(text)
+    data = TextDataModule(paths=str(corpus), seq_length=64, batch_size=2,
+                          cache_dir=str(tmp_path / "cache"), **kwargs)  # fmt: skip
+    with pytest.raises(ConfigError, match=message) as error:
+        data.prepare_data()
+        data.setup("fit")
+    assert "\n" not in str(error.value)
