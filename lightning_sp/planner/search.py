@@ -113,7 +113,7 @@ def _layouts(base: Layout, max_micro_batch: int) -> list[tuple[Layout, int]]:
                     for m in VIRTUAL_PIPELINE_SIZES:
                         if m > 1 and (p == 1 or cfg.num_layers % (p * m) or n % p):
                             continue
-                        for zero in (False, True) if d > 1 else (False,):
+                        for zero in (False, True) if d * c > 1 else (False,):
                             layout = Layout(
                                 config=config, tensor_parallel_size=t,
                                 pipeline_parallel_size=p, virtual_pipeline_size=m,
