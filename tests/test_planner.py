@@ -299,7 +299,7 @@ def test_search_175b_on_1024_gpus_ranks_the_papers_layout_high(
     assert main([*args, "--model.config.attention", "math", "--search", "true", "--top", "5"]) == 0
     table = capsys.readouterr().out
     assert "search over 1024 GPUs (a100-80gb), global batch 1024" in table
-    assert table.count("\n") >= 7 and "(* the configured layout: t=8 p=8 m=3 b=1" in table
+    assert table.count("\n") >= 7 and "(* the configured layout: t=8 p=8 m=3 c=1 b=1" in table
 
 
 def test_auto_under_sdpa_skips_selective() -> None:
