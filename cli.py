@@ -47,6 +47,9 @@ from lightning_sp.training.parse_errors import OneLineErrorParser
 from lightning_sp.training.validation import check_fit_config
 
 EXIT_CONFIG, EXIT_NONFINITE = 2, 3
+PEER_STOP_SECONDS = 10.0
+"""How long a child rank whose step failed waits for the launcher's signal before it reports
+the failure as its own (:func:`lightning_sp.training.shutdown.wait_for_stop`)."""
 LIGHTNING_MODEL_CHECKPOINT = (
     "lightning.pytorch.callbacks.ModelCheckpoint",
     "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint",
@@ -222,6 +225,8 @@ def run() -> None:
         fail(str(error), EXIT_NONFINITE)
     except BaseException as error:
         code = ended_early()
+        if code is None and _rank() != 0:  # a peer's stop broke this rank's step: its signal
+            code = shutdown.wait_for_stop(PEER_STOP_SECONDS)  # follows; then exit quietly
         shutdown.end_children()
         if code is None or (isinstance(error, SystemExit) and error.code == code):
             raise

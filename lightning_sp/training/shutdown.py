@@ -141,6 +141,20 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def wait_for_stop(seconds: float) -> int | None:
+    """A child rank whose step failed without a signal of its own, e.g. a collective or a
+    checkpoint save broken because rank 0 was interrupted: the launcher ends it with the
+    signal it received in a moment. Wait up to ``seconds`` for that signal; its exit code, or
+    ``None`` when none came (the failure is this rank's own)."""
+    deadline = time.monotonic() + seconds
+    try:
+        while not _state["received"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except (KeyboardInterrupt, SystemExit):  # the handlers' way of ending the wait
+        pass
+    return exit_code(received()) if received() else None
+
+
 def install() -> None:
     """Install this module's SIGTERM and SIGINT handlers (main thread only; a no-op
     elsewhere)."""
