@@ -5,18 +5,15 @@ key with a close match instead of a usage dump (training/parse_errors.py)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
+import cli
 from lightning_sp import ConfigError
 from lightning_sp.training.launch_checks import check_writable
 
-from cli_runs import ROOT, TINY
-
-sys.path.insert(0, str(ROOT))
-import cli
+from cli_runs import TINY
 
 
 def _main_error(args: list[str]) -> str:

@@ -22,6 +22,7 @@ import pytest
 import torch.distributed as dist
 import yaml
 
+from cli import read_estimate_args
 from lightning_sp import ConfigError, GPTConfig
 from lightning_sp.memory.formulas import (
     FIGURE7_ROWS,
@@ -36,11 +37,7 @@ from lightning_sp.planner.records import Estimate
 from lightning_sp.planner.report import JSON_KEYS
 from lightning_sp.planner.report import main as report_main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # cli.py is a script at the repository root
-    sys.path.insert(0, ROOT)
-
-from cli import read_estimate_args  # noqa: E402
+from cli_runs import ROOT
 
 CONFIGS = {
     name: os.path.join(ROOT, "configs", f"{name}.yaml")

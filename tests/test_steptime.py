@@ -15,11 +15,11 @@ import functools
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli import read_estimate_args
 from lightning_sp import ConfigError, GPTConfig
 from lightning_sp.memory.flops import (
     forward_flops_per_iteration,
@@ -41,11 +41,7 @@ from lightning_sp.planner.layout import Layout
 from lightning_sp.planner.ops import Gemm, backward_gemms, layer_gemms
 from lightning_sp.planner.steptime import layer_time, step_time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from cli import read_estimate_args  # noqa: E402
+from cli_runs import ROOT
 
 A100 = A100_80GB
 # a small GPT: s=512, h=1024, a=16, L=8, v=1000 (padded 1024 at t <= 8)

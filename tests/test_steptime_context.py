@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 
 import pytest
 
+from cli import read_estimate_args
 from lightning_sp import ConfigError, GPTConfig
 from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
 from lightning_sp.planner.cluster import A100_80GB, H100_80GB
@@ -25,11 +25,7 @@ from lightning_sp.planner.ops import (
 from lightning_sp.planner.search import search
 from lightning_sp.planner.steptime import layer_time, step_time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from cli import read_estimate_args  # noqa: E402
+from cli_runs import ROOT
 
 # a small Llama-like block: GQA (8 query heads, 2 KV groups), SwiGLU, s = 4096
 LLAMA = GPTConfig.of(
