@@ -43,7 +43,8 @@ Sources (quoted by the comments below):
   FlashAttention-2 reaches 35% of the H100's peak.
 
 A cluster is a preset name (:data:`PRESETS`) or a YAML file of :class:`Cluster` fields
-(``base: a100-80gb`` starts from a preset); a calibration file written by
+(``base: a100-80gb`` starts from a preset; ``configs/clusters/selene.yaml`` is one, written by
+:mod:`lightning_sp.planner.table4` from the paper's Table 4); a calibration file written by
 ``python -m benchmarks.calibrate`` is such a YAML file with measured efficiencies and a table
 of measured GEMM and attention times (:class:`Calibration`).
 """

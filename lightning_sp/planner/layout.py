@@ -180,7 +180,9 @@ def add_planner_arguments(parser: LightningArgumentParser) -> None:
         type=str,
         default="a100-80gb",
         help="hardware of the step-time prediction: a100-80gb (the paper's Selene), "
-        "h100-80gb, or a cluster YAML file (python -m benchmarks.calibrate writes one)",
+        "h100-80gb, or a cluster YAML file (python -m benchmarks.calibrate writes one; "
+        "configs/clusters/selene.yaml is a100-80gb with the GEMM efficiency of the paper's "
+        "Table 4)",
     )
     parser.add_argument(
         "--search",
