@@ -17,12 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `benchmarks` is a top-level package of the repository
-    sys.path.insert(0, str(ROOT))
+from benchmarks import dtensor_gpt, verdicts
+from lightning_sp.testing.spawn import run_distributed
 
-from benchmarks import dtensor_gpt, verdicts  # noqa: E402
-from lightning_sp.testing.spawn import run_distributed  # noqa: E402
+from cli_runs import ROOT
 
 SECTIONS = ("meta", "activation_bytes", "layer_time", "flops", "throughput", "summary")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -129,7 +128,6 @@ def test_readme_example_runs_under_torchrun(tmp_path: Path) -> None:
 def test_cli_shows_the_short_progress_bar_unless_disabled(enabled: bool, tmp_path: Path) -> None:
     """The CLI adds lightning_sp.ProgressBar to the configured callbacks (configs/tiny.yaml
     names none), and leaves it out when the bar is disabled."""
-    sys.path.insert(0, str(ROOT))
     from cli import GPTCLI
     from lightning_sp import GPTModule, ProgressBar, TextDataModule
 
@@ -145,7 +143,6 @@ def test_cli_shows_the_short_progress_bar_unless_disabled(enabled: bool, tmp_pat
 def test_logs_go_under_the_default_root_dir(tmp_path: Path) -> None:
     """Like any Lightning run, the CLI's loggers write under ``trainer.default_root_dir``
     (configs/tiny.yaml sets ``logs``); a config's own loggers are left alone."""
-    sys.path.insert(0, str(ROOT))
     from cli import GPTCLI
     from lightning_sp import GPTModule, TextDataModule
 

@@ -225,8 +225,6 @@ def test_predict_and_cli_generate_from_a_checkpoint(tmp_path: Path) -> None:
 def test_benchmark_smoke_reports_a_ratio() -> None:
     """``benchmarks/generate.py`` runs (its timings are not asserted; it checks itself that
     both modes generate the same tokens)."""
-    if str(ROOT) not in sys.path:  # `benchmarks` is a top-level package of the repository
-        sys.path.insert(0, str(ROOT))
     from benchmarks.generate import main
 
     result = main(["--smoke"])

@@ -11,12 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `benchmarks` and `cli` live at the repository root
-    sys.path.insert(0, str(ROOT))
+from benchmarks import gpu
+from lightning_sp.model.config import RECOMPUTE_POLICIES
 
-from benchmarks import gpu  # noqa: E402
-from lightning_sp.model.config import RECOMPUTE_POLICIES  # noqa: E402
+from cli_runs import ROOT
 
 
 @pytest.mark.slow

@@ -286,7 +286,7 @@ TABLE5 = {  # iteration seconds: full recompute (no SP), SP + selective (paper T
 }
 
 
-SELENE = os.path.join(ROOT, "configs", "clusters", "selene.yaml")
+SELENE = "selene"
 """a100-80gb with the GEMM efficiency the paper's Table 4 implies (tests/test_table4.py)."""
 
 

@@ -38,13 +38,17 @@ Sources (quoted by the comments below):
   read kernel measured at 1.80 of 2.04 TB/s (88%) on an A100 80GB SXM, with the best kernel
   in NVIDIA's GTC talk at about 90%. The H100 preset uses the same fraction (no H100 figure
   was checked).
+* [T4] Korthikanti et al., the paper, Table 4: forward and backward milliseconds of one 22B
+  layer on Selene under five settings. ``selene``'s GEMM efficiency is the one under which the
+  step-time model reproduces those ten times best (least squares of the relative errors):
+  ``python -m lightning_sp.planner.table4`` finds it, and ``tests/test_table4.py`` checks the
+  figure below is what it finds. It is fitted to Table 4 only, never to Table 5.
 * [FA2] T. Dao, *FlashAttention-2* (2023): forward + backward reaches 50-73% of the A100's
   peak (the low end is used). [FA3] J. Shah et al., *FlashAttention-3* (2024):
   FlashAttention-2 reaches 35% of the H100's peak.
 
 A cluster is a preset name (:data:`PRESETS`) or a YAML file of :class:`Cluster` fields
-(``base: a100-80gb`` starts from a preset; ``configs/clusters/selene.yaml`` is one, written by
-:mod:`lightning_sp.planner.table4` from the paper's Table 4); a calibration file written by
+(``base: a100-80gb`` starts from a preset); a calibration file written by
 ``python -m benchmarks.calibrate`` is such a YAML file with measured efficiencies and a table
 of measured GEMM and attention times (:class:`Calibration`).
 """
@@ -205,7 +209,11 @@ H100_80GB = Cluster(
 )
 """DGX H100 nodes of 8, 8 x NDR InfiniBand per node."""
 
-PRESETS: dict[str, Cluster] = {c.name: c for c in (A100_80GB, H100_80GB)}
+SELENE = dataclasses.replace(A100_80GB, name="selene", gemm_efficiency=0.703)  # [T4]
+"""The paper's Selene as its own Table 4 measured it: ``a100-80gb`` with the GEMM efficiency
+of the paper's 2022 software (70.3% of peak) in place of the best-shape 85.9%."""
+
+PRESETS: dict[str, Cluster] = {c.name: c for c in (A100_80GB, SELENE, H100_80GB)}
 """The named clusters of ``estimate --cluster``."""
 
 DEFAULT_CLUSTER = A100_80GB

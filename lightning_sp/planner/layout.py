@@ -179,10 +179,10 @@ def add_planner_arguments(parser: LightningArgumentParser) -> None:
         "--cluster",
         type=str,
         default="a100-80gb",
-        help="hardware of the step-time prediction: a100-80gb (the paper's Selene), "
-        "h100-80gb, or a cluster YAML file (python -m benchmarks.calibrate writes one; "
-        "configs/clusters/selene.yaml is a100-80gb with the GEMM efficiency of the paper's "
-        "Table 4)",
+        help="hardware of the step-time prediction: a100-80gb (the paper's Selene from "
+        "datasheets and microbenchmarks), selene (a100-80gb with the GEMM efficiency the "
+        "paper's Table 4 implies), h100-80gb, or a cluster YAML file (python -m "
+        "benchmarks.calibrate writes one)",
     )
     parser.add_argument(
         "--search",

@@ -9,10 +9,11 @@ paper's layers ran slower than that. This module finds the one ``gemm_efficiency
 the step-time model (:func:`lightning_sp.planner.steptime.layer_time`) reproduces those ten
 times best (least squares of the relative errors), every other figure of the preset kept.
 
-The result is the ``selene`` cluster (``configs/clusters/selene.yaml``, written by ``python -m
-lightning_sp.planner.table4 --out configs/clusters/selene.yaml``). It is fitted to Table 4
-only; Table 5 (whole iterations of the 22B, 175B, 530B and 1T models) is the check. The 22B
-row of Table 5 shares Table 4's layer, so only the other three models test it out of sample.
+The result is the ``selene`` preset (:data:`lightning_sp.planner.cluster.SELENE`; ``python -m
+lightning_sp.planner.table4`` prints the fit beside the preset's figure, and
+``tests/test_table4.py`` holds them equal). It is fitted to Table 4 only; Table 5 (whole
+iterations of the 22B, 175B, 530B and 1T models) is the check. The 22B row of Table 5 shares
+Table 4's layer, so only the other three models test it out of sample.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.planner.cluster import A100_80GB, Cluster
+from lightning_sp.planner.cluster import A100_80GB, SELENE, Cluster
 from lightning_sp.planner.steptime import layer_time
 
 TABLE4_CONFIG = GPTConfig(
@@ -98,33 +99,19 @@ def fit_gemm_efficiency(base: Cluster = A100_80GB, tolerance: float = 1e-5) -> f
     return round((lo + hi) / 2, 4)
 
 
-def selene(base: Cluster = A100_80GB) -> Cluster:
-    """``base`` with the GEMM efficiency Table 4 implies, named ``selene``."""
-    return dataclasses.replace(base, name="selene", gemm_efficiency=fit_gemm_efficiency(base))
-
-
 def main(argv: list[str] | None = None) -> None:
-    """Write the ``selene`` cluster as a YAML file ``estimate --cluster`` reads."""
+    """Print the fitted efficiency, the ``selene`` preset's, and Table 4 beside the model."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="configs/clusters/selene.yaml")
-    args = parser.parse_args(argv)
-    cluster = selene()
-    lines = [
-        "# The paper's Selene: a100-80gb with the GEMM efficiency the paper's Table 4 implies",
-        "# (one 22B layer's measured forward/backward times; least squares of the relative",
-        "# errors). Written by: python -m lightning_sp.planner.table4 --out " + args.out,
-        "base: a100-80gb",
-        f"gemm_efficiency: {cluster.gemm_efficiency}",
-    ]
-    with open(args.out, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
+    parser.parse_args(argv)
+    fitted = fit_gemm_efficiency()
+    cluster = dataclasses.replace(A100_80GB, name="selene", gemm_efficiency=fitted)
     for row in TABLE4:
         forward, backward = predicted_ms(cluster, row)
         print(
             f"SP={row.sequence_parallel!s:5} {row.recompute:9}  forward {forward:5.2f} ms "
             f"(paper {row.forward_ms})  backward {backward:5.2f} ms (paper {row.backward_ms})"
         )
-    print(f"gemm_efficiency {cluster.gemm_efficiency} -> {args.out}")
+    print(f"fitted gemm_efficiency {fitted} (the selene preset has {SELENE.gemm_efficiency})")
 
 
 if __name__ == "__main__":
