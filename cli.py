@@ -31,6 +31,7 @@ import time
 import warnings
 from typing import Any
 
+import torch.distributed
 from jsonargparse import Namespace, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
@@ -180,11 +181,20 @@ def _rank() -> int:
 
 def fail(message: str, code: int) -> None:
     """Print ``message`` once (rank 0) and exit with ``code``. Other ranks wait a moment so that
-    Lightning's launcher, which kills the job when a child exits, lets rank 0 print first."""
+    Lightning's launcher, which kills the job when a child exits, lets rank 0 print first.
+
+    With a process group still alive the exit skips the interpreter's teardown (``os._exit``
+    after flushing): there, the group's C++ threads can abort the process ("terminate called
+    without an active exception", SIGABRT) and turn exit code 2 into -6 (seen once in the full
+    suite's two-rank empty-corpus run)."""
     if _rank() == 0:
         print(f"error: {message}", file=sys.stderr)
     else:
         time.sleep(2)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 
