@@ -189,3 +189,25 @@ def test_context_benchmark_smoke() -> None:
     out = context.main(["--smoke"])
     assert out["low"] <= out["ratio"] <= out["high"]
     assert all(math.isfinite(v) and v > 0 for v in out.values())
+
+
+def test_step_check_smoke_on_cpu(tmp_path: Path) -> None:
+    """``python -m benchmarks.step_check --smoke`` on this CPU, on the cluster the smoke
+    calibration wrote: one row per recompute policy with the model's forward + backward, the
+    measured one and their ratio (a benchmark's figure: its value is not asserted); the model
+    predicts full recompute slower than selective, and selective no faster than none."""
+    from benchmarks import calibrate, step_check
+    from lightning_sp.model.config import RECOMPUTE_POLICIES
+
+    cluster = tmp_path / "cpu.yaml"
+    assert calibrate.main(["--smoke", "--device", "cpu", "--out", str(cluster)]) == 0
+    out = tmp_path / "rows.json"
+    args = ["--smoke", "--device", "cpu", "--cluster", str(cluster), "--out", str(out)]
+    assert step_check.main(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["recompute"] for row in rows] == list(RECOMPUTE_POLICIES)
+    for row in rows:
+        assert row["predicted_seconds"] > 0 and row["measured_seconds"] > 0
+        assert row["ratio"] == pytest.approx(row["measured_seconds"] / row["predicted_seconds"])
+    predicted = {row["recompute"]: row["predicted_seconds"] for row in rows}
+    assert predicted["full"] > predicted["selective"] >= predicted["none"]
