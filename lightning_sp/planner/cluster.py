@@ -168,6 +168,10 @@ class Cluster:
         """Achievable memory bandwidth, bytes/s."""
         return self.hbm_bandwidth * self.hbm_efficiency
 
+    def within_node(self, group: int) -> bool:
+        """Whether a group of ``group`` consecutive ranks lies inside one node."""
+        return group <= self.gpus_per_node and self.gpus_per_node % group == 0
+
     def link_rate(self, within_node: bool) -> float:
         """Achievable bandwidth per GPU, one direction, of NVLink or the network."""
         if within_node:

@@ -131,11 +131,6 @@ class LayerTime:
         )
 
 
-def tp_within_node(cluster: Cluster, t: int) -> bool:
-    """Whether a TP group of ``t`` consecutive ranks lies inside one node."""
-    return t <= cluster.gpus_per_node and cluster.gpus_per_node % t == 0
-
-
 _LAYER_TIMES: dict[tuple[str, int, int, Cluster, int], LayerTime] = {}
 """Memo of :func:`layer_time` by ``(repr(config without its recompute fields), t, b,
 cluster, c)``: a search asks for the same layer under many layouts."""
@@ -162,7 +157,7 @@ def cp_exchange_seconds(config: GPTConfig, t: int, b: int, cluster: Cluster, c: 
     the ``t·c`` ranks of a TP x CP block share a node)."""
     kv_heads = max(config.groups, t) // t
     nbytes = ACT * 2 * b * kv_heads * config.seq_length * config.head_dim
-    return gather_seconds(cluster, nbytes, c, tp_within_node(cluster, t * c))
+    return gather_seconds(cluster, nbytes, c, cluster.within_node(t * c))
 
 
 def _core_seconds(
@@ -212,7 +207,7 @@ def _layer_time(config: GPTConfig, t: int, b: int, cluster: Cluster, c: int) -> 
         cluster,
         ACT * config.seq_length // c * b * config.hidden_size,
         t,
-        tp_within_node(cluster, t),
+        cluster.within_node(t),
     )
     exchange = cp_exchange_seconds(config, t, b, cluster, c) if c > 1 else 0.0
     # the input linears of attention and of the MLP (fc1, or SwiGLU's gate and up run as one)
@@ -275,15 +270,6 @@ def _replays(
     return replays
 
 
-def _recompute_flops(config: GPTConfig, batch: int, chunk: int, c: int = 1) -> float:
-    """Hardware FLOPs beyond the model FLOPs of one model chunk of ``chunk`` layers
-    (:func:`lightning_sp.memory.flops.hardware_flops_per_iteration` on a one-chunk model: the
-    recompute pattern repeats every chunk)."""
-    one = dataclasses.replace(config, num_layers=chunk)
-    hardware = hardware_flops_per_iteration(one, batch, chunk, context_parallel_size=c)
-    return hardware - model_flops_per_iteration(one, batch)
-
-
 @dataclass(frozen=True)
 class StepTime:
     """The predicted iteration and its parts (seconds unless named otherwise)."""
@@ -322,7 +308,7 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
     policies = Counter(cfg.layer_recompute(i) for i in range(chunk))
     per_chunk = sum(k * layer.seconds(policy, cfg.attention) for policy, k in policies.items())
     layers = m * per_chunk
-    within_tp = tp_within_node(cluster, t)
+    within_tp = cluster.within_node(t)
     unit = gather_seconds(cluster, ACT * s * b * h, t, within_tp)
     # embedding (first stage) and output layer + loss (last stage)
     emb = (
@@ -382,7 +368,9 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
     # the paper's metrics
     batch, gpus = layout.global_batch_size, layout.world_size
     model = model_flops_per_iteration(cfg, batch)
-    hardware = model + cfg.num_layers // chunk * _recompute_flops(cfg, batch, chunk, c)
+    part = dataclasses.replace(cfg, num_layers=chunk)  # the recompute pattern repeats per chunk
+    redone = hardware_flops_per_iteration(part, batch, chunk, context_parallel_size=c)
+    hardware = model + cfg.num_layers // chunk * (redone - model_flops_per_iteration(part, batch))
     per_gpu = 1.0 / (iteration * gpus)
     recompute = m * sum(k * layer.recompute_seconds(p, cfg.attention) for p, k in policies.items())
     parts = {

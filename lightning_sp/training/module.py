@@ -20,7 +20,6 @@ mean over the whole sequences (equal on the CP ranks).
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -51,6 +50,7 @@ from lightning_sp.training.validation import (
     check_data,
     check_optimizer,
     check_vocabulary,
+    vocabulary_identity,
 )
 
 _DEFAULT_MODEL = GPTConfig()
@@ -366,13 +366,7 @@ class GPTModule(LightningModule):
 
     def _vocabulary_identity(self) -> dict[str, Any]:
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
-        tokenizer = getattr(datamodule, "tokenizer", None)
-        return {
-            "vocab_size": self.config.vocab_size,
-            "tokenizer": getattr(datamodule, "tokenizer_id", None),
-            # what `cli.py export` copies next to the weights
-            "tokenizer_path": os.path.abspath(os.path.expanduser(tokenizer)) if tokenizer else None,
-        }
+        return vocabulary_identity(self.config.vocab_size, datamodule)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -218,6 +218,17 @@ def check_data(datamodule: object, config: GPTConfig) -> None:
         )
 
 
+def vocabulary_identity(vocab_size: int, datamodule: Any) -> dict[str, Any]:
+    """What a checkpoint records of its vocabulary: the model's ``vocab_size``, the
+    datamodule's ``tokenizer_id`` and the tokenizer's path (``cli.py export`` copies it)."""
+    tokenizer = getattr(datamodule, "tokenizer", None)
+    return {
+        "vocab_size": vocab_size,
+        "tokenizer": getattr(datamodule, "tokenizer_id", None),
+        "tokenizer_path": os.path.abspath(os.path.expanduser(tokenizer)) if tokenizer else None,
+    }
+
+
 def check_vocabulary(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """A checkpoint's vocabulary (``vocab_size``, tokenizer identity) against this run's:
     resuming with another vocabulary or tokenizer would silently train on other tokens."""
