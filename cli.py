@@ -40,6 +40,7 @@ import lightning_sp  # noqa: F401  (registers the "megatron_sp" strategy)
 from lightning_sp.errors import ConfigError
 from lightning_sp.planner.layout import FitLayoutCLI
 from lightning_sp.training import shutdown
+from lightning_sp.training.checkpoint import CheckpointSaveError
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.guard import NonFiniteError
 from lightning_sp.training.launch_checks import check_before_launch
@@ -47,7 +48,7 @@ from lightning_sp.training.module import GPTModule
 from lightning_sp.training.parse_errors import OneLineErrorParser
 from lightning_sp.training.validation import check_fit_config
 
-EXIT_CONFIG, EXIT_NONFINITE = 2, 3
+EXIT_CONFIG, EXIT_NONFINITE, EXIT_CHECKPOINT = 2, 3, 4
 PEER_STOP_SECONDS = 10.0
 """How long a child rank whose step failed waits for the launcher's signal before it reports
 the failure as its own (:func:`lightning_sp.training.shutdown.wait_for_stop`)."""
@@ -224,7 +225,7 @@ def ended_early() -> int | None:
 
 def run() -> None:
     """``main()`` with its outcome as an exit code: 0, 2 (bad input, one line), 3 (non-finite
-    step), 128 + N for signal N (130 Ctrl-C, 143 SIGTERM; a SIGTERM during training first
+    step), 4 (a checkpoint could not be written, one line), 128 + N for signal N (130 Ctrl-C, 143 SIGTERM; a SIGTERM during training first
     saves the step), or a dead rank's code (named in one line)."""
     shutdown.install()
     try:
@@ -233,6 +234,8 @@ def run() -> None:
         fail(str(error), EXIT_CONFIG)
     except NonFiniteError as error:
         fail(str(error), EXIT_NONFINITE)
+    except CheckpointSaveError as error:  # a full disk, say: every rank has the same line
+        fail(str(error), EXIT_CHECKPOINT)
     except BaseException as error:
         code = ended_early()
         if code is None and _rank() != 0:  # a peer's stop broke this rank's step: its signal

@@ -31,7 +31,7 @@ from lightning_sp import (
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.checkpoint import Checkpointer, Meta, read_full, rng_key
+from lightning_sp.training.checkpoint import Checkpointer, Meta, read_full, rng_key, verify
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.optim import build_adamw
 
@@ -282,6 +282,80 @@ def test_kill_during_save_leaves_last_at_the_previous_checkpoint(
         mine, theirs = losses(tmp_path), losses(straight)
         for step in (2, 3):
             assert mine[step] == pytest.approx(theirs[step], rel=1e-6), step
+
+
+@pytest.mark.parametrize("raised", [OSError, KeyboardInterrupt])
+def test_a_failed_save_is_one_line_and_an_interrupt_stays_an_interrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, raised: type[BaseException]
+) -> None:
+    """In one process: a shard write that raises ``OSError`` is a ``CheckpointSaveError``
+    of one line naming the checkpoint, the rank and the error, and the name still resolves to
+    the previous save; a ``KeyboardInterrupt`` there (DCP wraps it like any failure) is not
+    turned into a failed save: it reaches the shutdown path as DCP's exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from lightning_sp.training.checkpoint import CheckpointSaveError
+    from lightning_sp.training.checkpoint.dcp_planners import FaultyWriter
+
+    config = tiny_config()
+    model = GPT(config, ParallelState.single())
+    optimizer = build_adamw(model, 1e-3, 0.1, (0.9, 0.95), 1e-8)
+
+    def save(step: int) -> None:
+        Checkpointer().save(tmp_path / "last.ckpt", model, [optimizer],
+                            meta=Meta(step, ParallelConfig(), dataclasses.asdict(config)),
+                            lightning_state={"global_step": step},
+                            rng=("rng.pp0.dp0.tp0", None))  # fmt: skip
+
+    save(1)
+
+    def fail(self: FaultyWriter, plan: object, planner: object) -> None:
+        raise raised("the disk is full" if raised is OSError else "")
+
+    monkeypatch.setattr(FaultyWriter, "write_data", fail)
+    if raised is OSError:
+        with pytest.raises(CheckpointSaveError) as info:
+            save(2)
+        assert str(info.value) == (
+            f"saving checkpoint {tmp_path / 'last.ckpt'} failed on rank 0: OSError: the disk "
+            "is full; last.ckpt still holds the previous save"
+        )
+    else:
+        with pytest.raises(CheckpointException):
+            save(2)
+    assert read_full(tmp_path / "last.ckpt")["lightning"]["global_step"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("async_save", [False, True], ids=["blocking", "async"])
+def test_disk_full_on_one_rank_stops_every_rank_with_one_line(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """Rank 1's shard write of a save fails with ENOSPC: every rank stops with exit 4 and one
+    line naming the checkpoint, rank 1 and the error, no traceback, no hang. Blocking saves:
+    the 4th save (last.ckpt at step 4) fails and last.ckpt still holds step 2, complete (its
+    checksums verify). With ``async_save`` (the failing save is the one being written when
+    rank 1 counts its 2nd) the failure stops the run at the next save or at the end."""
+    fault = "full:1:2" if async_save else "full:1:4"
+    result = cli(tmp_path, "--trainer.max_steps", "6" if async_save else "4",
+                 "--trainer.strategy.init_args.async_save", str(async_save).lower(),
+                 env={"LIGHTNING_SP_CHECKPOINT_FAULT": fault})  # fmt: skip
+    assert result.returncode == 4, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    name = r"(step\d|last)\.ckpt" if async_save else r"last\.ckpt"
+    assert re.match(
+        rf"error: saving checkpoint .*{name} failed on rank 1: OSError: \[Errno 28\] No space "
+        r"left on device \(fault injection\); ",
+        errors[0],
+    ), errors[0]
+    if not async_save:
+        assert errors[0].endswith("; last.ckpt still holds the previous save"), errors[0]
+        last = tmp_path / "checkpoints" / "last.ckpt"
+        verify(last)
+        assert read_full(last)["lightning"]["global_step"] == 2
 
 
 @pytest.mark.slow

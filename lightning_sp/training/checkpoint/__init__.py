@@ -34,8 +34,8 @@ optimizer state), :mod:`.dcp_planners` (DCP planners with global offsets), :mod:
 every rank, async save), :mod:`.commit` (crash-safe publishing by atomic rename).
 """
 
-from lightning_sp.training.checkpoint.checkpointer import Checkpointer
+from lightning_sp.training.checkpoint.checkpointer import Checkpointer, CheckpointSaveError
 from lightning_sp.training.checkpoint.format import Meta, rng_key
 from lightning_sp.training.checkpoint.verify import read_full, verify
 
-__all__ = ["Checkpointer", "Meta", "read_full", "rng_key", "verify"]
+__all__ = ["CheckpointSaveError", "Checkpointer", "Meta", "read_full", "rng_key", "verify"]

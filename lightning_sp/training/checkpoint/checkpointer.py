@@ -8,10 +8,19 @@ collectives on a separate gloo group) and publishes them when every rank has fin
 and removals (``save_top_k``) run in that thread in the order they were asked for, so an old
 checkpoint is never deleted before its successor is published; at most ``MAX_IN_FLIGHT``
 saves wait there (a step checkpoint and ``last``), and the end of training waits for all.
+
+A save that fails (a full disk, a directory gone unwritable, on any rank) raises
+:class:`CheckpointSaveError` on every rank: one line naming the checkpoint, the first failing
+rank and its error. The name it would have replaced still resolves to the previous save (the
+rename never happened). DCP already carries a write error of any rank to all of them; what
+only rank 0 does (the metadata, the rename) is agreed after the save, before ``save``
+returns. With ``async_save`` the failure is agreed at the next save (or raised by the end of
+training's wait, on the ranks that saw it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.parallel.config import ParallelConfig
@@ -65,13 +75,44 @@ def _first_error(message: str | None) -> str | None:
     return next((m for m in messages if m), None)
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written: one line, the same on every rank (``cli.py`` prints
+    it once and exits with code 4)."""
+
+
+def save_failure(final: Path, error: BaseException) -> str:
+    """One line for a failed save of ``final``: the first failing rank and its error (DCP's
+    :class:`CheckpointException` holds every failing rank's) and what ``final`` still holds."""
+    rank = dist.get_rank() if _distributed() else 0
+    if isinstance(error, CheckpointException) and error.failures:
+        rank = min(error.failures)
+        error = error.failures[rank][0]
+    held = (
+        f"{final.name} still holds the previous save"
+        if final.is_symlink()
+        else f"nothing was published as {final.name}"
+    )
+    return (
+        f"saving checkpoint {final} failed on rank {rank}: {type(error).__name__}: {error}; {held}"
+    )
+
+
+def _interrupted(error: BaseException) -> bool:
+    """Whether a failed save was a signal's doing (DCP wraps a rank's ``KeyboardInterrupt``
+    into the :class:`CheckpointException` every rank raises): that is a stop, not a failed
+    save, and is left to the shutdown path (exit 128 + N)."""
+    failures = error.failures.values() if isinstance(error, CheckpointException) else ()
+    return any(not isinstance(e, Exception) for e, _ in failures)
+
+
 class Checkpointer:
     """One rank's side of saving and loading. Every rank calls every method, in step."""
 
     def __init__(self, async_save: bool = False) -> None:
         self.async_save = async_save
         self._group: dist.ProcessGroup | None = None
-        self._pending: list[Future] = []
+        self._pending: list[tuple[Future, Path]] = []
+        self._failure: str | None = None  # an async save's, until the next save agrees on it
         self._executor_: ThreadPoolExecutor | None = None  # created on first use (picklable)
 
     @property
@@ -99,6 +140,10 @@ class Checkpointer:
     ) -> None:
         """Write the checkpoint ``final`` (see the module docstring)."""
         rank = self.rank
+        if self.async_save:  # a background save that failed since the last save, on any rank
+            failed = _first_error(self._failure)
+            if failed:
+                raise CheckpointSaveError(failed)
         commit.count_save(rank)
         token = _broadcast(f"{meta.step:09d}-{uuid.uuid4().hex[:8]}")
         data = commit.data_directory(final, token)
@@ -113,21 +158,28 @@ class Checkpointer:
             state["lightning"] = lightning_state
         writer, planner = FaultyWriter(data, rank), GlobalSavePlanner(shards)
         if not self.async_save:
-            self._write(state, writer, planner, None, final, data, meta)
-            if _distributed():
-                dist.barrier()  # the name is published when save returns, on every rank
+            error = None
+            try:
+                self._write(state, writer, planner, None, final, data, meta)
+            except (Exception, CheckpointException) as exc:
+                if _interrupted(exc):
+                    raise
+                error = save_failure(final, exc)
+            error = _first_error(error)  # also: the name is published when save returns
+            if error:
+                raise CheckpointSaveError(error)
             return
         if self._group is None and _distributed():
             self._group = dist.new_group(backend="gloo")
         while len(self._pending) >= MAX_IN_FLIGHT:
-            self._pending.pop(0).result()
+            outcome = self._outcome(*self._pending.pop(0))
+            self._failure = self._failure or outcome
         staged = {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
                   for k, v in state.items()}  # fmt: skip
-        self._pending.append(
-            self._executor.submit(
-                self._write, staged, writer, planner, self._group, final, data, meta
-            )
+        future = self._executor.submit(
+            self._write, staged, writer, planner, self._group, final, data, meta
         )
+        self._pending.append((future, final))
 
     def _write(
         self,
@@ -142,7 +194,8 @@ class Checkpointer:
         """DCP's save (collective over ``group``), then rank 0 publishes: every rank's shard
         writes and DCP's metadata are done when ``dcp.save`` returns on rank 0."""
         if self.rank == 0:  # crashed saves' leftovers of this name, before anyone writes
-            commit.collect_garbage(final)
+            with contextlib.suppress(OSError):  # cleanup only: the next save tries again
+                commit.collect_garbage(final)
         if _distributed():
             dist.barrier(group=group)
         dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
@@ -151,20 +204,34 @@ class Checkpointer:
             (data / META_FILE).write_text(meta.dumps())
             commit.publish(final, data)
 
+    @staticmethod
+    def _outcome(future: Future, final: Path) -> str | None:
+        """Wait for ``future`` (a save or removal of ``final``): its failure's line, or None."""
+        try:
+            future.result()
+        except (Exception, CheckpointException) as error:
+            if _interrupted(error):
+                raise
+            return save_failure(final, error)
+        return None
+
     def wait(self) -> None:
-        """Block until every save in flight is written and published."""
+        """Block until every save in flight is written and published; a failure is raised as
+        :class:`CheckpointSaveError` on the ranks that saw it (no collective: this runs in
+        teardown, also on error paths)."""
+        failure, self._failure = self._failure, None
         while self._pending:
-            try:
-                self._pending.pop(0).result()
-            except Exception as error:
-                raise RuntimeError(f"saving a checkpoint failed: {error}") from error
+            outcome = self._outcome(*self._pending.pop(0))  # every save waited for
+            failure = failure or outcome
+        if failure:
+            raise CheckpointSaveError(failure)
 
     def remove(self, final: Path) -> None:
         """Delete ``final`` (rank 0's job) after every save in flight is published."""
         if self.rank != 0:
             return
         if self._pending:
-            self._pending.append(self._executor.submit(commit.remove, final))
+            self._pending.append((self._executor.submit(commit.remove, final), final))
         else:
             commit.remove(final)
 

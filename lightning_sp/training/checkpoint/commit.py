@@ -13,7 +13,8 @@ same name deletes (:func:`collect_garbage`).
 SIGKILL at ``<point>`` of its ``<n>``-th save in this process (1-based), to test all this:
 ``shard`` (in the middle of writing its shard files: they are left half written), ``written``
 (after its shards are written, while other ranks may still be writing) and ``rename`` (all
-data and metadata written, just before the rename; the committing rank 0 only).
+data and metadata written, just before the rename; the committing rank 0 only). ``full``
+does not kill: rank ``<rank>``'s shard write raises ``OSError(ENOSPC)``, a disk gone full.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 FAULT_ENV = "LIGHTNING_SP_CHECKPOINT_FAULT"
-FAULT_POINTS = ("shard", "written", "rename")
+FAULT_POINTS = ("shard", "written", "rename", "full")
 
 
 def data_directory(final: Path, token: str) -> Path:
@@ -110,7 +111,7 @@ def maybe_fault(point: str, rank: int) -> bool:
     want_point, want_rank, want_save = spec.split(":")
     if (want_point, int(want_rank), int(want_save)) != (point, rank, _save_counts.get(rank, 0)):
         return False
-    if point != "shard":
+    if point not in ("shard", "full"):  # the callers of these act themselves
         die(point, rank)
     return True
 

@@ -3,6 +3,7 @@ points of :mod:`~lightning_sp.training.checkpoint.commit`."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,8 @@ class FaultyWriter(FileSystemWriter):
         self.fault_rank = rank  # the base class's ``rank`` is DCP's own (optional)
 
     def write_data(self, plan: SavePlan, planner: Any) -> Any:
+        if commit.maybe_fault("full", self.fault_rank):
+            raise OSError(errno.ENOSPC, "No space left on device (fault injection)")
         future = super().write_data(plan, planner)
         if commit.maybe_fault("shard", self.fault_rank):
             for result in future.value():  # leave this rank's files half written, then die
