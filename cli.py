@@ -225,8 +225,9 @@ def ended_early() -> int | None:
 
 def run() -> None:
     """``main()`` with its outcome as an exit code: 0, 2 (bad input, one line), 3 (non-finite
-    step), 4 (a checkpoint could not be written, one line), 128 + N for signal N (130 Ctrl-C, 143 SIGTERM; a SIGTERM during training first
-    saves the step), or a dead rank's code (named in one line)."""
+    step), 4 (a checkpoint could not be written, one line), 128 + N for signal N (130 Ctrl-C,
+    143 SIGTERM; a SIGTERM during training first saves the step), or a dead rank's code
+    (named in one line)."""
     shutdown.install()
     try:
         main()
