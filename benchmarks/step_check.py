@@ -37,8 +37,8 @@ from lightning_sp.planner.steptime import step_time
 
 def predicted_seconds(config: GPTConfig, micro_batch: int, cluster: Cluster) -> float:
     """Forward + backward of one micro-batch on one device, by the step-time model."""
-    layout = Layout(config=config, micro_batch_size=micro_batch, sequence_parallel=False)
-    return step_time(layout, cluster, layout.config).parts["pipeline"]
+    layout = Layout(config=config, micro_batch_size=micro_batch)
+    return step_time(layout, cluster).parts["pipeline"]
 
 
 def measured_seconds(

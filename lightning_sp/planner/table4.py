@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.parse_args(argv)
     fitted = fit_gemm_efficiency()
-    cluster = dataclasses.replace(A100_80GB, name="selene", gemm_efficiency=fitted)
+    cluster = dataclasses.replace(SELENE, gemm_efficiency=fitted)
     for row in TABLE4:
         forward, backward = predicted_ms(cluster, row)
         print(

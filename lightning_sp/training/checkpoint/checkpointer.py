@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,10 @@ def _broadcast(obj: Any) -> Any:
     return holder[0]
 
 
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
 def _first_error(message: str | None) -> str | None:
     """The first rank's error message (in rank order), on every rank."""
     if not _distributed():
@@ -83,7 +88,7 @@ class CheckpointSaveError(RuntimeError):
 def save_failure(final: Path, error: BaseException) -> str:
     """One line for a failed save of ``final``: the first failing rank and its error (DCP's
     :class:`CheckpointException` holds every failing rank's) and what ``final`` still holds."""
-    rank = dist.get_rank() if _distributed() else 0
+    rank = _rank()
     if isinstance(error, CheckpointException) and error.failures:
         rank = min(error.failures)
         error = error.failures[rank][0]
@@ -97,12 +102,19 @@ def save_failure(final: Path, error: BaseException) -> str:
     )
 
 
-def _interrupted(error: BaseException) -> bool:
-    """Whether a failed save was a signal's doing (DCP wraps a rank's ``KeyboardInterrupt``
-    into the :class:`CheckpointException` every rank raises): that is a stop, not a failed
-    save, and is left to the shutdown path (exit 128 + N)."""
-    failures = error.failures.values() if isinstance(error, CheckpointException) else ()
-    return any(not isinstance(e, Exception) for e, _ in failures)
+def _failure_of(run: Callable[[], Any], final: Path) -> str | None:
+    """Run ``run`` (a save of ``final``, or the wait for one): its failure's line
+    (:func:`save_failure`), or None. A failure that was a signal's doing (DCP wraps a rank's
+    ``KeyboardInterrupt`` into the :class:`CheckpointException` every rank raises) is a stop,
+    not a failed save: it is raised as it is, for the shutdown path (exit 128 + N)."""
+    try:
+        run()
+    except (Exception, CheckpointException) as error:
+        failures = error.failures.values() if isinstance(error, CheckpointException) else ()
+        if any(not isinstance(e, Exception) for e, _ in failures):
+            raise
+        return save_failure(final, error)
+    return None
 
 
 class Checkpointer:
@@ -124,7 +136,7 @@ class Checkpointer:
 
     @property
     def rank(self) -> int:
-        return dist.get_rank() if _distributed() else 0
+        return _rank()
 
     # -- save ------------------------------------------------------------------------------------
 
@@ -158,13 +170,9 @@ class Checkpointer:
             state["lightning"] = lightning_state
         writer, planner = FaultyWriter(data, rank), GlobalSavePlanner(shards)
         if not self.async_save:
-            error = None
-            try:
-                self._write(state, writer, planner, None, final, data, meta)
-            except (Exception, CheckpointException) as exc:
-                if _interrupted(exc):
-                    raise
-                error = save_failure(final, exc)
+            error = _failure_of(
+                lambda: self._write(state, writer, planner, None, final, data, meta), final
+            )
             error = _first_error(error)  # also: the name is published when save returns
             if error:
                 raise CheckpointSaveError(error)
@@ -172,7 +180,8 @@ class Checkpointer:
         if self._group is None and _distributed():
             self._group = dist.new_group(backend="gloo")
         while len(self._pending) >= MAX_IN_FLIGHT:
-            outcome = self._outcome(*self._pending.pop(0))
+            future, name = self._pending.pop(0)
+            outcome = _failure_of(future.result, name)
             self._failure = self._failure or outcome
         staged = {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
                   for k, v in state.items()}  # fmt: skip
@@ -204,24 +213,14 @@ class Checkpointer:
             (data / META_FILE).write_text(meta.dumps())
             commit.publish(final, data)
 
-    @staticmethod
-    def _outcome(future: Future, final: Path) -> str | None:
-        """Wait for ``future`` (a save or removal of ``final``): its failure's line, or None."""
-        try:
-            future.result()
-        except (Exception, CheckpointException) as error:
-            if _interrupted(error):
-                raise
-            return save_failure(final, error)
-        return None
-
     def wait(self) -> None:
         """Block until every save in flight is written and published; a failure is raised as
         :class:`CheckpointSaveError` on the ranks that saw it (no collective: this runs in
         teardown, also on error paths)."""
         failure, self._failure = self._failure, None
         while self._pending:
-            outcome = self._outcome(*self._pending.pop(0))  # every save waited for
+            future, name = self._pending.pop(0)
+            outcome = _failure_of(future.result, name)  # every save waited for
             failure = failure or outcome
         if failure:
             raise CheckpointSaveError(failure)
