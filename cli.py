@@ -182,14 +182,18 @@ def _rank() -> int:
 
 def fail(message: str, code: int) -> None:
     """Print ``message`` once (rank 0) and exit with ``code``. Other ranks wait a moment so that
-    Lightning's launcher, which kills the job when a child exits, lets rank 0 print first.
+    Lightning's launcher, which kills the job when a child exits, lets rank 0 print first; rank
+    0 then waits for its child ranks (killing those still running after a grace), so that none
+    outlives it.
 
     With a process group still alive the exit skips the interpreter's teardown (``os._exit``
     after flushing): there, the group's C++ threads can abort the process ("terminate called
     without an active exception", SIGABRT) and turn exit code 2 into -6 (seen once in the full
     suite's two-rank empty-corpus run)."""
+    shutdown.stopping()  # the children's exits are ours now: the watcher says nothing
     if _rank() == 0:
         print(f"error: {message}", file=sys.stderr)
+        shutdown.end_children()
     else:
         time.sleep(2)
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -34,6 +34,26 @@ def _process_state_restored() -> Iterator[None]:
     os.environ.update(before)
 
 
+@pytest.fixture
+def shutdown_handlers() -> Iterator[None]:
+    """``lightning_sp.training.shutdown``'s signal handlers installed in this process for the
+    test; the previous handlers and the module's state are restored after it."""
+    import signal
+
+    from lightning_sp.training import shutdown
+
+    previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    saved = dict(shutdown._state)
+    shutdown.install()
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+        shutdown._state.clear()
+        shutdown._state.update(saved)
+
+
 TEXT = (
     "def add(a, b):\n    return a + b\n\n"
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"

@@ -18,7 +18,6 @@ from lightning_sp.parallel.state import ParallelState
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parent.parent
 VOCAB, SEQ, HIDDEN, LAYERS, HEADS = 300, 32, 64, 2, 4
 LLAMA_HEADS, LLAMA_GROUPS, LLAMA_FFN = 8, 2, 96  # 2 KV groups: fewer than t = 4
 TOLERANCE = 1e-10

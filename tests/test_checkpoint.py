@@ -35,6 +35,7 @@ from lightning_sp.training.checkpoint import Checkpointer, Meta, read_full, rng_
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.optim import build_adamw
 
+from cli_runs import CLI, ROOT, error_lines
 from models import batch, tiny_config
 
 # (t, p, m, SP); d = 4 / (t * p)
@@ -184,8 +185,6 @@ def test_resharding_between_layouts() -> None:
 
 # -- through cli.py: Lightning's launcher, 2 ranks, tiny.yaml at smoke size ---------------------
 
-ROOT = Path(__file__).resolve().parent.parent
-CLI = str(ROOT / "cli.py")
 QUICK = ["--data.max_documents", "30", "--trainer.limit_val_batches", "0",
          "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
          "--trainer.num_sanity_val_steps", "0"]  # fmt: skip
@@ -284,17 +283,22 @@ def test_kill_during_save_leaves_last_at_the_previous_checkpoint(
             assert mine[step] == pytest.approx(theirs[step], rel=1e-6), step
 
 
-@pytest.mark.parametrize("raised", [OSError, KeyboardInterrupt])
+@pytest.mark.parametrize("raised", [OSError, KeyboardInterrupt, "SIGINT"])
 def test_a_failed_save_is_one_line_and_an_interrupt_stays_an_interrupt(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, raised: type[BaseException]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    shutdown_handlers: None,
+    raised: type[BaseException] | str,
 ) -> None:
     """In one process: a shard write that raises ``OSError`` is a ``CheckpointSaveError``
     of one line naming the checkpoint, the rank and the error, and the name still resolves to
     the previous save; a ``KeyboardInterrupt`` there (DCP wraps it like any failure) is not
-    turned into a failed save: it reaches the shutdown path as DCP's exception."""
+    turned into a failed save: it reaches the shutdown path as DCP's exception; nor is a write
+    that a SIGINT broke into another error (``SaveStopped``)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from lightning_sp.training.checkpoint import CheckpointSaveError
+    from lightning_sp.training.checkpoint import CheckpointSaveError, commit
+    from lightning_sp.training.checkpoint.checkpointer import SaveStopped
     from lightning_sp.training.checkpoint.dcp_planners import FaultyWriter
 
     config = tiny_config()
@@ -307,12 +311,19 @@ def test_a_failed_save_is_one_line_and_an_interrupt_stays_an_interrupt(
                             lightning_state={"global_step": step},
                             rng=("rng.pp0.dp0.tp0", None))  # fmt: skip
 
+    monkeypatch.setattr(commit, "_save_counts", {})  # this test's saves are 1 and 2
     save(1)
 
     def fail(self: FaultyWriter, plan: object, planner: object) -> None:
+        assert isinstance(raised, type)
         raise raised("the disk is full" if raised is OSError else "")
 
-    monkeypatch.setattr(FaultyWriter, "write_data", fail)
+    if raised == "SIGINT":  # the fault point: SIGINT in the write, turned into a RuntimeError
+        monkeypatch.setenv("LIGHTNING_SP_CHECKPOINT_FAULT", "interrupt:0:2")
+        with pytest.raises(SaveStopped):
+            save(2)
+    else:
+        monkeypatch.setattr(FaultyWriter, "write_data", fail)
     if raised is OSError:
         with pytest.raises(CheckpointSaveError) as info:
             save(2)
@@ -320,7 +331,7 @@ def test_a_failed_save_is_one_line_and_an_interrupt_stays_an_interrupt(
             f"saving checkpoint {tmp_path / 'last.ckpt'} failed on rank 0: OSError: the disk "
             "is full; last.ckpt still holds the previous save"
         )
-    else:
+    elif raised is KeyboardInterrupt:
         with pytest.raises(CheckpointException):
             save(2)
     assert read_full(tmp_path / "last.ckpt")["lightning"]["global_step"] == 1
@@ -356,6 +367,29 @@ def test_disk_full_on_one_rank_stops_every_rank_with_one_line(
         last = tmp_path / "checkpoints" / "last.ckpt"
         verify(last)
         assert read_full(last)["lightning"]["global_step"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_signal_that_breaks_a_save_is_a_stop_not_a_failed_save(tmp_path: Path) -> None:
+    """Rank 1 receives SIGINT inside its shard write of the 4th save (last.ckpt at step 4),
+    and the write turns the interrupt into a ``RuntimeError`` (as ``torch.save``'s zip writer
+    did once in the full suite): the run ends as a Ctrl-C of rank 1 does (exit 130, one line
+    naming rank 1's SIGINT, no traceback, rank 1 gone), not as a failed save (exit 4), and
+    last.ckpt still holds step 2."""
+    result = cli(tmp_path, "--trainer.max_steps", "6",
+                 env={"LIGHTNING_SP_CHECKPOINT_FAULT": "interrupt:1:4"})  # fmt: skip
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1, result.stderr[-3000:]
+    found = re.match(r"error: rank 1 \(pid (\d+)\) exited with code 130 \(SIGINT\)", errors[0])
+    assert found, errors[0]
+    rank1 = Path(f"/proc/{found.group(1)}")
+    assert not rank1.exists() or "zombie" in (rank1 / "status").read_text(), "rank 1 lives on"
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    verify(last)
+    assert read_full(last)["lightning"]["global_step"] == 2
 
 
 @pytest.mark.slow

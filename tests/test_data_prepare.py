@@ -27,9 +27,8 @@ from lightning_sp.training.data import (
     tokenizer_info,
 )
 
+from cli_runs import ROOT
 from corpora import bpe_tokenizer, document, jsonl, text_files, word_tokenizer
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _source(paths: str | list[str], **kwargs) -> Source:

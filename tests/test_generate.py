@@ -33,9 +33,9 @@ from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.generate_command import at_context_length, context_notice
 from lightning_sp.training.prompts import TextPredictionWriter
 
+from cli_runs import ROOT
 from models import relative_error, tiny_config
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [5, 17, 99, 3, 250]
 GREEDY = GenerationConfig(max_new_tokens=20, temperature=0.0)
 

@@ -42,7 +42,7 @@ def _stopped(proc, tmp_path: Path, rank1: int, signalled_at: float) -> tuple[int
     assert took < STOP_WITHIN, f"took {took:.0f} s to stop:\n{stderr[-3000:]}"
     assert (
         not Path(f"/proc/{rank1}").exists() or "zombie" in Path(f"/proc/{rank1}/status").read_text()
-    ), "rank 1 outlived the launcher"
+    ), f"rank 1 outlived the launcher:\n{stderr[-3000:]}"
     return code, stderr
 
 
@@ -88,23 +88,14 @@ def test_sigterm_saves_the_step_then_exits_143(tmp_path: Path, target: str) -> N
     assert last["global_step"] > 2, last["global_step"]  # the step the signal ended
 
 
-def test_a_child_rank_broken_by_a_peers_stop_waits_for_its_signal() -> None:
+def test_a_child_rank_broken_by_a_peers_stop_waits_for_its_signal(shutdown_handlers: None) -> None:
     """A child rank whose step failed because rank 0 stopped (e.g. a checkpoint save broken by
     rank 0's Ctrl-C) waits for the launcher's signal and takes its exit code, so it exits
     quietly instead of printing its traceback; with no signal the failure stays its own."""
     from lightning_sp.training import shutdown
 
-    previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    saved = dict(shutdown._state)
-    try:
-        shutdown.install()
-        assert shutdown.wait_for_stop(0.2) is None  # nothing came: the failure is the rank's
-        timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
-        assert shutdown.wait_for_stop(20) == 130  # the launcher's Ctrl-C arrived
-        timer.join()
-    finally:
-        signal.signal(signal.SIGINT, previous[0])
-        signal.signal(signal.SIGTERM, previous[1])
-        shutdown._state.clear()
-        shutdown._state.update(saved)
+    assert shutdown.wait_for_stop(0.2) is None  # nothing came: the failure is the rank's
+    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    assert shutdown.wait_for_stop(20) == 130  # the launcher's Ctrl-C arrived
+    timer.join()

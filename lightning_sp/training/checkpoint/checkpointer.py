@@ -16,6 +16,11 @@ rename never happened). DCP already carries a write error of any rank to all of 
 only rank 0 does (the metadata, the rename) is agreed after the save, before ``save``
 returns. With ``async_save`` the failure is agreed at the next save (or raised by the end of
 training's wait, on the ranks that saw it).
+
+A save that a signal broke is a stop, not a failed save: the signalled rank's interrupt may
+surface as any error (``torch.save``'s writer turns a ``KeyboardInterrupt`` into a
+``RuntimeError``), so every rank raises :class:`SaveStopped` instead, and the shutdown path
+names the signal (exit 128 + N).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.parallel.config import ParallelConfig
+from lightning_sp.training import shutdown
 from lightning_sp.training.checkpoint import commit
 from lightning_sp.training.checkpoint.dcp_planners import (
     FaultyWriter,
@@ -71,18 +77,36 @@ def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
 
 
+STOPPED = "stopped by a signal"
+"""A rank's part of the agreement on a save when its own signal broke that save."""
+
+
 def _first_error(message: str | None) -> str | None:
-    """The first rank's error message (in rank order), on every rank."""
+    """The first rank's error message (in rank order), on every rank; :data:`STOPPED` when
+    any rank's was (a stop outranks a failure it may have caused elsewhere)."""
     if not _distributed():
         return message
     messages: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(messages, message)
-    return next((m for m in messages if m), None)
+    return STOPPED if STOPPED in messages else next((m for m in messages if m), None)
 
 
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written: one line, the same on every rank (``cli.py`` prints
     it once and exits with code 4)."""
+
+
+class SaveStopped(RuntimeError):
+    """A save that a rank's signal broke: the run is stopping, not failing to save (``cli.py``
+    reports the signal, or on rank 0 the signalled rank's exit)."""
+
+
+def _raise_for(failure: str | None) -> None:
+    """Raise what an agreed save outcome means: nothing, a stop, or a failed save."""
+    if failure == STOPPED:
+        raise SaveStopped(STOPPED)
+    if failure:
+        raise CheckpointSaveError(failure)
 
 
 def save_failure(final: Path, error: BaseException) -> str:
@@ -104,16 +128,18 @@ def save_failure(final: Path, error: BaseException) -> str:
 
 def _failure_of(run: Callable[[], Any], final: Path) -> str | None:
     """Run ``run`` (a save of ``final``, or the wait for one): its failure's line
-    (:func:`save_failure`), or None. A failure that was a signal's doing (DCP wraps a rank's
-    ``KeyboardInterrupt`` into the :class:`CheckpointException` every rank raises) is a stop,
-    not a failed save: it is raised as it is, for the shutdown path (exit 128 + N)."""
+    (:func:`save_failure`), or None. A failure that was a signal's doing is a stop, not a
+    failed save: when DCP wrapped a rank's ``KeyboardInterrupt`` into the
+    :class:`CheckpointException` every rank raises, that exception goes on as it is (exit
+    128 + N); when this rank received a signal and its save failed in any other way (the
+    interrupt turned into another error), the outcome is :data:`STOPPED`."""
     try:
         run()
     except (Exception, CheckpointException) as error:
         failures = error.failures.values() if isinstance(error, CheckpointException) else ()
         if any(not isinstance(e, Exception) for e, _ in failures):
             raise
-        return save_failure(final, error)
+        return STOPPED if shutdown.received() else save_failure(final, error)
     return None
 
 
@@ -153,9 +179,7 @@ class Checkpointer:
         """Write the checkpoint ``final`` (see the module docstring)."""
         rank = self.rank
         if self.async_save:  # a background save that failed since the last save, on any rank
-            failed = _first_error(self._failure)
-            if failed:
-                raise CheckpointSaveError(failed)
+            _raise_for(_first_error(self._failure))
         commit.count_save(rank)
         token = _broadcast(f"{meta.step:09d}-{uuid.uuid4().hex[:8]}")
         data = commit.data_directory(final, token)
@@ -173,9 +197,7 @@ class Checkpointer:
             error = _failure_of(
                 lambda: self._write(state, writer, planner, None, final, data, meta), final
             )
-            error = _first_error(error)  # also: the name is published when save returns
-            if error:
-                raise CheckpointSaveError(error)
+            _raise_for(_first_error(error))  # also: the name is published when save returns
             return
         if self._group is None and _distributed():
             self._group = dist.new_group(backend="gloo")
@@ -215,15 +237,14 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every save in flight is written and published; a failure is raised as
-        :class:`CheckpointSaveError` on the ranks that saw it (no collective: this runs in
-        teardown, also on error paths)."""
+        :class:`CheckpointSaveError` (or :class:`SaveStopped`) on the ranks that saw it (no
+        collective: this runs in teardown, also on error paths)."""
         failure, self._failure = self._failure, None
         while self._pending:
             future, name = self._pending.pop(0)
             outcome = _failure_of(future.result, name)  # every save waited for
             failure = failure or outcome
-        if failure:
-            raise CheckpointSaveError(failure)
+        _raise_for(failure)
 
     def remove(self, final: Path) -> None:
         """Delete ``final`` (rank 0's job) after every save in flight is published."""

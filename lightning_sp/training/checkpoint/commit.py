@@ -15,6 +15,8 @@ SIGKILL at ``<point>`` of its ``<n>``-th save in this process (1-based), to test
 (after its shards are written, while other ranks may still be writing) and ``rename`` (all
 data and metadata written, just before the rename; the committing rank 0 only). ``full``
 does not kill: rank ``<rank>``'s shard write raises ``OSError(ENOSPC)``, a disk gone full.
+``interrupt``: rank ``<rank>`` receives SIGINT in its shard write, and the write turns the
+``KeyboardInterrupt`` into a ``RuntimeError`` (as ``torch.save``'s zip writer can).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import time
 from pathlib import Path
 
 FAULT_ENV = "LIGHTNING_SP_CHECKPOINT_FAULT"
-FAULT_POINTS = ("shard", "written", "rename", "full")
+FAULT_POINTS = ("shard", "written", "rename", "full", "interrupt")
 
 
 def data_directory(final: Path, token: str) -> Path:
@@ -111,7 +113,7 @@ def maybe_fault(point: str, rank: int) -> bool:
     want_point, want_rank, want_save = spec.split(":")
     if (want_point, int(want_rank), int(want_save)) != (point, rank, _save_counts.get(rank, 0)):
         return False
-    if point not in ("shard", "full"):  # the callers of these act themselves
+    if point not in ("shard", "full", "interrupt"):  # the callers of these act themselves
         die(point, rank)
     return True
 

@@ -4,6 +4,9 @@ points of :mod:`~lightning_sp.training.checkpoint.commit`."""
 from __future__ import annotations
 
 import errno
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -118,8 +121,9 @@ def _entry(entries: dict[tuple[str, tuple[int, ...]], str], index: MetadataIndex
 
 
 class FaultyWriter(FileSystemWriter):
-    """DCP's file writer with the ``shard`` / ``written`` fault points of
-    :mod:`~lightning_sp.training.checkpoint.commit` (inactive unless the variable is set)."""
+    """DCP's file writer with the ``full`` / ``interrupt`` / ``shard`` / ``written`` fault
+    points of :mod:`~lightning_sp.training.checkpoint.commit` (inactive unless the variable
+    is set)."""
 
     def __init__(self, path: Path, rank: int) -> None:
         super().__init__(path, sync_files=True, overwrite=True)
@@ -128,6 +132,12 @@ class FaultyWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: Any) -> Any:
         if commit.maybe_fault("full", self.fault_rank):
             raise OSError(errno.ENOSPC, "No space left on device (fault injection)")
+        if commit.maybe_fault("interrupt", self.fault_rank):
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)  # the handler raises KeyboardInterrupt here
+            except KeyboardInterrupt as stop:
+                raise RuntimeError("the write was interrupted (fault injection)") from stop
         future = super().write_data(plan, planner)
         if commit.maybe_fault("shard", self.fault_rank):
             for result in future.value():  # leave this rank's files half written, then die
