@@ -27,8 +27,17 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_sp import ConfigError, GPTModule, MegatronSPStrategy, OptimizerConfig, ParallelState
+from lightning_sp.interop.hf import load_hf_weights, read_hf_config, save_hf
+from lightning_sp.model.generate import GenerationConfig
+from lightning_sp.model.gpt import GPT
+from lightning_sp.training.data import TextDataModule
+from lightning_sp.training.hf_export import export_checkpoint
+
+from cli_runs import ROOT
 from hf_models import (
-    ROOT,
     SEQ,
     STEPS,
     VOCAB,
@@ -43,14 +52,6 @@ from hf_models import (
     tokens,
     transformers,
 )
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-
-from lightning_sp import ConfigError, GPTModule, MegatronSPStrategy, OptimizerConfig, ParallelState
-from lightning_sp.interop.hf import load_hf_weights, read_hf_config, save_hf
-from lightning_sp.model.generate import GenerationConfig
-from lightning_sp.model.gpt import GPT
-from lightning_sp.training.data import TextDataModule
-from lightning_sp.training.hf_export import export_checkpoint
 
 
 @pytest.fixture(scope="module")

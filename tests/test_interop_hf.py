@@ -29,9 +29,20 @@ from typing import Any
 
 import pytest
 import torch
+
+from lightning_sp import ConfigError, GPTConfig, GPTModule
+from lightning_sp.interop.hf import check_hf_directory, load_hf_weights, read_hf_config
+from lightning_sp.model.generate import GenerationConfig, generate
+from lightning_sp.model.gpt import GPT
+from lightning_sp.parallel.grads import finalize_grads
+from lightning_sp.parallel.state import ParallelState
+from lightning_sp.pipeline import Pipeline
+from lightning_sp.testing.spawn import run_distributed
+from lightning_sp.training.optim import build_adamw
+
+from cli_runs import ROOT
 from hf_models import (
     LLAMA_GROUPS,
-    ROOT,
     STEPS,
     TOLERANCE,
     full_logits,
@@ -46,16 +57,6 @@ from hf_models import (
     tokens,
     transformers,
 )
-
-from lightning_sp import ConfigError, GPTConfig, GPTModule
-from lightning_sp.interop.hf import check_hf_directory, load_hf_weights, read_hf_config
-from lightning_sp.model.generate import GenerationConfig, generate
-from lightning_sp.model.gpt import GPT
-from lightning_sp.parallel.grads import finalize_grads
-from lightning_sp.parallel.state import ParallelState
-from lightning_sp.pipeline import Pipeline
-from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.optim import build_adamw
 
 CONFIGS = {"gpt2": our_config, "llama": llama_config}
 """Our config of each saved model, by name."""
