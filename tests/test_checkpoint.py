@@ -283,20 +283,23 @@ def test_kill_during_save_leaves_last_at_the_previous_checkpoint(
             assert mine[step] == pytest.approx(theirs[step], rel=1e-6), step
 
 
-@pytest.mark.parametrize("raised", [OSError, KeyboardInterrupt, "SIGINT"])
+@pytest.mark.parametrize(
+    "case", ["disk full", "disk full after a SIGTERM in training", "KeyboardInterrupt", "SIGINT"]
+)
 def test_a_failed_save_is_one_line_and_an_interrupt_stays_an_interrupt(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    shutdown_handlers: None,
-    raised: type[BaseException] | str,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shutdown_handlers: None, case: str
 ) -> None:
     """In one process: a shard write that raises ``OSError`` is a ``CheckpointSaveError``
     of one line naming the checkpoint, the rank and the error, and the name still resolves to
-    the previous save; a ``KeyboardInterrupt`` there (DCP wraps it like any failure) is not
-    turned into a failed save: it reaches the shutdown path as DCP's exception; nor is a write
-    that a SIGINT broke into another error (``SaveStopped``)."""
+    the previous save; so it is after a SIGTERM during training (which interrupts nothing: the
+    save that ends the step runs on). A ``KeyboardInterrupt`` there (DCP wraps it like any
+    failure) is not turned into a failed save: it reaches the shutdown path as DCP's
+    exception; nor is a write that a SIGINT broke into another error (``SaveStopped``)."""
+    import signal
+
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from lightning_sp.training import shutdown
     from lightning_sp.training.checkpoint import CheckpointSaveError, commit
     from lightning_sp.training.checkpoint.checkpointer import SaveStopped
     from lightning_sp.training.checkpoint.dcp_planners import FaultyWriter
@@ -314,26 +317,32 @@ def test_a_failed_save_is_one_line_and_an_interrupt_stays_an_interrupt(
     monkeypatch.setattr(commit, "_save_counts", {})  # this test's saves are 1 and 2
     save(1)
 
-    def fail(self: FaultyWriter, plan: object, planner: object) -> None:
-        assert isinstance(raised, type)
-        raise raised("the disk is full" if raised is OSError else "")
+    def full(self: FaultyWriter, plan: object, planner: object) -> None:
+        raise OSError("the disk is full")
 
-    if raised == "SIGINT":  # the fault point: SIGINT in the write, turned into a RuntimeError
+    def interrupt(self: FaultyWriter, plan: object, planner: object) -> None:
+        raise KeyboardInterrupt
+
+    expected: type[BaseException] = CheckpointSaveError
+    if case == "SIGINT":  # the fault point: SIGINT in the write, turned into a RuntimeError
         monkeypatch.setenv("LIGHTNING_SP_CHECKPOINT_FAULT", "interrupt:0:2")
-        with pytest.raises(SaveStopped):
-            save(2)
+        expected = SaveStopped
+    elif case == "KeyboardInterrupt":
+        monkeypatch.setattr(FaultyWriter, "write_data", interrupt)
+        expected = CheckpointException
     else:
-        monkeypatch.setattr(FaultyWriter, "write_data", fail)
-    if raised is OSError:
-        with pytest.raises(CheckpointSaveError) as info:
-            save(2)
+        if "SIGTERM" in case:
+            shutdown.set_training(True)
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded; the step and its save run on
+            assert shutdown.received() == signal.SIGTERM and not shutdown.interrupted()
+        monkeypatch.setattr(FaultyWriter, "write_data", full)
+    with pytest.raises(expected) as info:
+        save(2)
+    if expected is CheckpointSaveError:
         assert str(info.value) == (
             f"saving checkpoint {tmp_path / 'last.ckpt'} failed on rank 0: OSError: the disk "
             "is full; last.ckpt still holds the previous save"
         )
-    elif raised is KeyboardInterrupt:
-        with pytest.raises(CheckpointException):
-            save(2)
     assert read_full(tmp_path / "last.ckpt")["lightning"]["global_step"] == 1
 
 

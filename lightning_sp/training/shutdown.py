@@ -39,6 +39,7 @@ GRACE_SECONDS = 5.0
 
 _state: dict[str, Any] = {
     "received": 0,  # the last stop signal this process received (0: none)
+    "interrupted": False,  # a handler raised: the signal broke whatever this process was doing
     "agreed": 0,  # the stop signal the ranks agreed on during training (0: none)
     "stopping": False,  # this process is ending the job itself: a child's exit is expected
     "dead": None,  # (exit code, message) of a rank that died first
@@ -61,6 +62,13 @@ def signal_name(signum: int) -> str:
 def received() -> int:
     """The stop signal this process received (0: none)."""
     return int(_state["received"])
+
+
+def interrupted() -> bool:
+    """Whether a stop signal's handler raised in this process (SIGINT; SIGTERM outside
+    training or a second time): whatever failed since may be the signal's doing. A SIGTERM
+    during training raises nothing: the step, and its save, run on."""
+    return bool(_state["interrupted"])
 
 
 def agreed() -> int:
@@ -132,11 +140,13 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
             child.send_signal(signum)
     if not first or not _state["training"]:
         stopping()
+        _state["interrupted"] = True
         raise SystemExit(exit_code(signum))
 
 
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
     _state["received"] = signum
+    _state["interrupted"] = True
     stopping()
     raise KeyboardInterrupt
 

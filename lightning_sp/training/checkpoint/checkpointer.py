@@ -131,15 +131,17 @@ def _failure_of(run: Callable[[], Any], final: Path) -> str | None:
     (:func:`save_failure`), or None. A failure that was a signal's doing is a stop, not a
     failed save: when DCP wrapped a rank's ``KeyboardInterrupt`` into the
     :class:`CheckpointException` every rank raises, that exception goes on as it is (exit
-    128 + N); when this rank received a signal and its save failed in any other way (the
-    interrupt turned into another error), the outcome is :data:`STOPPED`."""
+    128 + N); when a signal interrupted this rank (:func:`shutdown.interrupted`) and its save
+    failed in any other way (the interrupt turned into another error), the outcome is
+    :data:`STOPPED`. (A SIGTERM during training interrupts nothing: the save that ends the
+    step runs on, and its failure is a failed save.)"""
     try:
         run()
     except (Exception, CheckpointException) as error:
         failures = error.failures.values() if isinstance(error, CheckpointException) else ()
         if any(not isinstance(e, Exception) for e, _ in failures):
             raise
-        return STOPPED if shutdown.received() else save_failure(final, error)
+        return STOPPED if shutdown.interrupted() else save_failure(final, error)
     return None
 
 
