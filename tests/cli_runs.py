@@ -26,11 +26,14 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def run(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """``python *args`` in ``cwd`` to its end (stdout and stderr captured as text)."""
+def run(
+    args: list[str], cwd: Path, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``python *args`` in ``cwd`` to its end (stdout and stderr captured as text), with
+    ``env`` added to the environment."""
     return subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=_env(), capture_output=True, text=True,
-        timeout=timeout,
+        [sys.executable, *args], cwd=cwd, env={**_env(), **(env or {})}, capture_output=True,
+        text=True, timeout=timeout,
     )  # fmt: skip
 
 
@@ -67,6 +70,12 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
         assert proc.poll() is None, f"the run ended (code {proc.returncode}) before {path}"
         assert time.monotonic() < deadline, f"no {path} after {timeout} s"
         time.sleep(0.2)
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (no longer listed, or a zombie awaiting its parent)."""
+    proc = Path(f"/proc/{pid}")
+    return not proc.exists() or "zombie" in (proc / "status").read_text()
 
 
 def error_lines(stderr: str) -> list[str]:

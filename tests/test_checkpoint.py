@@ -9,8 +9,6 @@ import hashlib
 import math
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +33,7 @@ from lightning_sp.training.checkpoint import Checkpointer, Meta, read_full, rng_
 from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.optim import build_adamw
 
-from cli_runs import CLI, ROOT, error_lines
+from cli_runs import CLI, ROOT, error_lines, gone, run
 from models import batch, tiny_config
 
 # (t, p, m, SP); d = 4 / (t * p)
@@ -204,9 +202,8 @@ def _config(folder: Path) -> Path:
 
 def cli(folder: Path, *args: str, env: dict | None = None, timeout: float = 300):
     folder.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, CLI, "fit", "--config", str(_config(folder)), *QUICK, *args]
-    result = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
+    command = [CLI, "fit", "--config", str(_config(folder)), *QUICK, *args]
+    result = run(command, folder, timeout=timeout, env=env)
     result.ended = time.time()  # type: ignore[attr-defined]
     return result
 
@@ -363,7 +360,7 @@ def test_disk_full_on_one_rank_stops_every_rank_with_one_line(
                  env={"LIGHTNING_SP_CHECKPOINT_FAULT": fault})  # fmt: skip
     assert result.returncode == 4, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    errors = error_lines(result.stderr)
     assert len(errors) == 1, result.stderr[-3000:]
     name = r"(step\d|last)\.ckpt" if async_save else r"last\.ckpt"
     assert re.match(
@@ -394,8 +391,7 @@ def test_a_signal_that_breaks_a_save_is_a_stop_not_a_failed_save(tmp_path: Path)
     assert len(errors) == 1, result.stderr[-3000:]
     found = re.match(r"error: rank 1 \(pid (\d+)\) exited with code 130 \(SIGINT\)", errors[0])
     assert found, errors[0]
-    rank1 = Path(f"/proc/{found.group(1)}")
-    assert not rank1.exists() or "zombie" in (rank1 / "status").read_text(), "rank 1 lives on"
+    assert gone(int(found.group(1))), "rank 1 lives on"
     last = tmp_path / "checkpoints" / "last.ckpt"
     verify(last)
     assert read_full(last)["lightning"]["global_step"] == 2
@@ -415,7 +411,7 @@ def test_nonfinite_loss_stops_with_one_line_and_keeps_last(straight: Path, tmp_p
     before = digest(tmp_path / "checkpoints" / "last.ckpt")
     result = cli(tmp_path, "--trainer.max_steps", "4", "--model.optimizer.lr", "1e6")
     assert result.returncode == 3, result.stderr[-3000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    errors = error_lines(result.stderr)
     assert len(errors) == 1, result.stderr[-3000:]
     assert re.search(r"non-finite (loss|gradient norm) \(rank [\d, ]+\).* at step 1", errors[0])
     assert digest(tmp_path / "checkpoints" / "last.ckpt") == before

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_runs import CLI, ROOT, TINY, run
+from cli_runs import CLI, ROOT, TINY, error_lines, run
 
 QUICK = ["--trainer.max_steps", "4", "--data.max_documents", "30",
          "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "2",
@@ -103,7 +103,7 @@ def test_bad_config_fails_with_one_line(tmp_path: Path, args: list[str], message
     result = run([CLI, "fit", "--config", TINY, *args], tmp_path, timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    errors = error_lines(result.stderr)
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
     assert not (tmp_path / "checkpoints").exists(), "work started before the config was checked"
 

@@ -33,7 +33,7 @@ from lightning_sp.training.data import TextDataModule
 from lightning_sp.training.generate_command import at_context_length, context_notice
 from lightning_sp.training.prompts import TextPredictionWriter
 
-from cli_runs import ROOT
+from cli_runs import ROOT, error_lines
 from models import relative_error, tiny_config
 
 PROMPT = [5, 17, 99, 3, 250]
@@ -216,7 +216,7 @@ def test_predict_and_cli_generate_from_a_checkpoint(tmp_path: Path) -> None:
 
     missing = subprocess.run([*cli, "--ckpt_path", "nowhere.ckpt", *options], cwd=tmp_path,
                              env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    errors = [line for line in missing.stderr.splitlines() if line.startswith("error:")]
+    errors = error_lines(missing.stderr)
     assert missing.returncode != 0 and len(errors) == 1, missing.stderr[-2000:]
     assert "ckpt_path='nowhere.ckpt' does not exist" in errors[0]
 

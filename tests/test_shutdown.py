@@ -16,7 +16,7 @@ import pytest
 
 from lightning_sp.training.checkpoint import read_full
 
-from cli_runs import CLI, SMALL, TINY, children, error_lines, finish, start, wait_for
+from cli_runs import CLI, SMALL, TINY, children, error_lines, finish, gone, start, wait_for
 
 STOP_WITHIN = 30  # seconds from the signal to the exit of every rank
 
@@ -40,9 +40,7 @@ def _stopped(proc, tmp_path: Path, rank1: int, signalled_at: float) -> tuple[int
     took = time.monotonic() - signalled_at
     assert code is not None, f"still running {STOP_WITHIN + 30} s after the signal:\n{stderr}"
     assert took < STOP_WITHIN, f"took {took:.0f} s to stop:\n{stderr[-3000:]}"
-    assert (
-        not Path(f"/proc/{rank1}").exists() or "zombie" in Path(f"/proc/{rank1}/status").read_text()
-    ), f"rank 1 outlived the launcher:\n{stderr[-3000:]}"
+    assert gone(rank1), f"rank 1 outlived the launcher:\n{stderr[-3000:]}"
     return code, stderr
 
 
