@@ -22,11 +22,11 @@ import torch.distributed as dist
 
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.checkpoint import Checkpointer, Meta
+from lightning_sp.optim.adamw import build_adamw
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.checkpoint import Checkpointer, Meta
-from lightning_sp.training.optim import build_adamw
 
 SCHEDULES = ("none", "async", "sync")
 

@@ -37,7 +37,7 @@ import numpy as np
 from lightning.pytorch.callbacks import Callback
 
 from lightning_sp import GPTConfig, GPTModule, MegatronSPStrategy, OptimizerConfig
-from lightning_sp.training.data import (
+from lightning_sp.data import (
     PrepareSettings,
     Source,
     TextDataModule,
@@ -45,9 +45,9 @@ from lightning_sp.training.data import (
     prepare,
     tokenizer_info,
 )
-from lightning_sp.training.data.prepare import FORMAT, METADATA, SHARD_TOKENS
-from lightning_sp.training.data.sources import stdlib_python_files
-from lightning_sp.training.data.tokenizer import BYTES
+from lightning_sp.data.prepare import FORMAT, METADATA, SHARD_TOKENS
+from lightning_sp.data.sources import stdlib_python_files
+from lightning_sp.data.tokenizer import BYTES
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "data.json"
 

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.optim.adamw import build_adamw
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.optim import build_adamw
 
 MODES = ("overlap", "after")
 

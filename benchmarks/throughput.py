@@ -10,7 +10,7 @@ rank 1 run the whole benchmark; external launch avoids that and treats both stra
 
 Both runs: 2 CPU ranks (one intra-op thread each), tensor parallel t=2 with sequence
 parallelism, the same recompute policy, fp32, the same weights (the DTensor model loads our
-seeded initialisation), the same batches (:class:`lightning_sp.training.data.TextDataModule` over a
+seeded initialisation), the same batches (:class:`lightning_sp.data.TextDataModule` over a
 fixed sample of the standard library, byte-level), the same AdamW and learning-rate schedule.
 A callback times every training step (``on_train_batch_start`` -> ``on_train_batch_end``:
 forward, backward, gradient reductions, optimizer step, the slower rank's time) and what
@@ -58,15 +58,15 @@ from torch.distributed.tensor.parallel import loss_parallel
 from benchmarks import _cpu, dtensor_gpt
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, GPTModule, MegatronSPStrategy, OptimizerConfig
+from lightning_sp.data import TextDataModule
 from lightning_sp.memory.flops import (
     hardware_flops_per_iteration,
     measure_peak_flops,
     model_flops_per_iteration,
 )
+from lightning_sp.optim.adamw import configure_adamw
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.data import TextDataModule
-from lightning_sp.training.optim import configure_adamw
 
 TIMEOUT_SECONDS = 300.0
 STRATEGIES = ("ours", "lightning_model_parallel")

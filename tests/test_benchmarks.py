@@ -192,11 +192,11 @@ def test_context_benchmark_smoke() -> None:
 
 
 def test_step_check_smoke_on_cpu(tmp_path: Path) -> None:
-    """``python -m benchmarks.step_check --smoke`` on this CPU, on the cluster the smoke
+    """``lightning-sp step-check --smoke`` on this CPU, on the cluster the smoke
     calibration wrote: one row per recompute policy with the model's forward + backward, the
     measured one and their ratio (a benchmark's figure: its value is not asserted); the model
     predicts full recompute slower than selective, and selective no faster than none."""
-    from benchmarks import calibrate, step_check
+    from lightning_sp.cli import calibrate, step_check
     from lightning_sp.model.config import RECOMPUTE_POLICIES
 
     cluster = tmp_path / "cpu.yaml"

@@ -29,13 +29,13 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_sp import ConfigError, GPTModule, MegatronSPStrategy, OptimizerConfig
+from lightning_sp.callbacks.memory import ActivationMemoryMonitor
+from lightning_sp.callbacks.throughput import MFUMonitor
+from lightning_sp.checkpoint import Meta, read_full
+from lightning_sp.data import TextDataModule
 from lightning_sp.memory.flops import model_flops_per_iteration
 from lightning_sp.memory.formulas import activation_bytes_per_layer
-from lightning_sp.training.callbacks import ActivationMemoryMonitor
-from lightning_sp.training.checkpoint import Meta, read_full
-from lightning_sp.training.data import TextDataModule
-from lightning_sp.training.throughput import MFUMonitor
-from lightning_sp.training.validation import check_context_sequence
+from lightning_sp.training.checks import check_context_sequence
 
 from models import relative_error, tiny_config
 

@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_sp import GPT, ParallelState
+from lightning_sp.checkpoint import Checkpointer, Meta, read_full, rng_key
+from lightning_sp.checkpoint.shards import flat_range_boxes
 from lightning_sp.memory.formulas import distributed_optimizer_elements, model_state_bytes
+from lightning_sp.optim.adamw import build_adamw
+from lightning_sp.optim.distributed import DistributedAdamW
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.checkpoint import Checkpointer, Meta, read_full, rng_key
-from lightning_sp.training.checkpoint.shards import flat_range_boxes
-from lightning_sp.training.distributed_optim import DistributedAdamW
-from lightning_sp.training.optim import build_adamw
 
 from models import batch, tiny_config
 

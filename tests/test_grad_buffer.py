@@ -24,11 +24,11 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_sp import GPT, ParallelState
+from lightning_sp.optim.adamw import build_adamw
 from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.grads import clip_grad_norm_, finalize_grads, global_grad_norm, grad_of
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.optim import build_adamw
 from lightning_sp.training.strategy import MegatronSPStrategy
 
 from models import batch, gradient_floor, relative_error, tiny_config

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from cli import read_estimate_args
 from lightning_sp import ConfigError, GPTConfig
+from lightning_sp.cli.estimate import read_estimate_args
 from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
 from lightning_sp.planner.cluster import A100_80GB, H100_80GB
 from lightning_sp.planner.estimate import estimate
@@ -170,7 +170,7 @@ def test_search_ranks_context_parallel_layouts() -> None:
 def test_estimate_command_at_128k_with_c8(capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 23's command (on 256 GPUs: t·p·c = 8·4·8): a layout line with c = 8 and some
     row that fits 80 GB."""
-    from lightning_sp.planner.report import main
+    from lightning_sp.cli.estimate import main
 
     args = [
         "--config", os.path.join(ROOT, "configs", "llama3_70b.yaml"),

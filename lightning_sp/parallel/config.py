@@ -5,7 +5,7 @@ setup the strategy completes it (the data-parallel size from the world size, seq
 parallelism agreed with the module's) and pushes it, with the rank's
 :class:`~lightning_sp.parallel.state.ParallelState`, into the module. The planner's
 :class:`~lightning_sp.planner.layout.Layout` holds one beside the model config and the batch,
-and a checkpoint's ``meta.json`` records one (:mod:`lightning_sp.training.checkpoint`).
+and a checkpoint's ``meta.json`` records one (:mod:`lightning_sp.checkpoint`).
 """
 
 from __future__ import annotations

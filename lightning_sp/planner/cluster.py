@@ -49,7 +49,7 @@ Sources (quoted by the comments below):
 
 A cluster is a preset name (:data:`PRESETS`) or a YAML file of :class:`Cluster` fields
 (``base: a100-80gb`` starts from a preset); a calibration file written by
-``python -m benchmarks.calibrate`` is such a YAML file with measured efficiencies and a table
+``lightning-sp calibrate`` is such a YAML file with measured efficiencies and a table
 of measured GEMM and attention times (:class:`Calibration`).
 """
 
@@ -81,7 +81,7 @@ class MeasuredKernel:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Kernel times measured on one device (``benchmarks.calibrate``); the step-time model
+    """Kernel times measured on one device (``lightning_sp.planner.calibrate``); the step-time model
     uses a measured time when it has the exact shape, and its analytic model otherwise."""
 
     device: str = ""

@@ -1,16 +1,13 @@
-"""What ``cli.py estimate`` prints and draws: the table, the JSON rows and the memory ladder
-(Figure 7), and the command itself.
+"""What ``estimate`` prints and draws: the table, the JSON rows and the memory ladder
+(Figure 7).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from lightning_sp.errors import ConfigError
 from lightning_sp.memory.formulas import (
     FIGURE7_ROWS,
     MIXED_PRECISION_ADAM,
@@ -18,11 +15,8 @@ from lightning_sp.memory.formulas import (
     layers_in_flight,
     model_state_bytes,
 )
-from lightning_sp.planner.cluster import load_cluster
-from lightning_sp.planner.estimate import estimate, no_gain_notes
-from lightning_sp.planner.layout import FitLayoutCLI
+from lightning_sp.planner.estimate import no_gain_notes
 from lightning_sp.planner.records import Estimate, EstimateRow, gigabytes
-from lightning_sp.planner.search import format_search, search
 
 JSON_KEYS = (
     "sequence_parallel",
@@ -268,41 +262,3 @@ def plot_ladder(result: Estimate, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def main(read: Callable[[list[str]], FitLayoutCLI], argv: list[str]) -> int:
-    """``python cli.py estimate``: ``read(argv)`` parses the ``fit`` command line plus the
-    planner's options (a :class:`FitLayoutCLI`); print the table (or JSON), optionally plot;
-    return the exit status (0, or 2 with a one-line ``error:`` on stderr for a bad config)."""
-    try:
-        parsed = read(argv)
-        options = parsed.options
-        cluster = load_cluster(options.cluster)
-        if options.search:
-            found = search(parsed.layout, cluster, options.device_bytes)
-            if options.format == "json":
-                print(json.dumps([_candidate_json(x) for x in found.ranked[: options.top]]))
-            else:
-                print(format_search(found, options.top))
-            return 0
-        result = estimate(
-            parsed.layout,
-            options.device_bytes,
-            layers=options.layers,
-            measure=options.measure,
-            cluster=cluster,
-        )
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if options.format == "json":
-        print(json.dumps([to_json(r) for r in result.rows], indent=2))
-        if result.choice is not None:
-            print(result.choice.describe(), file=sys.stderr)
-    else:
-        print(format_table(result))
-    if options.plot:
-        plot_ladder(result, options.plot)
-        if options.format == "table":
-            print(f"plot: {options.plot}")
-    return 0

@@ -9,7 +9,7 @@ Lightning's ``ModelParallelStrategy`` hands the module its device mesh): before
 :class:`~lightning_sp.parallel.config.ParallelConfig`; the module builds its shard from them
 in ``configure_model`` and returns it from ``stage_model()``; after the last backward of a
 step the strategy calls the shard's ``finalize_grads(buffer)``.
-:class:`~lightning_sp.training.module.GPTModule` holds a
+:class:`~lightning_sp.training.gpt_module.GPTModule` holds a
 :class:`~lightning_sp.pipeline.Pipeline` (for every ``p``, including 1);
 ``examples/custom_mlp.py`` shows a custom tensor-parallel model on ``lightning_sp.parallel``.
 

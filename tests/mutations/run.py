@@ -257,7 +257,7 @@ MUTATIONS = (
         "gradient infinite on one rank only, one rank stops (or skips) and the others step",
         (
             (
-                "lightning_sp/training/guard.py",
+                "lightning_sp/runtime/guard.py",
                 "world = dist.get_world_size() if dist.is_available() and dist.is_initialized() "
                 "else 1",
                 "world = 1",
@@ -272,7 +272,7 @@ MUTATIONS = (
         "norm and logs rank 0's as train/grad_norm",
         (
             (
-                "lightning_sp/training/module.py",
+                "lightning_sp/training/gpt_module.py",
                 "sharded = buffer is not None and buffer.distributed",
                 "sharded = False",
             ),
