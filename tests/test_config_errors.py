@@ -134,6 +134,11 @@ def test_module_resolves_auto_recompute() -> None:
     module = GPTModule(tiny_config(recompute="auto"))
     module.configure_model()  # a tiny model fits an 80 GB device: no recomputation at all
     assert [layer.recompute for layer in module.chunks[0].layers] == ["none", "none"]
+    # resolved once: what the module, its hyperparameters (hparams.yaml) and the checkpoint's
+    # model config report is the policy that runs, not "auto"
+    assert module.config.recompute == "none"
+    assert module.hparams["config"]["recompute"] == "none"
+    assert module.hparams_initial["config"]["recompute"] == "none"  # what loggers write
 
 
 def test_recompute_num_layers_mixes_full_and_selective() -> None:

@@ -123,19 +123,24 @@ class GPTModule(LightningModule):
         if init_from is not None:
             check_hf_directory(init_from, self.config)
         self.generation.validate()
-        self.save_hyperparameters(
-            {
-                "config": dataclasses.asdict(self.config),
-                "optimizer": dataclasses.asdict(self.optimizer_config),
-                "init_from": init_from,
-                "compile_layers": compile_layers,
-            }
-        )
+        self._save_hyperparameters()
         self.pipeline: Pipeline | None = None  # this rank's model chunks (one when p = 1)
         self._parallel: tuple[ParallelState, ParallelConfig] | None = None  # pushed by megatron_sp
         self.val_loss = MeanMetric()
         self._configured: list[dict[str, Any]] | None = None  # this run's optimizer settings
         self._resumed_optimizer: dict[str, Any] | None = None  # the checkpoint's (resuming)
+
+    def _save_hyperparameters(self) -> None:
+        """What ``hparams.yaml`` and checkpoints record of this module: its settings as they
+        run (``recompute: auto`` appears resolved once ``configure_model`` has resolved it)."""
+        self.save_hyperparameters(
+            {
+                "config": dataclasses.asdict(self.config),
+                "optimizer": dataclasses.asdict(self.optimizer_config),
+                "init_from": self.init_from,
+                "compile_layers": self.compile_layers,
+            }
+        )
 
     # -- model -------------------------------------------------------------------------------
 
@@ -201,6 +206,10 @@ class GPTModule(LightningModule):
             micro_batch = max(1, per_step // layout.num_microbatches)
             config, choice = auto_recompute_config(config, layout, micro_batch, state.device)
             rank_zero_info(f"recompute=auto: {choice.describe()}")
+            # resolved once: the model, hparams.yaml, the checkpoint and the monitors all see
+            # the policy that runs (the loggers write hparams after configure_model)
+            self.config = config
+            self._save_hyperparameters()
         if state.pipeline_parallel_size > 1:
             self._check_pipeline_batch(layout.num_microbatches)
         self.pipeline = Pipeline(
