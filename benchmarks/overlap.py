@@ -22,6 +22,7 @@ import torch.distributed as dist
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.optim.adamw import build_adamw
+from lightning_sp.parallel.buffer import GradBufferConfig
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.testing.spawn import run_distributed
 
@@ -41,8 +42,7 @@ def _rank(rank: int, world_size: int, rounds: int, hidden: int, bucket: int) -> 
             0.1,
             (0.9, 0.95),
             1e-8,
-            bucket_numel=bucket,
-            overlap_grad_reduce=name == "overlap",
+            GradBufferConfig(bucket, overlap=name == "overlap"),
         )
         for name in MODES
     }

@@ -11,9 +11,7 @@ from typing import Any
 
 from lightning_sp.data.tokenizer import tokenizer_info
 from lightning_sp.errors import ConfigError, check_writable
-from lightning_sp.parallel.config import resolve_sequence_parallel
 from lightning_sp.training.checks import (
-    check_context_sequence,
     check_optimizer,
     check_precision,
     check_strategy_args,
@@ -75,22 +73,19 @@ def check_fit_config(config: Any) -> None:
     optimizer values and, when resuming, the checkpoint (present, intact, same shapes)."""
     from lightning_sp.checkpoint.verify import check_checkpoint
     from lightning_sp.model.config import GPTConfig
-    from lightning_sp.parallel.state import check_layout
 
     trainer = config.trainer
     args = _strategy_init_args(trainer.strategy)
     model_config = GPTConfig(**vars(config.model.config))
     if args is not None:
-        check_strategy_args(**args)
+        layout = check_strategy_args(**args)
         check_precision(trainer.precision)
         devices = trainer.devices
         if isinstance(devices, int) and devices > 0:
-            t, p = args.get("tensor_parallel_size", 1), args.get("pipeline_parallel_size", 1)
-            c = args.get("context_parallel_size", 1)
-            check_layout(devices * (trainer.num_nodes or 1), t, p, c)
-            resolve_sequence_parallel(args.get("sequence_parallel"), model_config.sequence_parallel)
-            model_config.validate(t)
-            check_context_sequence(model_config, t, c)
+            layout = layout.for_world_size(devices * (trainer.num_nodes or 1))
+            layout = layout.with_sequence_parallel(model_config.sequence_parallel)
+            model_config.validate(layout.tensor_parallel_size)
+            layout.check_sequence_length(model_config.seq_length, model_config.sequence_parallel)
     check_optimizer(config.model.optimizer)
     ckpt_path = getattr(config, "ckpt_path", None)
     if ckpt_path and ckpt_path not in ("last", "hpc", "best", "registry"):

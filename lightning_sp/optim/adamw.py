@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 
 from lightning_sp.optim.distributed import DistributedAdamW, run_closure
-from lightning_sp.parallel.buffer import GradBuffer
+from lightning_sp.parallel.buffer import GradBuffer, GradBufferConfig
 from lightning_sp.parallel.state import ParallelState
 
 
@@ -186,20 +186,18 @@ def build_adamw(
     weight_decay: float,
     betas: tuple[float, float],
     eps: float,
-    bucket_numel: int | None = None,
-    overlap_grad_reduce: bool = True,
-    distributed_optimizer: bool = False,
+    grad_buffer: GradBufferConfig | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not on biases, LayerNorms, 1-D params).
 
     fp32 models get ``torch.optim.AdamW``; low-precision models get
     :class:`MasterWeightAdamW` (fp32 gradients and master weights); both use
-    :func:`kernel_options` for the parameters' device. With ``bucket_numel``
-    every model gets :class:`MasterWeightAdamW` over a
-    :class:`~lightning_sp.parallel.buffer.GradBuffer` of buckets of that many elements
-    (``model`` then has a ``state``; a pipeline's micro-batches and tied embedding are read
-    from it), reducing during backward unless ``overlap_grad_reduce`` is off; with
-    ``distributed_optimizer`` the buffer reduce-scatters and
+    :func:`kernel_options` for the parameters' device. With ``grad_buffer`` (a
+    :class:`~lightning_sp.parallel.buffer.GradBufferConfig`) every model gets
+    :class:`MasterWeightAdamW` over a :class:`~lightning_sp.parallel.buffer.GradBuffer` of
+    buckets of its ``bucket_numel`` elements (``model`` then has a ``state``; a pipeline's
+    micro-batches and tied embedding are read from it), reducing during backward unless its
+    ``overlap`` is off; with its ``distributed`` the buffer reduce-scatters and
     :class:`~lightning_sp.optim.distributed.DistributedAdamW` keeps 1/d of the state.
     """
     params = [p for p in model.parameters() if p.requires_grad]
@@ -212,7 +210,7 @@ def build_adamw(
     groups = [g for g in groups if g["params"]]
     device = params[0].device if params else torch.device("cpu")
     kernel: dict[str, Any] = dict(lr=lr, betas=betas, eps=eps, **kernel_options(device))
-    if bucket_numel is not None:
+    if grad_buffer is not None:
         if not isinstance(model, Sharded):
             raise TypeError(f"a gradient buffer needs the model's parallel state: "
                             f"{type(model).__name__} has no `state`")  # fmt: skip
@@ -220,13 +218,13 @@ def build_adamw(
         buffer = GradBuffer(
             params,
             model.state,
-            bucket_numel,
+            grad_buffer.bucket_numel,
             deferred=stage.tied_embedding_weights() if stage is not None else (),
-            overlap=overlap_grad_reduce,
+            overlap=grad_buffer.overlap,
             backwards_per_step=stage.num_microbatches if stage is not None else 1,
-            distributed=distributed_optimizer,
+            distributed=grad_buffer.distributed,
         )
-        if distributed_optimizer:
+        if grad_buffer.distributed:
             return DistributedAdamW(groups, buffer, **kernel)
         return MasterWeightAdamW(groups, grad_buffer=buffer, **kernel)
     low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
@@ -245,13 +243,15 @@ def lr_multiplier(step: int, peak: float, floor: float, warmup: int, decay: int)
 
 
 def configure_adamw(
-    model: nn.Module, cfg: OptimizerConfig, max_steps: int, **buffer: Any
+    model: nn.Module,
+    cfg: OptimizerConfig,
+    max_steps: int,
+    grad_buffer: GradBufferConfig | None = None,
 ) -> OptimizerLRSchedulerConfig:
-    """``configure_optimizers``'s answer: AdamW
-    (:func:`~lightning_sp.optim.adamw.build_adamw`, given the gradient ``buffer`` settings)
-    with warm-up + cosine decay stepped every optimizer step."""
+    """``configure_optimizers``'s answer: AdamW (:func:`build_adamw`, over a gradient buffer
+    when ``grad_buffer`` is given) with warm-up + cosine decay stepped every optimizer step."""
     optimizer = build_adamw(
-        model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, **buffer
+        model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), cfg.eps, grad_buffer
     )
     decay = cfg.decay_steps or max(max_steps, cfg.warmup_steps + 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

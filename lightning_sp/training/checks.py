@@ -10,14 +10,17 @@ report).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
 import shutil
 from typing import Any
 
-from lightning_sp.errors import ConfigError, positive_int
+from lightning_sp.errors import ConfigError
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.parallel.buffer import DEFAULT_BUCKET_NUMEL, GradBufferConfig
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import check_pipeline_schedule
 
@@ -25,13 +28,15 @@ SUPPORTED_PRECISION = ("32-true", "bf16-true", "64-true")
 STRATEGY = "trainer.strategy"
 
 
-def check_strategy_args(**args: Any) -> None:
+def check_strategy_args(**args: Any) -> ParallelConfig:
     """The values of ``MegatronSPStrategy``'s arguments (names as in its signature; an unknown
-    name is refused by the constructor, and by the CLI's parser before that)."""
+    name is refused by the constructor, and by the CLI's parser before that), and the layout
+    record they state (its sizes checked by :class:`ParallelConfig` itself)."""
     get = args.get
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
-                 "num_microbatches", "virtual_pipeline_size"):  # fmt: skip
-        positive_int(name, get(name, 1))
+    layout = ParallelConfig(
+        **{f.name: get(f.name, f.default) for f in dataclasses.fields(ParallelConfig)
+           if f.name != "data_parallel_size"}
+    )  # fmt: skip
     timeout = get("timeout", 600.0)
     if not isinstance(timeout, int | float) or not timeout > 0 or not math.isfinite(timeout):
         raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds")
@@ -47,23 +52,25 @@ def check_strategy_args(**args: Any) -> None:
     skips = get("max_skipped_steps", 10)
     if not isinstance(skips, int) or isinstance(skips, bool) or skips < 0:
         raise ConfigError(f"max_skipped_steps={skips!r} must be a non-negative integer")
-    positive_int("bucket_size", get("bucket_size", 1))
-    for name in ("overlap_grad_reduce", "distributed_optimizer"):
-        if not isinstance(get(name, True), bool):
-            raise ConfigError(f"{name}={get(name)!r} must be true or false")
+    GradBufferConfig(
+        get("bucket_size", DEFAULT_BUCKET_NUMEL),
+        get("overlap_grad_reduce", True),
+        get("distributed_optimizer", False),
+    )
     if get("sequence_parallel") not in (None, True, False):
         raise ConfigError(
             f"sequence_parallel={get('sequence_parallel')!r} must be true, false or null (the "
             "model config's)"
         )
-    p, n = get("pipeline_parallel_size", 1), get("num_microbatches", 1)
+    p, n = layout.pipeline_parallel_size, layout.num_microbatches
     if n > 1 and p == 1:
         raise ConfigError(
             f"num_microbatches={n} splits a step over pipeline stages, but "
             "pipeline_parallel_size=1; for gradient accumulation use "
             f"trainer.accumulate_grad_batches={n}"
         )
-    check_pipeline_schedule(p, get("virtual_pipeline_size", 1), n)
+    check_pipeline_schedule(p, layout.virtual_pipeline_size, n)
+    return layout
 
 
 def check_precision(precision: object) -> None:
@@ -98,28 +105,6 @@ def check_optimizer(optimizer: Any, field: str = "model.optimizer") -> None:
     decay = optimizer.decay_steps
     if decay is not None and (not isinstance(decay, int) or decay < 1):
         raise ConfigError(f"{field}.decay_steps={decay!r} must be a positive integer or null")
-
-
-def check_context_sequence(config: GPTConfig, tensor_parallel_size: int, cp_size: int) -> None:
-    """Under context parallelism (``cp_size = c > 1``) every sequence is cut into ``2c``
-    equal chunks, and with sequence parallelism each rank's ``s/c`` tokens are split again over
-    ``t``: ``model.config.seq_length`` must be a multiple of ``2c`` (with SP, of
-    ``lcm(2c, c·t)``). One-line :class:`ConfigError` otherwise, naming the nearest valid
-    lengths."""
-    if cp_size == 1:
-        return
-    s, t = config.seq_length, tensor_parallel_size
-    need = 2 * cp_size
-    why = f"context_parallel_size={cp_size} cuts each sequence into {need} chunks"
-    if config.sequence_parallel and t > 1:
-        need = math.lcm(need, cp_size * t)
-        why += f" and sequence parallelism splits each rank's s/c over tensor_parallel_size={t}"
-    if s % need:
-        below, above = s // need * need, (s // need + 1) * need
-        nearest = f"{below} or {above}" if below else f"{above}"
-        raise ConfigError(
-            f"model.config.seq_length={s} is not a multiple of {need} ({why}); use e.g. {nearest}"
-        )
 
 
 def check_compile(state: ParallelState) -> None:

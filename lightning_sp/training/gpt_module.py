@@ -39,6 +39,7 @@ from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
 from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
+from lightning_sp.parallel.buffer import GradBufferConfig
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.grads import clip_grad_norm_
@@ -46,7 +47,6 @@ from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline, check_batch
 from lightning_sp.training.checks import (
     check_compile,
-    check_context_sequence,
     check_data,
     check_optimizer,
     check_vocabulary,
@@ -74,12 +74,11 @@ class Batched(Protocol):
 
 
 @runtime_checkable
-class GradBufferSettings(Protocol):
-    """A strategy that buckets gradients (``MegatronSPStrategy``): how the optimizer's
-    gradient buffer is built."""
+class BucketsGradients(Protocol):
+    """A strategy that buckets gradients (``MegatronSPStrategy``): its record of how the
+    optimizer's gradient buffer is built."""
 
-    bucket_size: int
-    overlap_grad_reduce: bool
+    grad_buffer: GradBufferConfig
 
 
 class GPTModule(LightningModule):
@@ -196,7 +195,7 @@ class GPTModule(LightningModule):
             return
         config, state, layout = self.config, self.parallel_state, self.parallel_config
         check_data(getattr(self._trainer, "datamodule", None), config)
-        check_context_sequence(config, state.tensor_parallel_size, state.context_parallel_size)
+        layout.check_sequence_length(config.seq_length, config.sequence_parallel)
         if self.compile_layers:
             check_compile(state)
         if config.recompute == "auto":  # the planner's fastest recomputation that fits
@@ -337,17 +336,9 @@ class GPTModule(LightningModule):
     @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         strategy = self.trainer.strategy
-        buffer = (
-            {
-                "bucket_numel": strategy.bucket_size,
-                "overlap_grad_reduce": strategy.overlap_grad_reduce,
-                "distributed_optimizer": self.parallel_config.distributed_optimizer,
-            }
-            if isinstance(strategy, GradBufferSettings)
-            else {}
-        )
+        buffer = strategy.grad_buffer if isinstance(strategy, BucketsGradients) else None
         configured = configure_adamw(
-            self.stage_model(), self.optimizer_config, self.trainer.max_steps, **buffer
+            self.stage_model(), self.optimizer_config, self.trainer.max_steps, buffer
         )
         self._configured = resume.configured_settings(configured["optimizer"])
         return configured

@@ -47,8 +47,7 @@ from lightning_sp.checkpoint.checkpointer import resumable_loader
 from lightning_sp.checkpoint.shards import gpt_chunks
 from lightning_sp.errors import ConfigError
 from lightning_sp.optim.adamw import grad_buffer_of
-from lightning_sp.parallel.buffer import DEFAULT_BUCKET_NUMEL
-from lightning_sp.parallel.config import ParallelConfig
+from lightning_sp.parallel.buffer import DEFAULT_BUCKET_NUMEL, GradBufferConfig
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.runtime import shutdown
@@ -143,7 +142,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
                 f"MegatronSPStrategy got an unknown argument {name}={kwargs[name]!r}; "
                 f"valid: {', '.join(valid)}"
             )
-        check_strategy_args(
+        layout = check_strategy_args(
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             context_parallel_size=context_parallel_size,
@@ -161,22 +160,15 @@ class MegatronSPStrategy(ProcessGroupStrategy):
             distributed_optimizer=distributed_optimizer,
         )
         super().__init__(timeout, process_group_backend, start_method)
-        self.parallel_config = ParallelConfig(
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            virtual_pipeline_size=virtual_pipeline_size,
-            context_parallel_size=context_parallel_size,
-            sequence_parallel=sequence_parallel,
-            num_microbatches=num_microbatches,
-            distributed_optimizer=distributed_optimizer,
-        )
+        self.parallel_config = layout
         """The layout: as given until setup, then completed (``data_parallel_size`` from the
         world size, ``sequence_parallel`` agreed with the module's) and pushed into the module."""
         self._parallel_state: ParallelState | None = None
         self.checkpointer = Checkpointer(async_save=async_save)
         self.guard = NonFiniteGuard(nonfinite, max_skipped_steps)
-        self.bucket_size = bucket_size
-        self.overlap_grad_reduce = overlap_grad_reduce
+        self.grad_buffer = GradBufferConfig(bucket_size, overlap_grad_reduce, distributed_optimizer)
+        """How gradients are bucketed and reduced; the module's optimizer builds its buffer
+        from this record."""
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -208,10 +200,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         calls its ``configure_model``)."""
         module = self.lightning_module
         config = self.parallel_config.for_world_size(self.total_processes)
-        check_module(
-            module, config.tensor_parallel_size, config.pipeline_parallel_size,
-            config.context_parallel_size,
-        )  # fmt: skip
+        check_module(module, config)
         receiver = module if isinstance(module, ParallelModule) else None
         # the module's own choice of sequence parallelism (a plain module has none)
         model_sp = (
