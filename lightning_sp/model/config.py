@@ -11,8 +11,9 @@ from typing import Any, Literal
 
 from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.cores import check_attention
-from lightning_sp.model.ops import RopeScaling
-from lightning_sp.model.parts.block import FEED_FORWARDS, Block, block_of
+from lightning_sp.model.ops import ROPE_TYPES, RopeScaling
+from lightning_sp.model.parts.block import FEED_FORWARDS, PLACEMENTS, Block, block_of
+from lightning_sp.model.qk_norm import QK_NORMS
 from lightning_sp.model.recompute import POLICIES, parse_recompute, parse_rest, policy_name
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.model.spec import ACTIVATIONS, NORMS, POSITIONS
@@ -66,6 +67,16 @@ class GPTConfig:
     """Head dimension (d, Hugging Face's ``head_dim``, Megatron's ``kv_channels``); None:
     hidden_size / num_heads. Qwen3 and Mistral Nemo use one that is not h/a: the query
     projection is then ``h -> a·d`` and the output projection ``a·d -> h``."""
+
+    qk_norm: str | None = None
+    """RMSNorm on queries and keys before RoPE: ``head`` (over each head's d features, weights
+    ``[d]``: Qwen3), ``projection`` (over the whole query and key projections, weights
+    ``[a·d]`` and ``[g·d]``, statistics all-reduced over TP: OLMo 2) or None."""
+
+    norm_placement: str = "pre"
+    """Where each sublayer's norm sits: ``pre`` (``x + f(norm(x))``: GPT-2, Llama) or ``post``
+    (``x + norm(f(x))``: OLMo 2, whose norms are ``post_attention_layernorm`` and
+    ``post_feedforward_layernorm``)."""
 
     feed_forward: str = "dense"
     """The layer's feed-forward part, by name in
@@ -277,6 +288,21 @@ class GPTConfig:
                 )
         if self.kv_channels is not None:
             positive_int("kv_channels", self.kv_channels)
+        if self.qk_norm is not None and self.qk_norm not in QK_NORMS:
+            raise ConfigError(
+                f"qk_norm={self.qk_norm!r} is not a query/key norm; valid: null, "
+                f"{', '.join(QK_NORMS)}"
+            )
+        if self.rope_scaling is not None and self.rope_scaling.rope_type not in ROPE_TYPES:
+            raise ConfigError(
+                f"rope_scaling.rope_type={self.rope_scaling.rope_type!r} is not a RoPE scaling; "
+                f"valid: {', '.join(ROPE_TYPES)}"
+            )
+        if self.norm_placement not in PLACEMENTS:
+            raise ConfigError(
+                f"norm_placement={self.norm_placement!r} is not a placement; valid: "
+                f"{', '.join(PLACEMENTS)}"
+            )
         if self.recompute_num_layers is not None and self.recompute_num_layers < 0:
             raise ConfigError(
                 f"recompute_num_layers={self.recompute_num_layers} must be >= 0 or null"
@@ -348,6 +374,17 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "rope_theta": 500000.0,
     },
 }
-"""The field values of each architecture family (the rest are given per model). A new family
-is one entry here if it is made of known parts, or a new descriptor in
-:mod:`lightning_sp.model.spec` if it brings a new part."""
+ARCHITECTURES["mistral"] = {**ARCHITECTURES["llama"], "rope_theta": 10000.0}
+ARCHITECTURES["qwen2"] = {**ARCHITECTURES["mistral"], "bias": ["qkv"], "layernorm_eps": 1e-6}
+ARCHITECTURES["qwen3"] = {**ARCHITECTURES["mistral"], "qk_norm": "head", "layernorm_eps": 1e-6}
+ARCHITECTURES["olmo2"] = {
+    **ARCHITECTURES["mistral"],
+    "qk_norm": "projection",
+    "norm_placement": "post",
+    "layernorm_eps": 1e-6,
+}
+"""The field values of each architecture family (the rest are given per model): Llama, and the
+dense families that differ from it by a part or an option (Mistral: none, its sliding window
+aside; Qwen2: biases on Q, K, V; Qwen3: query/key norms per head; OLMo 2: query/key norms over
+the projections and norms after each sublayer). A new family is one entry here if it is made
+of known parts, or a new part in :mod:`lightning_sp.model.parts` if it brings one."""
