@@ -1,11 +1,17 @@
-"""Number and table formatting shared by the benchmark report's markdown and its notes."""
+"""What every benchmark writes: its result as ``NAME.json`` and one markdown table as
+``NAME.md`` (:func:`write`), and the number formats of those tables. The prose that reads the
+tables (where we win and lose, and why) lives in ``docs/benchmarks.md``, not in code."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 
 def table(header: list[str], rows: list[list[Any]]) -> str:
+    """A markdown table: the first column left-aligned, the others right-aligned."""
+
     def cell(v: Any) -> str:
         return f"{v:.4g}" if isinstance(v, float) else str(v)
 
@@ -23,10 +29,6 @@ def pct(v: float, digits: int = 1) -> str:
     return f"{100 * v:+.{digits}f}%"
 
 
-def gb(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f}"
-
-
 def ci(triplet: list[float], digits: int = 3) -> str:
     """``median [low, high]``."""
     median, lo, hi = triplet
@@ -34,9 +36,14 @@ def ci(triplet: list[float], digits: int = 3) -> str:
 
 
 def pct_ci(triplet: list[float]) -> str:
+    """A ratio's ``median [low, high]`` as percent changes."""
     median, lo, hi = (x - 1 for x in triplet)
     return f"{pct(median)} [{pct(lo)}, {pct(hi)}]"
 
 
-def config_name(r: dict[str, Any]) -> str:
-    return f"{'SP' if r['sequence_parallel'] else 'TP'} + {r['recompute']}"
+def write(out_dir: Path, name: str, result: dict[str, Any], markdown: str) -> None:
+    """Write ``out_dir/NAME.json`` (``result``, everything measured) and ``out_dir/NAME.md``
+    (``markdown``: one table). Non-finite numbers are refused (``allow_nan=False``)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+    (out_dir / f"{name}.md").write_text(markdown.rstrip("\n") + "\n")

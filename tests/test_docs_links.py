@@ -1,0 +1,111 @@
+"""The README and docs/ hold together: every relative link (a file, and a ``#heading`` in it)
+resolves, and the README stays a five-minute read."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from cli_runs import ROOT
+
+PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tests" / "README.md",
+         ROOT / "benchmarks" / "README.md")  # fmt: skip
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^\s*(```|~~~)")
+README_MAX_LINES = 300
+
+
+def _prose_lines(path: Path) -> list[str]:
+    """The lines of ``path`` outside fenced code blocks, with inline code spans removed."""
+    lines, fenced = [], False
+    for line in path.read_text().splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(re.sub(r"`[^`]*`", "", line))
+    return lines
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped (``\\w``, ``-`` and spaces
+    kept, inline code's backticks dropped), spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading's anchor in ``path``; a repeated heading gets ``-1``, ``-2``, ... as on
+    GitHub."""
+    seen: dict[str, int] = {}
+    out = set()
+    fenced = False
+    for line in path.read_text().splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if fenced or not match:
+            continue
+        base = slug(match.group(1))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def broken_links(path: Path) -> tuple[list[str], int]:
+    """``(the relative links of path that do not resolve, how many relative links it has)``.
+    A link resolves when its file exists (relative to ``path``) and, with ``#anchor``, the
+    target markdown file has that heading."""
+    broken, checked = [], 0
+    for line in _prose_lines(path):
+        for target in LINK.findall(line):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+                continue
+            checked += 1
+            file_part, _, anchor = target.partition("#")
+            resolved = (path.parent / file_part).resolve() if file_part else path
+            if not resolved.exists():
+                broken.append(f"{path.name}: {target} (no such file)")
+            elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+                broken.append(f"{path.name}: {target} (no heading #{anchor} in {resolved.name})")
+    return broken, checked
+
+
+def test_every_relative_link_in_readme_and_docs_resolves() -> None:
+    broken, checked, anchored = [], 0, 0
+    for page in PAGES:
+        page_broken, page_checked = broken_links(page)
+        broken += page_broken
+        checked += page_checked
+        anchored += sum(
+            "#" in t for line in _prose_lines(page) for t in LINK.findall(line) if "://" not in t
+        )
+    assert not broken, "\n".join(broken)
+    assert checked >= 40 and anchored >= 10, (checked, anchored)  # the check saw the links
+
+
+def test_the_check_finds_a_missing_file_and_a_missing_heading(tmp_path: Path) -> None:
+    (tmp_path / "other.md").write_text(
+        "# Other page\n\n## The `estimate` command\n\n## Twice\n\n## Twice\n"
+    )
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Page\n\n[good](other.md#the-estimate-command) [good too](other.md#twice-1) "
+        "[self](#page) [web](https://example.com/x.md)\n"
+        "[missing file](nowhere.md) [missing heading](other.md#the-plan)\n"
+        "`[in code](nowhere-either.md)`\n\n```\n[fenced](nor-this.md)\n```\n"
+    )
+    broken, checked = broken_links(page)
+    assert broken == [
+        "page.md: nowhere.md (no such file)",
+        "page.md: other.md#the-plan (no heading #the-plan in other.md)",
+    ]
+    assert checked == 5
+
+
+def test_the_readme_is_a_five_minute_read() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, len(lines)
+    assert "bash scripts/test.sh" in "\n".join(lines) and "bash scripts/train.sh" in "\n".join(
+        lines
+    )
