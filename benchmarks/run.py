@@ -4,8 +4,9 @@ Runs, in this order, (1) activation bytes per layer (:mod:`benchmarks.activation
 (2) time per layer (:mod:`benchmarks.layer_time`), (3) FLOPs (:mod:`benchmarks.flops`) and
 (4) training throughput under Lightning (:mod:`benchmarks.throughput`). Each section writes
 ``SECTION.json`` (everything measured, with the run's ``meta``: command, machine, load) and
-``SECTION.md`` (one table) into ``--out`` (default ``benchmarks/results``). What the numbers
-mean, and where we win and lose, is ``docs/benchmarks.md``.
+``SECTION.md`` (one table) into ``--out`` (default ``benchmarks/results``;
+``benchmarks/results/smoke`` with ``--smoke``). What the numbers mean, and where we win and
+lose, is ``docs/benchmarks.md``.
 
 ``--smoke``: tiny shapes, one repeat, seconds (what ``tests/test_benchmarks.py`` runs); its
 numbers mean nothing. The full run takes about ten minutes on two idle cores. Timings need an
@@ -28,17 +29,15 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import lightning
 import torch
 
 from benchmarks import _cpu, activation_bytes, flops, layer_time, throughput
-from benchmarks._format import write
+from benchmarks._format import add_out_argument, command, out_dir, write
 
 SECTIONS = ("activation_bytes", "layer_time", "flops", "throughput")
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
 def _cpu_name() -> str:
@@ -129,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         prog="python -m benchmarks.run", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 1 repeat (seconds)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
+    add_out_argument(parser)
     parser.add_argument(
         "--wait-idle",
         type=float,
@@ -150,8 +149,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"--only: unknown section(s) {', '.join(unknown)}; valid: {', '.join(SECTIONS)}"
         )
     warnings.filterwarnings("ignore")
-    out_dir: Path = args.out
     smoke = args.smoke
+    out = out_dir(args.out, smoke)
     shapes = {
         "bytes": activation_bytes.SMOKE if smoke else activation_bytes.FULL,
         "layer": layer_time.SMOKE if smoke else layer_time.FULL,
@@ -162,10 +161,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     loadavg_start = _loadavg()
     with tempfile.TemporaryDirectory(prefix="benchmarks-data-") as cache:  # tokenized corpus
         results, section_seconds, foreign_share = _run_sections(only, shapes, smoke, cache)
-    argv_used = sys.argv[1:] if argv is None else argv
     meta = {
-        "command": " ".join(["python -m benchmarks.run", *argv_used]),
-        "argv": argv_used,
+        "command": command("benchmarks.run", argv),
         "smoke": smoke,
         "started": datetime.datetime.fromtimestamp(started)
         .astimezone()
@@ -193,8 +190,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "throughput": throughput.markdown,
     }
     for name, result in results.items():
-        write(out_dir, name, {"meta": meta, **result}, tables[name](result))
-    print(f"[benchmarks] wrote {', '.join(results)} (.json, .md) to {out_dir}", file=sys.stderr)
+        write(out, name, {"meta": meta, **result}, tables[name](result))
+    print(f"[benchmarks] wrote {', '.join(results)} (.json, .md) to {out}", file=sys.stderr)
     return {"meta": meta, **results}
 
 

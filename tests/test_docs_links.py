@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from cli_runs import ROOT
 
 PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tests" / "README.md",
@@ -16,13 +18,15 @@ README_MAX_LINES = 300
 
 
 def _prose_lines(path: Path) -> list[str]:
-    """The lines of ``path`` outside fenced code blocks, with inline code spans removed."""
+    """The lines of ``path`` outside fenced code blocks, with inline code spans removed.
+    A fence left open (the rest of the page would render as code) is an error."""
     lines, fenced = [], False
     for line in path.read_text().splitlines():
         if FENCE.match(line):
             fenced = not fenced
         elif not fenced:
             lines.append(re.sub(r"`[^`]*`", "", line))
+    assert not fenced, f"{path.name}: a code fence is never closed"
     return lines
 
 
@@ -101,6 +105,9 @@ def test_the_check_finds_a_missing_file_and_a_missing_heading(tmp_path: Path) ->
         "page.md: other.md#the-plan (no heading #the-plan in other.md)",
     ]
     assert checked == 5
+    page.write_text("# Page\n\n```python\nx = 1\n\n[hidden](nowhere.md)\n")
+    with pytest.raises(AssertionError, match=r"page\.md: a code fence is never closed"):
+        broken_links(page)
 
 
 def test_the_readme_is_a_five_minute_read() -> None:
