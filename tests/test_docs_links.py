@@ -1,5 +1,6 @@
 """The README and docs/ hold together: every relative link (a file, and a ``#heading`` in it)
-resolves, and the README stays a five-minute read."""
+resolves, every repository path and ``lightning_sp.`` name a page quotes in code spans exists
+(so a moved module cannot leave the docs behind), and the README stays a five-minute read."""
 
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "test
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 README_MAX_LINES = 300
+FOLDERS = (
+    "lightning_sp", "tests", "benchmarks", "examples", "configs", "scripts", "parallel", "model",
+    "interop", "pipeline", "memory", "planner", "runtime", "optim", "checkpoint", "data",
+    "training", "callbacks", "cli", "testing",
+)  # fmt: skip
+PATH = re.compile(rf"(?<![\w./])((?:{'|'.join(FOLDERS)})/[\w/.-]*\.(?:py|yaml|sh))")
+DOTTED = re.compile(r"(?<![\w.])(lightning_sp(?:\.\w+)+)")
 
 
 def _prose_lines(path: Path) -> list[str]:
@@ -116,3 +124,56 @@ def test_the_readme_is_a_five_minute_read() -> None:
     assert "bash scripts/test.sh" in "\n".join(lines) and "bash scripts/train.sh" in "\n".join(
         lines
     )
+
+
+def missing_names(path: Path, root: Path = ROOT) -> tuple[list[str], int]:
+    """``(the quoted names of path that do not exist, how many it quotes)``: inside code spans,
+    a path under one of :data:`FOLDERS` (relative to the repository or to ``lightning_sp/``)
+    must be a file, and ``lightning_sp.a.b.Name`` must be a module ``a/b`` whose text
+    defines or names ``Name``."""
+    missing, checked = [], 0
+    for span in re.findall(r"`([^`\n]+)`", path.read_text()):
+        for quoted in PATH.findall(span):
+            checked += 1
+            if not (root / quoted).is_file() and not (root / "lightning_sp" / quoted).is_file():
+                missing.append(f"{path.name}: {quoted}")
+        for dotted in DOTTED.findall(span):
+            checked += 1
+            parts = dotted.split(".")
+            for i in range(len(parts), 0, -1):
+                candidates = (root.joinpath(*parts[:i]).with_suffix(".py"),
+                              root.joinpath(*parts[:i], "__init__.py"))  # fmt: skip
+                module = next((c for c in candidates if c.is_file()), None)
+                if module is not None:
+                    break
+            rest = parts[i:]
+            if module is None or (rest and not re.search(rf"\b{rest[0]}\b", module.read_text())):
+                missing.append(f"{path.name}: {dotted}")
+    return missing, checked
+
+
+def test_every_path_and_module_the_docs_quote_exists() -> None:
+    missing, checked = [], 0
+    for page in PAGES:
+        page_missing, page_checked = missing_names(page)
+        missing += page_missing
+        checked += page_checked
+    assert not missing, "\n".join(missing)
+    assert checked >= 100, checked
+
+
+def test_the_name_check_finds_a_moved_module(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "`lightning_sp/cli/checks.py`, `lightning_sp.cli.checks.check_fit_config`, "
+        "`planner/ops.py`, `python -m lightning_sp.planner.table4`\n"
+        "`lightning_sp.training.validation`, `training/launch_checks.py`, "
+        "`lightning_sp.cli.checks.no_such_function`\n"
+    )
+    missing, checked = missing_names(page)
+    assert missing == [
+        "page.md: lightning_sp.training.validation",
+        "page.md: training/launch_checks.py",
+        "page.md: lightning_sp.cli.checks.no_such_function",
+    ]
+    assert checked == 7
