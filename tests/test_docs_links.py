@@ -177,3 +177,40 @@ def test_the_name_check_finds_a_moved_module(tmp_path: Path) -> None:
         "page.md: lightning_sp.cli.checks.no_such_function",
     ]
     assert checked == 7
+
+
+def code_map_gaps(code_map: str, package: Path) -> list[str]:
+    """The modules of ``package`` that ``code_map`` (docs/code-map.md's text) does not name:
+    ``folder/x.py`` must appear as `` `x.py` `` in the section headed `` `folder/` ``, a
+    top-level module as `` `lightning_sp/x.py` ``."""
+    sections = {
+        match.group(1): body
+        for match, body in zip(
+            re.finditer(r"^## `(\w+)/`.*$", code_map, flags=re.M),
+            re.split(r"^## `\w+/`.*$", code_map, flags=re.M)[1:],
+            strict=True,
+        )
+    }
+    gaps = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package)
+        if len(rel.parts) == 1:
+            if f"`lightning_sp/{rel.name}`" not in code_map:
+                gaps.append(str(rel))
+        elif rel.name != "__init__.py" and f"`{rel.name}`" not in sections.get(rel.parts[0], ""):
+            gaps.append(str(rel))
+    return gaps
+
+
+def test_the_code_map_names_every_module() -> None:
+    """A module added without a line in docs/code-map.md fails here, naming it."""
+    gaps = code_map_gaps((ROOT / "docs" / "code-map.md").read_text(), ROOT / "lightning_sp")
+    assert not gaps, f"docs/code-map.md does not name: {', '.join(gaps)}"
+
+
+def test_the_code_map_check_finds_an_unnamed_module(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    for name in ("errors.py", "model/__init__.py", "model/gpt.py", "model/moe.py"):
+        (tmp_path / name).write_text("")
+    code_map = "| `lightning_sp/errors.py` |\n\n## `model/`: the GPT\n\n| `gpt.py` |\n"
+    assert code_map_gaps(code_map, tmp_path) == ["model/moe.py"]
