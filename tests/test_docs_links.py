@@ -181,8 +181,9 @@ def test_the_name_check_finds_a_moved_module(tmp_path: Path) -> None:
 
 def code_map_gaps(code_map: str, package: Path) -> list[str]:
     """The modules of ``package`` that ``code_map`` (docs/code-map.md's text) does not name:
-    ``folder/x.py`` must appear as `` `x.py` `` in the section headed `` `folder/` ``, a
-    top-level module as `` `lightning_sp/x.py` ``."""
+    ``folder/x.py`` must appear as `` `x.py` `` in the section headed `` `folder/` ``
+    (``folder/sub/x.py`` as `` `sub/x.py` ``), a top-level module as
+    `` `lightning_sp/x.py` ``."""
     sections = {
         match.group(1): body
         for match, body in zip(
@@ -197,7 +198,9 @@ def code_map_gaps(code_map: str, package: Path) -> list[str]:
         if len(rel.parts) == 1:
             if f"`lightning_sp/{rel.name}`" not in code_map:
                 gaps.append(str(rel))
-        elif rel.name != "__init__.py" and f"`{rel.name}`" not in sections.get(rel.parts[0], ""):
+        elif rel.name != "__init__.py" and (
+            f"`{'/'.join(rel.parts[1:])}`" not in sections.get(rel.parts[0], "")
+        ):
             gaps.append(str(rel))
     return gaps
 
