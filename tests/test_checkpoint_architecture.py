@@ -124,14 +124,15 @@ def test_a_checkpoint_tensor_the_model_lacks_is_refused(saved, tmp_path: Path) -
 
 
 def test_fit_ckpt_path_refuses_before_launch(tmp_path: Path) -> None:
-    """``cli.py fit --ckpt_path`` with configs/tiny.yaml's model at 2 layers instead of 4."""
-    config = GPTConfig(vocab_size=257, seq_length=256, hidden_size=256, num_layers=4,
+    """``cli.py fit --ckpt_path`` with configs/tiny.yaml's model (narrowed) at 2 layers, not 4."""
+    config = GPTConfig(vocab_size=257, seq_length=16, hidden_size=32, num_layers=4,
                        num_heads=8, hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
     path = tmp_path / "tiny.ckpt"
     _save(path, config)
     with pytest.raises(ConfigError) as error:
         cli.main(["fit", "--config", TINY, "--ckpt_path", str(path),
-                  "--model.config.num_layers", "2", "--trainer.devices", "2",
+                  "--model.config.num_layers", "2", "--model.config.hidden_size", "32",
+                  "--model.config.seq_length", "16", "--trainer.devices", "2",
                   "--trainer.default_root_dir", str(tmp_path)])  # fmt: skip
     assert str(error.value) == CASES[0][1] + SUFFIX
 

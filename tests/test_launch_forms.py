@@ -14,8 +14,10 @@ from lightning_sp import ConfigError
 from lightning_sp.cli import main as cli
 from lightning_sp.cli.checks import device_count
 from lightning_sp.data.sources import _load_entry
+from lightning_sp.model.ops import RopeScaling
 
 from cli_runs import TINY
+from models import tiny_config
 
 LAYOUT_3 = (
     "world size 3 is not divisible by tensor_parallel_size * pipeline_parallel_size = 2 * 1 = "
@@ -56,28 +58,51 @@ def test_device_count_refusals(devices: object, expected: str) -> None:
     assert str(error.value) == expected
 
 
-@pytest.mark.parametrize(
-    ("args", "expected"),
-    [(["--trainer.devices", "3"], LAYOUT_3),  # the string '3': checked as 3
-     (["--trainer.devices", "auto"], "world size 1 is not divisible by tensor_parallel_size * "
-      "pipeline_parallel_size = 2 * 1 = 2; t * p must be one of [1]"),
-     (["--trainer.devices", "0,1"], "trainer.devices='0,1' lists device indices, which the CPU "
-      "accelerator does not take; give a count (trainer.devices=2)"),
-     (["--model.config.num_query_groups", "0"], "num_query_groups=0 must be a positive integer "
-      "dividing num_heads=8 (one of [1, 2, 4, 8]), or null for multi-head attention"),
-     (["--model.config.position_embedding", "rope", "--model.config.rope_theta", "-10000"],
-      "rope_theta=-10000.0 must be a positive number (Llama 3: 500000)"),
-     (["--model.config.rope_scaling", "{factor: 0}"],
-      "rope_scaling.factor=0.0 must be a positive number"),
-     (["--model.config.rope_scaling", "{low_freq_factor: 4, high_freq_factor: 4}"],
-      "rope_scaling.high_freq_factor=4.0 must be greater than rope_scaling.low_freq_factor=4.0 "
-      "(Llama 3.1: 4 and 1)")],
-    ids=["devices-3", "devices-auto", "devices-0,1", "groups-0", "theta", "factor", "freqs"],
-)  # fmt: skip
+CLI_CASES = [
+    (["--trainer.devices", "3"], LAYOUT_3),  # the string '3': checked as 3
+    (["--trainer.devices", "0,1"], "trainer.devices='0,1' lists device indices, which the CPU "
+     "accelerator does not take; give a count (trainer.devices=2)"),
+    (["--model.config.num_query_groups", "0"], "num_query_groups=0 must be a positive integer "
+     "dividing num_heads=8 (one of [1, 2, 4, 8]), or null for multi-head attention"),
+    pytest.param(["--trainer.devices", "auto"], "world size 1 is not divisible by "
+                 "tensor_parallel_size * pipeline_parallel_size = 2 * 1 = 2; t * p must be one "
+                 "of [1]", marks=pytest.mark.slow),
+    pytest.param(["--model.config.rope_scaling", "{factor: 0}"],
+                 "rope_scaling.factor=0.0 must be a positive number", marks=pytest.mark.slow),
+]  # fmt: skip
+
+
+CLI_IDS = ["devices-3", "devices-0,1", "groups-0", "devices-auto", "factor"]
+
+
+@pytest.mark.parametrize(("args", "expected"), CLI_CASES, ids=CLI_IDS)
 def test_fit_fields_in_every_form_refused_before_launch(
     tmp_path: Path, args: list[str], expected: str
 ) -> None:
     assert _main_error(["fit", "--config", TINY, *args], tmp_path) == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [({"num_query_groups": 0}, "num_query_groups=0 must be a positive integer dividing "
+      "num_heads=4 (one of [1, 2, 4]), or null for multi-head attention"),
+     ({"position_embedding": "rope", "rope_theta": -10000.0},
+      "rope_theta=-10000.0 must be a positive number (Llama 3: 500000)"),
+     ({"rope_theta": float("nan")}, "rope_theta=nan must be a positive number (Llama 3: 500000)"),
+     ({"rope_scaling": RopeScaling(factor=0.0)},
+      "rope_scaling.factor=0.0 must be a positive number"),
+     ({"rope_scaling": RopeScaling(low_freq_factor=4.0, high_freq_factor=4.0)},
+      "rope_scaling.high_freq_factor=4.0 must be greater than rope_scaling.low_freq_factor=4.0 "
+      "(Llama 3.1: 4 and 1)"),
+     ({"rope_scaling": RopeScaling(original_max_position_embeddings=0)},
+      "rope_scaling.original_max_position_embeddings=0 must be a positive integer")],
+    ids=["groups-0", "theta", "theta-nan", "factor", "freqs", "context"],
+)  # fmt: skip
+def test_model_values_checked(fields: dict, expected: str) -> None:
+    """What ``check_fit_config`` runs before launch (``GPTConfig.validate``)."""
+    with pytest.raises(ConfigError) as error:
+        tiny_config(**fields).validate()
+    assert str(error.value) == expected
 
 
 def test_predict_with_context_parallelism_is_refused_before_launch(tmp_path: Path) -> None:
