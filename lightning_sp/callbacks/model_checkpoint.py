@@ -16,11 +16,22 @@ run's name (an earlier run wrote into the same directory), Lightning names this 
 ``dirpath`` can be written, agreed by all ranks (:mod:`lightning_sp.runtime.agree`): one
 line, once, instead of a traceback per rank at the first save.
 
+No run replaces or deletes another run's checkpoint. Lightning restores, with the checkpoint
+a run resumes from, the names of that run's files (``last_model_path``, the top-k), and then
+overwrites ``last.ckpt`` and deletes the old top-k as its own, even when another run has
+written them since (two runs resumed from one checkpoint into one directory: the second
+deleted the first's only checkpoint). Here a resumed run keeps those names only when it
+continues that run in place (it resumes from the checkpoint ``last.ckpt`` still points to, or
+one of the restored top-k when there is no ``last``); otherwise it forgets them, so that its
+files get names of their own (``-vN``, said in one line), and it deletes only files it wrote
+itself or kept in place.
+
 ``cli.py`` uses this class wherever a config names Lightning's ``ModelCheckpoint``.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -47,13 +58,70 @@ class ModelCheckpoint(LightningModelCheckpoint):
     the module docstring)."""
 
     _versioned_notice = False
+    _clash: str | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        self._fresh = self._run_state()  # before a resume restores another run's names
+        self._owned: set[str] = set()  # files this run may replace or delete
         with ranks_agree():
             if self.dirpath is not None and stage == "fit":
                 check_writable("ModelCheckpoint dirpath", str(self.dirpath))
+
+    def _run_state(self) -> dict[str, Any]:
+        """The names and scores Lightning restores from a resumed checkpoint."""
+        names = ("best_k_models", "kth_best_model_path", "kth_value", "best_model_path",
+                 "best_model_score", "last_model_path")  # fmt: skip
+        return {name: copy.copy(getattr(self, name)) for name in names}
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Keep the restored names only if this run continues their run in place (the module
+        docstring); agreed from rank 0's view of the directory."""
+        super().on_train_start(trainer, pl_module)
+        restored = [
+            p for p in (self.last_model_path, *self.best_k_models, self.best_model_path) if p
+        ]
+        if not restored:
+            return
+        in_place = trainer.strategy.broadcast(self._continues_in_place(trainer), src=0)
+        if in_place:
+            self._owned.update(str(p) for p in restored)
+            return
+        for name, value in self._fresh.items():
+            setattr(self, name, copy.copy(value))
+
+    def _continues_in_place(self, trainer: pl.Trainer) -> bool:
+        """Whether ``trainer.ckpt_path`` is the newest checkpoint of the restored run: the one
+        its ``last`` name points to now (or, without ``last``, one of its top-k)."""
+        if trainer.ckpt_path is None:
+            return False
+        resumed = os.path.realpath(trainer.ckpt_path)
+        if self.last_model_path:
+            last = self.last_model_path
+            return os.path.lexists(last) and os.path.realpath(last) == resumed
+        return any(os.path.realpath(p) == resumed for p in self.best_k_models)
+
+    @override
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        self._owned.add(str(filepath))
+        if self._clash is not None and not self._versioned_notice:  # Lightning found a clash
+            self._versioned_notice = True
+            rank_zero_info(
+                f"ModelCheckpoint: {self.dirpath} already holds {self._clash} from another run; "
+                f"this run's checkpoints get -vN names ({os.path.basename(filepath)}); give a "
+                "fresh dirpath, or continue that run with --ckpt_path"
+            )
+        self._clash = None
+        super()._save_checkpoint(trainer, filepath)
+
+    @override
+    def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        """Delete only a file this run wrote or continues (never another run's)."""
+        if str(filepath) in self._owned:
+            self._owned.discard(str(filepath))
+            super()._remove_checkpoint(trainer, filepath)
 
     @override
     def format_checkpoint_name(
@@ -64,15 +132,9 @@ class ModelCheckpoint(LightningModelCheckpoint):
         prefix: str | None = None,
     ) -> str:
         name = super().format_checkpoint_name(metrics, filename, ver, prefix)
-        if ver is not None and not self._versioned_notice:  # Lightning found a name clash
-            self._versioned_notice = True
-            taken = os.path.basename(
+        if ver is not None and not self._versioned_notice and self._clash is None:
+            self._clash = os.path.basename(  # said once the free name is found: _save_checkpoint
                 super().format_checkpoint_name(metrics, filename, None, prefix)
-            )
-            rank_zero_info(
-                f"ModelCheckpoint: {self.dirpath} already holds {taken} from another run; "
-                f"this run's checkpoints get -vN names ({os.path.basename(name)}); give a "
-                "fresh dirpath, or continue that run with --ckpt_path"
             )
         return name
 

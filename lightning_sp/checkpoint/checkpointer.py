@@ -49,10 +49,11 @@ from lightning_sp.checkpoint.format import META_FILE, Meta
 from lightning_sp.checkpoint.shards import (
     checkpoint_key,
     global_shapes,
+    gpt_chunks,
     install_states,
     state_entries,
 )
-from lightning_sp.checkpoint.verify import check_shapes, file_checksums, verify
+from lightning_sp.checkpoint.verify import check_architecture, check_shapes, file_checksums, verify
 from lightning_sp.errors import ConfigError
 from lightning_sp.optim.distributed import DistributedAdamW
 from lightning_sp.parallel.config import ParallelConfig
@@ -285,6 +286,9 @@ class Checkpointer:
         meta = Meta.read(data)
         metadata = FileSystemReader(data).read_metadata()
         try:
+            chunks = gpt_chunks(module)
+            if chunks:
+                check_architecture(metadata, meta, chunks[0].config)
             check_shapes(metadata, global_shapes(module), meta, model_config)
         except ConfigError as exc:
             error = str(exc)

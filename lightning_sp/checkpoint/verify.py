@@ -3,6 +3,7 @@ file checksums, and that its tensor shapes fit the model."""
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,56 @@ def verify(path: Path, field: str = "ckpt_path") -> tuple[Meta, Metadata]:
     return meta, metadata
 
 
+def saved_config(meta: Meta) -> Any:
+    """The :class:`~lightning_sp.model.config.GPTConfig` a checkpoint was trained with (fields
+    it does not record, added to the config since, take their defaults; fields this version
+    no longer has are ignored)."""
+    from lightning_sp.model.config import GPTConfig
+
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    return GPTConfig(**{k: v for k, v in meta.model.items() if k in known})
+
+
+def check_architecture(metadata: Metadata, meta: Meta, config: Any) -> None:
+    """The model ``config`` (a ``GPTConfig``) is the architecture the checkpoint was trained
+    with: every field of :func:`~lightning_sp.model.config.architecture` equal, and every
+    weight the checkpoint holds a parameter of this model. Else one :class:`ConfigError` line
+    naming each differing field with both values (or the tensor this model lacks). Fields that
+    may change on resume (:data:`~lightning_sp.model.config.RESUMABLE_FIELDS`) are not
+    compared."""
+    import torch
+
+    from lightning_sp.checkpoint.shards import global_shapes
+    from lightning_sp.model.config import architecture
+    from lightning_sp.model.gpt import GPT
+    from lightning_sp.parallel.state import ParallelState
+
+    if meta.model:
+        mine, saved = architecture(config), architecture(saved_config(meta))
+        differ = [
+            f"model.config.{name}={mine[name]!r} but the checkpoint was trained with "
+            f"{name}={saved.get(name)!r}"
+            for name in mine
+            if mine[name] != saved.get(name)
+        ]
+        if differ:
+            raise ConfigError(
+                f"{'; '.join(differ)}: another architecture; load it with the checkpoint's values"
+            )
+    if config.recompute == "auto":  # resolved per device at run time; weights do not depend on it
+        config = dataclasses.replace(config, recompute="none")
+    with torch.device("meta"):
+        model = GPT(config, ParallelState.single("meta"), device="meta")
+    shapes = global_shapes(model)
+    for key, entry in metadata.state_dict_metadata.items():
+        tensor = key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+        if tensor and key not in shapes:
+            raise ConfigError(
+                f"the checkpoint holds {key}, which this model lacks; load it into the model "
+                "it was trained with"
+            )
+
+
 def check_shapes(
     metadata: Metadata, shapes: dict[str, tuple[int, ...]], meta: Meta, model: dict[str, Any]
 ) -> None:
@@ -83,7 +134,11 @@ def check_shapes(
     if not bad:
         return
     for name, value in model.items():  # name the config field when the saved config says it
-        if name in meta.model and meta.model[name] != value and name != "recompute":
+        if (
+            name in ("seq_length", "vocab_size")
+            and name in meta.model
+            and meta.model[name] != value
+        ):
             raise ConfigError(
                 f"model.config.{name}={value!r} but the checkpoint was trained with "
                 f"{name}={meta.model[name]!r}; its tensor shapes do not fit this model"
@@ -116,10 +171,8 @@ def read_full(path: Path) -> dict[str, Any]:
 
 
 def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
-    """The checkpoint exists, is intact, and its tensors have this model's shapes."""
-    import dataclasses
-    from pathlib import Path
-
+    """The checkpoint exists, is intact, was trained with this model's architecture
+    (:func:`check_architecture`), and its tensors have this model's shapes."""
     import torch
 
     from lightning_sp.checkpoint.shards import global_shapes
@@ -127,6 +180,7 @@ def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
     from lightning_sp.parallel.state import ParallelState
 
     meta, metadata = verify(Path(ckpt_path))
+    check_architecture(metadata, meta, model_config)
     config = model_config
     if config.recompute == "auto":  # resolved per device at run time; shapes do not depend on it
         config = dataclasses.replace(config, recompute="none")

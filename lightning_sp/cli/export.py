@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_sp.checkpoint import verify
+from lightning_sp.checkpoint.verify import check_architecture, saved_config
 from lightning_sp.data import BYTE_EOS_ID, EOS_TOKENS
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import save_hf
@@ -71,6 +72,8 @@ def open_checkpoint(path: str | Path) -> CheckpointModel:
             raise ConfigError(f"ckpt_path={str(path)!r} holds no GPTModule hyper-parameters")
         return CheckpointModel(path, _config(fields), {}, saved.get("vocabulary", {}))
     meta, metadata = verify(path)  # one line if missing, incomplete or corrupt
+    config = _config(dataclasses.asdict(saved_config(meta)))
+    check_architecture(metadata, meta, config)  # a tensor this model lacks: one line
     data = path.resolve()
     lightning: dict[str, Any] = {"lightning": None}  # Lightning's state: the vocabulary record
     _dcp_read(lightning, data)
@@ -80,7 +83,7 @@ def open_checkpoint(path: str | Path) -> CheckpointModel:
         if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
     }
     vocabulary = (lightning.get("lightning") or {}).get("vocabulary", {})
-    return CheckpointModel(data, _config(meta.model), keys, vocabulary)
+    return CheckpointModel(data, config, keys, vocabulary)
 
 
 def iter_full_tensors(ckpt: CheckpointModel) -> Iterator[tuple[str, Tensor]]:

@@ -52,15 +52,23 @@ class GPTCLI(LightningCLI):
         parser.link_arguments("model.config.seq_length", "data.seq_length")
 
     @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse, then check the config of ``fit`` / ``validate`` / ``test`` / ``predict``
+        before launch (one-line errors), before Lightning seeds (its "Seed set to" notice
+        follows the checks, so that a bad config prints one line only)."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if subcommand is not None:
+            check_fit_config(self.config[subcommand], subcommand)
+            check_before_launch(self.config[subcommand])  # tokenizer, writable dirs
+
+    @override
     def before_instantiate_classes(self) -> None:
-        """Check the fit config before launch (one-line errors); log to CSV (and TensorBoard)
+        """Log to CSV (and TensorBoard)
         under ``trainer.default_root_dir`` unless the config names loggers (or ``false``); build
         :class:`lightning_sp.ModelCheckpoint` where the config names Lightning's; use
         :class:`lightning_sp.ProgressBar` (short names and units) unless the config disables
         the bar or names a progress bar of its own."""
-        if self.subcommand is not None:  # fit / validate / test (not estimate, prepare)
-            check_fit_config(self.config[self.subcommand])
-            check_before_launch(self.config[self.subcommand])  # tokenizer, writable dirs
         config = self.config.get(str(self.subcommand), self.config)
         trainer = config.get("trainer")
         if trainer is None:

@@ -22,6 +22,8 @@ from typing import Any
 
 import lightning as L
 
+from lightning_sp.checkpoint.verify import check_checkpoint
+from lightning_sp.cli.checks import check_generate_layout
 from lightning_sp.data import TextDataModule
 from lightning_sp.errors import ConfigError, positive_int
 from lightning_sp.model.config import GPTConfig
@@ -78,6 +80,9 @@ def main(argv: list[str], cli_class: Any) -> int:
     module.generation = generation
     # one new token cannot be split along the sequence: the same weights, built without SP
     module.config = dataclasses.replace(module.config, sequence_parallel=False)
+    check_generate_layout(module.config, t)  # before any rank starts
+    if Path(args.ckpt_path).is_dir():  # the architecture it was trained with
+        check_checkpoint(args.ckpt_path, module.config)
     data.prompts = [args.prompt]
     trainer = L.Trainer(
         accelerator=cli.config.trainer.accelerator,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
+import inspect
 import re
 import sys
 from typing import NoReturn
@@ -48,10 +50,39 @@ def unknown_key(message: str) -> str | None:
     return None
 
 
+_CLASS_OPTION = re.compile(
+    r"Parser key \"([^\"]+)\".*class_path '([\w.]+)': Option '([^']+)' is not accepted"
+)
+
+
+def unknown_class_key(message: str) -> str | None:
+    """For jsonargparse's report of an unknown key inside a class-typed field (a union of every
+    subtype's error, hundreds of characters): one line naming the field, the key and the valid
+    keys (the class's ``__init__`` parameters), with the closest. None for other messages."""
+    found = _CLASS_OPTION.search(message)
+    if found is None:
+        return None
+    field, class_path, key = found.groups()
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        valid = [
+            p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")
+        ]
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{field} has no key {key!r}; valid: {', '.join(valid)}{hint}"
+
+
 def one_line(message: str, keys: list[str], prog: str) -> str:
     """``message`` on one line, with the closest of ``keys`` to the unknown option it names
     (``difflib.get_close_matches``), and where to find every option."""
     line = " ".join(message.split())
+    known = unknown_class_key(line)
+    if known is not None:
+        return known
     key = unknown_key(line)
     if key is not None:
         close = difflib.get_close_matches(key, keys, n=1, cutoff=0.8)

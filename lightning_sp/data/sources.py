@@ -189,12 +189,31 @@ def _check_text_field(ds: datasets.Dataset, where: str, path: str, kind: str, fi
         )
     column = ds.data.column(field)
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-        raise ConfigError(f"text_field={field!r} of {where} holds {column.type}, not text; {hint}")
+        row, kind_of = _first_non_text(column)
+        place = f"line {_row_to_line(path, row)}" if kind == "json" else f"row {row}"
+        raise ConfigError(
+            f"text_field={field!r}: {where} {place} holds {kind_of}, not a string; each "
+            "document's text must be a string"
+        )
     nulls = pc.is_null(column)
     if pc.any(nulls).as_py():
         row = int(pc.index(nulls, True).as_py())
         place = f"line {_row_to_line(path, row)}" if kind == "json" else f"row {row}"
         raise ConfigError(f"text_field={field!r}: {where} {place} has no such field; {hint}")
+
+
+def _first_non_text(column: pa.ChunkedArray) -> tuple[int, str]:
+    """``(row, JSON type name)`` of the first value of ``column`` that is not a string (a column
+    of mixed JSON types arrives as ``extension<arrow.json>``, each value JSON-encoded)."""
+    mixed = "json" in str(column.type)
+    names = {bool: "a boolean", int: "an integer", float: "a number", list: "a list",
+             dict: "an object", type(None): "null"}  # fmt: skip
+    for row, value in enumerate(column.to_pylist()):
+        if mixed and isinstance(value, str):
+            value = json.loads(value)
+        if not isinstance(value, str):
+            return row, names.get(type(value), type(value).__name__)
+    return 0, str(column.type)
 
 
 def _load_entry(path: str, kind: str, field: str, cache_dir: str | None) -> datasets.Dataset:

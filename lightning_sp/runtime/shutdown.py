@@ -12,6 +12,8 @@ Lightning's SIGTERM handler, which runs a collective inside the handler):
 * ``SIGINT`` (Ctrl-C): ``KeyboardInterrupt`` as usual (Lightning's interrupt path tears down
   without a barrier and kills the launcher's children); ``cli.py`` exits with 130.
 
+A dead launcher: every rank it started is killed with it (:func:`install`), silently.
+
 A dead rank: under Lightning's subprocess launcher (``start_method: popen``) rank 0 watches
 its child ranks (:class:`RankWatcher`, in place of Lightning's observer, which names no rank
 and kills the launcher with ``SIGKILL``). When one ends with a non-zero code while this
@@ -141,6 +143,10 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     if not first or not _state["training"]:
         stopping()
         _state["interrupted"] = True
+        # before this process goes (rank 0 serves the process group's store): a child blocked
+        # in the group's start-up cannot run its handler, and would print C++'s trace of the
+        # lost store; it is killed instead
+        end_children()
         raise SystemExit(exit_code(signum))
 
 
@@ -171,6 +177,27 @@ def install() -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
         signal.signal(signal.SIGINT, _on_sigint)
+        _end_with_the_launcher()
+
+
+def _end_with_the_launcher() -> None:
+    """A rank its launcher started (Lightning's subprocess launcher: ``LOCAL_RANK`` > 0;
+    torchrun: every rank) is killed when the launcher dies (Linux ``PR_SET_PDEATHSIG``): after a
+    ``SIGKILL`` of the launcher nothing is left to finish the job with, and the rank would
+    otherwise fail in its next collective with a traceback, or wait for the process group's
+    store until its timeout."""
+    started = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("LOCAL_RANK", "0") != "0"
+    if not started or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the launcher died before the call
+        os._exit(exit_code(signal.SIGKILL))
 
 
 def describe_exit(returncode: int) -> tuple[int, str]:
