@@ -134,7 +134,7 @@ def test_rope_scaling_unknown_key_lists_the_valid_keys(
     assert exited.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
         "error: model.config.rope_scaling has no key 'facter'; valid: factor, low_freq_factor, "
-        "high_freq_factor, original_max_position_embeddings; did you mean 'factor'?"
+        "high_freq_factor, original_max_position_embeddings, rope_type; did you mean 'factor'?"
     ]
 
 
