@@ -233,6 +233,7 @@ def test_bad_plot_path_is_one_line_before_the_estimate(
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_bad_cluster_from_the_command_line_is_one_line(tmp_path: Path) -> None:
     """``python cli.py estimate --cluster bad.yaml``: exit 2, exactly one ``error:`` line on
     stderr naming the field, no traceback, no ``[rank0]:`` prefix."""
