@@ -17,10 +17,13 @@ data and metadata written, just before the rename; the committing rank 0 only). 
 does not kill: rank ``<rank>``'s shard write raises ``OSError(ENOSPC)``, a disk gone full.
 ``interrupt``: rank ``<rank>`` receives SIGINT in its shard write, and the write turns the
 ``KeyboardInterrupt`` into a ``RuntimeError`` (as ``torch.save``'s zip writer can).
+``publish`` does not kill either: the publishing rank 0's rename raises ``OSError(EIO)``
+after every rank wrote, the failure only rank 0 sees (the outcome must still be agreed).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -29,7 +32,7 @@ import time
 from pathlib import Path
 
 FAULT_ENV = "LIGHTNING_SP_CHECKPOINT_FAULT"
-FAULT_POINTS = ("shard", "written", "rename", "full", "interrupt")
+FAULT_POINTS = ("shard", "written", "rename", "full", "interrupt", "publish")
 
 
 def data_directory(final: Path, token: str) -> Path:
@@ -73,6 +76,8 @@ def publish(final: Path, data: Path) -> None:
     """Point ``final`` at the complete checkpoint ``data`` by an atomic rename, then delete
     the data ``final`` pointed to before. One process calls this, after every rank wrote."""
     maybe_fault("rename", rank=0)
+    if maybe_fault("publish", rank=0):
+        raise OSError(errno.EIO, f"fault injection: publishing {final.name} failed")
     old = current_data(final)
     if final.exists() and not final.is_symlink():  # a real directory (an older format)
         final.rename(data_directory(final, "replaced"))
@@ -113,7 +118,7 @@ def maybe_fault(point: str, rank: int) -> bool:
     want_point, want_rank, want_save = spec.split(":")
     if (want_point, int(want_rank), int(want_save)) != (point, rank, _save_counts.get(rank, 0)):
         return False
-    if point not in ("shard", "full", "interrupt"):  # the callers of these act themselves
+    if point not in ("shard", "full", "interrupt", "publish"):  # their callers act themselves
         die(point, rank)
     return True
 

@@ -36,7 +36,13 @@ from lightning_sp.parallel.state import check_layout
 from lightning_sp.planner.cluster import load_cluster
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.layout import Layout, PlannerOptions, parse_bytes
-from lightning_sp.planner.report import _candidate_json, format_table, plot_ladder, to_json
+from lightning_sp.planner.report import (
+    _candidate_json,
+    check_plot_path,
+    format_table,
+    plot_ladder,
+    to_json,
+)
 from lightning_sp.planner.search import format_search, search
 from lightning_sp.training.gpt_module import GPTModule
 
@@ -84,6 +90,8 @@ def planner_options(parsed: Namespace) -> PlannerOptions:
     """:class:`PlannerOptions` from the parsed ``estimate`` command line."""
     cluster = load_cluster(parsed.cluster)
     memory = parsed.device_memory
+    if parsed.plot is not None:
+        check_plot_path(parsed.plot)
     return PlannerOptions(
         device_bytes=cluster.hbm_bytes if memory is None else parse_bytes(memory),
         cluster=parsed.cluster,
@@ -138,13 +146,22 @@ def layout_from_fit(
     num_nodes: int,
     batch_size: int,
     source: str = "<config>",
+    accumulate_grad_batches: Any = 1,
 ) -> Layout:
     """The validated :class:`Layout` of a ``fit`` run: ``model.config``, the instantiated
-    ``trainer.strategy``, ``trainer.devices × trainer.num_nodes`` GPUs (= t·c·p·d) and
-    ``data.batch_size`` samples per data-parallel rank per step (= b × micro-batches)."""
+    ``trainer.strategy``, ``trainer.devices × trainer.num_nodes`` GPUs (= t·c·p·d),
+    ``data.batch_size`` samples per data-parallel rank per pipeline step (= b ×
+    micro-batches) and ``trainer.accumulate_grad_batches`` such batches per optimizer step
+    (Lightning's accumulation, ``p = 1`` only)."""
     gpus_per_node = _devices(devices)
     nodes = positive_int("trainer.num_nodes", num_nodes)
     batch = positive_int("data.batch_size", batch_size)
+    if isinstance(accumulate_grad_batches, bool) or not isinstance(accumulate_grad_batches, int):
+        raise ConfigError(
+            f"trainer.accumulate_grad_batches={accumulate_grad_batches!r} must be a positive "
+            "integer (micro-batches accumulated per optimizer step)"
+        )
+    accumulate = positive_int("trainer.accumulate_grad_batches", accumulate_grad_batches)
     parallel = strategy_layout(strategy)
     t, p, c, n = (
         parallel.tensor_parallel_size,
@@ -169,6 +186,8 @@ def layout_from_fit(
         **dataclasses.asdict(parallel) | {"data_parallel_size": d},
         config=model_config,
         micro_batch_size=batch // n,
+        accumulate_grad_batches=accumulate,
+        overlap_grad_reduce=bool(getattr(strategy, "overlap_grad_reduce", True)),
         source=source,
     )
     layout.validate()
@@ -226,6 +245,7 @@ class FitLayoutCLI(LightningCLI):
             built.trainer.num_nodes,
             data.batch_size,
             source=os.fspath(files[-1]) if files else "<command line>",
+            accumulate_grad_batches=parsed.trainer.get("accumulate_grad_batches", 1),
         )
         self.options = planner_options(parsed)
 

@@ -10,6 +10,7 @@ from a ``fit`` command line. :class:`PlannerOptions` holds the command's own opt
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 
@@ -34,6 +35,16 @@ class Layout(ParallelConfig):
     micro_batch_size: int = 1
     """b, samples per micro-batch."""
 
+    accumulate_grad_batches: int = 1
+    """k: micro-batches Lightning accumulates per optimizer step (``trainer.
+    accumulate_grad_batches``), each a forward and backward of the whole model; the way to
+    split a step when ``p = 1`` (``num_microbatches`` is the pipeline schedule's, and ``fit``
+    refuses both > 1 together). The gradients are reduced once per step, on the last."""
+
+    overlap_grad_reduce: bool = True
+    """The strategy's ``overlap_grad_reduce``: the data-parallel reduction starts during the
+    last micro-batch's backward (else it runs after it, all exposed)."""
+
     source: str = "<layout>"
     """Where the layout was read from, for messages."""
 
@@ -49,9 +60,15 @@ class Layout(ParallelConfig):
         return self.config.recompute
 
     @property
+    def microbatches_per_step(self) -> int:
+        """Forward + backward passes of a micro-batch per optimizer step on one rank: the
+        pipeline's ``n`` times Lightning's accumulation ``k`` (one of them is 1)."""
+        return self.num_microbatches * self.accumulate_grad_batches
+
+    @property
     def global_batch_size(self) -> int:
-        """Samples per optimizer step over all data-parallel ranks."""
-        return self.micro_batch_size * self.num_microbatches * self.data_parallel_size
+        """Samples per optimizer step over all data-parallel ranks: ``b·n·k·d``."""
+        return self.micro_batch_size * self.microbatches_per_step * self.data_parallel_size
 
     @property
     def layers_per_chunk(self) -> int:
@@ -68,14 +85,21 @@ class Layout(ParallelConfig):
             "data_parallel_size",
         ):  # fmt: skip
             positive_int(name, getattr(self, name))
+        k = positive_int("trainer.accumulate_grad_batches", self.accumulate_grad_batches)
         t, p = self.tensor_parallel_size, self.pipeline_parallel_size
+        if k > 1 and p > 1:
+            raise ConfigError(
+                f"trainer.accumulate_grad_batches={k} with pipeline_parallel_size={p}; the "
+                "pipeline schedule accumulates over num_microbatches, use "
+                "accumulate_grad_batches=1"
+            )
         self.config.validate(t)
         c, s = self.context_parallel_size, self.config.seq_length
-        if s % (2 * c):
+        if c > 1 and s % (2 * c):
             raise ConfigError(
                 f"context_parallel_size={c}: seq_length={s} is not divisible by 2c = {2 * c} "
                 "(causal load balancing cuts each sequence into 2c chunks); "
-                f"context_parallel_size must be one of {[x for x in divisors(s // 2)]}"
+                f"context_parallel_size must be one of {self.valid_context_sizes()}"
             )
         layers = self.config.num_layers
         if layers % p:
@@ -84,6 +108,24 @@ class Layout(ParallelConfig):
                 f"stage); pipeline_parallel_size must be one of {divisors(layers)}"
             )
         check_pipeline(layers, p, self.virtual_pipeline_size, self.num_microbatches)
+
+    def valid_context_sizes(self) -> list[int]:
+        """The context-parallel sizes ``fit`` accepts for this sequence, t and SP setting
+        (:func:`lightning_sp.training.checks.check_context_sequence`): 1, and each ``c`` with
+        ``2c`` dividing ``s`` (with SP at ``t > 1``, ``lcm(2c, c·t)``)."""
+        s, t = self.config.seq_length, self.tensor_parallel_size
+        sp = bool(self.sequence_parallel) and t > 1
+        return [1] + [
+            c
+            for c in divisors(s // 2)
+            if c > 1 and not s % (2 * c) and not (sp and s % math.lcm(2 * c, c * t))
+        ]
+
+    def splits_sequence(self) -> bool:
+        """Whether sequence parallelism, if on, can split each rank's ``s/c`` tokens over t
+        (``fit`` refuses the layout otherwise)."""
+        local = self.config.seq_length // self.context_parallel_size  # [s/c] per rank
+        return local % self.tensor_parallel_size == 0
 
     def with_policy(
         self,
