@@ -14,6 +14,7 @@ perturbed) is saved locally.
   and gives back every tensor of the original exactly.
 * Llama variants: ``attention_bias``, ``head_dim`` != h/a, RoPE scaling ``linear`` and
   ``dynamic`` equal transformers.
+* Generation: cached greedy decoding of Qwen3 and OLMo 2 equals transformers' greedy tokens.
 * Bad input: a family we do not read (Gemma, GPT-NeoX), a real sliding window, Qwen's
   ``use_sliding_window`` -> one ConfigError line naming it.
 """
@@ -207,6 +208,36 @@ def test_llama_variants_equal_transformers(tmp_path: Path, overrides: dict) -> N
     with torch.no_grad():
         assert relative(model(ids, labels), loss) <= TOLERANCE
         assert relative(full_logits([model], model.state, ids), logits) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo2"])
+def test_cached_generation_equals_transformers_greedy(saved: dict, name: str) -> None:
+    """Query/key norms and post-norms under the key/value cache: our greedy decoding of the
+    imported model gives transformers' greedy tokens (OLMo 2's reference with float64 query/key
+    norm statistics, as ours)."""
+    from hf_families import wide_olmo2_norms
+
+    from lightning_sp.model.generate import GenerationConfig, generate
+
+    directory = saved[name][0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64).eval()
+    if name == "olmo2":
+        wide_olmo2_norms(hf)
+    ours = GPT(read_hf_config(directory, recompute="none"), ParallelState.single(),
+               dtype=torch.float64)  # fmt: skip
+    load_hf_weights(ours, directory)
+    prompt = tokens(batch=1, seed=3)[0][0, :7].tolist()
+    steps = 20
+    cached = generate(ours, prompt, GenerationConfig(max_new_tokens=steps, temperature=0.0))
+    full = generate(ours, prompt, GenerationConfig(max_new_tokens=steps, temperature=0.0,
+                                                   use_cache=False))  # fmt: skip
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)  # fmt: skip
+    theirs = out[0, len(prompt) :].tolist()
+    assert len(set(cached)) > 3, cached
+    assert cached == full, "the cache changes the tokens"
+    assert cached == theirs, f"ours {cached}, transformers {theirs}"
 
 
 def _one_line(error: pytest.ExceptionInfo) -> str:
