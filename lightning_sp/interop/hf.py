@@ -1,5 +1,6 @@
 """Hugging Face weights in and out, for every model type of
-:data:`~lightning_sp.interop.hf_types.HF_MODEL_TYPES` (GPT-2, Llama): any layout's shard from
+:data:`~lightning_sp.interop.hf_types.HF_MODEL_TYPES` (GPT-2, Llama, Mistral, Qwen2, Qwen3,
+OLMo 2): any layout's shard from
 a directory's safetensors file(s), and a layout-free stream of our parameters to a directory
 ``AutoModelForCausalLM`` loads.
 
@@ -247,7 +248,7 @@ def read_hf_config(directory: str | Path, field: str = "init_from", **overrides:
     ``config.json`` gives (``seq_length``: its whole position table), then ``overrides``.
     :class:`ConfigError` (one line) for a directory we cannot read."""
     with HFWeights(directory, field) as weights:
-        fields = weights.config_fields()
+        fields = {**weights.config_fields(), "hf_model_type": weights.model_type.model_type}
         return GPTConfig.of(weights.model_type.architecture, **{**fields, **overrides})
 
 

@@ -14,68 +14,28 @@ A new Hugging Face family made of parts we have is one :class:`HFModelType` entr
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option, fits, write_config
+from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option, fits
+from lightning_sp.interop.hf_llama import LLAMA, LLAMA_STYLE, MISTRAL, OLMO2, QWEN2, QWEN3
+from lightning_sp.interop.hf_tables import HFModelType, WeightMap, linear, norm
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.ops import RopeScaling
 
-
-@dataclass(frozen=True)
-class WeightMap:
-    """One of our parameters (``ours``, a global name with ``{i}`` for the layer) and the
-    Hugging Face tensor that holds it (``hf``, the name ``save_pretrained`` writes);
-    ``transpose``: stored ``[in, out]`` (GPT-2's ``Conv1D``) where ours is ``[out, in]``."""
-
-    ours: str
-    hf: str
-    transpose: bool = False
-
-
-def linear(ours: str, hf: str, transpose: bool = False) -> tuple[WeightMap, ...]:
-    """The weight and bias rows of a linear layer (modules ``ours`` and ``hf``)."""
-    weight = WeightMap(f"{ours}.weight", f"{hf}.weight", transpose)
-    return weight, WeightMap(f"{ours}.bias", f"{hf}.bias")
-
-
-def norm(ours: str, hf: str) -> tuple[WeightMap, ...]:
-    """The weight and (LayerNorm) bias rows of a norm."""
-    return linear(ours, hf)
-
-
-@dataclass(frozen=True)
-class HFModelType:
-    """A Hugging Face model family: ``model_type``, its ``*ForCausalLM`` class, our
-    architecture family it reads into (``GPTConfig.of``: dropouts and the rest), the
-    ``config.json`` table and the weight table. ``optional_prefix``: a prefix that files
-    written elsewhere may lack (OpenAI's GPT-2 upload has no ``transformer.``)."""
-
-    model_type: str
-    hf_class: str
-    architecture: str
-    config: ConfigTable
-    weights: tuple[WeightMap, ...]
-    optional_prefix: str = ""
-
-    @property
-    def title(self) -> str:
-        return self.config.title
-
-    def config_json(self, config: GPTConfig, eos_token_id: int | None = None) -> dict[str, Any]:
-        """The ``config.json`` of the model equal to ``config``: class, ``model_type``, token
-        ids (the end-of-document token also begins documents), then the table's keys."""
-        return {
-            "architectures": [self.hf_class],
-            "model_type": self.model_type,
-            "initializer_range": config.init_std,
-            "bos_token_id": eos_token_id,
-            "eos_token_id": eos_token_id,
-            **write_config(self.config, config),
-        }
+__all__ = [
+    "GPT2",
+    "HF_MODEL_TYPES",
+    "LLAMA",
+    "MISTRAL",
+    "OLMO2",
+    "QWEN2",
+    "QWEN3",
+    "HFModelType",
+    "WeightMap",
+    "hf_model_type",
+    "model_type_for",
+]
 
 
 # -- GPT-2 ------------------------------------------------------------------------------------
@@ -118,7 +78,7 @@ GPT2 = HFModelType(
             ConfigField("activation", "activation_function", choices=_GPT2_ACTIVATIONS),
             ConfigField("normalization", default="layernorm"),
             ConfigField("position_embedding", default="learned"),
-            ConfigField("bias", default=True),
+            ConfigField("bias", default=True, value=lambda c: c.bias_value()),
             ConfigField("tie_embeddings", default=True),
         ),
         options=tuple(
@@ -150,96 +110,7 @@ GPT2 = HFModelType(
 )
 
 
-# -- Llama ------------------------------------------------------------------------------------
-
-
-def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """RoPE's parameters: ``rope_parameters`` (transformers 5) or the older ``rope_theta``
-    and ``rope_scaling``."""
-    rope = dict(hf.get("rope_scaling") or {})
-    rope.update(hf.get("rope_parameters") or {})
-    if "rope_theta" not in rope:
-        rope["rope_theta"] = hf.get("rope_theta", 10000.0)
-    return rope
-
-
-_SCALING_FIELDS = tuple(f.name for f in dataclasses.fields(RopeScaling))
-
-
-def _rope_scaling(hf: Mapping[str, Any]) -> RopeScaling | None:
-    rope = _rope(hf)
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "llama3":
-        raise ConfigError(
-            f"rope_type={kind!r} (rope scaling) is not computed by this GPT; valid: "
-            "'default', 'llama3'"
-        )
-    return RopeScaling(**{k: rope[k] for k in _SCALING_FIELDS if k in rope})
-
-
-def _write_rope_scaling(config: GPTConfig) -> dict[str, Any] | None:
-    if config.rope_scaling is None:
-        return None
-    return {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)}
-
-
-LLAMA = HFModelType(
-    model_type="llama",
-    hf_class="LlamaForCausalLM",
-    architecture="llama",
-    config=ConfigTable(
-        title="Llama",
-        fields=(
-            ConfigField("vocab_size", "vocab_size"),
-            ConfigField("hidden_size", "hidden_size"),
-            ConfigField("num_layers", "num_hidden_layers"),
-            ConfigField("num_heads", "num_attention_heads"),
-            ConfigField(
-                "num_query_groups",
-                "num_key_value_heads",
-                value=lambda c: c.groups,
-                read=lambda hf: hf.get("num_key_value_heads") or hf.get("num_attention_heads"),
-            ),
-            ConfigField("ffn_hidden_size", "intermediate_size", value=lambda c: c.ffn_size),
-            ConfigField("seq_length", "max_position_embeddings", at_most=True),
-            ConfigField("layernorm_eps", "rms_norm_eps", default=1e-6),
-            ConfigField("activation", "hidden_act", choices={"silu": "swiglu"}),
-            ConfigField("normalization", default="rmsnorm"),
-            ConfigField("position_embedding", default="rope"),
-            ConfigField("rope_theta", "rope_theta", read=lambda hf: _rope(hf)["rope_theta"]),
-            ConfigField(
-                "rope_scaling", "rope_scaling", read=_rope_scaling, write=_write_rope_scaling
-            ),
-            ConfigField("bias", "attention_bias", default=False),
-            ConfigField("bias", "mlp_bias", default=False),
-            ConfigField("tie_embeddings", "tie_word_embeddings", default=False),
-        ),
-        options=(
-            Option("head_dim", lambda hf: hf["hidden_size"] // hf["num_attention_heads"]),
-            Option.constant("pretraining_tp", 1),
-        ),
-        extra=lambda config: {"attention_dropout": config.attention_dropout},
-    ),
-    weights=(
-        WeightMap("word_embeddings.weight", "model.embed_tokens.weight"),
-        WeightMap("output.weight", "lm_head.weight"),
-        *norm("final_norm", "model.norm"),
-        *norm("layers.{i}.ln1", "model.layers.{i}.input_layernorm"),
-        *linear("layers.{i}.attention.query", "model.layers.{i}.self_attn.q_proj"),
-        *linear("layers.{i}.attention.key", "model.layers.{i}.self_attn.k_proj"),
-        *linear("layers.{i}.attention.value", "model.layers.{i}.self_attn.v_proj"),
-        *linear("layers.{i}.attention.proj", "model.layers.{i}.self_attn.o_proj"),
-        *norm("layers.{i}.ln2", "model.layers.{i}.post_attention_layernorm"),
-        *linear("layers.{i}.mlp.gate", "model.layers.{i}.mlp.gate_proj"),
-        *linear("layers.{i}.mlp.up", "model.layers.{i}.mlp.up_proj"),
-        *linear("layers.{i}.mlp.fc2", "model.layers.{i}.mlp.down_proj"),
-    ),
-)
-
-
-HF_MODEL_TYPES: dict[str, HFModelType] = {m.model_type: m for m in (GPT2, LLAMA)}
+HF_MODEL_TYPES: dict[str, HFModelType] = {m.model_type: m for m in (GPT2, *LLAMA_STYLE)}
 """Every Hugging Face model type we read and write, by ``config.json`` ``model_type``."""
 
 
@@ -255,10 +126,14 @@ def hf_model_type(hf: Mapping[str, Any], where: str) -> HFModelType:
 
 
 def model_type_for(config: GPTConfig) -> HFModelType:
-    """The Hugging Face model type that holds ``config`` exactly (the first that fits);
-    :class:`ConfigError` naming each type's first mismatch if none does."""
+    """The Hugging Face model type that holds ``config`` exactly: ``config.hf_model_type`` if
+    set, else the first that fits; :class:`ConfigError` naming each type's first mismatch if
+    none does."""
     reasons = []
-    for model_type in HF_MODEL_TYPES.values():
+    candidates = list(HF_MODEL_TYPES.values())
+    if config.hf_model_type is not None:
+        candidates = [hf_model_type({"model_type": config.hf_model_type}, "hf_model_type")]
+    for model_type in candidates:
         reason = fits(model_type.config, config)
         if reason is None:
             return model_type

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning_sp.errors import ConfigError, divisors, positive_int
@@ -162,6 +162,12 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128
     """The padded vocabulary is a multiple of this times the tensor-parallel size."""
 
+    hf_model_type: str | None = field(default=None, compare=False)
+    """The Hugging Face ``model_type`` export writes (``llama``, ``mistral``, ``qwen2``,
+    ``qwen3``, ``olmo2``, ``gpt2``); None: the first that holds the config (GPT-2, then Llama:
+    a Mistral without a window computes as a Llama). Reading a directory sets it. Not part of
+    the architecture (not compared)."""
+
     seed: int = 1234
     """Seed of the weight initialisation and of the dropout streams. A model built from the
     same seed has the same weights under every parallel layout."""
@@ -181,6 +187,12 @@ class GPTConfig:
         if isinstance(self.bias, bool):
             return self.bias
         return projection in self.bias
+
+    def bias_value(self) -> bool | list[str]:
+        """``bias`` in one spelling: True (every projection), False (none), or the list of
+        those that have one, in :data:`BIAS_PROJECTIONS` order."""
+        chosen = [p for p in BIAS_PROJECTIONS if self.has_bias(p)]
+        return True if len(chosen) == len(BIAS_PROJECTIONS) else (chosen or False)
 
     def block(self) -> Block:
         """The layer's parts (:func:`lightning_sp.model.parts.block.block_of`)."""
