@@ -1,0 +1,132 @@
+"""Token dispatch for expert parallelism: each (token, expert) assignment travels to the rank
+holding that expert and back, with ``all_to_all_single`` (uneven splits) inside the EP group.
+
+The ``E`` experts are spread over the ``e`` ranks of the EP group in blocks: EP rank ``j`` holds
+experts ``[j·E/e, (j+1)·E/e)``. :func:`dispatch` sends every kept assignment's token row to its
+expert's rank and returns the rows this rank's experts must process, grouped by local expert
+(expert-major, the layout a grouped GEMM takes); :func:`combine` brings the experts' output rows
+back, weights them by their routing probability and sums each token's ``k`` rows.
+
+Every step is differentiable: row gathers (``index_select``, whose backward adds into the rows it
+read and saves only the index), :class:`AllToAll` (backward: the same exchange with the splits
+swapped) and ``index_add``. With ``e = 1`` (group ``None``) nothing is communicated and the
+routing is the same, so one process and every layout run the same arithmetic per row.
+
+======================  =========================================  ==========================
+op                      forward                                    backward
+======================  =========================================  ==========================
+``AllToAll``            rows to ranks by ``send`` splits           rows back by ``recv`` splits
+======================  =========================================  ==========================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_sp.parallel.comm import Group, group_size
+
+
+def _exchange(x: Tensor, recv: list[int], send: list[int], group: Group) -> Tensor:
+    """Rows ``x`` (``sum(send)`` of them, in destination-rank order) exchanged over
+    ``group``: returns ``sum(recv)`` rows in source-rank order."""
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits over ``group``; its adjoint is the same exchange
+    with ``recv`` and ``send`` swapped."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, recv: list[int], send: list[int], group: Group) -> Tensor:
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        return _exchange(x, recv, send, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return _exchange(grad, ctx.send, ctx.recv, ctx.group), None, None, None
+
+
+def all_to_all(x: Tensor, recv: list[int], send: list[int], group: Group) -> Tensor:
+    """Differentiable uneven all-to-all: ``x`` ``[Σsend, ...]`` -> ``[Σrecv, ...]``; identity
+    for a group of ``None`` or one rank."""
+    if group_size(group) == 1:
+        return x
+    return AllToAll.apply(x, recv, send, group)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How one dispatch moved rows; what :func:`combine` needs to move them back."""
+
+    token: Tensor
+    """``[N]``: for each kept assignment sorted by expert, its token's row (local index)."""
+    slot: Tensor
+    """``[N]``: the same assignments' flat ``token·k + slot`` index into ``[T, k]``."""
+    send: list[int]
+    """Rows sent to each EP rank (forward)."""
+    recv: list[int]
+    """Rows received from each EP rank (forward)."""
+    regroup: Tensor | None
+    """``[N_recv]``: received row of each expert-major row; ``None`` without EP."""
+    counts: list[int]
+    """Rows per local expert, in the expert-major order returned by :func:`dispatch`."""
+
+
+def dispatch(
+    x: Tensor, experts: Tensor, keep: Tensor | None, num_experts: int, group: Group
+) -> tuple[Tensor, Routing]:
+    """Send each kept (token, slot) assignment's row of ``x`` to the rank of its expert.
+
+    ``x``: ``[T, h]`` this rank's tokens; ``experts``: ``[T, k]`` expert indices (global, in
+    ``[0, E)``); ``keep``: ``[T, k]`` bool (``None``: all kept; a dropped assignment is neither
+    sent nor combined). Returns ``[N_local, h]`` rows for this rank's ``E/e`` experts,
+    expert-major, and the :class:`Routing` to undo it (``counts``: rows per local expert).
+    """
+    t, k = experts.shape
+    e = group_size(group)
+    local = num_experts // e
+    flat = experts.reshape(-1)  # [T·k]
+    kept = (
+        torch.arange(t * k, device=x.device)
+        if keep is None
+        else keep.reshape(-1).nonzero().squeeze(1)
+    )
+    order = torch.argsort(flat[kept], stable=True)
+    slot = kept[order]  # [N] flat (token, slot) indices sorted by expert
+    token = torch.div(slot, k, rounding_mode="floor")
+    counts = torch.bincount(flat[slot], minlength=num_experts)  # [E]
+    rows = x.index_select(0, token)  # [N, h], expert-sorted
+    if e == 1:
+        return rows, Routing(token, slot, [], [], None, counts.tolist())
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)  # [e (source), E/e]
+    send = counts.view(e, local).sum(1).tolist()
+    recv = received.view(e, local).sum(1).tolist()
+    rows = all_to_all(rows, recv, send, group)  # [N_recv, h]: [source][local expert]
+    expert_of = torch.repeat_interleave(
+        torch.arange(local, device=x.device).repeat(e), received.view(-1)
+    )
+    regroup = torch.argsort(expert_of, stable=True)
+    per_expert = received.view(e, local).sum(0).tolist()
+    return rows.index_select(0, regroup), Routing(token, slot, send, recv, regroup, per_expert)
+
+
+def combine(y: Tensor, weights: Tensor, routing: Routing, group: Group) -> Tensor:
+    """The inverse of :func:`dispatch`: ``y`` ``[N_local, h]`` expert outputs (expert-major)
+    go back to their tokens' ranks; each row is scaled by its routing weight (``weights``:
+    ``[T, k]``) and summed into its token: ``-> [T, h]`` (a token whose assignments were all
+    dropped gets zeros)."""
+    if routing.regroup is not None:
+        back = torch.empty_like(routing.regroup)
+        back[routing.regroup] = torch.arange(len(routing.regroup), device=y.device)
+        y = all_to_all(y.index_select(0, back), routing.send, routing.recv, group)  # [N, h]
+    scaled = y * weights.reshape(-1).index_select(0, routing.slot).unsqueeze(1).to(y.dtype)
+    out = y.new_zeros((weights.shape[0], y.shape[1]))
+    return out.index_add(0, routing.token, scaled)  # [T, h]
