@@ -1,0 +1,139 @@
+"""The MoE layer under expert, data, tensor (+SP) and context parallelism equals one float64
+process: outputs, auxiliary and z losses, dropped counts, every gradient (after
+``finalize_grads``: experts reduced over their expert-data group), the global gradient norm
+and the auxiliary-loss-free bias update.
+
+Real gloo ranks; each builds the one-process reference itself and compares its own shard. The
+reference runs the ``d`` micro-batches one after another and averages the gradients (what data
+parallelism equals); a rank's micro-batch is ``dp_rank``'s, and its tokens the slice
+``cp_rank·t + tp_rank`` of it (sequence parallel: the TP shard; CP: the MoE layer is
+token-wise, so a contiguous slice stands for the load-balanced chunks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_sp.model.moe import MoE
+from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.parallel.grads import finalize_grads, global_grad_norm
+from lightning_sp.parallel.state import ParallelState
+from lightning_sp.testing.spawn import run_distributed
+
+S, B, H, F = 8, 2, 16, 24
+SEED = 11
+RTOL = 1e-10
+
+BASE = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=F, aux_loss_coef=0.1,
+                 z_loss_coef=0.01, router_dtype="fp64")  # fmt: skip
+CASES = {
+    "top2": BASE,
+    "top1": dataclasses.replace(BASE, top_k=1),
+    "shared": dataclasses.replace(BASE, num_shared_experts=2, num_experts=8),
+    "capacity": dataclasses.replace(BASE, capacity_factor=0.75),
+    "sigmoid_bias": dataclasses.replace(BASE, score="sigmoid", expert_bias=True, aux_loss_coef=0),
+}
+"""The MoE settings every layout runs."""
+
+
+def _micro_batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``m``'s input ``[S, B, H]`` and the weights of the linear loss on the
+    output."""
+    g = torch.Generator().manual_seed(100 + m)
+    x = torch.randn(S, B, H, generator=g, dtype=torch.float64)
+    return x, torch.randn(S, B, H, generator=g, dtype=torch.float64)
+
+
+def _run(moe: MoE, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.clone().requires_grad_()
+    out = moe(x)
+    (out * w).sum().backward()
+    return out.detach(), x.grad  # type: ignore[return-value]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def _reference(config: MoEConfig, d: int) -> tuple[MoE, list[tuple], list[dict], torch.Tensor]:
+    """One process over the ``d`` micro-batches: the model (gradients averaged), per micro-batch
+    (output, input gradient) and metrics, and the gradient norm."""
+    moe = MoE(H, config, ParallelState.single(), sequence_parallel=False, dtype=torch.float64)
+    moe.reset_parameters(SEED)
+    results, metrics = [], []
+    for m in range(d):
+        results.append(_run(moe, *_micro_batch(m)))
+        metrics.append(dict(moe.metrics))
+    for p in moe.parameters():
+        p.grad.div_(d)  # type: ignore[union-attr]
+    norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in moe.parameters()))  # type: ignore[union-attr]
+    return moe, results, metrics, norm
+
+
+def _check_layout(t: int, c: int, e: int, names: list[str]) -> None:
+    state = ParallelState.from_process_group(
+        tensor_parallel_size=t, context_parallel_size=c, expert_parallel_size=e
+    )
+    sp = t > 1
+    d = state.data_parallel_size
+    shards = t * c
+    index = state.context_parallel_rank * t + state.tensor_parallel_rank
+    rows = slice(index * S // shards, (index + 1) * S // shards)
+    for name in names:
+        config = CASES[name]
+        case = f"t={t} c={c} e={e} d={d} {name}"
+        ref, ref_results, ref_metrics, ref_norm = _reference(config, d)
+        moe = MoE(H, config, state, sequence_parallel=sp, dtype=torch.float64)
+        moe.reset_parameters(SEED)
+        m = state.data_parallel_rank
+        x, w = _micro_batch(m)
+        out, grad_x = _run(moe, x[rows], w[rows])
+        assert _rel(out, ref_results[m][0][rows]) <= RTOL, f"{case}: output"
+        assert _rel(grad_x, ref_results[m][1][rows]) <= RTOL, f"{case}: input gradient"
+        for key, value in moe.metrics.items():
+            assert _rel(value, ref_metrics[m][key]) <= RTOL, f"{case}: {key}"
+        finalize_grads(moe, state)
+        reference = dict(ref.named_parameters())
+        local = config.num_experts // e
+        for pname, param in moe.named_parameters():
+            full = reference[pname].grad
+            assert full is not None and param.grad is not None, f"{case}: {pname}"
+            if getattr(param, "expert", False):
+                expected = full[state.expert_parallel_rank * local :][:local]
+            else:
+                expected = param.shard.full_slice(full, param.shape)  # type: ignore[attr-defined]
+            assert _rel(param.grad, expected) <= RTOL, f"{case}: grad {pname}"
+        norm = global_grad_norm(list(moe.parameters()), state)
+        assert _rel(norm, ref_norm) <= RTOL, f"{case}: gradient norm {norm} vs {ref_norm}"
+        if config.expert_bias:
+            moe.update_expert_bias()
+            ref.update_expert_bias()
+            assert torch.equal(moe.router.expert_bias, ref.router.expert_bias), f"{case}: bias"
+
+
+LAYOUTS = {
+    2: [(1, 1, 2), (2, 1, 1), (1, 2, 2)],
+    4: [(1, 1, 4), (1, 1, 2), (2, 1, 2), (1, 2, 2), (1, 2, 4), (2, 2, 1)],
+}
+"""(t, c, e) per world size; d = world / (t·c)."""
+
+
+def _worker(rank: int, world_size: int, names: list[str]) -> None:
+    for t, c, e in LAYOUTS[world_size]:
+        _check_layout(t, c, e, names)
+
+
+def test_moe_layouts_match_single_process_quick() -> None:
+    """Two ranks, e = 2 over d = 2, t = 2 + SP, and e = 2 over c = 2: top-2 with both
+    auxiliary losses, and capacity."""
+    run_distributed(_worker, 2, ["top2", "capacity"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_moe_layouts_match_single_process(world_size: int) -> None:
+    run_distributed(_worker, world_size, list(CASES))
