@@ -27,7 +27,6 @@ from lightning_sp.errors import positive_int
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.cores import ATTENTION_BACKENDS
 from lightning_sp.model.recompute import active_modules, parse_recompute
-from lightning_sp.model.spec import ACTIVATIONS, attention_forward_flops
 
 __all__ = [
     "forward_flops_per_iteration",
@@ -45,14 +44,11 @@ def _check_batch(global_batch_size: int) -> None:
 
 def layer_forward_flops(config: GPTConfig, batch_size: int) -> float:
     """Matmul FLOPs of one layer's forward for ``batch_size`` sequences of
-    ``config.seq_length`` tokens, from the parts' descriptors (:mod:`lightning_sp.model.spec`):
-    attention ``2Bsh(a + 2g)d + 4Bs²ad + 2Bsadh`` and the MLP ``2Bshf`` per projection."""
-    b, s, h, f = batch_size, config.seq_length, config.hidden_size, config.ffn_size
-    tokens = b * s
-    attention = attention_forward_flops(
-        tokens, s, h, config.num_heads, config.groups, config.head_dim
-    )
-    return attention + ACTIVATIONS[config.activation].forward_flops(tokens, h, f)
+    ``config.seq_length`` tokens: the sum over the layer's parts (:mod:`lightning_sp.model.
+    parts`), for GPT-2 / Llama attention ``2Bsh(a + 2g)d + 4Bs²ad + 2Bsadh`` and the MLP
+    ``2Bshf`` per projection."""
+    shape = config.activation_shape(micro_batch_size=batch_size)
+    return config.block().forward_flops(shape)
 
 
 def forward_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> float:

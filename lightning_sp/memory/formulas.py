@@ -29,10 +29,11 @@ from dataclasses import dataclass
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.cores import ATTENTION_BACKENDS
+from lightning_sp.model.parts.base import INSIDE, OUTSIDE
+from lightning_sp.model.parts.block import block_of_shape
 from lightning_sp.model.recompute import active_modules, parse_recompute
 from lightning_sp.model.shape import ActivationShape
-from lightning_sp.model.spec import ACTIVATIONS, NORMS, POSITIONS, attention_parameters
+from lightning_sp.model.spec import NORMS, POSITIONS
 
 ACTIVATION_BYTES = 2
 """Bytes per stored activation element in the paper (fp16/bf16)."""
@@ -82,14 +83,12 @@ CONTEXT_GENERATOR_STATE_BYTES = {"cpu": 5056, "cuda": 16}
 """Bytes of the generator state the CP attention core keeps per layer with attention dropout,
 by device type (not divided by c, not in :func:`activation_bytes_per_layer`)."""
 
-INSIDE, OUTSIDE = "inside", "outside"
-"""Where a saved tensor lives: inside the tensor-parallel region (split by t), or outside it
-(replicated over t, or split by t under sequence parallelism)."""
-
 
 def layer_saved_terms(shape: ActivationShape) -> dict[str, tuple[float, str]]:
     """Every tensor one transformer layer saves for backward, as ``name -> (bytes for the
-    whole layer before any split, region)``. With ``e = activation_bytes``, ``k =
+    whole layer before any split, region)``: the sum over the layer's parts
+    (:meth:`~lightning_sp.model.parts.block.Block.saved_terms`; each part states its own
+    terms). For GPT-2 and Llama, with ``e = activation_bytes``, ``k =
     mask_bytes``, ``f`` the MLP width, ``d = h/a`` the head dimension and ``g' = max(g, t)``
     the key/value heads counted over the TP group (replicas included):
 
@@ -116,33 +115,7 @@ def layer_saved_terms(shape: ActivationShape) -> dict[str, tuple[float, str]]:
     per-rank division by ``c`` is :func:`_per_rank`'s), except the core's: the CP core stores
     neither ``attention_scores`` nor ``attention_lse`` (0 for both backends).
     """
-    x, e, k = shape, shape.activation_bytes, shape.mask_bytes
-    sbh, sbf = x.sbh, x.s * x.b * x.ffn
-    mask = k * sbh if x.hidden_dropout else 0.0
-    keeps_scores = ATTENTION_BACKENDS[x.attention].keeps_scores
-    context_core = x.c > 1  # stores q, k, v only (the qkv term)
-    per_score = 2 * e + k if x.attention_dropout else e
-    d = x.h // x.a
-    return {
-        "ln1_input": (e * sbh, OUTSIDE),
-        "qkv_input": (e * sbh, OUTSIDE),
-        "attn_residual_mask": (mask, OUTSIDE),
-        "ln2_input": (e * sbh, OUTSIDE),
-        "fc1_input": (e * sbh, OUTSIDE),
-        "mlp_residual_mask": (mask, OUTSIDE),
-        "qkv": (e * x.s * x.b * d * (x.a + 2 * x.kv_heads), INSIDE),
-        "attention_scores": (
-            per_score * x.a * x.s * x.s * x.b if keeps_scores and not context_core else 0.0,
-            INSIDE,
-        ),
-        "attention_lse": (
-            0.0 if keeps_scores or context_core else 4.0 * x.a * x.s * x.b,
-            INSIDE,
-        ),
-        "proj_input": (e * sbh, INSIDE),
-        "act_input": (x.mlp.input_bytes(e, sbf), INSIDE),
-        "fc2_input": (e * sbf, INSIDE),
-    }
+    return block_of_shape(shape).saved_terms(shape)
 
 
 def _per_rank(shape: ActivationShape, nbytes: float, region: str) -> float:
@@ -188,16 +161,16 @@ def activation_bytes_per_layer(shape: ActivationShape, recompute: object = "none
 
 
 def layernorm_stats_bytes_per_layer(shape: ActivationShape, recompute: object = "none") -> float:
-    """What Table 2 leaves out: the per-row statistics the two norms save (LayerNorm: mean and
-    rstd in the activation dtype on CPU, ``2·2·e·sb``; RMSNorm: an fp32 rstd, ``2·4·sb``),
+    """What Table 2 leaves out: the per-row statistics the parts' norms save (LayerNorm: mean
+    and rstd in the activation dtype on CPU, ``2e·sb`` each; RMSNorm: an fp32 rstd, ``4sb``),
     divided by t under sequence parallelism. None under ``full`` or with the ``layernorm``
     module, which recompute the norms whole. The measured bytes per layer are
     :func:`activation_bytes_per_layer` plus this, exactly."""
     policy = parse_recompute(recompute)
     if policy == "full" or "layernorm" in policy:
         return 0.0
-    per_row = shape.norm_kind.stats_bytes_per_row(shape.activation_bytes)
-    return _per_rank(shape, 2 * per_row * shape.s * shape.b, OUTSIDE)
+    stats = block_of_shape(shape).stats_terms(shape)
+    return sum(_per_rank(shape, nbytes, region) for nbytes, region in stats.values())
 
 
 def table2_bytes_per_layer(row: str, s: int, b: int, h: int, a: int, t: int = 1) -> float:
@@ -337,9 +310,9 @@ def layer_parameter_count(
     ffn_hidden_size: int | None = None,
     config: GPTConfig | None = None,
 ) -> int:
-    """Parameters of one transformer layer on one tensor-parallel rank, from the parts'
-    descriptors (:mod:`lightning_sp.model.spec`); ``config`` gives the architecture (default:
-    GPT's, with ``h`` and ``ffn_hidden_size``).
+    """Parameters of one transformer layer on one tensor-parallel rank: the sum over the
+    layer's parts (:meth:`~lightning_sp.model.parts.block.Block.parameters`); ``config`` gives
+    the architecture (default: GPT's, with ``h`` and ``ffn_hidden_size``).
 
     Split by t: the attention and MLP weights (and their column-parallel biases); key/value
     heads replicated when there are fewer groups than ranks (``g' = max(g, t)``). Replicated:
@@ -348,13 +321,7 @@ def layer_parameter_count(
     """
     if config is None:
         config = GPTConfig(hidden_size=h, num_heads=h, ffn_hidden_size=ffn_hidden_size)
-    h, a, f, d = config.hidden_size, config.num_heads, config.ffn_size, config.head_dim
-    kv = max(config.groups, t)
-    mlp = ACTIVATIONS[config.activation]
-    split = attention_parameters(h, a, kv, d, config.bias) + mlp.parameters(h, f, config.bias)
-    replicated = 2 * h if config.bias else 0  # the two row-parallel biases
-    split -= replicated
-    return split // t + replicated + 2 * NORMS[config.normalization].parameters(h)
+    return config.block().parameters(config.activation_shape(t))
 
 
 def stage_parameter_count(

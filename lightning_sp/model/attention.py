@@ -34,10 +34,10 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 
-from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.cores import ATTENTION_BACKENDS, CoreFn
 from lightning_sp.model.fused import fused_column_linear, heads_row_linear
 from lightning_sp.model.ops import rope_inverse_frequencies, rope_tables, rotate_half
+from lightning_sp.model.parts.base import LayerConfig
 from lightning_sp.model.recompute import recompute
 from lightning_sp.model.spec import NORMS, POSITIONS, NormModule
 from lightning_sp.parallel.context import load_balanced_positions
@@ -66,7 +66,7 @@ def token_positions(
 class Rotary:
     """The RoPE cos/sin tables of one model (no parameters), cached per (positions, dtype)."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: LayerConfig) -> None:
         self.config = config
         self._cache: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
 
@@ -138,7 +138,7 @@ class Attention(nn.Module):
 
     def __init__(
         self,
-        config: GPTConfig,
+        config: LayerConfig,
         state: ParallelState,
         rng: RNGStreams,
         recompute_core: bool,
@@ -166,7 +166,8 @@ class Attention(nn.Module):
         self.norm_kind = NORMS[config.normalization]
         self.rotary = rotary if not POSITIONS[config.position_embedding].learned else None
         common: dict[str, Any] = {
-            "sequence_parallel": sp, "bias": config.bias, "init_std": config.init_std, **kwargs
+            "sequence_parallel": sp, "bias": config.has_bias("qkv"), "init_std": config.init_std,
+            **kwargs,
         }  # fmt: skip
         self.query = ColumnParallelLinear(h, a * d, state, **common)
         self.key = ColumnParallelLinear(h, g * d, state, replicas=replicas, **common)
@@ -177,7 +178,7 @@ class Attention(nn.Module):
             self.key.bias.inert_gradient = True  # type: ignore[attr-defined]
         state.tensor_parallel_subgroup(replicas)  # made now, on every rank together
         self.proj = RowParallelLinear(
-            a * d, h, state, sequence_parallel=sp, bias=config.bias,
+            a * d, h, state, sequence_parallel=sp, bias=config.has_bias("proj"),
             init_std=config.output_init_std, **kwargs,
         )  # fmt: skip
 

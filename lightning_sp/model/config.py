@@ -12,6 +12,7 @@ from typing import Any, Literal
 from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.cores import check_attention
 from lightning_sp.model.ops import RopeScaling
+from lightning_sp.model.parts.block import FEED_FORWARDS, Block, block_of
 from lightning_sp.model.recompute import POLICIES, parse_recompute, parse_rest, policy_name
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.model.spec import ACTIVATIONS, NORMS, POSITIONS
@@ -21,6 +22,8 @@ RECOMPUTE_POLICIES = POLICIES
 Activation = Literal["gelu", "gelu_tanh", "swiglu"]
 Normalization = Literal["layernorm", "rmsnorm"]
 PositionEmbedding = Literal["learned", "rope"]
+BIAS_PROJECTIONS = ("qkv", "proj", "fc1", "fc2")
+"""The projections ``GPTConfig.bias`` may name."""
 
 
 @dataclass
@@ -59,6 +62,15 @@ class GPTConfig:
     ffn_hidden_size: int | None = None
     """Width of the MLP's inner layer (f); default 4 * hidden_size."""
 
+    kv_channels: int | None = None
+    """Head dimension (d, Hugging Face's ``head_dim``, Megatron's ``kv_channels``); None:
+    hidden_size / num_heads. Qwen3 and Mistral Nemo use one that is not h/a: the query
+    projection is then ``h -> a·d`` and the output projection ``a·d -> h``."""
+
+    feed_forward: str = "dense"
+    """The layer's feed-forward part, by name in
+    :data:`lightning_sp.model.parts.block.FEED_FORWARDS` (``dense``: the MLP)."""
+
     normalization: Normalization = "layernorm"
     """``layernorm`` (weight and bias) or ``rmsnorm`` (weight only, statistics in fp32)."""
 
@@ -73,8 +85,11 @@ class GPTConfig:
     """Llama 3.1's RoPE frequency scaling (factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings); None: unscaled."""
 
-    bias: bool = True
-    """Biases on every linear layer (GPT-2: yes; Llama: no)."""
+    bias: bool | list[str] = True
+    """Biases on the linear layers: True on every one (GPT-2), False on none (Llama), or a
+    list of the projections that have them, from :data:`BIAS_PROJECTIONS` (``qkv``: query,
+    key and value; ``proj``: attention output; ``fc1``: the MLP's input projections; ``fc2``:
+    its output): ``[qkv]`` is Qwen2's."""
 
     tie_embeddings: bool = True
     """The output layer uses the input embedding's weight (GPT-2); False gives it its own
@@ -147,6 +162,17 @@ class GPTConfig:
             )
         return cls(**{**ARCHITECTURES[architecture], **overrides})
 
+    def has_bias(self, projection: str) -> bool:
+        """Whether the projection ``projection`` (one of :data:`BIAS_PROJECTIONS`) has a
+        bias."""
+        if isinstance(self.bias, bool):
+            return self.bias
+        return projection in self.bias
+
+    def block(self) -> Block:
+        """The layer's parts (:func:`lightning_sp.model.parts.block.block_of`)."""
+        return block_of(self)
+
     @property
     def ffn_size(self) -> int:
         """The MLP width f: ``ffn_hidden_size`` or 4h."""
@@ -187,6 +213,8 @@ class GPTConfig:
             activation=self.activation,
             norm=self.normalization,
             c=context_parallel_size,
+            d=self.kv_channels or 0,
+            block=self.block(),
         )
 
     @property
@@ -196,7 +224,8 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        """The head dimension d: ``kv_channels`` or ``hidden_size / num_heads``."""
+        return self.kv_channels or self.hidden_size // self.num_heads
 
     def layer_recompute(self, index_in_chunk: int) -> str:
         """The policy one layer runs, by name (:func:`~lightning_sp.model.recompute.
@@ -234,6 +263,20 @@ class GPTConfig:
                 raise ConfigError(
                     f"{name}={getattr(self, name)!r} is not {what}; valid: {', '.join(registry)}"
                 )
+        if self.feed_forward not in FEED_FORWARDS:
+            raise ConfigError(
+                f"feed_forward={self.feed_forward!r} is not a feed-forward part; valid: "
+                f"{', '.join(FEED_FORWARDS)}"
+            )
+        if not isinstance(self.bias, bool):
+            unknown = [p for p in self.bias if p not in BIAS_PROJECTIONS]
+            if unknown:
+                raise ConfigError(
+                    f"bias={list(self.bias)!r} names {unknown[0]!r}, not a projection; valid: "
+                    f"true, false or a list of {', '.join(BIAS_PROJECTIONS)}"
+                )
+        if self.kv_channels is not None:
+            positive_int("kv_channels", self.kv_channels)
         if self.recompute_num_layers is not None and self.recompute_num_layers < 0:
             raise ConfigError(
                 f"recompute_num_layers={self.recompute_num_layers} must be >= 0 or null"
@@ -242,7 +285,7 @@ class GPTConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"{name}={value!r} must be in [0, 1)")
-        if self.hidden_size % self.num_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
                 f"num_heads must be one of {divisors(self.hidden_size)}"
@@ -271,8 +314,8 @@ class GPTConfig:
             )
         if self.position_embedding == "rope" and self.head_dim % 2:
             raise ConfigError(
-                f"position_embedding='rope' needs an even head dimension; hidden_size/num_heads"
-                f" = {self.head_dim}"
+                f"position_embedding='rope' needs an even head dimension; kv_channels or "
+                f"hidden_size/num_heads = {self.head_dim}"
             )
         if self.ffn_size % t:
             raise ConfigError(

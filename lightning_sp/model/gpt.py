@@ -37,14 +37,15 @@ from torch import Tensor, nn
 from lightning_sp.errors import ConfigError
 from lightning_sp.model.attention import Attention, Rotary, token_positions
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.fused import act_row_linear, activate, fused_column_linear
+from lightning_sp.model.parts.base import BuildContext
+from lightning_sp.model.parts.dense import MLP
+from lightning_sp.model.parts.norm import Norm
 from lightning_sp.model.recompute import active_modules, parse_recompute, recompute
-from lightning_sp.model.spec import ACTIVATIONS, NORMS, POSITIONS, NormModule
+from lightning_sp.model.spec import POSITIONS
 from lightning_sp.parallel.context import context_token_mean
 from lightning_sp.parallel.init import initialize_parameter, mark_parameter
 from lightning_sp.parallel.layers import (
     ColumnParallelLinear,
-    RowParallelLinear,
     VocabParallelEmbedding,
     column_parallel_linear,
     vocab_parallel_cross_entropy,
@@ -53,55 +54,11 @@ from lightning_sp.parallel.random import RNGStreams, dropout
 from lightning_sp.parallel.state import ParallelState
 
 
-def build_norm(config: GPTConfig, sequence_parallel: bool, **kwargs: Any) -> NormModule:
-    """The config's norm over ``hidden_size``, its parameters marked (ones / zeros)."""
-    norm = NORMS[config.normalization].build(config.hidden_size, config.layernorm_eps, **kwargs)
-    mark_parameter(norm.weight, init="ones", sequence_parallel=sequence_parallel)
-    if norm.bias is not None:
-        mark_parameter(norm.bias, init="zeros", sequence_parallel=sequence_parallel)
-    return norm
-
-
-class MLP(nn.Module):
-    """h -> f (the activation's input projections, column parallel: ``fc1``, or ``gate`` and
-    ``up``) -> activation -> h (``fc2``, row parallel)."""
-
-    def __init__(self, config: GPTConfig, state: ParallelState, **kwargs: Any) -> None:
-        super().__init__()
-        sp = config.sequence_parallel
-        self.kind = ACTIVATIONS[config.activation]
-        self.norm_kind = NORMS[config.normalization]
-        for name in self.kind.inputs:
-            linear = ColumnParallelLinear(
-                config.hidden_size, config.ffn_size, state, sequence_parallel=sp,
-                bias=config.bias, init_std=config.init_std, **kwargs,
-            )  # fmt: skip
-            self.add_module(name, linear)
-        self.fc2 = RowParallelLinear(
-            config.ffn_size, config.hidden_size, state, sequence_parallel=sp,
-            bias=config.bias, init_std=config.output_init_std, **kwargs,
-        )  # fmt: skip
-
-    @property
-    def inputs(self) -> list[ColumnParallelLinear]:
-        """The input projections, in the order of the activation's input ``z``."""
-        return [getattr(self, name) for name in self.kind.inputs]
-
-    def forward(
-        self, x: Tensor, norm: NormModule | None = None, recompute_act: bool = False
-    ) -> Tensor:
-        """``x``: the normalised input, or with ``norm`` the layer input (normalised inside
-        the input projections, recomputed in their backward). ``recompute_act``: the
-        activation recomputed in fc2's backward. ``[s/t or s, b, h]`` in and out, ``[s, b,
-        f/t]`` inside."""
-        z = fused_column_linear(x, self.inputs, 1, norm, self.norm_kind)  # [s, b, n·f/t]
-        if recompute_act:
-            return act_row_linear(z, self.fc2, self.kind)
-        return self.fc2(activate(z, self.kind))
-
-
 class TransformerLayer(nn.Module):
-    """Pre-norm transformer layer: ``x + drop(attn(norm1(x)))``, then the same with the MLP.
+    """A transformer layer composed of the config's parts (:func:`~lightning_sp.model.parts.
+    block.block_of`): for each sublayer, ``x + drop(mixer(norm(x)))`` (pre-norm) or ``x +
+    drop(norm(mixer(x)))`` (post-norm); GPT-2 and Llama are attention then MLP, pre-norm.
+    Modules by the parts' names: ``ln1``, ``attention``, ``ln2``, ``mlp``.
 
     ``[s/t, b, h]`` under sequence parallelism, else ``[s, b, h]``, in and out.
     """
@@ -123,19 +80,21 @@ class TransformerLayer(nn.Module):
         parsed = parse_recompute(recompute)
         self.full_recompute = parsed == "full"
         modules = parsed if isinstance(parsed, tuple) else ()
-        active = {m.name for m in active_modules(modules, config.attention)}
+        active = frozenset(m.name for m in active_modules(modules, config.attention))
         self.recompute_norm = "layernorm" in active
         self.recompute_act = "mlp_act" in active
+        """Whether the feed-forward's activation is recomputed in its output's backward (the
+        part reads ``mlp_act`` from the active modules itself)."""
         self.regenerate_masks = "residual_mask" in active
-        sp = config.sequence_parallel
-        self.ln1 = build_norm(config, sp, **kwargs)
-        self.attention = Attention(config, state, rng, "core_attn" in active, rotary, **kwargs)
-        self.ln2 = build_norm(config, sp, **kwargs)
-        self.mlp = MLP(config, state, **kwargs)
+        self.block = config.block()
+        ctx = BuildContext(config, state, rng, active, rotary, kwargs)
+        for sub in self.block.sublayers:
+            self.add_module(sub.norm.name, sub.norm.build(ctx))
+            self.add_module(sub.name, sub.mixer.build(ctx))
         self.rng = rng
         self.dropout_p = config.hidden_dropout
         # a residual stream sharded along s draws its masks per rank; a replicated one must not
-        self.residual_generator = rng.sharded if sp else rng.replicated
+        self.residual_generator = rng.sharded if config.sequence_parallel else rng.replicated
 
     def _drop(self, x: Tensor) -> Tensor:
         return dropout(
@@ -144,11 +103,16 @@ class TransformerLayer(nn.Module):
         )  # fmt: skip
 
     def _forward(self, x: Tensor) -> Tensor:
-        if self.recompute_norm:
-            x = x + self._drop(self.attention(x, self.ln1))
-            return x + self._drop(self.mlp(x, self.ln2, self.recompute_act))
-        x = x + self._drop(self.attention(self.ln1(x)))
-        return x + self._drop(self.mlp(self.ln2(x), recompute_act=self.recompute_act))
+        for sub in self.block.sublayers:
+            norm, mixer = getattr(self, sub.norm.name), getattr(self, sub.name)
+            if sub.placement == "post":  # the norm on the branch's output
+                y = norm(mixer(x))
+            elif self.recompute_norm:  # the norm inside the mixer's input linears
+                y = mixer(x, norm)
+            else:
+                y = mixer(norm(x))
+            x = x + self._drop(y)  # [s/t or s, b, h]
+        return x
 
     def forward(self, x: Tensor) -> Tensor:
         if self.full_recompute and self.training and torch.is_grad_enabled():
@@ -235,7 +199,8 @@ class GPT(nn.Module):
             for n in self.layer_range
         )
         if self.has_head:
-            self.final_norm = build_norm(config, sp, **kwargs)
+            ctx = BuildContext(config, state, self.rng, frozenset(), None, kwargs)
+            self.final_norm = Norm(config.normalization, "final_norm").build(ctx)
         self.reset_parameters()
 
     @property

@@ -9,7 +9,7 @@ size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightning_sp.model.spec import ACTIVATIONS, NORMS, ActivationKind, NormKind
 
@@ -51,6 +51,13 @@ class ActivationShape:
     c: int = 1
     """Context-parallel size: each rank holds ``s/c`` tokens of every sequence (``s`` stays the
     whole sequence length)."""
+    d: int = 0
+    """Head dimension; 0 means ``h/a``."""
+    block: object | None = field(default=None, compare=False, repr=False)
+    """The layer's parts (a :class:`~lightning_sp.model.parts.block.Block`, which sits above
+    this module and so is not named in the type); None: the
+    pre-norm attention + dense MLP of ``norm`` and ``activation``. Not compared: the sizes
+    and options above are what two shapes are compared by."""
 
     @property
     def ffn(self) -> int:
@@ -61,6 +68,11 @@ class ActivationShape:
     def groups(self) -> int:
         """Key/value groups: ``g`` or ``a``."""
         return self.g or self.a
+
+    @property
+    def head_dim(self) -> int:
+        """The head dimension: ``d`` or ``h/a``."""
+        return self.d or self.h // self.a
 
     @property
     def kv_heads(self) -> int:

@@ -129,17 +129,3 @@ POSITIONS: dict[str, PositionKind] = {
     p.name: p for p in (PositionKind("learned", True), PositionKind("rope", False))
 }
 """Every position encoding, by ``GPTConfig.position_embedding`` name."""
-
-
-def attention_parameters(h: int, a: int, g: int, d: int, bias: bool) -> int:
-    """Parameters of self-attention (all ranks): Q ``h·a·d``, K and V ``h·g·d`` each, the
-    output projection ``a·d·h``; with biases ``(a + 2g)·d + h``."""
-    qkv = (a + 2 * g) * d
-    return qkv * h + a * d * h + ((qkv + h) if bias else 0)
-
-
-def attention_forward_flops(tokens: float, s: int, h: int, a: int, g: int, d: int) -> float:
-    """Matmul FLOPs of self-attention's forward for ``tokens`` tokens in sequences of ``s``:
-    QKV ``2·tokens·h·(a + 2g)·d``, QKᵀ and probs·V ``2·tokens·s·a·d`` each, output projection
-    ``2·tokens·a·d·h`` (``8Bsh² + 4Bs²h`` for multi-head attention with ``a·d = h``)."""
-    return 2.0 * tokens * h * (a + 2 * g) * d + 4.0 * tokens * s * a * d + 2.0 * tokens * a * d * h

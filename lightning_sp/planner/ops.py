@@ -8,9 +8,9 @@ place the step-time model reads the block's architecture from.
   softmax, attention dropout, the context permute), as bytes moved in forward, backward and
   replay; they are memory bound.
 
-Both read only ``GPTConfig`` fields (``hidden_size``, ``ffn_size``, ``num_heads``,
-``seq_length``, ``vocab_size``, ``attention``): a new block family (GQA's fewer K/V heads, a
-gated MLP's third GEMM) is a change to these two functions.
+Both are sums over the layer's parts (:mod:`lightning_sp.model.parts`): each part states its
+own GEMMs and kernels, so a new part (a gated MLP's third GEMM, a query/key norm) changes
+nothing here. The records :class:`Gemm` and :class:`MemoryOp` are the parts' own.
 
 Each record carries ``tag``: the recompute module (:data:`lightning_sp.model.recompute.
 RECOMPUTE_MODULES`) whose replay runs it again in backward (``""``: none). The FLOPs a
@@ -29,120 +29,54 @@ whatever the recompute policy (``core_attn`` does not act under CP).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.cores import ATTENTION_BACKENDS
-from lightning_sp.model.spec import ACTIVATIONS
+from lightning_sp.model.parts.attention import CP_CORE, attention_pairs, cp_key_lengths
+from lightning_sp.model.parts.base import ACT, MASK, Gemm, MemoryOp
 
-ACT, MASK = 2, 1
-"""Bytes per activation element and per dropout-mask element (the paper's)."""
-
-
-@dataclass(frozen=True)
-class Gemm:
-    """``[batch] x (m x k) @ (k x n)`` on one rank."""
-
-    name: str
-    m: int
-    n: int
-    k: int
-    batch: int = 1
-    tag: str = ""
-    """The recompute module that replays it (``core_attn`` for the attention core)."""
-
-    @property
-    def flops(self) -> float:
-        return 2.0 * self.m * self.n * self.k * self.batch
-
-    @property
-    def bytes(self) -> float:
-        """Operands read and result written once, 2-byte elements."""
-        return float(ACT * self.batch * (self.m * self.k + self.k * self.n + self.m * self.n))
-
-
-@dataclass(frozen=True)
-class MemoryOp:
-    """One memory-bound kernel of a layer on one rank: bytes read + written."""
-
-    name: str
-    forward_bytes: float
-    backward_bytes: float
-    tag: str = ""
-    """The recompute module that replays it."""
-    replay_bytes: float | None = None
-    """Bytes its replay moves (``None``: ``forward_bytes``)."""
-
-    @property
-    def replayed(self) -> float:
-        return self.forward_bytes if self.replay_bytes is None else self.replay_bytes
-
-
-CP_CORE = "cp_core"
-"""The tag of the CP attention core's kernels (replayed by the core itself, not a module)."""
-
-
-def cp_key_lengths(s: int, c: int) -> tuple[int, ...]:
-    """The keys each local query chunk of CP rank 0 attends: ``(s,)`` without CP (one dense
-    ``s x s`` block); ``(L, s)`` for chunks 0 and ``2c-1`` under CP (``L = s/(2c)``)."""
-    return (s,) if c == 1 else (s // (2 * c), s)
-
-
-def attention_pairs(s: int, c: int) -> int:
-    """Query-key pairs per head the core computes on one rank: ``s²`` (``math`` without CP,
-    no causal skipping); ``L·(L + s) = (2c+1)·L²`` under CP."""
-    if c == 1:
-        return s * s
-    return s // (2 * c) * sum(cp_key_lengths(s, c))
+__all__ = [
+    "ACT",
+    "CP_CORE",
+    "MASK",
+    "Gemm",
+    "MemoryOp",
+    "attention_pairs",
+    "backward_gemms",
+    "cp_key_lengths",
+    "embedding_memory_ops",
+    "head_gemms",
+    "head_memory_ops",
+    "layer_gemms",
+    "layer_memory_ops",
+]
 
 
 def layer_gemms(config: GPTConfig, t: int, b: int, c: int = 1) -> list[Gemm]:
     """The forward GEMMs of one transformer layer on one of ``t`` tensor-parallel ranks for a
-    micro-batch of ``b`` sequences, from the config's descriptors: QKV ``h -> (a + 2g')d``
-    (``g' = max(g, t)`` key/value heads, replicas counted; ``3h`` for multi-head attention),
-    scores ``QKᵀ`` and ``probs·V`` per query head (``b·a/t`` of them, head dim ``d = h/a``),
-    projection ``h -> h``, the MLP's input projections ``h -> f`` (one, or SwiGLU's gate and
+    micro-batch of ``b`` sequences: the sum over the layer's parts (:meth:`~lightning_sp.model.
+    parts.block.Block.gemms`). For GPT-2 / Llama: QKV ``h -> (a + 2g')d`` (``g' = max(g, t)``
+    key/value heads, replicas counted), scores ``QKᵀ`` and ``probs·V`` per query head
+    (``b·a/t``), projection, the MLP's input projections ``h -> f`` (one, or SwiGLU's gate and
     up) and ``f -> h``; column-parallel outputs and row-parallel inputs split by ``t``. Under
     context parallelism ``c`` the token GEMMs have ``s·b/c`` rows and the core is one pair of
     GEMMs per local chunk (:func:`cp_key_lengths`), tagged :data:`CP_CORE`."""
-    s, h, f, a = config.seq_length, config.hidden_size, config.ffn_size, config.num_heads
-    tokens, d, heads = s * b // c, config.head_dim, b * a // t
-    kv = max(config.groups, t)
-    if c == 1:
-        core = [
-            Gemm("attention_scores", s, s, d, heads, tag="core_attn"),
-            Gemm("attention_values", s, d, s, heads, tag="core_attn"),
-        ]
-    else:
-        chunk = s // (2 * c)
-        core = [
-            gemm
-            for i, keys in enumerate(cp_key_lengths(s, c))
-            for gemm in (
-                Gemm(f"attention_scores.{i}", chunk, keys, d, heads, tag=CP_CORE),
-                Gemm(f"attention_values.{i}", chunk, d, keys, heads, tag=CP_CORE),
-            )
-        ]
-    return [
-        Gemm("qkv", tokens, (a + 2 * kv) * d // t, h),
-        *core,
-        Gemm("projection", tokens, h, a * d // t),
-        *(Gemm(name, tokens, f // t, h) for name in ACTIVATIONS[config.activation].inputs),
-        Gemm("fc2", tokens, h, f // t),
-    ]
+    shape = config.activation_shape(t, b, context_parallel_size=c)
+    return config.block().gemms(shape)
 
 
 def layer_memory_ops(
     config: GPTConfig, t: int, b: int, sequence_parallel: bool, c: int = 1
 ) -> list[MemoryOp]:
-    """The memory-bound kernels of one layer on one rank (Megatron's fused kernels), bytes per
+    """The memory-bound kernels of one layer on one rank (Megatron's fused kernels), the sum
+    over the layer's parts (:meth:`~lightning_sp.model.parts.block.Block.memory_ops`), bytes per
     element read + written:
 
     * outside the tensor-parallel region (``sbh`` elements, ``/t`` under sequence
-      parallelism): two LayerNorms (forward read 2 + write 2; backward read input and
-      gradient, write gradient, 6) and two bias-dropout-adds (forward read 2 + 2, write 2 and
-      a 1-byte mask, 7; backward read gradient and mask, write 2, 5; ``residual_mask`` replays
-      only the mask, 1);
+      parallelism): the norms (forward read 2 + write 2; backward read input and gradient,
+      write gradient, 6) and the bias-dropout-adds (forward read 2 + 2, write 2 and a 1-byte
+      mask, 7; backward read gradient and mask, write 2, 5; ``residual_mask`` replays only the
+      mask, 1);
     * inside (``/t``): bias-GeLU on ``sbf`` (4 / 6); with attention that keeps ``s x s``
       tensors (``math``), the fused scale-mask-softmax on ``b·a·s²`` (4 / 6), its dropout
       (5 / 5) and the context permute ``[b·a, s, d] -> [s, b, h]`` on ``sbh`` (4 / 4).
@@ -150,30 +84,9 @@ def layer_memory_ops(
     Under context parallelism every ``s`` is the rank's ``s/c`` and the softmax and dropout
     run on :func:`attention_pairs` per head, tagged :data:`CP_CORE`.
     """
-    s, h, f, a = config.seq_length, config.hidden_size, config.ffn_size, config.num_heads
-    local = s // c
-    outside = local * b * h / (t if sequence_parallel else 1)
-    inputs = len(ACTIVATIONS[config.activation].inputs)  # SwiGLU reads gate and up
-    inner, scores = local * b * f * (1 + inputs) / (2 * t), b * a * attention_pairs(s, c) / t
-    core = "core_attn" if c == 1 else CP_CORE
-    ops = [
-        MemoryOp("layernorm", 2 * 4 * outside, 2 * 6 * outside, tag="layernorm"),
-        MemoryOp(
-            "bias_dropout_add",
-            2 * (3 * ACT + MASK) * outside,
-            2 * (2 * ACT + MASK) * outside,
-            tag="residual_mask",
-            replay_bytes=2 * MASK * outside,
-        ),
-        MemoryOp("bias_gelu", 4 * inner, 6 * inner, tag="mlp_act"),
-    ]
-    if ATTENTION_BACKENDS[config.attention].keeps_scores:
-        ops += [
-            MemoryOp("softmax", 4 * scores, 6 * scores, tag=core),
-            MemoryOp("attention_dropout", 5 * scores, 5 * scores, tag=core),
-            MemoryOp("context_permute", 4 * local * b * h / t, 4 * local * b * h / t, tag=core),
-        ]
-    return ops
+    shape = config.activation_shape(t, b, context_parallel_size=c)
+    shape = dataclasses.replace(shape, sequence_parallel=sequence_parallel)
+    return config.block().memory_ops(shape)
 
 
 def head_gemms(config: GPTConfig, t: int, b: int, c: int = 1) -> list[Gemm]:

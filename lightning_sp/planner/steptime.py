@@ -66,7 +66,6 @@ from lightning_sp.memory.formulas import parameters_per_rank
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.cores import ATTENTION_BACKENDS
 from lightning_sp.model.recompute import RECOMPUTE_MODULES, active_modules, parse_recompute
-from lightning_sp.model.spec import ACTIVATIONS
 from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.kernels import (
     all_reduce_seconds,
@@ -211,7 +210,7 @@ def _layer_time(config: GPTConfig, t: int, b: int, cluster: Cluster, c: int) -> 
     )
     exchange = cp_exchange_seconds(config, t, b, cluster, c) if c > 1 else 0.0
     # the input linears of attention and of the MLP (fc1, or SwiGLU's gate and up run as one)
-    inputs = (("qkv",), ACTIVATIONS[config.activation].inputs)
+    inputs = config.block().input_gemms()
     in_dgrad = [sum(dgrad[n] for n in names) for names in inputs]
     in_wgrad = [sum(wgrad[n] for n in names) for names in inputs]
     if sp:  # all-gather before qkv/fc1, reduce-scatter after projection/fc2

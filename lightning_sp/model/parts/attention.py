@@ -1,0 +1,149 @@
+"""The self-attention part: Q, K, V projections (``a`` query heads, ``g`` key/value groups of
+head dimension ``d``), the attention core of the configured backend, the output projection.
+
+Its module is :class:`lightning_sp.model.attention.Attention`; this file states what it costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_sp.model.cores import ATTENTION_BACKENDS
+from lightning_sp.model.parts.base import (
+    INSIDE,
+    OUTSIDE,
+    BuildContext,
+    Gemm,
+    MemoryOp,
+    Part,
+    Terms,
+    tokens,
+)
+from lightning_sp.model.shape import ActivationShape
+
+CP_CORE = "cp_core"
+"""The tag of the CP attention core's kernels (replayed by the core itself, not a module)."""
+
+
+def cp_key_lengths(s: int, c: int) -> tuple[int, ...]:
+    """The keys each local query chunk of CP rank 0 attends: ``(s,)`` without CP (one dense
+    ``s x s`` block); ``(L, s)`` for chunks 0 and ``2c-1`` under CP (``L = s/(2c)``)."""
+    return (s,) if c == 1 else (s // (2 * c), s)
+
+
+def attention_pairs(s: int, c: int) -> int:
+    """Query-key pairs per head the core computes on one rank: ``s²`` (``math`` without CP,
+    no causal skipping); ``L·(L + s) = (2c+1)·L²`` under CP."""
+    if c == 1:
+        return s * s
+    return s // (2 * c) * sum(cp_key_lengths(s, c))
+
+
+@dataclass(frozen=True)
+class SelfAttention(Part):
+    """Causal self-attention, heads split over the TP group (``g' = max(g, t)`` key/value
+    heads counted over the group, replicas included).
+
+    saves (whole layer, ``e`` bytes per activation, ``k`` per mask element):
+      * ``qkv_input`` ``e·sbh`` (outside; the ``layernorm`` module drops it);
+      * ``qkv``: Q, K, V in one storage ``e·sb·d·(a + 2g')`` (inside; ``3e·sbh`` for
+        multi-head attention with ``a·d = h``; rotated in place of the linear's output);
+      * the core: ``math`` keeps ``attention_scores`` ``(2e + k)·as²b`` (``e·as²b`` without
+        attention dropout; the paper's 5as²b), ``sdpa`` an fp32 ``attention_lse`` ``4asb``;
+        under CP neither;
+      * ``proj_input``: the core's own output ``e·sb·a·d`` (inside).
+    GEMMs: ``qkv`` ``h -> (a + 2g')d/t``, the core (per query head), ``projection``
+    ``a·d/t -> h``. Params: ``(a + 2g')·d·h + a·d·h``, biases as ``bias_qkv`` / ``bias_proj``.
+    """
+
+    bias_qkv: bool = True
+    """Biases on the query, key and value projections."""
+    bias_proj: bool = True
+    """A bias on the output projection (row parallel: replicated)."""
+
+    def build(self, ctx: BuildContext) -> nn.Module:
+        from lightning_sp.model.attention import Attention
+
+        return Attention(
+            ctx.config, ctx.state, ctx.rng, "core_attn" in ctx.active, ctx.rotary, **ctx.kwargs
+        )
+
+    def saved_terms(self, x: ActivationShape) -> Terms:
+        e, k = x.activation_bytes, x.mask_bytes
+        keeps_scores = ATTENTION_BACKENDS[x.attention].keeps_scores
+        context_core = x.c > 1  # stores q, k, v only (the qkv term)
+        per_score = 2 * e + k if x.attention_dropout else e
+        d = x.head_dim
+        sb = x.s * x.b
+        return {
+            "qkv_input": (e * x.sbh, OUTSIDE),
+            "qkv": (e * sb * d * (x.a + 2 * x.kv_heads), INSIDE),
+            "attention_scores": (
+                per_score * x.a * x.s * x.s * x.b if keeps_scores and not context_core else 0.0,
+                INSIDE,
+            ),
+            "attention_lse": (
+                0.0 if keeps_scores or context_core else 4.0 * x.a * x.s * x.b,
+                INSIDE,
+            ),
+            "proj_input": (e * sb * x.a * d if x.d else e * x.sbh, INSIDE),
+        }
+
+    def gemms(self, x: ActivationShape) -> list[Gemm]:
+        s, h, a, t, c = x.s, x.h, x.a, x.t, x.c
+        d, heads, kv = x.head_dim, x.b * a // t, x.kv_heads
+        if c == 1:
+            core = [
+                Gemm("attention_scores", s, s, d, heads, tag="core_attn"),
+                Gemm("attention_values", s, d, s, heads, tag="core_attn"),
+            ]
+        else:
+            chunk = s // (2 * c)
+            core = [
+                gemm
+                for i, keys in enumerate(cp_key_lengths(s, c))
+                for gemm in (
+                    Gemm(f"attention_scores.{i}", chunk, keys, d, heads, tag=CP_CORE),
+                    Gemm(f"attention_values.{i}", chunk, d, keys, heads, tag=CP_CORE),
+                )
+            ]
+        n = tokens(x)
+        return [
+            Gemm("qkv", n, (a + 2 * kv) * d // t, h),
+            *core,
+            Gemm("projection", n, h, a * d // t),
+        ]
+
+    def input_gemms(self) -> tuple[str, ...]:
+        return ("qkv",)
+
+    def memory_ops(self, x: ActivationShape) -> list[MemoryOp]:
+        """With a backend that keeps ``s x s`` tensors (``math``): the fused scale-mask-softmax
+        on ``b·a·s²/t`` (4 / 6 bytes per element), its dropout (5 / 5) and the context permute
+        ``[b·a, s, d] -> [s, b, a·d]`` (4 / 4); under CP on :func:`attention_pairs`, tagged
+        :data:`CP_CORE`."""
+        if not ATTENTION_BACKENDS[x.attention].keeps_scores:
+            return []
+        local = x.s // x.c
+        scores = x.b * x.a * attention_pairs(x.s, x.c) / x.t
+        core = "core_attn" if x.c == 1 else CP_CORE
+        permute = 4 * local * x.b * (x.a * x.d if x.d else x.h) / x.t
+        return [
+            MemoryOp("softmax", 4 * scores, 6 * scores, tag=core),
+            MemoryOp("attention_dropout", 5 * scores, 5 * scores, tag=core),
+            MemoryOp("context_permute", permute, permute, tag=core),
+        ]
+
+    def parameters(self, x: ActivationShape) -> tuple[int, int]:
+        h, a, d, kv = x.h, x.a, x.head_dim, x.kv_heads
+        qkv = (a + 2 * kv) * d
+        split = qkv * h + a * d * h + (qkv if self.bias_qkv else 0)
+        return split, h if self.bias_proj else 0
+
+    def forward_flops(self, x: ActivationShape) -> float:
+        """QKV ``2·n·h·(a + 2g)·d``, QKᵀ and probs·V ``2·n·s·a·d`` each, output projection
+        ``2·n·a·d·h`` for ``n = b·s`` tokens (``8Bsh² + 4Bs²h`` for multi-head attention)."""
+        n, s, h, a, g, d = x.b * x.s, x.s, x.h, x.a, x.groups, x.head_dim
+        return 2.0 * n * h * (a + 2 * g) * d + 4.0 * n * s * a * d + 2.0 * n * a * d * h

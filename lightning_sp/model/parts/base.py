@@ -1,0 +1,211 @@
+"""What a part of a transformer layer is: the contract every part (a norm, the attention, a
+feed-forward) fulfils, and the records it answers in.
+
+A part owns, in one place, everything the rest of the package asks about it:
+
+* :meth:`Part.build`: the ``nn.Module`` it is (one rank's shard);
+* :meth:`Part.saved_terms`: the tensors it saves for backward, ``name -> (bytes for the whole
+  layer before any split, region)``; the region says how a rank's share divides
+  (:data:`INSIDE`: by t; :data:`OUTSIDE`: by t under sequence parallelism only); the names
+  are what the recompute modules drop (:data:`lightning_sp.model.recompute.RECOMPUTE_MODULES`);
+* :meth:`Part.gemms` and :meth:`Part.memory_ops`: its kernels on one rank, for the step-time
+  model (:mod:`lightning_sp.planner.steptime`);
+* :meth:`Part.parameters`: its parameter count on one rank (split by t, and replicated);
+* :meth:`Part.forward_flops`: its forward matmul FLOPs (all ranks together).
+
+Every method reads the layer's sizes from one
+:class:`~lightning_sp.model.shape.ActivationShape` (``s, b, h, a, g, d, f, t, c``, element
+sizes, dropouts, attention backend); a part's own options (a norm kind, biases, an
+activation) are its fields. The layer (:mod:`lightning_sp.model.parts.block`) is a sum over
+its parts.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import nn
+
+from lightning_sp.model.ops import RopeScaling
+from lightning_sp.model.shape import ActivationShape
+from lightning_sp.parallel.random import RNGStreams
+from lightning_sp.parallel.state import ParallelState
+
+
+class LayerConfig(Protocol):
+    """What the parts' modules read of a config (:class:`~lightning_sp.model.config.
+    GPTConfig` is one; the parts sit below it, so they name only this). Read-only."""
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def sequence_parallel(self) -> bool: ...
+
+    @property
+    def attention(self) -> str: ...
+
+    @property
+    def attention_dropout(self) -> float: ...
+
+    @property
+    def activation(self) -> str: ...
+
+    @property
+    def normalization(self) -> str: ...
+
+    @property
+    def position_embedding(self) -> str: ...
+
+    @property
+    def layernorm_eps(self) -> float: ...
+
+    @property
+    def init_std(self) -> float: ...
+
+    @property
+    def rope_theta(self) -> float: ...
+
+    @property
+    def rope_scaling(self) -> RopeScaling | None: ...
+
+    @property
+    def feed_forward(self) -> str: ...
+
+    @property
+    def groups(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def ffn_size(self) -> int: ...
+
+    @property
+    def output_init_std(self) -> float: ...
+
+    def has_bias(self, projection: str) -> bool: ...
+
+
+ACT, MASK = 2, 1
+"""Bytes per activation element and per dropout-mask element in the kernel records (the
+paper's: bf16 activations, 1-byte masks)."""
+
+INSIDE, OUTSIDE = "inside", "outside"
+"""Where a saved tensor lives: inside the tensor-parallel region (split by t), or outside it
+(replicated over t, or split by t under sequence parallelism)."""
+
+Terms = dict[str, tuple[float, str]]
+"""Saved tensors of a part: ``name -> (bytes for the whole layer before any split, region)``."""
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """``[batch] x (m x k) @ (k x n)`` on one rank."""
+
+    name: str
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+    tag: str = ""
+    """The recompute module that replays it (``core_attn`` for the attention core)."""
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.batch
+
+    @property
+    def bytes(self) -> float:
+        """Operands read and result written once, 2-byte elements."""
+        return float(ACT * self.batch * (self.m * self.k + self.k * self.n + self.m * self.n))
+
+
+@dataclass(frozen=True)
+class MemoryOp:
+    """One memory-bound kernel of a layer on one rank: bytes read + written."""
+
+    name: str
+    forward_bytes: float
+    backward_bytes: float
+    tag: str = ""
+    """The recompute module that replays it."""
+    replay_bytes: float | None = None
+    """Bytes its replay moves (``None``: ``forward_bytes``)."""
+
+    @property
+    def replayed(self) -> float:
+        return self.forward_bytes if self.replay_bytes is None else self.replay_bytes
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a part's module needs besides the config: the layout, the dropout streams, the
+    recompute modules active in its layer, the shared RoPE tables and the tensor factory
+    arguments (``dtype``, ``device``)."""
+
+    config: LayerConfig
+    state: ParallelState
+    rng: RNGStreams
+    active: frozenset[str]
+    """Names of the recompute modules this layer runs (``core_attn``, ``mlp_act`` ...)."""
+    rotary: Any
+    kwargs: dict[str, Any]
+
+
+def tokens(x: ActivationShape) -> int:
+    """Rows of every token-wise GEMM on one rank: ``s·b/c``."""
+    return x.s * x.b // x.c
+
+
+def outside_elements(x: ActivationShape) -> float:
+    """Elements of one ``[s, b, h]`` tensor outside the TP region on one rank: ``s·b·h/c``,
+    divided by t under sequence parallelism."""
+    return x.s // x.c * x.b * x.h / (x.t if x.sequence_parallel else 1)
+
+
+class Part(ABC):
+    """One part of a transformer layer (see the module docstring). Subclasses are frozen
+    dataclasses whose fields are the part's options."""
+
+    @abstractmethod
+    def build(self, ctx: BuildContext) -> nn.Module:
+        """The module, one rank's shard; its parameters marked for initialisation."""
+
+    @abstractmethod
+    def saved_terms(self, x: ActivationShape) -> Terms:
+        """The tensors it saves for backward with no recompute module active."""
+
+    def gemms(self, x: ActivationShape) -> list[Gemm]:
+        """Its forward GEMMs on one rank (backward: :func:`lightning_sp.planner.ops.
+        backward_gemms` of each)."""
+        return []
+
+    def input_gemms(self) -> tuple[str, ...]:
+        """Names of its GEMMs that read the layer's (gathered) sequence: under sequence
+        parallelism the all-gather before them overlaps their backward."""
+        return ()
+
+    def memory_ops(self, x: ActivationShape) -> list[MemoryOp]:
+        """Its memory-bound kernels on one rank."""
+        return []
+
+    @abstractmethod
+    def parameters(self, x: ActivationShape) -> tuple[int, int]:
+        """``(split, replicated)``: parameters split over the ``x.t`` tensor-parallel ranks
+        (their total over all ranks, replicas of shared K/V groups counted) and parameters
+        every rank holds whole."""
+
+    def forward_flops(self, x: ActivationShape) -> float:
+        """Matmul FLOPs of its forward for ``x.b`` whole sequences of ``x.s`` (all ranks)."""
+        return 0.0
+
+    def stats_terms(self, x: ActivationShape) -> Terms:
+        """Per-row statistics it saves besides :meth:`saved_terms` (a norm's mean and rstd,
+        ``O(sb)``: Table 2 leaves them out), as terms; recomputing the norm drops them."""
+        return {}

@@ -1,0 +1,175 @@
+"""A transformer layer as a composition of parts: sublayers, each a norm, a mixer (attention,
+a feed-forward) and the norm's placement, joined by residual connections with dropout.
+
+``pre`` placement (GPT-2, Llama): ``x + drop(mixer(norm(x)))``; ``post`` (OLMo 2):
+``x + drop(norm(mixer(x)))``. The layer's saved tensors, kernels, parameters and FLOPs are the
+sums over its parts plus each residual's own (its dropout mask ``k·sbh`` and the fused
+bias-dropout-add). :class:`Block` is what the memory formulas, the planner, the FLOPs count
+and the model read; none of them asks which family it is looking at.
+
+The feed-forward slot is a registry (:data:`FEED_FORWARDS`, ``GPTConfig.feed_forward``): the
+dense MLP today; a mixture of experts is one more entry (a :class:`~lightning_sp.model.parts.
+base.Part` whose input term is ``fc1_input``, so that the ``layernorm`` module drops it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_sp.model.parts.attention import SelfAttention
+from lightning_sp.model.parts.base import (
+    ACT,
+    INSIDE,
+    MASK,
+    OUTSIDE,
+    Gemm,
+    LayerConfig,
+    MemoryOp,
+    Part,
+    Terms,
+    outside_elements,
+)
+from lightning_sp.model.parts.dense import DenseMLP
+from lightning_sp.model.parts.norm import Norm
+from lightning_sp.model.shape import ActivationShape
+
+Placement = Literal["pre", "post"]
+
+
+@dataclass(frozen=True)
+class Sublayer:
+    """One residual branch: ``name`` (the mixer's module name: ``attention``, ``mlp``), its
+    norm (module ``norm.name``: ``ln1``, ``ln2``), the mixer part, where the norm goes, and
+    ``mask`` (the residual dropout mask's term name)."""
+
+    name: str
+    norm: Norm
+    mixer: Part
+    mask: str
+    placement: Placement = "pre"
+
+    @property
+    def parts(self) -> tuple[Part, Part]:
+        return self.norm, self.mixer
+
+    def residual_terms(self, x: ActivationShape) -> Terms:
+        """The residual dropout's mask, ``k·sbh`` with hidden dropout (outside)."""
+        return {self.mask: (x.mask_bytes * x.sbh if x.hidden_dropout else 0.0, OUTSIDE)}
+
+    def residual_ops(self, x: ActivationShape) -> list[MemoryOp]:
+        """The fused bias-dropout-add (forward read 2 + 2, write 2 and a 1-byte mask, 7 bytes
+        per element; backward read gradient and mask, write 2, 5; ``residual_mask`` replays
+        only the mask, 1)."""
+        outside = outside_elements(x)
+        return [
+            MemoryOp(
+                "bias_dropout_add",
+                (3 * ACT + MASK) * outside,
+                (2 * ACT + MASK) * outside,
+                tag="residual_mask",
+                replay_bytes=MASK * outside,
+            )
+        ]
+
+
+@dataclass(frozen=True)
+class Block:
+    """A layer's sublayers, in order (see the module docstring)."""
+
+    sublayers: tuple[Sublayer, ...]
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        return tuple(p for sub in self.sublayers for p in sub.parts)
+
+    def saved_terms(self, x: ActivationShape) -> Terms:
+        """Every tensor the layer saves, outside terms first then inside ones, each in
+        sublayer order (norm, mixer, residual mask)."""
+        terms: Terms = {}
+        for sub in self.sublayers:
+            terms.update(sub.norm.saved_terms(x))
+            terms.update(sub.mixer.saved_terms(x))
+            terms.update(sub.residual_terms(x))
+        outside = {n: v for n, v in terms.items() if v[1] == OUTSIDE}
+        return {**outside, **{n: v for n, v in terms.items() if v[1] == INSIDE}}
+
+    def stats_terms(self, x: ActivationShape) -> Terms:
+        """The parts' per-row statistics (norms), left out of :meth:`saved_terms`."""
+        return {n: v for p in self.parts for n, v in p.stats_terms(x).items()}
+
+    def gemms(self, x: ActivationShape) -> list[Gemm]:
+        return [g for p in self.parts for g in p.gemms(x)]
+
+    def input_gemms(self) -> tuple[tuple[str, ...], ...]:
+        """Per sublayer, the mixer's GEMMs reading the gathered sequence (``qkv``; ``fc1``
+        or ``gate`` + ``up``)."""
+        return tuple(sub.mixer.input_gemms() for sub in self.sublayers)
+
+    def memory_ops(self, x: ActivationShape) -> list[MemoryOp]:
+        """The parts' and residuals' kernels; kernels of one name (the two norms, the two
+        bias-dropout-adds) summed into one record, at the first one's place."""
+        merged: dict[str, MemoryOp] = {}
+        for sub in self.sublayers:
+            for op in [*sub.norm.memory_ops(x), *sub.mixer.memory_ops(x), *sub.residual_ops(x)]:
+                if op.name in merged:
+                    old = merged[op.name]
+                    replay = None
+                    if old.replay_bytes is not None or op.replay_bytes is not None:
+                        replay = old.replayed + op.replayed
+                    op = MemoryOp(
+                        op.name,
+                        old.forward_bytes + op.forward_bytes,
+                        old.backward_bytes + op.backward_bytes,
+                        op.tag,
+                        replay,
+                    )
+                merged[op.name] = op
+        return list(merged.values())
+
+    def parameters(self, x: ActivationShape) -> int:
+        """Parameters on one of ``x.t`` tensor-parallel ranks."""
+        counts = [p.parameters(x) for p in self.parts]
+        return sum(split // x.t for split, _ in counts) + sum(rep for _, rep in counts)
+
+    def forward_flops(self, x: ActivationShape) -> float:
+        """Matmul FLOPs of the layer's forward for ``x.b`` sequences (all ranks)."""
+        return sum(p.forward_flops(x) for p in self.parts)
+
+
+FeedForwardFactory = Callable[[LayerConfig], Part]
+
+FEED_FORWARDS: dict[str, FeedForwardFactory] = {
+    "dense": lambda c: DenseMLP(c.activation, c.has_bias("fc1"), c.has_bias("fc2")),
+}
+"""The feed-forward slot's parts, by ``GPTConfig.feed_forward`` name: each builds the part of
+a config."""
+
+
+def block_of(config: LayerConfig) -> Block:
+    """The layer of ``config``: attention then feed-forward, each behind a norm."""
+    norm = config.normalization
+    attention = SelfAttention(config.has_bias("qkv"), config.has_bias("proj"))
+    return Block(
+        (
+            Sublayer("attention", Norm(norm, "ln1"), attention, "attn_residual_mask"),
+            Sublayer("mlp", Norm(norm, "ln2"), FEED_FORWARDS[config.feed_forward](config),
+                     "mlp_residual_mask"),
+        )
+    )  # fmt: skip
+
+
+def block_of_shape(x: ActivationShape) -> Block:
+    """The layer a shape describes: its ``block`` if it carries one, else the pre-norm
+    attention + dense MLP of its ``norm`` and ``activation`` (the paper's, by default)."""
+    if isinstance(x.block, Block):
+        return x.block
+    attention = SelfAttention()
+    mlp = DenseMLP(x.activation)
+    return Block(
+        (
+            Sublayer("attention", Norm(x.norm, "ln1"), attention, "attn_residual_mask"),
+            Sublayer("mlp", Norm(x.norm, "ln2"), mlp, "mlp_residual_mask"),
+        )
+    )

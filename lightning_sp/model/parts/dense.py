@@ -1,0 +1,140 @@
+"""The dense feed-forward part (the MLP): ``h -> f`` (the activation's input projections,
+column parallel: ``fc1``, or SwiGLU's ``gate`` and ``up``) -> activation -> ``f -> h``
+(``fc2``, row parallel). The first entry of the feed-forward slot
+(:data:`lightning_sp.model.parts.block.FEED_FORWARDS`); a mixture of experts is the next."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_sp.model.fused import act_row_linear, activate, fused_column_linear
+from lightning_sp.model.parts.base import (
+    INSIDE,
+    OUTSIDE,
+    BuildContext,
+    Gemm,
+    LayerConfig,
+    MemoryOp,
+    Part,
+    Terms,
+    tokens,
+)
+from lightning_sp.model.shape import ActivationShape
+from lightning_sp.model.spec import ACTIVATIONS, NORMS, ActivationKind, NormModule
+from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lightning_sp.parallel.state import ParallelState
+
+
+class MLP(nn.Module):
+    """h -> f (the activation's input projections, column parallel: ``fc1``, or ``gate`` and
+    ``up``) -> activation -> h (``fc2``, row parallel)."""
+
+    def __init__(
+        self,
+        config: LayerConfig,
+        state: ParallelState,
+        recompute_act: bool = False,
+        bias_in: bool | None = None,
+        bias_out: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        sp = config.sequence_parallel
+        self.kind = ACTIVATIONS[config.activation]
+        self.norm_kind = NORMS[config.normalization]
+        self.recompute_act = recompute_act
+        """Whether the activation is recomputed in fc2's backward (``mlp_act``)."""
+        bias_in = config.has_bias("fc1") if bias_in is None else bias_in
+        bias_out = config.has_bias("fc2") if bias_out is None else bias_out
+        for name in self.kind.inputs:
+            linear = ColumnParallelLinear(
+                config.hidden_size, config.ffn_size, state, sequence_parallel=sp,
+                bias=bias_in, init_std=config.init_std, **kwargs,
+            )  # fmt: skip
+            self.add_module(name, linear)
+        self.fc2 = RowParallelLinear(
+            config.ffn_size, config.hidden_size, state, sequence_parallel=sp,
+            bias=bias_out, init_std=config.output_init_std, **kwargs,
+        )  # fmt: skip
+
+    @property
+    def inputs(self) -> list[ColumnParallelLinear]:
+        """The input projections, in the order of the activation's input ``z``."""
+        return [getattr(self, name) for name in self.kind.inputs]
+
+    def forward(
+        self, x: Tensor, norm: NormModule | None = None, recompute_act: bool | None = None
+    ) -> Tensor:
+        """``x``: the normalised input, or with ``norm`` the layer input (normalised inside
+        the input projections, recomputed in their backward). ``recompute_act`` (default: the
+        module's): the activation recomputed in fc2's backward. ``[s/t or s, b, h]`` in and
+        out, ``[s, b, f/t]`` inside."""
+        z = fused_column_linear(x, self.inputs, 1, norm, self.norm_kind)  # [s, b, n·f/t]
+        if self.recompute_act if recompute_act is None else recompute_act:
+            return act_row_linear(z, self.fc2, self.kind)
+        return self.fc2(activate(z, self.kind))
+
+
+@dataclass(frozen=True)
+class DenseMLP(Part):
+    """The dense MLP of width ``f`` (``x.ffn``) and activation ``activation``.
+
+    saves: ``fc1_input`` ``e·sbh`` (outside; the ``layernorm`` module drops it), the
+    activation's input ``act_input`` (``e·sbf`` per input projection: SwiGLU ``2e·sbf``) and
+    ``fc2_input`` ``e·sbf`` (inside; ``mlp_act`` drops it). GEMMs: one ``h -> f/t`` per input
+    projection, ``fc2`` ``f/t -> h``. Params: ``n·f·h + f·h`` (``n`` input projections) and
+    biases as ``bias_in`` / ``bias_out``.
+    """
+
+    activation: str = "gelu"
+    """The activation (:data:`lightning_sp.model.spec.ACTIVATIONS`)."""
+    bias_in: bool = True
+    """Biases on the input projections (column parallel: split)."""
+    bias_out: bool = True
+    """A bias on ``fc2`` (row parallel: replicated)."""
+
+    @property
+    def kind(self) -> ActivationKind:
+        return ACTIVATIONS[self.activation]
+
+    def build(self, ctx: BuildContext) -> nn.Module:
+        return MLP(
+            ctx.config, ctx.state, "mlp_act" in ctx.active, self.bias_in, self.bias_out,
+            **ctx.kwargs,
+        )  # fmt: skip
+
+    def saved_terms(self, x: ActivationShape) -> Terms:
+        e, sbf = x.activation_bytes, x.s * x.b * x.ffn
+        return {
+            "fc1_input": (e * x.sbh, OUTSIDE),
+            "act_input": (self.kind.input_bytes(e, sbf), INSIDE),
+            "fc2_input": (e * sbf, INSIDE),
+        }
+
+    def gemms(self, x: ActivationShape) -> list[Gemm]:
+        n, f, t, h = tokens(x), x.ffn, x.t, x.h
+        return [
+            *(Gemm(name, n, f // t, h) for name in self.kind.inputs),
+            Gemm("fc2", n, h, f // t),
+        ]
+
+    def input_gemms(self) -> tuple[str, ...]:
+        return self.kind.inputs
+
+    def memory_ops(self, x: ActivationShape) -> list[MemoryOp]:
+        """The fused bias-activation on ``sbf/t`` (reading ``z``: SwiGLU reads gate and up),
+        4 / 6 bytes per element."""
+        inputs = len(self.kind.inputs)
+        inner = x.s // x.c * x.b * x.ffn * (1 + inputs) / (2 * x.t)
+        return [MemoryOp("bias_gelu", 4 * inner, 6 * inner, tag="mlp_act")]
+
+    def parameters(self, x: ActivationShape) -> tuple[int, int]:
+        h, f, n = x.h, x.ffn, len(self.kind.inputs)
+        split = n * f * h + f * h + (n * f if self.bias_in else 0)
+        return split, h if self.bias_out else 0
+
+    def forward_flops(self, x: ActivationShape) -> float:
+        return self.kind.forward_flops(x.b * x.s, x.h, x.ffn)
