@@ -17,11 +17,14 @@ import dataclasses
 import pytest
 import torch
 
+from lightning_sp import GPT, GPTConfig
 from lightning_sp.model.moe import MoE
 from lightning_sp.model.moe_config import MoEConfig
 from lightning_sp.parallel.grads import finalize_grads, global_grad_norm
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.spawn import run_distributed
+
+from models import assert_matches_reference, batch, context_shards, relative_error, tiny_config
 
 S, B, H, F = 8, 2, 16, 24
 SEED = 11
@@ -137,3 +140,47 @@ def test_moe_layouts_match_single_process_quick() -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_moe_layouts_match_single_process(world_size: int) -> None:
     run_distributed(_worker, world_size, list(CASES))
+
+
+def _gpt_config(**overrides: object) -> GPTConfig:
+    """tiny Llama with an MoE feed-forward: 4 experts of width 24, top-2, both losses."""
+    moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=24, aux_loss_coef=0.1,
+                    z_loss_coef=0.01, router_dtype="fp64", num_shared_experts=1)  # fmt: skip
+    return tiny_config("llama", feed_forward="moe", moe=moe, recompute="none", **overrides)
+
+
+def _gpt_worker(rank: int, world_size: int, layouts: list[tuple[int, int, int]]) -> None:
+    """The whole model: loss and every gradient (after ``finalize_grads``) equal one process
+    running the d data-parallel batches and averaging."""
+    for t, c, e in layouts:
+        state = ParallelState.from_process_group(
+            tensor_parallel_size=t, context_parallel_size=c, expert_parallel_size=e
+        )
+        case = f"GPT t={t} c={c} e={e} d={state.data_parallel_size}"
+        config = _gpt_config(sequence_parallel=t > 1)
+        reference = GPT(_gpt_config(), ParallelState.single(), dtype=torch.float64)
+        d = state.data_parallel_size
+        for layer in reference.layers:  # d micro-batches accumulated: as the main loss's / d
+            layer.mlp.aux_loss_scale = 1 / d
+        losses = []
+        for m in range(d):
+            losses.append(reference(*batch(config, seed=m)))
+            (losses[-1] / d).backward()
+        model = GPT(config, state, dtype=torch.float64)
+        ids, labels = context_shards(state, *batch(config, seed=state.data_parallel_rank))
+        loss = model(ids, labels)
+        loss.backward()
+        finalize_grads(model, state)
+        ref_loss = losses[state.data_parallel_rank].detach()
+        assert relative_error(loss.detach(), ref_loss) <= RTOL, f"{case}: loss"
+        compared = assert_matches_reference(model, reference, RTOL, case)
+        assert compared.parameters == len(list(model.parameters()))
+
+
+def test_moe_gpt_layouts_match_single_process_quick() -> None:
+    run_distributed(_gpt_worker, 2, [(2, 1, 1), (1, 1, 2), (1, 2, 2)])
+
+
+@pytest.mark.slow
+def test_moe_gpt_layouts_match_single_process() -> None:
+    run_distributed(_gpt_worker, 4, [(2, 1, 2), (1, 1, 4), (1, 2, 2), (2, 2, 1)])

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.cores import check_attention
+from lightning_sp.model.moe_config import MoEConfig
 from lightning_sp.model.ops import RopeScaling
 from lightning_sp.model.parts.block import FEED_FORWARDS, Block, block_of
 from lightning_sp.model.recompute import POLICIES, parse_recompute, parse_rest, policy_name
@@ -69,7 +70,12 @@ class GPTConfig:
 
     feed_forward: str = "dense"
     """The layer's feed-forward part, by name in
-    :data:`lightning_sp.model.parts.block.FEED_FORWARDS` (``dense``: the MLP)."""
+    :data:`lightning_sp.model.parts.block.FEED_FORWARDS` (``dense``: the MLP; ``moe``: a
+    mixture of SwiGLU experts, configured by ``moe``)."""
+
+    moe: MoEConfig | None = None
+    """The mixture-of-experts settings with ``feed_forward: moe`` (experts, top-k, router,
+    load balancing, capacity); unused otherwise."""
 
     normalization: Normalization = "layernorm"
     """``layernorm`` (weight and bias) or ``rmsnorm`` (weight only, statistics in fp32)."""
@@ -268,6 +274,14 @@ class GPTConfig:
                 f"feed_forward={self.feed_forward!r} is not a feed-forward part; valid: "
                 f"{', '.join(FEED_FORWARDS)}"
             )
+        if self.feed_forward == "moe":
+            if self.moe is None:
+                raise ConfigError("feed_forward='moe' needs moe settings (moe.num_experts ...)")
+            if self.activation != "swiglu":
+                raise ConfigError(
+                    f"feed_forward='moe' runs SwiGLU experts; activation={self.activation!r} "
+                    "must be 'swiglu'"
+                )
         if not isinstance(self.bias, bool):
             unknown = [p for p in self.bias if p not in BIAS_PROJECTIONS]
             if unknown:

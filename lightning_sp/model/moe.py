@@ -21,6 +21,7 @@ from lightning_sp.model.experts import SWIGLU, Experts
 from lightning_sp.model.fused import activate, fused_column_linear
 from lightning_sp.model.moe_config import MoEConfig
 from lightning_sp.model.router import Router
+from lightning_sp.model.spec import NormModule
 from lightning_sp.parallel.dispatch import combine, dispatch
 from lightning_sp.parallel.init import initialize_parameter
 from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -123,7 +124,12 @@ class MoE(nn.Module):
         for name, param in self.named_parameters():
             initialize_parameter(param, prefix + name, seed)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, norm: NormModule | None = None) -> Tensor:
+        """``x``: the normalised input, or with ``norm`` the layer input, normalised here (the
+        ``layernorm`` recompute module drops no MoE term: ``moe_input`` is stored either way).
+        ``[s/t or s, b, h]`` in and out."""
+        if norm is not None:
+            x = norm(x)
         s, b, h = x.shape  # [s/t or s, b, h]
         tokens = x.reshape(s * b, h)  # [T, h]
         routed = self.router(tokens, self.group)

@@ -98,12 +98,12 @@ class Router(nn.Module):
         keep, dropped = None, 0
         if cfg.capacity_factor is not None:
             keep, dropped = self._capacity(experts, weights.detach(), tokens, group)
-        return Routed(
-            experts, weights, keep, counts,
-            self._aux_loss(scores, counts, tokens, group),
-            f_bar(torch.logsumexp(logits, dim=-1).square().sum(), group) / tokens,
-            dropped,
-        )  # fmt: skip
+        grad = torch.is_grad_enabled()
+        with torch.set_grad_enabled(grad and cfg.aux_loss_coef > 0):  # else: for logging only
+            aux = self._aux_loss(scores, counts, tokens, group)
+        with torch.set_grad_enabled(grad and cfg.z_loss_coef > 0):
+            z = f_bar(torch.logsumexp(logits, dim=-1).square().sum(), group) / tokens
+        return Routed(experts, weights, keep, counts, aux, z, dropped)
 
     def _aux_loss(self, scores: Tensor, counts: Tensor, tokens: int, group: Group) -> Tensor:
         """``E / T² · Σ_i counts_i · Σ_tokens p_i`` (transformers' one-layer

@@ -51,6 +51,16 @@ class ShardSpec:
         return full.narrow(self.dim, self.start, max(length, 0))
 
 
+def local_slice(param: Tensor, full: Tensor) -> Tensor:
+    """The slice of ``full`` (the unsharded tensor) that this rank's ``param`` holds: its
+    experts (dim 0 from ``expert_start``, when marked) and its tensor-parallel shard."""
+    expert_start = getattr(param, "expert_start", None)
+    if expert_start is not None:
+        full = full.narrow(0, expert_start, param.shape[0])
+    shard: ShardSpec = getattr(param, "shard", ShardSpec())
+    return shard.full_slice(full, param.shape)
+
+
 def mark_parameter(
     param: nn.Parameter,
     *,

@@ -78,6 +78,9 @@ class LayerConfig(Protocol):
     def feed_forward(self) -> str: ...
 
     @property
+    def moe(self) -> Any: ...
+
+    @property
     def groups(self) -> int: ...
 
     @property

@@ -32,6 +32,7 @@ from lightning_sp.model.parts.base import (
     outside_elements,
 )
 from lightning_sp.model.parts.dense import DenseMLP
+from lightning_sp.model.parts.moe import MoEFeedForward
 from lightning_sp.model.parts.norm import Norm
 from lightning_sp.model.shape import ActivationShape
 
@@ -142,6 +143,7 @@ FeedForwardFactory = Callable[[LayerConfig], Part]
 
 FEED_FORWARDS: dict[str, FeedForwardFactory] = {
     "dense": lambda c: DenseMLP(c.activation, c.has_bias("fc1"), c.has_bias("fc2")),
+    "moe": lambda c: MoEFeedForward(c.moe),
 }
 """The feed-forward slot's parts, by ``GPTConfig.feed_forward`` name: each builds the part of
 a config."""
