@@ -22,6 +22,7 @@ from typing import Any
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option, fits, write_config
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.moe_config import MoEConfig
 from lightning_sp.model.ops import RopeScaling
 
 
@@ -34,6 +35,17 @@ class WeightMap:
     ours: str
     hf: str
     transpose: bool = False
+
+
+@dataclass(frozen=True)
+class ExpertWeightMap:
+    """Our stacked expert weight ``ours`` (``[E, n, k]``, a global name with ``{i}``) and the
+    Hub's per-expert tensors holding it: expert ``e``'s ``[n, k]`` slice is the concatenation
+    along its dim 0 of ``hf`` (names with ``{i}`` and ``{e}``), equal parts (Mixtral's
+    ``gate_up``: ``w1`` then ``w3``)."""
+
+    ours: str
+    hf: tuple[str, ...]
 
 
 def linear(ours: str, hf: str, transpose: bool = False) -> tuple[WeightMap, ...]:
@@ -58,7 +70,7 @@ class HFModelType:
     hf_class: str
     architecture: str
     config: ConfigTable
-    weights: tuple[WeightMap, ...]
+    weights: tuple[WeightMap | ExpertWeightMap, ...]
     optional_prefix: str = ""
 
     @property
@@ -120,6 +132,7 @@ GPT2 = HFModelType(
             ConfigField("position_embedding", default="learned"),
             ConfigField("bias", default=True),
             ConfigField("tie_embeddings", default=True),
+            ConfigField("feed_forward", default="dense"),
         ),
         options=tuple(
             Option.constant(key, value)
@@ -215,6 +228,7 @@ LLAMA = HFModelType(
             ConfigField("bias", "attention_bias", default=False),
             ConfigField("bias", "mlp_bias", default=False),
             ConfigField("tie_embeddings", "tie_word_embeddings", default=False),
+            ConfigField("feed_forward", default="dense"),
         ),
         options=(
             Option("head_dim", lambda hf: hf["hidden_size"] // hf["num_attention_heads"]),
@@ -239,7 +253,77 @@ LLAMA = HFModelType(
 )
 
 
-HF_MODEL_TYPES: dict[str, HFModelType] = {m.model_type: m for m in (GPT2, LLAMA)}
+# -- Mixtral ----------------------------------------------------------------------------------
+
+
+def _moe_structure(moe: MoEConfig | None) -> MoEConfig | None:
+    """What of an MoE config a checkpoint fixes (experts, top-k, width, scores, shared experts,
+    the choice bias); the training-only settings (loss coefficients, capacity, router dtype)
+    back at their defaults."""
+    if moe is None:
+        return None
+    return dataclasses.replace(
+        moe, aux_loss_coef=0.0, z_loss_coef=0.0, capacity_factor=None,
+        bias_update_rate=MoEConfig.bias_update_rate, router_dtype="fp32",
+    )  # fmt: skip
+
+
+def _mixtral_moe(hf: Mapping[str, Any]) -> MoEConfig:
+    return MoEConfig(
+        num_experts=hf["num_local_experts"],
+        top_k=hf["num_experts_per_tok"],
+        expert_ffn_size=hf["intermediate_size"],
+    )
+
+
+def _mixtral_extra(config: GPTConfig) -> dict[str, Any]:
+    moe = config.moe or MoEConfig()
+    return {
+        "attention_dropout": config.attention_dropout,
+        "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "intermediate_size": moe.expert_ffn_size,
+        "router_aux_loss_coef": moe.aux_loss_coef,
+        "output_router_logits": moe.aux_loss_coef > 0,
+    }
+
+
+_LLAMA_FIELDS = tuple(
+    f for f in LLAMA.config.fields if f.ours not in ("ffn_hidden_size", "feed_forward")
+)
+
+_EXPERT = "model.layers.{i}.block_sparse_moe.experts.{e}"
+
+MIXTRAL = HFModelType(
+    model_type="mixtral",
+    hf_class="MixtralForCausalLM",
+    architecture="llama",
+    config=ConfigTable(
+        title="Mixtral",
+        fields=(
+            *_LLAMA_FIELDS,
+            ConfigField("feed_forward", default="moe"),
+            ConfigField("moe", read=_mixtral_moe, value=lambda c: _moe_structure(c.moe)),
+        ),
+        options=(
+            Option("head_dim", lambda hf: hf["hidden_size"] // hf["num_attention_heads"]),
+            Option.constant("sliding_window", None),
+            Option.constant("router_jitter_noise", 0.0),
+        ),
+        extra=_mixtral_extra,
+    ),
+    weights=(
+        *(w for w in LLAMA.weights if ".mlp." not in w.ours),
+        WeightMap("layers.{i}.mlp.router.weight", "model.layers.{i}.block_sparse_moe.gate.weight"),
+        ExpertWeightMap(
+            "layers.{i}.mlp.experts.gate_up", (f"{_EXPERT}.w1.weight", f"{_EXPERT}.w3.weight")
+        ),
+        ExpertWeightMap("layers.{i}.mlp.experts.down", (f"{_EXPERT}.w2.weight",)),
+    ),
+)
+
+
+HF_MODEL_TYPES: dict[str, HFModelType] = {m.model_type: m for m in (GPT2, LLAMA, MIXTRAL)}
 """Every Hugging Face model type we read and write, by ``config.json`` ``model_type``."""
 
 
