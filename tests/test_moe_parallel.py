@@ -20,6 +20,7 @@ import torch
 from lightning_sp import GPT, GPTConfig
 from lightning_sp.model.moe import MoE
 from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.grads import finalize_grads, global_grad_norm
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.spawn import run_distributed
@@ -175,6 +176,13 @@ def _gpt_worker(rank: int, world_size: int, layouts: list[tuple[int, int, int]])
         assert relative_error(loss.detach(), ref_loss) <= RTOL, f"{case}: loss"
         compared = assert_matches_reference(model, reference, RTOL, case)
         assert compared.parameters == len(list(model.parameters()))
+        # the same through a bucketed gradient buffer (experts in buckets of their own)
+        buffered = GPT(config, state, dtype=torch.float64)
+        buffer = GradBuffer(list(buffered.parameters()), state, bucket_numel=2000)
+        buffered(ids, labels).backward()
+        finalize_grads(buffered, state, buffer)
+        for (name, p), q in zip(buffered.named_parameters(), model.parameters(), strict=True):
+            assert _rel(p.main_grad, q.grad) <= RTOL, f"{case}: buffer {name}"  # type: ignore[attr-defined, arg-type]
 
 
 def test_moe_gpt_layouts_match_single_process_quick() -> None:

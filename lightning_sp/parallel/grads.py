@@ -148,13 +148,8 @@ def finalize_grads(
     reduce-scatter over the d·c ranks already summed it. Last,
     gradients that are zero in exact arithmetic are made exactly zero
     (:func:`zero_inert_grads`). Expert weights are reduced over their expert-data group instead
-    (:func:`reduce_expert_grads`); a buffer holding them is correct only for ``e = 1``.
+    (:func:`reduce_expert_grads`; a buffer does it in buckets of their own).
     """
-    if buffer is not None and state.expert_parallel_size > 1:
-        raise NotImplementedError(
-            "gradient buffers over expert-parallel experts (expert_parallel_size > 1) are not "
-            "built: finalize_grads without a buffer reduces them over the expert-data group"
-        )
     if buffer is not None:
         buffer.finish()
     allreduce_sequence_parallel_grads(module, state)
