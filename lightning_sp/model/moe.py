@@ -156,3 +156,26 @@ class MoE(nn.Module):
         """After an optimizer step: DeepSeek-V3's bias update from the loads every rank of
         this layer counted (summed over the TP group under SP, then data x context)."""
         self.router.update_expert_bias(self.reduce_groups)
+
+
+def moe_metrics(module: nn.Module) -> dict[str, Tensor]:
+    """The last forward's routing metrics over every MoE layer of ``module`` (this rank's
+    micro-batch): ``moe/aux_loss``, ``moe/z_loss``, ``moe/load_imbalance`` (means over layers)
+    and ``moe/dropped`` (summed); empty without MoE layers."""
+    layers = [m for m in module.modules() if isinstance(m, MoE) and m.metrics]
+    if not layers:
+        return {}
+    out = {}
+    for key in ("aux_loss", "z_loss", "load_imbalance", "dropped"):
+        values = torch.stack([m.metrics[key].float().cpu() for m in layers])
+        out[f"moe/{key}"] = values.sum() if key == "dropped" else values.mean()
+    return out
+
+
+def update_expert_biases(module: nn.Module) -> None:
+    """After an optimizer step: every MoE layer's auxiliary-loss-free bias update
+    (:meth:`MoE.update_expert_bias`; a no-op for layers without ``expert_bias``). Collective:
+    every rank of the stage calls it."""
+    for m in module.modules():
+        if isinstance(m, MoE) and m.config.expert_bias:
+            m.update_expert_bias()

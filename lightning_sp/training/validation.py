@@ -30,7 +30,7 @@ def check_strategy_args(**args: Any) -> None:
     name is refused by the constructor, and by the CLI's parser before that)."""
     get = args.get
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
-                 "num_microbatches", "virtual_pipeline_size"):  # fmt: skip
+                 "expert_parallel_size", "num_microbatches", "virtual_pipeline_size"):  # fmt: skip
         positive_int(name, get(name, 1))
     timeout = get("timeout", 600.0)
     if not isinstance(timeout, int | float) or not timeout > 0 or not math.isfinite(timeout):
@@ -116,11 +116,15 @@ def check_fit_config(config: Any) -> None:
     strategy arguments, precision, layout against the devices, model against the layout,
     optimizer values and, when resuming, the checkpoint (present, intact, same shapes)."""
     from lightning_sp.model.config import GPTConfig
-    from lightning_sp.parallel.state import check_layout
+    from lightning_sp.model.moe_config import MoEConfig
+    from lightning_sp.parallel.state import check_expert_layout, check_layout
 
     trainer = config.trainer
     args = _strategy_init_args(trainer.strategy)
-    model_config = GPTConfig(**vars(config.model.config))
+    fields = dict(vars(config.model.config))
+    if fields.get("moe") is not None and not isinstance(fields["moe"], MoEConfig):
+        fields["moe"] = MoEConfig(**vars(fields["moe"]))  # a parsed Namespace
+    model_config = GPTConfig(**fields)
     if args is not None:
         check_strategy_args(**args)
         check_precision(trainer.precision)
@@ -128,9 +132,13 @@ def check_fit_config(config: Any) -> None:
         if isinstance(devices, int) and devices > 0:
             t, p = args.get("tensor_parallel_size", 1), args.get("pipeline_parallel_size", 1)
             c = args.get("context_parallel_size", 1)
-            check_layout(devices * (trainer.num_nodes or 1), t, p, c)
+            d = check_layout(devices * (trainer.num_nodes or 1), t, p, c)
+            e = args.get("expert_parallel_size", 1)
+            check_expert_layout(d * c, e)
             resolve_sequence_parallel(args.get("sequence_parallel"), model_config.sequence_parallel)
             model_config.validate(t)
+            if model_config.feed_forward == "moe" and model_config.moe is not None:
+                model_config.moe.check_layout(e, t, model_config.sequence_parallel)
             check_context_sequence(model_config, t, c)
     check_optimizer(config.model.optimizer)
     ckpt_path = getattr(config, "ckpt_path", None)
