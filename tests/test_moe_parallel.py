@@ -13,6 +13,7 @@ token-wise, so a contiguous slice stands for the load-balanced chunks).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -192,3 +193,54 @@ def test_moe_gpt_layouts_match_single_process_quick() -> None:
 @pytest.mark.slow
 def test_moe_gpt_layouts_match_single_process() -> None:
     run_distributed(_gpt_worker, 4, [(2, 1, 2), (1, 1, 4), (1, 2, 2), (2, 2, 1)])
+
+
+def _checkpoint_worker(rank: int, world_size: int, root: str) -> None:
+    """A checkpoint saved at e = 2 loads at e = 1 and back (each expert at its offset of the
+    full [E, ...] tensor): the weights equal the saving model's (optimizer state rides the
+    same offsets; not compared here)."""
+    from lightning_sp.parallel.config import ParallelConfig
+    from lightning_sp.training.checkpoint import Checkpointer, Meta
+    from lightning_sp.training.optim import build_adamw
+
+    config = _gpt_config()
+    models = {}
+    for e in (2, 1):
+        state = ParallelState.from_process_group(expert_parallel_size=e)
+        model = GPT(config, state, dtype=torch.float64)
+        optimizer = build_adamw(model, 1e-2, 0.1, (0.9, 0.95), 1e-8)
+        layout = ParallelConfig(data_parallel_size=world_size, expert_parallel_size=e)
+        models[e] = (model, optimizer, layout)
+    model, optimizer, layout = models[2]
+    model(*batch(config, seed=rank)).backward()
+    finalize_grads(model, model.state)
+    optimizer.step()
+    meta = Meta(1, layout, dataclasses.asdict(config))
+    Checkpointer().save(Path(root) / "e2", model, [optimizer], meta=meta,
+                        lightning_state={"global_step": 1}, rng=("rng.none", None))  # fmt: skip
+    for e in (1, 2):  # load at e = 1, then at e = 2 from a checkpoint e = 1 saved
+        target, target_optimizer, target_layout = models[e]
+        source = "e2" if e == 1 else "e1"
+        Checkpointer().load(
+            Path(root) / source, target, [target_optimizer], layout=target_layout,
+            model_config=dataclasses.asdict(config), rng_name="rng.none",
+        )  # fmt: skip
+        for (name, p), q in zip(target.named_parameters(), model.parameters(), strict=True):
+            full = q.detach()
+            if getattr(q, "padded_vocab", False):  # padding rows are not saved
+                full, p = full[: config.vocab_size], p[: config.vocab_size]
+            if getattr(q, "expert", False) and e == 1:  # the e = 2 model holds half of them
+                start = q.expert_start  # type: ignore[attr-defined]
+                assert torch.equal(p.detach()[start : start + q.shape[0]], full), name
+            else:
+                assert torch.equal(p.detach(), full), f"e={e} {name}"
+        if e == 1:
+            meta = Meta(1, target_layout, dataclasses.asdict(config))
+            Checkpointer().save(
+                Path(root) / "e1", target, [target_optimizer], meta=meta,
+                lightning_state={"global_step": 1}, rng=("rng.none", None),
+            )  # fmt: skip
+
+
+def test_moe_checkpoint_reshards_between_expert_parallel_sizes(tmp_path: Path) -> None:
+    run_distributed(_checkpoint_worker, 2, str(tmp_path))
