@@ -62,8 +62,8 @@ def parameter_shards(module: nn.Module) -> Iterator[tuple[str, Tensor, Shard | N
             expert_start = getattr(param, "expert_start", None)
             if expert_start is not None:  # E/e experts of E: rows from expert_start of dim 0
                 full_experts = (shape[0] * chunk.state.expert_parallel_size, *shape[1:])
-                offsets = (expert_start,) + (0,) * (len(shape) - 1)
-                yield gname, param, Shard(param.detach(), full_experts, offsets)
+                first = (expert_start,) + (0,) * (len(shape) - 1)
+                yield gname, param, Shard(param.detach(), full_experts, first)
                 continue
             if spec.dim is None:
                 yield gname, param, Shard(param.detach(), shape)
