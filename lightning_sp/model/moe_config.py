@@ -73,6 +73,12 @@ class MoEConfig:
     """The dtype of the router's logits and scores: ``fp32`` (Megatron's and transformers';
     the logits are cast after the matmul), ``fp64``, or ``input`` (the activations')."""
 
+    force_balanced: bool = False
+    """A measurement switch (Megatron's ``moe_router_force_load_balancing``): the choice of
+    token ``i`` is experts ``(i·k + j) mod E`` for ``j < k``, whatever the scores (the weights
+    are still the chosen scores), so every expert gets the same rows; for memory and speed
+    measurements, never for training."""
+
     def __post_init__(self) -> None:
         positive_int("moe.num_experts", self.num_experts)
         positive_int("moe.top_k", self.top_k)

@@ -85,6 +85,9 @@ class Router(nn.Module):
         if self.expert_bias is not None:
             choice = choice + self.expert_bias.to(choice.dtype)
         experts = torch.topk(choice, cfg.top_k, dim=-1).indices  # [T, k]
+        if cfg.force_balanced:  # token i -> experts (i·k + j) mod E
+            slots = torch.arange(x.shape[0] * cfg.top_k, device=x.device)
+            experts = slots.remainder(cfg.num_experts).view(x.shape[0], cfg.top_k)
         weights = scores.gather(1, experts)
         if cfg.normalize_top_k or cfg.score == "sigmoid":
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -8,8 +8,8 @@ expert's rank and returns the rows this rank's experts must process, grouped by 
 back, weights them by their routing probability and sums each token's ``k`` rows.
 
 Every step is differentiable: row gathers (``index_select``, whose backward adds into the rows it
-read and saves only the index), :class:`AllToAll` (backward: the same exchange with the splits
-swapped) and ``index_add``. With ``e = 1`` (group ``None``) nothing is communicated and the
+read and saves only the index) and :class:`AllToAll` (backward: the same exchange with the splits
+swapped); the combine gathers each (token, slot)'s row and sums over the ``k`` slots. With ``e = 1`` (group ``None``) nothing is communicated and the
 routing is the same, so one process and every layout run the same arithmetic per row.
 
 ======================  =========================================  ==========================
@@ -127,6 +127,11 @@ def combine(y: Tensor, weights: Tensor, routing: Routing, group: Group) -> Tenso
         back = torch.empty_like(routing.regroup)
         back[routing.regroup] = torch.arange(len(routing.regroup), device=y.device)
         y = all_to_all(y.index_select(0, back), routing.send, routing.recv, group)  # [N, h]
-    scaled = y * weights.reshape(-1).index_select(0, routing.slot).unsqueeze(1).to(y.dtype)
-    out = y.new_zeros((weights.shape[0], y.shape[1]))
-    return out.index_add(0, routing.token, scaled)  # [T, h]
+    t, k = weights.shape
+    # each (token, slot) takes its row, a dropped one the zero row appended at N: gathers
+    # save only their index (an index_add or index_copy would save its [N, h] source too)
+    position = torch.full((t * k,), y.shape[0], dtype=torch.long, device=y.device)
+    position[routing.slot] = torch.arange(y.shape[0], device=y.device)
+    padded = torch.cat([y, y.new_zeros((1, y.shape[1]))])  # [N + 1, h]
+    per_slot = padded.index_select(0, position).view(t, k, y.shape[1])  # [T, k, h]
+    return (per_slot * weights.unsqueeze(-1).to(y.dtype)).sum(1)  # [T, h]

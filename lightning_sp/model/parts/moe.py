@@ -20,8 +20,13 @@ element (4 for fp32), 8 bytes per int64 index, ``N = k·T`` rows:
 * ``expert_input`` ``e·Nh`` (rows sent to experts: the grouped gate/up GEMM's input);
   ``expert_act_input`` ``2e·N·f_e`` (SwiGLU's ``[gate | up]``); ``expert_down_input``
   ``e·N·f_e``; ``combine`` ``e·Nh + e·N`` (expert outputs and their weights);
-* z-loss (``z_loss_coef > 0``): the logits ``r·TE`` and ``logsumexp`` twice, ``2r·T``;
+* z-loss (``z_loss_coef > 0``): the logits ``r·TE`` and their ``logsumexp`` ``r·T``;
 * shared experts: ``2e·T·f_s`` (``[gate | up]``) and ``e·T·f_s`` (inside: divided by t).
+
+Left out, as the norms' statistics are: the load-balancing loss's per-expert counts, ``r·E``
+bytes per layer (not per token). Measured (bf16, saved-tensor hooks, forced-balanced routing)
+these terms are exact to the byte at t = 1, 2 (SP) and e = 1, 2, 4
+(``tests/test_moe_memory.py``). Expert parallelism does not divide them.
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ class MoEFeedForward(Part):
             "combine": (e * n * x.h + e * n, OUTSIDE),
         }
         if cfg.z_loss_coef:
-            terms["router_z_loss"] = (r * t * cfg.num_experts + 2 * r * t, OUTSIDE)
+            terms["router_z_loss"] = (r * t * cfg.num_experts + r * t, OUTSIDE)
         if cfg.num_shared_experts:
             terms["shared_act_input"] = (2 * e * t * cfg.shared_ffn_size, INSIDE)
             terms["shared_down_input"] = (e * t * cfg.shared_ffn_size, INSIDE)
