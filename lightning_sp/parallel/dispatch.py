@@ -9,8 +9,9 @@ back, weights them by their routing probability and sums each token's ``k`` rows
 
 Every step is differentiable: row gathers (``index_select``, whose backward adds into the rows it
 read and saves only the index) and :class:`AllToAll` (backward: the same exchange with the splits
-swapped); the combine gathers each (token, slot)'s row and sums over the ``k`` slots. With ``e = 1`` (group ``None``) nothing is communicated and the
-routing is the same, so one process and every layout run the same arithmetic per row.
+swapped); the combine gathers each (token, slot)'s row and sums over the ``k`` slots. With
+``e = 1`` (group ``None``) nothing is communicated and the routing is the same, so one process
+and every layout run the same arithmetic per row.
 
 ======================  =========================================  ==========================
 op                      forward                                    backward
