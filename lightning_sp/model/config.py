@@ -5,6 +5,7 @@ field values of each family (``GPTConfig.llama(...)`` builds one)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -174,6 +175,14 @@ class GPTConfig:
         if isinstance(self.bias, bool):
             return self.bias
         return projection in self.bias
+
+    def for_measurement(self) -> GPTConfig:
+        """This config as the memory measurement traces it (under fake tensors, which hold no
+        values): a mixture of experts routes force-balanced (``moe.force_balanced``), the
+        balanced routing its formulas assume, with no count read from the device."""
+        if self.moe is None:
+            return self
+        return dataclasses.replace(self, moe=dataclasses.replace(self.moe, force_balanced=True))
 
     def block(self) -> Block:
         """The layer's parts (:func:`lightning_sp.model.parts.block.block_of`)."""

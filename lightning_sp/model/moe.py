@@ -133,14 +133,17 @@ class MoE(nn.Module):
         s, b, h = x.shape  # [s/t or s, b, h]
         tokens = x.reshape(s * b, h)  # [T, h]
         routed = self.router(tokens, self.group)
+        cfg = self.config
+        balanced = (
+            cfg.force_balanced and routed.keep is None and not s * b * cfg.top_k % cfg.num_experts
+        )
         rows, routing = dispatch(
-            tokens, routed.experts, routed.keep, self.config.num_experts, self.ep_group
+            tokens, routed.experts, routed.keep, cfg.num_experts, self.ep_group, balanced
         )  # [N_local, h], expert-major
         y = self.experts(rows, routing.counts)  # [N_local, h]
         out = combine(y, routed.weights, routing, self.ep_group).view(s, b, h)
         if self.shared is not None:
             out = out + self.shared(x)
-        cfg = self.config
         self.metrics = {  # detached tensors: no device sync here
             "aux_loss": routed.aux_loss.detach(),
             "z_loss": routed.z_loss.detach(),

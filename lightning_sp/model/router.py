@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from lightning_sp.model.moe_config import MoEConfig
 from lightning_sp.parallel.comm import Group, all_gather_sequence, f_bar, group_rank, group_size
+from lightning_sp.parallel.dispatch import expert_counts
 from lightning_sp.parallel.init import mark_parameter
 
 
@@ -91,7 +92,7 @@ class Router(nn.Module):
         weights = scores.gather(1, experts)
         if cfg.normalize_top_k or cfg.score == "sigmoid":
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        local_counts = torch.bincount(experts.reshape(-1), minlength=cfg.num_experts)
+        local_counts = expert_counts(experts, cfg.num_experts)
         if self.tokens_per_expert is not None and self.training:
             self.tokens_per_expert.add_(local_counts.to(self.tokens_per_expert.dtype))
         counts = local_counts.to(logits.dtype)

@@ -62,6 +62,15 @@ def all_to_all(x: Tensor, recv: list[int], send: list[int], group: Group) -> Ten
     return AllToAll.apply(x, recv, send, group)
 
 
+def expert_counts(experts: Tensor, num_experts: int) -> Tensor:
+    """Choices per expert ``[E]`` (int64) of the indices ``experts``: a bincount of static
+    shape (it traces under fake tensors)."""
+    flat = experts.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+
+
 @dataclass(frozen=True)
 class Routing:
     """How one dispatch moved rows; what :func:`combine` needs to move them back."""
@@ -81,7 +90,12 @@ class Routing:
 
 
 def dispatch(
-    x: Tensor, experts: Tensor, keep: Tensor | None, num_experts: int, group: Group
+    x: Tensor,
+    experts: Tensor,
+    keep: Tensor | None,
+    num_experts: int,
+    group: Group,
+    balanced: bool = False,
 ) -> tuple[Tensor, Routing]:
     """Send each kept (token, slot) assignment's row of ``x`` to the rank of its expert.
 
@@ -89,6 +103,9 @@ def dispatch(
     ``[0, E)``); ``keep``: ``[T, k]`` bool (``None``: all kept; a dropped assignment is neither
     sent nor combined). Returns ``[N_local, h]`` rows for this rank's ``E/e`` experts,
     expert-major, and the :class:`Routing` to undo it (``counts``: rows per local expert).
+    ``balanced``: the caller guarantees every expert gets ``T·k/E`` of every rank's rows (a
+    forced-balanced router, dropless), so no count is read from the device: the path traces
+    under fake tensors.
     """
     t, k = experts.shape
     e = group_size(group)
@@ -102,20 +119,30 @@ def dispatch(
     order = torch.argsort(flat[kept], stable=True)
     slot = kept[order]  # [N] flat (token, slot) indices sorted by expert
     token = torch.div(slot, k, rounding_mode="floor")
-    counts = torch.bincount(flat[slot], minlength=num_experts)  # [E]
     rows = x.index_select(0, token)  # [N, h], expert-sorted
+    if balanced:  # T·k/E rows per (rank, expert): known without reading the device
+        per = t * k // num_experts
+        counts_list = [per] * num_experts
+        received_list = counts_list
+    else:
+        counts = expert_counts(flat[slot], num_experts)  # [E]
+        counts_list = counts.tolist()
     if e == 1:
-        return rows, Routing(token, slot, [], [], None, counts.tolist())
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)  # [e (source), E/e]
-    send = counts.view(e, local).sum(1).tolist()
-    recv = received.view(e, local).sum(1).tolist()
+        return rows, Routing(token, slot, [], [], None, counts_list)
+    if not balanced:
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=group)  # [e (source), E/e]
+        received_list = received.tolist()
+    send = [sum(counts_list[r * local : (r + 1) * local]) for r in range(e)]
+    recv = [sum(received_list[r * local : (r + 1) * local]) for r in range(e)]
     rows = all_to_all(rows, recv, send, group)  # [N_recv, h]: [source][local expert]
     expert_of = torch.repeat_interleave(
-        torch.arange(local, device=x.device).repeat(e), received.view(-1)
+        torch.arange(local, device=x.device).repeat(e),
+        torch.tensor(received_list, device=x.device),
+        output_size=sum(recv),
     )
     regroup = torch.argsort(expert_of, stable=True)
-    per_expert = received.view(e, local).sum(0).tolist()
+    per_expert = [sum(received_list[j::local]) for j in range(local)]
     return rows.index_select(0, regroup), Routing(token, slot, send, recv, regroup, per_expert)
 
 
