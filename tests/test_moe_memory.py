@@ -59,3 +59,30 @@ def test_moe_saved_bytes_equal_formula_one_process() -> None:
 @pytest.mark.slow
 def test_moe_saved_bytes_equal_formula_every_layout() -> None:
     run_distributed(_worker, 4)
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_fake_measurement_of_an_moe_model_equals_its_formula(t: int) -> None:
+    """The planner's measurement (one layer of rank 0's shard under fake tensors, which route
+    force-balanced: ``GPTConfig.for_measurement``) equals the layer formula plus the norms'
+    statistics and the load-balancing counts (4E bytes), to the byte."""
+    import dataclasses
+
+    from lightning_sp import GPTConfig
+    from lightning_sp.memory.fake import measure_activations
+    from lightning_sp.memory.formulas import (
+        activation_bytes_per_layer,
+        layernorm_stats_bytes_per_layer,
+    )
+
+    config = GPTConfig.of(
+        "llama", vocab_size=257, seq_length=256, hidden_size=128, num_layers=2, num_heads=8,
+        num_query_groups=2, feed_forward="moe", recompute="none", sequence_parallel=t > 1,
+        moe=dataclasses.replace(CONFIG, num_shared_experts=0, force_balanced=False),
+    )  # fmt: skip
+    measured = measure_activations(config, tensor_parallel_size=t, micro_batch_size=2, layers=1)
+    shape = config.activation_shape(t, 2)
+    expected = activation_bytes_per_layer(shape, "none") + layernorm_stats_bytes_per_layer(
+        shape, "none"
+    )
+    assert measured.bytes_per_layer == expected + 4 * CONFIG.num_experts
