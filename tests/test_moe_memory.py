@@ -86,3 +86,26 @@ def test_fake_measurement_of_an_moe_model_equals_its_formula(t: int) -> None:
         shape, "none"
     )
     assert measured.bytes_per_layer == expected + 4 * CONFIG.num_experts
+
+
+def test_mixtral_8x7b_parameters_total_active_and_per_rank() -> None:
+    """configs/mixtral_8x7b.yaml's model: 46.7B parameters, 12.9B active (Mistral's published
+    figures), and 1.64B on a rank of t=2, p=4, e=8 (each rank 1 of the 8 experts)."""
+    from pathlib import Path
+
+    import yaml
+
+    from lightning_sp import GPTConfig
+    from lightning_sp.memory.formulas import (
+        model_active_parameter_count,
+        model_parameter_count,
+        parameters_per_rank,
+    )
+
+    path = Path(__file__).parent.parent / "configs" / "mixtral_8x7b.yaml"
+    fields = yaml.safe_load(path.read_text())["model"]["config"]
+    config = GPTConfig(**{**fields, "moe": MoEConfig(**fields["moe"])})
+    assert model_parameter_count(config) == 46_702_792_704
+    assert model_active_parameter_count(config) == 12_879_925_248
+    assert parameters_per_rank(config, 2, 4, 8) == 1_642_926_080
+    assert parameters_per_rank(config, 2, 4, 1) > 7 * parameters_per_rank(config, 2, 4, 8)

@@ -291,6 +291,7 @@ class GPTConfig:
                     f"feed_forward='moe' runs SwiGLU experts; activation={self.activation!r} "
                     "must be 'swiglu'"
                 )
+            self.moe.check_layout(1, t, self.sequence_parallel)  # e is checked with the layout
         if not isinstance(self.bias, bool):
             unknown = [p for p in self.bias if p not in BIAS_PROJECTIONS]
             if unknown:

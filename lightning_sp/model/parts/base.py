@@ -208,6 +208,15 @@ class Part(ABC):
         """Matmul FLOPs of its forward for ``x.b`` whole sequences of ``x.s`` (all ranks)."""
         return 0.0
 
+    def expert_parameters(self, x: ActivationShape) -> int:
+        """Of the replicated count of :meth:`parameters`, those that expert parallelism
+        shares out (a rank of an EP group of ``e`` holds ``1/e`` of them); 0 for most parts."""
+        return 0
+
+    def active_expert_parameters(self, x: ActivationShape) -> int:
+        """Of :meth:`expert_parameters`, those one token uses (``k`` of ``E`` experts)."""
+        return 0
+
     def stats_terms(self, x: ActivationShape) -> Terms:
         """Per-row statistics it saves besides :meth:`saved_terms` (a norm's mean and rstd,
         ``O(sb)``: Table 2 leaves them out), as terms; recomputing the norm drops them."""

@@ -138,6 +138,14 @@ class Block:
         """Matmul FLOPs of the layer's forward for ``x.b`` sequences (all ranks)."""
         return sum(p.forward_flops(x) for p in self.parts)
 
+    def expert_parameters(self, x: ActivationShape) -> int:
+        """Parameters of the layer that expert parallelism shares out (the routed experts)."""
+        return sum(p.expert_parameters(x) for p in self.parts)
+
+    def active_expert_parameters(self, x: ActivationShape) -> int:
+        """Of :meth:`expert_parameters`, those one token uses."""
+        return sum(p.active_expert_parameters(x) for p in self.parts)
+
 
 FeedForwardFactory = Callable[[LayerConfig], Part]
 

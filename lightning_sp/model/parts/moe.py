@@ -118,18 +118,18 @@ class MoEFeedForward(Part):
     def parameters(self, x: ActivationShape) -> tuple[int, int]:
         """``(split, replicated)`` at ``e = 1``: the shared experts split over TP; router and
         all ``E`` experts replicated (a rank of an EP group of ``e`` holds ``E/e`` of them:
-        :meth:`expert_parameters`)."""
+        :meth:`expert_parameters`, divided by e in
+        :func:`~lightning_sp.memory.formulas.stage_parameter_count`)."""
         cfg, h = self.config, x.h
-        return 3 * h * cfg.shared_ffn_size, cfg.num_experts * h + self.expert_parameters(h)
+        return 3 * h * cfg.shared_ffn_size, cfg.num_experts * h + self.expert_parameters(x)
 
-    def expert_parameters(self, h: int) -> int:
+    def expert_parameters(self, x: ActivationShape) -> int:
         """Parameters of all ``E`` routed experts (``3·h·f_e`` each)."""
-        return self.config.num_experts * 3 * h * self.config.expert_ffn_size
+        return self.config.num_experts * 3 * x.h * self.config.expert_ffn_size
 
-    def active_parameters(self, h: int) -> int:
-        """Parameters one token uses: router, ``k`` experts, shared experts."""
-        cfg = self.config
-        return cfg.num_experts * h + 3 * h * (cfg.top_k * cfg.expert_ffn_size + cfg.shared_ffn_size)
+    def active_expert_parameters(self, x: ActivationShape) -> int:
+        """The ``k`` routed experts one token uses (``3·h·f_e`` each)."""
+        return self.config.top_k * 3 * x.h * self.config.expert_ffn_size
 
     def forward_flops(self, x: ActivationShape) -> float:
         """Active matmul FLOPs: router ``2·T·h·E``, ``k`` SwiGLU experts ``6·T·h·f_e`` each,
