@@ -1,7 +1,7 @@
 """Hugging Face weights in and out, for every model type of
-:data:`~lightning_sp.interop.hf_types.HF_MODEL_TYPES` (GPT-2, Llama, Mixtral): any layout's
-shard from a directory's safetensors file(s), and a layout-free stream of our parameters to a
-directory ``AutoModelForCausalLM`` loads.
+:data:`~lightning_sp.interop.hf_types.HF_MODEL_TYPES` (GPT-2, Llama, Mistral, Qwen2, Qwen3,
+OLMo 2, Mixtral, Qwen3-MoE, OLMoE): any layout's shard from a directory's safetensors file(s),
+and a layout-free stream of our parameters to a directory ``AutoModelForCausalLM`` loads.
 
 The Hugging Face tensors of a config (:func:`hf_layout`) come from the model itself: a
 :class:`GPT` built on the ``meta`` device names our parameters and their full shapes (what
@@ -281,7 +281,7 @@ def read_hf_config(directory: str | Path, field: str = "init_from", **overrides:
     ``config.json`` gives (``seq_length``: its whole position table), then ``overrides``.
     :class:`ConfigError` (one line) for a directory we cannot read."""
     with HFWeights(directory, field) as weights:
-        fields = weights.config_fields()
+        fields = {**weights.config_fields(), "hf_model_type": weights.model_type.model_type}
         return GPTConfig.of(weights.model_type.architecture, **{**fields, **overrides})
 
 

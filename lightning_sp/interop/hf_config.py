@@ -50,6 +50,10 @@ class ConfigField:
     write: Callable[[GPTConfig], Any] | None = None
     value: Callable[[GPTConfig], Any] | None = None
     at_most: bool = False
+    written_only: bool = False
+    """Written, never read or checked (a second key a sibling field reads with its own)."""
+    checked: bool = True
+    """False: read and written, checked by an :class:`Option` of the same key instead."""
 
     def raw(self, hf: Mapping[str, Any]) -> Any:
         """The ``config.json`` value (before ``choices``), or ``default``."""
@@ -98,6 +102,10 @@ class Option:
 
     hf: str
     computes: Callable[[Mapping[str, Any]], Any]
+    ours: Callable[[GPTConfig], Any] | None = None
+    """What a config of ours computes for the key, where that is not a constant of the model
+    type (``head_dim``: ``kv_channels`` or h/a); checked against the ``config.json`` value and
+    written in place of ``computes``."""
 
     @classmethod
     def constant(cls, hf: str, value: Any) -> Option:
@@ -114,6 +122,9 @@ class ConfigTable:
     fields: tuple[ConfigField, ...]
     options: tuple[Option, ...] = ()
     extra: Callable[[GPTConfig], dict[str, Any]] = field(default=lambda config: {})
+    checks: tuple[Callable[[Mapping[str, Any], GPTConfig, str], None], ...] = ()
+    """Further checks ``check(hf, config, where)`` raising :class:`ConfigError` (one line),
+    for keys that hold a range of values this GPT computes (Mistral's ``sliding_window``)."""
 
 
 def read_config_json(directory: str | Path, field: str = "init_from") -> dict[str, Any]:
@@ -141,13 +152,15 @@ def config_fields(table: ConfigTable, hf: Mapping[str, Any], where: str) -> dict
     """The ``GPTConfig`` field values of the model whose ``config.json`` is ``hf``
     (``seq_length``: the full position table). :class:`ConfigError` for a value this GPT
     does not compute."""
-    return {f.ours: f.ours_from(hf, where) for f in table.fields}
+    return {f.ours: f.ours_from(hf, where) for f in table.fields if not f.written_only}
 
 
 def check_config(table: ConfigTable, hf: Mapping[str, Any], config: GPTConfig, where: str) -> None:
     """Raise :class:`ConfigError` (one line naming our field, or the option) unless ``config``
     is the model whose ``config.json`` is ``hf``. ``where`` names the model in messages."""
     for f in table.fields:
+        if f.written_only or not f.checked:
+            continue
         needed, value = f.ours_from(hf, where), f.of(config)
         theirs = f"{f.hf}={f.raw(hf)!r}" if f.hf is not None else f"its {f.ours}={needed!r}"
         if f.at_most:
@@ -161,12 +174,14 @@ def check_config(table: ConfigTable, hf: Mapping[str, Any], config: GPTConfig, w
                 f"set {f.ours}: {_yaml(needed)}"
             )
     for option in table.options:
-        computed = option.computes(hf)
+        computed = option.ours(config) if option.ours is not None else option.computes(hf)
         given = hf.get(option.hf, computed)
         if given is not None and given != computed:
             raise ConfigError(
                 f"{where} sets {option.hf}={given!r}; this GPT computes {option.hf}={computed!r}"
             )
+    for check in table.checks:
+        check(hf, config, where)
 
 
 def write_config(table: ConfigTable, config: GPTConfig) -> dict[str, Any]:
@@ -177,7 +192,7 @@ def write_config(table: ConfigTable, config: GPTConfig) -> dict[str, Any]:
         if f.hf is not None:
             hf[f.hf] = f.written(config)
     for option in table.options:
-        hf[option.hf] = option.computes(hf)
+        hf[option.hf] = option.ours(config) if option.ours is not None else option.computes(hf)
     return hf
 
 

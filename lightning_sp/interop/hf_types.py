@@ -14,80 +14,30 @@ A new Hugging Face family made of parts we have is one :class:`HFModelType` entr
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option, fits, write_config
+from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option, fits
+from lightning_sp.interop.hf_llama import LLAMA, LLAMA_STYLE, MISTRAL, OLMO2, QWEN2, QWEN3
+from lightning_sp.interop.hf_moe import MOE_TYPES
+from lightning_sp.interop.hf_tables import ExpertWeightMap, HFModelType, WeightMap, linear, norm
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.moe_config import MoEConfig
-from lightning_sp.model.ops import RopeScaling
 
-
-@dataclass(frozen=True)
-class WeightMap:
-    """One of our parameters (``ours``, a global name with ``{i}`` for the layer) and the
-    Hugging Face tensor that holds it (``hf``, the name ``save_pretrained`` writes);
-    ``transpose``: stored ``[in, out]`` (GPT-2's ``Conv1D``) where ours is ``[out, in]``."""
-
-    ours: str
-    hf: str
-    transpose: bool = False
-
-
-@dataclass(frozen=True)
-class ExpertWeightMap:
-    """Our stacked expert weight ``ours`` (``[E, n, k]``, a global name with ``{i}``) and the
-    Hub's per-expert tensors holding it: expert ``e``'s ``[n, k]`` slice is the concatenation
-    along its dim 0 of ``hf`` (names with ``{i}`` and ``{e}``), equal parts (Mixtral's
-    ``gate_up``: ``w1`` then ``w3``)."""
-
-    ours: str
-    hf: tuple[str, ...]
-
-
-def linear(ours: str, hf: str, transpose: bool = False) -> tuple[WeightMap, ...]:
-    """The weight and bias rows of a linear layer (modules ``ours`` and ``hf``)."""
-    weight = WeightMap(f"{ours}.weight", f"{hf}.weight", transpose)
-    return weight, WeightMap(f"{ours}.bias", f"{hf}.bias")
-
-
-def norm(ours: str, hf: str) -> tuple[WeightMap, ...]:
-    """The weight and (LayerNorm) bias rows of a norm."""
-    return linear(ours, hf)
-
-
-@dataclass(frozen=True)
-class HFModelType:
-    """A Hugging Face model family: ``model_type``, its ``*ForCausalLM`` class, our
-    architecture family it reads into (``GPTConfig.of``: dropouts and the rest), the
-    ``config.json`` table and the weight table. ``optional_prefix``: a prefix that files
-    written elsewhere may lack (OpenAI's GPT-2 upload has no ``transformer.``)."""
-
-    model_type: str
-    hf_class: str
-    architecture: str
-    config: ConfigTable
-    weights: tuple[WeightMap | ExpertWeightMap, ...]
-    optional_prefix: str = ""
-
-    @property
-    def title(self) -> str:
-        return self.config.title
-
-    def config_json(self, config: GPTConfig, eos_token_id: int | None = None) -> dict[str, Any]:
-        """The ``config.json`` of the model equal to ``config``: class, ``model_type``, token
-        ids (the end-of-document token also begins documents), then the table's keys."""
-        return {
-            "architectures": [self.hf_class],
-            "model_type": self.model_type,
-            "initializer_range": config.init_std,
-            "bos_token_id": eos_token_id,
-            "eos_token_id": eos_token_id,
-            **write_config(self.config, config),
-        }
+__all__ = [
+    "GPT2",
+    "HF_MODEL_TYPES",
+    "LLAMA",
+    "MISTRAL",
+    "OLMO2",
+    "QWEN2",
+    "QWEN3",
+    "ExpertWeightMap",
+    "HFModelType",
+    "WeightMap",
+    "hf_model_type",
+    "model_type_for",
+]
 
 
 # -- GPT-2 ------------------------------------------------------------------------------------
@@ -130,7 +80,7 @@ GPT2 = HFModelType(
             ConfigField("activation", "activation_function", choices=_GPT2_ACTIVATIONS),
             ConfigField("normalization", default="layernorm"),
             ConfigField("position_embedding", default="learned"),
-            ConfigField("bias", default=True),
+            ConfigField("bias", default=True, value=lambda c: c.bias_value()),
             ConfigField("tie_embeddings", default=True),
             ConfigField("feed_forward", default="dense"),
         ),
@@ -163,167 +113,7 @@ GPT2 = HFModelType(
 )
 
 
-# -- Llama ------------------------------------------------------------------------------------
-
-
-def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """RoPE's parameters: ``rope_parameters`` (transformers 5) or the older ``rope_theta``
-    and ``rope_scaling``."""
-    rope = dict(hf.get("rope_scaling") or {})
-    rope.update(hf.get("rope_parameters") or {})
-    if "rope_theta" not in rope:
-        rope["rope_theta"] = hf.get("rope_theta", 10000.0)
-    return rope
-
-
-_SCALING_FIELDS = tuple(f.name for f in dataclasses.fields(RopeScaling))
-
-
-def _rope_scaling(hf: Mapping[str, Any]) -> RopeScaling | None:
-    rope = _rope(hf)
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "llama3":
-        raise ConfigError(
-            f"rope_type={kind!r} (rope scaling) is not computed by this GPT; valid: "
-            "'default', 'llama3'"
-        )
-    return RopeScaling(**{k: rope[k] for k in _SCALING_FIELDS if k in rope})
-
-
-def _write_rope_scaling(config: GPTConfig) -> dict[str, Any] | None:
-    if config.rope_scaling is None:
-        return None
-    return {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)}
-
-
-LLAMA = HFModelType(
-    model_type="llama",
-    hf_class="LlamaForCausalLM",
-    architecture="llama",
-    config=ConfigTable(
-        title="Llama",
-        fields=(
-            ConfigField("vocab_size", "vocab_size"),
-            ConfigField("hidden_size", "hidden_size"),
-            ConfigField("num_layers", "num_hidden_layers"),
-            ConfigField("num_heads", "num_attention_heads"),
-            ConfigField(
-                "num_query_groups",
-                "num_key_value_heads",
-                value=lambda c: c.groups,
-                read=lambda hf: hf.get("num_key_value_heads") or hf.get("num_attention_heads"),
-            ),
-            ConfigField("ffn_hidden_size", "intermediate_size", value=lambda c: c.ffn_size),
-            ConfigField("seq_length", "max_position_embeddings", at_most=True),
-            ConfigField("layernorm_eps", "rms_norm_eps", default=1e-6),
-            ConfigField("activation", "hidden_act", choices={"silu": "swiglu"}),
-            ConfigField("normalization", default="rmsnorm"),
-            ConfigField("position_embedding", default="rope"),
-            ConfigField("rope_theta", "rope_theta", read=lambda hf: _rope(hf)["rope_theta"]),
-            ConfigField(
-                "rope_scaling", "rope_scaling", read=_rope_scaling, write=_write_rope_scaling
-            ),
-            ConfigField("bias", "attention_bias", default=False),
-            ConfigField("bias", "mlp_bias", default=False),
-            ConfigField("tie_embeddings", "tie_word_embeddings", default=False),
-            ConfigField("feed_forward", default="dense"),
-        ),
-        options=(
-            Option("head_dim", lambda hf: hf["hidden_size"] // hf["num_attention_heads"]),
-            Option.constant("pretraining_tp", 1),
-        ),
-        extra=lambda config: {"attention_dropout": config.attention_dropout},
-    ),
-    weights=(
-        WeightMap("word_embeddings.weight", "model.embed_tokens.weight"),
-        WeightMap("output.weight", "lm_head.weight"),
-        *norm("final_norm", "model.norm"),
-        *norm("layers.{i}.ln1", "model.layers.{i}.input_layernorm"),
-        *linear("layers.{i}.attention.query", "model.layers.{i}.self_attn.q_proj"),
-        *linear("layers.{i}.attention.key", "model.layers.{i}.self_attn.k_proj"),
-        *linear("layers.{i}.attention.value", "model.layers.{i}.self_attn.v_proj"),
-        *linear("layers.{i}.attention.proj", "model.layers.{i}.self_attn.o_proj"),
-        *norm("layers.{i}.ln2", "model.layers.{i}.post_attention_layernorm"),
-        *linear("layers.{i}.mlp.gate", "model.layers.{i}.mlp.gate_proj"),
-        *linear("layers.{i}.mlp.up", "model.layers.{i}.mlp.up_proj"),
-        *linear("layers.{i}.mlp.fc2", "model.layers.{i}.mlp.down_proj"),
-    ),
-)
-
-
-# -- Mixtral ----------------------------------------------------------------------------------
-
-
-def _moe_structure(moe: MoEConfig | None) -> MoEConfig | None:
-    """What of an MoE config a checkpoint fixes (experts, top-k, width, scores, shared experts,
-    the choice bias); the training-only settings (loss coefficients, capacity, router dtype)
-    back at their defaults."""
-    if moe is None:
-        return None
-    return dataclasses.replace(
-        moe, aux_loss_coef=0.0, z_loss_coef=0.0, capacity_factor=None,
-        bias_update_rate=MoEConfig.bias_update_rate, router_dtype="fp32",
-    )  # fmt: skip
-
-
-def _mixtral_moe(hf: Mapping[str, Any]) -> MoEConfig:
-    return MoEConfig(
-        num_experts=hf["num_local_experts"],
-        top_k=hf["num_experts_per_tok"],
-        expert_ffn_size=hf["intermediate_size"],
-    )
-
-
-def _mixtral_extra(config: GPTConfig) -> dict[str, Any]:
-    moe = config.moe or MoEConfig()
-    return {
-        "attention_dropout": config.attention_dropout,
-        "num_local_experts": moe.num_experts,
-        "num_experts_per_tok": moe.top_k,
-        "intermediate_size": moe.expert_ffn_size,
-        "router_aux_loss_coef": moe.aux_loss_coef,
-        "output_router_logits": moe.aux_loss_coef > 0,
-    }
-
-
-_LLAMA_FIELDS = tuple(
-    f for f in LLAMA.config.fields if f.ours not in ("ffn_hidden_size", "feed_forward")
-)
-
-_EXPERT = "model.layers.{i}.block_sparse_moe.experts.{e}"
-
-MIXTRAL = HFModelType(
-    model_type="mixtral",
-    hf_class="MixtralForCausalLM",
-    architecture="llama",
-    config=ConfigTable(
-        title="Mixtral",
-        fields=(
-            *_LLAMA_FIELDS,
-            ConfigField("feed_forward", default="moe"),
-            ConfigField("moe", read=_mixtral_moe, value=lambda c: _moe_structure(c.moe)),
-        ),
-        options=(
-            Option("head_dim", lambda hf: hf["hidden_size"] // hf["num_attention_heads"]),
-            Option.constant("sliding_window", None),
-            Option.constant("router_jitter_noise", 0.0),
-        ),
-        extra=_mixtral_extra,
-    ),
-    weights=(
-        *(w for w in LLAMA.weights if ".mlp." not in w.ours),
-        WeightMap("layers.{i}.mlp.router.weight", "model.layers.{i}.block_sparse_moe.gate.weight"),
-        ExpertWeightMap(
-            "layers.{i}.mlp.experts.gate_up", (f"{_EXPERT}.w1.weight", f"{_EXPERT}.w3.weight")
-        ),
-        ExpertWeightMap("layers.{i}.mlp.experts.down", (f"{_EXPERT}.w2.weight",)),
-    ),
-)
-
-
-HF_MODEL_TYPES: dict[str, HFModelType] = {m.model_type: m for m in (GPT2, LLAMA, MIXTRAL)}
+HF_MODEL_TYPES: dict[str, HFModelType] = {m.model_type: m for m in (GPT2, *LLAMA_STYLE, *MOE_TYPES)}
 """Every Hugging Face model type we read and write, by ``config.json`` ``model_type``."""
 
 
@@ -339,10 +129,14 @@ def hf_model_type(hf: Mapping[str, Any], where: str) -> HFModelType:
 
 
 def model_type_for(config: GPTConfig) -> HFModelType:
-    """The Hugging Face model type that holds ``config`` exactly (the first that fits);
-    :class:`ConfigError` naming each type's first mismatch if none does."""
+    """The Hugging Face model type that holds ``config`` exactly: ``config.hf_model_type`` if
+    set, else the first that fits; :class:`ConfigError` naming each type's first mismatch if
+    none does."""
     reasons = []
-    for model_type in HF_MODEL_TYPES.values():
+    candidates = list(HF_MODEL_TYPES.values())
+    if config.hf_model_type is not None:
+        candidates = [hf_model_type({"model_type": config.hf_model_type}, "hf_model_type")]
+    for model_type in candidates:
         reason = fits(model_type.config, config)
         if reason is None:
             return model_type

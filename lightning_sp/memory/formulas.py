@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.parts.base import INSIDE, OUTSIDE
+from lightning_sp.model.parts.base import INSIDE, OUTSIDE, REPLICATED
 from lightning_sp.model.parts.block import block_of_shape
 from lightning_sp.model.recompute import active_modules, parse_recompute
 from lightning_sp.model.shape import ActivationShape
@@ -121,6 +121,8 @@ def layer_saved_terms(shape: ActivationShape) -> dict[str, tuple[float, str]]:
 def _per_rank(shape: ActivationShape, nbytes: float, region: str) -> float:
     """One rank's part of a whole-layer term: ``/t`` inside the TP region (and outside under
     sequence parallelism), ``/c`` everywhere (each CP rank holds ``s/c`` tokens)."""
+    if region == REPLICATED:
+        return nbytes / shape.c
     split = region == INSIDE or shape.sequence_parallel
     return (nbytes / shape.t if split else nbytes) / shape.c
 
@@ -167,9 +169,9 @@ def layernorm_stats_bytes_per_layer(shape: ActivationShape, recompute: object = 
     module, which recompute the norms whole. The measured bytes per layer are
     :func:`activation_bytes_per_layer` plus this, exactly."""
     policy = parse_recompute(recompute)
-    if policy == "full" or "layernorm" in policy:
+    if policy == "full":
         return 0.0
-    stats = block_of_shape(shape).stats_terms(shape)
+    stats = block_of_shape(shape).stats_terms(shape, norms_recomputed="layernorm" in policy)
     return sum(_per_rank(shape, nbytes, region) for nbytes, region in stats.values())
 
 

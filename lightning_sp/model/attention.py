@@ -38,6 +38,7 @@ from lightning_sp.model.cores import ATTENTION_BACKENDS, CoreFn
 from lightning_sp.model.fused import fused_column_linear, heads_row_linear
 from lightning_sp.model.ops import rope_inverse_frequencies, rope_tables, rotate_half
 from lightning_sp.model.parts.base import LayerConfig
+from lightning_sp.model.qk_norm import QKNorm
 from lightning_sp.model.recompute import recompute
 from lightning_sp.model.spec import NORMS, POSITIONS, NormModule
 from lightning_sp.parallel.context import load_balanced_positions
@@ -85,17 +86,23 @@ class Rotary:
         if key in self._cache:
             return self._cache[key]
         positions = token_positions(start, length, context, device)
-        tables = self.tables_at(positions, dtype)
+        tables = self.tables_at(positions, dtype, start + length * context[0])
         if not is_fake(tables[0]):  # tables made under a fake mode (the planner's) are not kept
             if len(self._cache) > 8:
                 self._cache.clear()
             self._cache[key] = tables
         return tables
 
-    def tables_at(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``cos, sin`` (``[n, d]``, not cached) for any positions ``[n]``."""
+    def tables_at(
+        self, positions: Tensor, dtype: torch.dtype, seq_len: int = 0
+    ) -> tuple[Tensor, Tensor]:
+        """``cos, sin`` (``[n, d]``, not cached) for any positions ``[n]`` of a sequence of
+        ``seq_len`` tokens (read by ``dynamic`` RoPE scaling only, which is unscaled up to its
+        ``original_max_position_embeddings``)."""
         config = self.config
-        inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        inv_freq = rope_inverse_frequencies(
+            config.head_dim, config.rope_theta, config.rope_scaling, seq_len
+        )
         return rope_tables(positions, inv_freq, dtype)
 
 
@@ -176,6 +183,11 @@ class Attention(nn.Module):
             # softmax ignores a shift common to every key of a row (causal mask and dropout
             # included): unrotated, the key bias's gradient is zero in exact arithmetic
             self.key.bias.inert_gradient = True  # type: ignore[attr-defined]
+        self.qk_norm = None
+        if config.qk_norm is not None:
+            self.qk_norm = QKNorm(
+                config.qk_norm, a, g, d, config.layernorm_eps, state, **kwargs
+            )  # fmt: skip
         state.tensor_parallel_subgroup(replicas)  # made now, on every rank together
         self.proj = RowParallelLinear(
             a * d, h, state, sequence_parallel=sp, bias=config.has_bias("proj"),
@@ -193,6 +205,8 @@ class Attention(nn.Module):
             x, (self.query, self.key, self.value), self.local_groups, norm, self.norm_kind
         )
         s, b, _ = qkv.shape
+        if self.qk_norm is not None:  # [s, b, g_l, r+2, d]: queries and keys normalised
+            qkv = self.qk_norm(qkv.view(s, b, self.local_groups, -1, self.head_dim))
         qkv = qkv.view(s, b * self.local_groups, self.per_group + 2, self.head_dim)
         if self.rotary is not None:
             cos, sin = self.rotary.tables(start, s, qkv.dtype, qkv.device, self.context)

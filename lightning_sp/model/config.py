@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.cores import check_attention
 from lightning_sp.model.moe_config import MoEConfig
-from lightning_sp.model.ops import RopeScaling
-from lightning_sp.model.parts.block import FEED_FORWARDS, Block, block_of
+from lightning_sp.model.ops import ROPE_TYPES, RopeScaling
+from lightning_sp.model.parts.block import FEED_FORWARDS, PLACEMENTS, Block, block_of
+from lightning_sp.model.qk_norm import QK_NORMS
 from lightning_sp.model.recompute import POLICIES, parse_recompute, parse_rest, policy_name
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.model.spec import ACTIVATIONS, NORMS, POSITIONS
@@ -68,6 +69,16 @@ class GPTConfig:
     """Head dimension (d, Hugging Face's ``head_dim``, Megatron's ``kv_channels``); None:
     hidden_size / num_heads. Qwen3 and Mistral Nemo use one that is not h/a: the query
     projection is then ``h -> a·d`` and the output projection ``a·d -> h``."""
+
+    qk_norm: str | None = None
+    """RMSNorm on queries and keys before RoPE: ``head`` (over each head's d features, weights
+    ``[d]``: Qwen3), ``projection`` (over the whole query and key projections, weights
+    ``[a·d]`` and ``[g·d]``, statistics all-reduced over TP: OLMo 2) or None."""
+
+    norm_placement: str = "pre"
+    """Where each sublayer's norm sits: ``pre`` (``x + f(norm(x))``: GPT-2, Llama) or ``post``
+    (``x + norm(f(x))``: OLMo 2, whose norms are ``post_attention_layernorm`` and
+    ``post_feedforward_layernorm``)."""
 
     feed_forward: str = "dense"
     """The layer's feed-forward part, by name in
@@ -156,6 +167,12 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128
     """The padded vocabulary is a multiple of this times the tensor-parallel size."""
 
+    hf_model_type: str | None = field(default=None, compare=False)
+    """The Hugging Face ``model_type`` export writes (``llama``, ``mistral``, ``qwen2``,
+    ``qwen3``, ``olmo2``, ``gpt2``); None: the first that holds the config (GPT-2, then Llama:
+    a Mistral without a window computes as a Llama). Reading a directory sets it. Not part of
+    the architecture (not compared)."""
+
     seed: int = 1234
     """Seed of the weight initialisation and of the dropout streams. A model built from the
     same seed has the same weights under every parallel layout."""
@@ -183,6 +200,12 @@ class GPTConfig:
         if self.moe is None:
             return self
         return dataclasses.replace(self, moe=dataclasses.replace(self.moe, force_balanced=True))
+
+    def bias_value(self) -> bool | list[str]:
+        """``bias`` in one spelling: True (every projection), False (none), or the list of
+        those that have one, in :data:`BIAS_PROJECTIONS` order."""
+        chosen = [p for p in BIAS_PROJECTIONS if self.has_bias(p)]
+        return True if len(chosen) == len(BIAS_PROJECTIONS) else (chosen or False)
 
     def block(self) -> Block:
         """The layer's parts (:func:`lightning_sp.model.parts.block.block_of`)."""
@@ -301,6 +324,21 @@ class GPTConfig:
                 )
         if self.kv_channels is not None:
             positive_int("kv_channels", self.kv_channels)
+        if self.qk_norm is not None and self.qk_norm not in QK_NORMS:
+            raise ConfigError(
+                f"qk_norm={self.qk_norm!r} is not a query/key norm; valid: null, "
+                f"{', '.join(QK_NORMS)}"
+            )
+        if self.rope_scaling is not None and self.rope_scaling.rope_type not in ROPE_TYPES:
+            raise ConfigError(
+                f"rope_scaling.rope_type={self.rope_scaling.rope_type!r} is not a RoPE scaling; "
+                f"valid: {', '.join(ROPE_TYPES)}"
+            )
+        if self.norm_placement not in PLACEMENTS:
+            raise ConfigError(
+                f"norm_placement={self.norm_placement!r} is not a placement; valid: "
+                f"{', '.join(PLACEMENTS)}"
+            )
         if self.recompute_num_layers is not None and self.recompute_num_layers < 0:
             raise ConfigError(
                 f"recompute_num_layers={self.recompute_num_layers} must be >= 0 or null"
@@ -372,6 +410,17 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         "rope_theta": 500000.0,
     },
 }
-"""The field values of each architecture family (the rest are given per model). A new family
-is one entry here if it is made of known parts, or a new descriptor in
-:mod:`lightning_sp.model.spec` if it brings a new part."""
+ARCHITECTURES["mistral"] = {**ARCHITECTURES["llama"], "rope_theta": 10000.0}
+ARCHITECTURES["qwen2"] = {**ARCHITECTURES["mistral"], "bias": ["qkv"], "layernorm_eps": 1e-6}
+ARCHITECTURES["qwen3"] = {**ARCHITECTURES["mistral"], "qk_norm": "head", "layernorm_eps": 1e-6}
+ARCHITECTURES["olmo2"] = {
+    **ARCHITECTURES["mistral"],
+    "qk_norm": "projection",
+    "norm_placement": "post",
+    "layernorm_eps": 1e-6,
+}
+"""The field values of each architecture family (the rest are given per model): Llama, and the
+dense families that differ from it by a part or an option (Mistral: none, its sliding window
+aside; Qwen2: biases on Q, K, V; Qwen3: query/key norms per head; OLMo 2: query/key norms over
+the projections and norms after each sublayer). A new family is one entry here if it is made
+of known parts, or a new part in :mod:`lightning_sp.model.parts` if it brings one."""

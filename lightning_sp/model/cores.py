@@ -114,8 +114,10 @@ ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
     b.name: b
     for b in (
         AttentionBackend("math", attention_core, True, lambda x: 0.0),
-        # flash-style backward recomputes the scores QKᵀ (2bs²h) from the logsumexp
-        AttentionBackend("sdpa", sdpa_core, False, lambda x: 2.0 * x.b * x.s * x.s * x.h),
+        # flash-style backward recomputes the scores QKᵀ (2bs²·ad, 2bs²h when a·d = h)
+        AttentionBackend(
+            "sdpa", sdpa_core, False, lambda x: 2.0 * x.b * x.s * x.s * x.a * x.head_dim
+        ),
     )
 }
 """Every attention backend, by ``GPTConfig.attention`` name."""

@@ -24,6 +24,7 @@ reference the cache is tested against, and the baseline of ``benchmarks/generate
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -131,10 +132,15 @@ def forward_cached(model: GPT, input_ids: Tensor, cache: KVCache) -> Tensor:
     """Feed ``input_ids`` ``[b, n]`` at positions ``cache.length`` on (``model`` without
     sequence parallelism); return the logits of the last one, ``[b, vocab_size]``."""
     x = model.embed(input_ids, start=cache.length)  # [n, b, h] (f̄ over TP; dropout off)
-    layers: list[Any] = list(model.layers)  # TransformerLayer: ln1, attention, ln2, mlp
+    layers: list[Any] = list(model.layers)  # TransformerLayer: its block's sublayers
     for index, layer in enumerate(layers):
-        x = x + _cached_attention(layer, layer.ln1(x), cache, index)
-        x = x + layer.mlp(layer.ln2(x))  # [n, b, h]
+        for sub in layer.block.sublayers:  # attention over the cache; other mixers as they are
+            norm, mixer = getattr(layer, sub.norm.name), getattr(layer, sub.name)
+            if sub.name == "attention":
+                run = functools.partial(_cached_attention, layer, cache=cache, index=index)
+            else:
+                run = mixer
+            x = x + (norm(run(x)) if sub.placement == "post" else run(norm(x)))  # [n, b, h]
     cache.length += input_ids.shape[1]
     return _vocab_logits(model, x[-1:])[0]
 

@@ -122,12 +122,23 @@ def swiglu_backward(grad: Tensor, z: Tensor) -> Tensor:
 # -- rotary position embeddings ----------------------------------------------------------------
 
 
+ROPE_TYPES = ("llama3", "linear", "dynamic")
+"""The RoPE frequency scalings, by ``RopeScaling.rope_type`` (Hugging Face's names)."""
+
+
 @dataclass
 class RopeScaling:
-    """Llama 3.1's RoPE frequency scaling (``rope_type: llama3`` in Hugging Face's config):
-    wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are divided
-    by ``factor``, shorter than ``... / high_freq_factor`` are kept, and those in between
-    interpolated smoothly."""
+    """A RoPE frequency scaling, by ``rope_type`` (Hugging Face's ``rope_type``):
+
+    * ``llama3`` (Llama 3.1): wavelengths longer than ``original_max_position_embeddings /
+      low_freq_factor`` are divided by ``factor``, shorter than ``... / high_freq_factor`` are
+      kept, and those in between interpolated smoothly;
+    * ``linear``: every frequency divided by ``factor`` (positions interpolated);
+    * ``dynamic`` (dynamic NTK): for a sequence of ``L > original_max_position_embeddings =
+      M`` tokens the base becomes ``theta·(factor·L/M - (factor - 1))^(d/(d-2))``; for ``L <=
+      M`` the frequencies are unscaled (Hugging Face's ``dynamic``, whose ``M`` is
+      ``max_position_embeddings``).
+    """
 
     factor: float = 8.0
     """How much the low frequencies are slowed down."""
@@ -137,16 +148,27 @@ class RopeScaling:
     """Wavelengths below ``original_max_position_embeddings / high_freq_factor`` are kept."""
     original_max_position_embeddings: int = 8192
     """The context length the model was pre-trained with before the extension."""
+    rope_type: str = "llama3"
+    """``llama3``, ``linear`` or ``dynamic`` (:data:`ROPE_TYPES`)."""
 
 
 def rope_inverse_frequencies(
-    head_dim: int, theta: float, scaling: RopeScaling | None = None
+    head_dim: int, theta: float, scaling: RopeScaling | None = None, seq_len: int = 0
 ) -> Tensor:
-    """``1/theta^(2i/d)`` for ``i < d/2``, in fp32, scaled as Llama 3.1 if ``scaling``."""
+    """``1/theta^(2i/d)`` for ``i < d/2``, in fp32, scaled by ``scaling`` (``seq_len``: the
+    sequence the tables are for, which only ``dynamic`` reads), as Hugging Face computes it."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if scaling is not None and scaling.rope_type == "dynamic":
+        limit = scaling.original_max_position_embeddings
+        if seq_len > limit:
+            factor = scaling.factor
+            theta = theta * (factor * seq_len / limit - (factor - 1)) ** (head_dim / (head_dim - 2))
+        return 1.0 / (theta**exponents)
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq

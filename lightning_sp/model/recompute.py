@@ -65,7 +65,7 @@ RECOMPUTE_MODULES: dict[str, RecomputeModule] = {
             "the attention core (QKᵀ, softmax, its dropout, attention over V), replayed "
             "before the projection's backward",
             ("attention_scores",),
-            lambda x: 4.0 * x.b * x.s * x.s * x.h,  # QKᵀ and probs·V, 2bs²h each
+            lambda x: 4.0 * x.b * x.s * x.s * x.a * x.head_dim,  # QKᵀ and probs·V, 2bs²·ad each
             needs_scores=True,
         ),
         RecomputeModule(

@@ -14,6 +14,7 @@ from lightning_sp.model.cores import ATTENTION_BACKENDS
 from lightning_sp.model.parts.base import (
     INSIDE,
     OUTSIDE,
+    REPLICATED,
     BuildContext,
     Gemm,
     MemoryOp,
@@ -62,6 +63,11 @@ class SelfAttention(Part):
     """Biases on the query, key and value projections."""
     bias_proj: bool = True
     """A bias on the output projection (row parallel: replicated)."""
+    qk_norm: str | None = None
+    """RMSNorm on queries and keys (:mod:`lightning_sp.model.qk_norm`): ``head``,
+    ``projection`` or None."""
+
+    input_term = "qkv_input"
 
     def build(self, ctx: BuildContext) -> nn.Module:
         from lightning_sp.model.attention import Attention
@@ -89,7 +95,23 @@ class SelfAttention(Part):
                 INSIDE,
             ),
             "proj_input": (e * sb * x.a * d if x.d else e * x.sbh, INSIDE),
+            **self._qk_norm_terms(x),
         }
+
+    def _qk_norm_terms(self, x: ActivationShape) -> Terms:
+        """With a query/key norm: its input, the QKV linear's output (a second storage of
+        ``qkv``'s size, ``e·sb·d·(a + 2g')``, inside), and its fp32 ``rstd``: per head
+        ``4·sb·(a + g')`` (inside), per projection ``2·4·sb`` on every rank (replicated)."""
+        if self.qk_norm is None:
+            return {}
+        sb, e = x.s * x.b, x.activation_bytes
+        nbytes = e * sb * x.head_dim * (x.a + 2 * x.kv_heads)
+        if self.qk_norm == "head":
+            stats: tuple[float, str] = (4.0 * sb * (x.a + x.kv_heads), INSIDE)
+        else:
+            width = 8 if x.activation_bytes >= 8 else 4  # float64 models keep float64 stats
+            stats = (2.0 * width * sb, REPLICATED)
+        return {"qk_norm_input": (nbytes, INSIDE), "qk_norm_stats": stats}
 
     def gemms(self, x: ActivationShape) -> list[Gemm]:
         s, h, a, t, c = x.s, x.h, x.a, x.t, x.c
@@ -125,22 +147,37 @@ class SelfAttention(Part):
         ``[b·a, s, d] -> [s, b, a·d]`` (4 / 4); under CP on :func:`attention_pairs`, tagged
         :data:`CP_CORE`."""
         if not ATTENTION_BACKENDS[x.attention].keeps_scores:
-            return []
+            return self._qk_norm_ops(x)
         local = x.s // x.c
         scores = x.b * x.a * attention_pairs(x.s, x.c) / x.t
         core = "core_attn" if x.c == 1 else CP_CORE
         permute = 4 * local * x.b * (x.a * x.d if x.d else x.h) / x.t
         return [
+            *self._qk_norm_ops(x),
             MemoryOp("softmax", 4 * scores, 6 * scores, tag=core),
             MemoryOp("attention_dropout", 5 * scores, 5 * scores, tag=core),
             MemoryOp("context_permute", permute, permute, tag=core),
         ]
 
+    def _qk_norm_ops(self, x: ActivationShape) -> list[MemoryOp]:
+        """The query/key norm reads and writes the QKV output (4 / 6 bytes per element)."""
+        if self.qk_norm is None:
+            return []
+        n = x.s // x.c * x.b * x.head_dim * (x.a + 2 * x.kv_heads) / x.t
+        return [MemoryOp("qk_norm", 4 * n, 6 * n)]
+
     def parameters(self, x: ActivationShape) -> tuple[int, int]:
+        """Q ``a·d·h``, K and V ``g'·d·h`` each, the projection ``a·d·h``, biases as chosen;
+        a query/key norm ``2d`` (per head, replicated) or ``(a + g')·d`` (split)."""
         h, a, d, kv = x.h, x.a, x.head_dim, x.kv_heads
         qkv = (a + 2 * kv) * d
         split = qkv * h + a * d * h + (qkv if self.bias_qkv else 0)
-        return split, h if self.bias_proj else 0
+        replicated = h if self.bias_proj else 0
+        if self.qk_norm == "head":
+            replicated += 2 * d
+        elif self.qk_norm == "projection":
+            split += (a + kv) * d
+        return split, replicated
 
     def forward_flops(self, x: ActivationShape) -> float:
         """QKV ``2·n·h·(a + 2g)·d``, QKᵀ and probs·V ``2·n·s·a·d`` each, output projection

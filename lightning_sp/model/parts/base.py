@@ -81,6 +81,12 @@ class LayerConfig(Protocol):
     def moe(self) -> Any: ...
 
     @property
+    def qk_norm(self) -> str | None: ...
+
+    @property
+    def norm_placement(self) -> str: ...
+
+    @property
     def groups(self) -> int: ...
 
     @property
@@ -99,9 +105,10 @@ ACT, MASK = 2, 1
 """Bytes per activation element and per dropout-mask element in the kernel records (the
 paper's: bf16 activations, 1-byte masks)."""
 
-INSIDE, OUTSIDE = "inside", "outside"
-"""Where a saved tensor lives: inside the tensor-parallel region (split by t), or outside it
-(replicated over t, or split by t under sequence parallelism)."""
+INSIDE, OUTSIDE, REPLICATED = "inside", "outside", "replicated"
+"""Where a saved tensor lives: inside the tensor-parallel region (split by t), outside it
+(replicated over t, or split by t under sequence parallelism), or replicated on every TP rank
+whatever the layout (per-token statistics of a norm over a sharded dimension)."""
 
 Terms = dict[str, tuple[float, str]]
 """Saved tensors of a part: ``name -> (bytes for the whole layer before any split, region)``."""
@@ -188,6 +195,12 @@ class Part(ABC):
         """Its forward GEMMs on one rank (backward: :func:`lightning_sp.planner.ops.
         backward_gemms` of each)."""
         return []
+
+    input_term: str = ""
+    """The term of its input tensor as its linears save it (``qkv_input``, ``fc1_input``):
+    before a pre-norm the ``layernorm`` module drops it (the norm's input stands for it);
+    after no norm (post-norm) it is the residual stream itself, kept under the name
+    ``<sublayer>_input``."""
 
     def input_gemms(self) -> tuple[str, ...]:
         """Names of its GEMMs that read the layer's (gathered) sequence: under sequence

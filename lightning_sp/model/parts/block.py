@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 from lightning_sp.model.parts.attention import SelfAttention
 from lightning_sp.model.parts.base import (
@@ -24,6 +23,7 @@ from lightning_sp.model.parts.base import (
     INSIDE,
     MASK,
     OUTSIDE,
+    REPLICATED,
     Gemm,
     LayerConfig,
     MemoryOp,
@@ -36,7 +36,8 @@ from lightning_sp.model.parts.moe import MoEFeedForward
 from lightning_sp.model.parts.norm import Norm
 from lightning_sp.model.shape import ActivationShape
 
-Placement = Literal["pre", "post"]
+PLACEMENTS = ("pre", "post")
+"""Where a sublayer's norm goes, by ``GPTConfig.norm_placement`` name."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ class Sublayer:
     norm: Norm
     mixer: Part
     mask: str
-    placement: Placement = "pre"
+    placement: str = "pre"
+    """``pre`` or ``post`` (:data:`PLACEMENTS`)."""
 
     @property
     def parts(self) -> tuple[Part, Part]:
@@ -90,15 +92,26 @@ class Block:
         sublayer order (norm, mixer, residual mask)."""
         terms: Terms = {}
         for sub in self.sublayers:
+            mixer = sub.mixer.saved_terms(x)
+            if sub.placement == "post" and sub.mixer.input_term in mixer:
+                mixer[f"{sub.name}_input"] = mixer.pop(sub.mixer.input_term)
             terms.update(sub.norm.saved_terms(x))
-            terms.update(sub.mixer.saved_terms(x))
+            terms.update(mixer)
             terms.update(sub.residual_terms(x))
-        outside = {n: v for n, v in terms.items() if v[1] == OUTSIDE}
-        return {**outside, **{n: v for n, v in terms.items() if v[1] == INSIDE}}
+        order = (OUTSIDE, INSIDE, REPLICATED)
+        return {n: v for region in order for n, v in terms.items() if v[1] == region}
 
-    def stats_terms(self, x: ActivationShape) -> Terms:
-        """The parts' per-row statistics (norms), left out of :meth:`saved_terms`."""
-        return {n: v for p in self.parts for n, v in p.stats_terms(x).items()}
+    def stats_terms(self, x: ActivationShape, norms_recomputed: bool = False) -> Terms:
+        """The norms' per-row statistics, left out of :meth:`saved_terms` (Table 2 neglects
+        them); ``norms_recomputed`` (the ``layernorm`` module): the pre-norms' are not kept
+        (they are recomputed whole inside their consumers' backward)."""
+        return {
+            n: v
+            for sub in self.sublayers
+            if not (norms_recomputed and sub.placement == "pre")
+            for p in sub.parts
+            for n, v in p.stats_terms(x).items()
+        }
 
     def gemms(self, x: ActivationShape) -> list[Gemm]:
         return [g for p in self.parts for g in p.gemms(x)]
@@ -159,15 +172,15 @@ a config."""
 
 def block_of(config: LayerConfig) -> Block:
     """The layer of ``config``: attention then feed-forward, each behind a norm."""
-    norm = config.normalization
-    attention = SelfAttention(config.has_bias("qkv"), config.has_bias("proj"))
+    norm, where = config.normalization, config.norm_placement
+    attention = SelfAttention(config.has_bias("qkv"), config.has_bias("proj"), config.qk_norm)
+    feed_forward = FEED_FORWARDS[config.feed_forward](config)
     return Block(
         (
-            Sublayer("attention", Norm(norm, "ln1"), attention, "attn_residual_mask"),
-            Sublayer("mlp", Norm(norm, "ln2"), FEED_FORWARDS[config.feed_forward](config),
-                     "mlp_residual_mask"),
+            Sublayer("attention", Norm(norm, "ln1"), attention, "attn_residual_mask", where),
+            Sublayer("mlp", Norm(norm, "ln2"), feed_forward, "mlp_residual_mask", where),
         )
-    )  # fmt: skip
+    )
 
 
 def block_of_shape(x: ActivationShape) -> Block:

@@ -96,6 +96,8 @@ class DenseMLP(Part):
     bias_out: bool = True
     """A bias on ``fc2`` (row parallel: replicated)."""
 
+    input_term = "fc1_input"
+
     @property
     def kind(self) -> ActivationKind:
         return ACTIVATIONS[self.activation]

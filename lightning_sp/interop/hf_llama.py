@@ -1,0 +1,297 @@
+"""The Llama-style Hugging Face families, as data: Llama, Mistral, Qwen2, Qwen3 and OLMo 2.
+
+They share one ``config.json`` vocabulary (``hidden_size``, ``num_key_value_heads``,
+``rms_norm_eps``, ``rope_parameters`` ...) and one weight naming (``model.layers.N.self_attn.
+q_proj`` ...); each family is the shared table with the keys and tensors of its own parts:
+
+=========  ===========================================================================
+llama      biases from ``attention_bias`` (Q, K, V and O) and ``mlp_bias``; ``head_dim``
+mistral    no bias keys; ``head_dim``; ``sliding_window`` null or >= seq_length
+qwen2      biases on Q, K, V only (fixed); no ``head_dim``; no sliding window
+qwen3      ``attention_bias``; ``head_dim``; query/key norms per head (``q_norm [d]``)
+olmo2      ``attention_bias``; query/key norms over the projections (``q_norm [a·d]``);
+           norms after each sublayer (``post_attention_layernorm``,
+           ``post_feedforward_layernorm``), none before
+=========  ===========================================================================
+
+The weight rows come per part (:func:`_norms`, :func:`_attention`, :func:`_mlp`): a table
+names every tensor a model of the family can have; the model builds the ones its config has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_sp.errors import ConfigError
+from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option
+from lightning_sp.interop.hf_tables import HFModelType, WeightMap, linear, norm
+from lightning_sp.model.config import BIAS_PROJECTIONS, GPTConfig
+from lightning_sp.model.ops import RopeScaling
+
+# -- config.json ----------------------------------------------------------------------------------
+
+
+def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """RoPE's parameters: ``rope_parameters`` (transformers 5) or the older ``rope_theta``
+    and ``rope_scaling``."""
+    rope = dict(hf.get("rope_scaling") or {})
+    rope.update(hf.get("rope_parameters") or {})
+    if "rope_theta" not in rope:
+        rope["rope_theta"] = hf.get("rope_theta", 10000.0)
+    return rope
+
+
+_SCALING_FIELDS = tuple(f.name for f in dataclasses.fields(RopeScaling) if f.name != "rope_type")
+_ROPE_TYPES = ("default", "llama3", "linear", "dynamic")
+
+
+def _rope_scaling(hf: Mapping[str, Any]) -> RopeScaling | None:
+    """Our :class:`RopeScaling` of ``rope_type`` ``llama3`` (all its keys), ``linear``
+    (``factor``) or ``dynamic`` (``factor``; its length is ``max_position_embeddings``)."""
+    rope = _rope(hf)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in _ROPE_TYPES:
+        raise ConfigError(
+            f"rope_type={kind!r} (rope scaling) is not computed by this GPT; valid: "
+            + ", ".join(repr(k) for k in _ROPE_TYPES)
+        )
+    if kind == "llama3":
+        return RopeScaling(**{k: rope[k] for k in _SCALING_FIELDS if k in rope})
+    if kind == "linear":
+        return RopeScaling(factor=rope["factor"], rope_type="linear")
+    length = rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]
+    return RopeScaling(
+        factor=rope["factor"], original_max_position_embeddings=length, rope_type="dynamic"
+    )
+
+
+def _write_rope_scaling(config: GPTConfig) -> dict[str, Any] | None:
+    scaling = config.rope_scaling
+    if scaling is None:
+        return None
+    if scaling.rope_type == "linear":
+        return {"rope_type": "linear", "factor": scaling.factor}
+    if scaling.rope_type == "dynamic":
+        return {
+            "rope_type": "dynamic",
+            "factor": scaling.factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        }
+    fields = {k: v for k, v in dataclasses.asdict(scaling).items() if k != "rope_type"}
+    return {"rope_type": "llama3", **fields}
+
+
+def _bias(projections: list[str]) -> bool | list[str]:
+    """Projections with a bias in :meth:`GPTConfig.bias_value`'s one spelling."""
+    chosen = [p for p in BIAS_PROJECTIONS if p in projections]
+    return True if len(chosen) == len(BIAS_PROJECTIONS) else (chosen or False)
+
+
+def _read_bias(hf: Mapping[str, Any]) -> bool | list[str]:
+    """``attention_bias`` (Q, K, V and O) and ``mlp_bias`` (the MLP's three) as our ``bias``."""
+    chosen = ["qkv", "proj"] if hf.get("attention_bias") else []
+    return _bias(chosen + (["fc1", "fc2"] if hf.get("mlp_bias") else []))
+
+
+def _read_head_dim(hf: Mapping[str, Any]) -> int | None:
+    """``head_dim`` as our ``kv_channels``: None when it is h/a."""
+    d = hf.get("head_dim")
+    return None if d in (None, hf["hidden_size"] // hf["num_attention_heads"]) else d
+
+
+_HEAD_DIM_FIELD = ConfigField("kv_channels", "head_dim", read=_read_head_dim, checked=False)
+"""``head_dim`` read into ``kv_channels`` (checked by :data:`_HEAD_DIM`)."""
+_HEAD_DIM = Option("head_dim", lambda hf: hf.get("head_dim"), ours=lambda c: c.head_dim)
+"""``head_dim`` against ours (``kv_channels`` or h/a), written as ours."""
+_NO_HEAD_DIM = Option("head_dim", lambda hf: hf["hidden_size"] // hf["num_attention_heads"])
+"""A family with no ``head_dim`` of its own: h/a only."""
+
+
+def _check_window(hf: Mapping[str, Any], config: GPTConfig, where: str) -> None:
+    """A sliding window this GPT computes: none, or one at least as long as the sequence (the
+    whole causal attention); Qwen's ``use_sliding_window`` must be off."""
+    window = hf.get("sliding_window")
+    if hf.get("use_sliding_window", True) and window is not None and window < config.seq_length:
+        raise ConfigError(
+            f"{where} sets sliding_window={window}, shorter than seq_length="
+            f"{config.seq_length}; this GPT computes full causal attention only (sliding "
+            "windows are not supported): use a seq_length <= the window"
+        )
+
+
+def _fields(bias: ConfigField, fixed: Mapping[str, Any]) -> tuple[ConfigField, ...]:
+    """The fields every Llama-style family has, its bias field and the values it fixes (a
+    dense feed-forward unless ``fixed`` says otherwise)."""
+    fixed = {"feed_forward": "dense", **fixed}
+    return (
+        ConfigField("vocab_size", "vocab_size"),
+        ConfigField("hidden_size", "hidden_size"),
+        ConfigField("num_layers", "num_hidden_layers"),
+        ConfigField("num_heads", "num_attention_heads"),
+        ConfigField(
+            "num_query_groups",
+            "num_key_value_heads",
+            value=lambda c: c.groups,
+            read=lambda hf: hf.get("num_key_value_heads") or hf.get("num_attention_heads"),
+        ),
+        ConfigField("ffn_hidden_size", "intermediate_size", value=lambda c: c.ffn_size),
+        ConfigField("seq_length", "max_position_embeddings", at_most=True),
+        ConfigField("layernorm_eps", "rms_norm_eps", default=1e-6),
+        ConfigField("activation", "hidden_act", choices={"silu": "swiglu"}),
+        ConfigField("normalization", default="rmsnorm"),
+        ConfigField("position_embedding", default="rope"),
+        ConfigField("rope_theta", "rope_theta", read=lambda hf: _rope(hf)["rope_theta"]),
+        ConfigField("rope_scaling", "rope_scaling", read=_rope_scaling, write=_write_rope_scaling),
+        bias,
+        ConfigField("tie_embeddings", "tie_word_embeddings", default=False),
+        *(ConfigField(ours, default=value) for ours, value in fixed.items()),
+    )
+
+
+_ATTENTION_BIAS = ConfigField(
+    "bias", "attention_bias", read=_read_bias, value=lambda c: c.bias_value(),
+    write=lambda c: c.has_bias("qkv"),
+)  # fmt: skip
+_MLP_BIAS = ConfigField("bias", "mlp_bias", write=lambda c: c.has_bias("fc1"), written_only=True)
+_PRE = {"qk_norm": None, "norm_placement": "pre"}
+
+
+def _dropout(config: GPTConfig) -> dict[str, Any]:
+    return {"attention_dropout": config.attention_dropout}
+
+
+# -- weights --------------------------------------------------------------------------------------
+
+_LAYER = "model.layers.{i}"
+
+
+def _norms(post: bool) -> tuple[WeightMap, ...]:
+    """The two layer norms: before the sublayers (``input_layernorm``,
+    ``post_attention_layernorm``) or after them (OLMo 2: ``post_attention_layernorm``,
+    ``post_feedforward_layernorm``)."""
+    names = ("post_attention_layernorm", "post_feedforward_layernorm") if post else (
+        "input_layernorm", "post_attention_layernorm")  # fmt: skip
+    return (*norm("layers.{i}.ln1", f"{_LAYER}.{names[0]}"),
+            *norm("layers.{i}.ln2", f"{_LAYER}.{names[1]}"))  # fmt: skip
+
+
+def _attention(qk_norm: bool) -> tuple[WeightMap, ...]:
+    """Q, K, V, O projections (``self_attn.q_proj`` ...) and the query/key norms
+    (``self_attn.q_norm``, ``k_norm``) if the family has them."""
+    ours, theirs = "layers.{i}.attention", f"{_LAYER}.self_attn"
+    rows = [
+        *linear(f"{ours}.query", f"{theirs}.q_proj"),
+        *linear(f"{ours}.key", f"{theirs}.k_proj"),
+        *linear(f"{ours}.value", f"{theirs}.v_proj"),
+        *linear(f"{ours}.proj", f"{theirs}.o_proj"),
+    ]
+    if qk_norm:
+        rows += [
+            WeightMap(f"{ours}.qk_norm.q_norm", f"{theirs}.q_norm.weight"),
+            WeightMap(f"{ours}.qk_norm.k_norm", f"{theirs}.k_norm.weight"),
+        ]
+    return tuple(rows)
+
+
+def _mlp() -> tuple[WeightMap, ...]:
+    """SwiGLU's ``gate_proj``, ``up_proj`` and ``down_proj``."""
+    return (
+        *linear("layers.{i}.mlp.gate", f"{_LAYER}.mlp.gate_proj"),
+        *linear("layers.{i}.mlp.up", f"{_LAYER}.mlp.up_proj"),
+        *linear("layers.{i}.mlp.fc2", f"{_LAYER}.mlp.down_proj"),
+    )
+
+
+def _weights(post: bool = False, qk_norm: bool = False) -> tuple[WeightMap, ...]:
+    return (
+        WeightMap("word_embeddings.weight", "model.embed_tokens.weight"),
+        WeightMap("output.weight", "lm_head.weight"),
+        *norm("final_norm", "model.norm"),
+        *_norms(post),
+        *_attention(qk_norm),
+        *_mlp(),
+    )
+
+
+# -- the families ---------------------------------------------------------------------------------
+
+LLAMA = HFModelType(
+    model_type="llama",
+    hf_class="LlamaForCausalLM",
+    architecture="llama",
+    config=ConfigTable(
+        title="Llama",
+        fields=(*_fields(_ATTENTION_BIAS, _PRE), _MLP_BIAS, _HEAD_DIM_FIELD),
+        options=(_HEAD_DIM, Option.constant("pretraining_tp", 1)),
+        extra=_dropout,
+    ),
+    weights=_weights(),
+)
+
+MISTRAL = HFModelType(
+    model_type="mistral",
+    hf_class="MistralForCausalLM",
+    architecture="mistral",
+    config=ConfigTable(
+        title="Mistral",
+        fields=(
+            *_fields(ConfigField("bias", default=False, value=lambda c: c.bias_value()), _PRE),
+            _HEAD_DIM_FIELD,
+        ),
+        options=(_HEAD_DIM,),
+        extra=lambda c: {**_dropout(c), "sliding_window": None},
+        checks=(_check_window,),
+    ),
+    weights=_weights(),
+)
+
+QWEN2 = HFModelType(
+    model_type="qwen2",
+    hf_class="Qwen2ForCausalLM",
+    architecture="qwen2",
+    config=ConfigTable(
+        title="Qwen2",
+        fields=_fields(ConfigField("bias", default=["qkv"], value=lambda c: c.bias_value()), _PRE),
+        options=(_NO_HEAD_DIM, Option.constant("use_sliding_window", False)),
+        extra=lambda c: {**_dropout(c), "sliding_window": None},
+        checks=(_check_window,),
+    ),
+    weights=_weights(),
+)
+
+QWEN3 = HFModelType(
+    model_type="qwen3",
+    hf_class="Qwen3ForCausalLM",
+    architecture="qwen3",
+    config=ConfigTable(
+        title="Qwen3",
+        fields=(
+            *_fields(_ATTENTION_BIAS, {"qk_norm": "head", "norm_placement": "pre"}),
+            _HEAD_DIM_FIELD,
+        ),
+        options=(_HEAD_DIM, Option.constant("use_sliding_window", False)),
+        extra=lambda c: {**_dropout(c), "sliding_window": None},
+        checks=(_check_window,),
+    ),
+    weights=_weights(qk_norm=True),
+)
+
+OLMO2 = HFModelType(
+    model_type="olmo2",
+    hf_class="Olmo2ForCausalLM",
+    architecture="olmo2",
+    config=ConfigTable(
+        title="OLMo 2",
+        fields=_fields(_ATTENTION_BIAS, {"qk_norm": "projection", "norm_placement": "post"}),
+        options=(_NO_HEAD_DIM,),
+        extra=_dropout,
+    ),
+    weights=_weights(post=True, qk_norm=True),
+)
+
+LLAMA_STYLE = (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2)
+"""The Llama-style model types, in the order export tries them."""

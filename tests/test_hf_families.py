@@ -1,0 +1,271 @@
+"""Hugging Face families beyond GPT-2 and Llama: Mistral, Qwen2, Qwen3 and OLMo 2 in
+(``init_from``: :func:`read_hf_config`, :func:`load_hf_weights`) and out (:func:`save_hf`,
+what ``cli.py export`` writes), and the Llama options that used to be refused.
+
+Nothing is downloaded: a small random model of each family (``tests/hf_families.py``: 8 query
+heads in 2 key/value groups, a head dimension of 12 != h/a for Mistral and Qwen3, every weight
+perturbed) is saved locally.
+
+* Import: each family read at t = 1, at t = 2 and 4 with SP (2 KV groups fewer than t = 4), at
+  p = 2 and at c = 2 gives transformers' float64 loss (and logits where one rank holds them
+  all) to a relative 1e-10, three AdamW steps equal the one-process model's, and each rank
+  reads only its own slices.
+* Export: the model written back loads in ``AutoModelForCausalLM`` as that family's class
+  and gives back every tensor of the original exactly.
+* Llama variants: ``attention_bias``, ``head_dim`` != h/a, RoPE scaling ``linear`` and
+  ``dynamic`` equal transformers.
+* Generation: cached greedy decoding of Qwen3 and OLMo 2 equals transformers' greedy tokens.
+* Bad input: a family we do not read (Gemma, GPT-NeoX), a real sliding window, Qwen's
+  ``use_sliding_window`` -> one ConfigError line naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hf_families import FAMILIES, GROUPS, save_family_with_reference, save_random_family
+
+from lightning_sp import ConfigError
+from lightning_sp.interop.hf import check_hf_directory, load_hf_weights, read_hf_config, save_hf
+from lightning_sp.model.gpt import GPT
+from lightning_sp.parallel.context import shard_for_context_parallel
+from lightning_sp.parallel.grads import finalize_grads
+from lightning_sp.parallel.state import ParallelState
+from lightning_sp.pipeline import Pipeline
+from lightning_sp.testing.spawn import run_distributed
+from lightning_sp.training.optim import build_adamw
+
+from hf_models import (
+    STEPS,
+    TOLERANCE,
+    full_logits,
+    hf_logits_and_loss,
+    relative,
+    tokens,
+    transformers,
+)
+
+NAMES = tuple(FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
+    """Every family saved with its reference, by name: ``(directory, reference)``."""
+    out = {}
+    for name in NAMES:
+        directory, reference = save_family_with_reference(tmp_path_factory.mktemp(name), name)
+        out[name] = (str(directory), str(reference))
+    return out
+
+
+def _unpadded_elements(chunks: list[GPT]) -> int:
+    """Elements of these shards' parameters less vocabulary padding: what an import reads."""
+    total = 0
+    for chunk in chunks:
+        for param in chunk.parameters():
+            total += param.numel()
+            if getattr(param, "padded_vocab", False):
+                start, rows = param.shard.start, param.shape[0]  # type: ignore[attr-defined]
+                real = max(0, min(rows, chunk.config.vocab_size - start))
+                total -= (rows - real) * param.shape[1]
+    return total
+
+
+def _train(model: torch.nn.Module, step: Any, ids: torch.Tensor, labels: torch.Tensor) -> list:
+    optimizer = build_adamw(model, 1e-3, 0.1, (0.9, 0.95), 1e-8)
+    losses = []
+    for _ in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(step(ids, labels).item())
+        optimizer.step()
+    return losses
+
+
+def _model_step(model: Any, state: ParallelState) -> Any:
+    def step(i: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if isinstance(model, Pipeline):
+            loss = model.train_step(i, y)
+            model.finalize_grads()
+            return loss
+        loss = model(i, y)
+        loss.backward()
+        finalize_grads(model, state)
+        return loss.detach()
+
+    return step
+
+
+def _import_worker(rank: int, world_size: int, saved: dict, cases: list) -> None:
+    """Each ``(family, t, p, c)`` case: import, loss (and logits) against transformers, three
+    training steps against the one-process float64 model's."""
+    for name, t, p, c in cases:
+        directory, reference = saved[name]
+        ref = torch.load(reference)
+        ids, labels = ref["ids"], ref["labels"]
+        what = f"{name} t={t} p={p} c={c}"
+        config = read_hf_config(directory, recompute="none", seq_length=ids.shape[1])
+        single = GPT(config, ParallelState.single(), dtype=torch.float64)
+        load_hf_weights(single, directory)
+        ref_losses = _train(single, _model_step(single, single.state), ids, labels)
+        if t * p * c == 1:
+            state = ParallelState.single()
+        else:
+            state = ParallelState.from_process_group(t, p, context_parallel_size=c)
+        config = read_hf_config(
+            directory, recompute="none", seq_length=ids.shape[1], sequence_parallel=t > 1
+        )
+        if p == 1:
+            model: torch.nn.Module = GPT(config, state, dtype=torch.float64)
+            chunks = [model]
+        else:
+            model = Pipeline(config, state, num_microbatches=2, dtype=torch.float64)
+            chunks = list(model.chunks)
+        read = sum(load_hf_weights(chunk, directory) for chunk in chunks)
+        assert read == _unpadded_elements(chunks), f"{what}: read {read} elements, not its slices"
+        if c > 1:  # each CP rank feeds its two chunks of every sequence
+            cp_rank = state.context_parallel_rank
+            ids, labels = (shard_for_context_parallel(x, 1, c, cp_rank) for x in (ids, labels))
+        with torch.no_grad():
+            loss = model(ids, labels) if p == 1 else model.eval_step(ids, labels)
+            logits = full_logits(chunks, state, ids) if c == 1 else None
+        assert relative(loss, ref["loss"]) <= TOLERANCE, f"{what}: loss {loss} vs {ref['loss']}"
+        err = 0.0
+        if logits is not None:
+            err = relative(logits, ref["logits"])
+            assert err <= TOLERANCE, f"{what}: logits relative error {err:.2e}"
+        losses = _train(model, _model_step(model, state), ids, labels)
+        errors = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)]
+        if rank == world_size - 1:
+            print(f"{what}: loss {relative(loss, ref['loss']):.1e}, logits {err:.1e}, "
+                  f"training losses {max(errors):.1e} (relative errors)")  # fmt: skip
+        assert max(errors) <= TOLERANCE, f"{what}: training diverged {losses} vs {ref_losses}"
+        assert losses[-1] < losses[0], f"{what}: loss did not fall {losses}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_import_one_process_equals_transformers(saved: dict, name: str) -> None:
+    _import_worker(0, 1, saved, [(name, 1, 1, 1)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world_size", "cases"),
+    [
+        (2, [(n, 2, 1, 1) for n in NAMES] + [(n, 1, 2, 1) for n in NAMES]
+         + [(n, 1, 1, 2) for n in NAMES]),
+        (4, [(n, 4, 1, 1) for n in NAMES] + [(n, 2, 1, 2) for n in NAMES]),
+    ],
+    ids=["ws2", "ws4"],
+)  # fmt: skip
+def test_import_any_layout_equals_transformers(saved: dict, world_size: int, cases: list) -> None:
+    """t = 2 and 4 with SP (2 KV groups < t = 4), p = 2, c = 2 and t = 2 x c = 2."""
+    assert GROUPS < 4
+    run_distributed(_import_worker, world_size, saved, cases)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_export_round_trip_gives_back_every_tensor(saved: dict, tmp_path: Path, name: str) -> None:
+    directory = saved[name][0]
+    config = read_hf_config(directory, recompute="none")
+    model = GPT(config, ParallelState.single(), dtype=torch.float64)
+    load_hf_weights(model, directory)
+    out = save_hf(config, ((n, p.detach()) for n, p in model.named_parameters()), tmp_path / "x")
+    original = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
+    assert type(back).__name__ == FAMILIES[name][1]
+    assert json.loads((out / "config.json").read_text())["model_type"] == name
+    theirs, ours = original.state_dict(), back.state_dict()
+    assert set(theirs) == set(ours)
+    for key, value in theirs.items():
+        assert torch.equal(ours[key], value), key
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"attention_bias": True, "head_dim": 12},
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+    ],
+    ids=["bias_head_dim", "rope_linear", "rope_dynamic"],
+)
+def test_llama_variants_equal_transformers(tmp_path: Path, overrides: dict) -> None:
+    """The Llama options once refused: biases on every attention projection, a head dimension
+    that is not h/a, linear and dynamic RoPE scaling (dynamic is unscaled up to
+    max_position_embeddings, which bounds seq_length)."""
+    from hf_models import save_random_llama
+
+    reference = save_random_llama(tmp_path, **overrides)
+    config = read_hf_config(tmp_path, recompute="none", seq_length=32)
+    model = GPT(config, ParallelState.single(), dtype=torch.float64)
+    load_hf_weights(model, tmp_path)
+    ids, labels = tokens()
+    logits, loss = hf_logits_and_loss(reference, ids, labels)
+    with torch.no_grad():
+        assert relative(model(ids, labels), loss) <= TOLERANCE
+        assert relative(full_logits([model], model.state, ids), logits) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo2"])
+def test_cached_generation_equals_transformers_greedy(saved: dict, name: str) -> None:
+    """Query/key norms and post-norms under the key/value cache: our greedy decoding of the
+    imported model gives transformers' greedy tokens (OLMo 2's reference with float64 query/key
+    norm statistics, as ours)."""
+    from hf_families import wide_olmo2_norms
+
+    from lightning_sp.model.generate import GenerationConfig, generate
+
+    directory = saved[name][0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64).eval()
+    if name == "olmo2":
+        wide_olmo2_norms(hf)
+    ours = GPT(read_hf_config(directory, recompute="none"), ParallelState.single(),
+               dtype=torch.float64)  # fmt: skip
+    load_hf_weights(ours, directory)
+    prompt = tokens(batch=1, seed=3)[0][0, :7].tolist()
+    steps = 20
+    cached = generate(ours, prompt, GenerationConfig(max_new_tokens=steps, temperature=0.0))
+    full = generate(ours, prompt, GenerationConfig(max_new_tokens=steps, temperature=0.0,
+                                                   use_cache=False))  # fmt: skip
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)  # fmt: skip
+    theirs = out[0, len(prompt) :].tolist()
+    assert len(set(cached)) > 3, cached
+    assert cached == full, "the cache changes the tokens"
+    assert cached == theirs, f"ours {cached}, transformers {theirs}"
+
+
+def _one_line(error: pytest.ExceptionInfo) -> str:
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_unsupported_families_and_options_fail_with_one_line(tmp_path: Path) -> None:
+    for model_type, config_class in (("gemma", "GemmaConfig"), ("gpt_neox", "GPTNeoXConfig")):
+        directory = tmp_path / model_type
+        getattr(transformers, config_class)().save_pretrained(directory)
+        with pytest.raises(ConfigError) as error:
+            read_hf_config(directory)
+        assert f"config.json has model_type={model_type!r}; valid: 'gpt2', 'llama', " \
+               "'mistral', 'qwen2', 'qwen3', 'olmo2'" in _one_line(error)  # fmt: skip
+    window = tmp_path / "window"
+    save_random_family(window, "mistral", sliding_window=16)
+    with pytest.raises(ConfigError) as error:
+        check_hf_directory(window, read_hf_config(window, seq_length=32))
+    assert "sets sliding_window=16, shorter than seq_length=32; this GPT computes full " \
+           "causal attention only" in _one_line(error)  # fmt: skip
+    check_hf_directory(window, read_hf_config(window, seq_length=16))  # the window is whole
+    qwen = tmp_path / "qwen"
+    save_random_family(qwen, "qwen2")
+    hf = json.loads((qwen / "config.json").read_text())
+    (qwen / "config.json").write_text(json.dumps({**hf, "use_sliding_window": True}))
+    with pytest.raises(ConfigError) as error:
+        check_hf_directory(qwen, read_hf_config(qwen, seq_length=32))
+    assert "sets use_sliding_window=True; this GPT computes use_sliding_window=False" in \
+        _one_line(error)  # fmt: skip
