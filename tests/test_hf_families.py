@@ -37,7 +37,7 @@ from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.optim import build_adamw
+from lightning_sp.optim.adamw import build_adamw
 
 from hf_models import (
     STEPS,
