@@ -29,7 +29,7 @@ two masks; ``full`` keeps the layer input only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -40,9 +40,11 @@ from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.fused import act_row_linear, activate, fused_column_linear
 from lightning_sp.model.recompute import active_modules, parse_recompute, recompute
 from lightning_sp.model.spec import ACTIVATIONS, NORMS, POSITIONS, NormModule
+from lightning_sp.parallel.comm import f_bar
 from lightning_sp.parallel.context import context_token_mean
 from lightning_sp.parallel.init import initialize_parameter, mark_parameter
 from lightning_sp.parallel.layers import (
+    IGNORE_INDEX,
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -51,6 +53,10 @@ from lightning_sp.parallel.layers import (
 )
 from lightning_sp.parallel.random import RNGStreams, dropout
 from lightning_sp.parallel.state import ParallelState
+
+Reduction = Literal["mean", "sum"]
+"""How :meth:`GPT.loss` reduces the per-token losses: their mean over the counted tokens, or
+their sum (for a token mean taken later over a whole step)."""
 
 
 def build_norm(config: GPTConfig, sequence_parallel: bool, **kwargs: Any) -> NormModule:
@@ -287,20 +293,30 @@ class GPT(nn.Module):
             x = layer(x)
         return x
 
-    def loss(self, x: Tensor, labels: Tensor) -> Tensor:
-        """Final norm, output layer (the tied embedding or its own) and mean cross entropy.
+    def loss(self, x: Tensor, labels: Tensor, reduction: Reduction = "mean") -> Tensor:
+        """Final norm, output layer (the tied embedding or its own) and cross entropy.
 
-        ``x``: ``[s/t or s, b, h]``; ``labels``: ``[b, s]``; returns an fp32 scalar. Under
-        context parallelism (``s`` the local ``s/c``) the mean is over the tokens of the whole
-        CP group (:func:`~lightning_sp.parallel.context.context_token_mean`).
+        ``x``: ``[s/t or s, b, h]``; ``labels``: ``[b, s]``, where :data:`IGNORE_INDEX` marks a
+        token whose loss is masked; returns an fp32 scalar: ``reduction="mean"`` the mean over
+        the counted tokens (0, not NaN, when none counts), ``"sum"`` their sum (what a global
+        token mean over many micro-batches and ranks divides later:
+        :class:`~lightning_sp.pipeline.token_mean.TokenMean`). Under context parallelism
+        (``s`` the local ``s/c``) both are over the tokens of the whole CP group
+        (:func:`~lightning_sp.parallel.context.context_token_mean`; the sum all-reduced, its
+        backward each rank's own share).
         """
         logits = self.logits(x)  # [s, b, v/t], never gathered over the vocabulary
-        losses = vocab_parallel_cross_entropy(  # [s, b]
-            logits, labels.t(), self.vocab_start, self.config.vocab_size, self.tp_group
+        target = labels.t()  # [s, b]
+        mask = target != IGNORE_INDEX  # [s, b], True where the token counts
+        losses = vocab_parallel_cross_entropy(  # [s, b], 0 where masked
+            logits, target, self.vocab_start, self.config.vocab_size, self.tp_group, mask
         )
+        if reduction == "sum":
+            total = losses.sum()
+            return f_bar(total, self.state.cp_group) if self.context[0] > 1 else total
         if self.context[0] > 1:
-            return context_token_mean(losses.sum(), losses.numel(), self.state.cp_group)
-        return losses.mean()
+            return context_token_mean(losses.sum(), mask.sum(), self.state.cp_group)
+        return losses.sum() / mask.sum().clamp(min=1)
 
     def logits(self, x: Tensor) -> Tensor:
         """Final norm and output layer: ``[s/t or s, b, h] -> [s, b, v_pad/t]``."""
@@ -308,11 +324,11 @@ class GPT(nn.Module):
             self.final_norm(x), self.output_weight, None, self.tp_group, self.sequence_parallel
         )
 
-    def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, labels: Tensor, reduction: Reduction = "mean") -> Tensor:
         if not (self.has_embedding and self.has_head):
             raise RuntimeError("GPT.forward needs the whole stack; run stages through the pipeline")
         self.check_sequence(input_ids.shape[-1])
-        return self.loss(self.forward_layers(self.embed(input_ids)), labels)
+        return self.loss(self.forward_layers(self.embed(input_ids)), labels, reduction)
 
     def check_sequence(self, s: int) -> None:
         """``ValueError`` (one line) unless ``s`` tokens fit this model and its layout; ``s``

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.gpt import GPT
+from lightning_sp.model.gpt import GPT, Reduction
 from lightning_sp.parallel import grads as grad_utils
 from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.state import DEFAULT_TIMEOUT, ParallelState
@@ -144,6 +144,7 @@ class Pipeline(nn.Module):
         self._stage_modules = [_Stage(chunk) for chunk in self.chunks]
         self._schedules: dict[tuple[int, int, torch.dtype], _Schedule] = {}
         self._embedding_group = self._make_embedding_group(timeout)
+        self._reduction: Reduction = "mean"  # of the step running (train_step, eval_step)
 
     # -- layout --------------------------------------------------------------------------------
 
@@ -196,8 +197,11 @@ class Pipeline(nn.Module):
         return micro
 
     def _loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
-        """Head and loss of one micro-batch, divided by ``n``: summed over micro-batches this
-        is the mean loss of the batch, and its gradients those of the mean."""
+        """Head and loss of one micro-batch. ``reduction="mean"``: its mean divided by ``n``,
+        so that summed over micro-batches this is the mean loss of the batch, and its gradients
+        those of the mean. ``"sum"``: the sum over its counted tokens, undivided."""
+        if self._reduction == "sum":
+            return self.chunks[-1].loss(output, target, "sum")
         return self.chunks[-1].loss(output, target) / self.num_microbatches
 
     def _schedule(self, input_ids: Tensor) -> _Schedule:
@@ -246,23 +250,29 @@ class Pipeline(nn.Module):
         :meth:`forward` and run backward itself (Lightning's automatic optimisation)."""
         return self.schedule_name != "none"
 
-    def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
-        """``p = 1`` only: the mean loss of the batch with its graph (the whole model is this
-        rank's one chunk), for the caller to run backward."""
+    def forward(self, input_ids: Tensor, labels: Tensor, reduction: Reduction = "mean") -> Tensor:
+        """``p = 1`` only: the mean (or sum: ``reduction``) loss of the batch with its graph
+        (the whole model is this rank's one chunk), for the caller to run backward."""
         if self.runs_backward:
             raise RuntimeError("with pipeline_parallel_size > 1 the schedule runs: use train_step")
-        return self.chunks[0](input_ids, labels)
+        return self.chunks[0](input_ids, labels, reduction)
 
-    def train_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+    def train_step(
+        self, input_ids: Tensor, labels: Tensor, reduction: Reduction = "mean"
+    ) -> Tensor:
         """Forward and backward of all ``n`` micro-batches of ``input_ids``/``labels`` ``[B, s]``.
 
         Gradients are accumulated into the parameters (``grad``, or ``main_grad`` through the
         optimizer's hooks): their sum over micro-batches is the gradient of the mean loss over
         the batch. They are not yet reduced: call :meth:`finalize_grads` before the optimizer.
         Returns the mean loss (a detached scalar, fp32 for bf16/fp16 models) on every rank of
-        the pipeline.
+        the pipeline. ``reduction="sum"``: the loss and its gradients are instead the sum over
+        the counted tokens (labels not :data:`~lightning_sp.parallel.layers.IGNORE_INDEX`) of
+        all micro-batches, for :class:`~lightning_sp.pipeline.token_mean.TokenMean` to divide
+        by the step's global count.
         """
         self._check_inputs(input_ids, labels)
+        self._reduction = reduction
         if self.schedule_name == "none":
             return self._accumulate(input_ids, labels, backward=True)
         schedule = self._schedule(input_ids)
@@ -277,13 +287,14 @@ class Pipeline(nn.Module):
         return self._broadcast_loss(losses)
 
     @torch.no_grad()
-    def eval_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+    def eval_step(self, input_ids: Tensor, labels: Tensor, reduction: Reduction = "mean") -> Tensor:
         """Forward of all micro-batches (validation; no graph is built, no gradient touched).
 
-        The caller sets train/eval mode (dropout) as for any module. Returns the mean loss
-        (as :meth:`train_step`) on every rank of the pipeline.
+        The caller sets train/eval mode (dropout) as for any module. Returns the mean (or sum)
+        loss (as :meth:`train_step`) on every rank of the pipeline.
         """
         self._check_inputs(input_ids, labels)
+        self._reduction = reduction
         if self.schedule_name == "none":
             return self._accumulate(input_ids, labels, backward=False)
         schedule = self._schedule(input_ids)
