@@ -15,10 +15,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
 
-from lightning_sp import ParallelState
+from lightning_sp import GPTModule, OptimizerConfig, ParallelState
 from lightning_sp.parallel.layers import IGNORE_INDEX, vocab_parallel_cross_entropy
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.pipeline.token_mean import TokenMean, apply_loss_mask
@@ -164,3 +170,64 @@ def test_global_token_mean_two_ranks() -> None:
 def test_global_token_mean_four_ranks() -> None:
     """d = 2 x c = 2, d = 2 x p = 2, c = 2 x p = 2."""
     _check(run_distributed(_worker, 4))
+
+
+class _Grads(Callback):
+    """The gradients the optimizer received (after the module's token mean), per parameter."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any
+    ) -> None:
+        for name, param in pl_module.named_parameters():  # the last batch's (after the step)
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            if grad is not None:
+                self.grads[name] = grad.detach().clone()
+
+
+def test_trainer_step_with_accumulation_is_the_global_token_mean(tmp_path: Path) -> None:
+    """One process under Lightning, ``accumulate_grad_batches=2``, batches of 2 rows with
+    different counted tokens (one row none): the step's gradients and the logged
+    ``train/loss`` equal one process's token mean over the 4 rows."""
+    config = tiny_config(recompute="selective")
+    ids, labels = _global_batch(config, 4)
+    mask = labels != IGNORE_INDEX
+    rows = [
+        {
+            "input_ids": ids[i : i + 2],
+            "labels": labels.clamp(min=0)[i : i + 2],
+            "loss_mask": mask[i : i + 2],
+        }
+        for i in (0, 2)
+    ]
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        reference = reference_model(config)
+        ref_loss = reference(ids, labels)
+        ref_loss.backward()
+        module = GPTModule(config, OptimizerConfig(lr=1e-3, warmup_steps=0))
+        grads = _Grads()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=2,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[grads],
+        )  # fmt: skip
+        trainer.fit(module, train_dataloaders=DataLoader(rows, batch_size=None))
+    finally:
+        torch.set_default_dtype(default)
+    logged = trainer.callback_metrics["train/loss"].double()
+    assert relative_error(logged, ref_loss.detach()) <= 1e-6  # logged as float32
+    assert len(grads.grads) == len(list(reference.parameters())), sorted(grads.grads)
+    for name, grad in grads.grads.items():
+        ref = dict(reference.named_parameters())[
+            module.stage_model().global_name(name.removeprefix("pipeline."))
+        ]
+        assert ref.grad is not None
+        err = relative_error(
+            grad, ref.grad, 1e-6 * max(q.grad.norm().item() for q in reference.parameters())
+        )
+        assert err <= RTOL, f"{name}: gradient relative error {err:.2e}"
