@@ -31,29 +31,42 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_sp.errors import ConfigError
+from lightning_sp.model.documents import same_document
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.random import drawing_from, dropout
 
-CoreFn = Callable[[Tensor, Tensor, Tensor, float, torch.Generator, bool], Tensor]
+CoreFn = Callable[..., Tensor]
+"""``core(q, k, v, dropout_p, generator, training, documents=None) -> context``."""
 
 
 def attention_core(
-    q: Tensor, k: Tensor, v: Tensor, dropout_p: float, generator: torch.Generator, training: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float,
+    generator: torch.Generator,
+    training: bool,
+    documents: Tensor | None = None,
 ) -> Tensor:
     """Causal softmax(QKᵀ/√d) V with dropout on the probabilities (the ``math`` backend, the
     part ``core_attn`` recomputes). ``q: [B, r, s, d]``, ``k, v: [B, 1, s, d]`` ->
-    ``[B, r, s, d]``."""
+    ``[B, r, s, d]``. ``documents`` (``[b, s]`` ids, ``B = b·n``): block-causal, a query sees
+    the earlier keys of its own document only (:mod:`lightning_sp.model.documents`)."""
     n, r, s, d = q.shape
     causal = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
+    bias = causal.expand(n, s, s)  # [B, s, s], a transient input: baddbmm does not save it
+    if documents is not None:
+        bias = bias.masked_fill(~same_document(documents, documents, n), float("-inf"))
     key_t = k[:, 0].transpose(1, 2)  # [B, d, s]
 
     def scores_of(head: int) -> Tensor:  # [B, s, s]; baddbmm saves only its q and k views
-        return torch.baddbmm(causal.expand(n, s, s), q[:, head], key_t, alpha=1.0 / math.sqrt(d))
+        return torch.baddbmm(bias, q[:, head], key_t, alpha=1.0 / math.sqrt(d))
 
     if r == 1:
         scores = scores_of(0).unsqueeze(1)  # [B, 1, s, s]
@@ -65,9 +78,17 @@ def attention_core(
 
 
 def sdpa_core(
-    q: Tensor, k: Tensor, v: Tensor, dropout_p: float, generator: torch.Generator, training: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float,
+    generator: torch.Generator,
+    training: bool,
+    documents: Tensor | None = None,
 ) -> Tensor:
-    """Causal attention through ``F.scaled_dot_product_attention`` (the ``sdpa`` backend).
+    """Causal attention through ``F.scaled_dot_product_attention`` (the ``sdpa`` backend);
+    with ``documents`` (``[b, s]``) block-causal, through a boolean ``attn_mask``
+    ``[B, s, s]`` built for the call.
 
     ``q: [B, r, s, d]``, ``k, v: [B, 1, s, d]``. With ``r = 1`` it runs as one batch of ``B``
     heads, ``[1, B, s, d]``, so that the fused kernels' output, laid out ``[1, s, B, d]`` in
@@ -87,12 +108,18 @@ def sdpa_core(
             "on CPU",
             stacklevel=2,
         )
+    mask: dict[str, Any] = {"is_causal": True}
+    if documents is not None:
+        n, s = q.shape[1 if r == 1 else 0], q.shape[2]
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril_()
+        allowed = same_document(documents, documents, n) & causal  # [B, s, s]
+        mask = {"attn_mask": allowed.unsqueeze(0 if r == 1 else 1)}  # [1, B | B, 1, s, s]
     if p == 0.0:
-        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **mask)
     else:
         with drawing_from(generator):  # our sharded stream, not torch's global RNG
             out = nn.functional.scaled_dot_product_attention(
-                q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa
+                q, k, v, dropout_p=p, enable_gqa=gqa, **mask
             )
     return out.transpose(0, 1) if r == 1 else out
 

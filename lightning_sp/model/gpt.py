@@ -29,6 +29,7 @@ two masks; ``full`` keeps the layer input only.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -149,17 +150,23 @@ class TransformerLayer(nn.Module):
             regenerate=self.regenerate_masks,
         )  # fmt: skip
 
-    def _forward(self, x: Tensor) -> Tensor:
+    def _forward(
+        self, x: Tensor, documents: Tensor | None = None, positions: Tensor | None = None
+    ) -> Tensor:
         if self.recompute_norm:
-            x = x + self._drop(self.attention(x, self.ln1))
+            x = x + self._drop(self.attention(x, self.ln1, documents, positions))
             return x + self._drop(self.mlp(x, self.ln2, self.recompute_act))
-        x = x + self._drop(self.attention(self.ln1(x)))
+        x = x + self._drop(self.attention(self.ln1(x), None, documents, positions))
         return x + self._drop(self.mlp(self.ln2(x), recompute_act=self.recompute_act))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, documents: Tensor | None = None, positions: Tensor | None = None
+    ) -> Tensor:
+        """``documents``, ``positions``: see :meth:`GPT.forward`."""
         if self.full_recompute and self.training and torch.is_grad_enabled():
-            return recompute(self._forward, self.rng, x)
-        return self._forward(x)
+            fn = partial(self._forward, documents=documents, positions=positions)
+            return recompute(fn, self.rng, x)
+        return self._forward(x, documents, positions)
 
 
 class GPT(nn.Module):
@@ -268,29 +275,34 @@ class GPT(nn.Module):
             return f"layers.{self.layers[int(index)].layer_number}.{rest}"
         return name
 
-    def embed(self, input_ids: Tensor, start: int = 0) -> Tensor:
+    def embed(self, input_ids: Tensor, start: int = 0, positions: Tensor | None = None) -> Tensor:
         """Token (+ learned position) embeddings with dropout for positions ``[start, start +
         s)``, or under context parallelism (``s`` the local sequence, ``s/c``) this CP rank's
-        chunks' true positions: ``[b, s] -> [s/t or s, b, h]``."""
+        chunks' true positions: ``[b, s] -> [s/t or s, b, h]``; ``positions`` (``[b, s]``, e.g.
+        restarting per document) replaces them."""
         ids = input_ids.t()  # [s, b] (s: the local s/c under CP)
         x = self.word_embeddings(ids)  # [s/t, b, h] under SP (ḡ), else [s, b, h] (f̄)
         if self.learned_positions:
-            if self.context[0] > 1:  # an index, whose backward adds into the rows it read
+            if positions is not None:  # per token, an index: [s, b, h]
+                added = self.position_embeddings[positions.t()]
+            elif self.context[0] > 1:  # an index, whose backward adds into the rows it read
                 where = token_positions(start, ids.shape[0], self.context, ids.device)
-                positions = self.position_embeddings[where]
+                added = self.position_embeddings[where].unsqueeze(1)
             else:
-                positions = self.position_embeddings[start : start + ids.shape[0]]
+                added = self.position_embeddings[start : start + ids.shape[0]].unsqueeze(1)
             if self.sequence_parallel:
                 shard = x.shape[0]
-                positions = positions[self.state.tensor_parallel_rank * shard :][:shard]
-            x = x + positions.unsqueeze(1)
+                added = added[self.state.tensor_parallel_rank * shard :][:shard]
+            x = x + added
         generator = self.rng.sharded if self.sequence_parallel else self.rng.replicated
         return dropout(x, self.config.hidden_dropout, generator, self.training)
 
-    def forward_layers(self, x: Tensor) -> Tensor:
+    def forward_layers(
+        self, x: Tensor, documents: Tensor | None = None, positions: Tensor | None = None
+    ) -> Tensor:
         """Run this shard's transformer layers: ``[s/t or s, b, h]`` in and out."""
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, documents, positions)
         return x
 
     def loss(self, x: Tensor, labels: Tensor, reduction: Reduction = "mean") -> Tensor:
@@ -324,11 +336,23 @@ class GPT(nn.Module):
             self.final_norm(x), self.output_weight, None, self.tp_group, self.sequence_parallel
         )
 
-    def forward(self, input_ids: Tensor, labels: Tensor, reduction: Reduction = "mean") -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        reduction: Reduction = "mean",
+        documents: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
+        """The loss of ``input_ids`` against ``labels`` (``[b, s]``, this CP rank's chunks).
+        ``documents``: ``[b, s]`` document ids of the **whole** sequence (also under context
+        parallelism): block-causal attention; ``positions``: ``[b, s]`` position of each
+        (local) token, e.g. restarting per document (:mod:`lightning_sp.model.documents`)."""
         if not (self.has_embedding and self.has_head):
             raise RuntimeError("GPT.forward needs the whole stack; run stages through the pipeline")
         self.check_sequence(input_ids.shape[-1])
-        return self.loss(self.forward_layers(self.embed(input_ids)), labels, reduction)
+        x = self.embed(input_ids, positions=positions)
+        return self.loss(self.forward_layers(x, documents, positions), labels, reduction)
 
     def check_sequence(self, s: int) -> None:
         """``ValueError`` (one line) unless ``s`` tokens fit this model and its layout; ``s``
