@@ -5,7 +5,10 @@ parallel chunk boundaries (chunks of 4 tokens at c = 2, s = 16), run with their 
 and per-document positions, give for every token the logits and loss of running its document
 alone (positions from 0), and the gradients of the summed per-document losses; GPT-2 (learned
 positions) and Llama (RoPE, GQA), ``math`` and ``sdpa``, every preset: one process (quick), t = 2
-+ SP and c = 2 (2 ranks, quick: a subset), t = 2 + SP x c = 2 (4 ranks, slow: everything).
++ SP, c = 2 and p = 2 (2 ranks, quick: a subset), t = 2 + SP x c = 2 and p = 2 x c = 2 (4 ranks,
+slow: everything). Through the pipeline the loss is the global token mean
+(:class:`~lightning_sp.pipeline.token_mean.TokenMean`), each stage given its micro-batch's rows
+of the ids and positions.
 The last token of each document has no label (its next token is another document's), as with
 ``eod_mask_loss``.
 """
@@ -30,6 +33,8 @@ from lightning_sp.parallel.grads import (
     sum_context_parallel_grads,
 )
 from lightning_sp.parallel.layers import IGNORE_INDEX, vocab_parallel_cross_entropy
+from lightning_sp.pipeline import Pipeline
+from lightning_sp.pipeline.token_mean import TokenMean
 from lightning_sp.testing.spawn import run_distributed
 
 from models import (
@@ -136,6 +141,34 @@ def _check(state: ParallelState, sequence_parallel: bool, grid: list) -> list[st
     return checked
 
 
+def _check_pipeline(state: ParallelState, grid: list) -> list[str]:
+    """The packed batch through the pipeline schedule (2 micro-batches of one sequence, each
+    stage given its rows of the document ids and positions), with the global token mean."""
+    checked = []
+    for architecture, attention, preset in grid:
+        p, c = state.pipeline_parallel_size, state.context_parallel_size
+        what = f"{architecture} {attention} {preset} p={p} c={c}"
+        config = tiny_config(architecture, attention=attention, recompute=preset)
+        ids, labels, documents = packed(config)
+        reference = reference_model(config)
+        _, ref_losses, counted = alone(reference, ids, labels, documents)
+        pipe = Pipeline(config, state, num_microbatches=2, dtype=torch.float64)
+        positions = positions_in_documents(documents)
+        local_ids, local_labels, local_positions = context_shards(state, ids, labels, positions)
+        mean = TokenMean(state)
+        total = pipe.train_step(local_ids, local_labels, "sum", documents, local_positions)
+        mean.add(labels, total)
+        pipe.finalize_grads()
+        loss = mean.finish(pipe)
+        ref_loss = ref_losses.sum() / counted
+        err = relative_error(loss, ref_loss)
+        assert err <= RTOL, f"{what}: loss {loss.item()} vs {ref_loss.item()} ({err:.2e})"
+        compared = assert_matches_reference(pipe, reference, RTOL, what)
+        assert compared.elements > 0, what
+        checked.append(what)
+    return checked
+
+
 def test_document_helpers() -> None:
     tokens = torch.tensor([[5, 0, 7, 8, 0, 0, 3]])
     documents = document_ids(tokens, eod_id=0)
@@ -161,18 +194,22 @@ def _worker(rank: int, world_size: int, grid: list) -> list[str]:
         checked += _check(state, True, grid)
         state = ParallelState.from_process_group(context_parallel_size=2)
         checked += _check(state, False, grid)
+        state = ParallelState.from_process_group(pipeline_parallel_size=2)
+        checked += _check_pipeline(state, grid)
     else:
         state = ParallelState.from_process_group(tensor_parallel_size=2, context_parallel_size=2)
         checked += _check(state, True, grid)
+        state = ParallelState.from_process_group(pipeline_parallel_size=2, context_parallel_size=2)
+        checked += _check_pipeline(state, grid)
     return checked
 
 
-def test_packed_documents_t2_sp_and_c2_quick() -> None:
+def test_packed_documents_t2_sp_c2_p2_quick() -> None:
     results = run_distributed(_worker, 2, QUICK)
-    assert all(len(r) == 2 * len(QUICK) for r in results)
+    assert all(len(r) == 3 * len(QUICK) for r in results)
 
 
 @pytest.mark.slow
-def test_packed_documents_t2_sp_times_c2() -> None:
+def test_packed_documents_t2_sp_times_c2_and_p2_times_c2() -> None:
     results = run_distributed(_worker, 4, GRID)
-    assert all(len(r) == len(GRID) for r in results)
+    assert all(len(r) == 2 * len(GRID) for r in results)
