@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_sp.data.blend import parse_blend
+from lightning_sp.data.documents import DocumentOptions
 from lightning_sp.data.order import SampleOrder
 from lightning_sp.data.prepare import (
     PrepareSettings,
@@ -95,6 +96,11 @@ class TextDataModule(pl.LightningDataModule):
             ``datasets`` cache. Unset: ``~/.cache/lightning_sp`` and ``datasets``' default.
         prompts: Prompts for ``predict`` (each continued by ``GPTModule.predict_step``); while
             predicting no corpus is prepared or read.
+        document_mask: Attention stays within each document of a sample (block-causal, as
+            Llama 3 trained; Megatron's ``--reset-attention-mask``).
+        reset_position_ids: Positions restart at 0 at each document of a sample.
+        eod_mask_loss: No loss where the input token is the end-of-document token; the step's
+            loss is then the global token mean (:mod:`lightning_sp.data.documents`).
     """
 
     def __init__(
@@ -114,8 +120,12 @@ class TextDataModule(pl.LightningDataModule):
         num_proc: int = 1,
         cache_dir: str | None = None,
         prompts: list[str] | None = None,
+        document_mask: bool = False,
+        reset_position_ids: bool = False,
+        eod_mask_loss: bool = False,
     ) -> None:
         super().__init__()
+        self.documents = DocumentOptions(document_mask, reset_position_ids, eod_mask_loss)
         if paths is not None and dataset_name is not None:
             raise ConfigError(
                 f"paths={paths!r} and dataset_name={dataset_name!r} are both set; give one of "
@@ -277,9 +287,10 @@ class TextDataModule(pl.LightningDataModule):
                     f"corpus, but {directory!r} has {split.num_tokens}; add text or lower "
                     "seq_length"
                 )
-        self.train_dataset = PackedSamples(train, self.seq_length)
+        eod = self.info.eos_id
+        self.train_dataset = PackedSamples(train, self.seq_length, self.documents, eod)
         self.val_dataset = PackedSamples([TokenSplit(d, "val") for d in self.directories],
-                                         self.seq_length)  # fmt: skip
+                                         self.seq_length, self.documents, eod)  # fmt: skip
         replicas = self._replicas()[0]
         epoch = len(SampleOrder(self.train_dataset.counts, self.weights, self.seed))
         if epoch // replicas < self.batch_size:

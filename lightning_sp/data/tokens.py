@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lightning_sp.data.documents import DocumentOptions, annotate
+
 
 class TokenSplit:
     """One split (``train`` / ``val``) of a prepared directory as a token stream.
@@ -70,11 +72,25 @@ class PackedSamples(Dataset):
     Args:
         streams: Token streams (one per blended prepared directory).
         seq_length: Tokens per sample (s).
+        documents: What an item carries about the documents inside it
+            (:func:`~lightning_sp.data.documents.annotate`: ``documents``, ``positions``,
+            ``loss_mask``); needs ``eod_id``.
+        eod_id: The end-of-document token that ends every document of the streams.
     """
 
-    def __init__(self, streams: list[TokenSplit], seq_length: int) -> None:
+    def __init__(
+        self,
+        streams: list[TokenSplit],
+        seq_length: int,
+        documents: DocumentOptions | None = None,
+        eod_id: int | None = None,
+    ) -> None:
         self.streams = streams
         self.seq_length = seq_length
+        self.documents = documents if documents is not None and documents.any else None
+        if self.documents is not None and eod_id is None:
+            raise ValueError("PackedSamples with document options needs eod_id")
+        self.eod_id = eod_id
         width = seq_length + 1
         self.counts = [s.num_tokens // width for s in streams]
         self.offsets = np.cumsum([0, *self.counts], dtype=np.int64)
@@ -92,4 +108,7 @@ class PackedSamples(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         row = torch.from_numpy(self.tokens(int(i)))  # [s + 1]
+        if self.documents is not None:
+            assert self.eod_id is not None
+            return annotate(row, self.eod_id, self.documents)
         return {"input_ids": row[:-1], "labels": row[1:]}  # [s], [s]

@@ -264,14 +264,19 @@ class GPTModule(LightningModule):
             shard_for_context_parallel(x, 1, c, r)
             for x in (batch["input_ids"], self._labels(batch))
         )
+        # packed documents: the ids of the whole sequences, the positions of this rank's tokens
+        positions = batch.get("positions")
+        if positions is not None:
+            positions = shard_for_context_parallel(positions, 1, c, r)
+        extra = {"documents": batch.get("documents"), "positions": positions}
         if not train:
-            return model.eval_step(ids, labels, reduction)
+            return model.eval_step(ids, labels, reduction, **extra)
         if not model.runs_backward:
-            return model(ids, labels, reduction)  # Lightning runs backward
+            return model(ids, labels, reduction, **extra)  # Lightning runs backward
         optimizer = self.optimizers()
         assert not isinstance(optimizer, list)  # configure_optimizers returns one
         optimizer.zero_grad()  # see optimizer_zero_grad
-        return model.train_step(ids, labels, reduction)  # forward and backward of every micro-batch
+        return model.train_step(ids, labels, reduction, **extra)  # every micro-batch's passes
 
     # -- steps -------------------------------------------------------------------------------
 
