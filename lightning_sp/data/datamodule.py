@@ -277,6 +277,14 @@ class TextDataModule(pl.LightningDataModule):
             return
         self.check_model_vocab(self._model_vocab())
         metas = [check_prepared(d, self.info) for d in self.directories]
+        for directory, meta in zip(self.directories, metas, strict=True):
+            chat = meta.get("chat")
+            if chat is not None and chat["seq_length"] != self.seq_length:
+                raise ConfigError(
+                    f"seq_length={self.seq_length} differs from the seq_length="
+                    f"{chat['seq_length']} the chat corpus {directory!r} was packed for; use "
+                    "that seq_length or prepare again"
+                )
         self.num_tokens = sum(int(m["tokens"]) for m in metas)
         train = [TokenSplit(d, "train") for d in self.directories]
         width = self.seq_length + 1
