@@ -31,6 +31,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -87,8 +88,8 @@ def sdpa_core(
     documents: Tensor | None = None,
 ) -> Tensor:
     """Causal attention through ``F.scaled_dot_product_attention`` (the ``sdpa`` backend);
-    with ``documents`` (``[b, s]``) block-causal, through a boolean ``attn_mask``
-    ``[B, s, s]`` built for the call.
+    with ``documents`` (``[b, s]``) block-causal, as one causal call per document
+    (:func:`_per_document`).
 
     ``q: [B, r, s, d]``, ``k, v: [B, 1, s, d]``. With ``r = 1`` it runs as one batch of ``B``
     heads, ``[1, B, s, d]``, so that the fused kernels' output, laid out ``[1, s, B, d]`` in
@@ -108,20 +109,46 @@ def sdpa_core(
             "on CPU",
             stacklevel=2,
         )
-    mask: dict[str, Any] = {"is_causal": True}
-    if documents is not None:
-        n, s = q.shape[1 if r == 1 else 0], q.shape[2]
-        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril_()
-        allowed = same_document(documents, documents, n) & causal  # [B, s, s]
-        mask = {"attn_mask": allowed.unsqueeze(0 if r == 1 else 1)}  # [1, B | B, 1, s, s]
+    attend: Callable[..., Tensor] = nn.functional.scaled_dot_product_attention
+    if documents is not None:  # one causal call per document: no s x s mask
+        attend = partial(_per_document, documents=documents, heads_dim=1 if r == 1 else 0)
     if p == 0.0:
-        out = nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **mask)
+        out = attend(q, k, v, is_causal=True, enable_gqa=gqa)
     else:
         with drawing_from(generator):  # our sharded stream, not torch's global RNG
-            out = nn.functional.scaled_dot_product_attention(
-                q, k, v, dropout_p=p, enable_gqa=gqa, **mask
-            )
+            out = attend(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
     return out.transpose(0, 1) if r == 1 else out
+
+
+def _per_document(
+    q: Tensor, k: Tensor, v: Tensor, documents: Tensor, heads_dim: int, **kwargs: Any
+) -> Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, **kwargs)`` (causal) run on each document
+    alone: block-causal attention without an ``s x s`` mask. ``documents [b, s]``; the
+    ``B = b·n`` rows of sequence ``i`` are ``[i·n, (i+1)·n)`` along ``heads_dim`` (1 for the
+    ``[1, B, s, d]`` layout, 0 for ``[B, r, s, d]``).
+
+    Why not a boolean ``attn_mask``: on CPU (torch 2.13) an explicit mask leaves the fused
+    kernel for the math path, which saves the ``s x s`` probabilities: measured 44.2 sbh per
+    Llama layer (s=256, b=2, h=256, a=8, bf16) against 28.2 sbh causal; these calls save what the
+    fused kernel saves, plus the concatenated output (a copy the projection keeps: +2 sbh).
+    """
+    b = documents.shape[0]
+    n = q.shape[heads_dim] // b
+    rows = []
+    for i in range(b):
+        lengths = torch.unique_consecutive(documents[i], return_counts=True)[1].tolist()
+        heads = slice(i * n, (i + 1) * n)
+        pieces, start = [], 0
+        for length in lengths:
+            span = slice(start, start + length)
+            index = (slice(None), heads, span) if heads_dim == 1 else (heads, slice(None), span)
+            pieces.append(
+                nn.functional.scaled_dot_product_attention(q[index], k[index], v[index], **kwargs)
+            )
+            start += length
+        rows.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2))
+    return rows[0] if b == 1 else torch.cat(rows, dim=heads_dim)
 
 
 @dataclass(frozen=True)
