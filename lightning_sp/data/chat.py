@@ -213,9 +213,11 @@ def prepare_chat(
     val_fraction: float = 0.1,
     seed: int = 1234,
     log: Callable[[str], None] = print,
+    identity: Any = None,
 ) -> dict[str, Any]:
     """Render, mask, pack and write the conversations of ``paths`` (see module docstring).
-    Every row is checked before anything is written; returns the metadata."""
+    Every row is checked before anything is written; returns the metadata (``identity``,
+    recorded in it, tells a caller when the directory is up to date)."""
     if overflow not in ("truncate", "refuse"):
         raise ConfigError(f"overflow={overflow!r} is invalid; valid: 'truncate', 'refuse'")
     existing = read_metadata(directory)
@@ -287,6 +289,7 @@ def prepare_chat(
                 "overflow": overflow,
                 "truncated": truncated,
                 "conversations": len(rendered),
+                "identity": identity,
             },
             "splits": counts,
             "tokens": sum(c["tokens"] for c in counts.values()),
