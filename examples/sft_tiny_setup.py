@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
@@ -67,13 +68,13 @@ def main(root: Path = Path("data/sft_tiny")) -> None:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(str(root / "tokenizer"))
-    config = LlamaConfig(
+    fields: dict[str, Any] = dict(
         vocab_size=320, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(str(root / "base"))
+    LlamaForCausalLM(LlamaConfig(**fields)).save_pretrained(str(root / "base"))
     print(f"wrote {root}/chat.jsonl ({len(rows)} conversations), {root}/tokenizer, {root}/base")
 
 
