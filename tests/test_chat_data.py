@@ -122,3 +122,28 @@ def test_bad_input_is_one_line_before_any_work(tmp_path: Path) -> None:
     _refused(tmp_path, r"row 1: the conversation is \d+ tokens, longer than seq_length \+ 1 = 49",
              [long, *rows], overflow="refuse")  # fmt: skip
     _refused(tmp_path, "overflow='drop' is invalid", overflow="drop")
+
+
+def test_data_module_and_generate_refuse_bad_chat_settings(tmp_path: Path) -> None:
+    from lightning_sp.cli.generate import chat_prompt
+
+    tokenizer_dir = chat_tokenizer(tmp_path)
+    rows = jsonl(tmp_path / "chat.jsonl", conversations(4))
+    cases = [
+        (dict(chat_template_dir=str(tmp_path)), "is not a Hugging Face tokenizer directory"),
+        (dict(chat_template_dir=str(tokenizer_dir)), "needs paths: the chat rows"),
+        (dict(chat_template_dir=str(tokenizer_dir), paths=str(rows), overflow="drop"),
+         "overflow='drop' is invalid"),
+    ]  # fmt: skip
+    for kwargs, match in cases:
+        with pytest.raises(ConfigError, match=match) as error:
+            TextDataModule(prepared_dir=str(tmp_path / "p"), seq_length=S, **kwargs)
+        assert "\n" not in str(error.value)
+    plain = TextDataModule(paths=str(rows), seq_length=S)
+    with pytest.raises(ConfigError, match=r"--chat true needs data\.chat_template_dir"):
+        chat_prompt(plain, "hi")
+    chat = TextDataModule(
+        paths=str(rows), chat_template_dir=str(tokenizer_dir), prepared_dir=str(tmp_path / "p"),
+        seq_length=S,
+    )  # fmt: skip
+    assert chat_prompt(chat, "the fox") == "<|user|> the fox <|end|> <|assistant|> "
