@@ -147,3 +147,26 @@ def test_data_module_and_generate_refuse_bad_chat_settings(tmp_path: Path) -> No
         seq_length=S,
     )  # fmt: skip
     assert chat_prompt(chat, "the fox") == "<|user|> the fox <|end|> <|assistant|> "
+
+
+def test_parquet_rows_and_training_on_every_token(tmp_path: Path) -> None:
+    """Parquet ``prompt`` / ``completion`` rows; ``assistant_only_loss=False`` counts every
+    label inside a conversation (none across conversations or in the padding)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [r for r in conversations(9) if "prompt" in r]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chat.parquet")
+    tokenizer_dir = chat_tokenizer(tmp_path)
+    source, out = str(tmp_path / "chat.parquet"), str(tmp_path / "p")
+    meta = prepare_chat([source], str(tokenizer_dir), out, S, assistant_only_loss=False,
+                        val_fraction=0, log=lambda _: None)  # fmt: skip
+    assert meta["chat"]["conversations"] == len(rows) == 3
+    data = TextDataModule(prepared_dir=str(tmp_path / "p"), seq_length=S, batch_size=1,
+                          tokenizer=str(tokenizer_dir / "tokenizer.json"))  # fmt: skip
+    data.setup("fit")
+    assert data.train_dataset is not None
+    sample = data.train_dataset[0]
+    same = sample["documents"][1:] == sample["documents"][:-1]
+    padding = sample["input_ids"] == data.eos_token_id
+    assert torch.equal(sample["loss_mask"][:-1], same & ~padding[1:])
