@@ -62,3 +62,60 @@ def word_tokenizer(root: Path, vocab_size: int) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(out))
     return out
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('role ' + m['role'] + ' is not supported') }}{% endif %}"
+    "{{ '<|' + m['role'] + '|> ' }}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + ' <|end|>' }}"
+    "{% endgeneration %}{% else %}{{ m['content'] + ' <|end|>' }}{% endif %} "
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|> ' }}{% endif %}"
+)
+"""A chat template with generation markers (assistant content and its end marker are the
+assistant tokens) that refuses roles other than system / user / assistant."""
+
+
+def chat_tokenizer(root: Path, template: str | None = CHAT_TEMPLATE) -> Path:
+    """A Hugging Face tokenizer directory (BPE on the standard words, the role markers and
+    ``<|end|>`` as special tokens, EOS ``<|endoftext|>``) with ``template`` as its chat template
+    (none when ``None``)."""
+    from transformers import PreTrainedTokenizerFast
+
+    source = bpe_tokenizer(root / "bpe")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source), eos_token="<|endoftext|>")
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]}
+    )
+    if template is not None:
+        tokenizer.chat_template = template
+    out = root / "chat-tokenizer"
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def conversations(n: int) -> list[dict]:
+    """``n`` chat rows of different lengths: ``messages`` rows (some with a system turn and
+    two exchanges) and ``prompt`` / ``completion`` rows."""
+    rows: list[dict] = []
+
+    def words(i: int, k: int, j: int) -> str:
+        return " ".join(WORDS[(i * 3 + j + m) % len(WORDS)] for m in range(k))
+
+    for i in range(n):
+        if i % 3 == 2:
+            rows.append({"prompt": words(i, 2 + i % 4, 1), "completion": words(i, 3 + i % 5, 2)})
+            continue
+        messages = [{"role": "system", "content": words(i, 2, 0)}] if i % 2 else []
+        messages += [
+            {"role": "user", "content": words(i, 3 + i % 3, 1)},
+            {"role": "assistant", "content": words(i, 2 + i % 6, 2)},
+        ]
+        if i % 4 == 0:
+            messages += [
+                {"role": "user", "content": words(i, 2, 3)},
+                {"role": "assistant", "content": words(i, 4, 4)},
+            ]
+        rows.append({"messages": messages})
+    return rows

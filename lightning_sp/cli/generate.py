@@ -25,6 +25,7 @@ import lightning as L
 from lightning_sp.checkpoint.verify import check_checkpoint
 from lightning_sp.cli.checks import check_generate_layout
 from lightning_sp.data import TextDataModule
+from lightning_sp.data.chat import load_chat_tokenizer
 from lightning_sp.errors import ConfigError, positive_int
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.generate import GenerationConfig
@@ -41,6 +42,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--ckpt_path", required=True, help="checkpoint saved by fit")
     parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument(
+        "--chat",
+        type=_true_or_false,
+        default=False,
+        help="true: --prompt is a user message, rendered with the chat template "
+        "of data.chat_template_dir (add_generation_prompt), answered by the model",
+    )
     parser.add_argument("--max_new_tokens", type=int, default=defaults.max_new_tokens,
                         help="tokens to generate at most (fewer at end of document)")  # fmt: skip
     parser.add_argument("--temperature", type=float, default=defaults.temperature,
@@ -53,6 +61,26 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=defaults.seed,
                         help="sampling seed: the same seed gives the same text")  # fmt: skip
     return parser
+
+
+def _true_or_false(value: str) -> bool:
+    if value.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not true or false")
+    return value.lower() == "true"
+
+
+def chat_prompt(data: Any, message: str) -> str:
+    """``message`` as the user turn of the data's chat template, ending where the assistant's
+    answer starts (``add_generation_prompt=True``): the text the model continues."""
+    directory = getattr(data, "chat_template_dir", None)
+    if directory is None:
+        raise ConfigError(
+            "--chat true needs data.chat_template_dir, the tokenizer directory whose chat "
+            "template renders the message (the one the run was fine-tuned with)"
+        )
+    tokenizer = load_chat_tokenizer(directory, assistant_only_loss=False)
+    messages = [{"role": "user", "content": message}]
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
 def main(argv: list[str], cli_class: Any) -> int:
@@ -83,7 +111,8 @@ def main(argv: list[str], cli_class: Any) -> int:
     check_generate_layout(module.config, t)  # before any rank starts
     if Path(args.ckpt_path).is_dir():  # the architecture it was trained with
         check_checkpoint(args.ckpt_path, module.config)
-    data.prompts = [args.prompt]
+    prompt = chat_prompt(data, args.prompt) if args.chat else args.prompt
+    data.prompts = [prompt]
     trainer = L.Trainer(
         accelerator=cli.config.trainer.accelerator,
         devices=t,
@@ -98,7 +127,7 @@ def main(argv: list[str], cli_class: Any) -> int:
     if trainer.is_global_zero and predictions:
         result: dict[str, Any] = predictions[0]  # type: ignore[assignment]
         print(result["prompt"] + result["completion"], flush=True)
-        prompt_tokens = len(data.codec.encode(args.prompt))
+        prompt_tokens = len(data.codec.encode(prompt))
         if at_context_length(prompt_tokens, len(result["token_ids"]), generation, module.config):
             print(context_notice(module.config.seq_length), file=sys.stderr, flush=True)
     return 0

@@ -13,6 +13,8 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_sp.data.blend import parse_blend
+from lightning_sp.data.chat import load_chat_tokenizer, prepare_chat
+from lightning_sp.data.documents import DocumentOptions
 from lightning_sp.data.order import SampleOrder
 from lightning_sp.data.prepare import (
     PrepareSettings,
@@ -95,6 +97,20 @@ class TextDataModule(pl.LightningDataModule):
             ``datasets`` cache. Unset: ``~/.cache/lightning_sp`` and ``datasets``' default.
         prompts: Prompts for ``predict`` (each continued by ``GPTModule.predict_step``); while
             predicting no corpus is prepared or read.
+        document_mask: Attention stays within each document of a sample (block-causal, as
+            Llama 3 trained; Megatron's ``--reset-attention-mask``).
+        reset_position_ids: Positions restart at 0 at each document of a sample.
+        eod_mask_loss: No loss where the input token is the end-of-document token; the step's
+            loss is then the global token mean (:mod:`lightning_sp.data.documents`).
+        chat_template_dir: A local Hugging Face tokenizer directory: ``paths`` are then chat
+            rows (``messages`` or ``prompt``/``completion``, JSONL/JSON/Parquet) rendered with
+            its chat template, packed first-fit into ``seq_length + 1`` tokens with document
+            masks between conversations, prepared once into ``prepared_dir`` with a mask shard
+            (:mod:`lightning_sp.data.chat`); ``tokenizer`` defaults to its tokenizer.json.
+        assistant_only_loss: Chat SFT: loss on the assistant tokens only (the template's
+            generation markers); false trains on every token.
+        overflow: Chat SFT: a conversation longer than ``seq_length + 1`` tokens is
+            ``truncate``-d (counted in one notice) or ``refuse``-d.
     """
 
     def __init__(
@@ -114,8 +130,27 @@ class TextDataModule(pl.LightningDataModule):
         num_proc: int = 1,
         cache_dir: str | None = None,
         prompts: list[str] | None = None,
+        document_mask: bool = False,
+        reset_position_ids: bool = False,
+        eod_mask_loss: bool = False,
+        chat_template_dir: str | None = None,
+        assistant_only_loss: bool = True,
+        overflow: str = "truncate",
     ) -> None:
         super().__init__()
+        self.chat_template_dir = chat_template_dir
+        self.assistant_only_loss, self.overflow = assistant_only_loss, overflow
+        if chat_template_dir is not None:
+            if dataset_name is not None or blend is not None:
+                raise ConfigError(
+                    f"chat_template_dir={chat_template_dir!r} reads chat rows from local paths; "
+                    "unset dataset_name and blend"
+                )
+            if overflow not in ("truncate", "refuse"):
+                raise ConfigError(f"overflow={overflow!r} is invalid; valid: 'truncate', 'refuse'")
+            load_chat_tokenizer(chat_template_dir, assistant_only_loss)  # one line, now
+            tokenizer = tokenizer or os.path.join(chat_template_dir, "tokenizer.json")
+        self.documents = DocumentOptions(document_mask, reset_position_ids, eod_mask_loss)
         if paths is not None and dataset_name is not None:
             raise ConfigError(
                 f"paths={paths!r} and dataset_name={dataset_name!r} are both set; give one of "
@@ -174,6 +209,12 @@ class TextDataModule(pl.LightningDataModule):
                     )
             self.source = Source(tuple(entries), dataset_name, text_field, max_documents, seed)
             self.directories = [prepared_dir or self._cache_path(self.source)]
+        if chat_template_dir is not None and self.source is not None and paths is None:
+            raise ConfigError(
+                f"chat_template_dir={chat_template_dir!r} needs paths: the chat rows (JSONL, "
+                "JSON or Parquet with 'messages' or 'prompt'/'completion'), or a prepared_dir "
+                "already prepared from them"
+            )
         if self.source is None:  # already prepared: it must match the tokenizer
             for directory in self.directories:
                 check_prepared(directory, self.info)
@@ -231,12 +272,30 @@ class TextDataModule(pl.LightningDataModule):
     def prepare_corpus(self, log: Any = print) -> str:
         """Tokenize the configured source into its prepared directory (reused when up to
         date); returns the directory. Nothing to do for already-prepared data."""
-        if self.source is not None:
+        if self.source is not None and self.chat_template_dir is not None:
+            self._prepare_chat(self.source, log)
+        elif self.source is not None:
             prepare(self.source, self.info, self.directories[0], self._settings(),
                     cache_dir=self.cache_dir, log=log)  # fmt: skip
         else:
             log(f"already prepared, nothing to do: {', '.join(self.directories)}")
         return self.directories[0]
+
+    def _prepare_chat(self, source: Source, log: Any) -> None:
+        """Chat SFT: render and pack the rows (again only when the source or a setting
+        changed since the directory was prepared)."""
+        assert self.chat_template_dir is not None
+        settings = (self.assistant_only_loss, self.overflow, self.val_fraction, self.seed)
+        identity = [source.fingerprint(), self.info.digest, self.seq_length, *settings]
+        existing = read_metadata(self.directories[0]) or {}
+        if existing.get("chat", {}).get("identity") == identity:
+            log(f"already prepared, nothing to do: {self.directories[0]}")
+            return
+        prepare_chat(
+            list(source.entries), self.chat_template_dir, self.directories[0], self.seq_length,
+            self.assistant_only_loss, self.overflow,  # type: ignore[arg-type]
+            self.val_fraction, self.seed, log=log, identity=identity,
+        )  # fmt: skip
 
     @override
     def prepare_data(self) -> None:
@@ -267,6 +326,14 @@ class TextDataModule(pl.LightningDataModule):
             return
         self.check_model_vocab(self._model_vocab())
         metas = [check_prepared(d, self.info) for d in self.directories]
+        for directory, meta in zip(self.directories, metas, strict=True):
+            chat = meta.get("chat")
+            if chat is not None and chat["seq_length"] != self.seq_length:
+                raise ConfigError(
+                    f"seq_length={self.seq_length} differs from the seq_length="
+                    f"{chat['seq_length']} the chat corpus {directory!r} was packed for; use "
+                    "that seq_length or prepare again"
+                )
         self.num_tokens = sum(int(m["tokens"]) for m in metas)
         train = [TokenSplit(d, "train") for d in self.directories]
         width = self.seq_length + 1
@@ -277,9 +344,10 @@ class TextDataModule(pl.LightningDataModule):
                     f"corpus, but {directory!r} has {split.num_tokens}; add text or lower "
                     "seq_length"
                 )
-        self.train_dataset = PackedSamples(train, self.seq_length)
+        eod = self.info.eos_id
+        self.train_dataset = PackedSamples(train, self.seq_length, self.documents, eod)
         self.val_dataset = PackedSamples([TokenSplit(d, "val") for d in self.directories],
-                                         self.seq_length)  # fmt: skip
+                                         self.seq_length, self.documents, eod)  # fmt: skip
         replicas = self._replicas()[0]
         epoch = len(SampleOrder(self.train_dataset.counts, self.weights, self.seed))
         if epoch // replicas < self.batch_size:

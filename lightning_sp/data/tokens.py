@@ -14,6 +14,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lightning_sp.data.chat import flags_to_sample
+from lightning_sp.data.documents import DocumentOptions, annotate
+
 
 class TokenSplit:
     """One split (``train`` / ``val``) of a prepared directory as a token stream.
@@ -32,10 +35,13 @@ class TokenSplit:
         self.ends = np.cumsum([s["tokens"] for s in index["shards"]], dtype=np.int64)
         self.num_tokens = int(self.ends[-1]) if len(self.ends) else 0
         self.num_documents = int(index["documents"])
+        flags = index.get("flags")  # chat SFT: one uint8 per token (lightning_sp.data.chat)
+        self.flags_file = os.path.join(self.directory, flags) if flags else None
         self._maps: list[np.memmap] | None = None
+        self._flags: np.memmap | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_maps": None}  # workers map the files themselves
+        return {**self.__dict__, "_maps": None, "_flags": None}  # workers map the files
 
     def _shard(self, i: int) -> np.memmap:
         if self._maps is None:
@@ -58,6 +64,14 @@ class TokenSplit:
             shard += 1
         return out
 
+    def read_flags(self, start: int, count: int) -> np.ndarray:
+        """Flags ``[start, start + count)`` (uint8, a copy) of a chat split."""
+        if self.flags_file is None:
+            raise ValueError(f"{self.directory} has no flags (not a chat SFT split)")
+        if self._flags is None:
+            self._flags = np.memmap(self.flags_file, dtype=np.uint8, mode="r")
+        return np.array(self._flags[start : start + count])
+
 
 class PackedSamples(Dataset):
     """Samples of ``seq_length + 1`` consecutive tokens of one or more token streams.
@@ -70,11 +84,25 @@ class PackedSamples(Dataset):
     Args:
         streams: Token streams (one per blended prepared directory).
         seq_length: Tokens per sample (s).
+        documents: What an item carries about the documents inside it
+            (:func:`~lightning_sp.data.documents.annotate`: ``documents``, ``positions``,
+            ``loss_mask``); needs ``eod_id``.
+        eod_id: The end-of-document token that ends every document of the streams.
     """
 
-    def __init__(self, streams: list[TokenSplit], seq_length: int) -> None:
+    def __init__(
+        self,
+        streams: list[TokenSplit],
+        seq_length: int,
+        documents: DocumentOptions | None = None,
+        eod_id: int | None = None,
+    ) -> None:
         self.streams = streams
         self.seq_length = seq_length
+        self.documents = documents if documents is not None and documents.any else None
+        if self.documents is not None and eod_id is None:
+            raise ValueError("PackedSamples with document options needs eod_id")
+        self.eod_id = eod_id
         width = seq_length + 1
         self.counts = [s.num_tokens // width for s in streams]
         self.offsets = np.cumsum([0, *self.counts], dtype=np.int64)
@@ -92,4 +120,13 @@ class PackedSamples(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         row = torch.from_numpy(self.tokens(int(i)))  # [s + 1]
+        k = int(np.searchsorted(self.offsets, int(i), side="right")) - 1
+        if self.streams[k].flags_file is not None:  # a packed chat bin: its masks and documents
+            width = self.seq_length + 1
+            start = (int(i) - int(self.offsets[k])) * width
+            flags = torch.from_numpy(self.streams[k].read_flags(start, width))
+            return flags_to_sample(row, flags)
+        if self.documents is not None:
+            assert self.eod_id is not None
+            return annotate(row, self.eod_id, self.documents)
         return {"input_ids": row[:-1], "labels": row[1:]}  # [s], [s]

@@ -379,6 +379,28 @@ def hf_tensors(
     return out
 
 
+CHAT_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+"""What :func:`copy_chat_tokenizer` copies beside a ``tokenizer.json``."""
+
+
+def copy_chat_tokenizer(source: Path, output: Path) -> bool:
+    """Copy a Hugging Face tokenizer directory's own files (:data:`CHAT_TOKENIZER_FILES`) when
+    it has a chat template (``chat_template.jinja``, or a ``chat_template`` in its
+    ``tokenizer_config.json``), so that ``apply_chat_template`` runs on the export; returns
+    whether it did."""
+    config = source / "tokenizer_config.json"
+    if not config.is_file():
+        return False
+    has_template = (source / "chat_template.jinja").is_file() or bool(
+        json.loads(config.read_text()).get("chat_template")
+    )
+    if has_template:
+        for name in CHAT_TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, output / name)
+    return has_template
+
+
 def save_hf(
     config: GPTConfig,
     tensors: Iterable[tuple[str, Tensor]],
@@ -392,7 +414,9 @@ def save_hf(
     (:func:`~lightning_sp.interop.hf_types.model_type_for`: GPT-2 or Llama) from ``(global
     name, full tensor)`` pairs (see :func:`hf_tensors`). Writes ``config.json``,
     ``model.safetensors`` and, given ``tokenizer_file`` (a ``tokenizers`` ``tokenizer.json``),
-    that file with a ``tokenizer_config.json`` naming ``eos_token``. Returns the directory."""
+    that file with a ``tokenizer_config.json`` naming ``eos_token``, or the tokenizer's own
+    configuration and chat template when it has one (:func:`copy_chat_tokenizer`). Returns
+    the directory."""
     model_type = model_type_for(config)
     out = hf_tensors(model_type, config, tensors)
     hf = model_type.config_json(config, eos_token_id)
@@ -404,6 +428,8 @@ def save_hf(
     (path / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
     if tokenizer_file is not None:
         shutil.copyfile(tokenizer_file, path / "tokenizer.json")
+        if copy_chat_tokenizer(Path(tokenizer_file).parent, path):
+            return path  # the model's own tokenizer files, chat template included
         tokenizer_config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "model_max_length": config.seq_length,

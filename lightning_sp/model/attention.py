@@ -28,6 +28,7 @@ seeded per CP rank.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -120,16 +121,16 @@ class _Rope(torch.autograd.Function):
     def forward(ctx: Any, qkv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         ctx.tables = (cos, sin)
         out = qkv.clone()
-        qk = qkv[:, :, :-1]
-        out[:, :, :-1] = qk * cos + rotate_half(qk) * sin
+        qk = qkv[..., :-1, :]  # [s, B, r + 1, d], or [s, b, g, r + 1, d] (per-token positions)
+        out[..., :-1, :] = qk * cos + rotate_half(qk) * sin
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         cos, sin = ctx.tables
         out = grad.clone()
-        gqk = grad[:, :, :-1]
-        out[:, :, :-1] = gqk * cos - rotate_half(gqk * sin)
+        gqk = grad[..., :-1, :]
+        out[..., :-1, :] = gqk * cos - rotate_half(gqk * sin)
         return out, None, None
 
 
@@ -195,12 +196,17 @@ class Attention(nn.Module):
         )  # fmt: skip
 
     def heads(
-        self, x: Tensor, norm: NormModule | None = None, start: int = 0
+        self,
+        x: Tensor,
+        norm: NormModule | None = None,
+        start: int = 0,
+        positions: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Q ``[B, r, s, d]``, K and V ``[B, 1, s, d]`` (``B = b·g_l``) of ``x`` ``[s/t or s, b,
         h]``, rotated under RoPE for positions ``[start, start + s)``, or under context
         parallelism (``s`` the local sequence) for this CP rank's chunks' true positions
-        (:func:`token_positions`); views of one storage."""
+        (:func:`token_positions`); ``positions`` (``[b, s]``, e.g. restarting per document)
+        replaces them. Views of one storage."""
         qkv = fused_column_linear(  # [s, b, g_l·(r+2)·d]
             x, (self.query, self.key, self.value), self.local_groups, norm, self.norm_kind
         )
@@ -208,7 +214,14 @@ class Attention(nn.Module):
         if self.qk_norm is not None:  # [s, b, g_l, r+2, d]: queries and keys normalised
             qkv = self.qk_norm(qkv.view(s, b, self.local_groups, -1, self.head_dim))
         qkv = qkv.view(s, b * self.local_groups, self.per_group + 2, self.head_dim)
-        if self.rotary is not None:
+        if self.rotary is not None and positions is not None:  # per token: [s, b, 1, 1, d]
+            cos, sin = (
+                y.view(b, s, 1, 1, -1).transpose(0, 1)
+                for y in self.rotary.tables_at(positions.reshape(-1), qkv.dtype)
+            )
+            qkv = _Rope.apply(qkv.view(s, b, self.local_groups, *qkv.shape[2:]), cos, sin)
+            qkv = qkv.view(s, b * self.local_groups, *qkv.shape[3:])
+        elif self.rotary is not None:
             cos, sin = self.rotary.tables(start, s, qkv.dtype, qkv.device, self.context)
             qkv = _Rope.apply(qkv, cos[:, None, None], sin[:, None, None])
         r = self.per_group
@@ -219,19 +232,30 @@ class Attention(nn.Module):
         """The output projection of a context ``[B, r, s, d]``: ``-> [s/t or s, b, h]``."""
         return heads_row_linear(context, self.proj, b)
 
-    def _core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None = None) -> Tensor:
         if self.context[0] > 1:  # [B, r, s/c, d] as [b, hq, s/c, d]; K/V [B, 1, s/c, d]
             return context_parallel_attention(
                 q, k, v, self.cp_group, core=self.backend.name, dropout_p=self.dropout_p,
-                generator=self.rng.sharded, training=self.training,
+                generator=self.rng.sharded, training=self.training, documents=documents,
             )  # fmt: skip
-        return self.core(q, k, v, self.dropout_p, self.rng.sharded, self.training)
+        if documents is None:
+            return self.core(q, k, v, self.dropout_p, self.rng.sharded, self.training)
+        return self.core(q, k, v, self.dropout_p, self.rng.sharded, self.training, documents)
 
-    def forward(self, x: Tensor, norm: NormModule | None = None) -> Tensor:
-        q, k, v = self.heads(x, norm)
+    def forward(
+        self,
+        x: Tensor,
+        norm: NormModule | None = None,
+        documents: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
+        """``documents`` (``[b, s]`` ids of the whole sequence): block-causal attention;
+        ``positions`` (``[b, s]``, the local tokens'): RoPE at those positions
+        (:mod:`lightning_sp.model.documents`)."""
+        q, k, v = self.heads(x, norm, positions=positions)
         b = q.shape[0] // self.local_groups
         if self.recompute_core and self.training and torch.is_grad_enabled():
-            context = recompute(self._core, self.rng, q, k, v)
+            context = recompute(partial(self._core, documents=documents), self.rng, q, k, v)
         else:
-            context = self._core(q, k, v)
+            context = self._core(q, k, v, documents)
         return self.output(context, b)  # [s/t or s, b, h]

@@ -29,7 +29,8 @@ two masks; ``full`` keeps the layer input only.
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -42,9 +43,11 @@ from lightning_sp.model.parts.dense import MLP
 from lightning_sp.model.parts.norm import Norm
 from lightning_sp.model.recompute import active_modules, parse_recompute, recompute
 from lightning_sp.model.spec import POSITIONS
+from lightning_sp.parallel.comm import f_bar
 from lightning_sp.parallel.context import context_token_mean
 from lightning_sp.parallel.init import initialize_parameter, mark_parameter
 from lightning_sp.parallel.layers import (
+    IGNORE_INDEX,
     ColumnParallelLinear,
     VocabParallelEmbedding,
     column_parallel_linear,
@@ -52,6 +55,10 @@ from lightning_sp.parallel.layers import (
 )
 from lightning_sp.parallel.random import RNGStreams, dropout
 from lightning_sp.parallel.state import ParallelState
+
+Reduction = Literal["mean", "sum"]
+"""How :meth:`GPT.loss` reduces the per-token losses: their mean over the counted tokens, or
+their sum (for a token mean taken later over a whole step)."""
 
 
 class TransformerLayer(nn.Module):
@@ -102,22 +109,30 @@ class TransformerLayer(nn.Module):
             regenerate=self.regenerate_masks,
         )  # fmt: skip
 
-    def _forward(self, x: Tensor) -> Tensor:
+    def _forward(
+        self, x: Tensor, documents: Tensor | None = None, positions: Tensor | None = None
+    ) -> Tensor:
+        sequence = {"documents": documents, "positions": positions}
         for sub in self.block.sublayers:
             norm, mixer = getattr(self, sub.norm.name), getattr(self, sub.name)
+            kw = sequence if sub.mixer.reads_sequence else {}  # attention's, not a per-token FFN's
             if sub.placement == "post":  # the norm on the branch's output
-                y = norm(mixer(x))
+                y = norm(mixer(x, **kw))
             elif self.recompute_norm:  # the norm inside the mixer's input linears
-                y = mixer(x, norm)
+                y = mixer(x, norm, **kw)
             else:
-                y = mixer(norm(x))
+                y = mixer(norm(x), **kw)
             x = x + self._drop(y)  # [s/t or s, b, h]
         return x
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, documents: Tensor | None = None, positions: Tensor | None = None
+    ) -> Tensor:
+        """``documents``, ``positions``: see :meth:`GPT.forward`."""
         if self.full_recompute and self.training and torch.is_grad_enabled():
-            return recompute(self._forward, self.rng, x)
-        return self._forward(x)
+            fn = partial(self._forward, documents=documents, positions=positions)
+            return recompute(fn, self.rng, x)
+        return self._forward(x, documents, positions)
 
 
 class GPT(nn.Module):
@@ -227,45 +242,60 @@ class GPT(nn.Module):
             return f"layers.{self.layers[int(index)].layer_number}.{rest}"
         return name
 
-    def embed(self, input_ids: Tensor, start: int = 0) -> Tensor:
+    def embed(self, input_ids: Tensor, start: int = 0, positions: Tensor | None = None) -> Tensor:
         """Token (+ learned position) embeddings with dropout for positions ``[start, start +
         s)``, or under context parallelism (``s`` the local sequence, ``s/c``) this CP rank's
-        chunks' true positions: ``[b, s] -> [s/t or s, b, h]``."""
+        chunks' true positions: ``[b, s] -> [s/t or s, b, h]``; ``positions`` (``[b, s]``, e.g.
+        restarting per document) replaces them."""
         ids = input_ids.t()  # [s, b] (s: the local s/c under CP)
         x = self.word_embeddings(ids)  # [s/t, b, h] under SP (ḡ), else [s, b, h] (f̄)
         if self.learned_positions:
-            if self.context[0] > 1:  # an index, whose backward adds into the rows it read
+            if positions is not None:  # per token, an index: [s, b, h]
+                added = self.position_embeddings[positions.t()]
+            elif self.context[0] > 1:  # an index, whose backward adds into the rows it read
                 where = token_positions(start, ids.shape[0], self.context, ids.device)
-                positions = self.position_embeddings[where]
+                added = self.position_embeddings[where].unsqueeze(1)
             else:
-                positions = self.position_embeddings[start : start + ids.shape[0]]
+                added = self.position_embeddings[start : start + ids.shape[0]].unsqueeze(1)
             if self.sequence_parallel:
                 shard = x.shape[0]
-                positions = positions[self.state.tensor_parallel_rank * shard :][:shard]
-            x = x + positions.unsqueeze(1)
+                added = added[self.state.tensor_parallel_rank * shard :][:shard]
+            x = x + added
         generator = self.rng.sharded if self.sequence_parallel else self.rng.replicated
         return dropout(x, self.config.hidden_dropout, generator, self.training)
 
-    def forward_layers(self, x: Tensor) -> Tensor:
+    def forward_layers(
+        self, x: Tensor, documents: Tensor | None = None, positions: Tensor | None = None
+    ) -> Tensor:
         """Run this shard's transformer layers: ``[s/t or s, b, h]`` in and out."""
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, documents, positions)
         return x
 
-    def loss(self, x: Tensor, labels: Tensor) -> Tensor:
-        """Final norm, output layer (the tied embedding or its own) and mean cross entropy.
+    def loss(self, x: Tensor, labels: Tensor, reduction: Reduction = "mean") -> Tensor:
+        """Final norm, output layer (the tied embedding or its own) and cross entropy.
 
-        ``x``: ``[s/t or s, b, h]``; ``labels``: ``[b, s]``; returns an fp32 scalar. Under
-        context parallelism (``s`` the local ``s/c``) the mean is over the tokens of the whole
-        CP group (:func:`~lightning_sp.parallel.context.context_token_mean`).
+        ``x``: ``[s/t or s, b, h]``; ``labels``: ``[b, s]``, where :data:`IGNORE_INDEX` marks a
+        token whose loss is masked; returns an fp32 scalar: ``reduction="mean"`` the mean over
+        the counted tokens (0, not NaN, when none counts), ``"sum"`` their sum (what a global
+        token mean over many micro-batches and ranks divides later:
+        :class:`~lightning_sp.pipeline.token_mean.TokenMean`). Under context parallelism
+        (``s`` the local ``s/c``) both are over the tokens of the whole CP group
+        (:func:`~lightning_sp.parallel.context.context_token_mean`; the sum all-reduced, its
+        backward each rank's own share).
         """
         logits = self.logits(x)  # [s, b, v/t], never gathered over the vocabulary
-        losses = vocab_parallel_cross_entropy(  # [s, b]
-            logits, labels.t(), self.vocab_start, self.config.vocab_size, self.tp_group
+        target = labels.t()  # [s, b]
+        mask = target != IGNORE_INDEX  # [s, b], True where the token counts
+        losses = vocab_parallel_cross_entropy(  # [s, b], 0 where masked
+            logits, target, self.vocab_start, self.config.vocab_size, self.tp_group, mask
         )
+        if reduction == "sum":
+            total = losses.sum()
+            return f_bar(total, self.state.cp_group) if self.context[0] > 1 else total
         if self.context[0] > 1:
-            return context_token_mean(losses.sum(), losses.numel(), self.state.cp_group)
-        return losses.mean()
+            return context_token_mean(losses.sum(), mask.sum(), self.state.cp_group)
+        return losses.sum() / mask.sum().clamp(min=1)
 
     def logits(self, x: Tensor) -> Tensor:
         """Final norm and output layer: ``[s/t or s, b, h] -> [s, b, v_pad/t]``."""
@@ -273,11 +303,23 @@ class GPT(nn.Module):
             self.final_norm(x), self.output_weight, None, self.tp_group, self.sequence_parallel
         )
 
-    def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        reduction: Reduction = "mean",
+        documents: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
+        """The loss of ``input_ids`` against ``labels`` (``[b, s]``, this CP rank's chunks).
+        ``documents``: ``[b, s]`` document ids of the **whole** sequence (also under context
+        parallelism): block-causal attention; ``positions``: ``[b, s]`` position of each
+        (local) token, e.g. restarting per document (:mod:`lightning_sp.model.documents`)."""
         if not (self.has_embedding and self.has_head):
             raise RuntimeError("GPT.forward needs the whole stack; run stages through the pipeline")
         self.check_sequence(input_ids.shape[-1])
-        return self.loss(self.forward_layers(self.embed(input_ids)), labels)
+        x = self.embed(input_ids, positions=positions)
+        return self.loss(self.forward_layers(x, documents, positions), labels, reduction)
 
     def check_sequence(self, s: int) -> None:
         """``ValueError`` (one line) unless ``s`` tokens fit this model and its layout; ``s``

@@ -195,7 +195,8 @@ def gather_from_context_parallel(x: Tensor, group: Group, dim: int = 0) -> Tenso
 
 def context_token_mean(loss_sum: Tensor, num_tokens: Tensor | int, group: Group) -> Tensor:
     """The mean loss over every token of the CP group's ranks: ``Σ_ranks loss_sum /
-    Σ_ranks num_tokens``, so a rank whose chunks hold more counted tokens weighs more.
+    Σ_ranks num_tokens`` (0 when no rank counted a token), so a rank whose chunks hold more
+    counted tokens weighs more.
 
     ``loss_sum``: this rank's summed per-token loss (a scalar); ``num_tokens``: how many tokens
     this rank counted (an int or a scalar tensor; it may differ per rank).
@@ -204,9 +205,9 @@ def context_token_mean(loss_sum: Tensor, num_tokens: Tensor | int, group: Group)
     must be **summed** over the CP group (if a strategy averages them over ``c`` ranks, as
     over data-parallel replicas, multiply this loss by ``c`` first, as Megatron-Core does).
     """
-    if group_size(group) == 1:
-        return loss_sum / num_tokens
     count = torch.as_tensor(num_tokens, dtype=loss_sum.dtype, device=loss_sum.device)
     count = count.detach().clone()
+    if group_size(group) == 1:
+        return loss_sum / count.clamp(min=1)
     torch.distributed.all_reduce(count, group=group)
-    return f_bar(loss_sum, group) / count
+    return f_bar(loss_sum, group) / count.clamp(min=1)  # no token counted: 0, not NaN

@@ -81,13 +81,16 @@ def _math_chunk(
 ) -> Tensor:
     """``softmax(QKᵀ/√d + mask) -> dropout -> ·V`` for one query chunk.
 
-    ``q: [b, hq, Lq, d]``, ``k, v: [b, hkv, Lk, d]``, ``allowed: [Lq, Lk]`` (True: attend).
+    ``q: [b, hq, Lq, d]``, ``k, v: [b, hkv, Lk, d]``, ``allowed: [Lq, Lk]`` or ``[b, Lq,
+    Lk]`` (True: attend).
     Query head ``j`` uses KV head ``j // (hq/hkv)``; the ``hq/hkv`` query heads of one KV head
     are stacked along the rows, so K and V are never expanded. Returns ``[b, hq, Lq, d]``.
     """
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     group = hq // hkv
+    if allowed.dim() == 3:
+        allowed = allowed[:, None, None]  # [b, 1, 1, Lq, Lk]
     rows = q.reshape(b, hkv, group * lq, d)
     scores = torch.matmul(rows, k.transpose(-1, -2)).mul_(1.0 / math.sqrt(d))
     scores = scores.view(b, hkv, group, lq, lk).masked_fill_(~allowed, float("-inf"))
@@ -113,6 +116,8 @@ def _sdpa_chunk(
     mask of ``torch.nn.attention.bias.causal_lower_right``, which would keep flash: not yet
     measured on a GPU)."""
     kwargs: dict[str, Any] = {}
+    if allowed.dim() == 3:
+        allowed = allowed.unsqueeze(1)  # [b, 1, Lq, Lk]
     if q.shape[1] != k.shape[1]:
         if _SDPA_GQA:
             kwargs["enable_gqa"] = True
@@ -132,10 +137,18 @@ CONTEXT_ATTENTION_CORES: dict[str, ChunkCore] = {"math": _math_chunk, "sdpa": _s
 
 
 def _attend(
-    q: Tensor, kv: Tensor, group: Group, core: str, p: float, generator: torch.Generator | None
+    q: Tensor,
+    kv: Tensor,
+    group: Group,
+    core: str,
+    p: float,
+    generator: torch.Generator | None,
+    documents: Tensor | None = None,
 ) -> Tensor:
     """This rank's queries ``[b, hq, 2L, d]`` against the whole sequence's stacked K and V
-    ``[2, b, hkv, s, d]`` (global order): each local chunk against the keys it may see."""
+    ``[2, b, hkv, s, d]`` (global order): each local chunk against the keys it may see, and
+    with ``documents`` (``[b', s]`` ids of the whole sequence, ``b = b'·n``) only those of the
+    query's own document."""
     cp_size, cp_rank = group_size(group), group_rank(group)
     chunk = q.shape[2] // 2
     positions = load_balanced_positions(2 * chunk * cp_size, cp_size, cp_rank, device=q.device)
@@ -144,6 +157,10 @@ def _attend(
         keys = (index + 1) * chunk  # every later key is masked for the whole chunk
         query_positions = positions[slot * chunk : (slot + 1) * chunk]
         allowed = torch.arange(keys, device=q.device) <= query_positions.unsqueeze(1)
+        if documents is not None:  # [b, L, keys]: causal and within one document
+            same = documents[:, query_positions, None] == documents[:, None, :keys]
+            repeat = q.shape[0] // documents.shape[0]
+            allowed = allowed & (same.repeat_interleave(repeat, 0) if repeat > 1 else same)
         outs.append(
             CONTEXT_ATTENTION_CORES[core](
                 q.narrow(2, slot * chunk, chunk),
@@ -170,6 +187,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         core: str,
         dropout_p: float,
         generator: torch.Generator | None,
+        documents: Tensor | None,
     ) -> Tensor:
         kv = gather_context_sequence(torch.stack((k, v)), 3, group)  # [2, b, hkv, s, d]
         saved = [q, k, v]
@@ -178,8 +196,9 @@ class _ContextParallelAttention(torch.autograd.Function):
             saved.append(generator.get_state())
             ctx.generator_device = generator.device
         ctx.group, ctx.core, ctx.dropout_p = group, core, dropout_p
+        ctx.documents = documents  # by reference: the micro-batch's one ids tensor
         ctx.save_for_backward(*saved)
-        return _attend(q, kv, group, core, dropout_p, generator)
+        return _attend(q, kv, group, core, dropout_p, generator, documents)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -193,10 +212,12 @@ class _ContextParallelAttention(torch.autograd.Function):
         with torch.enable_grad():
             q_leaf = q.detach().requires_grad_()
             kv_leaf = kv.detach().requires_grad_()
-            out = _attend(q_leaf, kv_leaf, ctx.group, ctx.core, ctx.dropout_p, replay)
+            out = _attend(
+                q_leaf, kv_leaf, ctx.group, ctx.core, ctx.dropout_p, replay, ctx.documents
+            )
             grad_q, grad_kv = torch.autograd.grad(out, (q_leaf, kv_leaf), grad)
         grad_kv = reduce_scatter_context_sequence(grad_kv, 3, ctx.group)  # [2, b, hkv, s/c, d]
-        return grad_q, grad_kv[0], grad_kv[1], None, None, None, None
+        return grad_q, grad_kv[0], grad_kv[1], None, None, None, None, None
 
 
 def context_parallel_attention(
@@ -209,6 +230,7 @@ def context_parallel_attention(
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
     training: bool = True,
+    documents: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of this CP rank's queries over the whole sequence of the CP group.
 
@@ -219,7 +241,9 @@ def context_parallel_attention(
     or ``sdpa`` (:data:`CONTEXT_ATTENTION_CORES`). Dropout (``dropout_p`` when ``training``)
     draws from ``generator``. ``group``: the CP process group; ``None`` or one rank is
     ``c = 1``, plain causal attention over ``q``'s sequence. Stores and exchanges what the
-    module docstring states.
+    module docstring states. ``documents``: ``[b', s]`` ids of the **whole** sequence (global
+    order, ``b = b'·n``): block-causal, a query sees only the keys of its own document
+    (:mod:`lightning_sp.model.documents`); held by reference, not stored per call.
     """
     _check(q, k, v, group, core, dropout_p)
     p = dropout_p if training else 0.0
@@ -231,7 +255,7 @@ def context_parallel_attention(
                 f"context_parallel_attention on {q.device.type} tensors with a "
                 f"{generator.device.type} generator: draw from a generator on {q.device.type}"
             )
-    out: Tensor = _ContextParallelAttention.apply(q, k, v, group, core, p, generator)
+    out: Tensor = _ContextParallelAttention.apply(q, k, v, group, core, p, generator, documents)
     return out
 
 

@@ -380,12 +380,28 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None, None, None
 
 
+IGNORE_INDEX = -100
+"""A label that takes no part in the loss (Hugging Face's and PyTorch's convention): a token
+whose loss is masked (a prompt token in supervised fine-tuning, a masked end of document)."""
+
+
 def vocab_parallel_cross_entropy(
-    logits: Tensor, target: Tensor, vocab_start: int, vocab_size: int, group: Group
+    logits: Tensor,
+    target: Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    group: Group,
+    mask: Tensor | None = None,
 ) -> Tensor:
     """Per-token cross entropy ``[s, b]`` (fp32) from vocabulary-sharded logits ``[s, b, v/t]``.
 
     ``vocab_start`` is the global index of this shard's first column; ``vocab_size`` the true
-    (unpadded) vocabulary, so padded columns never receive probability.
+    (unpadded) vocabulary, so padded columns never receive probability. ``mask`` (``[s, b]``
+    bool, ``True`` where a token counts): a masked token's loss is exactly 0 and its logits get
+    exactly zero gradient, whatever its target (e.g. :data:`IGNORE_INDEX`).
     """
-    return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, vocab_size, group)
+    if mask is None:
+        return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, vocab_size, group)
+    target = target.masked_fill(~mask, 0)  # any in-vocabulary index: the loss is dropped
+    losses = _VocabParallelCrossEntropy.apply(logits, target, vocab_start, vocab_size, group)
+    return losses.masked_fill(~mask, 0.0)  # backward: zero where masked

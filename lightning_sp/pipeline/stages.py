@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterator
-from typing import cast, overload
+from typing import Any, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.gpt import GPT
+from lightning_sp.model.gpt import GPT, Reduction
 from lightning_sp.parallel import grads as grad_utils
 from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.state import DEFAULT_TIMEOUT, ParallelState
@@ -52,6 +52,12 @@ from lightning_sp.pipeline.split import (
 )
 
 _Schedule = Schedule1F1B | ScheduleInterleaved1F1B
+
+
+def _extra(documents: Tensor | None, positions: Tensor | None) -> dict[str, Any]:
+    """The keyword inputs of every stage for packed documents (those given)."""
+    extra = {"documents": documents, "positions": positions}
+    return {k: v for k, v in extra.items() if v is not None}
 
 
 # -- stage modules --------------------------------------------------------------------------------
@@ -66,10 +72,12 @@ class _Stage(nn.Module):
         super().__init__()
         self.chunk = chunk
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, documents: Tensor | None = None, positions: Tensor | None = None
+    ) -> Tensor:
         if self.chunk.has_embedding:
-            x = self.chunk.embed(x)  # [b, s] -> [s/t or s, b, h]
-        return self.chunk.forward_layers(x)  # [s/t or s, b, h]
+            x = self.chunk.embed(x, positions=positions)  # [b, s] -> [s/t or s, b, h]
+        return self.chunk.forward_layers(x, documents, positions)  # [s/t or s, b, h]
 
 
 class Chunks(nn.ModuleList):
@@ -144,6 +152,7 @@ class Pipeline(nn.Module):
         self._stage_modules = [_Stage(chunk) for chunk in self.chunks]
         self._schedules: dict[tuple[int, int, torch.dtype], _Schedule] = {}
         self._embedding_group = self._make_embedding_group(timeout)
+        self._reduction: Reduction = "mean"  # of the step running (train_step, eval_step)
 
     # -- layout --------------------------------------------------------------------------------
 
@@ -196,8 +205,11 @@ class Pipeline(nn.Module):
         return micro
 
     def _loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
-        """Head and loss of one micro-batch, divided by ``n``: summed over micro-batches this
-        is the mean loss of the batch, and its gradients those of the mean."""
+        """Head and loss of one micro-batch. ``reduction="mean"``: its mean divided by ``n``,
+        so that summed over micro-batches this is the mean loss of the batch, and its gradients
+        those of the mean. ``"sum"``: the sum over its counted tokens, undivided."""
+        if self._reduction == "sum":
+            return self.chunks[-1].loss(output, target, "sum")
         return self.chunks[-1].loss(output, target) / self.num_microbatches
 
     def _schedule(self, input_ids: Tensor) -> _Schedule:
@@ -246,25 +258,46 @@ class Pipeline(nn.Module):
         :meth:`forward` and run backward itself (Lightning's automatic optimisation)."""
         return self.schedule_name != "none"
 
-    def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
-        """``p = 1`` only: the mean loss of the batch with its graph (the whole model is this
-        rank's one chunk), for the caller to run backward."""
+    def forward(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        reduction: Reduction = "mean",
+        documents: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
+        """``p = 1`` only: the mean (or sum: ``reduction``) loss of the batch with its graph
+        (the whole model is this rank's one chunk), for the caller to run backward."""
         if self.runs_backward:
             raise RuntimeError("with pipeline_parallel_size > 1 the schedule runs: use train_step")
-        return self.chunks[0](input_ids, labels)
+        return self.chunks[0](input_ids, labels, reduction, documents, positions)
 
-    def train_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+    def train_step(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        reduction: Reduction = "mean",
+        documents: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
         """Forward and backward of all ``n`` micro-batches of ``input_ids``/``labels`` ``[B, s]``.
 
         Gradients are accumulated into the parameters (``grad``, or ``main_grad`` through the
         optimizer's hooks): their sum over micro-batches is the gradient of the mean loss over
         the batch. They are not yet reduced: call :meth:`finalize_grads` before the optimizer.
         Returns the mean loss (a detached scalar, fp32 for bf16/fp16 models) on every rank of
-        the pipeline.
+        the pipeline. ``reduction="sum"``: the loss and its gradients are instead the sum over
+        the counted tokens (labels not :data:`~lightning_sp.parallel.layers.IGNORE_INDEX`) of
+        all micro-batches, for :class:`~lightning_sp.pipeline.token_mean.TokenMean` to divide
+        by the step's global count. ``documents`` (``[B, s]`` ids of the whole sequences)
+        and ``positions`` (``[B, s]`` of the given tokens): packed documents
+        (:meth:`GPT.forward`); every stage receives its micro-batch's rows.
         """
         self._check_inputs(input_ids, labels)
+        self._reduction = reduction
+        extra = _extra(documents, positions)
         if self.schedule_name == "none":
-            return self._accumulate(input_ids, labels, backward=True)
+            return self._accumulate(input_ids, labels, backward=True, **extra)
         schedule = self._schedule(input_ids)
         losses: list[Tensor] = []
         with torch.enable_grad():
@@ -273,34 +306,51 @@ class Pipeline(nn.Module):
                 target=labels if self.has_head else None,
                 losses=losses,
                 return_outputs=False,
+                **extra,
             )
         return self._broadcast_loss(losses)
 
     @torch.no_grad()
-    def eval_step(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+    def eval_step(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        reduction: Reduction = "mean",
+        documents: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
         """Forward of all micro-batches (validation; no graph is built, no gradient touched).
 
-        The caller sets train/eval mode (dropout) as for any module. Returns the mean loss
-        (as :meth:`train_step`) on every rank of the pipeline.
+        The caller sets train/eval mode (dropout) as for any module. Returns the mean (or sum)
+        loss (as :meth:`train_step`) on every rank of the pipeline.
         """
         self._check_inputs(input_ids, labels)
+        self._reduction = reduction
+        extra = _extra(documents, positions)
         if self.schedule_name == "none":
-            return self._accumulate(input_ids, labels, backward=False)
+            return self._accumulate(input_ids, labels, backward=False, **extra)
         schedule = self._schedule(input_ids)
         losses: list[Tensor] = []
         schedule.eval(
             *((input_ids,) if self.has_embedding else ()),
             target=labels if self.has_head else None,
             losses=losses,
+            **extra,
         )
         return self._broadcast_loss(losses)
 
-    def _accumulate(self, input_ids: Tensor, labels: Tensor, backward: bool) -> Tensor:
+    def _accumulate(
+        self, input_ids: Tensor, labels: Tensor, backward: bool, **extra: Tensor
+    ) -> Tensor:
         """``p = 1``: the micro-batches one after another (gradient accumulation)."""
         chunk, n = self.chunks[0], self.num_microbatches
         total = torch.zeros((), dtype=self._loss_dtype, device=self._device)
-        for ids, target in zip(input_ids.chunk(n), labels.chunk(n), strict=True):
-            loss = self._loss_fn(chunk.forward_layers(chunk.embed(ids)), target)
+        parts = {k: v.chunk(n) for k, v in extra.items()}
+        for i, (ids, target) in enumerate(zip(input_ids.chunk(n), labels.chunk(n), strict=True)):
+            micro = {k: v[i] for k, v in parts.items()}
+            positions = micro.get("positions")
+            x = chunk.forward_layers(chunk.embed(ids, positions=positions), **micro)
+            loss = self._loss_fn(x, target)
             if backward:
                 loss.backward()
             total += loss.detach()

@@ -36,7 +36,7 @@ from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.generate import GenerationConfig, generate
-from lightning_sp.model.gpt import GPT
+from lightning_sp.model.gpt import GPT, Reduction
 from lightning_sp.model.moe import moe_metrics, update_expert_biases
 from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
@@ -46,6 +46,7 @@ from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.grads import clip_grad_norm_
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline, check_batch
+from lightning_sp.pipeline.token_mean import TokenMean, apply_loss_mask, counted_tokens
 from lightning_sp.training.checks import (
     check_compile,
     check_data,
@@ -129,6 +130,7 @@ class GPTModule(LightningModule):
         self.val_loss = MeanMetric()
         self._configured: list[dict[str, Any]] | None = None  # this run's optimizer settings
         self._resumed_optimizer: dict[str, Any] | None = None  # the checkpoint's (resuming)
+        self._token_mean: TokenMean | None = None  # the step's counts, with loss masks
 
     def _save_hyperparameters(self) -> None:
         """What ``hparams.yaml`` and checkpoints record of this module: its settings as they
@@ -252,27 +254,49 @@ class GPTModule(LightningModule):
             for chunk in self.chunks:
                 load_hf_weights(chunk, self.init_from)
 
+    @staticmethod
+    def _labels(batch: dict[str, Tensor]) -> Tensor:
+        """The batch's labels ``[b, s]``, with ``IGNORE_INDEX`` where its ``loss_mask`` (if it
+        carries one) is false."""
+        if "loss_mask" in batch:
+            return apply_loss_mask(batch["labels"], batch["loss_mask"])
+        return batch["labels"]
+
     def _loss(self, batch: dict[str, Tensor], train: bool) -> Tensor:
+        """The batch's mean loss, or with a ``loss_mask`` the sum over its counted tokens (the
+        step's global token mean divides it: :class:`TokenMean`)."""
         model = self.stage_model()
         c, r = model.state.context_parallel_size, model.state.context_parallel_rank
+        reduction: Reduction = "sum" if "loss_mask" in batch else "mean"
         # under context parallelism: this CP rank's two chunks [b, s/c] of the batch
         ids, labels = (
-            shard_for_context_parallel(batch[k], 1, c, r) for k in ("input_ids", "labels")
+            shard_for_context_parallel(x, 1, c, r)
+            for x in (batch["input_ids"], self._labels(batch))
         )
+        # packed documents: the ids of the whole sequences, the positions of this rank's tokens
+        positions = batch.get("positions")
+        if positions is not None:
+            positions = shard_for_context_parallel(positions, 1, c, r)
+        extra = {"documents": batch.get("documents"), "positions": positions}
         if not train:
-            return model.eval_step(ids, labels)
+            return model.eval_step(ids, labels, reduction, **extra)
         if not model.runs_backward:
-            return model(ids, labels)  # Lightning runs backward
+            return model(ids, labels, reduction, **extra)  # Lightning runs backward
         optimizer = self.optimizers()
         assert not isinstance(optimizer, list)  # configure_optimizers returns one
         optimizer.zero_grad()  # see optimizer_zero_grad
-        return model.train_step(ids, labels)  # forward and backward of every micro-batch
+        return model.train_step(ids, labels, reduction, **extra)  # every micro-batch's passes
 
     # -- steps -------------------------------------------------------------------------------
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch, train=True)
+        if "loss_mask" in batch:  # logged with the step's token mean (on_before_optimizer_step)
+            if self._token_mean is None or batch_idx % self.trainer.accumulate_grad_batches == 0:
+                self._token_mean = TokenMean(self.parallel_state)  # a new step
+            self._token_mean.add(self._labels(batch), loss)
+            return loss
         # the mean over data-parallel replicas (the TP, CP and PP ranks of one already agree):
         # the loss of the global batch. Reduced here, since Lightning's sync_dist is a no-op
         # under a strategy its accelerator connector does not know as distributed.
@@ -307,8 +331,27 @@ class GPTModule(LightningModule):
             super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     @override
+    def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
+        """With loss masks: divide the step's gradients (summed over its counted tokens) by
+        the global count and log ``train/loss``, the global token mean
+        (:meth:`TokenMean.finish`). Runs after the gradients are finalised, before clipping."""
+        if self._token_mean is None:
+            return
+        model = self.stage_model()
+        accumulation = 1 if model.runs_backward else self.trainer.accumulate_grad_batches
+        loss = self._token_mean.finish(model, accumulation)
+        self._token_mean = None
+        self.log("train/loss", loss.float(), prog_bar=True)
+
+    @override
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self.val_loss.update(self._loss(batch, train=False))
+        loss = self._loss(batch, train=False)
+        if "loss_mask" not in batch:
+            self.val_loss.update(loss)
+            return
+        tokens = counted_tokens(self._labels(batch))  # a token mean over the whole split
+        if tokens:
+            self.val_loss.update(loss / tokens, weight=tokens)
 
     @override
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:

@@ -68,6 +68,7 @@ class SelfAttention(Part):
     ``projection`` or None."""
 
     input_term = "qkv_input"
+    reads_sequence = True
 
     def build(self, ctx: BuildContext) -> nn.Module:
         from lightning_sp.model.attention import Attention

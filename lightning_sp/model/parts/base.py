@@ -196,6 +196,11 @@ class Part(ABC):
         backward_gemms` of each)."""
         return []
 
+    reads_sequence: bool = False
+    """Whether its module takes the sequence's document ids and token positions (keywords
+    ``documents``, ``positions``: attention masks across documents and rotates by position; a
+    feed-forward acts on each token alone)."""
+
     input_term: str = ""
     """The term of its input tensor as its linears save it (``qkv_input``, ``fc1_input``):
     before a pre-norm the ``layernorm`` module drops it (the norm's input stands for it);

@@ -1,0 +1,321 @@
+"""Chat SFT data: conversations rendered by a Hugging Face chat template, loss on the assistant
+tokens, packed first-fit into ``seq_length + 1`` token bins, written once in the prepared format.
+
+Input rows (JSONL or Parquet), one conversation each:
+
+* ``{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}, ...]}``, or
+* ``{"prompt": "...", "completion": "..."}`` (a user turn and an assistant turn).
+
+Rendering is the tokenizer directory's own ``apply_chat_template`` (``tokenizer_config.json``
+or ``chat_template.jinja``, read locally with ``local_files_only``, never downloaded); the loss
+mask is exactly its ``return_assistant_tokens_mask=True`` output, which needs the template to
+mark the assistant content with ``{% generation %} ... {% endgeneration %}`` (or
+``assistant_only_loss=False`` trains on every token).
+
+Packing: first-fit over the conversations in order (each goes into the first bin with room,
+else a new one); a bin is filled up with the end-of-document token (a document of its own, no
+loss). A conversation longer than ``seq_length + 1`` is truncated to it (counted in one notice)
+or refused (``overflow="refuse"``).
+
+Layout (the prepared format of :mod:`lightning_sp.data.prepare`, read by the same
+:class:`~lightning_sp.data.tokens.TokenSplit`): each split's token stream is the bins back to
+back, so sample ``i`` is bin ``i``; ``flags.bin`` holds one uint8 per token: bit 0 = the token
+is an assistant token (a label that counts), bit 1 = the token starts a document. A sample
+derives its ``loss_mask``, ``documents`` and ``positions`` (restarting per conversation) from
+them (:func:`flags_to_sample`): one byte per token on disk, no ``s x s`` anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_sp.data.prepare import FORMAT, METADATA, read_metadata
+from lightning_sp.data.tokenizer import tokenizer_info
+from lightning_sp.errors import ConfigError
+from lightning_sp.model.documents import positions_in_documents
+
+ASSISTANT, START = 1, 2
+"""Bits of ``flags.bin``: an assistant token (its loss counts as a label), a document start."""
+FLAGS_FILE = "flags.bin"
+_GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
+
+Overflow = Literal["truncate", "refuse"]
+
+
+def load_chat_tokenizer(directory: str, assistant_only_loss: bool) -> Any:
+    """The tokenizer of a local Hugging Face directory, checked for what chat SFT needs: a
+    chat template, and with ``assistant_only_loss`` its generation markers (one line each)."""
+    if not os.path.isdir(directory) or not os.path.isfile(
+        os.path.join(directory, "tokenizer.json")
+    ):
+        raise ConfigError(
+            f"tokenizer={directory!r} is not a Hugging Face tokenizer directory (no "
+            "tokenizer.json); give the model's local directory"
+        )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    template = tokenizer.chat_template
+    if not template:
+        raise ConfigError(
+            f"tokenizer={directory!r} has no chat template (tokenizer_config.json "
+            "'chat_template' or chat_template.jinja); chat SFT renders conversations with "
+            "it: use the instruct model's tokenizer or add a template"
+        )
+    if assistant_only_loss and not _GENERATION.search(str(template)):
+        raise ConfigError(
+            f"tokenizer={directory!r}: its chat template has no {{% generation %}} markers, "
+            "which assistant_only_loss=true needs to find the assistant tokens; wrap the "
+            "assistant content in {% generation %}...{% endgeneration %} in the template, "
+            "or set assistant_only_loss=false to train on every token"
+        )
+    return tokenizer
+
+
+def read_rows(path: str) -> list[dict[str, Any]]:
+    """The rows of one ``.jsonl`` / ``.json`` (a list, or one object per line) / ``.parquet``
+    file."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return list(pq.read_table(path).to_pylist())
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json") and text.lstrip().startswith("["):
+        rows = json.loads(text)
+    else:
+        rows = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise ConfigError(f"{path}:{number}: not a JSON object ({error})") from None
+    return rows
+
+
+def conversation(row: Any, where: str) -> list[dict[str, str]]:
+    """The messages of one row (``messages``, or ``prompt`` + ``completion``); one line
+    naming the row when it is neither."""
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    if "messages" in row:
+        messages = row["messages"]
+        ok = isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages
+        )  # fmt: skip
+        if not ok:
+            raise ConfigError(
+                f"{where}: 'messages' must be a non-empty list of {{role, content}} objects "
+                f"with string values, got {str(messages)[:80]!r}"
+            )
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+        return [
+            {"role": "user", "content": row["prompt"]},
+            {"role": "assistant", "content": row["completion"]},
+        ]
+    raise ConfigError(
+        f"{where}: a row needs 'messages' (a list of {{role, content}}) or string 'prompt' and "
+        f"'completion'; it has keys {sorted(row)}"
+    )
+
+
+def render(
+    tokenizer: Any, messages: list[dict[str, str]], assistant_only_loss: bool, where: str
+) -> tuple[list[int], list[int]]:
+    """Token ids and per-token loss mask (1: assistant token) of one conversation, as
+    ``apply_chat_template(..., return_assistant_tokens_mask=True)`` gives them."""
+    try:
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True,
+            return_assistant_tokens_mask=assistant_only_loss,
+        )  # fmt: skip
+    except Exception as error:  # the template's raise_exception, or a Jinja error
+        roles = [m["role"] for m in messages]
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ConfigError(
+            f"{where}: the chat template rejected the conversation (roles {roles}): {message}"
+        ) from None
+    ids = list(out["input_ids"])
+    mask = list(out["assistant_masks"]) if assistant_only_loss else [1] * len(ids)
+    return ids, mask
+
+
+def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit packing: bins (lists of item indices, in order) of total length at most
+    ``capacity``; every item of length <= ``capacity`` lands in exactly one bin."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for item, length in enumerate(lengths):
+        for b, free in enumerate(room):
+            if length <= free:
+                bins[b].append(item)
+                room[b] -= length
+                break
+        else:
+            bins.append([item])
+            room.append(capacity - length)
+    return bins
+
+
+def flags_to_sample(row: Tensor, flags: Tensor) -> dict[str, Tensor]:
+    """A packed chat sample from its ``s + 1`` tokens and flags: ``input_ids``, ``labels``,
+    ``loss_mask`` (the label is an assistant token of the same conversation), ``documents``
+    and ``positions`` (restarting per conversation), each ``[s]``."""
+    documents = (flags & START).ne(0).cumsum(0).to(torch.int32) - 1  # [s + 1]
+    same = documents[1:] == documents[:-1]
+    return {
+        "input_ids": row[:-1],
+        "labels": row[1:],
+        "loss_mask": (flags[1:] & ASSISTANT).ne(0) & same,
+        "documents": documents[:-1],
+        "positions": positions_in_documents(documents[:-1]),
+    }
+
+
+def _write_split(
+    directory: str, bins: list[tuple[list[int], list[int]]], dtype: np.dtype
+) -> dict[str, int]:
+    os.makedirs(directory)
+    tokens = np.array([t for ids, _ in bins for t in ids], dtype=dtype)
+    flags = np.array([f for _, fl in bins for f in fl], dtype=np.uint8)
+    tokens.tofile(os.path.join(directory, "00000.bin"))
+    flags.tofile(os.path.join(directory, FLAGS_FILE))
+    documents = int((flags & START).astype(bool).sum())
+    index = {
+        "dtype": dtype.name, "tokens": int(tokens.size), "documents": documents,
+        "shards": [{"file": "00000.bin", "tokens": int(tokens.size)}], "flags": FLAGS_FILE,
+    }  # fmt: skip
+    with open(os.path.join(directory, "index.json"), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=1)
+    return {"tokens": int(tokens.size), "documents": documents, "samples": len(bins)}
+
+
+def prepare_chat(
+    paths: list[str],
+    tokenizer_dir: str,
+    directory: str,
+    seq_length: int,
+    assistant_only_loss: bool = True,
+    overflow: Overflow = "truncate",
+    val_fraction: float = 0.1,
+    seed: int = 1234,
+    log: Callable[[str], None] = print,
+    identity: Any = None,
+) -> dict[str, Any]:
+    """Render, mask, pack and write the conversations of ``paths`` (see module docstring).
+    Every row is checked before anything is written; returns the metadata (``identity``,
+    recorded in it, tells a caller when the directory is up to date)."""
+    if overflow not in ("truncate", "refuse"):
+        raise ConfigError(f"overflow={overflow!r} is invalid; valid: 'truncate', 'refuse'")
+    existing = read_metadata(directory)
+    if os.path.isdir(directory) and os.listdir(directory) and not (existing or {}).get("chat"):
+        raise ConfigError(
+            f"prepared_dir={directory!r} exists and is not a prepared chat corpus; give a new "
+            "or empty directory"
+        )
+    tokenizer = load_chat_tokenizer(tokenizer_dir, assistant_only_loss)
+    info = tokenizer_info(os.path.join(tokenizer_dir, "tokenizer.json"))
+    width = seq_length + 1
+    rendered: list[tuple[list[int], list[int]]] = []
+    truncated = 0
+    for path in paths:
+        for number, row in enumerate(read_rows(path), 1):
+            where = f"{path} row {number}"
+            ids, mask = render(tokenizer, conversation(row, where), assistant_only_loss, where)
+            if len(ids) > width:
+                if overflow == "refuse":
+                    raise ConfigError(
+                        f"{where}: the conversation is {len(ids)} tokens, longer than "
+                        f"seq_length + 1 = {width}; raise seq_length or set "
+                        "overflow='truncate'"
+                    )
+                ids, mask, truncated = ids[:width], mask[:width], truncated + 1
+            rendered.append((ids, mask))
+    if len(rendered) < 2 and val_fraction > 0:
+        raise ConfigError(
+            f"val_fraction={val_fraction} needs at least 2 conversations, {paths} hold "
+            f"{len(rendered)}; add conversations or set val_fraction 0"
+        )
+    if truncated:
+        log(f"{truncated} conversation(s) longer than seq_length + 1 = {width} were truncated")
+    order = np.random.default_rng(seed).permutation(len(rendered))
+    n_val = (
+        min(len(rendered) - 1, max(1, round(val_fraction * len(rendered))))
+        if val_fraction > 0
+        else 0
+    )
+    splits = {"train": sorted(order[n_val:].tolist()), "val": sorted(order[:n_val].tolist())}
+    tmp = f"{directory}.tmp-{uuid.uuid4().hex[:8]}"
+    counts = {}
+    try:
+        for split, members in splits.items():
+            items = [rendered[i] for i in members]
+            packed = []
+            for members_of_bin in first_fit([len(ids) for ids, _ in items], width):
+                ids, flags = [], []
+                for i in members_of_bin:
+                    conv_ids, conv_mask = items[i]
+                    ids += conv_ids
+                    flags += [ASSISTANT * m for m in conv_mask]
+                    flags[len(ids) - len(conv_ids)] |= START
+                if len(ids) < width:  # the rest: one padding document, no loss
+                    start = len(ids)
+                    ids += [info.eos_id] * (width - start)
+                    flags += [0] * (width - start)
+                    flags[start] = START
+                packed.append((ids, flags))
+            counts[split] = _write_split(os.path.join(tmp, split), packed, info.dtype())
+        meta = {
+            "format": FORMAT,
+            "tokenizer": {**info.__dict__, "id": info.id},
+            "dtype": info.dtype().name,
+            "chat": {
+                "tokenizer_dir": os.path.abspath(tokenizer_dir),
+                "seq_length": seq_length,
+                "assistant_only_loss": assistant_only_loss,
+                "overflow": overflow,
+                "truncated": truncated,
+                "conversations": len(rendered),
+                "identity": identity,
+            },
+            "splits": counts,
+            "tokens": sum(c["tokens"] for c in counts.values()),
+            "documents": len(rendered),
+        }
+        with open(os.path.join(tmp, METADATA), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+        if os.path.isdir(directory):
+            shutil.rmtree(directory)
+        os.rename(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(
+        f"prepared {len(rendered)} conversations into {counts['train']['samples']} + "
+        f"{counts['val']['samples']} packed samples of {width} tokens -> {directory}"
+    )
+    return meta
+
+
+__all__ = [
+    "conversation",
+    "first_fit",
+    "flags_to_sample",
+    "load_chat_tokenizer",
+    "prepare_chat",
+    "read_rows",
+    "render",
+]

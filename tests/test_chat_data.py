@@ -1,0 +1,172 @@
+"""Chat SFT data: conversations rendered by a local Hugging Face chat template, the assistant
+mask equal to transformers' ``apply_chat_template(return_assistant_tokens_mask=True)``,
+first-fit packing that holds every conversation exactly once, read back through the prepared
+format; and each bad input refused in one line before anything is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_sp.data import TextDataModule
+from lightning_sp.data.chat import first_fit, prepare_chat
+from lightning_sp.errors import ConfigError
+
+from corpora import CHAT_TEMPLATE, chat_tokenizer, conversations, jsonl
+
+S = 48
+
+
+def _samples(data: TextDataModule) -> list[dict[str, torch.Tensor]]:
+    data.setup("fit")
+    assert data.train_dataset is not None and data.val_dataset is not None
+    return [data.train_dataset[i] for i in range(len(data.train_dataset))] + [
+        data.val_dataset[i] for i in range(len(data.val_dataset))
+    ]
+
+
+def test_first_fit_places_every_item_once() -> None:
+    lengths = [5, 9, 3, 7, 1, 10, 2]
+    bins = first_fit(lengths, 10)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 10 for b in bins)
+    assert bins == [[0, 2, 4], [1], [3, 6], [5]]  # each into the first bin with room
+
+
+def test_assistant_mask_equals_transformers_and_packing_is_exact(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = chat_tokenizer(tmp_path)
+    rows = conversations(14)
+    source = jsonl(tmp_path / "chat.jsonl", rows)
+    out = tmp_path / "prepared"
+    meta = prepare_chat([str(source)], str(tokenizer_dir), str(out), S, log=lambda _: None)
+    assert meta["chat"]["truncated"] == 0 and meta["chat"]["conversations"] == 14
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    expected = {}
+    for row in rows:
+        messages = row.get("messages") or [
+            {"role": "user", "content": row["prompt"]},
+            {"role": "assistant", "content": row["completion"]},
+        ]
+        rendered = hf.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        assert any(rendered["assistant_masks"]) and not all(rendered["assistant_masks"])
+        expected.setdefault(tuple(rendered["input_ids"]), []).append(rendered["assistant_masks"])
+    data = TextDataModule(
+        prepared_dir=str(out), tokenizer=str(tokenizer_dir / "tokenizer.json"), seq_length=S,
+        batch_size=1,
+    )  # fmt: skip
+    seen: list[tuple[int, ...]] = []
+    for sample in _samples(data):
+        assert set(sample) == {"input_ids", "labels", "loss_mask", "documents", "positions"}
+        row = torch.cat([sample["input_ids"], sample["labels"][-1:]])  # the s + 1 tokens
+        documents = torch.cat([sample["documents"], sample["documents"][-1:]])
+        for doc in documents.unique():
+            where = (documents == doc).nonzero().squeeze(1)
+            ids = tuple(row[where].tolist())
+            if ids not in expected:  # the padding document: end-of-document tokens, no loss
+                assert set(ids) == {hf.eos_token_id}, ids
+                assert not sample["loss_mask"][where[where < S]].any()
+                continue
+            seen.append(ids)
+            mask = expected[ids][0]
+            # label j is token j + 1: it counts where token j + 1 is an assistant token of
+            # the same conversation
+            inside = where[:-1]
+            assert sample["loss_mask"][inside].tolist() == [bool(m) for m in mask[1:]], ids
+            assert (
+                sample["positions"][where[where < S]].tolist()
+                == list(range(len(where)))[: len(where[where < S])]
+            )
+            if where[-1] < S:  # the conversation's last token predicts another document
+                assert not sample["loss_mask"][where[-1]]
+    assert sorted(seen) == sorted(tuple(k) for k, v in expected.items() for _ in v)
+
+
+def _refused(tmp_path: Path, match: str, rows: list | None = None, **kwargs) -> None:
+    tokenizer_dir = kwargs.pop("tokenizer_dir", None) or chat_tokenizer(tmp_path / "tok")
+    source = jsonl(tmp_path / "bad.jsonl", rows if rows is not None else conversations(4))
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=match) as error:
+        prepare_chat([str(source)], str(tokenizer_dir), str(out), S, log=lambda _: None, **kwargs)
+    assert "\n" not in str(error.value), str(error.value)
+    assert not out.exists()
+
+
+def test_bad_input_is_one_line_before_any_work(tmp_path: Path) -> None:
+    rows = conversations(3)
+    _refused(tmp_path, r"bad.jsonl row 2: a row needs 'messages'", [rows[0], {"text": "x"}])
+    bad_role = {
+        "messages": [{"role": "tool", "content": "a"}, {"role": "assistant", "content": "b"}]
+    }
+    _refused(
+        tmp_path, r"row 1: the chat template rejected the conversation \(roles \['tool'", [bad_role]
+    )
+    _refused(tmp_path, r"'messages' must be a non-empty list", [{"messages": "hi"}])
+    no_template = chat_tokenizer(tmp_path / "plain", template=None)
+    _refused(tmp_path, "has no chat template", tokenizer_dir=no_template)
+    unmarked = chat_tokenizer(
+        tmp_path / "unmarked",
+        template=CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", ""),
+    )
+    _refused(
+        tmp_path,
+        r"no \{% generation %\} markers.*assistant_only_loss=false",
+        tokenizer_dir=unmarked,
+    )
+    long = {"prompt": " ".join(["fox"] * 80), "completion": "dog"}
+    _refused(tmp_path, r"row 1: the conversation is \d+ tokens, longer than seq_length \+ 1 = 49",
+             [long, *rows], overflow="refuse")  # fmt: skip
+    _refused(tmp_path, "overflow='drop' is invalid", overflow="drop")
+
+
+def test_data_module_and_generate_refuse_bad_chat_settings(tmp_path: Path) -> None:
+    from lightning_sp.cli.generate import chat_prompt
+
+    tokenizer_dir = chat_tokenizer(tmp_path)
+    rows = jsonl(tmp_path / "chat.jsonl", conversations(4))
+    cases = [
+        (dict(chat_template_dir=str(tmp_path)), "is not a Hugging Face tokenizer directory"),
+        (dict(chat_template_dir=str(tokenizer_dir)), "needs paths: the chat rows"),
+        (dict(chat_template_dir=str(tokenizer_dir), paths=str(rows), overflow="drop"),
+         "overflow='drop' is invalid"),
+    ]  # fmt: skip
+    for kwargs, match in cases:
+        with pytest.raises(ConfigError, match=match) as error:
+            TextDataModule(prepared_dir=str(tmp_path / "p"), seq_length=S, **kwargs)
+        assert "\n" not in str(error.value)
+    plain = TextDataModule(paths=str(rows), seq_length=S)
+    with pytest.raises(ConfigError, match=r"--chat true needs data\.chat_template_dir"):
+        chat_prompt(plain, "hi")
+    chat = TextDataModule(
+        paths=str(rows), chat_template_dir=str(tokenizer_dir), prepared_dir=str(tmp_path / "p"),
+        seq_length=S,
+    )  # fmt: skip
+    assert chat_prompt(chat, "the fox") == "<|user|> the fox <|end|> <|assistant|> "
+
+
+def test_parquet_rows_and_training_on_every_token(tmp_path: Path) -> None:
+    """Parquet ``prompt`` / ``completion`` rows; ``assistant_only_loss=False`` counts every
+    label inside a conversation (none across conversations or in the padding)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [r for r in conversations(9) if "prompt" in r]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chat.parquet")
+    tokenizer_dir = chat_tokenizer(tmp_path)
+    source, out = str(tmp_path / "chat.parquet"), str(tmp_path / "p")
+    meta = prepare_chat([source], str(tokenizer_dir), out, S, assistant_only_loss=False,
+                        val_fraction=0, log=lambda _: None)  # fmt: skip
+    assert meta["chat"]["conversations"] == len(rows) == 3
+    data = TextDataModule(prepared_dir=str(tmp_path / "p"), seq_length=S, batch_size=1,
+                          tokenizer=str(tokenizer_dir / "tokenizer.json"))  # fmt: skip
+    data.setup("fit")
+    assert data.train_dataset is not None
+    sample = data.train_dataset[0]
+    same = sample["documents"][1:] == sample["documents"][:-1]
+    padding = sample["input_ids"] == data.eos_token_id
+    assert torch.equal(sample["loss_mask"][:-1], same & ~padding[1:])
