@@ -117,6 +117,14 @@ class ModelCheckpoint(LightningModelCheckpoint):
         super()._save_checkpoint(trainer, filepath)
 
     @override
+    def _save_last_checkpoint(
+        self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]
+    ) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        if self.last_model_path:  # written, or (save_last="link") linked: this run's
+            self._owned.add(str(self.last_model_path))
+
+    @override
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         """Delete only a file this run wrote or continues (never another run's)."""
         if str(filepath) in self._owned:
