@@ -10,6 +10,8 @@ the quick tier:
   against a central difference along a random direction of the same masks (each forward
   rebuilds the model from the same seed, so it draws the same masks): a backward that redraws
   its masks computes another function's gradient;
+* **the CP token mean with unequal token counts per rank**: the mean over every token of the
+  group, not a mean of the ranks' means;
 * **a checkpoint save that fails where only rank 0 acts** (its publishing rename, the fault
   point ``publish``): every rank raises the same one-line ``CheckpointSaveError`` naming rank
   0, and ``last.ckpt`` still holds the previous save.
@@ -28,6 +30,7 @@ from lightning_sp.checkpoint import Checkpointer, CheckpointSaveError, Meta, rea
 from lightning_sp.checkpoint.commit import FAULT_ENV
 from lightning_sp.optim.adamw import build_adamw
 from lightning_sp.parallel.config import ParallelConfig
+from lightning_sp.parallel.context import context_token_mean
 from lightning_sp.parallel.grads import clip_grad_norm_, finalize_grads, global_grad_norm
 from lightning_sp.testing.spawn import run_distributed
 
@@ -102,6 +105,22 @@ def _context_dropout_derivative(state: ParallelState, attention: str) -> str:
     return what
 
 
+def _context_token_mean(state: ParallelState) -> str:
+    """Rank r sums a loss of ``(1, 4)[r]`` over ``(3, 5)[r]`` tokens: the mean over all tokens
+    is 5/8 on both ranks, each rank's gradient 1/8 (a mean of the ranks' means would be
+    (1/3 + 4/5) / 2)."""
+    rank = state.context_parallel_rank
+    what = f"c=2 token mean rank {rank}"
+    loss_sum = torch.tensor((1.0, 4.0)[rank], dtype=torch.float64, requires_grad=True)
+    mean = context_token_mean(loss_sum, (3, 5)[rank], state.cp_group)
+    (grad,) = torch.autograd.grad(mean, loss_sum)
+    assert abs(mean.item() - 5 / 8) <= 1e-15 and abs(grad.item() - 1 / 8) <= 1e-15, (
+        f"{what}: mean {mean.item():.6f}, gradient {grad.item():.6f}; the mean over every token "
+        "of unequal counts is 0.625, its gradient 0.125 on each rank"
+    )
+    return what
+
+
 def _publish_fails_on_rank_zero(state: ParallelState, directory: str) -> str:
     config = tiny_config()
     model = GPT(config, state)
@@ -139,12 +158,13 @@ def _worker(rank: int, world_size: int, directory: str) -> list[str]:
     checked = [_replicated_kv_heads(ParallelState.from_process_group(tensor_parallel_size=2))]
     cp = ParallelState.from_process_group(context_parallel_size=2)
     checked += [_context_dropout_derivative(cp, attention) for attention in ("math", "sdpa")]
+    checked.append(_context_token_mean(cp))
     checked.append(_publish_fails_on_rank_zero(ParallelState.from_process_group(), directory))
     return checked
 
 
 def test_two_ranks_quick(tmp_path: Path) -> None:
-    """The three checks above on two ranks; the save's failure line is the same on both."""
+    """The four checks above on two ranks; the save's failure line is the same on both."""
     results = run_distributed(_worker, 2, str(tmp_path))
-    assert [len(r) for r in results] == [4, 4]
+    assert [len(r) for r in results] == [5, 5]
     assert results[0][-1] == results[1][-1]

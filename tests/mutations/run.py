@@ -18,6 +18,7 @@ changing what these tests cover.
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -59,7 +60,8 @@ MUTATIONS = (
             ),
         ),
         ("tests/test_activation_bytes.py", "-k", "t2-tensor_sequence_parallel_selective"),
-        r"measured \d+\.\d+ sbh, Table 2 says 17\.0000 sbh",
+        r"tensor_sequence_parallel_selective: measured \d+\.\d+ sbh, formula \d+\.\d+ \+ "
+        r"LayerNorm statistics",
     ),
     Mutation(
         "skip_sp_grad_allreduce",
@@ -359,8 +361,8 @@ MUTATIONS = (
                 "    return f_bar(loss_sum / num_tokens, group) / group_size(group)",
             ),
         ),
-        ("tests/test_context.py", "-k", "two_ranks_quick"),
-        r"assert abs\(mean\.item\(\) - sum\(sums\) / sum\(counts\)\)",
+        ("tests/test_two_ranks_quick.py",),
+        r"the mean over every token of unequal counts is 0\.625",
     ),
     Mutation(
         "cp_dropout_redrawn",
@@ -471,7 +473,12 @@ def run(mutation: Mutation) -> tuple[str, list[str], str, float]:
     return "caught" if caught else "NOT CAUGHT", failed, line, time.monotonic() - start
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # a SIGTERM (``timeout``) restores the files as Ctrl-C does
+
+
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     if argv == ["--list"]:
         for m in MUTATIONS:
             print(f"{m.name}: {m.bug}")
