@@ -36,7 +36,7 @@ from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
-from lightning_sp.model.moe import moe_metrics, update_expert_biases
+from lightning_sp.model.moe import moe_metrics, scale_auxiliary_losses, update_expert_biases
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.grads import clip_grad_norm_
@@ -386,7 +386,11 @@ class GPTModule(LightningModule):
     def on_train_start(self) -> None:
         """A resumed run trains with this run's optimizer settings (restored from the
         checkpoint just before): :mod:`lightning_sp.training.resume`; one line if they differ
-        from the checkpoint's."""
+        from the checkpoint's. Lightning divides each accumulated batch's loss by
+        ``accumulate_grad_batches``: the MoE auxiliary losses are scaled alike."""
+        pipeline = self.stage_model()
+        accumulate = self.trainer.accumulate_grad_batches
+        scale_auxiliary_losses(pipeline, 1 / (pipeline.num_microbatches * accumulate))
         if self._resumed_optimizer is None or self._configured is None:
             return
         scheduler = self.lr_schedulers()
