@@ -109,3 +109,19 @@ def test_mixtral_8x7b_parameters_total_active_and_per_rank() -> None:
     assert model_active_parameter_count(config) == 12_879_925_248
     assert parameters_per_rank(config, 2, 4, 8) == 1_642_926_080
     assert parameters_per_rank(config, 2, 4, 1) > 7 * parameters_per_rank(config, 2, 4, 8)
+
+
+def test_qwen3_30b_a3b_parameters_total_and_active() -> None:
+    """configs/qwen3_30b_a3b.yaml's model: 30.5B parameters, 3.3B active (Qwen's figures)."""
+    from pathlib import Path
+
+    import yaml
+
+    from lightning_sp import GPTConfig
+    from lightning_sp.memory.formulas import model_active_parameter_count, model_parameter_count
+
+    path = Path(__file__).parent.parent / "configs" / "qwen3_30b_a3b.yaml"
+    fields = yaml.safe_load(path.read_text())["model"]["config"]
+    config = GPTConfig(**{**fields, "moe": MoEConfig(**fields["moe"])})
+    assert model_parameter_count(config) == 30_532_122_624
+    assert model_active_parameter_count(config) == 3_353_032_704
