@@ -125,3 +125,33 @@ def test_qwen3_30b_a3b_parameters_total_and_active() -> None:
     config = GPTConfig(**{**fields, "moe": MoEConfig(**fields["moe"])})
     assert model_parameter_count(config) == 30_532_122_624
     assert model_active_parameter_count(config) == 3_353_032_704
+
+
+def test_step_time_prices_the_expert_all_to_alls() -> None:
+    """configs/mixtral_8x7b.yaml's layout: 4 all-to-alls per layer and micro-batch (dispatch and
+    combine, forward and backward) of the k·s·b/t rows a rank routes, over e = 8 ranks (across
+    nodes at t = 2): present at e = 8, absent at e = 1 and in a dense model."""
+    import dataclasses
+
+    from lightning_sp import GPTConfig
+    from lightning_sp.planner.cluster import load_cluster
+    from lightning_sp.planner.kernels import gather_seconds
+    from lightning_sp.planner.layout import Layout
+    from lightning_sp.planner.steptime import layer_time, step_time
+
+    config = GPTConfig.of(
+        "mistral", vocab_size=32000, seq_length=4096, hidden_size=4096, num_layers=32,
+        num_heads=32, num_query_groups=8, feed_forward="moe", sequence_parallel=True,
+        moe=MoEConfig(num_experts=8, top_k=2, expert_ffn_size=14336), attention="sdpa",
+    )  # fmt: skip
+    cluster = load_cluster("h100-80gb")
+    layer = layer_time(config, 2, 1, cluster, 1, 8)
+    rows = 2 * 2 * 4096 // 2 * 4096  # bytes: bf16, k = 2, s·b/t tokens, h
+    expected = gather_seconds(cluster, rows, 8, cluster.within_node(16))
+    assert layer.forward["ep"] == layer.backward["ep"] == 2 * expected > 0
+    assert layer_time(config, 2, 1, cluster, 1, 1).forward["ep"] == 0
+    dense = dataclasses.replace(config, feed_forward="dense", moe=None)
+    assert layer_time(dense, 2, 1, cluster, 1, 8).forward["ep"] == 0
+    layout = Layout(tensor_parallel_size=2, pipeline_parallel_size=4, data_parallel_size=8,
+                    expert_parallel_size=8, num_microbatches=16, config=config)  # fmt: skip
+    assert step_time(layout, cluster).parts["ep"] == 16 * 8 * 4 * expected
