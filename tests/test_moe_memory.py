@@ -155,3 +155,29 @@ def test_step_time_prices_the_expert_all_to_alls() -> None:
     layout = Layout(tensor_parallel_size=2, pipeline_parallel_size=4, data_parallel_size=8,
                     expert_parallel_size=8, num_microbatches=16, config=config)  # fmt: skip
     assert step_time(layout, cluster).parts["ep"] == 16 * 8 * 4 * expected
+
+
+def test_search_tries_expert_parallel_sizes() -> None:
+    """The layout search tries every e dividing both d·c and E (SP rows only at t > 1 for an
+    MoE model), never the distributed optimizer with e > 1; a dense model only e = 1."""
+    import dataclasses
+
+    from lightning_sp import GPTConfig
+    from lightning_sp.planner.layout import Layout
+    from lightning_sp.planner.search import _layouts
+
+    config = GPTConfig.of(
+        "mistral", vocab_size=1000, seq_length=256, hidden_size=64, num_layers=4, num_heads=4,
+        feed_forward="moe", sequence_parallel=True,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_size=32),
+    )  # fmt: skip
+    base = Layout(tensor_parallel_size=2, data_parallel_size=4, config=config, micro_batch_size=2)
+    layouts = [layout for layout, _ in _layouts(base, 2)]
+    for layout in layouts:
+        d_c = layout.data_parallel_size * layout.context_parallel_size
+        assert d_c % layout.expert_parallel_size == 0 and 4 % layout.expert_parallel_size == 0
+        assert not (layout.distributed_optimizer and layout.expert_parallel_size > 1)
+    assert {x.expert_parallel_size for x in layouts} == {1, 2, 4}
+    assert any(x.tensor_parallel_size == 2 for x in layouts)
+    dense = dataclasses.replace(base, config=dataclasses.replace(config, feed_forward="dense"))
+    assert {x.expert_parallel_size for x, _ in _layouts(dense, 2)} == {1}
