@@ -1,7 +1,7 @@
-"""Mixtral both ways: a random ``MixtralForCausalLM`` saved by transformers (the Hub's
-per-expert tensors) read into one process and into expert- and tensor-parallel layouts equals
-transformers' float64 logits and loss; our model exported is loaded by
-``AutoModelForCausalLM`` as ``MixtralForCausalLM`` with the same logits."""
+"""Mixtral, Qwen3-MoE and OLMoE both ways: a random model saved by transformers (the Hub's
+per-expert tensors) read into one process (and Mixtral into expert- and tensor-parallel
+layouts) equals transformers' float64 logits and loss; our model exported is loaded by
+``AutoModelForCausalLM`` as the same class with the same logits."""
 
 from __future__ import annotations
 
@@ -25,17 +25,42 @@ TOLERANCE = 1e-10
 the same fp32 rounding on both sides; the rest is float64."""
 
 
-def save_random_mixtral(directory: Path) -> Any:
-    """A random 2-layer Mixtral (4 experts, top-2, GQA 4 heads / 2 groups), perturbed, saved
-    in ``directory``; returned in float64 eval mode with the eager expert loop."""
-    config = transformers.MixtralConfig(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=300, max_position_embeddings=64,
-        num_local_experts=4, num_experts_per_tok=2, attn_implementation="sdpa",
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=300, max_position_embeddings=64, num_experts_per_tok=2,
+              attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)  # fmt: skip
+FAMILIES = {
+    "mixtral": lambda: transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(intermediate_size=48, num_local_experts=4, **COMMON)
+    ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(  # head_dim 16 != h/a = 8
+        transformers.Qwen3MoeConfig(
+            moe_intermediate_size=24, num_experts=4, head_dim=16, norm_topk_prob=True, **COMMON
+        )
+    ),
+    "olmoe": lambda: transformers.OlmoeForCausalLM(
+        transformers.OlmoeConfig(
+            intermediate_size=24, num_experts=4, norm_topk_prob=False, **COMMON
+        )
+    ),
+}
+"""A small random model of each family: 2 layers, 4 experts, top-2, 4 heads in 2 KV groups."""
+
+OLMOE_TOLERANCE = 1e-6
+"""OLMoE's query/key norms (``OlmoeRMSNorm``) cast back to the input dtype *before* the weight
+multiply; OLMo 2's, which our ``qk_norm: projection`` follows, multiply in fp32 first. In
+float64 that is fp32 rounding, ~2e-7 of the logits here: a known difference, not yet a
+variant of ours (the rest of the model is exact: Mixtral and Qwen3-MoE meet 1e-10)."""
+
+
+def _tolerance(family: str) -> float:
+    return OLMOE_TOLERANCE if family == "olmoe" else TOLERANCE
+
+
+def save_random(family: str, directory: Path) -> Any:
+    """A random model of ``family``, perturbed, saved in ``directory``; returned in float64
+    eval mode with the eager expert loop."""
     torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(config)
+    model = FAMILIES[family]()
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param), alpha=0.05)
@@ -44,10 +69,10 @@ def save_random_mixtral(directory: Path) -> Any:
     return model.double().eval()
 
 
-@pytest.fixture(scope="module")
-def mixtral(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    directory = tmp_path_factory.mktemp("mixtral")
-    return directory, save_random_mixtral(directory)
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    directory = tmp_path_factory.mktemp(request.param)
+    return request.param, directory, save_random(request.param, directory)
 
 
 def _ours(directory: Path, state: ParallelState, **overrides: Any) -> GPT:
@@ -57,8 +82,9 @@ def _ours(directory: Path, state: ParallelState, **overrides: Any) -> GPT:
     return model.eval()
 
 
-def test_mixtral_import_equals_transformers(mixtral: tuple[Path, Any]) -> None:
-    directory, hf = mixtral
+def test_import_equals_transformers(saved: tuple) -> None:
+    family, directory, hf = saved
+    tolerance = _tolerance(family)
     model = _ours(directory, ParallelState.single())
     assert model.config.feed_forward == "moe" and model.config.moe is not None
     assert model.config.moe.num_experts == 4 and model.config.moe.top_k == 2
@@ -68,19 +94,19 @@ def test_mixtral_import_equals_transformers(mixtral: tuple[Path, Any]) -> None:
         loss = model(ids, labels)
         logits = full_logits([model], model.state, ids)
     assert logits is not None
-    assert float((logits - hf_logits).abs().max()) <= TOLERANCE * float(hf_logits.abs().max())
-    assert abs(float(loss) - float(hf_loss)) <= TOLERANCE * float(hf_loss)
+    assert float((logits - hf_logits).abs().max()) <= tolerance * float(hf_logits.abs().max())
+    assert abs(float(loss) - float(hf_loss)) <= tolerance * float(hf_loss)
 
 
-def test_mixtral_export_loads_as_mixtral(mixtral: tuple[Path, Any], tmp_path: Path) -> None:
-    """Ours (read from the fixture) written back: ``AutoModelForCausalLM`` builds
-    ``MixtralForCausalLM`` with the Hub's per-expert names, and its logits equal ours."""
-    directory, _ = mixtral
+def test_export_loads_as_the_same_class(saved: tuple, tmp_path: Path) -> None:
+    """Ours (read from the fixture) written back: ``AutoModelForCausalLM`` builds the same
+    class from the Hub's per-expert names, and its logits equal ours."""
+    family, directory, hf = saved
     model = _ours(directory, ParallelState.single())
     names = [(model.global_name(n), p.detach()) for n, p in model.named_parameters()]
     save_hf(model.config, names, tmp_path / "out", eos_token_id=0)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    assert type(back).__name__ == "MixtralForCausalLM"
+    assert type(back).__name__ == type(hf).__name__
     back.config._experts_implementation = "eager"
     back = back.double().eval()
     ids, labels = tokens()
@@ -88,7 +114,8 @@ def test_mixtral_export_loads_as_mixtral(mixtral: tuple[Path, Any], tmp_path: Pa
     with torch.no_grad():
         logits = full_logits([model], model.state, ids)
     assert logits is not None
-    assert float((logits - back_logits).abs().max()) <= TOLERANCE * float(logits.abs().max())
+    scale = float(logits.abs().max())
+    assert float((logits - back_logits).abs().max()) <= _tolerance(family) * scale
 
 
 def _layout_worker(rank: int, world_size: int, directory: str, hf_loss: float) -> None:
@@ -101,8 +128,10 @@ def _layout_worker(rank: int, world_size: int, directory: str, hf_loss: float) -
         assert abs(loss - hf_loss) <= TOLERANCE * hf_loss, f"t={t} e={e}: {loss} vs {hf_loss}"
 
 
-def test_mixtral_import_any_layout_equals_transformers(mixtral: tuple[Path, Any]) -> None:
+def test_import_any_layout_equals_transformers(saved: tuple) -> None:
     """t = 2 with SP, and e = 2 (each rank reads only its own experts' tensors)."""
-    directory, hf = mixtral
+    family, directory, hf = saved
+    if family != "mixtral":
+        pytest.skip("one family's layouts suffice (the layer is the same part)")
     _, hf_loss = hf_logits_and_loss(hf, *tokens())
     run_distributed(_layout_worker, 2, str(directory), float(hf_loss))

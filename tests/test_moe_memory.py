@@ -109,3 +109,75 @@ def test_mixtral_8x7b_parameters_total_active_and_per_rank() -> None:
     assert model_active_parameter_count(config) == 12_879_925_248
     assert parameters_per_rank(config, 2, 4, 8) == 1_642_926_080
     assert parameters_per_rank(config, 2, 4, 1) > 7 * parameters_per_rank(config, 2, 4, 8)
+
+
+def test_qwen3_30b_a3b_parameters_total_and_active() -> None:
+    """configs/qwen3_30b_a3b.yaml's model: 30.5B parameters, 3.3B active (Qwen's figures)."""
+    from pathlib import Path
+
+    import yaml
+
+    from lightning_sp import GPTConfig
+    from lightning_sp.memory.formulas import model_active_parameter_count, model_parameter_count
+
+    path = Path(__file__).parent.parent / "configs" / "qwen3_30b_a3b.yaml"
+    fields = yaml.safe_load(path.read_text())["model"]["config"]
+    config = GPTConfig(**{**fields, "moe": MoEConfig(**fields["moe"])})
+    assert model_parameter_count(config) == 30_532_122_624
+    assert model_active_parameter_count(config) == 3_353_032_704
+
+
+def test_step_time_prices_the_expert_all_to_alls() -> None:
+    """configs/mixtral_8x7b.yaml's layout: 4 all-to-alls per layer and micro-batch (dispatch and
+    combine, forward and backward) of the k·s·b/t rows a rank routes, over e = 8 ranks (across
+    nodes at t = 2): present at e = 8, absent at e = 1 and in a dense model."""
+    import dataclasses
+
+    from lightning_sp import GPTConfig
+    from lightning_sp.planner.cluster import load_cluster
+    from lightning_sp.planner.kernels import gather_seconds
+    from lightning_sp.planner.layout import Layout
+    from lightning_sp.planner.steptime import layer_time, step_time
+
+    config = GPTConfig.of(
+        "mistral", vocab_size=32000, seq_length=4096, hidden_size=4096, num_layers=32,
+        num_heads=32, num_query_groups=8, feed_forward="moe", sequence_parallel=True,
+        moe=MoEConfig(num_experts=8, top_k=2, expert_ffn_size=14336), attention="sdpa",
+    )  # fmt: skip
+    cluster = load_cluster("h100-80gb")
+    layer = layer_time(config, 2, 1, cluster, 1, 8)
+    rows = 2 * 2 * 4096 // 2 * 4096  # bytes: bf16, k = 2, s·b/t tokens, h
+    expected = gather_seconds(cluster, rows, 8, cluster.within_node(16))
+    assert layer.forward["ep"] == layer.backward["ep"] == 2 * expected > 0
+    assert layer_time(config, 2, 1, cluster, 1, 1).forward["ep"] == 0
+    dense = dataclasses.replace(config, feed_forward="dense", moe=None)
+    assert layer_time(dense, 2, 1, cluster, 1, 8).forward["ep"] == 0
+    layout = Layout(tensor_parallel_size=2, pipeline_parallel_size=4, data_parallel_size=8,
+                    expert_parallel_size=8, num_microbatches=16, config=config)  # fmt: skip
+    assert step_time(layout, cluster).parts["ep"] == 16 * 8 * 4 * expected
+
+
+def test_search_tries_expert_parallel_sizes() -> None:
+    """The layout search tries every e dividing both d·c and E (SP rows only at t > 1 for an
+    MoE model), never the distributed optimizer with e > 1; a dense model only e = 1."""
+    import dataclasses
+
+    from lightning_sp import GPTConfig
+    from lightning_sp.planner.layout import Layout
+    from lightning_sp.planner.search import _layouts
+
+    config = GPTConfig.of(
+        "mistral", vocab_size=1000, seq_length=256, hidden_size=64, num_layers=4, num_heads=4,
+        feed_forward="moe", sequence_parallel=True,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_size=32),
+    )  # fmt: skip
+    base = Layout(tensor_parallel_size=2, data_parallel_size=4, config=config, micro_batch_size=2)
+    layouts = [layout for layout, _ in _layouts(base, 2)]
+    for layout in layouts:
+        d_c = layout.data_parallel_size * layout.context_parallel_size
+        assert d_c % layout.expert_parallel_size == 0 and 4 % layout.expert_parallel_size == 0
+        assert not (layout.distributed_optimizer and layout.expert_parallel_size > 1)
+    assert {x.expert_parallel_size for x in layouts} == {1, 2, 4}
+    assert any(x.tensor_parallel_size == 2 for x in layouts)
+    dense = dataclasses.replace(base, config=dataclasses.replace(config, feed_forward="dense"))
+    assert {x.expert_parallel_size for x, _ in _layouts(dense, 2)} == {1}

@@ -244,3 +244,23 @@ def _checkpoint_worker(rank: int, world_size: int, root: str) -> None:
 
 def test_moe_checkpoint_reshards_between_expert_parallel_sizes(tmp_path: Path) -> None:
     run_distributed(_checkpoint_worker, 2, str(tmp_path))
+
+
+def test_pipeline_micro_batches_scale_the_auxiliary_losses() -> None:
+    """A pipeline step of n = 2 micro-batches equals the two half batches run one after the
+    other with the loss and the auxiliary losses each divided by 2 (one process)."""
+    from lightning_sp.pipeline import Pipeline
+
+    config = _gpt_config()
+    ids, labels = batch(config, batch_size=4, seed=3)
+    pipeline = Pipeline(config, ParallelState.single(), num_microbatches=2, dtype=torch.float64)
+    pipeline.train_step(ids, labels)
+    reference = GPT(config, ParallelState.single(), dtype=torch.float64)
+    for layer in reference.layers:
+        layer.mlp.aux_loss_scale = 0.5
+    for half in (slice(0, 2), slice(2, 4)):
+        (reference(ids[half], labels[half]) / 2).backward()
+    grads = dict(reference.named_parameters())
+    for name, param in pipeline.named_parameters():
+        expected = grads[name.removeprefix("chunks.0.")].grad
+        assert _rel(param.grad, expected) <= 1e-12, name  # type: ignore[arg-type]

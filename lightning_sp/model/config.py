@@ -194,6 +194,14 @@ class GPTConfig:
             return self.bias
         return projection in self.bias
 
+    def expert_parallel_sizes(self, data_context_ranks: int) -> tuple[int, ...]:
+        """The expert-parallel sizes this model can run over ``d·c`` data x context ranks:
+        the common divisors of ``d·c`` and the number of experts (``(1,)`` for a dense
+        model)."""
+        if self.feed_forward != "moe" or self.moe is None:
+            return (1,)
+        return tuple(divisors(math.gcd(data_context_ranks, self.moe.num_experts)))
+
     def for_measurement(self) -> GPTConfig:
         """This config as the memory measurement traces it (under fake tensors, which hold no
         values): a mixture of experts routes force-balanced (``moe.force_balanced``), the

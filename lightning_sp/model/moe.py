@@ -182,3 +182,18 @@ def update_expert_biases(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, MoE) and m.config.expert_bias:
             m.update_expert_bias()
+
+
+def has_auxiliary_losses(module: nn.Module) -> bool:
+    """Whether ``module`` holds a layer whose auxiliary (load-balancing) losses join the
+    loss's gradient."""
+    return any(isinstance(m, MoE) for m in module.modules())
+
+
+def scale_auxiliary_losses(module: nn.Module, scale: float) -> None:
+    """Set every MoE layer's :attr:`MoE.aux_loss_scale` to ``scale``: the factor the main loss
+    of one micro-batch carries (``1 / micro-batches per step``), so that the load-balancing
+    terms enter the step's gradient as the mean over its micro-batches, as the loss does."""
+    for m in module.modules():
+        if isinstance(m, MoE):
+            m.aux_loss_scale = scale

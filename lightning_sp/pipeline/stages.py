@@ -41,6 +41,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT, Reduction
+from lightning_sp.model.moe import scale_auxiliary_losses
 from lightning_sp.parallel import grads as grad_utils
 from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.state import DEFAULT_TIMEOUT, ParallelState
@@ -141,6 +142,8 @@ class Pipeline(nn.Module):
         # registered here: parameters ``chunks.<c>.…``
         self.chunks: Chunks = Chunks(GPT(config, state, layer_range=r, dtype=dtype, device=device)
                              for r in ranges)  # fmt: skip
+        # each micro-batch's loss is divided by n: so are its layers' auxiliary losses
+        scale_auxiliary_losses(self.chunks, 1 / num_microbatches)
         self.stage_indices = [c * p + state.pipeline_parallel_rank for c in range(m)]
         self.has_embedding = self.chunks[0].has_embedding
         self.has_head = self.chunks[-1].has_head

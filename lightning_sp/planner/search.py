@@ -14,10 +14,12 @@ estimate.estimate` with ``measure=False``), the time :mod:`lightning_sp.planner.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
 
 from lightning_sp.errors import ConfigError, divisors
+from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.recompute import policy_name
 from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.estimate import estimate
@@ -35,6 +37,10 @@ MAX_MICRO_BATCH = 16
 """The largest micro-batch tried."""
 
 
+Key = tuple[int, int, int, int, int, bool, str, bool, int]
+"""``(t, p, m, c, b, sp, recompute, distributed_optimizer, e)`` of a searched layout."""
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One searched layout and its estimate row."""
@@ -46,13 +52,13 @@ class Candidate:
     row: EstimateRow
     """Memory and predicted time."""
 
-    def key(self) -> tuple[int, int, int, int, int, bool, str, bool]:
-        """``(t, p, m, c, b, sp, recompute, distributed_optimizer)``."""
+    def key(self) -> Key:
+        """``(t, p, m, c, b, sp, recompute, distributed_optimizer, e)``."""
         x = self.layout
         return (
             x.tensor_parallel_size, x.pipeline_parallel_size, x.virtual_pipeline_size,
             self.context_parallel_size, x.micro_batch_size, self.row.sequence_parallel,
-            self.row.recompute, x.distributed_optimizer,
+            self.row.recompute, x.distributed_optimizer, x.expert_parallel_size,
         )  # fmt: skip
 
 
@@ -71,7 +77,7 @@ class SearchResult:
     """Rows (x SP x recompute) estimated."""
     seconds: float
 
-    def rank_of(self, key: tuple[int, int, int, int, int, bool, str, bool]) -> int | None:
+    def rank_of(self, key: Key) -> int | None:
         """1-based rank of the candidate with :meth:`Candidate.key` ``key`` (``None``: it did
         not fit or was not searched)."""
         for i, candidate in enumerate(self.ranked, 1):
@@ -80,7 +86,7 @@ class SearchResult:
         return None
 
 
-def base_key(layout: Layout) -> tuple[int, int, int, int, int, bool, str, bool]:
+def base_key(layout: Layout) -> Key:
     """The :meth:`Candidate.key` of the configured layout (``auto`` stays ``auto``)."""
     rc = layout.recompute
     return (
@@ -88,7 +94,16 @@ def base_key(layout: Layout) -> tuple[int, int, int, int, int, bool, str, bool]:
         layout.virtual_pipeline_size, layout.context_parallel_size, layout.micro_batch_size,
         layout.config.sequence_parallel,
         rc if rc == "auto" else policy_name(rc), layout.distributed_optimizer,
+        layout.expert_parallel_size,
     )  # fmt: skip
+
+
+def _valid(config: GPTConfig, t: int, sequence_parallel: bool) -> bool:
+    try:
+        dataclasses.replace(config, sequence_parallel=sequence_parallel).validate(t)
+    except ConfigError:
+        return False
+    return True
 
 
 def _layouts(base: Layout, max_micro_batch: int) -> list[tuple[Layout, int]]:
@@ -100,9 +115,9 @@ def _layouts(base: Layout, max_micro_batch: int) -> list[tuple[Layout, int]]:
         if gpus % c or (c > 1 and cfg.seq_length % (2 * c)):
             continue
         for t in divisors(gpus // c):
-            try:  # sequence parallelism is a row of the estimate, checked there
-                dataclasses.replace(config, sequence_parallel=False).validate(t)
-            except ConfigError:
+            # sequence parallelism is a row of the estimate, checked there: t is searched if
+            # either setting is valid (an MoE model at t > 1 needs SP)
+            if not any(_valid(config, t, sp) for sp in (False, True)):
                 continue
             for p in divisors(gpus // (c * t)):
                 d = gpus // (c * t * p)
@@ -117,7 +132,12 @@ def _layouts(base: Layout, max_micro_batch: int) -> list[tuple[Layout, int]]:
                     for m in VIRTUAL_PIPELINE_SIZES:
                         if m > 1 and (p == 1 or cfg.num_layers % (p * m) or n % p):
                             continue
-                        for zero in (False, True) if d * c > 1 else (False,):
+                        for zero, e in itertools.product(
+                            (False, True) if d * c > 1 else (False,),
+                            config.expert_parallel_sizes(d * c),
+                        ):
+                            if zero and e > 1:  # experts are not sharded by it (yet)
+                                continue
                             layout = Layout(
                                 config=config, tensor_parallel_size=t,
                                 pipeline_parallel_size=p, virtual_pipeline_size=m,
@@ -125,7 +145,7 @@ def _layouts(base: Layout, max_micro_batch: int) -> list[tuple[Layout, int]]:
                                 micro_batch_size=b, data_parallel_size=d,
                                 context_parallel_size=c, distributed_optimizer=zero,
                                 overlap_grad_reduce=base.overlap_grad_reduce,
-                                source=base.source,
+                                expert_parallel_size=e, source=base.source,
                             )  # fmt: skip
                             out.append((layout, c))
     return out
@@ -176,7 +196,8 @@ def format_search(result: SearchResult, top: int) -> str:
         f"{len(result.ranked)} fit {result.device_bytes / 1e9:.0f} GB "
         f"({result.seconds:.1f} s)",
         "",
-        f"{'rank':>4} {'t':>3} {'p':>3} {'m':>2} {'c':>2} {'d':>4} {'b':>3} {'n':>5} {'acc':>4} "
+        f"{'rank':>4} {'t':>3} {'p':>3} {'m':>2} {'c':>2} {'d':>4} {'e':>3} {'b':>3} {'n':>5} "
+        f"{'acc':>4} "
         f"{'SP':<3} "
         f"{'recompute':<9} {'dist-opt':<8} {'memory GB':>9} {'step s':>8} {'tokens/s':>10} "
         f"{'MFU':>6} {'HFU':>6}",
@@ -188,7 +209,8 @@ def format_search(result: SearchResult, top: int) -> str:
         lines.append(
             f"{i:>4} {lay.tensor_parallel_size:>3} {lay.pipeline_parallel_size:>3} "
             f"{lay.virtual_pipeline_size:>2} {x.context_parallel_size:>2} "
-            f"{lay.data_parallel_size:>4} {lay.micro_batch_size:>3} {lay.num_microbatches:>5} "
+            f"{lay.data_parallel_size:>4} {lay.expert_parallel_size:>3} "
+            f"{lay.micro_batch_size:>3} {lay.num_microbatches:>5} "
             f"{lay.accumulate_grad_batches:>4} "
             f"{'on' if row.sequence_parallel else 'off':<3} {row.recompute:<9} "
             f"{'yes' if lay.distributed_optimizer else 'no':<8} "
@@ -198,7 +220,8 @@ def format_search(result: SearchResult, top: int) -> str:
     rank = result.rank_of(key)
     where = f"rank {rank}" if rank is not None else "does not fit (or is not a searched layout)"
     lines.append(
-        f"(* the configured layout: t={key[0]} p={key[1]} m={key[2]} c={key[3]} b={key[4]} "
+        f"(* the configured layout: t={key[0]} p={key[1]} m={key[2]} c={key[3]} e={key[8]} "
+        f"b={key[4]} "
         f"SP {'on' if key[5] else 'off'} {key[6]}: {where})"
     )
     return "\n".join(lines)

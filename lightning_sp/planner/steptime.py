@@ -133,24 +133,39 @@ class LayerTime:
         )
 
 
-_LAYER_TIMES: dict[tuple[str, int, int, Cluster, int], LayerTime] = {}
+_LAYER_TIMES: dict[tuple[str, int, int, Cluster, int, int], LayerTime] = {}
 """Memo of :func:`layer_time` by ``(repr(config without its recompute fields), t, b,
-cluster, c)``: a search asks for the same layer under many layouts."""
+cluster, c, e)``: a search asks for the same layer under many layouts."""
 
 
-def layer_time(config: GPTConfig, t: int, b: int, cluster: Cluster, c: int = 1) -> LayerTime:
+def layer_time(
+    config: GPTConfig, t: int, b: int, cluster: Cluster, c: int = 1, e: int = 1
+) -> LayerTime:
     """The parts of one layer of ``config`` (its ``sequence_parallel`` and ``attention``) at
-    tensor-parallel size ``t``, micro-batch ``b`` and context-parallel size ``c`` on
-    ``cluster`` (memoised; the recompute fields do not enter it)."""
+    tensor-parallel size ``t``, micro-batch ``b``, context-parallel size ``c`` and
+    expert-parallel size ``e`` on ``cluster`` (memoised; the recompute fields do not enter
+    it)."""
     plain = dataclasses.replace(
         config, recompute="none", recompute_num_layers=None, recompute_rest="none"
     )
-    key = (repr(plain), t, b, cluster, c)
+    key = (repr(plain), t, b, cluster, c, e)
     if key not in _LAYER_TIMES:
         if len(_LAYER_TIMES) > 4096:
             _LAYER_TIMES.clear()
-        _LAYER_TIMES[key] = _layer_time(plain, t, b, cluster, c)
+        _LAYER_TIMES[key] = _layer_time(plain, t, b, cluster, c, e)
     return _LAYER_TIMES[key]
+
+
+def expert_exchange_seconds(
+    config: GPTConfig, t: int, b: int, cluster: Cluster, c: int, e: int
+) -> float:
+    """One all-to-all of the rows a rank dispatches to experts, over the ``e`` ranks of its EP
+    group (``(e-1)/e`` of them leave the rank, as in an all-gather of that size; NVLink when
+    the ``t·e`` ranks the group spans share a node); 0 for ``e = 1`` or a dense layer."""
+    nbytes = config.block().dispatch_bytes(config.activation_shape(t, b, context_parallel_size=c))
+    if e == 1 or not nbytes:
+        return 0.0
+    return gather_seconds(cluster, nbytes, e, cluster.within_node(t * e))
 
 
 def cp_exchange_seconds(config: GPTConfig, t: int, b: int, cluster: Cluster, c: int) -> float:
@@ -191,7 +206,9 @@ def _core_seconds(
     return forward, backward + (forward if c > 1 else 0.0)
 
 
-def _layer_time(config: GPTConfig, t: int, b: int, cluster: Cluster, c: int) -> LayerTime:
+def _layer_time(
+    config: GPTConfig, t: int, b: int, cluster: Cluster, c: int, e: int = 1
+) -> LayerTime:
     sp = config.sequence_parallel
     gemms = {g.name: g for g in layer_gemms(config, t, b, c)}
     grads = {name: backward_gemms(g) for name, g in gemms.items()}
@@ -212,6 +229,7 @@ def _layer_time(config: GPTConfig, t: int, b: int, cluster: Cluster, c: int) -> 
         cluster.within_node(t),
     )
     exchange = cp_exchange_seconds(config, t, b, cluster, c) if c > 1 else 0.0
+    experts = expert_exchange_seconds(config, t, b, cluster, c, e)
     # the input linears of attention and of the MLP (fc1, or SwiGLU's gate and up run as one)
     inputs = config.block().input_gemms()
     in_dgrad = [sum(dgrad[n] for n in names) for names in inputs]
@@ -231,6 +249,7 @@ def _layer_time(config: GPTConfig, t: int, b: int, cluster: Cluster, c: int) -> 
         "memory": sum(memory_seconds(cluster, op.forward_bytes) for op in others),
         "tp": tp_fwd,
         "cp": exchange,
+        "ep": 2 * experts,  # dispatch and combine
     }
     backward = {
         "gemm": sum(dgrad[n] + wgrad[n] for n in dense),
@@ -238,6 +257,7 @@ def _layer_time(config: GPTConfig, t: int, b: int, cluster: Cluster, c: int) -> 
         "memory": sum(memory_seconds(cluster, op.backward_bytes) for op in others),
         "tp": tp_bwd,
         "cp": 2 * exchange,  # the all-gather again and the reduce-scatter of dK/dV
+        "ep": 2 * experts,  # the combine's and the dispatch's adjoints
     }
     return LayerTime(forward, backward, _replays(config, t, b, cluster, gemms, secs, ops, c))
 
@@ -302,9 +322,9 @@ class StepTime:
     """Hardware FLOPs (recomputation included) per second per GPU / peak."""
     parts: dict[str, float]
     """``pipeline`` (``n·T_max + bubble``), ``bubble``, ``p2p`` (per iteration on the
-    slowest stage), ``layer_forward``, ``layer_backward``, ``layer_recompute``, ``tp`` and
-    ``cp`` (per iteration, one stage's layers), ``dp_exposed``, ``embedding_grad``,
-    ``optimizer``."""
+    slowest stage), ``layer_forward``, ``layer_backward``, ``layer_recompute``, ``tp``,
+    ``cp`` and ``ep`` (the experts' all-to-alls) (per iteration, one stage's layers),
+    ``dp_exposed``, ``embedding_grad``, ``optimizer``."""
     layer: LayerTime
     """The parts of one layer for one micro-batch."""
 
@@ -323,7 +343,7 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
     n, b, d = layout.microbatches_per_step, layout.micro_batch_size, layout.data_parallel_size
     c = layout.context_parallel_size
     sp, s, h = cfg.sequence_parallel, cfg.seq_length // c, cfg.hidden_size  # s: this rank's
-    layer = layer_time(cfg, t, b, cluster, c)
+    layer = layer_time(cfg, t, b, cluster, c, layout.expert_parallel_size)
     chunk = layout.layers_per_chunk
     policies = Counter(cfg.layer_recompute(i) for i in range(chunk))
     per_chunk = sum(k * layer.seconds(policy, cfg.attention) for policy, k in policies.items())
@@ -398,6 +418,7 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
         "layer_recompute": n * recompute,
         "tp": n * m * chunk * (layer.forward["tp"] + layer.backward["tp"]),
         "cp": n * m * chunk * (layer.forward["cp"] + layer.backward["cp"]),
+        "ep": n * m * chunk * (layer.forward["ep"] + layer.backward["ep"]),
         "dp_exposed": dp_exposed,
         "embedding_grad": embedding_grad,
         "optimizer": optimizer,

@@ -37,7 +37,12 @@ from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT, Reduction
-from lightning_sp.model.moe import moe_metrics, update_expert_biases
+from lightning_sp.model.moe import (
+    has_auxiliary_losses,
+    moe_metrics,
+    scale_auxiliary_losses,
+    update_expert_biases,
+)
 from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
 from lightning_sp.parallel.buffer import GradBufferConfig
@@ -268,6 +273,13 @@ class GPTModule(LightningModule):
         model = self.stage_model()
         c, r = model.state.context_parallel_size, model.state.context_parallel_rank
         reduction: Reduction = "sum" if "loss_mask" in batch else "mean"
+        if reduction == "sum" and has_auxiliary_losses(model):
+            # the step's token mean rescales every gradient once the step's count is known;
+            # the auxiliary losses' share would be rescaled with it
+            raise ConfigError(
+                "a per-token loss mask (chat data, eod_mask_loss) with a mixture-of-experts "
+                "model is not supported yet; train it without loss masks"
+            )
         # under context parallelism: this CP rank's two chunks [b, s/c] of the batch
         ids, labels = (
             shard_for_context_parallel(x, 1, c, r)
@@ -429,7 +441,11 @@ class GPTModule(LightningModule):
     def on_train_start(self) -> None:
         """A resumed run trains with this run's optimizer settings (restored from the
         checkpoint just before): :mod:`lightning_sp.optim.resume`; one line if they differ
-        from the checkpoint's."""
+        from the checkpoint's. Lightning divides each accumulated batch's loss by
+        ``accumulate_grad_batches``: the MoE auxiliary losses are scaled alike."""
+        pipeline = self.stage_model()
+        accumulate = self.trainer.accumulate_grad_batches
+        scale_auxiliary_losses(pipeline, 1 / (pipeline.num_microbatches * accumulate))
         if self._resumed_optimizer is None or self._configured is None:
             return
         scheduler = self.lr_schedulers()

@@ -235,6 +235,11 @@ class Part(ABC):
         """Of :meth:`expert_parameters`, those one token uses (``k`` of ``E`` experts)."""
         return 0
 
+    def dispatch_bytes(self, x: ActivationShape) -> float:
+        """Bytes of the rows one rank sends to experts in one forward all-to-all (the combine
+        brings as many back; backward repeats both); 0 for most parts."""
+        return 0.0
+
     def stats_terms(self, x: ActivationShape) -> Terms:
         """Per-row statistics it saves besides :meth:`saved_terms` (a norm's mean and rstd,
         ``O(sb)``: Table 2 leaves them out), as terms; recomputing the norm drops them."""

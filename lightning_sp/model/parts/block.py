@@ -159,6 +159,10 @@ class Block:
         """Of :meth:`expert_parameters`, those one token uses."""
         return sum(p.active_expert_parameters(x) for p in self.parts)
 
+    def dispatch_bytes(self, x: ActivationShape) -> float:
+        """Bytes one rank sends in each of the layer's expert all-to-alls."""
+        return sum(p.dispatch_bytes(x) for p in self.parts)
+
 
 FeedForwardFactory = Callable[[LayerConfig], Part]
 

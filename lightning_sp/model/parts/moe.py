@@ -131,6 +131,12 @@ class MoEFeedForward(Part):
         """The ``k`` routed experts one token uses (``3·h·f_e`` each)."""
         return self.config.top_k * 3 * x.h * self.config.expert_ffn_size
 
+    def dispatch_bytes(self, x: ActivationShape) -> float:
+        """The ``k`` rows of each of the rank's ``s·b/c`` tokens (``/t`` under SP), ``e·h``
+        bytes each: what a dispatch sends, the share for other EP ranks being ``(e-1)/e``."""
+        mine = tokens(x) / (x.t if x.sequence_parallel else 1)
+        return x.activation_bytes * self.config.top_k * mine * x.h
+
     def forward_flops(self, x: ActivationShape) -> float:
         """Active matmul FLOPs: router ``2·T·h·E``, ``k`` SwiGLU experts ``6·T·h·f_e`` each,
         the shared experts ``6·T·h·f_s`` (``T = b·s``)."""
