@@ -192,8 +192,8 @@ MUTATIONS = (
         (
             (
                 "lightning_sp/model/gpt.py",
-                "return x + self._drop(self.mlp(self.ln2(x), recompute_act=self.recompute_act))",
-                "return x + self.mlp(self.ln2(x), recompute_act=self.recompute_act)",
+                "x = x + self._drop(y)  # [s/t or s, b, h]",
+                "x = x + (y if sub is self.block.sublayers[-1] else self._drop(y))",
             ),
         ),
         ("tests/test_pipeline.py", "-k", "first_stage_peak_activations and t1-p2-m1"),
