@@ -10,7 +10,10 @@ from torch import nn
 
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.parallel.context import shard_for_context_parallel
-from lightning_sp.parallel.grads import finalize_grads
+from lightning_sp.parallel.grads import (
+    finalize_grads,
+)
+from lightning_sp.parallel.init import local_slice
 
 
 def tiny_config(architecture: str = "gpt2", **overrides: object) -> GPTConfig:
@@ -143,8 +146,8 @@ def _aligned(
     weights of this shard; raises if the reference does not hold all of them."""
     rows = _true_rows(model, name, param)
     local, grad = param.detach()[:rows], param.grad[:rows]
-    ref_param = param.shard.full_slice(ref.detach(), local.shape)
-    ref_grad = param.shard.full_slice(ref.grad, local.shape)
+    ref_param = local_slice(param, ref.detach())[: local.shape[0]]
+    ref_grad = local_slice(param, ref.grad)[: local.shape[0]]
     assert ref_param.shape == local.shape, (
         f"{what} {name}: shard {tuple(local.shape)} is not inside the reference "
         f"{tuple(ref.shape)} (reference slice {tuple(ref_param.shape)})"

@@ -1,7 +1,9 @@
 """Every tensor of a checkpoint under its identity in the unsharded, unsplit model: the global
 parameter name and the offsets of this rank's shard inside the full tensor (the
 :class:`~lightning_sp.parallel.init.ShardSpec` that the layout-independent init already uses),
-for the weights and for the optimizer state beside them.
+for the weights and for the optimizer state beside them. A mixture-of-experts expert weight
+``[E/e, ...]`` is the chunk at its first expert's offset of the full ``[E, ...]``, so a
+checkpoint loads under any expert-parallel size.
 
 The distributed optimizer holds, per parameter, a flat range of its shard
 (:class:`~lightning_sp.optim.distributed.Segment`); that range is saved as the few
@@ -57,6 +59,12 @@ def parameter_shards(module: nn.Module) -> Iterator[tuple[str, Tensor, Shard | N
             gname = chunk.global_name(name)
             spec = param.shard  # type: ignore[attr-defined]
             shape = tuple(param.shape)
+            expert_start = getattr(param, "expert_start", None)
+            if expert_start is not None:  # E/e experts of E: rows from expert_start of dim 0
+                full_experts = (shape[0] * chunk.state.expert_parallel_size, *shape[1:])
+                first = (expert_start,) + (0,) * (len(shape) - 1)
+                yield gname, param, Shard(param.detach(), full_experts, first)
+                continue
             if spec.dim is None:
                 yield gname, param, Shard(param.detach(), shape)
                 continue

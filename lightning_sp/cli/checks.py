@@ -117,9 +117,10 @@ def _cuda_count() -> int:
 
 
 def model_config_of(fields: Any) -> Any:
-    """The ``GPTConfig`` of a parsed ``model.config`` (a Namespace; ``rope_scaling`` given as a
-    mapping becomes a ``RopeScaling``)."""
+    """The ``GPTConfig`` of a parsed ``model.config`` (a Namespace; ``rope_scaling`` and
+    ``moe`` given as mappings become a ``RopeScaling`` and a ``MoEConfig``)."""
     from lightning_sp.model.config import GPTConfig
+    from lightning_sp.model.moe_config import MoEConfig
     from lightning_sp.model.ops import RopeScaling
 
     values = dict(vars(fields)) if not isinstance(fields, dict) else dict(fields)
@@ -128,6 +129,9 @@ def model_config_of(fields: Any) -> Any:
         values["rope_scaling"] = RopeScaling(
             **dict(vars(scaling) if hasattr(scaling, "__dict__") else scaling)
         )
+    moe = values.get("moe")
+    if moe is not None and not isinstance(moe, MoEConfig):
+        values["moe"] = MoEConfig(**dict(vars(moe) if hasattr(moe, "__dict__") else moe))
     return GPTConfig(**values)
 
 
@@ -188,7 +192,7 @@ def check_fit_config(config: Any, subcommand: str | None = None) -> None:
         if devices > 0:
             layout = layout.for_world_size(devices * int(trainer.num_nodes or 1))
             layout = layout.with_sequence_parallel(model_config.sequence_parallel)
-            model_config.validate(layout.tensor_parallel_size)
+            model_config.validate(layout.tensor_parallel_size, layout.expert_parallel_size)
             layout.check_sequence_length(model_config.seq_length, model_config.sequence_parallel)
     check_optimizer(config.model.optimizer)
     ckpt_path = getattr(config, "ckpt_path", None)

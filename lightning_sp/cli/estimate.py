@@ -139,6 +139,13 @@ def strategy_layout(strategy: Any) -> ParallelConfig:
     return ParallelConfig()
 
 
+def _overlaps(strategy: Any) -> bool:
+    """Whether the strategy overlaps its gradient reduction with backward (its
+    :class:`~lightning_sp.parallel.buffer.GradBufferConfig`; a strategy without one: yes)."""
+    buffer = getattr(strategy, "grad_buffer", None)
+    return bool(getattr(buffer, "overlap", True))
+
+
 def layout_from_fit(
     model_config: GPTConfig,
     strategy: Any,
@@ -187,7 +194,7 @@ def layout_from_fit(
         config=model_config,
         micro_batch_size=batch // n,
         accumulate_grad_batches=accumulate,
-        overlap_grad_reduce=bool(getattr(strategy, "overlap_grad_reduce", True)),
+        overlap_grad_reduce=_overlaps(strategy),
         source=source,
     )
     layout.validate()

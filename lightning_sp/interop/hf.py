@@ -1,17 +1,19 @@
 """Hugging Face weights in and out, for every model type of
 :data:`~lightning_sp.interop.hf_types.HF_MODEL_TYPES` (GPT-2, Llama, Mistral, Qwen2, Qwen3,
-OLMo 2): any layout's shard from
-a directory's safetensors file(s), and a layout-free stream of our parameters to a directory
-``AutoModelForCausalLM`` loads.
+OLMo 2, Mixtral, Qwen3-MoE, OLMoE): any layout's shard from a directory's safetensors file(s),
+and a layout-free stream of our parameters to a directory ``AutoModelForCausalLM`` loads.
 
 The Hugging Face tensors of a config (:func:`hf_layout`) come from the model itself: a
 :class:`GPT` built on the ``meta`` device names our parameters and their full shapes (what
-its descriptors build), the model type's weight table names the tensor holding each; three
+its descriptors build), the model type's weight table names the tensor holding each; four
 things differ between the two:
 
 * a tensor may hold several of ours, concatenated along our dim 0 (GPT-2's ``c_attn``: query,
   key, value);
 * a tensor may be stored transposed (GPT-2's ``Conv1D``: ``[in, out]``);
+* a stacked expert weight ``[E, n, k]`` of ours is held by one tensor per expert (and piece:
+  Mixtral's ``w1`` and ``w3`` make our ``gate_up``), the Hub's layout, which transformers
+  writes; an expert-parallel rank reads only its own experts' tensors;
 * our vocabulary is padded to a multiple of ``128·t`` (parameters marked ``padded_vocab``);
   padded rows are dropped on export and zero on import (no token id reaches them, and they
   never receive probability).
@@ -51,7 +53,13 @@ from lightning_sp.interop.hf_config import (
     config_fields,
     read_config_json,
 )
-from lightning_sp.interop.hf_types import HFModelType, WeightMap, hf_model_type, model_type_for
+from lightning_sp.interop.hf_types import (
+    ExpertWeightMap,
+    HFModelType,
+    WeightMap,
+    hf_model_type,
+    model_type_for,
+)
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.state import ParallelState
@@ -61,11 +69,20 @@ from lightning_sp.parallel.state import ParallelState
 class Part:
     """One of our parameters inside a Hugging Face tensor: rows ``[offset, offset + rows)``
     of our dim 0 in the (untransposed) concatenation, of a parameter whose full shape, less
-    vocabulary padding, is ``shape``."""
+    vocabulary padding, is ``shape``. With ``expert`` (a stacked expert weight ``[E, n, k]``):
+    the tensor holds rows ``[offset, offset + shape[0])`` of that expert's ``[n, k]`` slice,
+    and ``shape`` is the tensor's."""
 
     ours: str
     offset: int
     shape: tuple[int, ...]
+    expert: int | None = None
+
+    def of(self, full: Tensor) -> Tensor:
+        """This part's rows of our full tensor ``full``."""
+        if self.expert is None:
+            return full
+        return full[self.expert, self.offset : self.offset + self.shape[0]]
 
 
 @dataclass(frozen=True)
@@ -79,20 +96,28 @@ class HFTensor:
     transpose: bool
 
 
-def _table(model_type: HFModelType) -> dict[str, WeightMap]:
+def _table(model_type: HFModelType) -> dict[str, WeightMap | ExpertWeightMap]:
     return {w.ours: w for w in model_type.weights}
 
 
-def weight_map(model_type: HFModelType, global_name: str) -> tuple[WeightMap, str]:
-    """The :class:`WeightMap` of one of our global parameter names and its tensor's name."""
-    layer, key = None, global_name
+def _mapping(model_type: HFModelType, global_name: str) -> tuple[WeightMap | ExpertWeightMap, str]:
+    """The table row of one of our global parameter names, and its layer number."""
+    layer, key = "", global_name
     if global_name.startswith("layers."):
         _, layer, rest = global_name.split(".", 2)
         key = f"layers.{{i}}.{rest}"
     table = _table(model_type)
     if key not in table:
         raise KeyError(f"{global_name!r} has no {model_type.title} counterpart")
-    mapping = table[key]
+    return table[key], layer
+
+
+def weight_map(model_type: HFModelType, global_name: str) -> tuple[WeightMap, str]:
+    """The :class:`WeightMap` of one of our global parameter names and its tensor's name
+    (not for stacked experts, which several tensors hold: :func:`hf_layout`)."""
+    mapping, layer = _mapping(model_type, global_name)
+    if isinstance(mapping, ExpertWeightMap):
+        raise KeyError(f"{global_name!r} is held by one {model_type.title} tensor per expert")
     return mapping, mapping.hf.format(i=layer)
 
 
@@ -114,11 +139,19 @@ def hf_layout(model_type: HFModelType, config: GPTConfig) -> dict[str, HFTensor]
     """Every Hugging Face tensor of the ``model_type`` model equal to ``config``, by name."""
     grouped: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     transposed: dict[str, bool] = {}
+    layout = {}
     for name, shape in _full_shapes(config).items():
-        mapping, hf_name = weight_map(model_type, name)
+        mapping, layer = _mapping(model_type, name)
+        if isinstance(mapping, ExpertWeightMap):  # [E, n, k]: per expert, n split in pieces
+            rows = shape[1] // len(mapping.hf)
+            for expert, (j, piece) in itertools.product(range(shape[0]), enumerate(mapping.hf)):
+                hf_name = piece.format(i=layer, e=expert)
+                part = Part(name, j * rows, (rows, *shape[2:]), expert)
+                layout[hf_name] = HFTensor(hf_name, part.shape, (part,), False)
+            continue
+        hf_name = mapping.hf.format(i=layer)
         grouped.setdefault(hf_name, []).append((name, shape))
         transposed[hf_name] = mapping.transpose
-    layout = {}
     for hf_name, members in grouped.items():
         offsets = itertools.accumulate((shape[0] for _, shape in members), initial=0)
         parts = tuple(Part(n, o, s) for (n, s), o in zip(members, offsets, strict=False))
@@ -271,8 +304,17 @@ def load_hf_weights(model: GPT, directory: str | Path, field: str = "init_from")
         weights.check_config(config)
         layout = weights.layout()
         parts = {part.ours: (tensor, part) for tensor in layout.values() for part in tensor.parts}
+        experts: dict[str, list[tuple[HFTensor, Part]]] = {}
+        for tensor in layout.values():
+            for part in tensor.parts:
+                if part.expert is not None:
+                    experts.setdefault(part.ours, []).append((tensor, part))
         for name, param in model.named_parameters():
-            tensor, part = parts[model.global_name(name)]
+            global_name = model.global_name(name)
+            if global_name in experts:
+                elements += _load_experts(weights, param, experts[global_name])
+                continue
+            tensor, part = parts[global_name]
             spec = param.shard  # type: ignore[attr-defined]
             index = []  # per dim of ours: the rows of the HF tensor this shard holds
             for dim, size in enumerate(param.shape):
@@ -289,6 +331,22 @@ def load_hf_weights(model: GPT, directory: str | Path, field: str = "init_from")
     return elements
 
 
+def _load_experts(weights: HFWeights, param: Tensor, parts: list[tuple[HFTensor, Part]]) -> int:
+    """Fill this rank's experts (``expert_start`` on, ``param.shape[0]`` of them) of a
+    stacked expert weight from their per-expert tensors; returns the elements read."""
+    start: int = getattr(param, "expert_start", 0)
+    elements = 0
+    for tensor, part in parts:
+        assert part.expert is not None
+        local = part.expert - start
+        if not 0 <= local < param.shape[0]:
+            continue  # another EP rank's expert: not read
+        block = weights.read(tensor.name, [torch.arange(n) for n in part.shape])
+        param[local, part.offset : part.offset + part.shape[0]].copy_(block)
+        elements += block.numel()
+    return elements
+
+
 # -- export ---------------------------------------------------------------------------------------
 
 
@@ -299,15 +357,15 @@ def hf_tensors(
     of our parameters once, whole (vocabulary padding allowed); a repeat (a pipeline stage's
     copy of the tied embedding) must be equal."""
     layout = hf_layout(model_type, config)
-    owner = {part.ours: part for entry in layout.values() for part in entry.parts}
+    shapes = _full_shapes(config)
     ours: dict[str, Tensor] = {}
     for name, full in tensors:
-        if name not in owner:
+        if name not in shapes:
             raise ValueError(f"{name!r} is not a parameter of this config's model")
-        part = owner[name]
-        value = full.detach()[: part.shape[0]]  # drops vocabulary padding
-        if tuple(value.shape) != part.shape:
-            raise ValueError(f"{name} has shape {list(full.shape)}, not {list(part.shape)}")
+        shape = shapes[name]
+        value = full.detach()[: shape[0]]  # drops vocabulary padding
+        if tuple(value.shape) != shape:
+            raise ValueError(f"{name} has shape {list(full.shape)}, not {list(shape)}")
         if name in ours and not torch.equal(ours[name], value):
             raise ValueError(f"{name} given twice with different values")
         ours[name] = value
@@ -316,7 +374,7 @@ def hf_tensors(
         missing = [p.ours for p in entry.parts if p.ours not in ours]
         if missing:
             raise ValueError(f"no tensor for {missing[0]} ({model_type.title}'s {hf_name})")
-        joined = torch.cat([ours[p.ours] for p in entry.parts])
+        joined = torch.cat([p.of(ours[p.ours]) for p in entry.parts])
         out[hf_name] = (joined.t() if entry.transpose else joined).contiguous().clone()
     return out
 

@@ -124,7 +124,9 @@ def _check_window(hf: Mapping[str, Any], config: GPTConfig, where: str) -> None:
 
 
 def _fields(bias: ConfigField, fixed: Mapping[str, Any]) -> tuple[ConfigField, ...]:
-    """The fields every Llama-style family has, its bias field and the values it fixes."""
+    """The fields every Llama-style family has, its bias field and the values it fixes (a
+    dense feed-forward unless ``fixed`` says otherwise)."""
+    fixed = {"feed_forward": "dense", **fixed}
     return (
         ConfigField("vocab_size", "vocab_size"),
         ConfigField("hidden_size", "hidden_size"),

@@ -21,6 +21,17 @@ class WeightMap:
     transpose: bool = False
 
 
+@dataclass(frozen=True)
+class ExpertWeightMap:
+    """Our stacked expert weight ``ours`` (``[E, n, k]``, a global name with ``{i}``) and the
+    Hub's per-expert tensors holding it: expert ``e``'s ``[n, k]`` slice is the concatenation
+    along its dim 0 of ``hf`` (names with ``{i}`` and ``{e}``), equal parts (``gate_up``:
+    the gate's then the up projection's)."""
+
+    ours: str
+    hf: tuple[str, ...]
+
+
 def linear(ours: str, hf: str, transpose: bool = False) -> tuple[WeightMap, ...]:
     """The weight and bias rows of a linear layer (modules ``ours`` and ``hf``)."""
     weight = WeightMap(f"{ours}.weight", f"{hf}.weight", transpose)
@@ -43,7 +54,7 @@ class HFModelType:
     hf_class: str
     architecture: str
     config: ConfigTable
-    weights: tuple[WeightMap, ...]
+    weights: tuple[WeightMap | ExpertWeightMap, ...]
     optional_prefix: str = ""
 
     @property

@@ -20,7 +20,8 @@ from typing import Any
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option, fits
 from lightning_sp.interop.hf_llama import LLAMA, LLAMA_STYLE, MISTRAL, OLMO2, QWEN2, QWEN3
-from lightning_sp.interop.hf_tables import HFModelType, WeightMap, linear, norm
+from lightning_sp.interop.hf_moe import MOE_TYPES
+from lightning_sp.interop.hf_tables import ExpertWeightMap, HFModelType, WeightMap, linear, norm
 from lightning_sp.model.config import GPTConfig
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "OLMO2",
     "QWEN2",
     "QWEN3",
+    "ExpertWeightMap",
     "HFModelType",
     "WeightMap",
     "hf_model_type",
@@ -80,6 +82,7 @@ GPT2 = HFModelType(
             ConfigField("position_embedding", default="learned"),
             ConfigField("bias", default=True, value=lambda c: c.bias_value()),
             ConfigField("tie_embeddings", default=True),
+            ConfigField("feed_forward", default="dense"),
         ),
         options=tuple(
             Option.constant(key, value)
@@ -110,7 +113,7 @@ GPT2 = HFModelType(
 )
 
 
-HF_MODEL_TYPES: dict[str, HFModelType] = {m.model_type: m for m in (GPT2, *LLAMA_STYLE)}
+HF_MODEL_TYPES: dict[str, HFModelType] = {m.model_type: m for m in (GPT2, *LLAMA_STYLE, *MOE_TYPES)}
 """Every Hugging Face model type we read and write, by ``config.json`` ``model_type``."""
 
 

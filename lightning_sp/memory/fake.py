@@ -160,6 +160,7 @@ def measure_activations(
     if not 1 <= layers <= config.num_layers:
         raise ConfigError(f"layers={layers} must be between 1 and num_layers={config.num_layers}")
     config.validate(t)
+    config = config.for_measurement()  # balanced routing, read from no fake tensor
     if config.attention == "sdpa":
         # traced as the fused kernel: on CPU, SDPA with dropout leaves it for a math fallback
         # that stores s x s scores, which the GPUs the plan is for do not (their flash /

@@ -331,17 +331,23 @@ def stage_parameter_count(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     stage: int = 0,
+    expert_parallel_size: int = 1,
 ) -> int:
     """Parameters on one rank of pipeline stage ``stage`` (tensor-parallel shards counted once).
 
     A stage holds ``L/p`` layers; the first also the word embedding (``v_pad/t × h``, the
     padded vocabulary) and the learned positions if any (``s × h``, replicated); the last the
     output layer (its own copy of the tied embedding, or its own weight, ``v_pad/t × h``) and
-    the final norm.
+    the final norm. A mixture-of-experts layer's routed experts count ``1/e`` at expert-parallel
+    size ``e``.
     """
-    t, p = tensor_parallel_size, pipeline_parallel_size
+    t, p, e = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
     h = config.hidden_size
-    count = config.num_layers // p * layer_parameter_count(h, t, config=config)
+    layer = layer_parameter_count(h, t, config=config)
+    if e > 1:  # a rank of an EP group holds E/e of each layer's routed experts
+        experts = config.block().expert_parameters(config.activation_shape(t))
+        layer -= experts - experts // e
+    count = config.num_layers // p * layer
     vocab = config.padded_vocab_size(t) // t * h
     if stage == 0:
         count += vocab + POSITIONS[config.position_embedding].parameters(config.seq_length, h)
@@ -353,13 +359,16 @@ def stage_parameter_count(
 
 
 def parameters_per_rank(
-    config: GPTConfig, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1
+    config: GPTConfig,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
 ) -> int:
     """The most parameters any rank holds (the first stage: embedding, positions, ``L/p``
-    layers; with ``p = 1`` also the final LayerNorm)."""
-    p = pipeline_parallel_size
+    layers; with ``p = 1`` also the final LayerNorm); routed experts ``1/e`` of them."""
+    p, e = pipeline_parallel_size, expert_parallel_size
     return max(
-        stage_parameter_count(config, tensor_parallel_size, p, stage) for stage in {0, p - 1}
+        stage_parameter_count(config, tensor_parallel_size, p, stage, e) for stage in {0, p - 1}
     )
 
 
@@ -367,6 +376,14 @@ def model_parameter_count(config: GPTConfig) -> int:
     """Parameters of the whole model (the embedding once if tied, vocabulary padded as at
     t = 1)."""
     return stage_parameter_count(config, 1, 1, 0)
+
+
+def model_active_parameter_count(config: GPTConfig) -> int:
+    """Parameters one token uses: :func:`model_parameter_count` less, per layer, the routed
+    experts it is not sent to (all of them for a dense model)."""
+    block, x = config.block(), config.activation_shape(1)
+    unused = block.expert_parameters(x) - block.active_expert_parameters(x)
+    return model_parameter_count(config) - config.num_layers * unused
 
 
 def model_state_bytes(

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.cores import check_attention
+from lightning_sp.model.moe_config import MoEConfig
 from lightning_sp.model.ops import ROPE_TYPES, RopeScaling
 from lightning_sp.model.parts.block import FEED_FORWARDS, PLACEMENTS, Block, block_of
 from lightning_sp.model.qk_norm import QK_NORMS
@@ -82,7 +83,12 @@ class GPTConfig:
 
     feed_forward: str = "dense"
     """The layer's feed-forward part, by name in
-    :data:`lightning_sp.model.parts.block.FEED_FORWARDS` (``dense``: the MLP)."""
+    :data:`lightning_sp.model.parts.block.FEED_FORWARDS` (``dense``: the MLP; ``moe``: a
+    mixture of SwiGLU experts, configured by ``moe``)."""
+
+    moe: MoEConfig | None = None
+    """The mixture-of-experts settings with ``feed_forward: moe`` (experts, top-k, router,
+    load balancing, capacity); unused otherwise."""
 
     normalization: Normalization = "layernorm"
     """``layernorm`` (weight and bias) or ``rmsnorm`` (weight only, statistics in fp32)."""
@@ -188,6 +194,14 @@ class GPTConfig:
             return self.bias
         return projection in self.bias
 
+    def for_measurement(self) -> GPTConfig:
+        """This config as the memory measurement traces it (under fake tensors, which hold no
+        values): a mixture of experts routes force-balanced (``moe.force_balanced``), the
+        balanced routing its formulas assume, with no count read from the device."""
+        if self.moe is None:
+            return self
+        return dataclasses.replace(self, moe=dataclasses.replace(self.moe, force_balanced=True))
+
     def bias_value(self) -> bool | list[str]:
         """``bias`` in one spelling: True (every projection), False (none), or the list of
         those that have one, in :data:`BIAS_PROJECTIONS` order."""
@@ -271,8 +285,9 @@ class GPTConfig:
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
         return -(-self.vocab_size // multiple) * multiple
 
-    def validate(self, tensor_parallel_size: int = 1) -> None:
-        """Raise :class:`ConfigError` (one line: field, value, what is valid) on a bad config."""
+    def validate(self, tensor_parallel_size: int = 1, expert_parallel_size: int = 1) -> None:
+        """Raise :class:`ConfigError` (one line: field, value, what is valid) on a bad config,
+        or one that ``t`` tensor-parallel (and ``e`` expert-parallel) ranks cannot share."""
         t = tensor_parallel_size
         for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_heads"):
             positive_int(name, getattr(self, name))
@@ -293,6 +308,15 @@ class GPTConfig:
                 f"feed_forward={self.feed_forward!r} is not a feed-forward part; valid: "
                 f"{', '.join(FEED_FORWARDS)}"
             )
+        if self.feed_forward == "moe":
+            if self.moe is None:
+                raise ConfigError("feed_forward='moe' needs moe settings (moe.num_experts ...)")
+            if self.activation != "swiglu":
+                raise ConfigError(
+                    f"feed_forward='moe' runs SwiGLU experts; activation={self.activation!r} "
+                    "must be 'swiglu'"
+                )
+            self.moe.check_layout(expert_parallel_size, t, self.sequence_parallel)
         if not isinstance(self.bias, bool):
             unknown = [p for p in self.bias if p not in BIAS_PROJECTIONS]
             if unknown:

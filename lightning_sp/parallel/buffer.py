@@ -17,6 +17,10 @@ backward goes on with earlier layers. :meth:`GradBuffer.finish` launches whateve
 launched (deferred buckets, parameters that got no gradient), waits for every bucket and
 divides by the data-parallel size. The reduction is in place: no copy of the gradients is made.
 
+Mixture-of-experts expert weights (marked ``expert``) sit in buckets of their own, reduced
+over the expert-data group (the ranks holding the same experts) and divided by d like the rest
+(:func:`lightning_sp.parallel.grads.reduce_expert_grads`'s convention).
+
 Deferred parameters (the tied embedding's two copies under pipeline parallelism, whose sum
 over the first and last stage must come first) sit in buckets of their own that only
 :meth:`finish` launches. The sequence-parallel sums over the TP group stay a post-backward step
@@ -84,6 +88,8 @@ class Bucket:
     ready: int = 0
     handle: Any = None
     launched_in_backward: bool = field(default=False)
+    expert: bool = False
+    """Holds mixture-of-experts expert weights: reduced over the expert-data group."""
 
 
 class GradBuffer:
@@ -124,6 +130,14 @@ class GradBuffer:
         self.sync = True
         """Whether this backward completes the step (off while Lightning accumulates)."""
         self.params = [p for p in params if p.requires_grad]
+        # experts reduce over their expert-data group, in buckets of their own; sharded over
+        # the d·c ranks they are ordinary parameters only when every rank holds them (e = 1)
+        separate = not distributed or state.expert_parallel_size > 1
+        if distributed and state.expert_parallel_size > 1 and any(map(_expert, self.params)):
+            raise NotImplementedError(
+                "the distributed optimizer does not shard expert weights over the expert-data "
+                "group yet: use distributed_optimizer=false with expert_parallel_size > 1"
+            )
         deferred_ids = {id(p) for p in deferred}
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for p in reversed(self.params):
@@ -134,19 +148,22 @@ class GradBuffer:
         self._counts: dict[int, int] = {id(p): 0 for p in self.params}
         d = state.gradient_shards if distributed else 1
         for dtype, group in by_dtype.items():
-            plan = _plan(group, bucket_numel, deferred_ids)
-            sizes = [-(-sum(p.numel() for p in members) // d) * d for members, _ in plan]
+            experts = [p for p in group if separate and _expert(p)]
+            dense = [p for p in group if not (separate and _expert(p))]
+            plan = _plan(dense, bucket_numel, deferred_ids)
+            plan += [(m, False, True) for m, *_ in _plan(experts, bucket_numel, set())]
+            sizes = [-(-sum(p.numel() for p in members) // d) * d for members, *_ in plan]
             flat = torch.zeros(sum(sizes), dtype=dtype, device=group[0].device)
             self.buffers[dtype] = flat
             start = 0
-            for (members, is_deferred), size in zip(plan, sizes, strict=True):
+            for (members, is_deferred, is_expert), size in zip(plan, sizes, strict=True):
                 data = flat[start : start + size]
                 offsets, offset = [], 0
                 for p in members:
                     p.main_grad = data[offset : offset + p.numel()].view_as(p)  # type: ignore[attr-defined]
                     offsets.append(offset)
                     offset += p.numel()
-                bucket = Bucket(data, members, offsets, is_deferred)
+                bucket = Bucket(data, members, offsets, is_deferred, expert=is_expert)
                 self.buckets.append(bucket)
                 for p in members:
                     self._bucket_of[id(p)] = bucket
@@ -190,7 +207,7 @@ class GradBuffer:
         return self.state.gradient_group if self.distributed else self.state.dp_group
 
     def _launch(self, bucket: Bucket) -> None:
-        group = self.group
+        group = self.state.expert_data_group if bucket.expert else self.group
         if group is None or bucket.handle is not None:
             return
         if self.distributed:  # the output is this rank's shard of the bucket itself
@@ -266,25 +283,30 @@ class GradBuffer:
             p.grad = None
 
 
+def _expert(param: Tensor) -> bool:
+    return getattr(param, "expert", False)
+
+
 def _plan(
     params: Sequence[Tensor], bucket_numel: int, deferred: set[int]
-) -> list[tuple[list[Tensor], bool]]:
-    """Cut ``params`` (in buffer order) into buckets: ``(members, deferred)``."""
-    plan: list[tuple[list[Tensor], bool]] = []
+) -> list[tuple[list[Tensor], bool, bool]]:
+    """Cut ``params`` (in buffer order) into buckets: ``(members, deferred, expert)``
+    (``expert`` False here: the caller plans the experts apart)."""
+    plan: list[tuple[list[Tensor], bool, bool]] = []
     current: list[Tensor] = []
     size = 0
     for p in params:
         if id(p) in deferred:  # its own bucket: close the open one (buckets are contiguous)
             if current:
-                plan.append((current, False))
+                plan.append((current, False, False))
                 current, size = [], 0
-            plan.append(([p], True))
+            plan.append(([p], True, False))
             continue
         current.append(p)
         size += p.numel()
         if size >= bucket_numel:
-            plan.append((current, False))
+            plan.append((current, False, False))
             current, size = [], 0
     if current:
-        plan.append((current, False))
+        plan.append((current, False, False))
     return plan

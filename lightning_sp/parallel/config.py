@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from lightning_sp.errors import ConfigError, positive_int
-from lightning_sp.parallel.state import check_layout
+from lightning_sp.parallel.state import check_expert_layout, check_layout
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,12 @@ class ParallelConfig:
     """c: ranks each sample's sequence is split over (context parallelism, causal load
     balancing: CP rank r holds chunks r and 2c-1-r of the sequence cut into 2c); the mesh is
     (pp, dp, cp, tp), TP innermost."""
+
+    expert_parallel_size: int = 1
+    """e: ranks sharing out each mixture-of-experts layer's experts (E/e each), folded into
+    the d·c data x context ranks (:mod:`lightning_sp.parallel.state`): e must divide d·c and
+    the model's number of experts. Experts are unsharded inside TP (expert tensor parallel
+    size 1) and their gradients are reduced over the d·c/e ranks holding the same ones."""
 
     data_parallel_size: int = 1
     """d = world size / (t·c·p): replicas of the model. The strategy's arguments leave it 1
@@ -56,7 +62,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for field in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size",
-                      "context_parallel_size", "data_parallel_size",
+                      "context_parallel_size", "expert_parallel_size", "data_parallel_size",
                       "num_microbatches"):  # fmt: skip
             positive_int(field, getattr(self, field))
 
@@ -70,11 +76,12 @@ class ParallelConfig:
 
     def for_world_size(self, world_size: int) -> ParallelConfig:
         """This layout on ``world_size`` ranks: d = world / (t·c·p), :class:`ConfigError` (one
-        line) unless t·c·p divides the world."""
+        line) unless t·c·p divides the world and e divides d·c."""
         d = check_layout(
             world_size, self.tensor_parallel_size, self.pipeline_parallel_size,
             self.context_parallel_size,
         )  # fmt: skip
+        check_expert_layout(d * self.context_parallel_size, self.expert_parallel_size)
         return dataclasses.replace(self, data_parallel_size=d)
 
     def with_sequence_parallel(self, model_value: bool) -> ParallelConfig:
@@ -126,9 +133,9 @@ def resolve_sequence_parallel(strategy_value: bool | None, model_value: bool) ->
     )
 
 
-def _shard_fields(config: ParallelConfig) -> tuple[int, int, int, int, int, bool | None]:
+def _shard_fields(config: ParallelConfig) -> tuple[int, int, int, int, int, int, bool | None]:
     return (
         config.tensor_parallel_size, config.pipeline_parallel_size,
         config.virtual_pipeline_size, config.context_parallel_size, config.data_parallel_size,
-        config.sequence_parallel,
+        config.expert_parallel_size, config.sequence_parallel,
     )  # fmt: skip

@@ -82,6 +82,30 @@ def allreduce_replicated_grads(module: nn.Module, state: ParallelState) -> None:
             _all_reduce_coalesced(grads, subgroup, dist.ReduceOp.SUM)
 
 
+def is_expert(param: Tensor) -> bool:
+    """Whether ``param`` is a mixture-of-experts expert weight (marked ``expert``): held by
+    the ``d·c/e`` ranks of the expert-data group rather than all ``d·c``."""
+    return getattr(param, "expert", False)
+
+
+def reduce_expert_grads(module: nn.Module, state: ParallelState) -> None:
+    """Sum expert gradients over the expert-data group and divide by d.
+
+    An expert's local gradient already holds every token routed to it from the ``e`` ranks
+    of its EP group (the all-to-all's backward brings them), each token weighted by its own
+    rank's loss scale; summing over the ``d·c/e`` ranks holding the same experts covers every
+    token of the d·c ranks once, and dividing by d gives the dense weights' convention (sum
+    over CP, mean over DP). For ``e = 1`` the group is all d·c ranks: the dense reduction."""
+    grads = [g for p in module.parameters() if is_expert(p) and (g := grad_of(p)) is not None]
+    if not grads:
+        return
+    if state.expert_data_group is not None:
+        _all_reduce_coalesced(grads, state.expert_data_group, dist.ReduceOp.SUM)
+    if state.data_parallel_size > 1:
+        for g in grads:
+            g.div_(state.data_parallel_size)
+
+
 def sum_context_parallel_grads(module: nn.Module, state: ParallelState) -> None:
     """Sum every gradient over the context-parallel group.
 
@@ -94,16 +118,17 @@ def sum_context_parallel_grads(module: nn.Module, state: ParallelState) -> None:
     """
     if state.cp_group is None:
         return
-    grads = [g for p in module.parameters() if (g := grad_of(p)) is not None]
+    grads = [g for p in module.parameters() if not is_expert(p) and (g := grad_of(p)) is not None]
     if grads:
         _all_reduce_coalesced(grads, state.cp_group, dist.ReduceOp.SUM)
 
 
 def average_data_parallel_grads(module: nn.Module, state: ParallelState) -> None:
-    """Average every gradient over the data-parallel group (replicas see different data)."""
+    """Average every gradient but the experts' over the data-parallel group (replicas see
+    different data)."""
     if state.dp_group is None:
         return
-    grads = [g for p in module.parameters() if (g := grad_of(p)) is not None]
+    grads = [g for p in module.parameters() if not is_expert(p) and (g := grad_of(p)) is not None]
     if grads:
         _all_reduce_coalesced(grads, state.dp_group, dist.ReduceOp.SUM)
         for g in grads:
@@ -122,7 +147,8 @@ def finalize_grads(
     (:func:`sum_context_parallel_grads`), except with a distributed optimizer's buffer, whose
     reduce-scatter over the d·c ranks already summed it. Last,
     gradients that are zero in exact arithmetic are made exactly zero
-    (:func:`zero_inert_grads`).
+    (:func:`zero_inert_grads`). Expert weights are reduced over their expert-data group instead
+    (:func:`reduce_expert_grads`; a buffer does it in buckets of their own).
     """
     if buffer is not None:
         buffer.finish()
@@ -130,6 +156,7 @@ def finalize_grads(
     allreduce_replicated_grads(module, state)
     if buffer is None:
         average_data_parallel_grads(module, state)
+        reduce_expert_grads(module, state)
     if buffer is None or not buffer.distributed:
         sum_context_parallel_grads(module, state)
     zero_inert_grads(module)
@@ -160,6 +187,8 @@ def global_grad_norm(
     Data-parallel (and context-parallel) replicas hold identical gradients after the
     reduction, so they are not summed; ``sharded_over_dp`` (the distributed optimizer's
     buffer: each of the d·c ranks holds its own shard, zeros elsewhere) sums them too.
+    Expert weights differ between the ranks of an expert-parallel group: their squares are
+    summed over it as well (each expert counted once, on TP rank 0).
     """
     params = list(params)
     device = params[0].device if params else state.device
@@ -167,10 +196,18 @@ def global_grad_norm(
     wide = any((g := grad_of(p)) is not None and g.dtype == torch.float64 for p in params)
     dtype = torch.float64 if wide else torch.float32
     total = torch.zeros((), dtype=dtype, device=device)
+    experts = torch.zeros((), dtype=dtype, device=device)
     for p in params:
         g = grad_of(p)
         if g is not None and _counted_once(p, state):
-            total += g.detach().to(dtype).pow(2).sum()
+            square = g.detach().to(dtype).pow(2).sum()
+            if is_expert(p):
+                experts += square
+            else:
+                total += square
+    if state.ep_group is not None:
+        dist.all_reduce(experts, group=state.ep_group)
+    total += experts
     shards = state.gradient_group if sharded_over_dp else None
     for group in (state.tp_group, state.pp_group, shards):
         if group is not None:

@@ -3,8 +3,10 @@
 A parameter shard is filled so that it equals the matching slice of the same parameter
 initialised in one process from the same seed, whatever the tensor- or pipeline-parallel
 layout: each index along the sharded dimension draws from its own generator, seeded by
-``(seed, parameter name, index)``. A rank therefore initialises only its own shard (no full
-model is ever materialised), in time proportional to the shard.
+``(seed, parameter name, index)``. The experts of a mixture-of-experts layer (marked
+``expert_start``, the global index of the first local expert) draw per expert the same way, so
+every expert-parallel size holds the same experts. A rank therefore initialises only its own
+shard (no full model is ever materialised), in time proportional to the shard.
 
 Draws happen on the CPU in fp32 and are copied to the parameter's device, so a shard is the
 same bits on CPU and CUDA, under any default device or dtype (Lightning builds the model inside
@@ -47,6 +49,16 @@ class ShardSpec:
             return full
         length = min(local_shape[self.dim], full.shape[self.dim] - self.start)
         return full.narrow(self.dim, self.start, max(length, 0))
+
+
+def local_slice(param: Tensor, full: Tensor) -> Tensor:
+    """The slice of ``full`` (the unsharded tensor) that this rank's ``param`` holds: its
+    experts (dim 0 from ``expert_start``, when marked) and its tensor-parallel shard."""
+    expert_start = getattr(param, "expert_start", None)
+    if expert_start is not None:
+        full = full.narrow(0, expert_start, param.shape[0])
+    shard: ShardSpec = getattr(param, "shard", ShardSpec())
+    return shard.full_slice(full, param.shape)
 
 
 def mark_parameter(
@@ -107,6 +119,9 @@ def initialize_parameter(param: Tensor, name: str, seed: int) -> None:
     def draw(shape: torch.Size) -> Tensor:
         return torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu")
 
+    expert_start = getattr(param, "expert_start", None)
+    if expert_start is not None:  # one generator per expert (dim 0), whatever E/e is held
+        shard = ShardSpec(dim=0, start=expert_start)
     if shard.dim is None:
         generator.manual_seed(derive_seed(seed, name))
         param.copy_(draw(param.shape).mul_(std))

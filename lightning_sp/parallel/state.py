@@ -5,6 +5,17 @@ tensor parallel dimension varies fastest, so the ``t`` ranks of one tensor-paral
 adjacent (on one node, where NVLink is); the context-parallel dimension comes next, so a
 context-parallel group joins the same TP rank of ``c`` neighbouring TP groups (the K/V exchange
 of :mod:`lightning_sp.parallel.context_attention` runs between them). World ``= t·c·p·d``.
+
+Expert parallelism (``e`` ranks, each holding ``E/e`` of a mixture-of-experts layer's experts)
+folds into the ``d·c`` data x context ranks of equal (pp, tp), as Megatron-Core does (its order
+tp-cp-ep-dp-pp): the ``d·c`` ranks, numbered ``dp_rank·c + cp_rank``, are cut into blocks of
+``e`` consecutive ones, each block an expert-parallel (EP) group. Those ranks hold the same
+attention and dense weights and see different tokens, so exchanging tokens among them costs no
+weight replica, and no new rank is needed: EP multiplies no dimension of the world. A rank's
+experts are replicated over the ``d·c/e`` ranks of equal EP rank (the *expert-data* group),
+whose gradients are reduced over exactly that group. Folding EP into TP instead would split
+the tensor-parallel group's bandwidth between two uses; into PP is impossible (different
+layers).
 A ``ParallelState`` is built once and passed explicitly to everything that communicates;
 nothing in this package keeps process groups in globals.
 """
@@ -58,6 +69,19 @@ def check_layout(
     return world_size // model_parallel
 
 
+def check_expert_layout(data_context_ranks: int, expert_parallel_size: int) -> int:
+    """Validate ``e`` against the ``d·c`` data x context ranks it folds into; return the
+    expert-data size ``d·c/e`` (:class:`ConfigError`, one line, unless ``e`` divides them)."""
+    positive_int("expert_parallel_size", expert_parallel_size)
+    if data_context_ranks % expert_parallel_size:
+        raise ConfigError(
+            f"expert_parallel_size={expert_parallel_size} does not divide the "
+            f"data_parallel_size * context_parallel_size = {data_context_ranks} ranks it folds "
+            f"into; expert_parallel_size must be one of {divisors(data_context_ranks)}"
+        )
+    return data_context_ranks // expert_parallel_size
+
+
 def _group_options(backend: str, timeout: datetime.timedelta) -> tuple[str, Any] | None:
     """Backend options that carry ``timeout`` into the mesh's sub-groups."""
     if backend == "gloo":
@@ -99,6 +123,20 @@ class ParallelState:
     data_context_group: dist.ProcessGroup | None = None
     """Under context parallelism, the ``d·c`` ranks of equal (pp, tp) coordinates (group rank
     ``dp_rank·c + cp_rank``); ``None`` for ``c = 1``. See :attr:`gradient_group`."""
+    expert_parallel_size: int = 1
+    """``e``: ranks of the data x context ranks that share out each MoE layer's experts."""
+    expert_parallel_rank: int = 0
+    """``(dp_rank·c + cp_rank) mod e``: which ``E/e`` experts this rank holds."""
+    ep_group: dist.ProcessGroup | None = None
+    """The ``e`` ranks that exchange tokens (``all_to_all``); ``None`` for ``e = 1``."""
+    expert_data_group: dist.ProcessGroup | None = None
+    """The ``d·c/e`` ranks of equal (pp, tp, EP rank): they hold the same experts, and expert
+    gradients are reduced over them; ``None`` when that is one rank."""
+    token_groups: dict[tuple[bool, bool], dist.ProcessGroup | None] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    """The ranks holding shards of one micro-batch, keyed by (over TP, over CP); see
+    :meth:`micro_batch_group`."""
     timeout: datetime.timedelta = DEFAULT_TIMEOUT
     """How long a collective of this rank's groups may wait; groups made later for this
     layout (the pipeline's embedding group) use it too."""
@@ -119,10 +157,12 @@ class ParallelState:
         device: str | torch.device | None = None,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
         context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
     ) -> ParallelState:
         """Build the state from the initialised default process group.
 
-        Every rank must call this with the same arguments. Sub-groups are created with
+        Every rank must call this with the same arguments (``expert_parallel_size``: see the
+        module docstring). Sub-groups are created with
         ``timeout`` so that a collective that never completes raises instead of hanging.
         """
         if not dist.is_available() or not dist.is_initialized():
@@ -133,6 +173,8 @@ class ParallelState:
         world_size = dist.get_world_size()
         t, c = tensor_parallel_size, context_parallel_size
         dp = check_layout(world_size, t, pipeline_parallel_size, c)
+        e = expert_parallel_size
+        check_expert_layout(dp * c, e)
         backend = dist.get_backend()
         if device is None:
             device = (
@@ -167,6 +209,38 @@ class ParallelState:
                 if dist.get_rank() in ranks:
                     data_context = made
 
+        me = dist.get_rank()
+
+        def made_groups(rows: list[list[int]]) -> dist.ProcessGroup | None:
+            """Make one group per row (collective: every rank makes every group); return
+            this rank's, ``None`` when rows have one rank."""
+            mine = None
+            for ranks in rows:
+                if len(ranks) == 1:
+                    continue
+                made = dist.new_group(ranks, timeout=timeout)
+                if me in ranks:
+                    mine = made
+            return mine
+
+        pp = pipeline_parallel_size
+        # [pp, t, d·c/e, e]: the d·c ranks of equal (pp, tp) in order dp·c + cp, in EP blocks
+        experts = mesh.mesh.permute(0, 3, 1, 2).reshape(pp, t, dp * c // e, e)
+        ep_group = made_groups(experts.reshape(-1, e).tolist())
+        expert_data_group = (
+            (data_context if c > 1 else group("dp", dp))
+            if e == 1
+            else made_groups(experts.transpose(2, 3).reshape(-1, dp * c // e).tolist())
+        )
+        token_groups: dict[tuple[bool, bool], dist.ProcessGroup | None] = {
+            (False, False): None,
+            (True, False): group("tp", t),
+            (False, True): group("cp", c),
+            # the t·c ranks of equal (pp, dp), CP-major then TP
+            (True, True): (
+                made_groups(mesh.mesh.reshape(pp * dp, c * t).tolist()) if t > 1 and c > 1 else None
+            ),
+        }
         return cls(
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
@@ -183,6 +257,11 @@ class ParallelState:
             context_parallel_rank=cp_rank,
             cp_group=group("cp", c),
             data_context_group=data_context,
+            expert_parallel_size=e,
+            expert_parallel_rank=(dp_rank * c + cp_rank) % e,
+            ep_group=ep_group,
+            expert_data_group=expert_data_group,
+            token_groups=token_groups,
             timeout=timeout,
         )
 
@@ -233,6 +312,19 @@ class ParallelState:
     def gradient_shard_rank(self) -> int:
         """This rank's index in :attr:`gradient_group`: ``dp_rank·c + cp_rank``."""
         return self.data_parallel_rank * self.context_parallel_size + self.context_parallel_rank
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """``d·c/e``: the ranks that hold the same experts."""
+        return self.gradient_shards // self.expert_parallel_size
+
+    def micro_batch_group(self, sequence_parallel: bool) -> dist.ProcessGroup | None:
+        """The ranks that each hold a shard of the same micro-batch's tokens: the TP group
+        under sequence parallelism, times the CP group for ``c > 1`` (``None``: this rank
+        holds all of them). Token counts summed over it are the micro-batch's."""
+        over_tp = sequence_parallel and self.tensor_parallel_size > 1
+        over_cp = self.context_parallel_size > 1
+        return self.token_groups.get((over_tp, over_cp))
 
     @property
     def world_size(self) -> int:

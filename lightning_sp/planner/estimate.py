@@ -41,6 +41,7 @@ import time
 
 import torch
 
+from lightning_sp.errors import ConfigError
 from lightning_sp.memory.fake import ActivationMeasurement, measure_activations
 from lightning_sp.memory.formulas import (
     MIXED_PRECISION_ADAM,
@@ -177,7 +178,9 @@ def estimate(
     layout.validate()
     hardware = load_cluster(cluster)
     cfg, t = layout.config, layout.tensor_parallel_size
-    n_params = parameters_per_rank(cfg, t, layout.pipeline_parallel_size)
+    n_params = parameters_per_rank(
+        cfg, t, layout.pipeline_parallel_size, layout.expert_parallel_size
+    )
     state_bytes = round(
         model_state_bytes(
             n_params, precision, optimizer_shards(layout), layout.distributed_optimizer
@@ -192,6 +195,10 @@ def estimate(
         if sp and local % t:
             continue
         combo = layout.with_policy(sp, rc)
+        try:  # a combination the model cannot run (MoE at t > 1 without SP) is left out
+            combo.validate(t)
+        except ConfigError:
+            continue
         formula = formula_activations(layout, combo)
         got = formula
         if measure:

@@ -37,6 +37,7 @@ from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
+from lightning_sp.model.moe import moe_metrics, update_expert_biases
 from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
 from lightning_sp.parallel.buffer import GradBufferConfig
@@ -280,7 +281,15 @@ class GPTModule(LightningModule):
             torch.distributed.all_reduce(logged, group=group)
             logged /= self.parallel_state.data_parallel_size
         self.log("train/loss", logged, prog_bar=True)
+        for name, value in moe_metrics(self.stage_model()).items():  # this rank's micro-batch
+            self.log(f"train/{name}", value)
         return loss
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After the optimizer step: the MoE layers' auxiliary-loss-free bias updates."""
+        if not self.trainer.fit_loop._should_accumulate():
+            update_expert_biases(self.stage_model())
 
     @override
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:

@@ -83,6 +83,9 @@ class MegatronSPStrategy(ProcessGroupStrategy):
             group. The mesh is (pp, dp, cp, tp), TP innermost. ``model.config.seq_length``
             must be divisible by 2c (and by 2c·t with sequence parallelism). Gradients are
             summed over the CP group and averaged over the DP group.
+        expert_parallel_size: Ranks sharing out each mixture-of-experts layer's experts (e),
+            folded into the data x context ranks (e divides d·c and the number of experts);
+            tokens reach their experts by all-to-all.
         sequence_parallel: Shard LayerNorm/dropout activations along the sequence over the
             tensor-parallel group (paper §4.2.2). ``None`` (default): as the module says
             (``GPTModule``: ``model.config.sequence_parallel``); a value that differs from
@@ -121,6 +124,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         sequence_parallel: bool | None = None,
         num_microbatches: int = 1,
         virtual_pipeline_size: int = 1,
@@ -146,6 +150,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             context_parallel_size=context_parallel_size,
+            expert_parallel_size=expert_parallel_size,
             sequence_parallel=sequence_parallel,
             num_microbatches=num_microbatches,
             virtual_pipeline_size=virtual_pipeline_size,
@@ -214,6 +219,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
             device=self.root_device,
             timeout=self.timeout,
             context_parallel_size=config.context_parallel_size,
+            expert_parallel_size=config.expert_parallel_size,
         )
         if receiver is not None:
             receiver.setup_parallel(state, config)

@@ -78,6 +78,9 @@ class LayerConfig(Protocol):
     def feed_forward(self) -> str: ...
 
     @property
+    def moe(self) -> Any: ...
+
+    @property
     def qk_norm(self) -> str | None: ...
 
     @property
@@ -217,6 +220,15 @@ class Part(ABC):
     def forward_flops(self, x: ActivationShape) -> float:
         """Matmul FLOPs of its forward for ``x.b`` whole sequences of ``x.s`` (all ranks)."""
         return 0.0
+
+    def expert_parameters(self, x: ActivationShape) -> int:
+        """Of the replicated count of :meth:`parameters`, those that expert parallelism
+        shares out (a rank of an EP group of ``e`` holds ``1/e`` of them); 0 for most parts."""
+        return 0
+
+    def active_expert_parameters(self, x: ActivationShape) -> int:
+        """Of :meth:`expert_parameters`, those one token uses (``k`` of ``E`` experts)."""
+        return 0
 
     def stats_terms(self, x: ActivationShape) -> Terms:
         """Per-row statistics it saves besides :meth:`saved_terms` (a norm's mean and rstd,

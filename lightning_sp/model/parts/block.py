@@ -32,6 +32,7 @@ from lightning_sp.model.parts.base import (
     outside_elements,
 )
 from lightning_sp.model.parts.dense import DenseMLP
+from lightning_sp.model.parts.moe import MoEFeedForward
 from lightning_sp.model.parts.norm import Norm
 from lightning_sp.model.shape import ActivationShape
 
@@ -150,11 +151,20 @@ class Block:
         """Matmul FLOPs of the layer's forward for ``x.b`` sequences (all ranks)."""
         return sum(p.forward_flops(x) for p in self.parts)
 
+    def expert_parameters(self, x: ActivationShape) -> int:
+        """Parameters of the layer that expert parallelism shares out (the routed experts)."""
+        return sum(p.expert_parameters(x) for p in self.parts)
+
+    def active_expert_parameters(self, x: ActivationShape) -> int:
+        """Of :meth:`expert_parameters`, those one token uses."""
+        return sum(p.active_expert_parameters(x) for p in self.parts)
+
 
 FeedForwardFactory = Callable[[LayerConfig], Part]
 
 FEED_FORWARDS: dict[str, FeedForwardFactory] = {
     "dense": lambda c: DenseMLP(c.activation, c.has_bias("fc1"), c.has_bias("fc2")),
+    "moe": lambda c: MoEFeedForward(c.moe),
 }
 """The feed-forward slot's parts, by ``GPTConfig.feed_forward`` name: each builds the part of
 a config."""

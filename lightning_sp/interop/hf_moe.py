@@ -1,0 +1,207 @@
+"""The mixture-of-experts Hugging Face families, as data: Mixtral, Qwen3-MoE and OLMoE.
+
+Each is a Llama-style family (:mod:`lightning_sp.interop.hf_llama`: its attention, norms and
+``config.json`` vocabulary) whose feed-forward is our ``moe`` part:
+
+==========  =================================================================================
+mixtral     Mistral's attention; ``block_sparse_moe.gate`` (router), experts ``w1`` (gate),
+            ``w3`` (up), ``w2`` (down); ``num_local_experts``, ``intermediate_size`` = f_e;
+            top-k renormalised
+qwen3_moe   Qwen3's attention (per-head query/key norms, ``head_dim``); ``mlp.gate``, experts
+            ``gate_proj`` / ``up_proj`` / ``down_proj``; ``num_experts``,
+            ``moe_intermediate_size`` = f_e, ``norm_topk_prob``; every layer sparse
+olmoe       OLMo 2's query/key norms over the projections, norms before the sublayers;
+            ``mlp.gate``, experts as Qwen3-MoE's; ``intermediate_size`` = f_e,
+            ``norm_topk_prob`` (False in OLMoE-1B-7B)
+==========  =================================================================================
+
+The Hub stores one tensor per expert (``...experts.{e}.w1.weight``), which transformers 5 also
+writes: our stacked ``experts.gate_up [E, 2f_e, h]`` and ``experts.down [E, h, f_e]`` are
+:class:`~lightning_sp.interop.hf_tables.ExpertWeightMap` rows. The routing a checkpoint fixes
+(experts, top-k, width, renormalisation) is compared; the training-only settings (loss
+coefficients, capacity, router dtype) are ours to choose, and the auxiliary coefficient is
+written as ``router_aux_loss_coef``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option
+from lightning_sp.interop.hf_llama import (
+    _ATTENTION_BIAS,
+    _HEAD_DIM,
+    _HEAD_DIM_FIELD,
+    _LAYER,
+    _NO_HEAD_DIM,
+    _attention,
+    _check_window,
+    _dropout,
+    _fields,
+    _norms,
+)
+from lightning_sp.interop.hf_tables import ExpertWeightMap, HFModelType, WeightMap, norm
+from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.moe_config import MoEConfig
+
+
+def moe_structure(moe: MoEConfig | None) -> MoEConfig | None:
+    """What of an MoE config a checkpoint fixes (experts, top-k, width, scores, shared
+    experts, the choice bias); the training-only settings back at their defaults."""
+    if moe is None:
+        return None
+    return dataclasses.replace(
+        moe,
+        aux_loss_coef=0.0,
+        z_loss_coef=0.0,
+        capacity_factor=None,
+        force_balanced=False,
+        bias_update_rate=MoEConfig.bias_update_rate,
+        router_dtype="fp32",
+    )
+
+
+def _moe_field(width: str, normalize: Callable[[Mapping[str, Any]], bool]) -> ConfigField:
+    """Our ``moe`` from ``num_local_experts`` / ``num_experts``, ``num_experts_per_tok`` and
+    the expert width key ``width``; compared by :func:`moe_structure`."""
+
+    def read(hf: Mapping[str, Any]) -> MoEConfig:
+        return MoEConfig(
+            num_experts=hf.get("num_local_experts") or hf["num_experts"],
+            top_k=hf["num_experts_per_tok"],
+            expert_ffn_size=hf[width],
+            normalize_top_k=normalize(hf),
+        )
+
+    return ConfigField("moe", read=read, value=lambda c: moe_structure(c.moe))
+
+
+def _moe_keys(experts_key: str, width: str, normalize_key: str | None) -> Callable:
+    """The ``config.json`` keys of our ``moe`` (and the dropouts)."""
+
+    def extra(config: GPTConfig) -> dict[str, Any]:
+        moe = config.moe or MoEConfig()
+        keys = {
+            **_dropout(config),
+            experts_key: moe.num_experts,
+            "num_experts_per_tok": moe.top_k,
+            width: moe.expert_ffn_size,
+            "router_aux_loss_coef": moe.aux_loss_coef,
+            "output_router_logits": moe.aux_loss_coef > 0,
+        }
+        if normalize_key is not None:
+            keys[normalize_key] = moe.normalize_top_k
+        return keys
+
+    return extra
+
+
+def _no_ffn(fields: tuple[ConfigField, ...]) -> tuple[ConfigField, ...]:
+    """The Llama-style fields less the dense MLP's width (``intermediate_size`` is the
+    experts' in Mixtral and OLMoE, unused in an all-sparse Qwen3-MoE)."""
+    return tuple(f for f in fields if f.ours != "ffn_hidden_size")
+
+
+def _experts(router: str, experts: str, gate: str, up: str, down: str) -> tuple:
+    """The router and stacked-expert rows (names under ``model.layers.{i}``)."""
+    base = f"{_LAYER}.{experts}.{{e}}"
+    return (
+        WeightMap("layers.{i}.mlp.router.weight", f"{_LAYER}.{router}.weight"),
+        ExpertWeightMap(
+            "layers.{i}.mlp.experts.gate_up", (f"{base}.{gate}.weight", f"{base}.{up}.weight")
+        ),
+        ExpertWeightMap("layers.{i}.mlp.experts.down", (f"{base}.{down}.weight",)),
+    )
+
+
+def _weights(qk_norm: bool, experts: tuple) -> tuple:
+    return (
+        WeightMap("word_embeddings.weight", "model.embed_tokens.weight"),
+        WeightMap("output.weight", "lm_head.weight"),
+        *norm("final_norm", "model.norm"),
+        *_norms(False),
+        *_attention(qk_norm),
+        *experts,
+    )
+
+
+_MOE = {"feed_forward": "moe", "norm_placement": "pre"}
+
+MIXTRAL = HFModelType(
+    model_type="mixtral",
+    hf_class="MixtralForCausalLM",
+    architecture="mistral",
+    config=ConfigTable(
+        title="Mixtral",
+        fields=(
+            *_no_ffn(
+                _fields(
+                    ConfigField("bias", default=False, value=lambda c: c.bias_value()),
+                    {**_MOE, "qk_norm": None},
+                )
+            ),
+            _HEAD_DIM_FIELD,
+            _moe_field("intermediate_size", lambda hf: True),
+        ),
+        options=(_HEAD_DIM, Option.constant("router_jitter_noise", 0.0)),
+        extra=lambda c: {
+            **_moe_keys("num_local_experts", "intermediate_size", None)(c),
+            "sliding_window": None,
+        },
+        checks=(_check_window,),
+    ),
+    weights=_weights(
+        False, _experts("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")
+    ),
+)
+
+QWEN3_MOE = HFModelType(
+    model_type="qwen3_moe",
+    hf_class="Qwen3MoeForCausalLM",
+    architecture="qwen3",
+    config=ConfigTable(
+        title="Qwen3-MoE",
+        fields=(
+            *_no_ffn(_fields(_ATTENTION_BIAS, {**_MOE, "qk_norm": "head"})),
+            _HEAD_DIM_FIELD,
+            _moe_field("moe_intermediate_size", lambda hf: bool(hf.get("norm_topk_prob"))),
+        ),
+        options=(
+            _HEAD_DIM,
+            Option.constant("use_sliding_window", False),
+            Option.constant("decoder_sparse_step", 1),
+            Option.constant("mlp_only_layers", []),
+        ),
+        extra=lambda c: {
+            **_moe_keys("num_experts", "moe_intermediate_size", "norm_topk_prob")(c),
+            "sliding_window": None,
+        },
+        checks=(_check_window,),
+    ),
+    weights=_weights(
+        True, _experts("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj")
+    ),
+)
+
+OLMOE = HFModelType(
+    model_type="olmoe",
+    hf_class="OlmoeForCausalLM",
+    architecture="llama",
+    config=ConfigTable(
+        title="OLMoE",
+        fields=(
+            *_no_ffn(_fields(_ATTENTION_BIAS, {**_MOE, "qk_norm": "projection"})),
+            _moe_field("intermediate_size", lambda hf: bool(hf.get("norm_topk_prob"))),
+        ),
+        options=(_NO_HEAD_DIM, Option.constant("clip_qkv", None)),
+        extra=_moe_keys("num_experts", "intermediate_size", "norm_topk_prob"),
+    ),
+    weights=_weights(
+        True, _experts("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj")
+    ),
+)
+
+MOE_TYPES = (MIXTRAL, QWEN3_MOE, OLMOE)
+"""The mixture-of-experts model types, in the order export tries them."""

@@ -1,0 +1,113 @@
+"""The experts of one rank: ``E_local`` SwiGLU MLPs run as grouped matrix products.
+
+Weights are held as Hugging Face's fused in-memory layout, one tensor per projection:
+``gate_up [E_local, 2f, h]`` (each expert's ``[gate; up]`` rows) and ``down [E_local, h, f]``.
+They are unsharded inside the tensor-parallel group (expert tensor parallel size 1): every TP
+rank holds the same experts and runs them on its own sequence shard's tokens, so their
+gradients are partial sums over TP (marked ``sequence_parallel``); they are marked ``expert``
+too, so that gradient reduction takes the expert-data group instead of all of data x context
+(:func:`~lightning_sp.parallel.grads.finalize_grads`). ``expert_start`` tells the initialiser
+the global index of the first local expert, so each expert draws the same values under every
+expert-parallel size.
+
+:func:`grouped_linear` runs ``torch._grouped_mm`` where it can (fp32 and bf16 with 16-byte
+aligned rows) and a loop of per-expert matmuls otherwise (float64); both compute the same
+products, and the function saves only its input and weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sp.model.fused import activate
+from lightning_sp.model.spec import ACTIVATIONS
+from lightning_sp.parallel.init import mark_parameter
+
+SWIGLU = ACTIVATIONS["swiglu"]
+
+
+def grouped_available(dtype: torch.dtype, *widths: int) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``dtype`` with rows of these widths (fp32 and bf16
+    only, each row a multiple of 16 bytes; CPU and CUDA alike)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not hasattr(torch, "_grouped_mm"):
+        return False
+    per_row = 16 // (torch.finfo(dtype).bits // 8)
+    return all(w % per_row == 0 for w in widths)
+
+
+def _offsets(counts: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(counts, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+
+
+def _loop(a: Tensor, b: Tensor, counts: list[int]) -> Tensor:
+    """``cat([a_i @ b_i])`` over row groups ``a_i`` of ``a`` (``b``: ``[E, k, n]``)."""
+    parts = [rows @ b[i] for i, rows in enumerate(a.split(counts))]
+    return torch.cat(parts) if parts else a.new_empty((0, b.shape[2]))
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``y_i = x_i W_iᵀ`` for the row groups ``x_i`` of ``x`` (``counts`` rows each)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, counts: list[int], grouped: bool) -> Tensor:
+        ctx.counts, ctx.grouped = counts, grouped
+        ctx.save_for_backward(x, weight)
+        if grouped:
+            return torch._grouped_mm(x, weight.transpose(1, 2), offs=_offsets(counts, x.device))
+        return _loop(x, weight.transpose(1, 2), counts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
+        x, weight = ctx.saved_tensors
+        counts, grad = ctx.counts, grad.contiguous()
+        if ctx.grouped:
+            offs = _offsets(counts, x.device)
+            grad_x = torch._grouped_mm(grad, weight, offs=offs)
+            grad_w = torch._grouped_mm(grad.t(), x, offs=offs)  # [E, n, k]
+        else:
+            grad_x = _loop(grad, weight, counts)
+            grad_w = torch.stack(
+                [g.t() @ rows for g, rows in zip(grad.split(counts), x.split(counts), strict=True)]
+            )
+        return grad_x, grad_w, None, None
+
+
+def grouped_linear(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
+    """Per-group linear: ``x`` ``[N, k]`` in ``len(counts)`` consecutive row groups,
+    ``weight`` ``[E_local, n, k]`` -> ``[N, n]``; grouped GEMM or a loop (module docstring)."""
+    grouped = grouped_available(x.dtype, x.shape[1], weight.shape[1])
+    return _GroupedLinear.apply(x, weight, counts, grouped)
+
+
+class Experts(nn.Module):
+    """``E_local = E/e`` SwiGLU experts of width ``f``: rows ``[N, h]`` grouped by local expert
+    (``counts`` rows each) -> ``[N, h]``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_size: int,
+        num_local: int,
+        first_expert: int,
+        *,
+        tensor_parallel: bool,
+        init_std: float,
+        output_init_std: float,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        h, f = hidden_size, ffn_size
+        self.gate_up = nn.Parameter(torch.empty(num_local, 2 * f, h, dtype=dtype, device=device))
+        self.down = nn.Parameter(torch.empty(num_local, h, f, dtype=dtype, device=device))
+        for param, std in ((self.gate_up, init_std), (self.down, output_init_std)):
+            mark_parameter(param, std=std, sequence_parallel=tensor_parallel)
+            param.expert = True  # type: ignore[attr-defined]
+            param.expert_start = first_expert  # type: ignore[attr-defined]
+
+    def forward(self, rows: Tensor, counts: list[int]) -> Tensor:
+        z = grouped_linear(rows, self.gate_up, counts)  # [N, 2f]: [gate | up] per row
+        return grouped_linear(activate(z, SWIGLU), self.down, counts)  # [N, f] -> [N, h]

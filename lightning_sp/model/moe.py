@@ -1,0 +1,184 @@
+"""The mixture-of-experts feed-forward layer: router, token dispatch over the expert-parallel
+group, grouped SwiGLU experts, combine, optional shared experts.
+
+``[s/t or s, b, h]`` in and out (the residual stream's layout; sequence parallelism is required
+for ``t > 1``, :meth:`~lightning_sp.model.moe_config.MoEConfig.check_layout`). Each rank routes
+its own ``T = s_local·b`` tokens; the load-balancing terms are the micro-batch's
+(:mod:`lightning_sp.model.router`). They enter the training loss without changing any
+signature: :func:`attach_loss` adds their gradient to the layer output's backward (Megatron's
+``MoEAuxLossAutoScaler``), so a pipeline stage carries them with the activations; their
+detached values are kept for logging in :attr:`MoE.metrics`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sp.model.experts import SWIGLU, Experts
+from lightning_sp.model.fused import activate, fused_column_linear
+from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.router import Router
+from lightning_sp.model.spec import NormModule
+from lightning_sp.parallel.dispatch import combine, dispatch
+from lightning_sp.parallel.init import initialize_parameter
+from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from lightning_sp.parallel.state import ParallelState
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Forward: ``out`` unchanged. Backward: ``out``'s gradient, and ``scale`` for ``loss``
+    (as if ``scale · loss`` had been added to the objective)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, loss: Tensor, scale: float) -> Tensor:
+        ctx.scale, ctx.like = scale, loss
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        return grad, torch.full_like(ctx.like, ctx.scale), None
+
+
+def attach_loss(out: Tensor, loss: Tensor, scale: float = 1.0) -> Tensor:
+    """``out``, whose backward also back-propagates ``scale · loss`` (a scalar)."""
+    if not loss.requires_grad or not torch.is_grad_enabled():
+        return out
+    return _AttachLoss.apply(out, loss, scale)
+
+
+class SharedExperts(nn.Module):
+    """The shared experts as one SwiGLU MLP of width ``f_s``, tensor parallel like the dense
+    MLP (``gate``/``up`` column parallel, ``fc2`` row parallel)."""
+
+    def __init__(
+        self, hidden_size: int, ffn_size: int, state: ParallelState, *, sequence_parallel: bool,
+        init_std: float, output_init_std: float, **kwargs: Any,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        for name in SWIGLU.inputs:
+            self.add_module(name, ColumnParallelLinear(
+                hidden_size, ffn_size, state, sequence_parallel=sequence_parallel, bias=False,
+                init_std=init_std, **kwargs,
+            ))  # fmt: skip
+        self.fc2 = RowParallelLinear(
+            ffn_size, hidden_size, state, sequence_parallel=sequence_parallel, bias=False,
+            init_std=output_init_std, **kwargs,
+        )  # fmt: skip
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = fused_column_linear(x, [getattr(self, n) for n in SWIGLU.inputs])  # [s, b, 2f_s/t]
+        return self.fc2(activate(z, SWIGLU))  # [s/t or s, b, h]
+
+
+class MoE(nn.Module):
+    """One rank's share of an MoE layer: the router (replicated), ``E/e`` experts (this EP
+    rank's block), the shared experts' TP shard. ``aux_loss_scale`` multiplies the
+    load-balancing terms' gradient (set it to the main loss's scale, e.g. ``1 / micro-batches``
+    under gradient accumulation)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        config: MoEConfig,
+        state: ParallelState,
+        *,
+        sequence_parallel: bool,
+        init_std: float = 0.02,
+        output_init_std: float = 0.02,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        e, t = state.expert_parallel_size, state.tensor_parallel_size
+        config.check_layout(e, t, sequence_parallel)
+        self.config = config
+        self.group = state.micro_batch_group(sequence_parallel)
+        self.ep_group = state.ep_group
+        self.reduce_groups = (state.tp_group if sequence_parallel else None, state.gradient_group)
+        kwargs: dict[str, Any] = {"dtype": dtype, "device": device}
+        self.router = Router(
+            hidden_size, config, sequence_parallel=sequence_parallel, init_std=init_std, **kwargs
+        )
+        local = config.num_experts // e
+        self.experts = Experts(
+            hidden_size, config.expert_ffn_size, local, state.expert_parallel_rank * local,
+            tensor_parallel=t > 1, init_std=init_std, output_init_std=output_init_std, **kwargs,
+        )  # fmt: skip
+        self.shared: SharedExperts | None = None
+        if config.num_shared_experts:
+            self.shared = SharedExperts(
+                hidden_size, config.shared_ffn_size, state, sequence_parallel=sequence_parallel,
+                init_std=init_std, output_init_std=output_init_std, **kwargs,
+            )  # fmt: skip
+        self.aux_loss_scale = 1.0
+        self.metrics: dict[str, Tensor] = {}
+        """The last forward's micro-batch values: ``aux_loss``, ``z_loss`` (unscaled),
+        ``load_imbalance`` (max over mean choices per expert) and ``dropped``."""
+
+    def reset_parameters(self, seed: int, prefix: str = "") -> None:
+        """Initialise every parameter from ``seed`` as a model would (names ``prefix`` +
+        the parameter's name in this module)."""
+        for name, param in self.named_parameters():
+            initialize_parameter(param, prefix + name, seed)
+
+    def forward(self, x: Tensor, norm: NormModule | None = None) -> Tensor:
+        """``x``: the normalised input, or with ``norm`` the layer input, normalised here (the
+        ``layernorm`` recompute module drops no MoE term: ``moe_input`` is stored either way).
+        ``[s/t or s, b, h]`` in and out."""
+        if norm is not None:
+            x = norm(x)
+        s, b, h = x.shape  # [s/t or s, b, h]
+        tokens = x.reshape(s * b, h)  # [T, h]
+        routed = self.router(tokens, self.group)
+        cfg = self.config
+        balanced = (
+            cfg.force_balanced and routed.keep is None and not s * b * cfg.top_k % cfg.num_experts
+        )
+        rows, routing = dispatch(
+            tokens, routed.experts, routed.keep, cfg.num_experts, self.ep_group, balanced
+        )  # [N_local, h], expert-major
+        y = self.experts(rows, routing.counts)  # [N_local, h]
+        out = combine(y, routed.weights, routing, self.ep_group).view(s, b, h)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        self.metrics = {  # detached tensors: no device sync here
+            "aux_loss": routed.aux_loss.detach(),
+            "z_loss": routed.z_loss.detach(),
+            "load_imbalance": routed.counts.max() / routed.counts.mean(),
+            "dropped": torch.tensor(routed.dropped),
+        }
+        loss = cfg.aux_loss_coef * routed.aux_loss + cfg.z_loss_coef * routed.z_loss
+        if cfg.aux_loss_coef or cfg.z_loss_coef:
+            out = attach_loss(out, loss, self.aux_loss_scale)
+        return out
+
+    def update_expert_bias(self) -> None:
+        """After an optimizer step: DeepSeek-V3's bias update from the loads every rank of
+        this layer counted (summed over the TP group under SP, then data x context)."""
+        self.router.update_expert_bias(self.reduce_groups)
+
+
+def moe_metrics(module: nn.Module) -> dict[str, Tensor]:
+    """The last forward's routing metrics over every MoE layer of ``module`` (this rank's
+    micro-batch): ``moe/aux_loss``, ``moe/z_loss``, ``moe/load_imbalance`` (means over layers)
+    and ``moe/dropped`` (summed); empty without MoE layers."""
+    layers = [m for m in module.modules() if isinstance(m, MoE) and m.metrics]
+    if not layers:
+        return {}
+    out = {}
+    for key in ("aux_loss", "z_loss", "load_imbalance", "dropped"):
+        values = torch.stack([m.metrics[key].float().cpu() for m in layers])
+        out[f"moe/{key}"] = values.sum() if key == "dropped" else values.mean()
+    return out
+
+
+def update_expert_biases(module: nn.Module) -> None:
+    """After an optimizer step: every MoE layer's auxiliary-loss-free bias update
+    (:meth:`MoE.update_expert_bias`; a no-op for layers without ``expert_bias``). Collective:
+    every rank of the stage calls it."""
+    for m in module.modules():
+        if isinstance(m, MoE) and m.config.expert_bias:
+            m.update_expert_bias()

@@ -1,0 +1,143 @@
+"""The mixture-of-experts feed-forward part (``GPTConfig.feed_forward = "moe"``): the module is
+:class:`lightning_sp.model.moe.MoE`; here its saved bytes, GEMMs, parameters (total and active)
+and FLOPs (active), at balanced routing (each expert receives ``k·T/E`` of the ``T`` tokens'
+assignments; dropless).
+
+Every routed tensor is per token of the rank's own tokens (``s·b/c``, divided by t under the
+sequence parallelism MoE requires at ``t > 1``), so every routed term sits :data:`OUTSIDE` the
+TP region; expert parallelism moves rows between ranks but, balanced, a rank computes as many
+rows as it sends (``k·T_local``): EP divides the expert *weights*, not these bytes. The shared
+experts are a tensor-parallel MLP (:data:`INSIDE` terms).
+
+Bytes per MoE layer for ``T = s·b`` tokens, ``e`` bytes per activation, ``r`` bytes per router
+element (4 for fp32), 8 bytes per int64 index, ``N = k·T`` rows:
+
+* ``moe_input`` ``e·Th``: the router's input (the layer's normalised input);
+* ``router_probs`` ``r·TE``: the softmax (or sigmoid) output; with ``normalize_top_k`` the
+  ``k`` chosen probabilities and their sum, ``r·T(k + 1)``; the chosen experts ``8·Tk``;
+* ``routed_indices``: the dispatch's token and slot indices ``16·N`` (plus ``16·N`` for the
+  regroup and its inverse under EP, ``e_p > 1``);
+* ``expert_input`` ``e·Nh`` (rows sent to experts: the grouped gate/up GEMM's input);
+  ``expert_act_input`` ``2e·N·f_e`` (SwiGLU's ``[gate | up]``); ``expert_down_input``
+  ``e·N·f_e``; ``combine`` ``e·Nh + e·N`` (expert outputs and their weights);
+* z-loss (``z_loss_coef > 0``): the logits ``r·TE`` and their ``logsumexp`` ``r·T``;
+* shared experts: ``2e·T·f_s`` (``[gate | up]``) and ``e·T·f_s`` (inside: divided by t).
+
+Left out, as the norms' statistics are: the load-balancing loss's per-expert counts, ``r·E``
+bytes per layer (not per token). Measured (bf16, saved-tensor hooks, forced-balanced routing)
+these terms are exact to the byte at t = 1, 2 (SP) and e = 1, 2, 4
+(``tests/test_moe_memory.py``). Expert parallelism does not divide them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_sp.model.moe import MoE
+from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.parts.base import (
+    INSIDE,
+    OUTSIDE,
+    BuildContext,
+    Gemm,
+    Part,
+    Terms,
+    tokens,
+)
+from lightning_sp.model.shape import ActivationShape
+
+INDEX = 8
+"""Bytes of an int64 index element."""
+
+
+@dataclass(frozen=True)
+class MoEFeedForward(Part):
+    """The MoE layer of ``config`` (see the module docstring); ``expert_parallel_size`` only
+    prices the EP index terms (its module reads the layout's)."""
+
+    config: MoEConfig
+    expert_parallel_size: int = 1
+
+    def build(self, ctx: BuildContext) -> nn.Module:
+        c = ctx.config
+        return MoE(
+            c.hidden_size, self.config, ctx.state, sequence_parallel=c.sequence_parallel,
+            init_std=c.init_std, output_init_std=c.output_init_std, **ctx.kwargs,
+        )  # fmt: skip
+
+    def router_bytes(self, x: ActivationShape) -> float:
+        """Bytes per router element: fp32 4, fp64 8, else the activations'."""
+        return {"fp32": 4.0, "fp64": 8.0}.get(self.config.router_dtype, x.activation_bytes)
+
+    def saved_terms(self, x: ActivationShape) -> Terms:
+        cfg, e, r = self.config, x.activation_bytes, self.router_bytes(x)
+        t = x.s * x.b  # tokens of the whole layer before any split
+        k, n, f = cfg.top_k, cfg.top_k * x.s * x.b, cfg.expert_ffn_size
+        chosen = r * t * (k + 1) if cfg.normalize_top_k or cfg.score == "sigmoid" else 0.0
+        indices = 2 * INDEX * n * (2 if self.expert_parallel_size > 1 else 1)
+        terms: Terms = {
+            "moe_input": (e * t * x.h, OUTSIDE),
+            "router_probs": (r * t * cfg.num_experts + chosen + INDEX * t * k, OUTSIDE),
+            "routed_indices": (float(indices), OUTSIDE),
+            "expert_input": (e * n * x.h, OUTSIDE),
+            "expert_act_input": (2 * e * n * f, OUTSIDE),
+            "expert_down_input": (e * n * f, OUTSIDE),
+            "combine": (e * n * x.h + e * n, OUTSIDE),
+        }
+        if cfg.z_loss_coef:
+            terms["router_z_loss"] = (r * t * cfg.num_experts + r * t, OUTSIDE)
+        if cfg.num_shared_experts:
+            terms["shared_act_input"] = (2 * e * t * cfg.shared_ffn_size, INSIDE)
+            terms["shared_down_input"] = (e * t * cfg.shared_ffn_size, INSIDE)
+        return terms
+
+    def gemms(self, x: ActivationShape) -> list[Gemm]:
+        """Router ``T_local x h -> E``; the experts' grouped GEMMs at balance as one GEMM each
+        over ``k·T_local`` rows; the shared experts' TP-split GEMMs over the gathered tokens."""
+        cfg, h = self.config, x.h
+        mine = tokens(x) // (x.t if x.sequence_parallel else 1)  # tokens this rank routes
+        rows, f = cfg.top_k * mine, cfg.expert_ffn_size
+        gemms = [
+            Gemm("router", mine, cfg.num_experts, h),
+            Gemm("expert_gate_up", rows, 2 * f, h),
+            Gemm("expert_down", rows, h, f),
+        ]
+        if cfg.num_shared_experts:
+            fs = cfg.shared_ffn_size // x.t
+            gemms += [
+                Gemm("shared_gate_up", tokens(x), 2 * fs, h),
+                Gemm("shared_down", tokens(x), h, fs),
+            ]
+        return gemms
+
+    def input_gemms(self) -> tuple[str, ...]:
+        return ("shared_gate_up",) if self.config.num_shared_experts else ()
+
+    def parameters(self, x: ActivationShape) -> tuple[int, int]:
+        """``(split, replicated)`` at ``e = 1``: the shared experts split over TP; router and
+        all ``E`` experts replicated (a rank of an EP group of ``e`` holds ``E/e`` of them:
+        :meth:`expert_parameters`, divided by e in
+        :func:`~lightning_sp.memory.formulas.stage_parameter_count`)."""
+        cfg, h = self.config, x.h
+        return 3 * h * cfg.shared_ffn_size, cfg.num_experts * h + self.expert_parameters(x)
+
+    def expert_parameters(self, x: ActivationShape) -> int:
+        """Parameters of all ``E`` routed experts (``3·h·f_e`` each)."""
+        return self.config.num_experts * 3 * x.h * self.config.expert_ffn_size
+
+    def active_expert_parameters(self, x: ActivationShape) -> int:
+        """The ``k`` routed experts one token uses (``3·h·f_e`` each)."""
+        return self.config.top_k * 3 * x.h * self.config.expert_ffn_size
+
+    def forward_flops(self, x: ActivationShape) -> float:
+        """Active matmul FLOPs: router ``2·T·h·E``, ``k`` SwiGLU experts ``6·T·h·f_e`` each,
+        the shared experts ``6·T·h·f_s`` (``T = b·s``)."""
+        cfg, t = self.config, x.b * x.s
+        return (
+            2.0
+            * t
+            * x.h
+            * (cfg.num_experts + 3 * cfg.top_k * cfg.expert_ffn_size + 3 * cfg.shared_ffn_size)
+        )

@@ -1,0 +1,108 @@
+"""Mixtral both ways: a random ``MixtralForCausalLM`` saved by transformers (the Hub's
+per-expert tensors) read into one process and into expert- and tensor-parallel layouts equals
+transformers' float64 logits and loss; our model exported is loaded by
+``AutoModelForCausalLM`` as ``MixtralForCausalLM`` with the same logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_sp import GPT
+from lightning_sp.interop.hf import load_hf_weights, read_hf_config, save_hf
+from lightning_sp.parallel.state import ParallelState
+from lightning_sp.testing.spawn import run_distributed
+
+from hf_models import full_logits, hf_logits_and_loss, tokens
+
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-10
+"""transformers' router softmax runs in fp32 (it casts): ours too (``router_dtype: fp32``), so
+the same fp32 rounding on both sides; the rest is float64."""
+
+
+def save_random_mixtral(directory: Path) -> Any:
+    """A random 2-layer Mixtral (4 experts, top-2, GQA 4 heads / 2 groups), perturbed, saved
+    in ``directory``; returned in float64 eval mode with the eager expert loop."""
+    config = transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=300, max_position_embeddings=64,
+        num_local_experts=4, num_experts_per_tok=2, attn_implementation="sdpa",
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param), alpha=0.05)
+    model.save_pretrained(directory)
+    model.config._experts_implementation = "eager"  # torch._grouped_mm refuses float64
+    return model.double().eval()
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    directory = tmp_path_factory.mktemp("mixtral")
+    return directory, save_random_mixtral(directory)
+
+
+def _ours(directory: Path, state: ParallelState, **overrides: Any) -> GPT:
+    config = read_hf_config(directory, seq_length=32, recompute="none", **overrides)
+    model = GPT(config, state, dtype=torch.float64)
+    load_hf_weights(model, directory)
+    return model.eval()
+
+
+def test_mixtral_import_equals_transformers(mixtral: tuple[Path, Any]) -> None:
+    directory, hf = mixtral
+    model = _ours(directory, ParallelState.single())
+    assert model.config.feed_forward == "moe" and model.config.moe is not None
+    assert model.config.moe.num_experts == 4 and model.config.moe.top_k == 2
+    ids, labels = tokens()
+    hf_logits, hf_loss = hf_logits_and_loss(hf, ids, labels)
+    with torch.no_grad():
+        loss = model(ids, labels)
+        logits = full_logits([model], model.state, ids)
+    assert logits is not None
+    assert float((logits - hf_logits).abs().max()) <= TOLERANCE * float(hf_logits.abs().max())
+    assert abs(float(loss) - float(hf_loss)) <= TOLERANCE * float(hf_loss)
+
+
+def test_mixtral_export_loads_as_mixtral(mixtral: tuple[Path, Any], tmp_path: Path) -> None:
+    """Ours (read from the fixture) written back: ``AutoModelForCausalLM`` builds
+    ``MixtralForCausalLM`` with the Hub's per-expert names, and its logits equal ours."""
+    directory, _ = mixtral
+    model = _ours(directory, ParallelState.single())
+    names = [(model.global_name(n), p.detach()) for n, p in model.named_parameters()]
+    save_hf(model.config, names, tmp_path / "out", eos_token_id=0)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(back).__name__ == "MixtralForCausalLM"
+    back.config._experts_implementation = "eager"
+    back = back.double().eval()
+    ids, labels = tokens()
+    back_logits, _ = hf_logits_and_loss(back, ids, labels)
+    with torch.no_grad():
+        logits = full_logits([model], model.state, ids)
+    assert logits is not None
+    assert float((logits - back_logits).abs().max()) <= TOLERANCE * float(logits.abs().max())
+
+
+def _layout_worker(rank: int, world_size: int, directory: str, hf_loss: float) -> None:
+    ids, labels = tokens()
+    for t, e in ((2, 1), (1, 2)):
+        state = ParallelState.from_process_group(tensor_parallel_size=t, expert_parallel_size=e)
+        model = _ours(Path(directory), state, sequence_parallel=t > 1)
+        with torch.no_grad():
+            loss = float(model(ids, labels))
+        assert abs(loss - hf_loss) <= TOLERANCE * hf_loss, f"t={t} e={e}: {loss} vs {hf_loss}"
+
+
+def test_mixtral_import_any_layout_equals_transformers(mixtral: tuple[Path, Any]) -> None:
+    """t = 2 with SP, and e = 2 (each rank reads only its own experts' tensors)."""
+    directory, hf = mixtral
+    _, hf_loss = hf_logits_and_loss(hf, *tokens())
+    run_distributed(_layout_worker, 2, str(directory), float(hf_loss))

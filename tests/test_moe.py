@@ -1,0 +1,187 @@
+"""The MoE layer in one process: grouped GEMM equals the per-expert loop, the three transformers
+families' sparse MoE blocks equal ours on the same weights (outputs, router logits' losses and
+every gradient), capacity dropping, the auxiliary-loss-free bias, and bad settings refused in
+one line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_sp.errors import ConfigError
+from lightning_sp.model.experts import grouped_available, grouped_linear
+from lightning_sp.model.moe import MoE
+from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.parallel.state import ParallelState
+
+transformers = pytest.importorskip("transformers")
+
+H, F, E = 16, 24, 4
+
+
+def _moe(config: MoEConfig, dtype: torch.dtype = torch.float64, seed: int = 5) -> MoE:
+    moe = MoE(H, config, ParallelState.single(), sequence_parallel=False, dtype=dtype)
+    moe.reset_parameters(seed)
+    return moe
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_equals_loop(dtype: torch.dtype) -> None:
+    """``torch._grouped_mm`` and the per-expert loop: same output and gradients (empty groups
+    included); float64 is refused by the grouped kernel and takes the loop."""
+    assert grouped_available(dtype, 16, 32) and not grouped_available(torch.float64, 16, 32)
+    torch.manual_seed(0)
+    counts = [3, 0, 7, 6]
+    x = torch.randn(sum(counts), 16, dtype=dtype)
+    w = torch.randn(len(counts), 32, 16, dtype=dtype)
+    g = torch.randn(sum(counts), 32, dtype=dtype)
+    results = []
+    for grouped in (True, False):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        from lightning_sp.model.experts import _GroupedLinear
+
+        y = _GroupedLinear.apply(xi, wi, counts, grouped)
+        y.backward(g)
+        results.append((y, xi.grad, wi.grad))
+    loose = {"atol": 1e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 0}
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, **loose)
+    assert grouped_linear(x, w, counts).shape == (sum(counts), 32)
+
+
+def _hf_block(family: str, norm_topk: bool) -> tuple[Any, MoEConfig]:
+    common = dict(hidden_size=H, num_experts_per_tok=2, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, vocab_size=64)  # fmt: skip
+    if family == "mixtral":
+        hf_config = transformers.MixtralConfig(
+            num_local_experts=E, intermediate_size=F, router_jitter_noise=0.0, **common
+        )
+        block_class = transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock
+    elif family == "qwen3_moe":
+        hf_config = transformers.Qwen3MoeConfig(
+            num_experts=E, moe_intermediate_size=F, norm_topk_prob=norm_topk, **common
+        )
+        block_class = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock
+    else:
+        hf_config = transformers.OlmoeConfig(
+            num_experts=E, intermediate_size=F, norm_topk_prob=norm_topk, **common
+        )
+        block_class = transformers.models.olmoe.modeling_olmoe.OlmoeSparseMoeBlock
+    hf_config._experts_implementation = "eager"  # torch._grouped_mm refuses float64
+    torch.manual_seed(1)
+    block = block_class(hf_config).double()
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn_like(param) * 0.3)
+    ours = MoEConfig(num_experts=E, top_k=2, expert_ffn_size=F, normalize_top_k=norm_topk)
+    return block, ours
+
+
+@pytest.mark.parametrize(
+    "family,norm_topk", [("mixtral", True), ("qwen3_moe", True), ("qwen3_moe", False),
+                         ("olmoe", False)],
+)  # fmt: skip
+def test_matches_transformers_sparse_moe_block(family: str, norm_topk: bool) -> None:
+    """Same weights (``gate.weight``, ``experts.gate_up_proj``, ``experts.down_proj``): same
+    output, input and weight gradients, and our one-layer aux loss equals transformers'
+    ``load_balancing_loss_func`` on the block's router logits. Both compute the router's
+    softmax in fp32 (transformers casts; ``router_dtype='fp32'``), the rest in float64."""
+    block, config = _hf_block(family, norm_topk)
+    moe = _moe(config)
+    with torch.no_grad():
+        moe.router.weight.copy_(block.gate.weight)
+        moe.experts.gate_up.copy_(block.experts.gate_up_proj)
+        moe.experts.down.copy_(block.experts.down_proj)
+    torch.manual_seed(2)
+    x = torch.randn(6, 3, H, dtype=torch.float64)  # [s, b, h]
+    grad = torch.randn_like(x)
+    ours_x, hf_x = x.clone().requires_grad_(), x.transpose(0, 1).contiguous().requires_grad_()
+    out = moe(ours_x)
+    out.backward(grad)
+    hf_out = block(hf_x)  # [b, s, h]
+    hf_out.backward(grad.transpose(0, 1))
+    tol = {"rtol": 1e-12, "atol": 1e-14}
+    torch.testing.assert_close(out, hf_out.transpose(0, 1), **tol)
+    torch.testing.assert_close(ours_x.grad, hf_x.grad.transpose(0, 1), **tol)  # type: ignore[union-attr]
+    pairs = [(moe.router.weight, block.gate.weight),
+             (moe.experts.gate_up, block.experts.gate_up_proj),
+             (moe.experts.down, block.experts.down_proj)]  # fmt: skip
+    for ours_p, hf_p in pairs:
+        torch.testing.assert_close(ours_p.grad, hf_p.grad, **tol)
+    logits = torch.nn.functional.linear(x.reshape(-1, H), block.gate.weight)  # s-major tokens
+    lb = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func
+    expected = lb((logits.detach(),), E, 2)
+    assert abs(float(moe.metrics["aux_loss"]) - float(expected)) <= 1e-6 * float(expected)
+
+
+def test_capacity_drops_by_weight_and_counts() -> None:
+    """capacity_factor 0.5 of 12 tokens x top-2 over 4 experts: each expert keeps its 3
+    highest-weight choices; 24 - 12 = 12 dropped; a token whose choices are all dropped gets
+    zeros (the residual alone carries it)."""
+    config = MoEConfig(num_experts=E, top_k=2, expert_ffn_size=F, capacity_factor=0.5,
+                       router_dtype="fp64")  # fmt: skip
+    moe = _moe(config)
+    torch.manual_seed(3)
+    x = torch.randn(12, 1, H, dtype=torch.float64)
+    routed = moe.router(x.reshape(12, H), None)
+    assert routed.keep is not None and routed.dropped == 24 - int(routed.keep.sum()) == 12
+    for expert in range(E):
+        chosen = routed.experts == expert
+        kept_w = routed.weights[chosen & routed.keep]
+        dropped_w = routed.weights[chosen & ~routed.keep]
+        assert len(kept_w) == min(3, int(chosen.sum()))
+        if len(dropped_w):
+            assert kept_w.min() >= dropped_w.max()
+    out = moe(x)
+    gone = ~routed.keep.any(dim=1)
+    assert torch.equal(out.reshape(12, H)[gone], torch.zeros_like(out.reshape(12, H)[gone]))
+    assert float(moe.metrics["dropped"]) == 12
+
+
+def test_expert_bias_moves_towards_balance_and_only_chooses() -> None:
+    """The bias changes the top-k choice, not the combine weights; after an update the most
+    loaded expert's bias drops by γ, the least loaded one's rises by γ."""
+    config = MoEConfig(num_experts=E, top_k=1, expert_ffn_size=F, score="sigmoid",
+                       expert_bias=True, bias_update_rate=0.1, router_dtype="fp64")  # fmt: skip
+    moe = _moe(config)
+    x = torch.randn(40, 1, H, dtype=torch.float64)
+    moe(x)
+    load = moe.router.tokens_per_expert.clone()  # type: ignore[union-attr]
+    moe.update_expert_bias()
+    bias = moe.router.expert_bias
+    assert bias is not None
+    assert float(bias[load.argmax()]) == pytest.approx(-0.1)
+    assert float(bias[load.argmin()]) == pytest.approx(0.1)
+    assert float(moe.router.tokens_per_expert.sum()) == 0  # type: ignore[union-attr]
+    with torch.no_grad():
+        bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0]))
+    routed = moe.router(x.reshape(40, H), None)
+    assert bool((routed.experts == 3).all())  # the bias decides the choice
+    assert torch.allclose(routed.weights, torch.ones_like(routed.weights))  # top-1 renormalised
+
+
+@pytest.mark.parametrize(
+    "fields,layout,message",
+    [
+        ({"num_experts": 6}, {"expert_parallel_size": 4}, "moe.num_experts=6 is not divisible"),
+        ({"top_k": 9}, {}, "moe.top_k=9 exceeds moe.num_experts=8"),
+        ({"capacity_factor": 0.0}, {}, "moe.capacity_factor=0.0 must be > 0"),
+        ({}, {"tensor_parallel_size": 2}, "needs sequence_parallel=True"),
+        ({}, {"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size=2"),
+    ],
+)
+def test_bad_settings_one_line(fields: dict, layout: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        MoEConfig(**fields).check_layout(**{"expert_parallel_size": 1, **layout})
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_expert_parallel_size_must_divide_data_context_ranks() -> None:
+    from lightning_sp.parallel.state import check_expert_layout
+
+    with pytest.raises(ConfigError, match="expert_parallel_size=4 does not divide") as info:
+        check_expert_layout(6, 4)
+    assert "\n" not in str(info.value)
+    assert check_expert_layout(8, 4) == 2

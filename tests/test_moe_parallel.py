@@ -1,0 +1,246 @@
+"""The MoE layer under expert, data, tensor (+SP) and context parallelism equals one float64
+process: outputs, auxiliary and z losses, dropped counts, every gradient (after
+``finalize_grads``: experts reduced over their expert-data group), the global gradient norm
+and the auxiliary-loss-free bias update.
+
+Real gloo ranks; each builds the one-process reference itself and compares its own shard. The
+reference runs the ``d`` micro-batches one after another and averages the gradients (what data
+parallelism equals); a rank's micro-batch is ``dp_rank``'s, and its tokens the slice
+``cp_rank·t + tp_rank`` of it (sequence parallel: the TP shard; CP: the MoE layer is
+token-wise, so a contiguous slice stands for the load-balanced chunks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_sp import GPT, GPTConfig
+from lightning_sp.model.moe import MoE
+from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.parallel.buffer import GradBuffer
+from lightning_sp.parallel.grads import finalize_grads, global_grad_norm
+from lightning_sp.parallel.state import ParallelState
+from lightning_sp.testing.spawn import run_distributed
+
+from models import assert_matches_reference, batch, context_shards, relative_error, tiny_config
+
+S, B, H, F = 8, 2, 16, 24
+SEED = 11
+RTOL = 1e-10
+
+BASE = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=F, aux_loss_coef=0.1,
+                 z_loss_coef=0.01, router_dtype="fp64")  # fmt: skip
+CASES = {
+    "top2": BASE,
+    "top1": dataclasses.replace(BASE, top_k=1),
+    "shared": dataclasses.replace(BASE, num_shared_experts=2, num_experts=8),
+    "capacity": dataclasses.replace(BASE, capacity_factor=0.75),
+    "sigmoid_bias": dataclasses.replace(BASE, score="sigmoid", expert_bias=True, aux_loss_coef=0),
+}
+"""The MoE settings every layout runs."""
+
+
+def _micro_batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``m``'s input ``[S, B, H]`` and the weights of the linear loss on the
+    output."""
+    g = torch.Generator().manual_seed(100 + m)
+    x = torch.randn(S, B, H, generator=g, dtype=torch.float64)
+    return x, torch.randn(S, B, H, generator=g, dtype=torch.float64)
+
+
+def _run(moe: MoE, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.clone().requires_grad_()
+    out = moe(x)
+    (out * w).sum().backward()
+    return out.detach(), x.grad  # type: ignore[return-value]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def _reference(config: MoEConfig, d: int) -> tuple[MoE, list[tuple], list[dict], torch.Tensor]:
+    """One process over the ``d`` micro-batches: the model (gradients averaged), per micro-batch
+    (output, input gradient) and metrics, and the gradient norm."""
+    moe = MoE(H, config, ParallelState.single(), sequence_parallel=False, dtype=torch.float64)
+    moe.reset_parameters(SEED)
+    results, metrics = [], []
+    for m in range(d):
+        results.append(_run(moe, *_micro_batch(m)))
+        metrics.append(dict(moe.metrics))
+    for p in moe.parameters():
+        p.grad.div_(d)  # type: ignore[union-attr]
+    norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in moe.parameters()))  # type: ignore[union-attr]
+    return moe, results, metrics, norm
+
+
+def _check_layout(t: int, c: int, e: int, names: list[str]) -> None:
+    state = ParallelState.from_process_group(
+        tensor_parallel_size=t, context_parallel_size=c, expert_parallel_size=e
+    )
+    sp = t > 1
+    d = state.data_parallel_size
+    shards = t * c
+    index = state.context_parallel_rank * t + state.tensor_parallel_rank
+    rows = slice(index * S // shards, (index + 1) * S // shards)
+    for name in names:
+        config = CASES[name]
+        case = f"t={t} c={c} e={e} d={d} {name}"
+        ref, ref_results, ref_metrics, ref_norm = _reference(config, d)
+        moe = MoE(H, config, state, sequence_parallel=sp, dtype=torch.float64)
+        moe.reset_parameters(SEED)
+        m = state.data_parallel_rank
+        x, w = _micro_batch(m)
+        out, grad_x = _run(moe, x[rows], w[rows])
+        assert _rel(out, ref_results[m][0][rows]) <= RTOL, f"{case}: output"
+        assert _rel(grad_x, ref_results[m][1][rows]) <= RTOL, f"{case}: input gradient"
+        for key, value in moe.metrics.items():
+            assert _rel(value, ref_metrics[m][key]) <= RTOL, f"{case}: {key}"
+        finalize_grads(moe, state)
+        reference = dict(ref.named_parameters())
+        local = config.num_experts // e
+        for pname, param in moe.named_parameters():
+            full = reference[pname].grad
+            assert full is not None and param.grad is not None, f"{case}: {pname}"
+            if getattr(param, "expert", False):
+                expected = full[state.expert_parallel_rank * local :][:local]
+            else:
+                expected = param.shard.full_slice(full, param.shape)  # type: ignore[attr-defined]
+            assert _rel(param.grad, expected) <= RTOL, f"{case}: grad {pname}"
+        norm = global_grad_norm(list(moe.parameters()), state)
+        assert _rel(norm, ref_norm) <= RTOL, f"{case}: gradient norm {norm} vs {ref_norm}"
+        if config.expert_bias:
+            moe.update_expert_bias()
+            ref.update_expert_bias()
+            assert torch.equal(moe.router.expert_bias, ref.router.expert_bias), f"{case}: bias"
+
+
+LAYOUTS = {
+    2: [(1, 1, 2), (2, 1, 1), (1, 2, 2)],
+    4: [(1, 1, 4), (1, 1, 2), (2, 1, 2), (1, 2, 2), (1, 2, 4), (2, 2, 1)],
+}
+"""(t, c, e) per world size; d = world / (t·c)."""
+
+
+def _worker(rank: int, world_size: int, names: list[str]) -> None:
+    for t, c, e in LAYOUTS[world_size]:
+        _check_layout(t, c, e, names)
+
+
+def test_moe_layouts_match_single_process_quick() -> None:
+    """Two ranks, e = 2 over d = 2, t = 2 + SP, and e = 2 over c = 2: top-2 with both
+    auxiliary losses, and capacity."""
+    run_distributed(_worker, 2, ["top2", "capacity"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_moe_layouts_match_single_process(world_size: int) -> None:
+    run_distributed(_worker, world_size, list(CASES))
+
+
+def _gpt_config(**overrides: object) -> GPTConfig:
+    """tiny Llama with an MoE feed-forward: 4 experts of width 24, top-2, both losses."""
+    moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=24, aux_loss_coef=0.1,
+                    z_loss_coef=0.01, router_dtype="fp64", num_shared_experts=1)  # fmt: skip
+    return tiny_config("llama", feed_forward="moe", moe=moe, recompute="none", **overrides)
+
+
+def _gpt_worker(rank: int, world_size: int, layouts: list[tuple[int, int, int]]) -> None:
+    """The whole model: loss and every gradient (after ``finalize_grads``) equal one process
+    running the d data-parallel batches and averaging."""
+    for t, c, e in layouts:
+        state = ParallelState.from_process_group(
+            tensor_parallel_size=t, context_parallel_size=c, expert_parallel_size=e
+        )
+        case = f"GPT t={t} c={c} e={e} d={state.data_parallel_size}"
+        config = _gpt_config(sequence_parallel=t > 1)
+        reference = GPT(_gpt_config(), ParallelState.single(), dtype=torch.float64)
+        d = state.data_parallel_size
+        for layer in reference.layers:  # d micro-batches accumulated: as the main loss's / d
+            layer.mlp.aux_loss_scale = 1 / d
+        losses = []
+        for m in range(d):
+            losses.append(reference(*batch(config, seed=m)))
+            (losses[-1] / d).backward()
+        model = GPT(config, state, dtype=torch.float64)
+        ids, labels = context_shards(state, *batch(config, seed=state.data_parallel_rank))
+        loss = model(ids, labels)
+        loss.backward()
+        finalize_grads(model, state)
+        ref_loss = losses[state.data_parallel_rank].detach()
+        assert relative_error(loss.detach(), ref_loss) <= RTOL, f"{case}: loss"
+        compared = assert_matches_reference(model, reference, RTOL, case)
+        assert compared.parameters == len(list(model.parameters()))
+        # the same through a bucketed gradient buffer (experts in buckets of their own)
+        buffered = GPT(config, state, dtype=torch.float64)
+        buffer = GradBuffer(list(buffered.parameters()), state, bucket_numel=2000)
+        buffered(ids, labels).backward()
+        finalize_grads(buffered, state, buffer)
+        for (name, p), q in zip(buffered.named_parameters(), model.parameters(), strict=True):
+            assert _rel(p.main_grad, q.grad) <= RTOL, f"{case}: buffer {name}"  # type: ignore[attr-defined, arg-type]
+
+
+def test_moe_gpt_layouts_match_single_process_quick() -> None:
+    run_distributed(_gpt_worker, 2, [(2, 1, 1), (1, 1, 2), (1, 2, 2)])
+
+
+@pytest.mark.slow
+def test_moe_gpt_layouts_match_single_process() -> None:
+    run_distributed(_gpt_worker, 4, [(2, 1, 2), (1, 1, 4), (1, 2, 2), (2, 2, 1)])
+
+
+def _checkpoint_worker(rank: int, world_size: int, root: str) -> None:
+    """A checkpoint saved at e = 2 loads at e = 1 and back (each expert at its offset of the
+    full [E, ...] tensor): the weights equal the saving model's (optimizer state rides the
+    same offsets; not compared here)."""
+    from lightning_sp.checkpoint import Checkpointer, Meta
+    from lightning_sp.optim.adamw import build_adamw
+    from lightning_sp.parallel.config import ParallelConfig
+
+    config = _gpt_config()
+    models = {}
+    for e in (2, 1):
+        state = ParallelState.from_process_group(expert_parallel_size=e)
+        model = GPT(config, state, dtype=torch.float64)
+        optimizer = build_adamw(model, 1e-2, 0.1, (0.9, 0.95), 1e-8)
+        layout = ParallelConfig(data_parallel_size=world_size, expert_parallel_size=e)
+        models[e] = (model, optimizer, layout)
+    model, optimizer, layout = models[2]
+    model(*batch(config, seed=rank)).backward()
+    finalize_grads(model, model.state)
+    optimizer.step()
+    meta = Meta(1, layout, dataclasses.asdict(config))
+    Checkpointer().save(Path(root) / "e2", model, [optimizer], meta=meta,
+                        lightning_state={"global_step": 1}, rng=("rng.none", None))  # fmt: skip
+    for e in (1, 2):  # load at e = 1, then at e = 2 from a checkpoint e = 1 saved
+        target, target_optimizer, target_layout = models[e]
+        source = "e2" if e == 1 else "e1"
+        Checkpointer().load(
+            Path(root) / source, target, [target_optimizer], layout=target_layout,
+            model_config=dataclasses.asdict(config), rng_name="rng.none",
+        )  # fmt: skip
+        for (name, p), q in zip(target.named_parameters(), model.parameters(), strict=True):
+            full = q.detach()
+            if getattr(q, "padded_vocab", False):  # padding rows are not saved
+                full, p = full[: config.vocab_size], p[: config.vocab_size]
+            if getattr(q, "expert", False) and e == 1:  # the e = 2 model holds half of them
+                start = q.expert_start  # type: ignore[attr-defined]
+                assert torch.equal(p.detach()[start : start + q.shape[0]], full), name
+            else:
+                assert torch.equal(p.detach(), full), f"e={e} {name}"
+        if e == 1:
+            meta = Meta(1, target_layout, dataclasses.asdict(config))
+            Checkpointer().save(
+                Path(root) / "e1", target, [target_optimizer], meta=meta,
+                lightning_state={"global_step": 1}, rng=("rng.none", None),
+            )  # fmt: skip
+
+
+def test_moe_checkpoint_reshards_between_expert_parallel_sizes(tmp_path: Path) -> None:
+    run_distributed(_checkpoint_worker, 2, str(tmp_path))
