@@ -372,6 +372,19 @@ def parameters_per_rank(
     )
 
 
+def expert_parameters_per_rank(
+    config: GPTConfig,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
+) -> int:
+    """Of :func:`parameters_per_rank`, the routed experts' (``L/p`` layers' ``1/e`` of them):
+    the distributed optimizer shards their state over the ``d·c/e`` ranks holding them."""
+    shape = config.activation_shape(tensor_parallel_size)
+    experts = config.block().expert_parameters(shape) // expert_parallel_size
+    return config.num_layers // pipeline_parallel_size * experts
+
+
 def model_parameter_count(config: GPTConfig) -> int:
     """Parameters of the whole model (the embedding once if tied, vocabulary padded as at
     t = 1)."""
