@@ -29,8 +29,9 @@ def _formula(t: int, e: int, sp: bool) -> float:
     return per_rank + 4 * CONFIG.num_experts  # fp32 counts of the load-balancing loss
 
 
-def _measure(state: ParallelState, sp: bool) -> int:
-    moe = MoE(H, CONFIG, state, sequence_parallel=sp, dtype=torch.bfloat16)
+def _measure(state: ParallelState, sp: bool, recompute_act: bool = False) -> int:
+    moe = MoE(H, CONFIG, state, sequence_parallel=sp, recompute_act=recompute_act,
+              dtype=torch.bfloat16)  # fmt: skip
     moe.reset_parameters(3)
     s = S // state.tensor_parallel_size if sp else S
     x = torch.randn(s, B, H, dtype=torch.bfloat16, requires_grad=True)
@@ -54,6 +55,19 @@ def _worker(rank: int, world_size: int) -> list[tuple[str, int, float]]:
 
 def test_moe_saved_bytes_equal_formula_one_process() -> None:
     assert _measure(ParallelState.single(), False) == _formula(1, 1, False)
+
+
+def test_mlp_act_recompute_drops_the_down_projection_inputs() -> None:
+    """``mlp_act`` drops exactly the terms it names: the experts' and shared experts' down
+    projection inputs."""
+    from lightning_sp.model.recompute import RECOMPUTE_MODULES
+
+    shape = ActivationShape(s=S, b=B, h=H, a=4)
+    terms = MoEFeedForward(CONFIG).saved_terms(shape)
+    dropped = sum(terms[n][0] for n in RECOMPUTE_MODULES["mlp_act"].drops if n in terms)
+    assert dropped == 2 * (2 * S * B) * 32 + 2 * S * B * 32  # e·N·f_e and e·T·f_s
+    measured = _measure(ParallelState.single(), False, recompute_act=True)
+    assert measured == _formula(1, 1, False) - dropped
 
 
 @pytest.mark.slow

@@ -135,6 +135,7 @@ def dropped_bytes_per_layer(shape: ActivationShape, module: str) -> float:
         _per_rank(shape, *terms[term])
         for m in active_modules((module,), shape.attention)
         for term in m.drops
+        if term in terms  # a module names the terms of every part it acts on
     )
 
 
