@@ -1,11 +1,23 @@
-"""Number and table formatting shared by the benchmark report's markdown and its notes."""
+"""What every benchmark writes: its result as ``NAME.json`` and one markdown table as
+``NAME.md`` (:func:`write`), and the number formats of those tables. The prose that reads the
+tables (where we win and lose, and why) lives in ``docs/benchmarks.md``, not in code."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+from pathlib import Path
 from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+"""Where a full run writes by default; a ``--smoke`` run writes under ``results/smoke/``
+(ignored by git), so its meaningless numbers never replace a measurement."""
 
 
 def table(header: list[str], rows: list[list[Any]]) -> str:
+    """A markdown table: the first column left-aligned, the others right-aligned."""
+
     def cell(v: Any) -> str:
         return f"{v:.4g}" if isinstance(v, float) else str(v)
 
@@ -23,10 +35,6 @@ def pct(v: float, digits: int = 1) -> str:
     return f"{100 * v:+.{digits}f}%"
 
 
-def gb(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f}"
-
-
 def ci(triplet: list[float], digits: int = 3) -> str:
     """``median [low, high]``."""
     median, lo, hi = triplet
@@ -34,9 +42,38 @@ def ci(triplet: list[float], digits: int = 3) -> str:
 
 
 def pct_ci(triplet: list[float]) -> str:
+    """A ratio's ``median [low, high]`` as percent changes."""
     median, lo, hi = (x - 1 for x in triplet)
     return f"{pct(median)} [{pct(lo)}, {pct(hi)}]"
 
 
-def config_name(r: dict[str, Any]) -> str:
-    return f"{'SP' if r['sequence_parallel'] else 'TP'} + {r['recompute']}"
+def write(out_dir: Path, name: str, result: dict[str, Any], markdown: str) -> None:
+    """Write ``out_dir/NAME.json`` (``result``, everything measured) and ``out_dir/NAME.md``
+    (``markdown``: one table), and print the table. Non-finite numbers are refused
+    (``allow_nan=False``)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+    (out_dir / f"{name}.md").write_text(markdown.rstrip("\n") + "\n")
+    print(f"{out_dir / name}.json, .md:\n{markdown.rstrip()}", flush=True)
+
+
+def add_out_argument(parser: argparse.ArgumentParser) -> None:
+    """``--out DIR``: where ``NAME.json`` and ``NAME.md`` go (see :func:`out_dir`)."""
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default benchmarks/results; benchmarks/results/smoke with --smoke)",
+    )
+
+
+def out_dir(out: Path | None, smoke: bool) -> Path:
+    """``out`` if given, else :data:`RESULTS` (``RESULTS/smoke`` for a smoke run)."""
+    if out is not None:
+        return out
+    return RESULTS / "smoke" if smoke else RESULTS
+
+
+def command(module: str, argv: list[str] | None) -> str:
+    """The command line that ran a benchmark, for its JSON's ``meta``."""
+    return " ".join([f"python -m {module}", *(sys.argv[1:] if argv is None else argv)])

@@ -1,7 +1,7 @@
 """``cli.py fit`` against a plain loop over the same ``GPTModule`` (for :mod:`benchmarks.gpu`).
 
 Both train the same model (``recompute: selective``, bf16 weights with fp32 master AdamW) on the
-same batches of :class:`~lightning_sp.training.data.TextDataModule` (the standard-library
+same batches of :class:`~lightning_sp.data.TextDataModule` (the standard-library
 corpus, byte-level). The Trainer side is built by the CLI's own class (``GPTCLI``: its parser,
 defaults and loggers), with ``strategy: megatron_sp``, ``precision: bf16-true``, the
 ActivationMemoryMonitor, the MFUMonitor and the ProgressBar, as a configured run has them. The
@@ -21,9 +21,9 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_sp.training.data import TextDataModule
-from lightning_sp.training.module import GPTModule
-from lightning_sp.training.optim import configure_adamw
+from lightning_sp.data import TextDataModule
+from lightning_sp.optim.adamw import configure_adamw
+from lightning_sp.training.gpt_module import GPTModule
 
 
 def _synchronize(device: torch.device) -> None:
@@ -60,7 +60,7 @@ class StepWindow(Callback):
 
 
 def _fit_tokens_per_sec(shape: Any, args: argparse.Namespace, total: int) -> float:
-    from cli import GPTCLI  # the repository's CLI (repository root on sys.path)
+    from lightning_sp.cli.fit import GPTCLI
 
     accelerator = "gpu" if args.device == "cuda" else "cpu"
     argv = [

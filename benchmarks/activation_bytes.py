@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from benchmarks import dtensor_gpt
+from benchmarks._format import fixed, table
 from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
 from lightning_sp.memory.formulas import activation_bytes_per_layer
 from lightning_sp.model.shape import ActivationShape
@@ -177,3 +178,26 @@ def run(shape: BytesShape) -> dict[str, Any]:
         "shape": dataclasses.asdict(shape), "dtype": "bfloat16", "rows": rows,
         "ours_only": ours_only,
     }  # fmt: skip
+
+
+def markdown(section: dict[str, Any]) -> str:
+    """One table: bytes per layer per rank in sbh, the paper's Table 2, ours, DTensor."""
+    header = [
+        "t", "SP", "recompute", "paper (Table 2)", "ours", "ours / paper", "DTensor",
+        "DTensor + native_dropout", "DTensor / ours",
+    ]  # fmt: skip
+    rows = [
+        [
+            r["t"],
+            "on" if r["sequence_parallel"] else "off",
+            r["recompute"],
+            fixed(r["paper_sbh"]),
+            fixed(r["ours_sbh"], 4),
+            fixed(r["ours_vs_paper"], 4),
+            fixed(r["dtensor_sbh"], 4),
+            fixed(r["dtensor_native_dropout_sbh"], 4),
+            fixed(r["dtensor_vs_ours"], 3),
+        ]
+        for r in section["rows"]
+    ]
+    return table(header, rows)

@@ -20,13 +20,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks._format import add_out_argument, ci, command, out_dir, table, write
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.checkpoint import Checkpointer, Meta
+from lightning_sp.optim.adamw import build_adamw
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.checkpoint import Checkpointer, Meta
-from lightning_sp.training.optim import build_adamw
 
 SCHEDULES = ("none", "async", "sync")
 
@@ -71,14 +72,34 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--every", type=int, default=5, help="steps between checkpoints")
+    parser.add_argument("--smoke", action="store_true", help="2 rounds of 2 steps")
+    add_out_argument(parser)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.every = 2, 2
     with tempfile.TemporaryDirectory() as folder:
         times = run_distributed(_rank, 2, args.rounds, args.every, folder, threads=1)[0]
     base = times["none"]
-    print(f"{args.every} steps per round, {len(base)} rounds; round time / no checkpoints:")
+    ratios = {}
     for name in ("async", "sync"):
-        ratio, lo, hi = ratio_of_medians_ci(times[name], base)
-        print(f"  {name:5s} save every {args.every} steps: {ratio:.3f} (95% CI {lo:.3f}-{hi:.3f})")
+        ratios[name] = ratio_of_medians_ci(times[name], base)
+    meta = {
+        "command": command("benchmarks.checkpoint", argv),
+        "every": args.every,
+        "rounds": len(base),
+    }
+    rows = [[f"{name} save every {args.every} steps", ci(list(r))] for name, r in ratios.items()]
+    result = {
+        "meta": meta,
+        "ratio_over_none": {k: list(v) for k, v in ratios.items()},
+        "samples": times,
+    }
+    write(
+        out_dir(args.out, args.smoke),
+        "checkpoint",
+        result,
+        table(["schedule", "round time / no checkpoints [95% CI]"], rows),
+    )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks._format import add_out_argument, ci, command, fixed, out_dir, table, write
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.parallel.context import shard_for_context_parallel
@@ -76,12 +77,14 @@ def _rank(rank: int, world_size: int, rounds: int, seq_length: int, hidden: int)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Run and print the ratio; returns ``{"ratio", "low", "high", "c1_ms", "c2_ms"}``."""
+    """Run, print the ratio and write ``context.json`` + ``context.md``; returns ``{"ratio",
+    "low", "high", "c1_ms", "c2_ms"}``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--seq-length", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--smoke", action="store_true", help="2 rounds of s=64, hidden 64")
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     if args.smoke:
         args.rounds, args.seq_length, args.hidden = 2, 64, 64
@@ -95,12 +98,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "c1_ms": statistics.median(c1) * 1e3,
         "c2_ms": statistics.median(c2) * 1e3,
     }
-    print(
-        f"2 gloo ranks, fp32 GPT h={args.hidden} L=4 a=8 math attention, s={args.seq_length}, "
-        f"{args.seq_length} tokens per rank per step, {len(c1)} rounds"
+    meta = {
+        "command": command("benchmarks.context", argv),
+        "rounds": len(c1),
+        "seq_length": args.seq_length,
+        "hidden": args.hidden,
+    }
+    rows = [
+        ["c=1 (d=2), median step ms", fixed(out["c1_ms"], 1)],
+        ["c=2, median step ms", fixed(out["c2_ms"], 1)],
+        ["time per token c=2 / c=1 [95% CI]", ci([ratio, lo, hi])],
+    ]
+    write(
+        out_dir(args.out, args.smoke),
+        "context",
+        {"meta": meta, **out, "samples": {"c1": c1, "c2": c2}},
+        table(["measure", "value"], rows),
     )
-    print(f"  time per token c=2 / c=1: {ratio:.3f} (95% CI {lo:.3f}-{hi:.3f})")
-    print(f"  median step c=1 {out['c1_ms']:.1f} ms, c=2 {out['c2_ms']:.1f} ms")
     return out
 
 

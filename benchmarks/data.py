@@ -1,4 +1,4 @@
-"""Data pipeline figures: ``python -m benchmarks.data [--smoke] [--out FILE]``.
+"""Data pipeline figures: ``python -m benchmarks.data [--smoke] [--out DIR]``.
 
 (1) Constant start-up: time to the first training step (end to end, and the data's own share:
 the datamodule's setup plus building the loader and fetching the first batch, wall and CPU
@@ -14,7 +14,7 @@ with a BPE ``tokenizer.json`` trained on them (vocabulary 8192), ``num_proc`` 1 
 (documents are loaded once beforehand, so both time tokenizing and writing shards only).
 
 Wall-clock figures on a shared machine are noisy; the ratios are the result. Results go to
-``--out`` (JSON) and stdout.
+``--out`` (``data.json`` and ``data.md``, one table) and stdout.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ import lightning as L
 import numpy as np
 from lightning.pytorch.callbacks import Callback
 
+from benchmarks._format import add_out_argument, command, fixed, out_dir, table, write
 from lightning_sp import GPTConfig, GPTModule, MegatronSPStrategy, OptimizerConfig
-from lightning_sp.training.data import (
+from lightning_sp.data import (
     PrepareSettings,
     Source,
     TextDataModule,
@@ -45,11 +46,9 @@ from lightning_sp.training.data import (
     prepare,
     tokenizer_info,
 )
-from lightning_sp.training.data.prepare import FORMAT, METADATA, SHARD_TOKENS
-from lightning_sp.training.data.sources import stdlib_python_files
-from lightning_sp.training.data.tokenizer import BYTES
-
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "data.json"
+from lightning_sp.data.prepare import FORMAT, METADATA, SHARD_TOKENS
+from lightning_sp.data.sources import stdlib_python_files
+from lightning_sp.data.tokenizer import BYTES
 
 
 def synthesize(directory: Path, tokens: int, seed: int = 0) -> None:
@@ -195,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small-tokens", type=float, default=1e6)
     parser.add_argument("--documents", type=int, default=300, help="prepare: stdlib files")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes; numbers mean nothing")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     if args.smoke:
         args.large_tokens, args.small_tokens, args.documents = 2e5, 1e5, 20
@@ -205,26 +204,33 @@ def main(argv: list[str] | None = None) -> int:
             "startup": startup(Path(tmp) / "s", int(args.small_tokens), int(args.large_tokens)),
             "prepare": prepare_throughput(Path(tmp), args.documents),
             "smoke": args.smoke,
+            "command": command("benchmarks.data", argv),
         }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
     s, p = result["startup"], result["prepare"]
     m = s["median"]
-    for key, label, unit, scale in (
-        ("first_step_s", "time to first step (spawn + imports + data)", "s", 1),
-        ("data_wall_s", "data share of it, wall", "s", 1),
-        ("data_cpu_s", "data share of it, CPU", "s", 1),
-        ("peak_rss_bytes", "peak RSS per rank", "MiB", 2**20),
-    ):
-        print(
-            f"{label}, large/small: {s[f'ratio_{key}']:.3f} ({m['large'][key] / scale:.3f} "
-            f"{unit} / {m['small'][key] / scale:.3f} {unit})"
+    rows = [
+        [label, fixed(s[f"ratio_{key}"], 3), fixed(m["large"][key] / scale, 3),
+         fixed(m["small"][key] / scale, 3)]
+        for key, label, scale in (
+            ("first_step_s", "time to first step s (spawn + imports + data)", 1),
+            ("data_wall_s", "data share of it, wall s", 1),
+            ("data_cpu_s", "data share of it, CPU s", 1),
+            ("peak_rss_bytes", "peak RSS per rank MiB", 2**20),
         )
-    for n in (1, 2):
-        r = p[f"num_proc_{n}"]
-        print(f"prepare num_proc={n}: {r['tokens']:,} tokens in {r['seconds']:.2f} s = "
-              f"{r['tokens_per_second']:,.0f} tokens/s")  # fmt: skip
-    print(f"prepare num_proc 2/1: {p['ratio_2_over_1']:.2f}")
+    ]  # fmt: skip
+    rows.append([
+        "prepare tokens/s", fixed(p["ratio_2_over_1"]),
+        fixed(p["num_proc_2"]["tokens_per_second"], 0),
+        fixed(p["num_proc_1"]["tokens_per_second"], 0),
+    ])  # fmt: skip
+    write(
+        out_dir(args.out, args.smoke),
+        "data",
+        result,
+        table(
+            ["measure", "large / small (prepare: num_proc 2 / 1)", "large (2)", "small (1)"], rows
+        ),
+    )
     return 0
 
 

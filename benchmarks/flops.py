@@ -26,6 +26,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from benchmarks._format import fixed, pct, table
 from benchmarks.layer_time import LayerShape, layer_config
 from benchmarks.throughput import ThroughputShape, model_config
 from lightning_sp import GPT, GPTConfig, ParallelState
@@ -136,3 +137,25 @@ def _count_all(rank: int, world_size: int, layer: LayerShape, model: ThroughputS
         "layer": layer_rows,
         "iteration": iteration,
     }
+
+
+def markdown(section: dict[str, Any]) -> str:
+    """One table: counted forward / backward / recompute GFLOP of one layer beside the paper's."""
+    header = [
+        "t", "recompute", "forward GFLOP", "backward GFLOP", "recompute GFLOP",
+        "recompute / forward", "paper", "forward = paper",
+    ]  # fmt: skip
+    rows = [
+        [
+            r["t"],
+            r["recompute"],
+            fixed(r["forward_flops"] / 1e9),
+            fixed(r["backward_flops"] / 1e9),
+            fixed(r["recompute_flops"] / 1e9),
+            pct(r["recompute_over_forward"], 2),
+            pct(r["paper_recompute_over_forward"], 2),
+            "yes" if r["forward_flops"] == r["paper_forward_flops"] else "no",
+        ]
+        for r in section["layer"]
+    ]
+    return table(header, rows)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from benchmarks._format import add_out_argument, ci, command, fixed, out_dir, table, write
 from benchmarks._stats import median_ci, ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.model.generate import GenerationConfig, generate
@@ -83,12 +84,23 @@ def measure(shape: GenerateShape) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, seconds")
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     result = measure(SMOKE if args.smoke else FULL)
     rates, x = result["tokens_per_sec"], result["cache_speedup"]
-    print(f"tokens/s with cache {rates['cache']:.1f}, full forward {rates['no_cache']:.1f}: "
-          f"cache x{x['ratio']:.2f} (95% CI {x['low']:.2f}-{x['high']:.2f})")  # fmt: skip
+    rows = [
+        ["tokens/s, key/value cache", fixed(rates["cache"], 1)],
+        ["tokens/s, full forward per token", fixed(rates["no_cache"], 1)],
+        ["cache / full forward [95% CI]", ci([x["ratio"], x["low"], x["high"]], 2)],
+    ]
+    meta = {"command": command("benchmarks.generate", argv)}
+    write(
+        out_dir(args.out, args.smoke),
+        "generate",
+        {"meta": meta, **result},
+        table(["measure", "value"], rows),
+    )
     return result
 
 

@@ -43,13 +43,13 @@ from torch import Tensor, nn
 
 from benchmarks import dtensor_gpt
 from benchmarks._gpu_fit import fit_section
+from lightning_sp.callbacks.memory import ActivationMemoryMonitor
 from lightning_sp.errors import ConfigError
 from lightning_sp.memory.flops import measure_peak_flops, model_flops_per_iteration
 from lightning_sp.memory.saved import SavedTensorTracker
 from lightning_sp.model.config import RECOMPUTE_POLICIES, GPTConfig
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.state import ParallelState
-from lightning_sp.training.callbacks import ActivationMemoryMonitor
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks import _cpu, dtensor_gpt
+from benchmarks._format import ci, fixed, pct_ci, table
 from benchmarks._stats import median_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.testing.spawn import run_distributed
@@ -259,3 +260,27 @@ def run(shape: LayerShape) -> dict[str, Any]:
         "others_max_share_in_used_rounds": max(_round_share(r) for r in used),
         "rows": rows,
     }
+
+
+def markdown(section: dict[str, Any]) -> str:
+    """One table: forward / backward ms per (implementation, SP, policy) and the ratios
+    (median [95% CI] of the per-round ratios)."""
+    header = [
+        "implementation", "SP", "recompute", "forward ms", "backward ms", "fwd+bwd ms",
+        "vs baseline", "vs none", "DTensor / ours",
+    ]  # fmt: skip
+    rows = [
+        [
+            r["implementation"],
+            "on" if r["sequence_parallel"] else "off",
+            r["recompute"],
+            fixed(1e3 * r["forward_seconds"], 0),
+            fixed(1e3 * r["backward_seconds"], 0),
+            fixed(1e3 * r["total_seconds"], 0),
+            pct_ci(r["overhead_vs_baseline"]),
+            pct_ci(r["overhead_vs_none"]),
+            ci(r["dtensor_over_ours"]) if "dtensor_over_ours" in r else "",
+        ]
+        for r in section["rows"]
+    ]
+    return table(header, rows)

@@ -19,11 +19,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks._format import add_out_argument, ci, command, fixed, out_dir, table, write
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.optim.adamw import build_adamw
+from lightning_sp.parallel.buffer import GradBufferConfig
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.optim import build_adamw
 
 MODES = ("overlap", "after")
 
@@ -41,8 +43,7 @@ def _rank(rank: int, world_size: int, rounds: int, hidden: int, bucket: int) -> 
             0.1,
             (0.9, 0.95),
             1e-8,
-            bucket_numel=bucket,
-            overlap_grad_reduce=name == "overlap",
+            GradBufferConfig(bucket, overlap=name == "overlap"),
         )
         for name in MODES
     }
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--bucket", type=int, default=1_000_000, help="elements per bucket")
     parser.add_argument("--smoke", action="store_true", help="3 rounds of a hidden-128 model")
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     if args.smoke:
         args.rounds, args.hidden, args.bucket = 3, 128, 50_000
@@ -83,10 +85,32 @@ def main(argv: list[str] | None = None) -> None:
     on, off, comm = result["times"]["overlap"], result["times"]["after"], result["comm"]
     ratio, lo, hi = ratio_of_medians_ci(on, off)
     t_on, t_off, c = statistics.median(on), statistics.median(off), statistics.median(comm)
-    print(f"d=2 gloo, hidden {args.hidden}, {result['buckets']} buckets, {len(on)} rounds")
-    print(f"  step time overlapped / after backward: {ratio:.3f} (95% CI {lo:.3f}-{hi:.3f})")
-    print(f"  median step {t_on * 1e3:.1f} ms vs {t_off * 1e3:.1f} ms; reduction after "
-          f"backward {c * 1e3:.1f} ms; share hidden {(t_off - t_on) / c:.2f}")  # fmt: skip
+    meta = {
+        "command": command("benchmarks.overlap", argv),
+        "rounds": len(on),
+        "hidden": args.hidden,
+        "buckets": result["buckets"],
+    }
+    summary = {
+        "ratio": [ratio, lo, hi],
+        "overlap_ms": t_on * 1e3,
+        "after_ms": t_off * 1e3,
+        "reduction_ms": c * 1e3,
+        "share_hidden": (t_off - t_on) / c,
+    }
+    rows = [
+        ["median step, overlapped, ms", fixed(t_on * 1e3, 1)],
+        ["median step, reduced after backward, ms", fixed(t_off * 1e3, 1)],
+        ["reduction after backward, ms", fixed(c * 1e3, 1)],
+        ["step overlapped / after [95% CI]", ci([ratio, lo, hi])],
+        ["share of the reduction hidden", fixed((t_off - t_on) / c)],
+    ]
+    write(
+        out_dir(args.out, args.smoke),
+        "overlap",
+        {"meta": meta, **summary, "samples": result},
+        table(["measure", "value"], rows),
+    )
 
 
 if __name__ == "__main__":

@@ -1,16 +1,17 @@
-"""The one command: ``python -m benchmarks.run [--smoke] [--out DIR]``.
+"""The one command: ``python -m benchmarks.run [--smoke] [--out DIR] [--only A,B]``.
 
 Runs, in this order, (1) activation bytes per layer (:mod:`benchmarks.activation_bytes`),
 (2) time per layer (:mod:`benchmarks.layer_time`), (3) FLOPs (:mod:`benchmarks.flops`) and
-(4) training throughput under Lightning (:mod:`benchmarks.throughput`), then writes
-``report.md``, ``report.json``, ``activation_bytes.png`` and ``layer_time.png`` into ``--out``
-(default ``benchmarks/results``). If that directory already holds a ``report.json`` of the
-same mode, the key ratios of both runs are compared in the new report (reproducibility).
+(4) training throughput under Lightning (:mod:`benchmarks.throughput`). Each section writes
+``SECTION.json`` (everything measured, with the run's ``meta``: command, machine, load) and
+``SECTION.md`` (one table) into ``--out`` (default ``benchmarks/results``;
+``benchmarks/results/smoke`` with ``--smoke``). What the numbers mean, and where we win and
+lose, is ``docs/benchmarks.md``.
 
 ``--smoke``: tiny shapes, one repeat, seconds (what ``tests/test_benchmarks.py`` runs); its
-numbers mean nothing. The full run takes about five minutes on two idle cores. Timings need an
+numbers mean nothing. The full run takes about ten minutes on two idle cores. Timings need an
 idle machine: every timed interval records how much of the CPUs other processes took, medians
-use the clean intervals, and the report shows the load (``--wait-idle`` waits for quiet first).
+use the clean intervals, and ``meta`` records the load (``--wait-idle`` waits for quiet first).
 
 Multi-rank measurements run in forked gloo ranks, one intra-op thread each; this process only
 orchestrates and never runs a multi-threaded kernel itself (fork safety).
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import resource
@@ -29,16 +29,15 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import lightning
 import torch
 
-from benchmarks import _cpu, activation_bytes, flops, layer_time, report, throughput, verdicts
+from benchmarks import _cpu, activation_bytes, flops, layer_time, throughput
+from benchmarks._format import add_out_argument, command, out_dir, write
 
 SECTIONS = ("activation_bytes", "layer_time", "flops", "throughput")
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
 def _cpu_name() -> str:
@@ -90,19 +89,6 @@ def wait_until_idle(max_seconds: float, window: float = 5.0) -> float:
     return time.time() - start
 
 
-def _previous_summary(out_dir: Path, smoke: bool) -> dict[str, float] | None:
-    path = out_dir / "report.json"
-    if not path.is_file():
-        return None
-    try:
-        previous = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if previous.get("meta", {}).get("smoke") != smoke:
-        return None
-    return previous.get("summary")
-
-
 def _run_sections(
     only: list[str], shapes: dict[str, Any], smoke: bool, cache: str
 ) -> tuple[dict[str, Any], dict[str, float], dict[str, float]]:
@@ -136,12 +122,13 @@ def _run_sections(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the benchmarks and write the report; returns the report dict."""
+    """Run the benchmarks and write ``SECTION.json`` + ``SECTION.md`` per section; returns
+    ``{"meta": ..., SECTION: result, ...}``."""
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.run", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, 1 repeat (seconds)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
+    add_out_argument(parser)
     parser.add_argument(
         "--wait-idle",
         type=float,
@@ -162,9 +149,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"--only: unknown section(s) {', '.join(unknown)}; valid: {', '.join(SECTIONS)}"
         )
     warnings.filterwarnings("ignore")
-    out_dir: Path = args.out
-    previous = _previous_summary(out_dir, args.smoke)
     smoke = args.smoke
+    out = out_dir(args.out, smoke)
     shapes = {
         "bytes": activation_bytes.SMOKE if smoke else activation_bytes.FULL,
         "layer": layer_time.SMOKE if smoke else layer_time.FULL,
@@ -175,10 +161,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     loadavg_start = _loadavg()
     with tempfile.TemporaryDirectory(prefix="benchmarks-data-") as cache:  # tokenized corpus
         results, section_seconds, foreign_share = _run_sections(only, shapes, smoke, cache)
-    argv_used = sys.argv[1:] if argv is None else argv
     meta = {
-        "command": " ".join(["python -m benchmarks.run", *argv_used]),
-        "argv": argv_used,
+        "command": command("benchmarks.run", argv),
         "smoke": smoke,
         "started": datetime.datetime.fromtimestamp(started)
         .astimezone()
@@ -198,15 +182,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "loadavg_start": loadavg_start,
             "loadavg_end": _loadavg(),
         },
-        "plots": [],
     }
-    full: dict[str, Any] = {"meta": meta, **results}
-    full["summary"] = report.summarize(results)
-    if previous:
-        full["previous_run"] = report.compare(previous, full["summary"])
-    report.write(full, out_dir, verdicts.notes(results))
-    print(f"[benchmarks] wrote {out_dir / 'report.md'}", file=sys.stderr)
-    return full
+    tables = {
+        "activation_bytes": activation_bytes.markdown,
+        "layer_time": layer_time.markdown,
+        "flops": flops.markdown,
+        "throughput": throughput.markdown,
+    }
+    for name, result in results.items():
+        write(out, name, {"meta": meta, **result}, tables[name](result))
+    print(f"[benchmarks] wrote {', '.join(results)} (.json, .md) to {out}", file=sys.stderr)
+    return {"meta": meta, **results}
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ rank 1 run the whole benchmark; external launch avoids that and treats both stra
 
 Both runs: 2 CPU ranks (one intra-op thread each), tensor parallel t=2 with sequence
 parallelism, the same recompute policy, fp32, the same weights (the DTensor model loads our
-seeded initialisation), the same batches (:class:`lightning_sp.training.data.TextDataModule` over a
+seeded initialisation), the same batches (:class:`lightning_sp.data.TextDataModule` over a
 fixed sample of the standard library, byte-level), the same AdamW and learning-rate schedule.
 A callback times every training step (``on_train_batch_start`` -> ``on_train_batch_end``:
 forward, backward, gradient reductions, optimizer step, the slower rank's time) and what
@@ -56,17 +56,18 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from benchmarks import _cpu, dtensor_gpt
+from benchmarks._format import fixed, pct, table
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, GPTModule, MegatronSPStrategy, OptimizerConfig
+from lightning_sp.data import TextDataModule
 from lightning_sp.memory.flops import (
     hardware_flops_per_iteration,
     measure_peak_flops,
     model_flops_per_iteration,
 )
+from lightning_sp.optim.adamw import configure_adamw
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.data import TextDataModule
-from lightning_sp.training.optim import configure_adamw
 
 TIMEOUT_SECONDS = 300.0
 STRATEGIES = ("ours", "lightning_model_parallel")
@@ -377,3 +378,27 @@ def run(
         "live_training_rss_ratio": ours["live_memory"]["rss_growth"]
         / theirs["live_memory"]["rss_growth"],
     }
+
+
+def markdown(section: dict[str, Any]) -> str:
+    """One table: step time, tokens/s, MFU / HFU and memory per rank for both strategies."""
+    names = {
+        "ours": "`MegatronSPStrategy` + `GPTModule`",
+        "lightning_model_parallel": "`ModelParallelStrategy` + DTensor GPT",
+    }
+    header = [
+        "strategy", "step s", "tokens/s", "MFU", "HFU", "peak RSS GiB", "growth GiB",
+        "live peak GiB", "live growth GiB", "loss first → last", "steps used / run",
+    ]  # fmt: skip
+    rows = []
+    for key, run in section["runs"].items():
+        live = run["live_memory"]
+        rows.append([
+            names[key], fixed(run["median_step_seconds"], 3), fixed(run["tokens_per_second"], 0),
+            pct(run["mfu"]).lstrip("+"), pct(run["hfu"]).lstrip("+"),
+            fixed(run["peak_rss"] / 2**30), fixed(run["rss_growth"] / 2**30),
+            fixed(live["peak_rss"] / 2**30), fixed(live["rss_growth"] / 2**30),
+            f"{run['losses'][0]:.3f} → {run['losses'][-1]:.3f}",
+            f"{run['steps_used']}/{run['steps_run']}",
+        ])  # fmt: skip
+    return table(header, rows)

@@ -26,24 +26,24 @@ from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
 
 if TYPE_CHECKING:
-    from lightning_sp.training.callbacks import ActivationMemoryMonitor
-    from lightning_sp.training.data import TextDataModule
-    from lightning_sp.training.last_checkpoint import ModelCheckpoint
-    from lightning_sp.training.module import GPTModule
-    from lightning_sp.training.optim import OptimizerConfig
-    from lightning_sp.training.progress import ProgressBar
+    from lightning_sp.callbacks.memory import ActivationMemoryMonitor
+    from lightning_sp.callbacks.model_checkpoint import ModelCheckpoint
+    from lightning_sp.callbacks.progress import ProgressBar
+    from lightning_sp.callbacks.throughput import MFUMonitor
+    from lightning_sp.data import TextDataModule
+    from lightning_sp.optim.adamw import OptimizerConfig
+    from lightning_sp.training.gpt_module import GPTModule
     from lightning_sp.training.strategy import MegatronSPStrategy
-    from lightning_sp.training.throughput import MFUMonitor
 
 _LIGHTNING_NAMES = {
-    "ActivationMemoryMonitor": "lightning_sp.training.callbacks",
-    "TextDataModule": "lightning_sp.training.data",
-    "GPTModule": "lightning_sp.training.module",
-    "ModelCheckpoint": "lightning_sp.training.last_checkpoint",
-    "OptimizerConfig": "lightning_sp.training.optim",
-    "ProgressBar": "lightning_sp.training.progress",
+    "ActivationMemoryMonitor": "lightning_sp.callbacks.memory",
+    "TextDataModule": "lightning_sp.data",
+    "GPTModule": "lightning_sp.training.gpt_module",
+    "ModelCheckpoint": "lightning_sp.callbacks.model_checkpoint",
+    "OptimizerConfig": "lightning_sp.optim.adamw",
+    "ProgressBar": "lightning_sp.callbacks.progress",
     "MegatronSPStrategy": "lightning_sp.training.strategy",
-    "MFUMonitor": "lightning_sp.training.throughput",
+    "MFUMonitor": "lightning_sp.callbacks.throughput",
 }
 """The names that import Lightning, and their modules."""
 

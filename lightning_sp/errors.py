@@ -1,6 +1,10 @@
-"""The one exception type for configuration mistakes, and the checks every config shares."""
+"""The one exception type for configuration mistakes, and the checks every config shares
+(a positive size, a writable directory)."""
 
 from __future__ import annotations
+
+import os
+import tempfile
 
 
 class ConfigError(ValueError):
@@ -22,3 +26,26 @@ def positive_int(name: str, value: object) -> int:
 def divisors(n: int) -> list[int]:
     """The positive divisors of ``n``, for "must be one of ..." messages."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_writable(field: str, directory: str) -> None:
+    """``directory`` exists and a file can be created in it, or it can be created: its
+    nearest existing ancestor is a directory in which a file can be created (a probe file,
+    removed at once). ``field`` names the setting in the message."""
+    path = os.path.abspath(os.path.expanduser(directory))
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(
+            f"{field}={directory!r} cannot be written: {existing!r} is a file, not a "
+            "directory; give a directory path"
+        )
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            f"{field}={directory!r} cannot be written: {error.strerror or error} in "
+            f"{existing!r}; give a directory this user can write"
+        ) from error

@@ -36,11 +36,11 @@ def _process_state_restored() -> Iterator[None]:
 
 @pytest.fixture
 def shutdown_handlers() -> Iterator[None]:
-    """``lightning_sp.training.shutdown``'s signal handlers installed in this process for the
+    """``lightning_sp.runtime.shutdown``'s signal handlers installed in this process for the
     test; the previous handlers and the module's state are restored after it."""
     import signal
 
-    from lightning_sp.training import shutdown
+    from lightning_sp.runtime import shutdown
 
     previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     saved = dict(shutdown._state)

@@ -11,9 +11,7 @@ from torch import nn
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.grads import (
-    allreduce_replicated_grads,
-    allreduce_sequence_parallel_grads,
-    sum_context_parallel_grads,
+    finalize_grads,
 )
 from lightning_sp.parallel.init import local_slice
 
@@ -44,15 +42,14 @@ def batch(
 
 
 def loss_and_grads(model: GPT, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """One forward/backward; gradients finished as the trainer does (SP grads reduced, and
+    """One forward/backward; gradients finished as the trainer does, by the package's own
+    :func:`finalize_grads` (SP grads and replicated KV heads summed over TP, averaged over DP,
     summed over the CP group under context parallelism, where ``ids`` and ``labels`` are this
     rank's shards: :func:`context_shards`)."""
     model.zero_grad(set_to_none=True)
     loss = model(ids, labels)
     loss.backward()
-    allreduce_sequence_parallel_grads(model, model.state)
-    allreduce_replicated_grads(model, model.state)
-    sum_context_parallel_grads(model, model.state)
+    finalize_grads(model, model.state)
     return loss.detach()
 
 

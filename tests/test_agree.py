@@ -1,5 +1,5 @@
 """Errors found after launch are agreed by every rank and printed once
-(training/agree.py): a ``ConfigError`` raised on one rank only is raised by every rank with
+(runtime/agree.py): a ``ConfigError`` raised on one rank only is raised by every rank with
 the same message; through ``cli.py`` with 2 ranks, an empty corpus (found by rank 0 alone, in
 ``prepare_data``) gives one ``error:`` line, no traceback, exit code 2."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from lightning_sp import ConfigError
+from lightning_sp.data import TextDataModule
+from lightning_sp.runtime.agree import ranks_agree
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.agree import ranks_agree
-from lightning_sp.training.data import TextDataModule
 
 from cli_runs import CLI, SMALL, TINY, error_lines, run
 

@@ -20,12 +20,12 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.callbacks.memory import ActivationMemoryMonitor
+from lightning_sp.callbacks.progress import ProgressBar, si_format
+from lightning_sp.callbacks.throughput import MFUMonitor
 from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
 from lightning_sp.memory.formulas import activation_bytes_per_layer
 from lightning_sp.model.shape import ActivationShape
-from lightning_sp.training.callbacks import ActivationMemoryMonitor
-from lightning_sp.training.progress import ProgressBar, si_format
-from lightning_sp.training.throughput import MFUMonitor
 
 S, B, H, A, LAYERS, VOCAB = 64, 2, 64, 4, 2, 256
 STEPS = 3

@@ -1,4 +1,4 @@
-"""Checkpoints (the lightning_sp.training.checkpoint package): resharding between layouts on 4
+"""Checkpoints (the lightning_sp.checkpoint package): resharding between layouts on 4
 gloo ranks, crash safety under kill -9, the non-finite guard."""
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from lightning_sp import (
     ParallelState,
     Pipeline,
 )
+from lightning_sp.checkpoint import Checkpointer, Meta, read_full, rng_key, verify
+from lightning_sp.data import TextDataModule
+from lightning_sp.optim.adamw import build_adamw
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.checkpoint import Checkpointer, Meta, read_full, rng_key, verify
-from lightning_sp.training.data import TextDataModule
-from lightning_sp.training.optim import build_adamw
 
 from cli_runs import CLI, ROOT, error_lines, gone, run
 from models import batch, tiny_config
@@ -296,10 +296,10 @@ def test_a_failed_save_is_one_line_and_an_interrupt_stays_an_interrupt(
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from lightning_sp.training import shutdown
-    from lightning_sp.training.checkpoint import CheckpointSaveError, commit
-    from lightning_sp.training.checkpoint.checkpointer import SaveStopped
-    from lightning_sp.training.checkpoint.dcp_planners import FaultyWriter
+    from lightning_sp.checkpoint import CheckpointSaveError, commit
+    from lightning_sp.checkpoint.checkpointer import SaveStopped
+    from lightning_sp.checkpoint.dcp_planners import FaultyWriter
+    from lightning_sp.runtime import shutdown
 
     config = tiny_config()
     model = GPT(config, ParallelState.single())
@@ -465,7 +465,7 @@ def test_loader_with_a_stateful_sampler_is_resumable_for_lightning() -> None:
     from lightning.fabric.utilities.types import _Stateful
     from torch.utils.data import DataLoader
 
-    from lightning_sp.training.checkpoint.checkpointer import resumable_loader
+    from lightning_sp.checkpoint.checkpointer import resumable_loader
 
     class Sampler(list):
         position = 0

@@ -128,8 +128,8 @@ def test_readme_example_runs_under_torchrun(tmp_path: Path) -> None:
 def test_cli_shows_the_short_progress_bar_unless_disabled(enabled: bool, tmp_path: Path) -> None:
     """The CLI adds lightning_sp.ProgressBar to the configured callbacks (configs/tiny.yaml
     names none), and leaves it out when the bar is disabled."""
-    from cli import GPTCLI
     from lightning_sp import GPTModule, ProgressBar, TextDataModule
+    from lightning_sp.cli.fit import GPTCLI
 
     args = ["--config", TINY, "--trainer.devices", "1", "--trainer.strategy", "auto",
             "--trainer.default_root_dir", str(tmp_path),
@@ -143,8 +143,8 @@ def test_cli_shows_the_short_progress_bar_unless_disabled(enabled: bool, tmp_pat
 def test_logs_go_under_the_default_root_dir(tmp_path: Path) -> None:
     """Like any Lightning run, the CLI's loggers write under ``trainer.default_root_dir``
     (configs/tiny.yaml sets ``logs``); a config's own loggers are left alone."""
-    from cli import GPTCLI
     from lightning_sp import GPTModule, TextDataModule
+    from lightning_sp.cli.fit import GPTCLI
 
     base = ["--config", TINY, "--trainer.devices", "1", "--trainer.strategy", "auto"]
     cli = GPTCLI(GPTModule, TextDataModule, run=False,

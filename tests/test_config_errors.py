@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from lightning_sp import GPT, ConfigError, GPTConfig, MegatronSPStrategy, ParallelState
+from lightning_sp.data import TextDataModule
 from lightning_sp.errors import positive_int
 from lightning_sp.parallel.state import check_layout
 from lightning_sp.pipeline import check_batch
-from lightning_sp.training.data import TextDataModule
 
 from models import tiny_config
 
@@ -134,6 +134,11 @@ def test_module_resolves_auto_recompute() -> None:
     module = GPTModule(tiny_config(recompute="auto"))
     module.configure_model()  # a tiny model fits an 80 GB device: no recomputation at all
     assert [layer.recompute for layer in module.chunks[0].layers] == ["none", "none"]
+    # resolved once: what the module, its hyperparameters (hparams.yaml) and the checkpoint's
+    # model config report is the policy that runs, not "auto"
+    assert module.config.recompute == "none"
+    assert module.hparams["config"]["recompute"] == "none"
+    assert module.hparams_initial["config"]["recompute"] == "none"  # what loggers write
 
 
 def test_recompute_num_layers_mixes_full_and_selective() -> None:
@@ -190,8 +195,9 @@ def test_bad_recompute_rest(rest: object, message: str) -> None:
 # -- the README's table of bad inputs: each check in-process, through the function cli.py runs
 # before any process starts (tests/test_cli.py runs a few through `python cli.py` itself)
 
-from lightning_sp.training import validation  # noqa: E402
-from lightning_sp.training.optim import OptimizerConfig  # noqa: E402
+from lightning_sp.checkpoint.verify import check_checkpoint  # noqa: E402
+from lightning_sp.optim.adamw import OptimizerConfig  # noqa: E402
+from lightning_sp.training import checks as validation  # noqa: E402
 
 STRATEGY_CASES = [  # (strategy arguments, the field named in the one line)
     ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be a positive integer"),
@@ -267,9 +273,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory):
     """A real checkpoint of the tiny model (one process) and its config."""
     import dataclasses
 
+    from lightning_sp.checkpoint import Checkpointer, Meta
+    from lightning_sp.optim.adamw import build_adamw
     from lightning_sp.parallel.config import ParallelConfig
-    from lightning_sp.training.checkpoint import Checkpointer, Meta
-    from lightning_sp.training.optim import build_adamw
 
     config = tiny_config()
     model = GPT(config, ParallelState.single())
@@ -290,13 +296,13 @@ def _copy(path, tmp_path):
 
 
 def test_checkpoint_missing(saved, tmp_path) -> None:
-    _raises(r"ckpt_path='.*nothing' does not exist", validation.check_checkpoint,
+    _raises(r"ckpt_path='.*nothing' does not exist", check_checkpoint,
             str(tmp_path / "nothing"), saved[1])  # fmt: skip
 
 
 def test_checkpoint_is_a_file(saved, tmp_path) -> None:
     (tmp_path / "x.ckpt").write_text("")
-    _raises(r"is a file; a checkpoint is a directory", validation.check_checkpoint,
+    _raises(r"is a file; a checkpoint is a directory", check_checkpoint,
             str(tmp_path / "x.ckpt"), saved[1])  # fmt: skip
 
 
@@ -305,21 +311,19 @@ def test_checkpoint_truncated_file_is_named(saved, tmp_path) -> None:
     shard = sorted(copy.glob("*.distcp"))[0]
     with open(shard, "r+b") as fh:
         fh.truncate(shard.stat().st_size // 2)
-    _raises(
-        rf"file {shard} is truncated or corrupt", validation.check_checkpoint, str(copy), saved[1]
-    )
+    _raises(rf"file {shard} is truncated or corrupt", check_checkpoint, str(copy), saved[1])
 
 
 def test_checkpoint_corrupt_metadata_is_named(saved, tmp_path) -> None:
     copy = _copy(saved[0], tmp_path)
     (copy / "meta.json").write_text("{not json")
-    _raises(r"meta.json is corrupt", validation.check_checkpoint, str(copy), saved[1])
+    _raises(r"meta.json is corrupt", check_checkpoint, str(copy), saved[1])
 
 
 def test_checkpoint_incomplete(saved, tmp_path) -> None:
     copy = _copy(saved[0], tmp_path)
     (copy / ".metadata").unlink()
-    _raises(r"not a complete checkpoint: .metadata is missing", validation.check_checkpoint,
+    _raises(r"not a complete checkpoint: .metadata is missing", check_checkpoint,
             str(copy), saved[1])  # fmt: skip
 
 
@@ -329,7 +333,7 @@ def test_checkpoint_of_another_model_names_both_values(saved) -> None:
 
     other = dataclasses.replace(config, hidden_size=64)
     _raises(r"model.config.hidden_size=64 but the checkpoint was trained with hidden_size=32",
-            validation.check_checkpoint, str(path), other)  # fmt: skip
+            check_checkpoint, str(path), other)  # fmt: skip
 
 
 def test_unknown_activation() -> None:

@@ -327,6 +327,7 @@ def _worker(rank: int, world_size: int, full: bool) -> None:
     if not full:  # the quick check
         check_parity(group, "math", *HEADS[1])
         check_adjoint(group)
+        check_token_mean(group)  # ranks counting different numbers of tokens
         return
     for core in CONTEXT_ATTENTION_CORES:
         for hq, hkv in HEADS:
@@ -340,7 +341,8 @@ def _worker(rank: int, world_size: int, full: bool) -> None:
 
 
 def test_context_parallel_attention_on_two_ranks_quick() -> None:
-    """c=2: GQA math attention equals one process; the split / gather ops are adjoint."""
+    """c=2: GQA math attention equals one process; the split / gather ops are adjoint; the
+    token mean over ranks with unequal token counts."""
     run_distributed(_worker, 2, False)
 
 

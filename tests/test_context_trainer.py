@@ -29,13 +29,13 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_sp import ConfigError, GPTModule, MegatronSPStrategy, OptimizerConfig
+from lightning_sp.callbacks.memory import ActivationMemoryMonitor
+from lightning_sp.callbacks.throughput import MFUMonitor
+from lightning_sp.checkpoint import Meta, read_full
+from lightning_sp.data import TextDataModule
 from lightning_sp.memory.flops import model_flops_per_iteration
 from lightning_sp.memory.formulas import activation_bytes_per_layer
-from lightning_sp.training.callbacks import ActivationMemoryMonitor
-from lightning_sp.training.checkpoint import Meta, read_full
-from lightning_sp.training.data import TextDataModule
-from lightning_sp.training.throughput import MFUMonitor
-from lightning_sp.training.validation import check_context_sequence
+from lightning_sp.parallel.config import ParallelConfig
 
 from models import relative_error, tiny_config
 
@@ -201,11 +201,15 @@ def test_sequence_must_split_into_2c_chunks() -> None:
     with pytest.raises(ConfigError, match=r"^model.config.seq_length=18 is not a multiple of 4 "
                        r"\(context_parallel_size=2 cuts each sequence into 4 chunks\); "
                        r"use e.g. 16 or 20$"):  # fmt: skip
-        check_context_sequence(tiny_config(seq_length=18), 1, 2)
+        ParallelConfig(context_parallel_size=2).check_sequence_length(18, False)
     with pytest.raises(ConfigError, match=r"seq_length=20 is not a multiple of 8 .* over "
                        r"tensor_parallel_size=4\); use e.g. 16 or 24$"):  # fmt: skip
-        check_context_sequence(tiny_config(seq_length=20, sequence_parallel=True), 4, 2)
-    check_context_sequence(tiny_config(seq_length=20), 4, 2)  # without SP: 2c = 4 divides
+        ParallelConfig(tensor_parallel_size=4, context_parallel_size=2).check_sequence_length(
+            20, True
+        )
+    ParallelConfig(tensor_parallel_size=4, context_parallel_size=2).check_sequence_length(
+        20, False
+    )  # without SP: 2c = 4 divides
     with pytest.raises(ConfigError, match=r"^context_parallel_size=0 must be a positive integer"):
         MegatronSPStrategy(context_parallel_size=0)
 
@@ -216,9 +220,9 @@ def test_context_parallel_needs_a_module_that_shards_its_batches() -> None:
     from lightning_sp.training.protocol import check_module
 
     with pytest.raises(ConfigError, match=r"^context_parallel_size=2 needs a module that builds"):
-        check_module(BoringModel(), 1, 1, 2)
+        check_module(BoringModel(), ParallelConfig(context_parallel_size=2))
     custom = module("gpt2")
     custom.supports_context_parallel = False  # e.g. examples/custom_mlp.py: it does not shard
     with pytest.raises(ConfigError, match=r"^context_parallel_size=2 but GPTModule does not"):
-        check_module(custom, 1, 1, 2)
-    check_module(module("gpt2"), 1, 1, 2)
+        check_module(custom, ParallelConfig(context_parallel_size=2))
+    check_module(module("gpt2"), ParallelConfig(context_parallel_size=2))

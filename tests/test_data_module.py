@@ -15,8 +15,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
 from lightning_sp import ConfigError, GPTConfig, GPTModule, MegatronSPStrategy, OptimizerConfig
-from lightning_sp.training.checkpoint import read_full
-from lightning_sp.training.data import TextDataModule, TokenSplit
+from lightning_sp.checkpoint import read_full
+from lightning_sp.data import TextDataModule, TokenSplit
 
 from corpora import bpe_tokenizer, text_files
 

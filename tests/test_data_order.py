@@ -9,9 +9,9 @@ import pickle
 import numpy as np
 import pytest
 
+from lightning_sp.data import Permutation, ResumableSampler, SampleOrder, parse_blend
+from lightning_sp.data.order import quotas
 from lightning_sp.errors import ConfigError
-from lightning_sp.training.data import Permutation, ResumableSampler, SampleOrder, parse_blend
-from lightning_sp.training.data.order import quotas
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 1000, 4097])

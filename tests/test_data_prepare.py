@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from lightning_sp.errors import ConfigError
-from lightning_sp.training.data import (
+from lightning_sp.data import (
     PackedSamples,
     PrepareSettings,
     Source,
@@ -26,6 +25,7 @@ from lightning_sp.training.data import (
     resolve_paths,
     tokenizer_info,
 )
+from lightning_sp.errors import ConfigError
 
 from cli_runs import ROOT
 from corpora import bpe_tokenizer, document, jsonl, text_files, word_tokenizer

@@ -10,8 +10,8 @@ import datasets
 import numpy as np
 import pytest
 
+from lightning_sp.data import BYTE_EOS_ID, TextDataModule, TokenSplit
 from lightning_sp.errors import ConfigError
-from lightning_sp.training.data import BYTE_EOS_ID, TextDataModule, TokenSplit
 
 from corpora import document, jsonl, text_files, write
 

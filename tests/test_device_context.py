@@ -22,8 +22,8 @@ from lightning_sp.parallel.init import materialize
 from lightning_sp.parallel.random import RNGStreams, dropout
 from lightning_sp.parallel.state import _group_options
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.module import GPTModule
-from lightning_sp.training.validation import check_compile
+from lightning_sp.training.checks import check_compile
+from lightning_sp.training.gpt_module import GPTModule
 
 from models import batch, tiny_config
 

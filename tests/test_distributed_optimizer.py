@@ -16,14 +16,15 @@ import torch
 import torch.distributed as dist
 
 from lightning_sp import GPT, ParallelState
+from lightning_sp.checkpoint import Checkpointer, Meta, read_full, rng_key
+from lightning_sp.checkpoint.shards import flat_range_boxes
 from lightning_sp.memory.formulas import distributed_optimizer_elements, model_state_bytes
+from lightning_sp.optim.adamw import build_adamw
+from lightning_sp.optim.distributed import DistributedAdamW
+from lightning_sp.parallel.buffer import GradBufferConfig
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.checkpoint import Checkpointer, Meta, read_full, rng_key
-from lightning_sp.training.checkpoint.shards import flat_range_boxes
-from lightning_sp.training.distributed_optim import DistributedAdamW
-from lightning_sp.training.optim import build_adamw
 
 from models import batch, tiny_config
 
@@ -46,8 +47,8 @@ class Run:
         self.config = tiny_config(sequence_parallel=state.tensor_parallel_size > 1)
         self.model = GPT(self.config, state, dtype=dtype)
         self.optimizer = build_adamw(
-            self.model, 1e-2, 0.1, (0.9, 0.95), 1e-8, bucket_numel=BUCKET,
-            distributed_optimizer=distributed,
+            self.model, 1e-2, 0.1, (0.9, 0.95), 1e-8,
+            GradBufferConfig(BUCKET, distributed=distributed),
         )  # fmt: skip
 
     def step(self, step: int) -> None:

@@ -15,8 +15,8 @@ import yaml
 from test_hf_export import LOSS_RTOL, SaveHeldOutLoss, _fit
 
 from lightning_sp import GPTConfig, GPTModule, OptimizerConfig
-from lightning_sp.training.data import TextDataModule
-from lightning_sp.training.hf_export import export_checkpoint
+from lightning_sp.cli.export import export_checkpoint
+from lightning_sp.data import TextDataModule
 
 from cli_runs import ROOT
 from hf_models import SEQ, hf_logits_and_loss, transformers

@@ -20,6 +20,9 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_sp import GPT, ConfigError, GPTConfig, GPTModule, MegatronSPStrategy, ParallelState
+from lightning_sp.callbacks.predictions import TextPredictionWriter
+from lightning_sp.cli.generate import at_context_length, context_notice
+from lightning_sp.data import TextDataModule
 from lightning_sp.model.generate import (
     GenerationConfig,
     KVCache,
@@ -29,9 +32,6 @@ from lightning_sp.model.generate import (
     sequence_parallel_off,
 )
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.data import TextDataModule
-from lightning_sp.training.generate_command import at_context_length, context_notice
-from lightning_sp.training.prompts import TextPredictionWriter
 
 from cli_runs import ROOT, error_lines
 from models import relative_error, tiny_config
@@ -109,7 +109,7 @@ def test_same_seed_same_text_and_eos_stops() -> None:
 
 
 def test_generate_says_when_it_stopped_at_the_context_length() -> None:
-    """``cli.py generate``'s notice (training/generate_command.py) is printed exactly when
+    """``cli.py generate``'s notice (cli/generate.py) is printed exactly when
     generation stopped at seq_length, not at max_new_tokens or an end-of-document token."""
     model = _model(ParallelState.single(), sequence_parallel=False)
     config = model.config

@@ -24,11 +24,11 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_sp import GPT, ParallelState
-from lightning_sp.parallel.buffer import GradBuffer
+from lightning_sp.optim.adamw import build_adamw
+from lightning_sp.parallel.buffer import GradBuffer, GradBufferConfig
 from lightning_sp.parallel.grads import clip_grad_norm_, finalize_grads, global_grad_norm, grad_of
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.optim import build_adamw
 from lightning_sp.training.strategy import MegatronSPStrategy
 
 from models import batch, gradient_floor, relative_error, tiny_config
@@ -80,8 +80,8 @@ def _compare(
     old_state: ParallelState = old.state  # type: ignore[assignment]
     opt_old = build_adamw(old, 1e-2, 0.1, (0.9, 0.95), 1e-8)
     opt_new = build_adamw(
-        new, 1e-2, 0.1, (0.9, 0.95), 1e-8, bucket_numel=BUCKET, overlap_grad_reduce=overlap,
-        distributed_optimizer=distributed,
+        new, 1e-2, 0.1, (0.9, 0.95), 1e-8,
+        GradBufferConfig(BUCKET, overlap=overlap, distributed=distributed),
     )  # fmt: skip
     buffer: GradBuffer = opt_new.grad_buffer  # type: ignore[attr-defined]
     assert len(buffer.buckets) > 4
@@ -215,7 +215,7 @@ def test_lightning_accumulation_turns_the_buffer_sync_off() -> None:
     hooks from counting, so only the last micro-batch's backward launches reductions."""
     model = nn.Linear(4, 4, dtype=torch.float64)
     model.state = ParallelState.single()  # type: ignore[assignment]
-    optimizer = build_adamw(model, 1e-2, 0.0, (0.9, 0.95), 1e-8, bucket_numel=8)
+    optimizer = build_adamw(model, 1e-2, 0.0, (0.9, 0.95), 1e-8, GradBufferConfig(8))
     strategy = MegatronSPStrategy()
     strategy.optimizers = [optimizer]
     buffer: GradBuffer = optimizer.grad_buffer  # type: ignore[attr-defined]

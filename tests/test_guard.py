@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_sp.runtime.guard import NonFiniteError, NonFiniteGuard
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.guard import NonFiniteError, NonFiniteGuard
 
 POISONED_RANK = 1
 

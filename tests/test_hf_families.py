@@ -32,12 +32,12 @@ from hf_families import FAMILIES, GROUPS, save_family_with_reference, save_rando
 from lightning_sp import ConfigError
 from lightning_sp.interop.hf import check_hf_directory, load_hf_weights, read_hf_config, save_hf
 from lightning_sp.model.gpt import GPT
+from lightning_sp.optim.adamw import build_adamw
 from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.optim import build_adamw
 
 from hf_models import (
     STEPS,

@@ -34,11 +34,11 @@ from lightning_sp import ConfigError, GPTConfig, GPTModule
 from lightning_sp.interop.hf import check_hf_directory, load_hf_weights, read_hf_config
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
+from lightning_sp.optim.adamw import build_adamw
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.testing.spawn import run_distributed
-from lightning_sp.training.optim import build_adamw
 
 from cli_runs import ROOT
 from hf_models import (

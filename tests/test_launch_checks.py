@@ -1,7 +1,7 @@
 """Mistakes found before launch, in one line (in-process, no Trainer): the tokenizer larger
 than ``model.config.vocab_size`` and a checkpoint directory that cannot be written
-(training/launch_checks.py, run by ``cli.py`` before any rank starts), and an unknown config
-key with a close match instead of a usage dump (training/parse_errors.py)."""
+(cli/checks.py, run by ``cli.py`` before any rank starts), and an unknown config
+key with a close match instead of a usage dump (cli/parser.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import cli
 from lightning_sp import ConfigError
-from lightning_sp.training.launch_checks import check_writable
+from lightning_sp.cli import main as cli
+from lightning_sp.errors import check_writable
 
 from cli_runs import TINY
 

@@ -215,9 +215,9 @@ def _checkpoint_worker(rank: int, world_size: int, root: str) -> None:
     """A checkpoint saved at e = 2 loads at e = 1 and back (each expert at its offset of the
     full [E, ...] tensor): the weights equal the saving model's (optimizer state rides the
     same offsets; not compared here)."""
+    from lightning_sp.checkpoint import Checkpointer, Meta
+    from lightning_sp.optim.adamw import build_adamw
     from lightning_sp.parallel.config import ParallelConfig
-    from lightning_sp.training.checkpoint import Checkpointer, Meta
-    from lightning_sp.training.optim import build_adamw
 
     config = _gpt_config()
     models = {}

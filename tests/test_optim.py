@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_sp.training.optim import MasterWeightAdamW, build_adamw, kernel_options
+from lightning_sp.optim.adamw import MasterWeightAdamW, build_adamw, kernel_options
 
 
 def test_bf16_model_gets_fp32_masters_and_fp32_gradient_accumulation() -> None:

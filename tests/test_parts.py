@@ -182,8 +182,8 @@ def test_bad_part_options_fail_with_one_line() -> None:
         ({"norm_placement": "sandwich"}, "norm_placement='sandwich' is not a placement; valid: "
          "pre, post"),
         ({"bias": ["qkv", "gate"]}, "bias=['qkv', 'gate'] names 'gate', not a projection"),
-        ({"feed_forward": "sparse"}, "feed_forward='sparse' is not a feed-forward part; valid: "
-         "dense, moe"),
+        ({"feed_forward": "mixture"}, "feed_forward='mixture' is not a feed-forward part; "
+         "valid: dense, moe"),
         ({"rope_scaling": RopeScaling(rope_type="yarn")}, "rope_scaling.rope_type='yarn' is not "
          "a RoPE scaling; valid: llama3, linear, dynamic"),
     ]:  # fmt: skip

@@ -22,8 +22,9 @@ import pytest
 import torch.distributed as dist
 import yaml
 
-from cli import read_estimate_args
 from lightning_sp import ConfigError, GPTConfig
+from lightning_sp.cli.estimate import main as report_main
+from lightning_sp.cli.estimate import read_estimate_args
 from lightning_sp.memory.formulas import (
     FIGURE7_ROWS,
     TABLE2_SETTINGS,
@@ -35,7 +36,6 @@ from lightning_sp.planner.estimate import estimate, resolve_recompute
 from lightning_sp.planner.layout import Layout, parse_bytes
 from lightning_sp.planner.records import Estimate
 from lightning_sp.planner.report import JSON_KEYS
-from lightning_sp.planner.report import main as report_main
 
 from cli_runs import ROOT
 

@@ -14,8 +14,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_sp import GPTConfig, GPTModule, MegatronSPStrategy, ModelCheckpoint, OptimizerConfig
-from lightning_sp.training.checkpoint import read_full
-from lightning_sp.training.optim import lr_multiplier
+from lightning_sp.checkpoint import read_full
+from lightning_sp.optim.adamw import lr_multiplier
 
 from test_trainer import data, logged, model, trainer
 
@@ -57,7 +57,7 @@ def test_last_checkpoint_of_a_finished_run_continues_it_exactly(
         )
 
 
-# -- resume with other optimizer settings (lightning_sp.training.resume) --------------------
+# -- resume with other optimizer settings (lightning_sp.optim.resume) --------------------
 
 
 class FirstStepSettings(Callback):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_sp.training.checkpoint import read_full
+from lightning_sp.checkpoint import read_full
 
 from cli_runs import CLI, SMALL, TINY, children, error_lines, finish, gone, start, wait_for
 
@@ -90,7 +90,7 @@ def test_a_child_rank_broken_by_a_peers_stop_waits_for_its_signal(shutdown_handl
     """A child rank whose step failed because rank 0 stopped (e.g. a checkpoint save broken by
     rank 0's Ctrl-C) waits for the launcher's signal and takes its exit code, so it exits
     quietly instead of printing its traceback; with no signal the failure stays its own."""
-    from lightning_sp.training import shutdown
+    from lightning_sp.runtime import shutdown
 
     assert shutdown.wait_for_stop(0.2) is None  # nothing came: the failure is the rank's
     timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from cli import read_estimate_args
 from lightning_sp import ConfigError, GPTConfig
+from lightning_sp.cli.estimate import read_estimate_args
 from lightning_sp.memory.flops import (
     forward_flops_per_iteration,
     hardware_flops_per_iteration,
@@ -344,7 +344,7 @@ def test_mfu_grows_with_model_size() -> None:
 
 
 def test_estimate_json_has_the_time_columns(capsys: pytest.CaptureFixture[str]) -> None:
-    from lightning_sp.planner.report import main
+    from lightning_sp.cli.estimate import main
 
     args = ["--config", CONFIGS["gpt22b"], "--format", "json", "--formula_only", "true"]
     assert main(read_estimate_args, [*args, "--cluster", "h100-80gb"]) == 0
@@ -357,10 +357,11 @@ def test_estimate_json_has_the_time_columns(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_calibrate_smoke_on_cpu(tmp_path: Path) -> None:
-    """``python -m benchmarks.calibrate --smoke`` on this CPU writes a cluster file that
+    """``lightning-sp calibrate --smoke`` on this CPU writes a cluster file that
     ``--cluster`` reads: every GEMM the model asks for at the measured (t, b) is timed as
     measured, the attention core too, and the peak and bandwidth are the measured ones."""
-    from benchmarks.calibrate import SMOKE_CONFIG, main, model_gemms
+    from lightning_sp.cli.calibrate import main
+    from lightning_sp.planner.calibrate import SMOKE_CONFIG, model_gemms
 
     out = tmp_path / "cpu.yaml"
     assert main(["--smoke", "--device", "cpu", "--out", str(out)]) == 0
@@ -381,7 +382,7 @@ def test_search_json_is_ranked_and_fits(capsys: pytest.CaptureFixture[str]) -> N
     """``estimate --search true --format json`` on the 22B config (8 GPUs, global batch 4):
     layouts of 8 GPUs, fastest first, each fitting; the distributed optimizer is offered where
     only context parallelism replicates the model (d = 1, c = 2: it shards over dp x cp)."""
-    from lightning_sp.planner.report import main
+    from lightning_sp.cli.estimate import main
 
     args = ["--config", CONFIGS["gpt22b"], "--model.config.attention", "math"]
     assert main(read_estimate_args, [*args, "--search", "true", "--format", "json"]) == 0

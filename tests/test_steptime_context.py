@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from cli import read_estimate_args
 from lightning_sp import ConfigError, GPTConfig
+from lightning_sp.cli.estimate import read_estimate_args
 from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
 from lightning_sp.planner.cluster import A100_80GB, H100_80GB
 from lightning_sp.planner.estimate import estimate
@@ -170,7 +170,7 @@ def test_search_ranks_context_parallel_layouts() -> None:
 def test_estimate_command_at_128k_with_c8(capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 23's command (on 256 GPUs: t·p·c = 8·4·8): a layout line with c = 8 and some
     row that fits 80 GB."""
-    from lightning_sp.planner.report import main
+    from lightning_sp.cli.estimate import main
 
     args = [
         "--config", os.path.join(ROOT, "configs", "llama3_70b.yaml"),
@@ -203,3 +203,39 @@ def test_auto_considers_c() -> None:
     )
     assert one.fits and one.recompute == "full"
     assert four.fits and (four.recompute, four.recompute_num_layers) == ("none", None)
+
+
+def test_gradient_reduction_and_optimizer_shards_run_over_d_times_c() -> None:
+    """t = 2, c = 2, d = 4 on 16 GPUs (two nodes): the step's gradient all-reduce runs over the
+    d·c = 8 ranks of dp x cp, across the network, and what outlasts the last micro-batch's
+    backward is exposed; the distributed optimizer shards its state over d·c (memory and
+    optimizer time)."""
+    from lightning_sp.memory.formulas import (
+        MIXED_PRECISION_ADAM,
+        model_state_bytes,
+        parameters_per_rank,
+    )
+    from lightning_sp.planner.kernels import all_reduce_seconds, memory_seconds
+
+    config = dataclasses.replace(LLAMA, attention="sdpa", recompute="none")
+    lay = layout(config, t=2, c=2, d=4)
+    timed = step_time(lay, H100_80GB)
+    params = parameters_per_rank(config, 2, 1)
+    reduce = all_reduce_seconds(H100_80GB, 4 * params, 8, within_node=False)
+    backward = config.num_layers * sum(timed.layer.backward.values())
+    assert reduce > backward, "the case must expose part of the reduction"
+    assert timed.parts["dp_exposed"] == pytest.approx(reduce - backward, rel=1e-12), (
+        f"gradient all-reduce: {timed.parts['dp_exposed']:.6f} s exposed, over d·c = 8 ranks it "
+        f"is {reduce - backward:.6f} s"
+    )
+    zero = dataclasses.replace(lay, distributed_optimizer=True)
+    state = estimate(zero, measure=False).rows[0].model_state_bytes
+    want = round(model_state_bytes(params, MIXED_PRECISION_ADAM, 8, distributed_optimizer=True))
+    assert state == want, (
+        f"distributed optimizer at d=4, c=2: {state} B of model state per rank, sharded over "
+        f"d·c = 8 ranks it is {want} B"
+    )
+    optimizer = step_time(zero, H100_80GB).parts["optimizer"]
+    assert optimizer == pytest.approx(memory_seconds(H100_80GB, 8 * params + 30 * params / 8)), (
+        "the distributed optimizer's step must cover a 1/(d·c) shard"
+    )

@@ -15,8 +15,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_sp import ConfigError, GPTConfig, GPTModule, MegatronSPStrategy, OptimizerConfig
-from lightning_sp.training.checkpoint import read_full
-from lightning_sp.training.data import TextDataModule
+from lightning_sp.checkpoint import read_full
+from lightning_sp.data import TextDataModule
 
 
 class AssertReplicasInSync(Callback):
@@ -140,7 +140,7 @@ def test_resume_is_exact(tmp_path: Path, corpus: Path, layout: str) -> None:
 def test_bf16_run_logs_activation_bytes_equal_to_table2(tmp_path: Path, corpus: Path) -> None:
     """bf16 weights and activations (fp32 master weights in the optimizer), TP=2 + SP,
     selective recompute: the monitor's measured bytes per layer equal the paper's 34 sbh / t."""
-    from lightning_sp.training.callbacks import ActivationMemoryMonitor
+    from lightning_sp.callbacks.memory import ActivationMemoryMonitor
 
     run = trainer(tmp_path, "bf16", "tp2-sp", max_steps=6, precision="bf16-true",
                   callbacks=[ActivationMemoryMonitor()], enable_checkpointing=False)  # fmt: skip
@@ -184,7 +184,7 @@ def test_pipeline_trains_exactly_like_one_process(tmp_path: Path, corpus: Path) 
     """p=2 with m=2 interleaved chunks and 4 micro-batches against one process on the same
     batches (dropout 0, fp32): the same loss at every step; the activation monitor reports
     the first stage's peak beside eq. 5 x (1 + (p-1)/(p*m))."""
-    from lightning_sp.training.callbacks import ActivationMemoryMonitor
+    from lightning_sp.callbacks.memory import ActivationMemoryMonitor
 
     def run(name: str, layout: str, callbacks: list) -> dict[int, float]:
         net = model(num_layers=4, hidden_dropout=0.0, attention_dropout=0.0)

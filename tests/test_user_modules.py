@@ -19,6 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 import lightning_sp  # noqa: F401  (registers megatron_sp)
 from examples.custom_mlp import CustomMLPModule, ParallelMLP, regression_data
 from lightning_sp import ConfigError, MegatronSPStrategy, ParallelState
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.testing.spawn import run_distributed
 from lightning_sp.training.strategy import check_module
 
@@ -107,10 +108,10 @@ def test_refusals_are_one_line_naming_the_class() -> None:
         (2, 2, CustomMLPModule(), r"^pipeline_parallel_size=2 but CustomMLPModule does not"),
     ):
         with pytest.raises(ConfigError, match=expected) as info:
-            check_module(module, t, p)
+            check_module(module, ParallelConfig(tensor_parallel_size=t, pipeline_parallel_size=p))
         assert "\n" not in str(info.value)
-    check_module(BoringModel(), 1, 1)  # data parallelism: anything goes
-    check_module(CustomMLPModule(), 2, 1)
+    check_module(BoringModel(), ParallelConfig())  # data parallelism: anything goes
+    check_module(CustomMLPModule(), ParallelConfig(tensor_parallel_size=2))
 
 
 # -- the custom model against one float64 process ------------------------------------------------

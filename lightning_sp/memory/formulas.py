@@ -283,7 +283,7 @@ def extra_activation_bytes(
 @dataclass(frozen=True)
 class ModelStatePrecision:
     """Bytes kept per parameter by mixed-precision Adam (Megatron's, and
-    ``lightning_sp.training.optim``'s :class:`MasterWeightAdamW`; no distributed optimizer, so
+    ``lightning_sp.optim.adamw``'s :class:`MasterWeightAdamW`; no distributed optimizer, so
     nothing is sharded over data parallelism). The defaults sum to 18 bytes per parameter."""
 
     param_bytes: float = 2

@@ -6,6 +6,7 @@ field values of each family (``GPTConfig.llama(...)`` builds one)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -226,8 +227,8 @@ class GPTConfig:
 
     @property
     def groups(self) -> int:
-        """Key/value groups g (``num_query_groups`` or ``num_heads``)."""
-        return self.num_query_groups or self.num_heads
+        """Key/value groups g (``num_query_groups``; None: ``num_heads``)."""
+        return self.num_heads if self.num_query_groups is None else self.num_query_groups
 
     def activation_shape(
         self,
@@ -292,8 +293,9 @@ class GPTConfig:
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
         return -(-self.vocab_size // multiple) * multiple
 
-    def validate(self, tensor_parallel_size: int = 1) -> None:
-        """Raise :class:`ConfigError` (one line: field, value, what is valid) on a bad config."""
+    def validate(self, tensor_parallel_size: int = 1, expert_parallel_size: int = 1) -> None:
+        """Raise :class:`ConfigError` (one line: field, value, what is valid) on a bad config,
+        or one that ``t`` tensor-parallel (and ``e`` expert-parallel) ranks cannot share."""
         t = tensor_parallel_size
         for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_heads"):
             positive_int(name, getattr(self, name))
@@ -322,7 +324,7 @@ class GPTConfig:
                     f"feed_forward='moe' runs SwiGLU experts; activation={self.activation!r} "
                     "must be 'swiglu'"
                 )
-            self.moe.check_layout(1, t, self.sequence_parallel)  # e is checked with the layout
+            self.moe.check_layout(expert_parallel_size, t, self.sequence_parallel)
         if not isinstance(self.bias, bool):
             unknown = [p for p in self.bias if p not in BIAS_PROJECTIONS]
             if unknown:
@@ -371,7 +373,13 @@ class GPTConfig:
                 f"tensor_parallel_size must be one of {divisors(self.num_heads)}"
             )
         g = self.groups
-        positive_int("num_query_groups", g)
+        if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+            raise ConfigError(
+                f"num_query_groups={self.num_query_groups!r} must be a positive integer dividing "
+                f"num_heads={self.num_heads} (one of {divisors(self.num_heads)}), or null for "
+                "multi-head attention"
+            )
+        _check_rope(self.rope_theta, self.rope_scaling)
         if self.num_heads % g:
             raise ConfigError(
                 f"num_query_groups={g} does not divide num_heads={self.num_heads}; "
@@ -400,9 +408,66 @@ class GPTConfig:
             )
 
 
+def _check_rope(theta: float, scaling: RopeScaling | None) -> None:
+    """``rope_theta`` > 0 and finite; ``rope_scaling``'s factors positive, ``high_freq_factor``
+    above ``low_freq_factor`` (their difference divides) and its context a positive integer."""
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0 < theta < math.inf:
+        raise ConfigError(f"rope_theta={theta!r} must be a positive number (Llama 3: 500000)")
+    if scaling is None:
+        return
+    for name in ("factor", "low_freq_factor", "high_freq_factor"):
+        value = getattr(scaling, name)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 < value < math.inf
+        ):
+            raise ConfigError(f"rope_scaling.{name}={value!r} must be a positive number")
+    if not scaling.high_freq_factor > scaling.low_freq_factor:
+        raise ConfigError(
+            f"rope_scaling.high_freq_factor={scaling.high_freq_factor!r} must be greater than "
+            f"rope_scaling.low_freq_factor={scaling.low_freq_factor!r} (Llama 3.1: 4 and 1)"
+        )
+    positive_int(
+        "rope_scaling.original_max_position_embeddings", scaling.original_max_position_embeddings
+    )
+
+
 def _multiples(g: int, t: int) -> set[int]:
     """Multiples of ``g`` up to ``t``."""
     return set(range(g, t + 1, g))
+
+
+RESUMABLE_FIELDS = frozenset(
+    {
+        "seq_length",  # learned positions: a shape, checked as one; RoPE: context extension
+        "hidden_dropout",
+        "attention_dropout",
+        "sequence_parallel",
+        "recompute",
+        "recompute_num_layers",
+        "recompute_rest",
+        "attention",
+        "init_std",
+        "make_vocab_size_divisible_by",  # only the padding rows, which are not saved
+        "seed",
+    }
+)
+"""The :class:`GPTConfig` fields that do not change what trained weights mean: a run may load a
+checkpoint with other values. Every other field, including any field added later, is the
+architecture (:func:`architecture`), which a loaded checkpoint must match."""
+
+
+def architecture(config: GPTConfig) -> dict[str, Any]:
+    """The architecture fields of ``config`` (all but :data:`RESUMABLE_FIELDS`) as JSON values,
+    written one way (``num_query_groups`` num_heads is None, ``ffn_hidden_size`` 4h is None),
+    so that two configs describe the same weights exactly when these dicts are equal."""
+    plain = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    plain["num_query_groups"] = None if config.groups == config.num_heads else config.groups
+    plain["ffn_hidden_size"] = (
+        None if config.ffn_size == 4 * config.hidden_size else config.ffn_size
+    )
+    return {k: v for k, v in plain.items() if k not in RESUMABLE_FIELDS}
 
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {

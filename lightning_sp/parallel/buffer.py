@@ -39,10 +39,36 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_sp.errors import ConfigError, positive_int
 from lightning_sp.parallel.state import ParallelState
 
 DEFAULT_BUCKET_NUMEL = 40_000_000
 """Elements per bucket by default (160 MB of fp32 gradients, Megatron's default size)."""
+
+
+@dataclass(frozen=True)
+class GradBufferConfig:
+    """How a run's gradients are bucketed and reduced: the one record of it, built by the
+    strategy from its arguments (``bucket_size``, ``overlap_grad_reduce``,
+    ``distributed_optimizer``), checked here once, and handed whole to the optimizer that
+    builds the :class:`GradBuffer`."""
+
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    """Elements per bucket (the strategy's ``bucket_size``)."""
+
+    overlap: bool = True
+    """Launch each bucket's reduction during backward (``overlap_grad_reduce``)."""
+
+    distributed: bool = False
+    """Reduce-scatter instead of all-reduce, for the distributed optimizer
+    (``distributed_optimizer``)."""
+
+    def __post_init__(self) -> None:
+        positive_int("bucket_size", self.bucket_numel)
+        for name, value in (("overlap_grad_reduce", self.overlap),
+                            ("distributed_optimizer", self.distributed)):  # fmt: skip
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name}={value!r} must be true or false")
 
 
 def grad_dtype(param: Tensor) -> torch.dtype:

@@ -5,12 +5,13 @@ setup the strategy completes it (the data-parallel size from the world size, seq
 parallelism agreed with the module's) and pushes it, with the rank's
 :class:`~lightning_sp.parallel.state.ParallelState`, into the module. The planner's
 :class:`~lightning_sp.planner.layout.Layout` holds one beside the model config and the batch,
-and a checkpoint's ``meta.json`` records one (:mod:`lightning_sp.training.checkpoint`).
+and a checkpoint's ``meta.json`` records one (:mod:`lightning_sp.checkpoint`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from lightning_sp.errors import ConfigError, positive_int
@@ -89,6 +90,28 @@ class ParallelConfig:
         return dataclasses.replace(
             self, sequence_parallel=resolve_sequence_parallel(self.sequence_parallel, model_value)
         )
+
+    def check_sequence_length(self, seq_length: int, sequence_parallel: bool) -> None:
+        """Under context parallelism (``c > 1``) every sequence is cut into ``2c`` equal
+        chunks, and with sequence parallelism each rank's ``s/c`` tokens are split again over
+        ``t``: ``seq_length`` (``model.config.seq_length``) must be a multiple of ``2c`` (with
+        SP, of ``lcm(2c, c·t)``). One-line :class:`ConfigError` otherwise, naming the nearest
+        valid lengths."""
+        c, t, s = self.context_parallel_size, self.tensor_parallel_size, seq_length
+        if c == 1:
+            return
+        need = 2 * c
+        why = f"context_parallel_size={c} cuts each sequence into {need} chunks"
+        if sequence_parallel and t > 1:
+            need = math.lcm(need, c * t)
+            why += f" and sequence parallelism splits each rank's s/c over tensor_parallel_size={t}"
+        if s % need:
+            below, above = s // need * need, (s // need + 1) * need
+            nearest = f"{below} or {above}" if below else f"{above}"
+            raise ConfigError(
+                f"model.config.seq_length={s} is not a multiple of {need} ({why}); use e.g. "
+                f"{nearest}"
+            )
 
     def same_shards(self, other: ParallelConfig) -> bool:
         """Whether every rank holds the same shard and dropout streams under ``other`` (t, p,

@@ -49,13 +49,14 @@ Sources (quoted by the comments below):
 
 A cluster is a preset name (:data:`PRESETS`) or a YAML file of :class:`Cluster` fields
 (``base: a100-80gb`` starts from a preset); a calibration file written by
-``python -m benchmarks.calibrate`` is such a YAML file with measured efficiencies and a table
+``lightning-sp calibrate`` is such a YAML file with measured efficiencies and a table
 of measured GEMM and attention times (:class:`Calibration`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,17 @@ from lightning_sp.errors import ConfigError
 GB = 1e9
 
 
+KERNEL_KINDS: tuple[str, ...] = ("gemm", "attention")
+"""The kinds of :class:`MeasuredKernel` the step-time model looks up."""
+
+
+def _bad_number(value: object, allow_zero: bool = False) -> bool:
+    """Whether ``value`` is not a finite positive number (``>= 0`` with ``allow_zero``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return True
+    return not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero)
+
+
 @dataclass(frozen=True)
 class MeasuredKernel:
     """One measured kernel time: a GEMM ``[batch] x (m x k) @ (k x n)`` (``kind = "gemm"``) or
@@ -72,16 +84,39 @@ class MeasuredKernel:
     = micro-batch x heads on one rank; forward + backward)."""
 
     kind: str
+    """One of :data:`KERNEL_KINDS`."""
     m: int
+    """Rows of the output (attention: the sequence)."""
     n: int
+    """Columns of the output (attention: the head dimension)."""
     k: int
+    """The reduced dimension (attention: 0)."""
     batch: int
+    """Independent products (attention: micro-batch x heads)."""
     seconds: float
+    """The measured time, finite and positive."""
+
+    def validate(self, where: str) -> None:
+        """:class:`ConfigError` (one line naming ``where``, the field and the value) unless the
+        kind is known, the sizes are positive integers (``k`` may be 0) and ``seconds`` is
+        finite and positive."""
+        if self.kind not in KERNEL_KINDS:
+            raise ConfigError(
+                f"{where}.kind={self.kind!r} is not a kernel kind; valid: {', '.join(KERNEL_KINDS)}"
+            )
+        for name in ("m", "n", "k", "batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or _bad_number(value, allow_zero=name == "k"):
+                raise ConfigError(f"{where}.{name}={value!r} must be a positive integer")
+        if _bad_number(self.seconds):
+            raise ConfigError(
+                f"{where}.seconds={self.seconds!r} must be a finite positive number of seconds"
+            )
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Kernel times measured on one device (``benchmarks.calibrate``); the step-time model
+    """Kernel times measured on one device (``lightning_sp.planner.calibrate``); the step-time model
     uses a measured time when it has the exact shape, and its analytic model otherwise."""
 
     device: str = ""
@@ -149,14 +184,32 @@ class Cluster:
     """Measured kernel times (empty for the presets)."""
 
     def validate(self) -> None:
-        """:class:`ConfigError` (one line) unless every figure is positive and every
-        efficiency is in (0, 1]."""
+        """:class:`ConfigError` (one line naming the field and the value) unless every figure
+        is a finite positive number, every efficiency is in (0, 1], ``gemm_tile`` is two
+        positive integers and every calibration kernel is valid
+        (:meth:`MeasuredKernel.validate`)."""
+        where = f"cluster {self.name}"
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.type not in ("float", "int"):
+                continue
+            if _bad_number(value) or (f.type == "int" and not isinstance(value, int)):
+                kind = "integer" if f.type == "int" else "finite number"
+                raise ConfigError(f"{where}: {f.name}={value!r} must be a positive {kind}")
             if f.name.endswith("efficiency") and not 0 < value <= 1:
-                raise ConfigError(f"cluster {self.name}: {f.name}={value!r} must be in (0, 1]")
-            if isinstance(value, int | float) and not isinstance(value, bool) and value <= 0:
-                raise ConfigError(f"cluster {self.name}: {f.name}={value!r} must be positive")
+                raise ConfigError(f"{where}: {f.name}={value!r} must be in (0, 1]")
+        tile = self.gemm_tile
+        if (
+            not isinstance(tile, tuple)
+            or len(tile) != 2
+            or any(not isinstance(x, int) or _bad_number(x) for x in tile)
+        ):
+            raise ConfigError(
+                f"{where}: gemm_tile={list(tile) if isinstance(tile, tuple) else tile!r} must be "
+                "two positive integers [rows, cols], e.g. [256, 128]"
+            )
+        for i, kernel in enumerate(self.calibration.kernels):
+            kernel.validate(f"{where}: calibration.kernels[{i}]")
 
     @property
     def gemm_flops(self) -> float:
@@ -242,13 +295,23 @@ def cluster_from_dict(data: dict[str, Any], name: str) -> Cluster:
         )
     if "calibration" in data:
         raw = data["calibration"] or {}
-        try:
-            kernels = tuple(MeasuredKernel(**k) for k in raw.get("kernels", []))
-        except TypeError as exc:
-            raise ConfigError(f"cluster {name}: calibration kernels: {exc}") from None
-        data["calibration"] = Calibration(device=str(raw.get("device", "")), kernels=kernels)
+        if not isinstance(raw, dict) or not isinstance(raw.get("kernels", []), list):
+            raise ConfigError(
+                f"cluster {name}: calibration must be a mapping {{device, kernels: [...]}}"
+            )
+        kernels = []
+        for i, k in enumerate(raw.get("kernels", [])):
+            fields = [f.name for f in dataclasses.fields(MeasuredKernel)]
+            if not isinstance(k, dict) or set(k) != set(fields):
+                raise ConfigError(
+                    f"cluster {name}: calibration.kernels[{i}]={k!r} must have exactly the keys "
+                    f"{', '.join(fields)}"
+                )
+            kernels.append(MeasuredKernel(**k))
+        data["calibration"] = Calibration(device=str(raw.get("device", "")), kernels=tuple(kernels))
     if "gemm_tile" in data:
-        data["gemm_tile"] = tuple(data["gemm_tile"])
+        tile = data["gemm_tile"]
+        data["gemm_tile"] = tuple(tile) if isinstance(tile, list | tuple) else tile
     for f in dataclasses.fields(Cluster):
         if f.name in data and f.type in ("float", "int"):  # YAML reads 50.0e9 as a string
             try:
@@ -290,8 +353,16 @@ def load_cluster(spec: str | Cluster | None) -> Cluster:
         )
     import yaml
 
-    with open(spec) as fh:
-        data = yaml.safe_load(fh)
+    try:
+        with open(spec) as fh:
+            data = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ConfigError(f"--cluster={spec!r} cannot be read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "malformed"
+        raise ConfigError(f"--cluster={spec!r} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--cluster={spec!r}: expected a mapping of cluster fields")
     return cluster_from_dict(data, os.path.basename(spec))

@@ -211,7 +211,7 @@ def estimate(
         for sp in acts
         for rc in acts[sp]
     ]
-    k, sp = _configured_split(layout), layout.config.sequence_parallel
+    k, sp = _configured_split(layout), configured_sp(layout)
     if k is not None and policy_name(cfg.recompute) in acts[sp]:
         policy = policy_name(cfg.recompute)
         rows.append(_row(layout, sp, policy, acts[sp], state_bytes, device, hardware, k))
@@ -226,9 +226,7 @@ def estimate(
         cluster=hardware.name,
     )
     if layout.recompute == "auto":
-        result.choice = _choose(
-            result, acts[layout.config.sequence_parallel], state_bytes, hardware
-        )
+        result.choice = _choose(result, acts[configured_sp(layout)], state_bytes, hardware)
     _mark_selected(result)
     return result
 
@@ -243,11 +241,7 @@ def _choose(
     policy of :data:`LADDER`, and for each policy below ``full`` the split with ``full`` on
     the fewest layers of a chunk that fits; the row of a chosen split is appended to
     ``result.rows``. Nothing fits: ``full`` on every layer."""
-    layout, sp, measured = (
-        result.layout,
-        result.layout.config.sequence_parallel,
-        bool(result.measurements),
-    )
+    layout, sp, measured = result.layout, configured_sp(result.layout), bool(result.measurements)
     device, last = result.device_bytes, LADDER[-1]
     candidates = [result.row(sp, policy) for policy in LADDER]
     for rest in LADDER[:-1]:
@@ -300,6 +294,14 @@ def no_gain_notes(result: Estimate) -> list[str]:
     return notes
 
 
+def configured_sp(layout: Layout) -> bool:
+    """The sequence-parallel setting of the configured rows: the layout's, except that where
+    SP cannot split each rank's ``s/c`` tokens over t (``fit`` refuses that layout:
+    :meth:`Layout.splits_sequence`) the configured layout is shown without SP, marked so
+    by the report."""
+    return bool(layout.config.sequence_parallel) and layout.splits_sequence()
+
+
 def _configured_split(layout: Layout) -> int | None:
     """The configured ``recompute_num_layers`` if it splits a chunk's layers between two
     policies, else ``None``."""
@@ -312,13 +314,9 @@ def _configured_split(layout: Layout) -> int | None:
 def _mark_selected(result: Estimate) -> None:
     layout, choice = result.layout, result.choice
     if choice is None:
-        key = (
-            layout.config.sequence_parallel,
-            policy_name(layout.recompute),
-            _configured_split(layout),
-        )
+        key = (configured_sp(layout), policy_name(layout.recompute), _configured_split(layout))
     else:
-        key = (layout.config.sequence_parallel, choice.recompute, choice.recompute_num_layers)
+        key = (configured_sp(layout), choice.recompute, choice.recompute_num_layers)
     for row in result.rows:
         row.selected = (row.sequence_parallel, row.recompute, row.recompute_num_layers) == key
 

@@ -1,13 +1,12 @@
-"""What ``cli.py estimate`` prints and draws: the table, the JSON rows and the memory ladder
-(Figure 7), and the command itself.
+"""What ``estimate`` prints and draws: the table, the JSON rows and the memory ladder
+(Figure 7).
 """
 
 from __future__ import annotations
 
-import json
+import math
 import os
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from lightning_sp.errors import ConfigError
@@ -18,11 +17,8 @@ from lightning_sp.memory.formulas import (
     layers_in_flight,
     model_state_bytes,
 )
-from lightning_sp.planner.cluster import load_cluster
-from lightning_sp.planner.estimate import estimate, no_gain_notes
-from lightning_sp.planner.layout import FitLayoutCLI
+from lightning_sp.planner.estimate import no_gain_notes
 from lightning_sp.planner.records import Estimate, EstimateRow, gigabytes
-from lightning_sp.planner.search import format_search, search
 
 JSON_KEYS = (
     "sequence_parallel",
@@ -54,7 +50,10 @@ def to_json(row: EstimateRow) -> dict[str, Any]:
 
 
 def _candidate_json(candidate: Any) -> dict[str, Any]:
-    """One ``--search --format json`` object: the layout's sizes, then its row."""
+    """One ``--search --format json`` object: the layout's sizes, then its row.
+    ``num_microbatches`` is the micro-batches of one step on a rank (``b·n·d`` is the global
+    batch): the strategy's ``num_microbatches`` at p > 1; at p = 1 they are Lightning's
+    accumulation, ``accumulate_grad_batches`` beside it (the strategy's is then 1)."""
     lay = candidate.layout
     out = {
         "tensor_parallel_size": lay.tensor_parallel_size,
@@ -63,7 +62,8 @@ def _candidate_json(candidate: Any) -> dict[str, Any]:
         "context_parallel_size": candidate.context_parallel_size,
         "data_parallel_size": lay.data_parallel_size,
         "micro_batch_size": lay.micro_batch_size,
-        "num_microbatches": lay.num_microbatches,
+        "num_microbatches": lay.microbatches_per_step,
+        "accumulate_grad_batches": lay.accumulate_grad_batches,
         "distributed_optimizer": lay.distributed_optimizer,
     }
     return out | to_json(candidate.row)
@@ -104,8 +104,14 @@ def format_table(result: Estimate) -> str:
         f"layout: t={t} p={p} m={m}"
         + (f" c={c}" if c > 1 else "")
         + f" d={layout.data_parallel_size} on {layout.world_size} GPUs; "
-        f"micro-batch b={layout.micro_batch_size} x {n} micro-batches "
-        f"(global batch {layout.global_batch_size})",
+        f"micro-batch b={layout.micro_batch_size} x {n} micro-batches"
+        + (
+            f" x {layout.accumulate_grad_batches} accumulated (trainer.accumulate_grad_batches; "
+            "one gradient reduction per step)"
+            if layout.accumulate_grad_batches > 1
+            else ""
+        )
+        + f" (global batch {layout.global_batch_size})",
         f"first stage: {cfg.num_layers // p} layers ({m} chunk(s) of {layout.layers_per_chunk}), "
         f"holds {lif:g} layers' worth = L x {lif / cfg.num_layers:.4f}"
         + (" (1 + (p-1)/(p*m))" if m > 1 else " (eq. 5)"),
@@ -192,16 +198,53 @@ def format_table(result: Estimate) -> str:
             f"SP + selective per layer: {sp_sel.activation_bytes_per_layer:,} B {how} vs "
             f"{unit} = {paper:,.0f} B ({sp_sel.activation_bytes_per_layer / paper - 1:+.4%})"
         )
+    unsplit = bool(cfg.sequence_parallel) and not layout.splits_sequence()
+    if unsplit:
+        need = math.lcm(2 * c, c * t)
+        lines.append(
+            f"sequence parallelism does not split the sequence here: each rank's s/c = "
+            f"{cfg.seq_length // c} tokens are not divisible by t={t}, so the configured layout "
+            f"is shown SP off (*); fit refuses SP on: model.config.seq_length must be a "
+            f"multiple of {need} (e.g. {cfg.seq_length // need * need or need} or "
+            f"{(cfg.seq_length // need + 1) * need}), or set sequence_parallel: false"
+        )
     if result.choice is not None:
         lines.append(result.choice.describe())
     else:
         selected = next((r for r in result.rows if r.selected), None)
         if selected is not None:
             lines.append(
-                f"configured: {selected.label}: {gigabytes(selected.total_bytes)} of "
+                f"configured: {selected.label}"
+                + (" (SP does not split the sequence)" if unsplit else "")
+                + f": {gigabytes(selected.total_bytes)} of "
                 f"{gigabytes(selected.device_bytes)}, {'fits' if selected.fits else 'does NOT fit'}"
             )
     return "\n".join(lines)
+
+
+def check_plot_path(path: str) -> None:
+    """:class:`ConfigError` (one line naming ``--plot``, the value and what is valid) unless
+    ``path`` names a file, not a directory, in an existing writable directory, with an
+    extension matplotlib writes: checked before the estimate runs."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if os.path.isdir(path):
+        raise ConfigError(
+            f"--plot={path!r} is a directory; give a file name in it, e.g. "
+            f"{os.path.join(path, 'memory.png')!r}"
+        )
+    directory = os.path.dirname(path) or "."
+    if not os.path.isdir(directory):
+        raise ConfigError(f"--plot={path!r}: directory {directory!r} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"--plot={path!r}: directory {directory!r} is not writable")
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    if extension not in formats:
+        raise ConfigError(
+            f"--plot={path!r}: unknown image format {extension or '(no extension)'!r}; end "
+            f"the name in one of .{', .'.join(formats)}"
+        )
 
 
 def plot_ladder(result: Estimate, path: str) -> None:
@@ -268,41 +311,3 @@ def plot_ladder(result: Estimate, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def main(read: Callable[[list[str]], FitLayoutCLI], argv: list[str]) -> int:
-    """``python cli.py estimate``: ``read(argv)`` parses the ``fit`` command line plus the
-    planner's options (a :class:`FitLayoutCLI`); print the table (or JSON), optionally plot;
-    return the exit status (0, or 2 with a one-line ``error:`` on stderr for a bad config)."""
-    try:
-        parsed = read(argv)
-        options = parsed.options
-        cluster = load_cluster(options.cluster)
-        if options.search:
-            found = search(parsed.layout, cluster, options.device_bytes)
-            if options.format == "json":
-                print(json.dumps([_candidate_json(x) for x in found.ranked[: options.top]]))
-            else:
-                print(format_search(found, options.top))
-            return 0
-        result = estimate(
-            parsed.layout,
-            options.device_bytes,
-            layers=options.layers,
-            measure=options.measure,
-            cluster=cluster,
-        )
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if options.format == "json":
-        print(json.dumps([to_json(r) for r in result.rows], indent=2))
-        if result.choice is not None:
-            print(result.choice.describe(), file=sys.stderr)
-    else:
-        print(format_table(result))
-    if options.plot:
-        plot_ladder(result, options.plot)
-        if options.format == "table":
-            print(f"plot: {options.plot}")
-    return 0

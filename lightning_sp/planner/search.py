@@ -2,7 +2,9 @@
 iteration time among those whose most loaded rank fits the device (pure, no I/O).
 
 The dimensions: tensor-parallel size t, pipeline size p, model chunks m (interleaving), data
-parallelism d (= GPUs / (t·p·c)), micro-batch b (micro-batches n = global batch / (d·b)),
+parallelism d (= GPUs / (t·p·c)), micro-batch b (micro-batches n = global batch / (d·b):
+the pipeline schedule's ``num_microbatches`` at p > 1, Lightning's ``accumulate_grad_batches``
+at p = 1, where ``fit`` refuses ``num_microbatches > 1``),
 recompute policy, sequence parallelism and the distributed optimizer, and the
 context-parallel size c (:data:`CONTEXT_PARALLEL_SIZES`, where ``2c`` divides the sequence:
 causal load balancing). Memory is the formulas' (:func:`lightning_sp.planner.
@@ -110,7 +112,7 @@ def _layouts(base: Layout, max_micro_batch: int) -> list[tuple[Layout, int]]:
     config = dataclasses.replace(cfg, recompute="none", recompute_num_layers=None)
     out = []
     for c in CONTEXT_PARALLEL_SIZES:
-        if gpus % c or cfg.seq_length % (2 * c):
+        if gpus % c or (c > 1 and cfg.seq_length % (2 * c)):
             continue
         for t in divisors(gpus // c):
             # sequence parallelism is a row of the estimate, checked there: t is searched if
@@ -125,6 +127,8 @@ def _layouts(base: Layout, max_micro_batch: int) -> list[tuple[Layout, int]]:
                     n = batch // (d * b)
                     if b > max_micro_batch or (p > 1 and n < p):
                         continue
+                    # p = 1 splits a step by Lightning's accumulation, p > 1 by the schedule
+                    n_pipe, k = (n, 1) if p > 1 else (1, n)
                     for m in VIRTUAL_PIPELINE_SIZES:
                         if m > 1 and (p == 1 or cfg.num_layers % (p * m) or n % p):
                             continue
@@ -135,8 +139,10 @@ def _layouts(base: Layout, max_micro_batch: int) -> list[tuple[Layout, int]]:
                             layout = Layout(
                                 config=config, tensor_parallel_size=t,
                                 pipeline_parallel_size=p, virtual_pipeline_size=m,
-                                num_microbatches=n, micro_batch_size=b, data_parallel_size=d,
+                                num_microbatches=n_pipe, accumulate_grad_batches=k,
+                                micro_batch_size=b, data_parallel_size=d,
                                 context_parallel_size=c, distributed_optimizer=zero,
+                                overlap_grad_reduce=base.overlap_grad_reduce,
                                 expert_parallel_size=e, source=base.source,
                             )  # fmt: skip
                             out.append((layout, c))
@@ -189,6 +195,7 @@ def format_search(result: SearchResult, top: int) -> str:
         f"({result.seconds:.1f} s)",
         "",
         f"{'rank':>4} {'t':>3} {'p':>3} {'m':>2} {'c':>2} {'d':>4} {'e':>3} {'b':>3} {'n':>5} "
+        f"{'acc':>4} "
         f"{'SP':<3} "
         f"{'recompute':<9} {'dist-opt':<8} {'memory GB':>9} {'step s':>8} {'tokens/s':>10} "
         f"{'MFU':>6} {'HFU':>6}",
@@ -202,6 +209,7 @@ def format_search(result: SearchResult, top: int) -> str:
             f"{lay.virtual_pipeline_size:>2} {x.context_parallel_size:>2} "
             f"{lay.data_parallel_size:>4} {lay.expert_parallel_size:>3} "
             f"{lay.micro_batch_size:>3} {lay.num_microbatches:>5} "
+            f"{lay.accumulate_grad_batches:>4} "
             f"{'on' if row.sequence_parallel else 'off':<3} {row.recompute:<9} "
             f"{'yes' if lay.distributed_optimizer else 'no':<8} "
             f"{row.total_bytes / 1e9:>9.2f} {row.iteration_seconds:>8.3f} "

@@ -39,8 +39,11 @@ each receive is followed by an all-gather over the TP group, Megatron's scatter/
 optimisation), not overlapped. Per iteration:
 
 ``n·T_max + (p-1)/m·T_mean`` (the slowest stage sets the pace of the steady state; the
-pipeline fills and drains through the others: the bubble ``(p-1)/(m·n)`` of the paper)
-``+`` the data-parallel gradient reduction that outlasts the last micro-batch's backward
+pipeline fills and drains through the others: the bubble ``(p-1)/(m·n)`` of the paper;
+``n`` is the micro-batches of one step on a rank, the pipeline schedule's or, at ``p = 1``,
+Lightning's ``accumulate_grad_batches``, each a whole forward and backward, no bubble)
+``+`` the step's one data-parallel gradient reduction, the part that outlasts the last
+micro-batch's backward (all of it without ``overlap_grad_reduce``)
 (fp32 gradients, summed over the ``d·c`` ranks of dp x cp; all-reduce, or with the
 distributed optimizer, which shards over those ``d·c`` ranks, a reduce-scatter and an
 exposed all-gather of the bf16 weights) ``+`` the
@@ -289,6 +292,23 @@ def _replays(
     return replays
 
 
+def data_parallel_exposed(
+    layout: Layout, reduce: float, layer: LayerTime, policies: Counter[str], attention: str
+) -> float:
+    """The part of the step's one gradient reduction (``reduce`` seconds) left exposed: with
+    ``overlap_grad_reduce`` the buckets launch during the backward of the step's last
+    micro-batch (the earlier ones, accumulated by the pipeline schedule or by Lightning, only
+    add into the buffer), so what outlasts one micro-batch's backward of the stage's layers;
+    without, all of it."""
+    if not layout.overlap_grad_reduce:
+        return reduce
+    last_backward = layout.virtual_pipeline_size * sum(
+        k * (sum(layer.backward.values()) + layer.recompute_seconds(pol, attention))
+        for pol, k in policies.items()
+    )
+    return max(0.0, reduce - last_backward)
+
+
 @dataclass(frozen=True)
 class StepTime:
     """The predicted iteration and its parts (seconds unless named otherwise)."""
@@ -319,7 +339,8 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
         layout.pipeline_parallel_size,
         layout.virtual_pipeline_size,
     )
-    n, b, d = layout.num_microbatches, layout.micro_batch_size, layout.data_parallel_size
+    # n: micro-batches per step on one rank, the pipeline's or Lightning's accumulation's
+    n, b, d = layout.microbatches_per_step, layout.micro_batch_size, layout.data_parallel_size
     c = layout.context_parallel_size
     sp, s, h = cfg.sequence_parallel, cfg.seq_length // c, cfg.hidden_size  # s: this rank's
     layer = layer_time(cfg, t, b, cluster, c, layout.expert_parallel_size)
@@ -371,11 +392,7 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
             gather = gather_seconds(cluster, ACT * params, d * c, in_node)
         else:
             reduce, gather = all_reduce_seconds(cluster, grads, d * c, in_node), 0.0
-        last_backward = m * sum(
-            k * (sum(layer.backward.values()) + layer.recompute_seconds(pol, cfg.attention))
-            for pol, k in policies.items()
-        )
-        dp_exposed = max(0.0, reduce - last_backward) + gather
+        dp_exposed = data_parallel_exposed(layout, reduce, layer, policies, cfg.attention) + gather
     embedding_grad = 0.0
     if p > 1:
         vocab = cfg.padded_vocab_size(t) // t * h

@@ -1,2 +1,3 @@
-"""Lightning integration: the ``megatron_sp`` strategy, the GPT LightningModule, callbacks,
-data and the optimizer."""
+"""The Lightning adapter: the ``megatron_sp`` strategy (:mod:`.strategy`), the processes it starts
+(:mod:`.processes`), what it drives (:mod:`.protocol`), the GPT LightningModule
+(:mod:`.gpt_module`) and the checks both run on their arguments (:mod:`.checks`)."""

@@ -34,7 +34,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_sp.parallel.threads import set_rank_threads
-from lightning_sp.training import shutdown
+from lightning_sp.runtime import shutdown
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -179,7 +179,7 @@ class ProcessGroupStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # -- how the run ends (lightning_sp.training.shutdown) ------------------------------------
+    # -- how the run ends (lightning_sp.runtime.shutdown) ------------------------------------
 
     @override
     def on_train_start(self) -> None:

@@ -9,7 +9,7 @@ Lightning's ``ModelParallelStrategy`` hands the module its device mesh): before
 :class:`~lightning_sp.parallel.config.ParallelConfig`; the module builds its shard from them
 in ``configure_model`` and returns it from ``stage_model()``; after the last backward of a
 step the strategy calls the shard's ``finalize_grads(buffer)``.
-:class:`~lightning_sp.training.module.GPTModule` holds a
+:class:`~lightning_sp.training.gpt_module.GPTModule` holds a
 :class:`~lightning_sp.pipeline.Pipeline` (for every ``p``, including 1);
 ``examples/custom_mlp.py`` shows a custom tensor-parallel model on ``lightning_sp.parallel``.
 
@@ -86,20 +86,15 @@ def stage_model_of(module: object) -> StageModel | None:
     return model if isinstance(model, StageModel) else None
 
 
-def check_module(
-    module: object,
-    tensor_parallel_size: int,
-    pipeline_parallel_size: int,
-    context_parallel_size: int = 1,
-) -> None:
-    """Refuse, in one line, a layout ``module`` cannot be parallelised over: tensor, pipeline
-    or context parallelism need a :class:`~lightning_sp.training.protocol.ParallelModule`
+def check_module(module: object, layout: ParallelConfig) -> None:
+    """Refuse, in one line, a ``layout`` that ``module`` cannot be parallelised over: tensor,
+    pipeline or context parallelism need a :class:`~lightning_sp.training.protocol.ParallelModule`
     (which builds its own shard; under CP it feeds its model each CP rank's chunks), pipeline
     parallelism one that says it runs a schedule."""
     sizes = {
-        "tensor_parallel_size": tensor_parallel_size,
-        "pipeline_parallel_size": pipeline_parallel_size,
-        "context_parallel_size": context_parallel_size,
+        "tensor_parallel_size": layout.tensor_parallel_size,
+        "pipeline_parallel_size": layout.pipeline_parallel_size,
+        "context_parallel_size": layout.context_parallel_size,
     }
     if module is None or all(v == 1 for v in sizes.values()):
         return
@@ -112,14 +107,16 @@ def check_module(
             "pipeline_parallel_size=1 and context_parallel_size=1 (data parallelism), or "
             "implement lightning_sp.training.protocol.ParallelModule (see examples/custom_mlp.py)"
         )
-    if context_parallel_size > 1 and not getattr(module, "supports_context_parallel", False):
+    if sizes["context_parallel_size"] > 1 and not getattr(
+        module, "supports_context_parallel", False
+    ):
         raise ConfigError(
-            f"context_parallel_size={context_parallel_size} but {name} does not split its "
+            f"context_parallel_size={layout.context_parallel_size} but {name} does not split its "
             "batches' sequences over the context-parallel group (supports_context_parallel is "
             "not True); use context_parallel_size=1"
         )
-    if pipeline_parallel_size > 1 and not module.supports_pipeline_parallel:
+    if layout.pipeline_parallel_size > 1 and not module.supports_pipeline_parallel:
         raise ConfigError(
-            f"pipeline_parallel_size={pipeline_parallel_size} but {name} does not run a "
+            f"pipeline_parallel_size={layout.pipeline_parallel_size} but {name} does not run a "
             "pipeline schedule (supports_pipeline_parallel=False); use pipeline_parallel_size=1"
         )

@@ -23,8 +23,8 @@ in one line): its parameters and buffers are broadcast from
 data-parallel rank 0 before the first step and its gradients averaged.
 
 Checkpoints are layout-independent DCP directories published by an atomic rename
-(:mod:`lightning_sp.training.checkpoint`); a non-finite loss or gradient stops the run or
-skips the step (:mod:`~lightning_sp.training.guard`).
+(:mod:`lightning_sp.checkpoint`); a non-finite loss or gradient stops the run or
+skips the step (:mod:`~lightning_sp.runtime.guard`).
 """
 
 from __future__ import annotations
@@ -42,20 +42,19 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sp.checkpoint import Checkpointer, Meta, rng_key
+from lightning_sp.checkpoint.checkpointer import resumable_loader
+from lightning_sp.checkpoint.shards import gpt_chunks
 from lightning_sp.errors import ConfigError
-from lightning_sp.parallel.buffer import DEFAULT_BUCKET_NUMEL
-from lightning_sp.parallel.config import ParallelConfig
+from lightning_sp.optim.adamw import grad_buffer_of
+from lightning_sp.parallel.buffer import DEFAULT_BUCKET_NUMEL, GradBufferConfig
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState
-from lightning_sp.training import shutdown
-from lightning_sp.training.checkpoint import Checkpointer, Meta, rng_key
-from lightning_sp.training.checkpoint.checkpointer import resumable_loader
-from lightning_sp.training.checkpoint.shards import gpt_chunks
-from lightning_sp.training.guard import NonFiniteGuard
-from lightning_sp.training.optim import grad_buffer_of
+from lightning_sp.runtime import shutdown
+from lightning_sp.runtime.guard import NonFiniteGuard
+from lightning_sp.training.checks import check_precision, check_strategy_args
 from lightning_sp.training.processes import ProcessGroupStrategy
 from lightning_sp.training.protocol import ParallelModule, check_module, stage_model_of
-from lightning_sp.training.validation import check_precision, check_strategy_args
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -114,7 +113,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         distributed_optimizer: Shard the fp32 master weights and Adam moments over
             data-parallel ranks (ZeRO-1, Megatron's distributed optimizer): gradients are
             reduce-scattered, each rank steps its 1/d and the weights are all-gathered
-            (:mod:`lightning_sp.training.distributed_optim`). Under context parallelism over
+            (:mod:`lightning_sp.optim.distributed`). Under context parallelism over
             the d·c ranks of dp x cp: each steps its 1/(d·c).
     """
 
@@ -147,7 +146,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
                 f"MegatronSPStrategy got an unknown argument {name}={kwargs[name]!r}; "
                 f"valid: {', '.join(valid)}"
             )
-        check_strategy_args(
+        layout = check_strategy_args(
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             context_parallel_size=context_parallel_size,
@@ -166,23 +165,15 @@ class MegatronSPStrategy(ProcessGroupStrategy):
             distributed_optimizer=distributed_optimizer,
         )
         super().__init__(timeout, process_group_backend, start_method)
-        self.parallel_config = ParallelConfig(
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            virtual_pipeline_size=virtual_pipeline_size,
-            context_parallel_size=context_parallel_size,
-            expert_parallel_size=expert_parallel_size,
-            sequence_parallel=sequence_parallel,
-            num_microbatches=num_microbatches,
-            distributed_optimizer=distributed_optimizer,
-        )
+        self.parallel_config = layout
         """The layout: as given until setup, then completed (``data_parallel_size`` from the
         world size, ``sequence_parallel`` agreed with the module's) and pushed into the module."""
         self._parallel_state: ParallelState | None = None
         self.checkpointer = Checkpointer(async_save=async_save)
         self.guard = NonFiniteGuard(nonfinite, max_skipped_steps)
-        self.bucket_size = bucket_size
-        self.overlap_grad_reduce = overlap_grad_reduce
+        self.grad_buffer = GradBufferConfig(bucket_size, overlap_grad_reduce, distributed_optimizer)
+        """How gradients are bucketed and reduced; the module's optimizer builds its buffer
+        from this record."""
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -214,10 +205,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         calls its ``configure_model``)."""
         module = self.lightning_module
         config = self.parallel_config.for_world_size(self.total_processes)
-        check_module(
-            module, config.tensor_parallel_size, config.pipeline_parallel_size,
-            config.context_parallel_size,
-        )  # fmt: skip
+        check_module(module, config)
         receiver = module if isinstance(module, ParallelModule) else None
         # the module's own choice of sequence parallelism (a plain module has none)
         model_sp = (
@@ -329,7 +317,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None
     ) -> None:
-        """Write a checkpoint (:mod:`lightning_sp.training.checkpoint`); every rank calls this.
+        """Write a checkpoint (:mod:`lightning_sp.checkpoint`); every rank calls this.
         Weights and optimizer state are taken from the live module and optimizers."""
         assert self.lightning_module is not None
         checkpoint.pop("state_dict", None)

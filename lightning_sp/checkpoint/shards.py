@@ -1,0 +1,257 @@
+"""Every tensor of a checkpoint under its identity in the unsharded, unsplit model: the global
+parameter name and the offsets of this rank's shard inside the full tensor (the
+:class:`~lightning_sp.parallel.init.ShardSpec` that the layout-independent init already uses),
+for the weights and for the optimizer state beside them. A mixture-of-experts expert weight
+``[E/e, ...]`` is the chunk at its first expert's offset of the full ``[E, ...]``, so a
+checkpoint loads under any expert-parallel size.
+
+The distributed optimizer holds, per parameter, a flat range of its shard
+(:class:`~lightning_sp.optim.distributed.Segment`); that range is saved as the few
+rectangular chunks it covers (:func:`flat_range_boxes`: a partial first row, whole rows, a
+partial last row), under the same keys the replicated optimizer saves whole tensors, so no
+rank ever gathers the full state and either optimizer loads the other's checkpoints."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lightning_sp.model.gpt import GPT
+from lightning_sp.optim.distributed import DistributedAdamW, Segment
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A local tensor (a view of a parameter or optimizer state) and where it sits in the
+    full tensor: ``offsets`` inside ``global_shape``. ``None`` offsets: the whole tensor."""
+
+    local: Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...] | None = None
+    key: str | None = None
+    """The checkpoint key this is a chunk of, where the entry's own name differs (one of
+    several chunks of a tensor on this rank: ``<key>@<offsets>``)."""
+
+
+def checkpoint_key(entry: str, shards: dict[str, Shard]) -> str:
+    """The checkpoint key of a state-dict ``entry`` (itself, unless it is one of several
+    chunks of a tensor on this rank)."""
+    shard = shards.get(entry)
+    return shard.key if shard is not None and shard.key is not None else entry
+
+
+def gpt_chunks(module: nn.Module) -> list[GPT]:
+    """The GPT shards (one, or the pipeline stage's chunks) inside ``module``."""
+    return [m for m in module.modules() if isinstance(m, GPT)]
+
+
+def parameter_shards(module: nn.Module) -> Iterator[tuple[str, Tensor, Shard | None]]:
+    """``(global name, parameter, its saved slice)`` for every parameter of ``module``'s GPT
+    shards; the slice is ``None`` where this rank holds nothing of the full tensor (a shard of
+    padding rows only)."""
+    for chunk in gpt_chunks(module):
+        t = chunk.state.tensor_parallel_size
+        for name, param in chunk.named_parameters():
+            gname = chunk.global_name(name)
+            spec = param.shard  # type: ignore[attr-defined]
+            shape = tuple(param.shape)
+            expert_start = getattr(param, "expert_start", None)
+            if expert_start is not None:  # E/e experts of E: rows from expert_start of dim 0
+                full_experts = (shape[0] * chunk.state.expert_parallel_size, *shape[1:])
+                first = (expert_start,) + (0,) * (len(shape) - 1)
+                yield gname, param, Shard(param.detach(), full_experts, first)
+                continue
+            if spec.dim is None:
+                yield gname, param, Shard(param.detach(), shape)
+                continue
+            full = list(shape)
+            full[spec.dim] = spec.full_size(shape[spec.dim], t)
+            if getattr(param, "padded_vocab", False):  # padding rows depend on t: true rows only
+                full[0] = chunk.config.vocab_size
+            length = min(shape[spec.dim], full[spec.dim] - spec.start)
+            if length <= 0:
+                yield gname, param, None
+                continue
+            offsets = [0] * len(shape)
+            offsets[spec.dim] = spec.start
+            local = param.detach().narrow(spec.dim, 0, length)
+            yield gname, param, Shard(local, tuple(full), tuple(offsets))
+
+
+def _like(shard: Shard, tensor: Tensor) -> Shard:
+    """The same slice of ``tensor`` (an optimizer state of the parameter's shape)."""
+    local = tensor.detach()
+    for dim, size in enumerate(shard.local.shape):
+        local = local.narrow(dim, 0, size)
+    return Shard(local, shard.global_shape, shard.offsets)
+
+
+def _optimizer_pairs(optimizer: torch.optim.Optimizer) -> list[tuple[Tensor, Tensor]]:
+    """``(optimizer parameter, model parameter)``: the same tensor, or an fp32 master and its
+    model parameter (:class:`~lightning_sp.optim.adamw.MasterWeightAdamW`)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    models = getattr(optimizer, "model_params", params)
+    return list(zip(params, models, strict=True))
+
+
+ADAM_FIELDS = ("exp_avg", "exp_avg_sq")
+
+
+Install = tuple[torch.optim.Optimizer, Tensor, str, Tensor, str]
+"""``(optimizer, its parameter, state field, the state tensor, checkpoint key)``."""
+
+
+def state_entries(
+    module: nn.Module, optimizers: list[torch.optim.Optimizer], *, for_load: bool
+) -> tuple[dict[str, Tensor], dict[str, Shard], list[Install]]:
+    """The tensors of a checkpoint as DCP sees them: ``{entry: local tensor}`` and
+    ``{entry: Shard}`` for the sharded ones. For a save, the tied embedding's pipeline copy is
+    left out; for a load, every parameter is a target, and Adam states that do not exist yet
+    are allocated (returned as installs, for :func:`install_states` after the load)."""
+    tensors: dict[str, Tensor] = {}
+    shards: dict[str, Shard] = {}
+    by_param: dict[int, tuple[str, Shard]] = {}
+    for gname, param, shard in parameter_shards(module):
+        if shard is None or (not for_load and getattr(param, "pipeline_copy", False)):
+            continue
+        by_param[id(param)] = (gname, shard)
+        _add(tensors, shards, f"model.{gname}", shard)
+    installs: list[Install] = []
+    for optimizer in optimizers:
+        if isinstance(optimizer, DistributedAdamW):
+            for segment in optimizer.segments():
+                if id(segment.param) in by_param:
+                    gname, shard = by_param[id(segment.param)]
+                    _add_segment(tensors, shards, installs, optimizer, gname, shard, segment,
+                                 for_load=for_load)  # fmt: skip
+            continue
+        for opt_param, model_param in _optimizer_pairs(optimizer):
+            if id(model_param) not in by_param:
+                continue
+            gname, shard = by_param[id(model_param)]
+            state = optimizer.state.get(opt_param, {})
+            if opt_param is not model_param:
+                _add(tensors, shards, f"optim.{gname}.master", _like(shard, opt_param))
+            for name in (*ADAM_FIELDS, "step"):
+                key, value = f"optim.{gname}.{name}", state.get(name)
+                if value is None and for_load:
+                    value = _allocate(name, opt_param, optimizer)
+                    installs.append((optimizer, opt_param, name, value, key))
+                if value is None:
+                    continue
+                if name == "step":
+                    tensors[key] = value
+                else:
+                    _add(tensors, shards, key, _like(shard, value))
+    return tensors, shards, installs
+
+
+def _allocate(name: str, like: Tensor, optimizer: torch.optim.Optimizer) -> Tensor:
+    """A state field to load into: a moment shaped as ``like``, or Adam's ``step`` where
+    torch's AdamW keeps it (a scalar on the parameter's device for the fused and capturable
+    kernels, else on the CPU)."""
+    if name != "step":
+        return torch.zeros_like(like)
+    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+    device = like.device if on_device else torch.device("cpu")
+    return torch.zeros((), dtype=torch.float32, device=device)
+
+
+def _add_segment(
+    tensors: dict[str, Tensor],
+    shards: dict[str, Shard],
+    installs: list[Install],
+    optimizer: torch.optim.Optimizer,
+    gname: str,
+    shard: Shard,
+    segment: Segment,
+    *,
+    for_load: bool,
+) -> None:
+    """The chunks of one distributed-optimizer segment: its master (low-precision parameters
+    only: a full-precision weight is its own master) and Adam moments, cut at the saved
+    region of the parameter (``shard``: true vocabulary rows only)."""
+    state = dict(segment.state)  # the live tensors (a load writes into them)
+    if for_load:
+        for name in (*ADAM_FIELDS, "step"):
+            if name not in state:
+                state[name] = _allocate(name, segment.master, optimizer)
+                key = f"optim.{gname}.{name}"
+                installs.append((optimizer, segment.master, name, state[name], key))
+    if "step" in state:
+        tensors[f"optim.{gname}.step"] = state["step"]
+    fields = {name: state[name] for name in ADAM_FIELDS if name in state}
+    if segment.param.dtype != segment.master.dtype:
+        fields["master"] = segment.master
+    local_shape = tuple(segment.param.shape)
+    kept = shard.local.numel()  # the saved region is a prefix of the flat shard (dim 0 cut)
+    assert kept == segment.param.numel() or shard.local.shape[1:] == segment.param.shape[1:]
+    base = shard.offsets or (0,) * len(local_shape)
+    strides = _strides(local_shape)
+    for offsets, sizes in flat_range_boxes(local_shape, segment.start, min(segment.end, kept)):
+        first = sum(o * s for o, s in zip(offsets, strides, strict=True))
+        at = tuple(b + o for b, o in zip(base, offsets, strict=True))
+        for name, value in fields.items():
+            piece = value[first - segment.start : first - segment.start + math.prod(sizes)]
+            key = f"optim.{gname}.{name}"
+            entry = f"{key}@{','.join(map(str, at))}"
+            _add(tensors, shards, entry, Shard(piece.view(sizes), shard.global_shape, at, key))
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
+def flat_range_boxes(
+    shape: tuple[int, ...], start: int, end: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The flat range ``[start, end)`` of a row-major tensor of ``shape`` as rectangular boxes
+    ``(offsets, sizes)``, in order: each box is a contiguous piece of the range, and together
+    they are the range (at most two per dimension: a partial leading and trailing piece around
+    whole sub-blocks)."""
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (end - start,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    zeros = (0,) * (len(shape) - 1)
+    (r0, c0), (r1, c1) = divmod(start, inner), divmod(end, inner)
+    if r0 == r1:  # inside one row
+        return [((r0, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], c0, c1)]
+    boxes = []
+    if c0:
+        boxes += [((r0, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], c0, inner)]
+        r0 += 1
+    if r1 > r0:
+        boxes.append(((r0, *zeros), (r1 - r0, *shape[1:])))
+    if c1:
+        boxes += [((r1, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], 0, c1)]
+    return boxes
+
+
+def install_states(installs: list[Install], loaded: set[str]) -> None:
+    """Give Adam the states allocated for a load, for parameters whose every field was in the
+    checkpoint (a checkpoint saved before the first step has none)."""
+    complete: dict[int, bool] = {}
+    for _, param, _, _, key in installs:
+        complete[id(param)] = complete.get(id(param), True) and key in loaded
+    for optimizer, param, name, value, _ in installs:
+        if complete[id(param)]:
+            optimizer.state[param][name] = value
+
+
+def _add(tensors: dict[str, Tensor], shards: dict[str, Shard], key: str, shard: Shard) -> None:
+    tensors[key], shards[key] = shard.local, shard
+
+
+def global_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """``{model.<global name>: full shape}`` of the parameters in ``module``."""
+    return {
+        f"model.{gname}": shard.global_shape
+        for gname, _, shard in parameter_shards(module)
+        if shard is not None
+    }

@@ -1,0 +1,200 @@
+"""Checks of a parsed ``fit`` / ``validate`` / ``test`` config, run in the launcher before any
+class is built or any rank starts, so that a bad value fails once, in one line:
+:func:`check_fit_config` (strategy arguments, precision, layout against the devices, model
+against the layout, optimizer, the checkpoint to resume) and :func:`check_before_launch` (the
+tokenizer fits the model's vocabulary, reading only the tokenizer file, and every checkpoint
+directory can be written)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_sp.data.tokenizer import tokenizer_info
+from lightning_sp.errors import ConfigError, check_writable
+from lightning_sp.training.checks import (
+    check_optimizer,
+    check_precision,
+    check_strategy_args,
+)
+
+
+def check_tokenizer_fits(data: Any, vocab_size: int) -> None:
+    """``data.tokenizer`` (a ``tokenizer.json``; None: bytes) has at most ``vocab_size`` ids
+    (the model's ``model.config.vocab_size``)."""
+    tokens = tokenizer_info(getattr(data, "tokenizer", None)).vocab_size
+    if tokens > vocab_size:
+        raise ConfigError(
+            f"model.config.vocab_size={vocab_size} is smaller than the tokenizer's vocabulary "
+            f"of {tokens} tokens; set model.config.vocab_size >= {tokens} or use a smaller "
+            "tokenizer"
+        )
+
+
+def checkpoint_directories(trainer: Any) -> dict[str, str]:
+    """``{field: directory}`` for each ``ModelCheckpoint`` of a parsed ``trainer`` config
+    that names a ``dirpath`` (``trainer.callbacks[i].init_args.dirpath``), and for
+    ``trainer.default_root_dir`` when set (logs, and checkpoints without a ``dirpath``)."""
+    found: dict[str, str] = {}
+    for index, callback in enumerate(getattr(trainer, "callbacks", None) or []):
+        if not str(getattr(callback, "class_path", "")).endswith("ModelCheckpoint"):
+            continue
+        dirpath = getattr(getattr(callback, "init_args", None), "dirpath", None)
+        if dirpath:
+            found[f"trainer.callbacks[{index}].init_args.dirpath"] = str(dirpath)
+    root = getattr(trainer, "default_root_dir", None)
+    if root:
+        found["trainer.default_root_dir"] = str(root)
+    return found
+
+
+def check_before_launch(config: Any) -> None:
+    """The tokenizer fits the model; the checkpoint and log directories can be written."""
+    data, model = getattr(config, "data", None), getattr(config, "model", None)
+    if data is not None and model is not None:
+        check_tokenizer_fits(data, int(model.config.vocab_size))
+    for field, directory in checkpoint_directories(config.trainer).items():
+        check_writable(field, directory)
+
+
+def _strategy_init_args(strategy: Any) -> dict[str, Any] | None:
+    """The init args of a ``MegatronSPStrategy`` in a parsed config (``None``: another one)."""
+    if isinstance(strategy, str):
+        return {} if strategy.startswith("megatron_sp") else None
+    class_path = str(getattr(strategy, "class_path", "") or "")
+    if not class_path.endswith("MegatronSPStrategy"):
+        return None
+    init = getattr(strategy, "init_args", None)
+    return dict(vars(init)) if init is not None else {}
+
+
+def device_count(devices: Any, accelerator: Any = "auto") -> int:
+    """The number of devices per node that ``trainer.devices`` asks for, in any form it takes on
+    the command line or in YAML: an int, a digit string (``--trainer.devices 2`` parses as
+    ``'2'``), ``auto`` or -1 (every device of the accelerator; 1 on CPU), a list of device
+    indices or a comma-separated string of them (``"0,1"``; GPUs only). One-line
+    :class:`ConfigError` otherwise."""
+    shown = f"trainer.devices={devices!r}"
+    name = str(getattr(accelerator, "class_path", accelerator) or "auto").lower()
+    on_cpu = "cpu" in name or (name == "auto" and not _cuda_count())
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text in ("auto", "-1"):
+            return 1 if on_cpu else _cuda_count()
+        if text.lstrip("-").isdigit():
+            devices = int(text)
+        else:
+            parts = [part.strip() for part in text.split(",") if part.strip()]
+            if not parts or not all(part.isdigit() for part in parts):
+                raise ConfigError(
+                    f"{shown} is not a device count; valid: a positive integer, auto, or a list "
+                    "of GPU indices such as 0,1"
+                )
+            devices = [int(part) for part in parts]
+    if isinstance(devices, bool):
+        raise ConfigError(f"{shown} is not a device count; valid: a positive integer or auto")
+    if isinstance(devices, int):
+        if devices == -1:
+            return 1 if on_cpu else _cuda_count()
+        if devices < 1:
+            raise ConfigError(f"{shown} must be a positive integer, -1 or auto")
+        return devices
+    if isinstance(devices, list | tuple):
+        if on_cpu:
+            raise ConfigError(
+                f"{shown} lists device indices, which the CPU accelerator does not take; give "
+                f"a count (trainer.devices={len(devices)})"
+            )
+        if not devices or not all(isinstance(d, int) and d >= 0 for d in devices):
+            raise ConfigError(f"{shown} must list GPU indices (integers >= 0)")
+        return len(devices)
+    raise ConfigError(f"{shown} is not a device count; valid: a positive integer or auto")
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def model_config_of(fields: Any) -> Any:
+    """The ``GPTConfig`` of a parsed ``model.config`` (a Namespace; ``rope_scaling`` and
+    ``moe`` given as mappings become a ``RopeScaling`` and a ``MoEConfig``)."""
+    from lightning_sp.model.config import GPTConfig
+    from lightning_sp.model.moe_config import MoEConfig
+    from lightning_sp.model.ops import RopeScaling
+
+    values = dict(vars(fields)) if not isinstance(fields, dict) else dict(fields)
+    scaling = values.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, RopeScaling):
+        values["rope_scaling"] = RopeScaling(
+            **dict(vars(scaling) if hasattr(scaling, "__dict__") else scaling)
+        )
+    moe = values.get("moe")
+    if moe is not None and not isinstance(moe, MoEConfig):
+        values["moe"] = MoEConfig(**dict(vars(moe) if hasattr(moe, "__dict__") else moe))
+    return GPTConfig(**values)
+
+
+def check_generate_layout(config: Any, t: int) -> None:
+    """``generate --tensor_parallel_size t`` fits the model: one line listing the t that do
+    (each divides hidden_size, num_heads and the MLP width, and divides or is divided by the
+    key/value groups), before any rank starts."""
+    import dataclasses
+
+    config = dataclasses.replace(config, sequence_parallel=False)
+
+    def fits(size: int) -> bool:
+        try:
+            config.validate(size)
+        except ConfigError:
+            return False
+        return True
+
+    if not fits(t):
+        valid = [size for size in range(1, config.num_heads + 1) if fits(size)]
+        raise ConfigError(
+            f"tensor_parallel_size={t} does not fit the model (num_heads={config.num_heads}, "
+            f"num_query_groups={config.groups}, hidden_size={config.hidden_size}); valid: "
+            f"{', '.join(map(str, valid))}"
+        )
+
+
+def check_predict_layout(subcommand: str | None, args: dict[str, Any]) -> None:
+    """``predict`` generates with the whole model and sequence on each rank: p = c = 1."""
+    if subcommand != "predict":
+        return
+    for name in ("pipeline_parallel_size", "context_parallel_size"):
+        value = args.get(name, 1)
+        if value > 1:
+            raise ConfigError(
+                f"{name}={value}: predict needs the whole model and sequence on each rank; "
+                f"predict with {name}=1"
+            )
+
+
+def check_fit_config(config: Any, subcommand: str | None = None) -> None:
+    """Every check that needs only a parsed ``fit`` / ``validate`` / ``test`` / ``predict``
+    config (a jsonargparse Namespace): strategy arguments, precision, layout against the
+    devices (``trainer.devices`` in any form, :func:`device_count`), model against the layout,
+    optimizer values and, when resuming, the checkpoint (present, intact, the same
+    architecture and shapes)."""
+    from lightning_sp.checkpoint.verify import check_checkpoint
+
+    trainer = config.trainer
+    args = _strategy_init_args(trainer.strategy)
+    model_config = model_config_of(config.model.config)
+    model_config.validate(1)
+    if args is not None:
+        layout = check_strategy_args(**args)
+        check_precision(trainer.precision)
+        check_predict_layout(subcommand, args)
+        devices = device_count(trainer.devices, trainer.accelerator)
+        if devices > 0:
+            layout = layout.for_world_size(devices * int(trainer.num_nodes or 1))
+            layout = layout.with_sequence_parallel(model_config.sequence_parallel)
+            model_config.validate(layout.tensor_parallel_size, layout.expert_parallel_size)
+            layout.check_sequence_length(model_config.seq_length, model_config.sequence_parallel)
+    check_optimizer(config.model.optimizer)
+    ckpt_path = getattr(config, "ckpt_path", None)
+    if ckpt_path and ckpt_path not in ("last", "hpc", "best", "registry"):
+        check_checkpoint(ckpt_path, model_config)

@@ -1,0 +1,124 @@
+"""``python cli.py generate --config X.yaml --ckpt_path CKPT --prompt "def "``: continue a
+prompt with a trained model and print the text.
+
+The config is read by the same LightningCLI parser as ``fit`` (so every ``fit`` override is
+accepted); the model is restored from the checkpoint by Lightning's own load path
+(``Trainer.predict(ckpt_path=...)`` -> ``MegatronSPStrategy.load_checkpoint``, which reshards
+a checkpoint of any layout) into ``--tensor_parallel_size`` processes (default 1: one process,
+whatever layout trained it; ``p = 1``, one data-parallel replica) with sequence parallelism
+off (one new token cannot be split along the sequence; the weights are the same), and
+:meth:`GPTModule.predict_step` samples with a key/value cache. Rank 0 prints the prompt and
+its continuation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from lightning_sp.checkpoint.verify import check_checkpoint
+from lightning_sp.cli.checks import check_generate_layout
+from lightning_sp.data import TextDataModule
+from lightning_sp.errors import ConfigError, positive_int
+from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.generate import GenerationConfig
+from lightning_sp.training.gpt_module import GPTModule
+from lightning_sp.training.strategy import MegatronSPStrategy
+
+
+def _parser() -> argparse.ArgumentParser:
+    defaults = GenerationConfig()
+    parser = argparse.ArgumentParser(
+        prog="cli.py generate",
+        description="Continue a prompt with a trained checkpoint. Other options (--config, "
+        "--model.*, --data.*, --trainer.*) are read as by `cli.py fit`.",
+    )
+    parser.add_argument("--ckpt_path", required=True, help="checkpoint saved by fit")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max_new_tokens", type=int, default=defaults.max_new_tokens,
+                        help="tokens to generate at most (fewer at end of document)")  # fmt: skip
+    parser.add_argument("--temperature", type=float, default=defaults.temperature,
+                        help="softmax temperature; 0 is greedy")  # fmt: skip
+    parser.add_argument("--top_k", type=int, default=defaults.top_k,
+                        help="sample among the k most likely tokens")  # fmt: skip
+    parser.add_argument("--tensor_parallel_size", type=int, default=1,
+                        help="processes to generate with (t); any checkpoint layout loads "
+                        "into it (default 1: one process)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=defaults.seed,
+                        help="sampling seed: the same seed gives the same text")  # fmt: skip
+    return parser
+
+
+def main(argv: list[str], cli_class: Any) -> int:
+    """Run the subcommand; ``cli_class`` is the LightningCLI class of ``fit`` (for
+    ``GPTModule`` and ``TextDataModule``, built with ``run=False`` to read the config).
+    Returns the exit status."""
+    args, rest = _parser().parse_known_args(argv)
+    if not Path(args.ckpt_path).exists():
+        raise ConfigError(
+            f"ckpt_path={args.ckpt_path!r} does not exist; give a checkpoint saved by fit "
+            "(e.g. checkpoints/tiny/last.ckpt)"
+        )
+    generation = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    generation.validate()
+    t = positive_int("tensor_parallel_size", args.tensor_parallel_size)
+    with warnings.catch_warnings():  # args is sys.argv minus the generate options, as intended
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        cli = cli_class(GPTModule, TextDataModule, args=rest, run=False, save_config_callback=None)
+    module, data = cli.model, cli.datamodule
+    module.generation = generation
+    # one new token cannot be split along the sequence: the same weights, built without SP
+    module.config = dataclasses.replace(module.config, sequence_parallel=False)
+    check_generate_layout(module.config, t)  # before any rank starts
+    if Path(args.ckpt_path).is_dir():  # the architecture it was trained with
+        check_checkpoint(args.ckpt_path, module.config)
+    data.prompts = [args.prompt]
+    trainer = L.Trainer(
+        accelerator=cli.config.trainer.accelerator,
+        devices=t,
+        precision=cli.config.trainer.precision,
+        strategy=MegatronSPStrategy(tensor_parallel_size=t),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    predictions = trainer.predict(module, datamodule=data, ckpt_path=args.ckpt_path)
+    if trainer.is_global_zero and predictions:
+        result: dict[str, Any] = predictions[0]  # type: ignore[assignment]
+        print(result["prompt"] + result["completion"], flush=True)
+        prompt_tokens = len(data.codec.encode(args.prompt))
+        if at_context_length(prompt_tokens, len(result["token_ids"]), generation, module.config):
+            print(context_notice(module.config.seq_length), file=sys.stderr, flush=True)
+    return 0
+
+
+def at_context_length(
+    prompt_tokens: int, new_tokens: int, generation: GenerationConfig, config: GPTConfig
+) -> bool:
+    """Whether :func:`~lightning_sp.model.generate.generate` stopped because the text filled
+    the context (``config.seq_length`` tokens, the last one sampled from a full window), not at
+    an end-of-document token or at ``generation.max_new_tokens``."""
+    return (
+        new_tokens < generation.max_new_tokens
+        and prompt_tokens + new_tokens == config.seq_length + 1
+    )
+
+
+def context_notice(seq_length: int) -> str:
+    """The one line ``generate`` prints when it stopped at the context length."""
+    return (
+        f"notice: stopped at the context length (model.config.seq_length={seq_length} tokens), "
+        "before an end-of-document token or --max_new_tokens; shorten the prompt for more"
+    )

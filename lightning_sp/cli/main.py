@@ -1,0 +1,209 @@
+"""The command line: ``lightning-sp <command>``, ``python -m lightning_sp <command>``, or
+``python cli.py <command>`` from the repository root; every form runs :func:`run`.
+
+Commands, one module each in :mod:`lightning_sp.cli`:
+
+``fit``, ``validate``, ``test``
+    Lightning's ``LightningCLI`` (:mod:`~lightning_sp.cli.fit`):
+    ``lightning-sp fit --config configs/tiny.yaml``; ``fit --help`` documents every option,
+    ``--print_config`` shows a full config.
+``estimate``
+    The activation-memory planner and step-time model (:mod:`~lightning_sp.cli.estimate`): it
+    takes exactly ``fit``'s arguments plus its own (``--format json``, ``--plot FILE``,
+    ``--device_memory 80GB``, ``--cluster h100-80gb``, ``--search true``).
+``prepare``
+    Tokenizes the config's corpus once into ``data.prepared_dir``
+    (:mod:`~lightning_sp.cli.prepare`; same arguments as ``fit``).
+``generate``
+    Continues a prompt with a checkpoint (:mod:`~lightning_sp.cli.generate`).
+``export``
+    Writes a checkpoint as a Hugging Face directory (:mod:`~lightning_sp.cli.export`).
+``calibrate``, ``step-check``
+    Measure the step-time model's kernels on this device, and compare its prediction with a
+    measured step (:mod:`~lightning_sp.cli.calibrate`, :mod:`~lightning_sp.cli.step_check`).
+
+A bad input ends the run with one line ``error: ...`` on stderr, printed by rank 0 only, and
+exit code 2; a non-finite loss or gradient (strategy ``nonfinite: stop``) with one line and
+exit code 3; a checkpoint that cannot be written with one line and exit code 4. Checks that
+need only the config run before any class is built or any process starts
+(:mod:`lightning_sp.cli.checks`); a bad input found after launch (an empty corpus, a JSONL row
+without the text field) is agreed by every rank and printed once
+(:mod:`lightning_sp.runtime.agree`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch.distributed
+from jsonargparse import set_parsing_settings
+
+import lightning_sp  # noqa: F401  (registers the "megatron_sp" strategy)
+from lightning_sp.checkpoint import CheckpointSaveError
+from lightning_sp.errors import ConfigError
+from lightning_sp.runtime import shutdown
+from lightning_sp.runtime.guard import NonFiniteError
+
+EXIT_CONFIG, EXIT_NONFINITE, EXIT_CHECKPOINT = 2, 3, 4
+PEER_STOP_SECONDS = 10.0
+"""How long a child rank whose step failed waits for the launcher's signal before it reports
+the failure as its own (:func:`lightning_sp.runtime.shutdown.wait_for_stop`)."""
+
+
+def _estimate(args: list[str]) -> int:
+    from lightning_sp.cli.estimate import main as estimate
+    from lightning_sp.cli.estimate import read_estimate_args
+
+    return estimate(read_estimate_args, args)
+
+
+def _prepare(args: list[str]) -> int:
+    from lightning_sp.cli.prepare import main as prepare
+
+    return prepare(args)
+
+
+def _export(args: list[str]) -> int:
+    from lightning_sp.cli.export import main as export
+
+    return export(args)
+
+
+def _generate(args: list[str]) -> int:
+    from lightning_sp.cli.fit import GPTCLI
+    from lightning_sp.cli.generate import main as generate
+
+    return generate(args, GPTCLI)
+
+
+def _calibrate(args: list[str]) -> int:
+    from lightning_sp.cli.calibrate import main as calibrate
+
+    return calibrate(args)
+
+
+def _step_check(args: list[str]) -> int:
+    from lightning_sp.cli.step_check import main as step_check
+
+    return step_check(args)
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "estimate": _estimate,
+    "prepare": _prepare,
+    "export": _export,
+    "generate": _generate,
+    "calibrate": _calibrate,
+    "step-check": _step_check,
+}
+"""The commands besides Lightning's own (``fit``, ``validate``, ``test``, ``predict``), each
+``fn(args after the command) -> exit status``; imported on use."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run a command; ``argv`` defaults to the command line."""
+    # the config dataclasses document each field in a docstring under it: show those in --help
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in COMMANDS:
+        code = COMMANDS[args[0]](args[1:])
+        if code:
+            sys.exit(code)
+        return
+    from lightning_sp.cli.fit import GPTCLI
+    from lightning_sp.data import TextDataModule
+    from lightning_sp.training.gpt_module import GPTModule
+
+    GPTCLI(GPTModule, TextDataModule, args=argv, save_config_kwargs={"overwrite": True})
+
+
+def _rank() -> int:
+    """This process's global rank as the launchers set it (0 before any launch)."""
+    for name in ("RANK", "GLOBAL_RANK"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    local = int(os.environ.get("LOCAL_RANK", 0) or 0)
+    node = int(os.environ.get("NODE_RANK", 0) or 0)
+    return local + node  # non-zero on every rank but the first, which is all that matters here
+
+
+def fail(message: str, code: int) -> None:
+    """Print ``message`` once (rank 0) and exit with ``code``. Other ranks wait a moment so that
+    Lightning's launcher, which kills the job when a child exits, lets rank 0 print first; rank
+    0 then waits for its child ranks (killing those still running after a grace), so that none
+    outlives it.
+
+    With a process group still alive the exit skips the interpreter's teardown (``os._exit``
+    after flushing): there, the group's C++ threads can abort the process ("terminate called
+    without an active exception", SIGABRT) and turn exit code 2 into -6 (seen once in the full
+    suite's two-rank empty-corpus run)."""
+    shutdown.stopping()  # the children's exits are ours now: the watcher says nothing
+    if _rank() == 0:
+        print(f"error: {message}", file=sys.stderr)
+        shutdown.end_children()
+    else:
+        time.sleep(2)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def ended_early() -> int | None:
+    """The exit code when a signal or a dead rank ended the run (the reason printed once, by
+    rank 0); None otherwise."""
+    # a signal (to this process, or agreed by all) comes first: children then end by it
+    signalled = shutdown.received() or shutdown.agreed()
+    dead = shutdown.find_dead_rank() if _rank() == 0 and not signalled else None
+    if dead is not None:
+        code, message = dead
+        if not shutdown.dead_rank_reported():
+            print(f"error: {message}; the other ranks stopped", file=sys.stderr)
+        return code
+    signum = shutdown.received() or shutdown.agreed()
+    if not signum:
+        return None
+    if _rank() == 0:
+        saved = (
+            "; the step it ended on was saved (last.ckpt continues the run)"
+            if shutdown.agreed()
+            else ""
+        )
+        print(f"error: stopped by {shutdown.signal_name(signum)}{saved}", file=sys.stderr)
+    return shutdown.exit_code(signum)
+
+
+def run() -> None:
+    """``main()`` with its outcome as an exit code: 0, 2 (bad input, one line), 3 (non-finite
+    step), 4 (a checkpoint could not be written, one line), 128 + N for signal N (130 Ctrl-C,
+    143 SIGTERM; a SIGTERM during training first saves the step), or a dead rank's code
+    (named in one line)."""
+    shutdown.install()
+    try:
+        main()
+    except ConfigError as error:  # a bad config: one line, no traceback
+        fail(str(error), EXIT_CONFIG)
+    except NonFiniteError as error:
+        fail(str(error), EXIT_NONFINITE)
+    except CheckpointSaveError as error:  # a full disk, say: every rank has the same line
+        fail(str(error), EXIT_CHECKPOINT)
+    except BaseException as error:
+        code = ended_early()
+        if code is None and _rank() != 0:  # a peer's stop broke this rank's step: its signal
+            code = shutdown.wait_for_stop(PEER_STOP_SECONDS)  # follows; then exit quietly
+        shutdown.end_children()
+        if code is None or (isinstance(error, SystemExit) and error.code == code):
+            raise
+        sys.exit(code)
+    code = ended_early()
+    if code is not None:
+        shutdown.end_children()
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,51 @@
+"""``lightning-sp step-check``: the step-time model's prediction beside the measured forward +
+backward of a one-device layout, per recompute policy (:mod:`lightning_sp.planner.step_check`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import yaml
+
+from lightning_sp.model.config import GPTConfig
+from lightning_sp.planner.calibrate import SMOKE_CONFIG
+from lightning_sp.planner.cluster import load_cluster
+from lightning_sp.planner.step_check import check
+
+DESCRIPTION = "Predicted against measured step time on the device at hand."
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``lightning-sp step-check``; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="lightning-sp step-check", description=DESCRIPTION)
+    parser.add_argument("--config", help="a fit config whose model.config is run")
+    parser.add_argument("--cluster", default="a100-80gb", help="a preset or a cluster YAML")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--micro_batch_size", type=int, default=1)
+    parser.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
+    parser.add_argument("--out", help="write the rows here as JSON")
+    parser.add_argument("--smoke", action="store_true", help="the tiny model, seconds on a CPU")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        config, seconds = SMOKE_CONFIG, 0.05
+    else:
+        if args.config is None:
+            parser.error("--config is required (or --smoke)")
+        with open(args.config) as fh:
+            config, seconds = GPTConfig(**yaml.safe_load(fh)["model"]["config"]), args.seconds
+    cluster = load_cluster(args.cluster)
+    device = torch.device(args.device)
+    rows = check(config, args.micro_batch_size, cluster, device, seconds)
+    for row in rows:
+        print(
+            f"{row['recompute']:10} predicted {1e3 * row['predicted_seconds']:9.3f} ms  "
+            f"measured {1e3 * row['measured_seconds']:9.3f} ms  "
+            f"measured / predicted {row['ratio']:.3f}"
+        )
+    print(f"({device}, cluster {cluster.name}, b={args.micro_batch_size}, t=p=d=1)")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"device": str(device), "cluster": cluster.name, "rows": rows}, fh)
+    return 0

@@ -1,0 +1,385 @@
+"""``TextDataModule``: packed next-token samples read from prepared (memory-mapped) corpora."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_sp.data.blend import parse_blend
+from lightning_sp.data.order import SampleOrder
+from lightning_sp.data.prepare import (
+    PrepareSettings,
+    check_prepared,
+    prepare,
+    read_metadata,
+)
+from lightning_sp.data.prompts import Codec, prompt_dataloader
+from lightning_sp.data.sampler import ResumableSampler
+from lightning_sp.data.sources import Source, resolve_paths, stdlib_python_files
+from lightning_sp.data.tokenizer import tokenizer_info
+from lightning_sp.data.tokens import PackedSamples, TokenSplit
+from lightning_sp.errors import ConfigError, positive_int
+from lightning_sp.runtime.agree import ranks_agree
+
+
+class ResumableLoader(DataLoader):
+    """A ``DataLoader`` whose state is its :class:`ResumableSampler`'s, so Lightning's fit loop
+    knows the training data resumes mid-epoch (the datamodule's ``state_dict`` holds the same)."""
+
+    def state_dict(self) -> dict[str, int]:
+        assert isinstance(self.sampler, ResumableSampler)
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        assert isinstance(self.sampler, ResumableSampler)
+        self.sampler.load_state_dict(state)
+
+
+def default_cache_dir() -> str:
+    """``~/.cache/lightning_sp`` (``$XDG_CACHE_HOME`` respected)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "lightning_sp")
+
+
+class TextDataModule(pl.LightningDataModule):
+    """Packed next-token-prediction samples from corpora tokenized once into memory-mapped
+    shards (``python cli.py prepare``), or prepared on first use into a cache.
+
+    Batches are ``{"input_ids": [b, s], "labels": [b, s]}`` (int64), labels being the inputs
+    shifted by one; a sample is ``s + 1`` consecutive tokens of the documents (each followed
+    by an end-of-document token) concatenated. The training order is a seeded shuffle per
+    epoch, sharded over data-parallel replicas only, and resumes exactly mid-epoch through
+    :meth:`state_dict`. Where the data comes from, first match wins: ``blend`` (prepared
+    directories); a complete ``prepared_dir`` with ``paths`` and ``dataset_name`` unset; else
+    the source (``paths`` / ``dataset_name`` / the standard library) prepared into
+    ``prepared_dir`` or, unset, a cache directory under ``cache_dir`` keyed by source,
+    tokenizer and split (and reused while they are unchanged).
+
+    Args:
+        paths: Local files, directories (every file under them, recursively, except hidden
+            ones) or glob patterns (``**`` recurses). ``.jsonl``/``.json``/``.parquet``/``.csv``
+            files give one document per row (field ``text_field``); a directory written by
+            ``Dataset.save_to_disk`` gives its rows; any other file is one plain-text document.
+            Unset (with no ``dataset_name``/``prepared_dir``/``blend``): the ``.py`` files of
+            this Python's standard library, which every machine has.
+        dataset_name: A Hugging Face Hub dataset (its ``train`` split, field ``text_field``);
+            needs network access. Mutually exclusive with ``paths``.
+        text_field: The field (JSON) or column (Parquet, CSV, saved and Hub datasets) that
+            holds each document's text.
+        tokenizer: Path of a Hugging Face ``tokenizers`` ``tokenizer.json``; its vocabulary must
+            hold an end-of-document token (one of <|endoftext|>, <|end_of_text|>, </s>, <eos>,
+            <|eos|>, [EOS], [SEP]). Unset: byte-level tokenizer (ids 0-255 are UTF-8 bytes,
+            256 is end-of-document; vocabulary 257). Must be the one the data was prepared with.
+        prepared_dir: Directory of the prepared corpus: ``cli.py prepare`` writes it, ``fit``
+            reads it (and prepares it first from ``paths``/``dataset_name`` when it is missing).
+        blend: Several prepared directories mixed by weight, Megatron-LM style:
+            ``[0.3, /data/a, 0.7, /data/b]`` (weights > 0, normalized). Excludes the other
+            sources.
+        seq_length: Tokens per sample (s); each sample consumes seq_length + 1 tokens.
+        batch_size: Samples per data-parallel rank per optimizer step (b).
+        val_fraction: Fraction of the documents held out for validation when preparing, in
+            [0, 1) (at least one document when > 0).
+        max_documents: Prepare from at most this many documents, a seeded sample of them (keeps
+            the standard-library corpus small for quick runs). Unset: all.
+        seed: Seed of the document sample, the train/validation split and the shuffling.
+        num_workers: DataLoader worker processes (0 loads in the main process).
+        num_proc: Tokenizing processes when preparing (``datasets``' ``map(num_proc=...)``).
+        cache_dir: Root of the prepared-corpus cache (``prepared/<key>`` under it) and of the
+            ``datasets`` cache. Unset: ``~/.cache/lightning_sp`` and ``datasets``' default.
+        prompts: Prompts for ``predict`` (each continued by ``GPTModule.predict_step``); while
+            predicting no corpus is prepared or read.
+    """
+
+    def __init__(
+        self,
+        paths: str | list[str] | None = None,
+        dataset_name: str | None = None,
+        text_field: str = "text",
+        tokenizer: str | None = None,
+        prepared_dir: str | None = None,
+        blend: list[float | str] | None = None,
+        seq_length: int = 256,
+        batch_size: int = 8,
+        val_fraction: float = 0.02,
+        max_documents: int | None = None,
+        seed: int = 1234,
+        num_workers: int = 0,
+        num_proc: int = 1,
+        cache_dir: str | None = None,
+        prompts: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if paths is not None and dataset_name is not None:
+            raise ConfigError(
+                f"paths={paths!r} and dataset_name={dataset_name!r} are both set; give one of "
+                "them, or neither for the standard-library corpus"
+            )
+        if blend is not None and (paths, dataset_name, prepared_dir) != (None, None, None):
+            raise ConfigError(
+                f"blend={blend!r} is set with paths, dataset_name or prepared_dir; a blend "
+                "reads prepared directories only, unset the others"
+            )
+        for name, value in (("seq_length", seq_length), ("batch_size", batch_size),
+                            ("num_proc", num_proc)):  # fmt: skip
+            positive_int(name, value)
+        if not 0.0 <= val_fraction < 1.0:
+            raise ConfigError(f"val_fraction={val_fraction!r} is invalid; it must be in [0, 1)")
+        if max_documents is not None and max_documents < 1:
+            raise ConfigError(
+                f"max_documents={max_documents!r} is invalid; it must be an integer >= 1, "
+                "or unset for all documents"
+            )
+        if num_workers < 0:
+            raise ConfigError(f"num_workers={num_workers!r} is invalid; it must be >= 0")
+        if dataset_name is not None and not dataset_name.strip():
+            raise ConfigError(
+                f"dataset_name={dataset_name!r} is empty; give a Hub dataset name or unset it"
+            )
+        self.paths, self.dataset_name, self.text_field = paths, dataset_name, text_field
+        self.tokenizer, self.seq_length, self.batch_size = tokenizer, seq_length, batch_size
+        self.val_fraction, self.max_documents, self.seed = val_fraction, max_documents, seed
+        self.num_workers, self.num_proc, self.cache_dir = num_workers, num_proc, cache_dir
+        self.info = tokenizer_info(tokenizer)
+        self.prompts = prompts
+
+        # Where the samples come from, checked now (before any work).
+        self.source: Source | None = None
+        self.weights: list[float] | None = None
+        if blend is not None:
+            parsed = parse_blend(blend)
+            self.directories = [os.path.abspath(d) for d in parsed.directories]
+            self.weights = list(parsed.weights)
+        elif (
+            prepared_dir is not None
+            and paths is None
+            and dataset_name is None
+            and read_metadata(os.path.expanduser(prepared_dir)) is not None
+        ):  # an existing prepared corpus, whatever it was prepared from
+            self.directories = [os.path.abspath(os.path.expanduser(prepared_dir))]
+        else:
+            entries: list[str] = []
+            if dataset_name is None:
+                entries = stdlib_python_files() if paths is None else resolve_paths(paths)
+                if not entries:
+                    raise ConfigError(
+                        "paths=None found no standard-library .py files under "
+                        f"{sysconfig.get_paths()['stdlib']!r}; give files with paths"
+                    )
+            self.source = Source(tuple(entries), dataset_name, text_field, max_documents, seed)
+            self.directories = [prepared_dir or self._cache_path(self.source)]
+        if self.source is None:  # already prepared: it must match the tokenizer
+            for directory in self.directories:
+                check_prepared(directory, self.info)
+
+        self.num_tokens: int | None = None
+        self.train_dataset: PackedSamples | None = None
+        self.val_dataset: PackedSamples | None = None
+        self._sampler: ResumableSampler | None = None
+        self._resume: dict[str, Any] | None = None
+        self._prepare_error: ConfigError | None = None  # raised by every rank in setup
+
+    @property
+    def files(self) -> list[str]:
+        """The local entries of the configured source (empty for prepared data)."""
+        return list(self.source.entries) if self.source is not None else []
+
+    def _settings(self) -> PrepareSettings:
+        return PrepareSettings(self.val_fraction, self.seed, num_proc=self.num_proc)
+
+    def _cache_path(self, source: Source) -> str:
+        key = [source.fingerprint(), self.info.digest, self.val_fraction, self.seed]
+        digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:20]
+        return os.path.join(self.cache_dir or default_cache_dir(), "prepared", digest)
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size of the tokenizer: 257 for bytes, else the tokenizer's (with added
+        tokens)."""
+        return self.info.vocab_size
+
+    @property
+    def eos_token_id(self) -> int:
+        """Id of the end-of-document token appended after every document."""
+        return self.info.eos_id
+
+    @property
+    def tokenizer_id(self) -> str:
+        """Identifies the tokenizer for checkpoint compatibility: ``bytes`` or
+        ``tokenizers:<first 16 hex digits of the tokenizer.json's sha256>``."""
+        return self.info.id
+
+    def check_model_vocab(self, model_vocab_size: int | None) -> None:
+        """Fail when the tokenizer has more ids than the model's vocabulary."""
+        if model_vocab_size is not None and self.vocab_size > model_vocab_size:
+            raise ConfigError(
+                f"model.config.vocab_size={model_vocab_size} is smaller than the tokenizer's "
+                f"vocabulary of {self.vocab_size} tokens; set model.config.vocab_size >= "
+                f"{self.vocab_size} or use a smaller tokenizer"
+            )
+
+    def _model_vocab(self) -> int | None:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        return getattr(getattr(module, "config", None), "vocab_size", None)
+
+    def prepare_corpus(self, log: Any = print) -> str:
+        """Tokenize the configured source into its prepared directory (reused when up to
+        date); returns the directory. Nothing to do for already-prepared data."""
+        if self.source is not None:
+            prepare(self.source, self.info, self.directories[0], self._settings(),
+                    cache_dir=self.cache_dir, log=log)  # fmt: skip
+        else:
+            log(f"already prepared, nothing to do: {', '.join(self.directories)}")
+        return self.directories[0]
+
+    @override
+    def prepare_data(self) -> None:
+        """Prepare the source on first use (one process per node; the others wait). Under a
+        Trainer of several processes a bad input found here is raised by every rank in
+        :meth:`setup` (:mod:`lightning_sp.runtime.agree`), not by this rank alone."""
+        try:
+            self.check_model_vocab(self._model_vocab())
+            if self.source is not None and not self._predicting:
+                self.prepare_corpus()
+        except ConfigError as error:
+            if self.trainer is None or self.trainer.world_size == 1:
+                raise
+            self._prepare_error = error
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Map the prepared splits (nothing is read whole); later calls are no-ops. Nothing
+        to map for ``predict`` (it reads ``prompts``). A bad input found here or by
+        :meth:`prepare_data` on any rank is raised by every rank (one ``ConfigError``)."""
+        with ranks_agree():
+            if self._prepare_error is not None:
+                raise self._prepare_error
+            self._setup(stage)
+
+    def _setup(self, stage: str) -> None:
+        if self.train_dataset is not None or stage == "predict":
+            return
+        self.check_model_vocab(self._model_vocab())
+        metas = [check_prepared(d, self.info) for d in self.directories]
+        self.num_tokens = sum(int(m["tokens"]) for m in metas)
+        train = [TokenSplit(d, "train") for d in self.directories]
+        width = self.seq_length + 1
+        for directory, split in zip(self.directories, train, strict=True):
+            if split.num_tokens < width:
+                raise ConfigError(
+                    f"seq_length={self.seq_length} needs at least {width} training tokens per "
+                    f"corpus, but {directory!r} has {split.num_tokens}; add text or lower "
+                    "seq_length"
+                )
+        self.train_dataset = PackedSamples(train, self.seq_length)
+        self.val_dataset = PackedSamples([TokenSplit(d, "val") for d in self.directories],
+                                         self.seq_length)  # fmt: skip
+        replicas = self._replicas()[0]
+        epoch = len(SampleOrder(self.train_dataset.counts, self.weights, self.seed))
+        if epoch // replicas < self.batch_size:
+            raise ConfigError(
+                f"batch_size={self.batch_size} is larger than the {epoch} training samples "
+                f"(over {replicas} data-parallel replica(s)) at seq_length={self.seq_length}; "
+                "lower batch_size or seq_length, or add text"
+            )
+
+    def _replicas(self) -> tuple[int, int]:
+        """``(data-parallel replicas, this replica's index)``; ``(1, 0)`` without a trainer.
+
+        Under ``megatron_sp`` these are the data-parallel size and rank of the strategy's
+        ``ParallelState``: tensor- and pipeline-parallel ranks of one replica read the same
+        samples.
+        """
+        strategy = getattr(self.trainer, "strategy", None) if self.trainer is not None else None
+        try:
+            kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+        except Exception:  # strategy not fully set up yet
+            kwargs = {}
+        return max(1, int(kwargs.get("num_replicas", 1))), int(kwargs.get("rank", 0))
+
+    @override
+    def train_dataloader(self) -> ResumableLoader:
+        """Training batches ``{"input_ids": [b, s], "labels": [b, s]}`` in the seeded order
+        of :class:`ResumableSampler`; incomplete last batch dropped."""
+        if self.train_dataset is None:
+            self.setup("fit")
+        assert self.train_dataset is not None
+        replicas, rank = self._replicas()
+        order = SampleOrder(self.train_dataset.counts, self.weights, self.seed)
+        self._sampler = ResumableSampler(self.train_dataset, order, replicas, rank)
+        if self._resume is not None:
+            self._sampler.load_state_dict(self._resume)
+            self._resume = None
+        return ResumableLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            sampler=self._sampler,
+            drop_last=True,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        """Validation batches in a fixed order, last batch kept even if incomplete (Lightning
+        shards them over data-parallel replicas)."""
+        if self.val_dataset is None:
+            self.setup("fit")
+        assert self.val_dataset is not None
+        return DataLoader(
+            self.val_dataset,
+            batch_size=self.batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    @property
+    def _predicting(self) -> bool:
+        return self.trainer is not None and self.trainer.predicting
+
+    @property
+    def codec(self) -> Codec:
+        """This run's tokenizer, text to ids and back (bytes or ``tokenizer.json``)."""
+        return Codec.from_info(self.info)
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        """The ``prompts``, one per batch ``{"input_ids": [1, n], "prompt": [str]}``."""
+        if not self.prompts:
+            raise ConfigError(
+                f"data.prompts={self.prompts!r} is empty; give the prompts to continue, e.g. "
+                """--data.prompts '["def "]'"""
+            )
+        return prompt_dataloader(self.prompts, self.codec)
+
+    @override
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Count the training samples handed to the model (what a checkpoint has trained on;
+        batches a DataLoader prefetched are not counted)."""
+        if self.trainer is not None and self.trainer.training and self._sampler is not None:
+            self._sampler.advance(int(batch["input_ids"].shape[0]))
+        return batch
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """``{"sampler": {epoch, consumed_samples, epoch_samples, seed}}`` (plain ints), or
+        ``{}`` before training."""
+        if self._sampler is not None:
+            return {"sampler": self._sampler.state_dict()}
+        return {"sampler": dict(self._resume)} if self._resume is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the training order where :meth:`state_dict` left it."""
+        if "sampler" in state_dict:
+            self._resume = dict(state_dict["sampler"])
+            if self._sampler is not None:
+                self._sampler.load_state_dict(self._resume)
+                self._resume = None

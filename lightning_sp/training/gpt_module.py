@@ -1,0 +1,415 @@
+"""``GPTModule``: the LightningModule that trains a ``lightning_sp.GPT``.
+
+The model is created in ``configure_model``, directly as this rank's shard (no full model is
+ever materialised), from the parallel state and layout the ``megatron_sp`` strategy pushed in
+(:meth:`GPTModule.setup_parallel`), or as a whole model on one process under any other
+strategy. It is always one
+:class:`~lightning_sp.pipeline.Pipeline` of this rank's model chunks (one chunk when
+``p = 1``), the module's :meth:`~GPTModule.stage_model` (the
+:class:`~lightning_sp.training.protocol.ParallelModule` protocol the strategy drives). With
+``p > 1`` a training step runs the whole schedule (forward and backward of every
+micro-batch) inside ``training_step``; with ``p = 1`` Lightning runs backward as usual.
+
+Under context parallelism (``c > 1``) every CP rank of a data-parallel replica reads the same
+batch ``[b, s]`` and feeds its model only its two load-balanced chunks ``[b, s/c]``
+(:func:`~lightning_sp.parallel.context.shard_for_context_parallel`), in training, validation
+and the pipeline schedule alike; the loss the model returns, and the one logged, is the token
+mean over the whole sequences (equal on the CP ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
+from torch import Tensor
+from torch.optim import Optimizer
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from lightning_sp.data.prompts import Codec
+from lightning_sp.errors import ConfigError
+from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
+from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.generate import GenerationConfig, generate
+from lightning_sp.model.gpt import GPT
+from lightning_sp.model.moe import moe_metrics, scale_auxiliary_losses, update_expert_biases
+from lightning_sp.optim import resume
+from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
+from lightning_sp.parallel.buffer import GradBufferConfig
+from lightning_sp.parallel.config import ParallelConfig
+from lightning_sp.parallel.context import shard_for_context_parallel
+from lightning_sp.parallel.grads import clip_grad_norm_
+from lightning_sp.parallel.state import ParallelState
+from lightning_sp.pipeline import Pipeline, check_batch
+from lightning_sp.training.checks import (
+    check_compile,
+    check_data,
+    check_optimizer,
+    check_vocabulary,
+    vocabulary_identity,
+)
+
+_DEFAULT_MODEL = GPTConfig()
+_DEFAULT_OPTIMIZER = OptimizerConfig()
+_DEFAULT_GENERATION = GenerationConfig()
+
+
+COMPILED_MEMORY_WARNING = (
+    "compile_layers=True: a compiled layer saves for backward what the compiler's partitioner "
+    "chooses, not what the recompute policy states (the same loss and gradients); the activation "
+    "formulas and the planner describe eager layers, ActivationMemoryMonitor measures these"
+)
+
+
+@runtime_checkable
+class Batched(Protocol):
+    """A data module that states its batch size per data-parallel rank
+    (:class:`~lightning_sp.data.TextDataModule`)."""
+
+    batch_size: int
+
+
+@runtime_checkable
+class BucketsGradients(Protocol):
+    """A strategy that buckets gradients (``MegatronSPStrategy``): its record of how the
+    optimizer's gradient buffer is built."""
+
+    grad_buffer: GradBufferConfig
+
+
+class GPTModule(LightningModule):
+    """Trains a GPT shard: next-token loss, AdamW, validation loss and perplexity.
+
+    Args:
+        config: The model (``lightning_sp.GPTConfig``). Its ``sequence_parallel`` is the
+            run's; the strategy's ``sequence_parallel``, if given, must agree.
+        optimizer: AdamW and learning-rate schedule settings.
+        init_from: A local Hugging Face directory of a GPT-2 or Llama model (``config.json``
+            + ``model.safetensors``, or shards with ``model.safetensors.index.json``) to start
+            from instead of the seeded initialisation; each rank reads only its own slices.
+            Its architecture and sizes must equal ``config``'s (checked here).
+        compile_layers: ``torch.compile`` each transformer layer, in any layout (see
+            :func:`~lightning_sp.training.checks.check_compile`). Measured on CPU (torch
+            2.13; t=1, t=2 + SP with lean recompute, p=2): the eager loss, gradients within
+            fp32 rounding; each dropout with our generators and each recompute's RNG snapshot
+            is a graph break (dropout 0 traces whole layers). The bytes a compiled layer saves
+            are the partitioner's choice, not the policy's (configs/tiny.yaml: 36.0 sbh
+            measured vs 32.0 eager), so the formulas and the planner no longer describe them
+            (warned once); the activation monitor measures them.
+        generation: How ``predict`` continues each prompt (:meth:`predict_step`).
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig = _DEFAULT_MODEL,
+        optimizer: OptimizerConfig = _DEFAULT_OPTIMIZER,
+        init_from: str | None = None,
+        compile_layers: bool = False,
+        generation: GenerationConfig = _DEFAULT_GENERATION,
+    ) -> None:
+        super().__init__()
+        self.compile_layers = compile_layers
+        self.config = dataclasses.replace(config)
+        self.optimizer_config = dataclasses.replace(optimizer)
+        self.generation = dataclasses.replace(generation)
+        self.config.validate()
+        check_optimizer(self.optimizer_config)
+        self.init_from = init_from
+        if init_from is not None:
+            check_hf_directory(init_from, self.config)
+        self.generation.validate()
+        self._save_hyperparameters()
+        self.pipeline: Pipeline | None = None  # this rank's model chunks (one when p = 1)
+        self._parallel: tuple[ParallelState, ParallelConfig] | None = None  # pushed by megatron_sp
+        self.val_loss = MeanMetric()
+        self._configured: list[dict[str, Any]] | None = None  # this run's optimizer settings
+        self._resumed_optimizer: dict[str, Any] | None = None  # the checkpoint's (resuming)
+
+    def _save_hyperparameters(self) -> None:
+        """What ``hparams.yaml`` and checkpoints record of this module: its settings as they
+        run (``recompute: auto`` appears resolved once ``configure_model`` has resolved it)."""
+        self.save_hyperparameters(
+            {
+                "config": dataclasses.asdict(self.config),
+                "optimizer": dataclasses.asdict(self.optimizer_config),
+                "init_from": self.init_from,
+                "compile_layers": self.compile_layers,
+            }
+        )
+
+    # -- model -------------------------------------------------------------------------------
+
+    supports_pipeline_parallel = True
+    """The strategy may run this module with ``pipeline_parallel_size > 1``."""
+
+    supports_context_parallel = True
+    """The strategy may run this module with ``context_parallel_size > 1`` (each CP rank
+    keeps its chunks of every batch)."""
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """``config.sequence_parallel`` (the ``ParallelModule`` protocol)."""
+        return self.config.sequence_parallel
+
+    def setup_parallel(self, state: ParallelState, config: ParallelConfig) -> None:
+        """Receive this rank's state and the run's layout from the strategy (the
+        ``ParallelModule`` protocol); ``configure_model`` builds the shard from them."""
+        self._parallel = (state, config)
+
+    def stage_model(self) -> Pipeline:
+        """This rank's model chunks (built in ``configure_model``)."""
+        if self.pipeline is None:
+            raise RuntimeError("the model is created in configure_model; run it through a Trainer")
+        return self.pipeline
+
+    @property
+    def parallel_state(self) -> ParallelState:
+        """The state the strategy pushed, else one process on the strategy's device."""
+        if self._parallel is not None:
+            return self._parallel[0]
+        # the device the strategy will run on (this module is still on the CPU while
+        # configure_model runs), so the model and its RNG streams are built there
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        device = strategy.root_device if strategy is not None else self.device
+        return ParallelState.single(device)
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        """The layout the strategy pushed, else one process (every size 1)."""
+        if self._parallel is not None:
+            return self._parallel[1]
+        return ParallelConfig(sequence_parallel=self.config.sequence_parallel)
+
+    @property
+    def chunks(self) -> list[GPT]:
+        """This rank's model chunks (one :class:`GPT` when ``p = 1``)."""
+        return list(self.stage_model().chunks)
+
+    @override
+    def configure_model(self) -> None:
+        if self.pipeline is not None:
+            return
+        config, state, layout = self.config, self.parallel_state, self.parallel_config
+        check_data(getattr(self._trainer, "datamodule", None), config)
+        layout.check_sequence_length(config.seq_length, config.sequence_parallel)
+        if self.compile_layers:
+            check_compile(state)
+        if config.recompute == "auto":  # the planner's fastest recomputation that fits
+            from lightning_sp.planner.estimate import auto_recompute_config
+
+            per_step = self._batch_size() or layout.num_microbatches
+            micro_batch = max(1, per_step // layout.num_microbatches)
+            config, choice = auto_recompute_config(config, layout, micro_batch, state.device)
+            rank_zero_info(f"recompute=auto: {choice.describe()}")
+            # resolved once: the model, hparams.yaml, the checkpoint and the monitors all see
+            # the policy that runs (the loggers write hparams after configure_model)
+            self.config = config
+            self._save_hyperparameters()
+        if state.pipeline_parallel_size > 1:
+            self._check_pipeline_batch(layout.num_microbatches)
+        self.pipeline = Pipeline(
+            config,
+            state,
+            num_microbatches=layout.num_microbatches,
+            virtual_pipeline_size=layout.virtual_pipeline_size,
+            dtype=torch.get_default_dtype(),
+            device=state.device,
+            timeout=state.timeout,
+        )
+        self._load_init_from()
+        if self.compile_layers:
+            rank_zero_warn(COMPILED_MEMORY_WARNING)
+            for chunk in self.pipeline.chunks:
+                for layer in chunk.layers:
+                    layer.compile()
+
+    def _check_pipeline_batch(self, num_microbatches: int) -> None:
+        """Under a pipeline schedule a step's batch splits into the micro-batches and the
+        schedule accumulates: fail before any step if the trainer asks otherwise."""
+        if self._trainer is not None and self._trainer.accumulate_grad_batches != 1:
+            raise ConfigError(
+                f"trainer.accumulate_grad_batches={self._trainer.accumulate_grad_batches} with "
+                "pipeline_parallel_size > 1; the schedule accumulates over num_microbatches, "
+                "use accumulate_grad_batches=1"
+            )
+        batch_size = self._batch_size()
+        if batch_size is not None:  # this replica's batch splits into the micro-batches
+            check_batch(batch_size, num_microbatches)
+
+    def _batch_size(self) -> int | None:
+        """Samples per step per data-parallel rank, if the data module states it."""
+        datamodule = getattr(self._trainer, "datamodule", None)  # set by Trainer.fit
+        return datamodule.batch_size if isinstance(datamodule, Batched) else None
+
+    def _load_init_from(self) -> None:
+        """Overwrite the seeded weights with ``init_from``'s (this rank's slices only)."""
+        if self.init_from is not None:
+            for chunk in self.chunks:
+                load_hf_weights(chunk, self.init_from)
+
+    def _loss(self, batch: dict[str, Tensor], train: bool) -> Tensor:
+        model = self.stage_model()
+        c, r = model.state.context_parallel_size, model.state.context_parallel_rank
+        # under context parallelism: this CP rank's two chunks [b, s/c] of the batch
+        ids, labels = (
+            shard_for_context_parallel(batch[k], 1, c, r) for k in ("input_ids", "labels")
+        )
+        if not train:
+            return model.eval_step(ids, labels)
+        if not model.runs_backward:
+            return model(ids, labels)  # Lightning runs backward
+        optimizer = self.optimizers()
+        assert not isinstance(optimizer, list)  # configure_optimizers returns one
+        optimizer.zero_grad()  # see optimizer_zero_grad
+        return model.train_step(ids, labels)  # forward and backward of every micro-batch
+
+    # -- steps -------------------------------------------------------------------------------
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch, train=True)
+        # the mean over data-parallel replicas (the TP, CP and PP ranks of one already agree):
+        # the loss of the global batch. Reduced here, since Lightning's sync_dist is a no-op
+        # under a strategy its accelerator connector does not know as distributed.
+        logged, group = loss.detach().clone(), self.parallel_state.dp_group
+        if group is not None:
+            torch.distributed.all_reduce(logged, group=group)
+            logged /= self.parallel_state.data_parallel_size
+        self.log("train/loss", logged, prog_bar=True)
+        for name, value in moe_metrics(self.stage_model()).items():  # this rank's micro-batch
+            self.log(f"train/{name}", value)
+        return loss
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After the optimizer step: the MoE layers' auxiliary-loss-free bias updates."""
+        if not self.trainer.fit_loop._should_accumulate():
+            update_expert_biases(self.stage_model())
+
+    @override
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """Backward of the loss; under pipeline parallelism the schedule has already run it
+        inside ``training_step`` (the hooks around backward still run)."""
+        if not self.stage_model().runs_backward:
+            super().backward(loss, *args, **kwargs)
+
+    @override
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Optimizer) -> None:
+        """Lightning zeroes gradients between ``training_step`` and ``backward``; under
+        pipeline parallelism backward has already run by then, so ``training_step`` zeroes
+        them before the schedule instead."""
+        if not self.stage_model().runs_backward:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.val_loss.update(self._loss(batch, train=False))
+
+    @override
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        """Continue the prompt of ``batch`` (``{"input_ids": [1, n], "prompt": [str]}``) with
+        :func:`~lightning_sp.model.generate.generate` and ``self.generation``; returns
+        ``{"prompt", "completion", "token_ids"}`` (text decoded with the datamodule's
+        ``codec``, which also gives the end-of-document token that stops generation)."""
+        codec: Codec | None = getattr(getattr(self.trainer, "datamodule", None), "codec", None)
+        state = self.stage_model().state
+        for field in ("pipeline_parallel_size", "context_parallel_size"):
+            if getattr(state, field) > 1:
+                raise ConfigError(
+                    f"{field}={getattr(state, field)}: predict needs the whole model and "
+                    f"sequence on each rank; predict with {field}=1"
+                )
+        ids = batch["input_ids"][0].tolist()
+        eos = codec.eos_id if codec is not None else None
+        tokens = generate(self.chunks[0], ids, self.generation, eos_id=eos)
+        return {
+            "prompt": batch["prompt"][0],
+            "completion": codec.decode(tokens) if codec is not None else None,
+            "token_ids": tokens,
+        }
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", torch.exp(loss), prog_bar=True)
+
+    # -- optimisation ------------------------------------------------------------------------
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
+        strategy = self.trainer.strategy
+        buffer = strategy.grad_buffer if isinstance(strategy, BucketsGradients) else None
+        configured = configure_adamw(
+            self.stage_model(), self.optimizer_config, self.trainer.max_steps, buffer
+        )
+        self._configured = resume.configured_settings(configured["optimizer"])
+        return configured
+
+    @override
+    def configure_gradient_clipping(
+        self,
+        optimizer: Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip by the true global norm over all shards (replicated parameters counted once)."""
+        if not gradient_clip_val:
+            return
+        if gradient_clip_algorithm not in (None, "norm"):
+            raise ConfigError(
+                f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not supported; use 'norm'"
+            )
+        buffer = grad_buffer_of(optimizer)
+        sharded = buffer is not None and buffer.distributed
+        norm = clip_grad_norm_(self.parameters(), gradient_clip_val, self.parallel_state, sharded)
+        self.log("train/grad_norm", norm, prog_bar=False)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _vocabulary_identity(self) -> dict[str, Any]:
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
+        return vocabulary_identity(self.config.vocab_size, datamodule)
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["rng_streams"] = self.stage_model().rng_state_dict()
+        checkpoint["vocabulary"] = self._vocabulary_identity()
+
+    @override
+    def on_train_start(self) -> None:
+        """A resumed run trains with this run's optimizer settings (restored from the
+        checkpoint just before): :mod:`lightning_sp.optim.resume`; one line if they differ
+        from the checkpoint's. Lightning divides each accumulated batch's loss by
+        ``accumulate_grad_batches``: the MoE auxiliary losses are scaled alike."""
+        pipeline = self.stage_model()
+        accumulate = self.trainer.accumulate_grad_batches
+        scale_auxiliary_losses(pipeline, 1 / (pipeline.num_microbatches * accumulate))
+        if self._resumed_optimizer is None or self._configured is None:
+            return
+        scheduler = self.lr_schedulers()
+        for optimizer in self.trainer.optimizers:
+            resume.apply_settings(optimizer, scheduler, self._configured)
+        changes = resume.changed_settings(self._resumed_optimizer, self.optimizer_config)
+        if changes:
+            rank_zero_info(resume.notice(changes, self.trainer.global_step))
+        self._resumed_optimizer = None
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._resumed_optimizer = checkpoint.get("hyper_parameters", {}).get("optimizer", {})
+        check_vocabulary(checkpoint.get("vocabulary", {}), self._vocabulary_identity())
+        weights = checkpoint.get("state_dict", {})
+        for key in [k for k in weights if k.startswith("gpt.")]:  # saved before the one holder
+            weights["pipeline.chunks.0." + key[len("gpt.") :]] = weights.pop(key)
+        streams = checkpoint.get("rng_streams")
+        if streams is not None and "replicated" in streams:  # one GPT's streams: chunk 0
+            streams = {"0": streams}
+        if streams is not None:
+            self.stage_model().load_rng_state_dict(streams)
