@@ -185,3 +185,24 @@ def test_expert_parallel_size_must_divide_data_context_ranks() -> None:
         check_expert_layout(6, 4)
     assert "\n" not in str(info.value)
     assert check_expert_layout(8, 4) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_recompute_act_gives_the_same_gradients(dtype: torch.dtype) -> None:
+    """The ``mlp_act`` recompute module (experts' and shared experts' down projections saving
+    SwiGLU's input): the same output and gradients, loop (float64) and grouped (fp32) paths."""
+    config = MoEConfig(num_experts=E, top_k=2, expert_ffn_size=F, num_shared_experts=1,
+                       aux_loss_coef=0.1, router_dtype="fp64")  # fmt: skip
+    results = []
+    for recompute_act in (False, True):
+        moe = MoE(H, config, ParallelState.single(), sequence_parallel=False,
+                  recompute_act=recompute_act, dtype=dtype)  # fmt: skip
+        moe.reset_parameters(5)
+        x = torch.randn(6, 3, H, dtype=dtype, generator=torch.Generator().manual_seed(1))
+        x.requires_grad_()
+        out = moe(x)
+        out.backward(torch.ones_like(out))
+        results.append([out.detach(), x.grad, *(p.grad for p in moe.parameters())])
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)

@@ -29,8 +29,9 @@ def _formula(t: int, e: int, sp: bool) -> float:
     return per_rank + 4 * CONFIG.num_experts  # fp32 counts of the load-balancing loss
 
 
-def _measure(state: ParallelState, sp: bool) -> int:
-    moe = MoE(H, CONFIG, state, sequence_parallel=sp, dtype=torch.bfloat16)
+def _measure(state: ParallelState, sp: bool, recompute_act: bool = False) -> int:
+    moe = MoE(H, CONFIG, state, sequence_parallel=sp, recompute_act=recompute_act,
+              dtype=torch.bfloat16)  # fmt: skip
     moe.reset_parameters(3)
     s = S // state.tensor_parallel_size if sp else S
     x = torch.randn(s, B, H, dtype=torch.bfloat16, requires_grad=True)
@@ -54,6 +55,19 @@ def _worker(rank: int, world_size: int) -> list[tuple[str, int, float]]:
 
 def test_moe_saved_bytes_equal_formula_one_process() -> None:
     assert _measure(ParallelState.single(), False) == _formula(1, 1, False)
+
+
+def test_mlp_act_recompute_drops_the_down_projection_inputs() -> None:
+    """``mlp_act`` drops exactly the terms it names: the experts' and shared experts' down
+    projection inputs."""
+    from lightning_sp.model.recompute import RECOMPUTE_MODULES
+
+    shape = ActivationShape(s=S, b=B, h=H, a=4)
+    terms = MoEFeedForward(CONFIG).saved_terms(shape)
+    dropped = sum(terms[n][0] for n in RECOMPUTE_MODULES["mlp_act"].drops if n in terms)
+    assert dropped == 2 * (2 * S * B) * 32 + 2 * S * B * 32  # e·N·f_e and e·T·f_s
+    measured = _measure(ParallelState.single(), False, recompute_act=True)
+    assert measured == _formula(1, 1, False) - dropped
 
 
 @pytest.mark.slow
@@ -159,7 +173,7 @@ def test_step_time_prices_the_expert_all_to_alls() -> None:
 
 def test_search_tries_expert_parallel_sizes() -> None:
     """The layout search tries every e dividing both d·c and E (SP rows only at t > 1 for an
-    MoE model), never the distributed optimizer with e > 1; a dense model only e = 1."""
+    MoE model), with and without the distributed optimizer; a dense model only e = 1."""
     import dataclasses
 
     from lightning_sp import GPTConfig
@@ -176,8 +190,31 @@ def test_search_tries_expert_parallel_sizes() -> None:
     for layout in layouts:
         d_c = layout.data_parallel_size * layout.context_parallel_size
         assert d_c % layout.expert_parallel_size == 0 and 4 % layout.expert_parallel_size == 0
-        assert not (layout.distributed_optimizer and layout.expert_parallel_size > 1)
     assert {x.expert_parallel_size for x in layouts} == {1, 2, 4}
+    assert any(x.distributed_optimizer and x.expert_parallel_size == 4 for x in layouts)
     assert any(x.tensor_parallel_size == 2 for x in layouts)
     dense = dataclasses.replace(base, config=dataclasses.replace(config, feed_forward="dense"))
     assert {x.expert_parallel_size for x, _ in _layouts(dense, 2)} == {1}
+
+
+def test_estimate_shards_expert_optimizer_state_over_the_expert_data_group() -> None:
+    """With the distributed optimizer, dense weights' fp32 master and Adam moments split over
+    d·c ranks, the routed experts' over the d·c/e that hold them."""
+    from lightning_sp import GPTConfig
+    from lightning_sp.memory.formulas import expert_parameters_per_rank, parameters_per_rank
+    from lightning_sp.planner.estimate import estimate
+    from lightning_sp.planner.layout import Layout
+
+    config = GPTConfig.of(
+        "mistral", vocab_size=1000, seq_length=256, hidden_size=64, num_layers=4, num_heads=4,
+        feed_forward="moe", moe=MoEConfig(num_experts=8, top_k=2, expert_ffn_size=32),
+    )  # fmt: skip
+    layout = Layout(data_parallel_size=8, expert_parallel_size=4, distributed_optimizer=True,
+                    config=config)  # fmt: skip
+    total, experts = (
+        parameters_per_rank(config, 1, 1, 4),
+        expert_parameters_per_rank(config, 1, 1, 4),
+    )
+    assert experts == 4 * 8 * 3 * 64 * 32 // 4
+    expected = (total - experts) * (6 + 12 / 8) + experts * (6 + 12 / 2)
+    assert estimate(layout, measure=False).rows[0].model_state_bytes == round(expected)

@@ -184,6 +184,22 @@ def _gpt_worker(rank: int, world_size: int, layouts: list[tuple[int, int, int]])
         finalize_grads(buffered, state, buffer)
         for (name, p), q in zip(buffered.named_parameters(), model.parameters(), strict=True):
             assert _rel(p.main_grad, q.grad) <= RTOL, f"{case}: buffer {name}"  # type: ignore[attr-defined, arg-type]
+        # sharded (the distributed optimizer's): each rank's owned range, experts split over
+        # their expert-data group; the sharded norm equals the replicated one
+        sharded = GPT(config, state, dtype=torch.float64)
+        params = list(sharded.parameters())
+        buffer = GradBuffer(params, state, bucket_numel=2000, distributed=True)
+        sharded(ids, labels).backward()
+        finalize_grads(sharded, state, buffer)
+        owned = buffer.owned()
+        for (name, p), q in zip(sharded.named_parameters(), model.parameters(), strict=True):
+            if id(p) in owned:
+                start, end, grad = owned[id(p)]
+                expected = q.grad.reshape(-1)[start:end]  # type: ignore[union-attr]
+                assert _rel(grad, expected) <= RTOL, f"{case}: sharded {name}"
+        norm = global_grad_norm(params, state, sharded_over_dp=True)
+        reference_norm = global_grad_norm(list(model.parameters()), state)
+        assert _rel(norm, reference_norm) <= RTOL, f"{case}: sharded norm"
 
 
 def test_moe_gpt_layouts_match_single_process_quick() -> None:

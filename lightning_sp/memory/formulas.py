@@ -135,6 +135,7 @@ def dropped_bytes_per_layer(shape: ActivationShape, module: str) -> float:
         _per_rank(shape, *terms[term])
         for m in active_modules((module,), shape.attention)
         for term in m.drops
+        if term in terms  # a module names the terms of every part it acts on
     )
 
 
@@ -370,6 +371,19 @@ def parameters_per_rank(
     return max(
         stage_parameter_count(config, tensor_parallel_size, p, stage, e) for stage in {0, p - 1}
     )
+
+
+def expert_parameters_per_rank(
+    config: GPTConfig,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
+) -> int:
+    """Of :func:`parameters_per_rank`, the routed experts' (``L/p`` layers' ``1/e`` of them):
+    the distributed optimizer shards their state over the ``d·c/e`` ranks holding them."""
+    shape = config.activation_shape(tensor_parallel_size)
+    experts = config.block().expert_parameters(shape) // expert_parallel_size
+    return config.num_layers // pipeline_parallel_size * experts
 
 
 def model_parameter_count(config: GPTConfig) -> int:

@@ -48,31 +48,61 @@ def _loop(a: Tensor, b: Tensor, counts: list[int]) -> Tensor:
     return torch.cat(parts) if parts else a.new_empty((0, b.shape[2]))
 
 
-class _GroupedLinear(torch.autograd.Function):
+def _grouped_forward(x: Tensor, weight: Tensor, counts: list[int], grouped: bool) -> Tensor:
     """``y_i = x_i W_iᵀ`` for the row groups ``x_i`` of ``x`` (``counts`` rows each)."""
+    if grouped:
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=_offsets(counts, x.device))
+    return _loop(x, weight.transpose(1, 2), counts)
+
+
+def _grouped_backward(
+    grad: Tensor, x: Tensor, weight: Tensor, counts: list[int], grouped: bool
+) -> tuple[Tensor, Tensor]:
+    """The input and weight gradients of :func:`_grouped_forward`."""
+    grad = grad.contiguous()
+    if grouped:
+        offs = _offsets(counts, x.device)
+        grad_x = torch._grouped_mm(grad, weight, offs=offs)
+        grad_w = torch._grouped_mm(grad.t(), x, offs=offs)  # [E, n, k]
+        return grad_x, grad_w
+    grad_x = _loop(grad, weight, counts)
+    grad_w = torch.stack(
+        [g.t() @ rows for g, rows in zip(grad.split(counts), x.split(counts), strict=True)]
+    )
+    return grad_x, grad_w
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``y_i = x_i W_iᵀ`` per row group; saves ``x`` and ``W`` only."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, counts: list[int], grouped: bool) -> Tensor:
         ctx.counts, ctx.grouped = counts, grouped
         ctx.save_for_backward(x, weight)
-        if grouped:
-            return torch._grouped_mm(x, weight.transpose(1, 2), offs=_offsets(counts, x.device))
-        return _loop(x, weight.transpose(1, 2), counts)
+        return _grouped_forward(x, weight, counts, grouped)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
         x, weight = ctx.saved_tensors
-        counts, grad = ctx.counts, grad.contiguous()
-        if ctx.grouped:
-            offs = _offsets(counts, x.device)
-            grad_x = torch._grouped_mm(grad, weight, offs=offs)
-            grad_w = torch._grouped_mm(grad.t(), x, offs=offs)  # [E, n, k]
-        else:
-            grad_x = _loop(grad, weight, counts)
-            grad_w = torch.stack(
-                [g.t() @ rows for g, rows in zip(grad.split(counts), x.split(counts), strict=True)]
-            )
-        return grad_x, grad_w, None, None
+        return (*_grouped_backward(grad, x, weight, ctx.counts, ctx.grouped), None, None)
+
+
+class _GroupedActLinear(torch.autograd.Function):
+    """``y_i = swiglu(z_i) W_iᵀ`` per row group, saving ``z`` (which SwiGLU's own backward
+    keeps anyway), not ``swiglu(z)``: the activation is replayed in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, z: Tensor, weight: Tensor, counts: list[int], grouped: bool) -> Tensor:
+        ctx.counts, ctx.grouped = counts, grouped
+        ctx.save_for_backward(z, weight)
+        return _grouped_forward(SWIGLU.forward(z), weight, counts, grouped)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
+        z, weight = ctx.saved_tensors
+        act = SWIGLU.forward(z)
+        grad_act, grad_w = _grouped_backward(grad, act, weight, ctx.counts, ctx.grouped)
+        return SWIGLU.backward(grad_act, z), grad_w, None, None
 
 
 def grouped_linear(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
@@ -108,6 +138,11 @@ class Experts(nn.Module):
             param.expert = True  # type: ignore[attr-defined]
             param.expert_start = first_expert  # type: ignore[attr-defined]
 
-    def forward(self, rows: Tensor, counts: list[int]) -> Tensor:
+    def forward(self, rows: Tensor, counts: list[int], recompute_act: bool = False) -> Tensor:
+        """``recompute_act`` (the ``mlp_act`` recompute module): the down projection saves
+        SwiGLU's input, replaying the activation in backward."""
         z = grouped_linear(rows, self.gate_up, counts)  # [N, 2f]: [gate | up] per row
+        if recompute_act and torch.is_grad_enabled():
+            grouped = grouped_available(z.dtype, z.shape[1] // 2, self.down.shape[1])
+            return _GroupedActLinear.apply(z, self.down, counts, grouped)  # [N, h]
         return grouped_linear(activate(z, SWIGLU), self.down, counts)  # [N, f] -> [N, h]

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sp.model.experts import SWIGLU, Experts
-from lightning_sp.model.fused import activate, fused_column_linear
+from lightning_sp.model.fused import act_row_linear, activate, fused_column_linear
 from lightning_sp.model.moe_config import MoEConfig
 from lightning_sp.model.router import Router
 from lightning_sp.model.spec import NormModule
@@ -68,8 +68,10 @@ class SharedExperts(nn.Module):
             init_std=output_init_std, **kwargs,
         )  # fmt: skip
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, recompute_act: bool = False) -> Tensor:
         z = fused_column_linear(x, [getattr(self, n) for n in SWIGLU.inputs])  # [s, b, 2f_s/t]
+        if recompute_act:  # fc2 saves z and replays SwiGLU in its backward
+            return act_row_linear(z, self.fc2, SWIGLU)
         return self.fc2(activate(z, SWIGLU))  # [s/t or s, b, h]
 
 
@@ -88,11 +90,15 @@ class MoE(nn.Module):
         sequence_parallel: bool,
         init_std: float = 0.02,
         output_init_std: float = 0.02,
+        recompute_act: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         e, t = state.expert_parallel_size, state.tensor_parallel_size
+        self.recompute_act = recompute_act
+        """The ``mlp_act`` recompute module: the experts' and shared experts' down projections
+        save SwiGLU's input and replay it in backward."""
         config.check_layout(e, t, sequence_parallel)
         self.config = config
         self.group = state.micro_batch_group(sequence_parallel)
@@ -140,10 +146,10 @@ class MoE(nn.Module):
         rows, routing = dispatch(
             tokens, routed.experts, routed.keep, cfg.num_experts, self.ep_group, balanced
         )  # [N_local, h], expert-major
-        y = self.experts(rows, routing.counts)  # [N_local, h]
+        y = self.experts(rows, routing.counts, self.recompute_act)  # [N_local, h]
         out = combine(y, routed.weights, routing, self.ep_group).view(s, b, h)
         if self.shared is not None:
-            out = out + self.shared(x)
+            out = out + self.shared(x, self.recompute_act)
         self.metrics = {  # detached tensors: no device sync here
             "aux_loss": routed.aux_loss.detach(),
             "z_loss": routed.z_loss.detach(),

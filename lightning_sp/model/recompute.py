@@ -76,8 +76,9 @@ RECOMPUTE_MODULES: dict[str, RecomputeModule] = {
         ),
         RecomputeModule(
             "mlp_act",
-            "the MLP activation (GeLU or SwiGLU), replayed inside fc2's backward",
-            ("fc2_input",),
+            "the MLP activation (GeLU or SwiGLU), replayed inside fc2's backward (an MoE "
+            "layer's: the experts' and the shared experts', inside their down projections')",
+            ("fc2_input", "expert_down_input", "shared_down_input"),
             lambda x: 0.0,
         ),
         RecomputeModule(

@@ -19,7 +19,8 @@ divides by the data-parallel size. The reduction is in place: no copy of the gra
 
 Mixture-of-experts expert weights (marked ``expert``) sit in buckets of their own, reduced
 over the expert-data group (the ranks holding the same experts) and divided by d like the rest
-(:func:`lightning_sp.parallel.grads.reduce_expert_grads`'s convention).
+(:func:`lightning_sp.parallel.grads.reduce_expert_grads`'s convention); sharded (the
+distributed optimizer) they are split over that group's d·c/e ranks.
 
 Deferred parameters (the tied embedding's two copies under pipeline parallelism, whose sum
 over the first and last stage must come first) sit in buckets of their own that only
@@ -133,11 +134,6 @@ class GradBuffer:
         # experts reduce over their expert-data group, in buckets of their own; sharded over
         # the d·c ranks they are ordinary parameters only when every rank holds them (e = 1)
         separate = not distributed or state.expert_parallel_size > 1
-        if distributed and state.expert_parallel_size > 1 and any(map(_expert, self.params)):
-            raise NotImplementedError(
-                "the distributed optimizer does not shard expert weights over the expert-data "
-                "group yet: use distributed_optimizer=false with expert_parallel_size > 1"
-            )
         deferred_ids = {id(p) for p in deferred}
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for p in reversed(self.params):
@@ -146,13 +142,15 @@ class GradBuffer:
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
         self._counts: dict[int, int] = {id(p): 0 for p in self.params}
-        d = state.gradient_shards if distributed else 1
         for dtype, group in by_dtype.items():
             experts = [p for p in group if separate and _expert(p)]
             dense = [p for p in group if not (separate and _expert(p))]
             plan = _plan(dense, bucket_numel, deferred_ids)
             plan += [(m, False, True) for m, *_ in _plan(experts, bucket_numel, set())]
-            sizes = [-(-sum(p.numel() for p in members) // d) * d for members, *_ in plan]
+            sizes = []
+            for members, _, is_expert in plan:
+                d = self._shards(is_expert)[0]
+                sizes.append(-(-sum(p.numel() for p in members) // d) * d)
             flat = torch.zeros(sum(sizes), dtype=dtype, device=group[0].device)
             self.buffers[dtype] = flat
             start = 0
@@ -194,12 +192,27 @@ class GradBuffer:
             self._launch(bucket)
             bucket.launched_in_backward = True
 
+    def _shards(self, expert: bool) -> tuple[int, int]:
+        """``(shards, this rank's index)`` a bucket is split into: 1 unless distributed; the
+        d·c ranks of the gradient group, or for an expert bucket the d·c/e of the
+        expert-data group (index ``(dp_rank·c + cp_rank) // e``)."""
+        state = self.state
+        if not self.distributed:
+            return 1, 0
+        if expert:
+            e = state.expert_parallel_size
+            return state.expert_data_parallel_size, state.gradient_shard_rank // e
+        return state.gradient_shards, state.gradient_shard_rank
+
+    def _group_of(self, bucket: Bucket) -> dist.ProcessGroup | None:
+        """The group ``bucket`` reduces (and, sharded, gathers) over."""
+        return self.state.expert_data_group if bucket.expert else self.group
+
     def _shard_range(self, bucket: Bucket) -> tuple[int, int]:
         """``[lo, hi)`` of ``bucket`` that this rank owns (the whole bucket unless sharded)."""
-        if not self.distributed:
-            return 0, bucket.data.numel()
-        per = bucket.data.numel() // self.state.gradient_shards
-        return self.state.gradient_shard_rank * per, (self.state.gradient_shard_rank + 1) * per
+        shards, rank = self._shards(bucket.expert)
+        per = bucket.data.numel() // shards
+        return rank * per, (rank + 1) * per
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -207,7 +220,7 @@ class GradBuffer:
         return self.state.gradient_group if self.distributed else self.state.dp_group
 
     def _launch(self, bucket: Bucket) -> None:
-        group = self.state.expert_data_group if bucket.expert else self.group
+        group = self._group_of(bucket)
         if group is None or bucket.handle is not None:
             return
         if self.distributed:  # the output is this rank's shard of the bucket itself
@@ -244,8 +257,9 @@ class GradBuffer:
                 a, b = max(lo, offset), min(hi, offset + p.numel())
                 if a < b:
                     full[a:b] = pieces[id(p)]
-            if self.distributed and self.group is not None:
-                dist.all_gather_into_tensor(full, full[lo:hi].clone(), group=self.group)
+            group = self._group_of(bucket)
+            if self.distributed and group is not None:
+                dist.all_gather_into_tensor(full, full[lo:hi].clone(), group=group)
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 yield p, full[offset : offset + p.numel()].view_as(p)
 

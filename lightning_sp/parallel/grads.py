@@ -205,7 +205,7 @@ def global_grad_norm(
                 experts += square
             else:
                 total += square
-    if state.ep_group is not None:
+    if state.ep_group is not None and not sharded_over_dp:  # sharded: the d·c sum below
         dist.all_reduce(experts, group=state.ep_group)
     total += experts
     shards = state.gradient_group if sharded_over_dp else None

@@ -49,6 +49,7 @@ from lightning_sp.memory.formulas import (
     activation_bytes_per_layer,
     chunk_forwards_in_flight,
     embedding_activation_bytes,
+    expert_parameters_per_rank,
     model_parameter_count,
     model_state_bytes,
     output_activation_bytes,
@@ -178,13 +179,13 @@ def estimate(
     layout.validate()
     hardware = load_cluster(cluster)
     cfg, t = layout.config, layout.tensor_parallel_size
-    n_params = parameters_per_rank(
-        cfg, t, layout.pipeline_parallel_size, layout.expert_parallel_size
-    )
+    p, e = layout.pipeline_parallel_size, layout.expert_parallel_size
+    n_params = parameters_per_rank(cfg, t, p, e)
+    experts = expert_parameters_per_rank(cfg, t, p, e)  # sharded over d·c/e, the rest d·c
+    shards, zero = optimizer_shards(layout), layout.distributed_optimizer
     state_bytes = round(
-        model_state_bytes(
-            n_params, precision, optimizer_shards(layout), layout.distributed_optimizer
-        )
+        model_state_bytes(n_params - experts, precision, shards, zero)
+        + model_state_bytes(experts, precision, shards // e, zero)
     )
     device = round(device_bytes)
     start = time.perf_counter()

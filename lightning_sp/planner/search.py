@@ -136,8 +136,6 @@ def _layouts(base: Layout, max_micro_batch: int) -> list[tuple[Layout, int]]:
                             (False, True) if d * c > 1 else (False,),
                             config.expert_parallel_sizes(d * c),
                         ):
-                            if zero and e > 1:  # experts are not sharded by it (yet)
-                                continue
                             layout = Layout(
                                 config=config, tensor_parallel_size=t,
                                 pipeline_parallel_size=p, virtual_pipeline_size=m,

@@ -64,7 +64,8 @@ class MoEFeedForward(Part):
         c = ctx.config
         return MoE(
             c.hidden_size, self.config, ctx.state, sequence_parallel=c.sequence_parallel,
-            init_std=c.init_std, output_init_std=c.output_init_std, **ctx.kwargs,
+            init_std=c.init_std, output_init_std=c.output_init_std,
+            recompute_act="mlp_act" in ctx.active, **ctx.kwargs,
         )  # fmt: skip
 
     def router_bytes(self, x: ActivationShape) -> float:
