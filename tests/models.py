@@ -219,3 +219,19 @@ def max_gradient_error(model: nn.Module, reference: nn.Module) -> tuple[float, s
         if err >= worst:
             worst, worst_name = err, name
     return worst, worst_name
+
+
+def feed_forward_terms() -> set[str]:
+    """The names of the saved terms of a layer of every feed-forward part: the dense MLP's
+    (GPT-2 and Llama) and the mixture of experts' (with a shared expert), which the recompute
+    modules may name."""
+    from lightning_sp.memory.formulas import layer_saved_terms
+    from lightning_sp.model.moe_config import MoEConfig
+
+    moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=16, num_shared_experts=1)
+    configs = (
+        tiny_config("gpt2"),
+        tiny_config("llama"),
+        tiny_config("llama", feed_forward="moe", moe=moe),
+    )
+    return {name for c in configs for name in layer_saved_terms(c.activation_shape())}

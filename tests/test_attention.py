@@ -16,7 +16,7 @@ from lightning_sp.model.recompute import PRESETS, RECOMPUTE_MODULES, parse_recom
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.random import dropout
 
-from models import batch, loss_and_grads, relative_error, tiny_config
+from models import batch, feed_forward_terms, loss_and_grads, relative_error, tiny_config
 
 
 def _qkv(seed: int = 0, per_group: int = 1) -> tuple[torch.Tensor, ...]:
@@ -120,7 +120,7 @@ def test_fused_linears_equal_the_modules_they_replace(architecture: str) -> None
 
 
 def test_descriptors_name_real_terms_and_presets_parse() -> None:
-    terms = layer_saved_terms(ActivationShape(16, 2, 32, 4))
+    terms = set(layer_saved_terms(ActivationShape(16, 2, 32, 4))) | feed_forward_terms()
     for module in RECOMPUTE_MODULES.values():
         assert set(module.drops) <= set(terms), module.name
     assert parse_recompute("lean") == tuple(RECOMPUTE_MODULES)

@@ -112,7 +112,7 @@ def _check(state: ParallelState, sequence_parallel: bool, grid: list) -> list[st
         with torch.no_grad():
             x = model.embed(local_ids, positions=local_positions)
             logits = model.logits(model.forward_layers(x, documents, local_positions))
-        where = token_positions(0, local_ids.shape[1], (c, state.context_parallel_rank))
+        where = token_positions(0, local_ids.shape[1], state)
         vocab = model.padded_vocab_size // t
         start = model.vocab_start
         true = max(0, min(vocab, config.vocab_size - start))

@@ -48,18 +48,24 @@ from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_sp.parallel.random import RNGStreams
 from lightning_sp.parallel.state import ParallelState
 
-Context = tuple[int, int]
-"""``(context_parallel_size, context_parallel_rank)``: which tokens a local sequence holds."""
+
+def _context(state: ParallelState | None) -> tuple[int, int]:
+    """``(c, cp_rank)`` of ``state`` (one process: ``(1, 0)``)."""
+    return (1, 0) if state is None else (state.context_parallel_size, state.context_parallel_rank)
 
 
 def token_positions(
-    start: int, length: int, context: Context = (1, 0), device: torch.device | None = None
+    start: int,
+    length: int,
+    state: ParallelState | None = None,
+    device: torch.device | None = None,
 ) -> Tensor:
-    """The global positions (int64 ``[length]``) of a local sequence of ``length`` tokens:
-    ``start .. start + length - 1`` for ``c = 1``; under context parallelism (``c > 1``,
-    ``start`` 0 in training) this CP rank's two load-balanced chunks of the ``length·c``-token
-    sequence (:func:`~lightning_sp.parallel.context.load_balanced_positions`) plus ``start``."""
-    size, rank = context
+    """The global positions (int64 ``[length]``) of a local sequence of ``length`` tokens on
+    the rank ``state`` describes (None: one process): ``start .. start + length - 1`` for
+    ``c = 1``; under context parallelism (``c > 1``, ``start`` 0 in training) this CP rank's two
+    load-balanced chunks of the ``length·c``-token sequence
+    (:func:`~lightning_sp.parallel.context.load_balanced_positions`) plus ``start``."""
+    size, rank = _context(state)
     if size == 1:
         return torch.arange(start, start + length, device=device)
     return start + load_balanced_positions(length * size, size, rank, device=device)
@@ -78,16 +84,17 @@ class Rotary:
         length: int,
         dtype: torch.dtype,
         device: torch.device,
-        context: Context = (1, 0),
+        state: ParallelState | None = None,
     ) -> tuple[Tensor, Tensor]:
         """``cos, sin``, each ``[length, d]``, for the positions :func:`token_positions` gives
         (``[start, start + length)`` without context parallelism; the generation cache's path
         passes ``start``)."""
-        key = (start, length, context, dtype, device)
+        c, rank = _context(state)
+        key = (start, length, c, rank, dtype, device)
         if key in self._cache:
             return self._cache[key]
-        positions = token_positions(start, length, context, device)
-        tables = self.tables_at(positions, dtype, start + length * context[0])
+        positions = token_positions(start, length, state, device)
+        tables = self.tables_at(positions, dtype, start + length * c)
         if not is_fake(tables[0]):  # tables made under a fake mode (the planner's) are not kept
             if len(self._cache) > 8:
                 self._cache.clear()
@@ -166,7 +173,7 @@ class Attention(nn.Module):
         self.backend = ATTENTION_BACKENDS[config.attention]
         self.core: CoreFn = self.backend.core
         self.cp_group = state.cp_group
-        self.context: Context = (state.context_parallel_size, state.context_parallel_rank)
+        self.state = state
         # the CP core recomputes itself in backward: core_attn would redo it twice
         cp = state.context_parallel_size > 1
         self.recompute_core = recompute_core and self.backend.keeps_scores and not cp
@@ -222,7 +229,7 @@ class Attention(nn.Module):
             qkv = _Rope.apply(qkv.view(s, b, self.local_groups, *qkv.shape[2:]), cos, sin)
             qkv = qkv.view(s, b * self.local_groups, *qkv.shape[3:])
         elif self.rotary is not None:
-            cos, sin = self.rotary.tables(start, s, qkv.dtype, qkv.device, self.context)
+            cos, sin = self.rotary.tables(start, s, qkv.dtype, qkv.device, self.state)
             qkv = _Rope.apply(qkv, cos[:, None, None], sin[:, None, None])
         r = self.per_group
         q, k, v = (y.permute(1, 2, 0, 3) for y in qkv.split([r, 1, 1], dim=2))
@@ -233,7 +240,8 @@ class Attention(nn.Module):
         return heads_row_linear(context, self.proj, b)
 
     def _core(self, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None = None) -> Tensor:
-        if self.context[0] > 1:  # [B, r, s/c, d] as [b, hq, s/c, d]; K/V [B, 1, s/c, d]
+        if self.state.context_parallel_size > 1:
+            # [B, r, s/c, d] as [b, hq, s/c, d]; K/V [B, 1, s/c, d]
             return context_parallel_attention(
                 q, k, v, self.cp_group, core=self.backend.name, dropout_p=self.dropout_p,
                 generator=self.rng.sharded, training=self.training, documents=documents,

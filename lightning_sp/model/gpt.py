@@ -168,7 +168,6 @@ class GPT(nn.Module):
                 "(lightning_sp.planner.estimate.resolve_recompute; GPTModule does it)"
             )
         self.config, self.state = config, state
-        self.context = (state.context_parallel_size, state.context_parallel_rank)
         self.layer_range = layer_range if layer_range is not None else range(config.num_layers)
         self.has_embedding = self.layer_range.start == 0
         self.has_head = self.layer_range.stop == config.num_layers
@@ -252,8 +251,8 @@ class GPT(nn.Module):
         if self.learned_positions:
             if positions is not None:  # per token, an index: [s, b, h]
                 added = self.position_embeddings[positions.t()]
-            elif self.context[0] > 1:  # an index, whose backward adds into the rows it read
-                where = token_positions(start, ids.shape[0], self.context, ids.device)
+            elif self.state.context_parallel_size > 1:  # an index: its backward adds into rows
+                where = token_positions(start, ids.shape[0], self.state, ids.device)
                 added = self.position_embeddings[where].unsqueeze(1)
             else:
                 added = self.position_embeddings[start : start + ids.shape[0]].unsqueeze(1)
@@ -292,8 +291,9 @@ class GPT(nn.Module):
         )
         if reduction == "sum":
             total = losses.sum()
-            return f_bar(total, self.state.cp_group) if self.context[0] > 1 else total
-        if self.context[0] > 1:
+            cp = self.state.context_parallel_size > 1
+            return f_bar(total, self.state.cp_group) if cp else total
+        if self.state.context_parallel_size > 1:
             return context_token_mean(losses.sum(), mask.sum(), self.state.cp_group)
         return losses.sum() / mask.sum().clamp(min=1)
 
@@ -324,7 +324,7 @@ class GPT(nn.Module):
     def check_sequence(self, s: int) -> None:
         """``ValueError`` (one line) unless ``s`` tokens fit this model and its layout; ``s``
         is the local sequence (``s/c`` of the full one under context parallelism)."""
-        t, c = self.state.tensor_parallel_size, self.context[0]
+        t, c = self.state.tensor_parallel_size, self.state.context_parallel_size
         if s * c > self.config.seq_length:
             whole = f"{s} x context_parallel_size {c} = {s * c}" if c > 1 else f"{s}"
             raise ValueError(
