@@ -44,6 +44,7 @@ from lightning_sp.memory.formulas import (
 )
 from lightning_sp.model.recompute import PRESETS, RECOMPUTE_MODULES
 from lightning_sp.model.shape import ActivationShape
+from lightning_sp.parallel.config import ParallelConfig
 
 from models import feed_forward_terms
 
@@ -283,7 +284,9 @@ def test_fake_measurement_matches_formula_at_t4(
     s, b, h, a, t = 256, 2, 256, 8, 4
     config = _small(seq_length=s, hidden_size=h, num_heads=a, num_layers=2, attention=attention)
     config = dataclasses.replace(config, sequence_parallel=sequence_parallel, recompute=recompute)
-    got = measure_activations(config, tensor_parallel_size=t, micro_batch_size=b, layers=2)
+    got = measure_activations(
+        config, ParallelConfig(tensor_parallel_size=t), micro_batch_size=b, layers=2
+    )
     shape = config.activation_shape(t, b)
     if attention == "sdpa":  # traced as the fused kernel, i.e. without the CPU dropout fallback
         shape = dataclasses.replace(shape, attention_dropout=False)
@@ -305,7 +308,9 @@ def test_fake_measurement_of_a_full_k_model_follows_each_layer(rest: str) -> Non
         config, sequence_parallel=True, recompute="full", recompute_num_layers=1,
         recompute_rest=rest,
     )  # fmt: skip
-    got = measure_activations(config, tensor_parallel_size=t, micro_batch_size=b, layers=2)
+    got = measure_activations(
+        config, ParallelConfig(tensor_parallel_size=t), micro_batch_size=b, layers=2
+    )
     shape = config.activation_shape(t, b)
     expected = [
         activation_bytes_per_layer(shape, policy) + layernorm_stats_bytes_per_layer(shape, policy)
@@ -321,7 +326,7 @@ def test_head_measurement_matches_section_4_5() -> None:
     for sp in (False, True):
         got = measure_activations(
             dataclasses.replace(config, sequence_parallel=sp),
-            tensor_parallel_size=t,
+            ParallelConfig(tensor_parallel_size=t),
             micro_batch_size=b,
             head=True,
         )
@@ -352,7 +357,10 @@ def test_fake_measurement_matches_formula_under_cp(
         **({"hidden_dropout": 0.1, "attention_dropout": 0.1} | extra),
     )  # fmt: skip
     got = measure_activations(
-        config, tensor_parallel_size=t, micro_batch_size=b, layers=2, context_parallel_size=c
+        config,
+        ParallelConfig(tensor_parallel_size=t, context_parallel_size=c),
+        micro_batch_size=b,
+        layers=2,
     )
     shape = config.activation_shape(t, b, context_parallel_size=c)
     if attention == "sdpa":  # traced without attention dropout (see measure_activations)

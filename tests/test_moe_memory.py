@@ -13,6 +13,7 @@ from lightning_sp.model.moe_config import MoEConfig
 from lightning_sp.model.parts.base import INSIDE
 from lightning_sp.model.parts.moe import MoEFeedForward
 from lightning_sp.model.shape import ActivationShape
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.spawn import run_distributed
 
@@ -94,7 +95,9 @@ def test_fake_measurement_of_an_moe_model_equals_its_formula(t: int) -> None:
         num_query_groups=2, feed_forward="moe", recompute="none", sequence_parallel=t > 1,
         moe=dataclasses.replace(CONFIG, num_shared_experts=0, force_balanced=False),
     )  # fmt: skip
-    measured = measure_activations(config, tensor_parallel_size=t, micro_batch_size=2, layers=1)
+    measured = measure_activations(
+        config, ParallelConfig(tensor_parallel_size=t), micro_batch_size=2, layers=1
+    )
     shape = config.activation_shape(t, 2)
     expected = activation_bytes_per_layer(shape, "none") + layernorm_stats_bytes_per_layer(
         shape, "none"

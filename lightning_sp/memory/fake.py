@@ -23,6 +23,7 @@ from torch import nn
 from lightning_sp.errors import ConfigError
 from lightning_sp.memory.saved import UNTRACKED, SavedTensorTracker
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.state import ParallelState
 
 
@@ -130,19 +131,20 @@ def _trace(
     return result
 
 
+ONE_PROCESS = ParallelConfig()
+"""The layout of one process (t = c = p = d = 1)."""
+
+
 def measure_activations(
     config: GPTConfig,
+    layout: ParallelConfig = ONE_PROCESS,
     *,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    data_parallel_size: int = 1,
     micro_batch_size: int = 1,
     layers: int = 1,
     head: bool = False,
     dtype: torch.dtype = torch.bfloat16,
-    context_parallel_size: int = 1,
 ) -> ActivationMeasurement:
-    """Measure, for one micro-batch, the activation bytes rank 0 of a ``t × c × p × d`` layout
+    """Measure, for one micro-batch, the activation bytes rank 0 of the ``t × c × p × d`` ``layout``
     saves (under context parallelism ``c`` it holds ``s/c`` tokens of each sequence, CP rank
     0's two chunks, and runs the CP attention core, whose collectives the fake group skips):
     per transformer layer (the first ``layers`` layers, traced in training mode with the
@@ -156,7 +158,8 @@ def measure_activations(
     :func:`fake_world`): costs no activation memory and no weight initialisation; needs
     ``torch.distributed`` not to be initialised in this process.
     """
-    t, p, c = tensor_parallel_size, pipeline_parallel_size, context_parallel_size
+    t, p = layout.tensor_parallel_size, layout.pipeline_parallel_size
+    c = layout.context_parallel_size
     if not 1 <= layers <= config.num_layers:
         raise ConfigError(f"layers={layers} must be between 1 and num_layers={config.num_layers}")
     config.validate(t)
@@ -166,6 +169,6 @@ def measure_activations(
         # that stores s x s scores, which the GPUs the plan is for do not (their flash /
         # memory-efficient kernels draw dropout inside and store the same tensors as without)
         config = replace(config, attention_dropout=0.0)
-    with fake_world(t * c * p * data_parallel_size):
+    with fake_world(t * c * p * layout.data_parallel_size):
         state = ParallelState.from_process_group(t, p, device="cpu", context_parallel_size=c)
         return _trace(config, state, micro_batch_size, layers, head, dtype)

@@ -89,13 +89,10 @@ def formula_activations(layout: Layout, config: GPTConfig) -> Activations:
 def _measure(layout: Layout, config: GPTConfig, layers: int) -> ActivationMeasurement:
     return measure_activations(
         config,
-        tensor_parallel_size=layout.tensor_parallel_size,
-        pipeline_parallel_size=layout.pipeline_parallel_size,
-        data_parallel_size=layout.data_parallel_size,
+        layout,
         micro_batch_size=layout.micro_batch_size,
         layers=min(layers, config.num_layers),
         head=layout.pipeline_parallel_size == 1,
-        context_parallel_size=layout.context_parallel_size,
     )
 
 
