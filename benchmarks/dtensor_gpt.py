@@ -175,7 +175,7 @@ class DTensorGPT(nn.Module):
         self.word_embeddings = nn.Embedding(rows, config.hidden_size)
         self.positions = Positions(config.seq_length, config.hidden_size)
         self.layers = nn.ModuleList(
-            DTensorLayer(config, config.layer_recompute(n), native_dropout)
+            DTensorLayer(config, config.layer_recompute(n).name, native_dropout)
             for n in range(config.num_layers)
         )
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_eps)

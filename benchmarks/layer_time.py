@@ -99,7 +99,7 @@ def _build(impl: str, config: GPTConfig, state: ParallelState, mesh: Any) -> nn.
     else:
         torch.manual_seed(0)  # replicated parameters equal on every rank
         layer = dtensor_gpt.parallelize(
-            dtensor_gpt.DTensorLayer(config, config.layer_recompute(0)),
+            dtensor_gpt.DTensorLayer(config, config.layer_recompute(0).name),
             mesh,
             config.sequence_parallel,
         )

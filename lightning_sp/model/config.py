@@ -17,7 +17,12 @@ from lightning_sp.model.moe_config import MoEConfig
 from lightning_sp.model.ops import ROPE_TYPES, RopeScaling
 from lightning_sp.model.parts.block import FEED_FORWARDS, PLACEMENTS, Block, block_of
 from lightning_sp.model.qk_norm import QK_NORMS
-from lightning_sp.model.recompute import POLICIES, parse_recompute, parse_rest, policy_name
+from lightning_sp.model.recompute import (
+    POLICIES,
+    RecomputePolicy,
+    parse_recompute,
+    parse_rest,
+)
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.model.spec import ACTIVATIONS, NORMS, POSITIONS
 
@@ -274,19 +279,17 @@ class GPTConfig:
         """The head dimension d: ``kv_channels`` or ``hidden_size / num_heads``."""
         return self.kv_channels or self.hidden_size // self.num_heads
 
-    def layer_recompute(self, index_in_chunk: int) -> str:
-        """The policy one layer runs, by name (:func:`~lightning_sp.model.recompute.
-        policy_name`): ``full`` for the first ``recompute_num_layers`` layers of a chunk (all,
-        if None) and ``recompute_rest`` for the others; otherwise the configured preset, or
-        its modules joined by ``+`` (``auto`` must have been resolved)."""
-        if parse_recompute(self.recompute) == "auto":
-            raise ConfigError("recompute='auto' must be resolved before layers are built")
+    def layer_recompute(self, index_in_chunk: int) -> RecomputePolicy:
+        """The policy one layer runs, parsed once: ``full`` for the first
+        ``recompute_num_layers`` layers of a chunk (all, if None) and ``recompute_rest`` for
+        the others; otherwise the configured preset or modules (``auto`` must have been
+        resolved: :class:`ConfigError`)."""
         if self.recompute != "full":
-            return policy_name(self.recompute)
+            return RecomputePolicy.parse(self.recompute)
         limit = self.recompute_num_layers
         if limit is None or index_in_chunk < limit:
-            return "full"
-        return policy_name(parse_rest(self.recompute_rest))
+            return RecomputePolicy(full=True)
+        return RecomputePolicy(modules=parse_rest(self.recompute_rest))
 
     def padded_vocab_size(self, tensor_parallel_size: int = 1) -> int:
         """The vocabulary rounded up to a multiple of ``make_vocab_size_divisible_by * t``."""

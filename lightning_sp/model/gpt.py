@@ -41,7 +41,7 @@ from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.parts.base import BuildContext
 from lightning_sp.model.parts.dense import MLP
 from lightning_sp.model.parts.norm import Norm
-from lightning_sp.model.recompute import active_modules, parse_recompute, recompute
+from lightning_sp.model.recompute import RecomputePolicy, recompute
 from lightning_sp.model.spec import POSITIONS
 from lightning_sp.parallel.comm import f_bar
 from lightning_sp.parallel.context import context_token_mean
@@ -76,18 +76,16 @@ class TransformerLayer(nn.Module):
         state: ParallelState,
         rng: RNGStreams,
         layer_number: int,
-        recompute: str,
+        recompute: RecomputePolicy,
         rotary: Rotary | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__()
         self.layer_number = layer_number
-        self.recompute = recompute
+        self.recompute = recompute.name
         """This layer's policy by name: a preset, ``full``, or its modules joined by ``+``."""
-        parsed = parse_recompute(recompute)
-        self.full_recompute = parsed == "full"
-        modules = parsed if isinstance(parsed, tuple) else ()
-        active = frozenset(m.name for m in active_modules(modules, config.attention))
+        self.full_recompute = recompute.full
+        active = recompute.active(config.attention)
         self.recompute_norm = "layernorm" in active
         self.recompute_act = "mlp_act" in active
         """Whether the feed-forward's activation is recomputed in its output's backward (the

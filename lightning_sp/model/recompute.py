@@ -109,10 +109,13 @@ LayerRecompute = tuple[str, ...] | Literal["full"]
 def parse_recompute(
     value: object, field: str = "recompute", *, whole: bool = True
 ) -> LayerRecompute | Literal["auto"]:
-    """``value`` (a preset name, ``full``, ``auto``, a module name, a list of module names or
-    their names joined by ``+``) as ``"full"``, ``"auto"`` or the module tuple in registry
-    order; :class:`ConfigError` (one line naming ``field``) if it is none of these, or with
-    ``whole=False`` if it is ``full`` or ``auto`` (what ``recompute_rest`` may not be)."""
+    """``value`` (a preset name, ``full``, ``auto``, a module name, a list of module names,
+    their names joined by ``+``, or a :class:`RecomputePolicy`) as ``"full"``, ``"auto"`` or
+    the module tuple in registry order; :class:`ConfigError` (one line naming ``field``) if it
+    is none of these, or with ``whole=False`` if it is ``full`` or ``auto`` (what
+    ``recompute_rest`` may not be)."""
+    if isinstance(value, RecomputePolicy):  # parsed already
+        return "full" if value.full else value.modules
     names = (*POLICIES, AUTO) if whole else tuple(PRESETS)
     valid = f"valid: {', '.join(names)} or a list of {', '.join(RECOMPUTE_MODULES)}"
     if isinstance(value, str):
@@ -150,7 +153,7 @@ def parse_rest(value: object, field: str = "recompute_rest") -> tuple[str, ...]:
     return parsed
 
 
-def policy_name(policy: str | Sequence[str]) -> str:
+def policy_name(policy: str | Sequence[str] | RecomputePolicy) -> str:
     """A short name: the preset a module set equals, else the modules joined by ``+``."""
     parsed = parse_recompute(policy)
     if isinstance(parsed, str):
@@ -159,6 +162,42 @@ def policy_name(policy: str | Sequence[str]) -> str:
         if modules == parsed:
             return name
     return "+".join(parsed)
+
+
+@dataclass(frozen=True)
+class RecomputePolicy:
+    """What one layer recomputes, parsed once (:meth:`parse`): the whole layer (``full``) or
+    a set of recompute modules (``modules``, in registry order; ``()`` recomputes nothing).
+    Layers, the memory formulas, the FLOPs count and the step-time model take it as it is."""
+
+    full: bool = False
+    """Recompute the whole layer from its input in backward."""
+
+    modules: tuple[str, ...] = ()
+    """The recompute modules that act (names of :data:`RECOMPUTE_MODULES`); empty with
+    ``full``."""
+
+    @classmethod
+    def parse(cls, value: object, field: str = "recompute") -> RecomputePolicy:
+        """``value`` as :func:`parse_recompute` reads it; ``auto`` must have been resolved
+        (:class:`ConfigError`, one line)."""
+        parsed = parse_recompute(value, field)
+        if parsed == AUTO:
+            raise ConfigError(f"{field}='auto' must be resolved before layers are built")
+        if parsed == FULL:
+            return cls(full=True)
+        assert not isinstance(parsed, str)
+        return cls(modules=parsed)
+
+    @property
+    def name(self) -> str:
+        """``full``, the preset the modules equal, or the modules joined by ``+``
+        (:func:`policy_name`)."""
+        return policy_name(self)
+
+    def active(self, attention: str) -> frozenset[str]:
+        """The names of its modules that act under the ``attention`` backend."""
+        return frozenset(m.name for m in active_modules(self.modules, attention))
 
 
 def active_modules(modules: Sequence[str], attention: str) -> tuple[RecomputeModule, ...]:

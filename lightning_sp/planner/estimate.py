@@ -127,7 +127,7 @@ def _row(
     layers of a chunk run what :meth:`GPTConfig.layer_recompute` says they run (with
     ``recompute_num_layers``, the others run ``recompute_rest``; ``None``: as configured)."""
     config = layout.with_policy(sequence_parallel, recompute, recompute_num_layers, recompute_rest)
-    policies = [config.layer_recompute(i) for i in range(layout.layers_per_chunk)]
+    policies = [config.layer_recompute(i).name for i in range(layout.layers_per_chunk)]
     sums = []
     for which in (0, 1):  # got (measured, or the formula when not measured), formula
         layers = [by_policy[policy][which].per_layer for policy in policies]
@@ -268,7 +268,7 @@ def _combinations(layout: Layout) -> tuple[tuple[bool, str], ...]:
     if layout.recompute == AUTO:
         return COMBINATIONS
     config = layout.config
-    names = {config.layer_recompute(i) for i in range(layout.layers_per_chunk)}
+    names = {config.layer_recompute(i).name for i in range(layout.layers_per_chunk)}
     extra = sorted(names - set(LADDER))
     return (*COMBINATIONS, *((sp, name) for sp in (False, True) for name in extra))
 

@@ -68,7 +68,12 @@ from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_
 from lightning_sp.memory.formulas import parameters_per_rank
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.cores import ATTENTION_BACKENDS
-from lightning_sp.model.recompute import RECOMPUTE_MODULES, active_modules, parse_recompute
+from lightning_sp.model.recompute import (
+    RECOMPUTE_MODULES,
+    RecomputePolicy,
+    active_modules,
+    parse_recompute,
+)
 from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.kernels import (
     all_reduce_seconds,
@@ -114,7 +119,7 @@ class LayerTime:
     replays: dict[str, float] = field(default_factory=dict)
     """Recompute module -> seconds its replay adds to backward."""
 
-    def recompute_seconds(self, policy: str, attention: str) -> float:
+    def recompute_seconds(self, policy: str | RecomputePolicy, attention: str) -> float:
         """What ``policy`` (a layer's, by :meth:`GPTConfig.layer_recompute`) adds to
         backward."""
         parsed = parse_recompute(policy)
@@ -124,7 +129,7 @@ class LayerTime:
             raise ConfigError("recompute='auto' has no step time until the planner resolves it")
         return sum(self.replays[m.name] for m in active_modules(parsed, attention))
 
-    def seconds(self, policy: str, attention: str) -> float:
+    def seconds(self, policy: str | RecomputePolicy, attention: str) -> float:
         """Forward + backward + recompute under ``policy``."""
         return (
             sum(self.forward.values())
@@ -293,7 +298,11 @@ def _replays(
 
 
 def data_parallel_exposed(
-    layout: Layout, reduce: float, layer: LayerTime, policies: Counter[str], attention: str
+    layout: Layout,
+    reduce: float,
+    layer: LayerTime,
+    policies: Counter[RecomputePolicy],
+    attention: str,
 ) -> float:
     """The part of the step's one gradient reduction (``reduce`` seconds) left exposed: with
     ``overlap_grad_reduce`` the buckets launch during the backward of the step's last
