@@ -124,7 +124,7 @@ def hardware_flops_per_iteration(
     extra = 0.0
     chunk = layers_per_chunk or config.num_layers
     cp_core = 0.0
-    if positive_int("context_parallel_size", context_parallel_size) > 1:
+    if context_parallel_size > 1:  # a size the layout record checked
         cp_core = 4.0 * global_batch_size * config.seq_length**2 * config.num_heads
         cp_core *= config.head_dim  # QKᵀ and probs·V again: 4Bs²·ad (4Bs²h when a·d = h)
     for index in range(config.num_layers):

@@ -79,12 +79,7 @@ class Layout(ParallelConfig):
         """Raise :class:`ConfigError` (one line: field, value, what is valid) unless the sizes
         are positive and divide: heads, hidden and FFN width by t, layers by p and by p·m,
         the sequence by 2c (causal load balancing), and, interleaved, micro-batches ≥ p."""
-        for name in (
-            "tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_size",
-            "context_parallel_size", "num_microbatches", "micro_batch_size",
-            "data_parallel_size",
-        ):  # fmt: skip
-            positive_int(name, getattr(self, name))
+        positive_int("micro_batch_size", self.micro_batch_size)  # the sizes: ParallelConfig's
         k = positive_int("trainer.accumulate_grad_batches", self.accumulate_grad_batches)
         t, p = self.tensor_parallel_size, self.pipeline_parallel_size
         if k > 1 and p > 1:
