@@ -218,8 +218,7 @@ def format_search(result: SearchResult, top: int) -> str:
     rank = result.rank_of(key)
     where = f"rank {rank}" if rank is not None else "does not fit (or is not a searched layout)"
     lines.append(
-        f"(* the configured layout: t={key[0]} p={key[1]} m={key[2]} c={key[3]} e={key[8]} "
-        f"b={key[4]} "
-        f"SP {'on' if key[5] else 'off'} {key[6]}: {where})"
+        f"(* the configured layout: t={key[0]} p={key[1]} m={key[2]} c={key[3]} b={key[4]} "
+        f"e={key[8]} SP {'on' if key[5] else 'off'} {key[6]}: {where})"
     )
     return "\n".join(lines)
