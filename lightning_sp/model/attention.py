@@ -246,8 +246,6 @@ class Attention(nn.Module):
                 q, k, v, self.cp_group, core=self.backend.name, dropout_p=self.dropout_p,
                 generator=self.rng.sharded, training=self.training, documents=documents,
             )  # fmt: skip
-        if documents is None:
-            return self.core(q, k, v, self.dropout_p, self.rng.sharded, self.training)
         return self.core(q, k, v, self.dropout_p, self.rng.sharded, self.training, documents)
 
     def forward(

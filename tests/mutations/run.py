@@ -357,7 +357,7 @@ MUTATIONS = (
         (
             (
                 "lightning_sp/parallel/context.py",
-                "    return f_bar(loss_sum, group) / count",
+                "    return f_bar(loss_sum, group) / count.clamp(min=1)",
                 "    return f_bar(loss_sum / num_tokens, group) / group_size(group)",
             ),
         ),
