@@ -40,11 +40,14 @@ def _all_reduce_coalesced(
 
 
 def allreduce_sequence_parallel_grads(module: nn.Module, state: ParallelState) -> None:
-    """Sum the gradients of sequence-parallel parameters over the tensor-parallel group.
+    """Sum the gradients of the parameters marked ``sequence_parallel`` over the
+    tensor-parallel group: whole on every TP rank, each applied to only this rank's share of
+    the work, so each rank holds a partial gradient.
 
     Under sequence parallelism the LayerNorm weights and biases, the row-parallel biases and
-    the position embedding see only this rank's sequence shard, so each rank holds a partial
-    gradient. Call once after the backward passes of a step.
+    the position embedding see only this rank's sequence shard; with or without it, Qwen3's
+    per-head query/key norm weights see only this rank's heads (:mod:`lightning_sp.model.
+    qk_norm`). Call once after the backward passes of a step.
     """
     if state.tp_group is None:
         return

@@ -72,8 +72,9 @@ def mark_parameter(
     """Attach sharding and initialisation metadata to ``param``.
 
     ``init`` is ``"normal"`` (mean 0, ``std``), ``"zeros"`` or ``"ones"``.
-    ``sequence_parallel`` marks a replicated parameter that is applied to a sequence shard, so
-    its gradient is a partial sum per tensor-parallel rank and must be all-reduced over them.
+    ``sequence_parallel`` marks a replicated parameter that each tensor-parallel rank applies
+    to its share only (a sequence shard; a per-head norm's heads), so its gradient is a partial
+    sum per tensor-parallel rank and must be all-reduced over them.
     """
     param.shard = shard  # type: ignore[attr-defined]
     param.init = init  # type: ignore[attr-defined]
