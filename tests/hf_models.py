@@ -158,3 +158,17 @@ def save_with_reference(directory: Path, model: Any) -> tuple[Path, Path]:
     reference = directory.parent / f"{directory.name}.reference.pt"
     torch.save({"ids": ids, "labels": labels, "logits": logits, "loss": loss}, reference)
     return directory, reference
+
+
+def unpadded_elements(chunks: list[GPT]) -> int:
+    """Elements of these shards' parameters, less the vocabulary padding rows: what an import
+    must read from the files (and no more)."""
+    total = 0
+    for chunk in chunks:
+        for param in chunk.parameters():
+            total += param.numel()
+            if getattr(param, "padded_vocab", False):
+                start, rows = param.shard.start, param.shape[0]  # type: ignore[attr-defined]
+                real = max(0, min(rows, chunk.config.vocab_size - start))
+                total -= (rows - real) * param.shape[1]
+    return total

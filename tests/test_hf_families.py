@@ -47,6 +47,7 @@ from hf_models import (
     relative,
     tokens,
     transformers,
+    unpadded_elements,
 )
 
 NAMES = tuple(FAMILIES)
@@ -60,19 +61,6 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]
         directory, reference = save_family_with_reference(tmp_path_factory.mktemp(name), name)
         out[name] = (str(directory), str(reference))
     return out
-
-
-def _unpadded_elements(chunks: list[GPT]) -> int:
-    """Elements of these shards' parameters less vocabulary padding: what an import reads."""
-    total = 0
-    for chunk in chunks:
-        for param in chunk.parameters():
-            total += param.numel()
-            if getattr(param, "padded_vocab", False):
-                start, rows = param.shard.start, param.shape[0]  # type: ignore[attr-defined]
-                real = max(0, min(rows, chunk.config.vocab_size - start))
-                total -= (rows - real) * param.shape[1]
-    return total
 
 
 def _train(model: torch.nn.Module, step: Any, ids: torch.Tensor, labels: torch.Tensor) -> list:
@@ -125,7 +113,7 @@ def _import_worker(rank: int, world_size: int, saved: dict, cases: list) -> None
             model = Pipeline(config, state, num_microbatches=2, dtype=torch.float64)
             chunks = list(model.chunks)
         read = sum(load_hf_weights(chunk, directory) for chunk in chunks)
-        assert read == _unpadded_elements(chunks), f"{what}: read {read} elements, not its slices"
+        assert read == unpadded_elements(chunks), f"{what}: read {read} elements, not its slices"
         if c > 1:  # each CP rank feeds its two chunks of every sequence
             cp_rank = state.context_parallel_rank
             ids, labels = (shard_for_context_parallel(x, 1, c, cp_rank) for x in (ids, labels))

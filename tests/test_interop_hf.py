@@ -56,24 +56,11 @@ from hf_models import (
     save_random_llama,
     tokens,
     transformers,
+    unpadded_elements,
 )
 
 CONFIGS = {"gpt2": our_config, "llama": llama_config}
 """Our config of each saved model, by name."""
-
-
-def _unpadded_elements(chunks: list[GPT]) -> int:
-    """Elements of these shards' parameters, less the vocabulary padding rows: what the import
-    must read from the file (and no more)."""
-    total = 0
-    for chunk in chunks:
-        for param in chunk.parameters():
-            total += param.numel()
-            if getattr(param, "padded_vocab", False):
-                start, rows = param.shard.start, param.shape[0]  # type: ignore[attr-defined]
-                real = max(0, min(rows, chunk.config.vocab_size - start))
-                total -= (rows - real) * param.shape[1]
-    return total
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +122,7 @@ def _import_worker(rank: int, world_size: int, saved: dict, cases: list) -> None
             model = Pipeline(config, state, num_microbatches=2, dtype=torch.float64)
             chunks = list(model.chunks)
         read = sum(load_hf_weights(chunk, directory) for chunk in chunks)
-        assert read == _unpadded_elements(chunks), f"{what}: read {read} elements, not its slices"
+        assert read == unpadded_elements(chunks), f"{what}: read {read} elements, not its slices"
         with torch.no_grad():
             loss = model(ids, labels) if p == 1 else model.eval_step(ids, labels)
             logits = full_logits(chunks, state, ids)
