@@ -23,7 +23,8 @@ SMALL = ["--model.config.hidden_size", "64", "--model.config.num_layers", "2",
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a rank sent SIGABRT prints every thread's stack (see wait_for)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
 
 
 def run(
@@ -63,12 +64,19 @@ def children(pid: int) -> list[int]:
     return [int(c) for c in path.read_text().split()] if path.exists() else []
 
 
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
-    """Wait until ``path`` exists (the run got that far); fail if ``proc`` ended first."""
+def wait_for(path: Path, proc: subprocess.Popen, cwd: Path, timeout: float = 150) -> None:
+    """Wait until ``path`` exists (the run :func:`start` ran in ``cwd`` got that far); fail if
+    ``proc`` ended first, or after ``timeout`` seconds: then every process of the run is sent
+    ``SIGABRT`` (each prints its threads' stacks: :func:`start` sets ``PYTHONFAULTHANDLER``)
+    and the failure shows the end of the run's stderr, so a stalled run says where it was."""
     deadline = time.monotonic() + timeout
     while not path.exists():
         assert proc.poll() is None, f"the run ended (code {proc.returncode}) before {path}"
-        assert time.monotonic() < deadline, f"no {path} after {timeout} s"
+        if time.monotonic() > deadline:
+            for pid in [*children(proc.pid), proc.pid]:
+                os.kill(pid, signal.SIGABRT)
+            _, stderr = finish(proc, cwd, 30)
+            raise AssertionError(f"no {path} after {timeout} s; its stderr:\n{stderr[-20000:]}")
         time.sleep(0.2)
 
 

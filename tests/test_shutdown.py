@@ -30,7 +30,7 @@ def _training(tmp_path: Path) -> tuple:
     )
     args = [CLI, "fit", "--config", str(config), *SMALL, "--trainer.max_steps", "100000"]
     proc = start(args, tmp_path)
-    wait_for(tmp_path / "checkpoints" / "tiny" / "step2.ckpt", proc)
+    wait_for(tmp_path / "checkpoints" / "tiny" / "step2.ckpt", proc, tmp_path)
     (rank1,) = children(proc.pid)
     return proc, rank1
 
