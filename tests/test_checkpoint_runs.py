@@ -89,3 +89,38 @@ def test_a_resume_from_the_newest_last_continues_in_place(tmp_path: Path, corpus
     assert fit("a2", 3, folder / "last.ckpt") == []
     assert _names(folder) == ["last.ckpt", "step=3.ckpt"]  # step2 rotated out as before
     assert _step(folder / "last.ckpt") == 3
+
+
+@pytest.mark.slow
+def test_save_last_link_points_at_the_newest_step_and_resumes_in_place(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """``save_last: "link"``: ``last.ckpt`` is a link to the newest saved step (a checkpoint
+    directory here), a resume through the link continues the run in place, and a run resumed
+    from a copy links its own ``last-v1.ckpt`` without touching the first run's link."""
+    folder = tmp_path / "ck"
+    optimizer = OptimizerConfig(lr=3e-3, warmup_steps=1)
+
+    def fit(name: str, steps: int, ckpt_path: Path | None = None) -> list[str]:
+        checkpoints = ModelCheckpoint(dirpath=folder, save_last="link", save_top_k=1,
+                                      every_n_train_steps=1, filename="{step}")  # fmt: skip
+        with Notices() as notices:
+            _one_process(tmp_path, name, steps, [checkpoints]).fit(
+                _module(optimizer),
+                data(corpus),
+                ckpt_path=None if ckpt_path is None else str(ckpt_path),
+            )
+        return notices.containing("from another run")
+
+    fit("a", 2)
+    last = folder / "last.ckpt"
+    assert last.is_symlink() and last.resolve() == (folder / "step=2.ckpt").resolve()
+    assert fit("a2", 3, last) == []
+    assert _names(folder) == ["last.ckpt", "step=3.ckpt"]
+    assert last.is_symlink() and _step(last) == 3
+    copy = tmp_path / "copy.ckpt"
+    shutil.copytree(last.resolve(), copy)
+    lines = fit("b", 5, copy)
+    assert len(lines) == 1 and "(last-v1.ckpt)" in lines[0], lines
+    assert last.is_symlink() and _step(last) == 3, "run A's link was moved"
+    assert _step(folder / "last-v1.ckpt") == 5 and (folder / "last-v1.ckpt").is_symlink()

@@ -103,10 +103,9 @@ class ModelCheckpoint(LightningModelCheckpoint):
             return os.path.lexists(last) and os.path.realpath(last) == resumed
         return any(os.path.realpath(p) == resumed for p in self.best_k_models)
 
-    @override
-    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        self._owned.add(str(filepath))
-        if self._clash is not None and not self._versioned_notice:  # Lightning found a clash
+    def _say_versioned(self, filepath: str) -> None:
+        """Say once that Lightning gave ``filepath`` a ``-vN`` name (a clash was found)."""
+        if self._clash is not None and not self._versioned_notice:
             self._versioned_notice = True
             rank_zero_info(
                 f"ModelCheckpoint: {self.dirpath} already holds {self._clash} from another run; "
@@ -114,6 +113,11 @@ class ModelCheckpoint(LightningModelCheckpoint):
                 "fresh dirpath, or continue that run with --ckpt_path"
             )
         self._clash = None
+
+    @override
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        self._owned.add(str(filepath))
+        self._say_versioned(filepath)
         super()._save_checkpoint(trainer, filepath)
 
     @override
@@ -123,6 +127,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         super()._save_last_checkpoint(trainer, monitor_candidates)
         if self.last_model_path:  # written, or (save_last="link") linked: this run's
             self._owned.add(str(self.last_model_path))
+            self._say_versioned(str(self.last_model_path))  # a link saves nothing itself
 
     @override
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
