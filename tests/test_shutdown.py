@@ -72,10 +72,14 @@ def test_interrupt_or_dead_rank_stops_every_rank(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["launcher", "rank1"])
-def test_sigterm_saves_the_step_then_exits_143(tmp_path: Path, target: str) -> None:
+@pytest.mark.parametrize("targets", [["launcher"], ["rank1"], ["launcher", "rank1"]],
+                         ids=["launcher", "rank1", "every-rank"])  # fmt: skip
+def test_sigterm_saves_the_step_then_exits_143(tmp_path: Path, targets: list[str]) -> None:
+    """SIGTERM to the launcher, to one rank, or to every rank at once (as a scheduler such as
+    SLURM sends it to every process of the job)."""
     proc, rank1 = _training(tmp_path)
-    os.kill(proc.pid if target == "launcher" else rank1, signal.SIGTERM)
+    for target in targets:
+        os.kill(proc.pid if target == "launcher" else rank1, signal.SIGTERM)
     got, stderr = _stopped(proc, tmp_path, rank1, time.monotonic())
     assert got == 143, stderr[-3000:]
     errors = error_lines(stderr)
