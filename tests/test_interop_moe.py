@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-
+from hf_families import wide_olmo2_norms
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -29,7 +29,6 @@ from lightning_sp.interop.hf_types import hf_model_type
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.spawn import run_distributed
 
-from hf_families import wide_olmo2_norms
 from hf_models import full_logits, hf_logits_and_loss, tokens, unpadded_elements
 
 transformers = pytest.importorskip("transformers")
@@ -58,6 +57,7 @@ FAMILIES = {
     ),
 }
 """A small random model of each family: 2 layers, 4 experts, top-2, 4 heads in 2 KV groups."""
+
 
 def _float64(model: Any) -> Any:
     """``model`` in float64 eval mode with the eager expert loop (``torch._grouped_mm``
@@ -141,7 +141,7 @@ def test_fused_expert_tensors_read_as_the_per_expert_ones(saved: tuple, tmp_path
 
 
 def test_import_equals_transformers(saved: tuple) -> None:
-    family, directory, hf = saved
+    _, directory, hf = saved
     tolerance = TOLERANCE
     model = _ours(directory, ParallelState.single())
     assert model.config.feed_forward == "moe" and model.config.moe is not None
