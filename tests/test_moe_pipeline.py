@@ -8,7 +8,7 @@ and every gradient after ``finalize_grads``, to 1e-10.
 The step's logged routing metrics (``train/moe/*``, :func:`step_metrics`) are global: summed
 over micro-batches, data-parallel replicas and pipeline stages before their ratios, on every
 rank the one process's, computed here from its recorded per-micro-batch values and its routers'
-choice counts (4 ranks as above; 2 ranks at d = 2 with e = 2, and at p = 2, in the quick tier).
+choice counts (4 ranks as above; 2 ranks at d = 2 with e = 2, and at p = 2).
 
 The auxiliary losses ride on the layer output's backward (``attach_loss``), so the stages carry
 them with the activations; the pipeline scales them by ``1/n`` as its loss, data parallelism
@@ -179,6 +179,7 @@ def _metrics_worker(rank: int, world_size: int) -> list[float]:
     return errors
 
 
+@pytest.mark.slow
 def test_step_metrics_are_global_on_two_ranks() -> None:
     errors = run_distributed(_metrics_worker, 2)
     print("largest relative error of the step metrics:", max(max(e) for e in errors))
