@@ -68,7 +68,8 @@ def _wide_rms_norm(self: Any, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def wide_olmo2_norms(model: Any) -> None:
-    """Run an OLMo 2 model's ``q_norm`` and ``k_norm`` with float64 statistics."""
+    """Run an OLMo 2 (or OLMoE: the same query/key norms over the whole projection) model's
+    ``q_norm`` and ``k_norm`` with float64 statistics."""
     for layer in model.model.layers:
         for name in ("q_norm", "k_norm"):
             norm = getattr(layer.self_attn, name)

@@ -97,12 +97,15 @@ def assert_same_steps(got: dict[int, float], want: dict[int, float], what: str) 
         assert err <= RTOL, f"{what} at step {step}: {value!r} vs {want[step]!r} ({err:.1e})"
 
 
-def assert_same_tensors(got: dict[str, Any], want: dict[str, Any], prefix: str) -> int:
-    """Every ``prefix`` tensor of two checkpoints' full states agrees; returns how many."""
+def assert_same_tensors(
+    got: dict[str, Any], want: dict[str, Any], prefix: str, rtol: float = RTOL
+) -> int:
+    """Every ``prefix`` tensor of two checkpoints' full states agrees to ``rtol``; returns how
+    many."""
     keys = {k for k in want if k.startswith(prefix) and torch.is_tensor(want[k])}
     assert keys and keys == {k for k in got if k.startswith(prefix) and torch.is_tensor(got[k])}
     errors = {key: relative_error(got[key].double(), want[key].double()) for key in keys}
-    wrong = {k: f"{e:.1e}" for k, e in sorted(errors.items()) if not e <= RTOL}
+    wrong = {k: f"{e:.1e}" for k, e in sorted(errors.items()) if not e <= rtol}
     assert not wrong, f"{len(wrong)} of {len(keys)} tensors differ (relative error): {wrong}"
     return len(keys)
 

@@ -1,22 +1,35 @@
 """Mixtral, Qwen3-MoE and OLMoE both ways: a random model saved by transformers (the Hub's
 per-expert tensors) read into one process (and Mixtral into expert- and tensor-parallel
-layouts) equals transformers' float64 logits and loss; our model exported is loaded by
-``AutoModelForCausalLM`` as the same class with the same logits."""
+layouts) equals transformers' float64 logits and loss; so does the same model written with
+transformers 5's fused in-memory expert tensors (``mlp.experts.gate_up_proj [E, 2f, h]``,
+``down_proj [E, h, f]``); our model exported is loaded by ``AutoModelForCausalLM`` as the same
+class holding every tensor of the original, with the same logits.
+
+OLMoE meets the same 1e-10: ``OlmoeRMSNorm`` computes its statistics in fp32 even for float64
+inputs, and our ``qk_norm: projection`` computes them in float64 (the model's dtype, widened to
+fp32 at least, the same under any t, as for OLMo 2); so the float64 reference runs its
+``q_norm`` / ``k_norm`` in float64 (``hf_families.wide_olmo2_norms``, the OLMo 2 tests'
+helper). Unpatched the difference is fp32 rounding, ~2e-7 of the logits."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hf_families import wide_olmo2_norms
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from lightning_sp import GPT
-from lightning_sp.interop.hf import load_hf_weights, read_hf_config, save_hf
+from lightning_sp.interop.hf import hf_layout, load_hf_weights, read_hf_config, save_hf
+from lightning_sp.interop.hf_types import hf_model_type
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.spawn import run_distributed
 
-from hf_models import full_logits, hf_logits_and_loss, tokens
+from hf_models import full_logits, hf_logits_and_loss, tokens, unpadded_elements
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,28 +58,41 @@ FAMILIES = {
 }
 """A small random model of each family: 2 layers, 4 experts, top-2, 4 heads in 2 KV groups."""
 
-OLMOE_TOLERANCE = 1e-6
-"""OLMoE's query/key norms (``OlmoeRMSNorm``) cast back to the input dtype *before* the weight
-multiply; OLMo 2's, which our ``qk_norm: projection`` follows, multiply in fp32 first. In
-float64 that is fp32 rounding, ~2e-7 of the logits here: a known difference, not yet a
-variant of ours (the rest of the model is exact: Mixtral and Qwen3-MoE meet 1e-10)."""
 
-
-def _tolerance(family: str) -> float:
-    return OLMOE_TOLERANCE if family == "olmoe" else TOLERANCE
+def _float64(model: Any) -> Any:
+    """``model`` in float64 eval mode with the eager expert loop (``torch._grouped_mm``
+    refuses float64), OLMoE's query/key norms in float64 (module docstring)."""
+    model.config._experts_implementation = "eager"
+    model = model.double().eval()
+    if model.config.model_type == "olmoe":
+        wide_olmo2_norms(model)
+    return model
 
 
 def save_random(family: str, directory: Path) -> Any:
-    """A random model of ``family``, perturbed, saved in ``directory``; returned in float64
-    eval mode with the eager expert loop."""
+    """A random model of ``family``, perturbed, saved in ``directory`` by ``save_pretrained``;
+    returned as :func:`_float64` makes it."""
     torch.manual_seed(0)
     model = FAMILIES[family]()
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param), alpha=0.05)
     model.save_pretrained(directory)
-    model.config._experts_implementation = "eager"  # torch._grouped_mm refuses float64
-    return model.double().eval()
+    return _float64(model)
+
+
+def save_fused(model: Any, directory: Path) -> Path:
+    """``model`` written with transformers' in-memory names (its ``state_dict`` as is: fused
+    ``[E, n, k]`` experts, Mixtral's router under ``mlp.gate``) and its ``config.json``."""
+    model.config.save_pretrained(directory)
+    weights = {name: value.float().contiguous() for name, value in model.state_dict().items()}
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def _file_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -82,9 +108,41 @@ def _ours(directory: Path, state: ParallelState, **overrides: Any) -> GPT:
     return model.eval()
 
 
-def test_import_equals_transformers(saved: tuple) -> None:
+def test_save_pretrained_writes_the_hubs_per_expert_tensors(saved: tuple) -> None:
+    """transformers 5.24 holds the experts fused in memory but ``save_pretrained`` writes one
+    tensor per expert under the Hub's names (Mixtral ``block_sparse_moe.experts.{e}.w1/w2/w3``,
+    Qwen3-MoE and OLMoE ``mlp.experts.{e}.gate_proj/up_proj/down_proj``): exactly the names
+    and shapes of our per-expert layout; a ``state_dict`` holds the fused layout instead."""
     family, directory, hf = saved
-    tolerance = _tolerance(family)
+    config = read_hf_config(directory)
+    model_type = hf_model_type({"model_type": family}, "test")
+    per_expert = {n: t.shape for n, t in hf_layout(model_type, config).items()}
+    assert _file_shapes(directory) == per_expert
+    moe = config.moe
+    assert moe is not None
+    gate = "block_sparse_moe.experts.3.w1" if family == "mixtral" else "mlp.experts.3.gate_proj"
+    assert per_expert[f"model.layers.1.{gate}.weight"] == (moe.expert_ffn_size, 32)
+    fused = {n: tuple(t.shape) for n, t in hf.state_dict().items()}
+    assert fused == {n: t.shape for n, t in hf_layout(model_type, config, fused=True).items()}
+    assert fused["model.layers.1.mlp.experts.gate_up_proj"] == (4, 2 * moe.expert_ffn_size, 32)
+    assert fused["model.layers.1.mlp.experts.down_proj"] == (4, 32, moe.expert_ffn_size)
+
+
+def test_fused_expert_tensors_read_as_the_per_expert_ones(saved: tuple, tmp_path: Path) -> None:
+    """The same model written fused is read into the same weights, every one equal."""
+    family, directory, hf = saved
+    fused = save_fused(hf, tmp_path / "fused")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in _file_shapes(fused)
+    per_expert = _ours(directory, ParallelState.single())
+    from_fused = _ours(fused, ParallelState.single())
+    pairs = zip(per_expert.named_parameters(), from_fused.parameters(), strict=True)
+    for (name, a), b in pairs:
+        assert torch.equal(a, b), f"{family} {name}"
+
+
+def test_import_equals_transformers(saved: tuple) -> None:
+    _, directory, hf = saved
+    tolerance = TOLERANCE
     model = _ours(directory, ParallelState.single())
     assert model.config.feed_forward == "moe" and model.config.moe is not None
     assert model.config.moe.num_experts == 4 and model.config.moe.top_k == 2
@@ -100,38 +158,49 @@ def test_import_equals_transformers(saved: tuple) -> None:
 
 def test_export_loads_as_the_same_class(saved: tuple, tmp_path: Path) -> None:
     """Ours (read from the fixture) written back: ``AutoModelForCausalLM`` builds the same
-    class from the Hub's per-expert names, and its logits equal ours."""
+    class from the Hub's per-expert names, every tensor equal to the original model's, and its
+    logits equal ours."""
     family, directory, hf = saved
     model = _ours(directory, ParallelState.single())
     names = [(model.global_name(n), p.detach()) for n, p in model.named_parameters()]
     save_hf(model.config, names, tmp_path / "out", eos_token_id=0)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert type(back).__name__ == type(hf).__name__
-    back.config._experts_implementation = "eager"
-    back = back.double().eval()
+    back = _float64(back)
+    original = hf.state_dict()
+    assert back.state_dict().keys() == original.keys()
+    for name, value in back.state_dict().items():
+        assert torch.equal(value, original[name]), f"{family} {name}"
     ids, labels = tokens()
     back_logits, _ = hf_logits_and_loss(back, ids, labels)
     with torch.no_grad():
         logits = full_logits([model], model.state, ids)
     assert logits is not None
     scale = float(logits.abs().max())
-    assert float((logits - back_logits).abs().max()) <= _tolerance(family) * scale
+    assert float((logits - back_logits).abs().max()) <= TOLERANCE * scale
 
 
-def _layout_worker(rank: int, world_size: int, directory: str, hf_loss: float) -> None:
+def _layout_worker(rank: int, world_size: int, directories: list[str], hf_loss: float) -> None:
     ids, labels = tokens()
-    for t, e in ((2, 1), (1, 2)):
+    for directory, (t, e) in itertools.product(directories, ((2, 1), (1, 2))):
+        case = f"{Path(directory).name} t={t} e={e}"
         state = ParallelState.from_process_group(tensor_parallel_size=t, expert_parallel_size=e)
-        model = _ours(Path(directory), state, sequence_parallel=t > 1)
+        config = read_hf_config(directory, seq_length=32, recompute="none", sequence_parallel=t > 1)
+        model = GPT(config, state, dtype=torch.float64)
+        read = load_hf_weights(model, directory)
+        assert read == unpadded_elements([model]), f"{case}: read {read} elements"
         with torch.no_grad():
-            loss = float(model(ids, labels))
-        assert abs(loss - hf_loss) <= TOLERANCE * hf_loss, f"t={t} e={e}: {loss} vs {hf_loss}"
+            loss = float(model.eval()(ids, labels))
+        assert abs(loss - hf_loss) <= TOLERANCE * hf_loss, f"{case}: {loss} vs {hf_loss}"
 
 
 def test_import_any_layout_equals_transformers(tmp_path: Path) -> None:
-    """Mixtral at t = 2 with SP, and at e = 2 (each rank reads only its own experts' tensors);
-    one family's layouts suffice: the other families' layer is the same part."""
+    """Mixtral at t = 2 with SP, and at e = 2, from the per-expert and the fused files: each
+    rank reads exactly its shard's elements (at e = 2 its own experts' tensors, or their rows
+    of the fused ones); one family's layouts suffice: the other families' layer is the same
+    part."""
     directory = tmp_path / "mixtral"
     hf = save_random("mixtral", directory)
+    fused = save_fused(hf, tmp_path / "mixtral_fused")
     _, hf_loss = hf_logits_and_loss(hf, *tokens())
-    run_distributed(_layout_worker, 2, str(directory), float(hf_loss))
+    run_distributed(_layout_worker, 2, [str(directory), str(fused)], float(hf_loss))

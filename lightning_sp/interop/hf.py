@@ -12,8 +12,10 @@ things differ between the two:
   key, value);
 * a tensor may be stored transposed (GPT-2's ``Conv1D``: ``[in, out]``);
 * a stacked expert weight ``[E, n, k]`` of ours is held by one tensor per expert (and piece:
-  Mixtral's ``w1`` and ``w3`` make our ``gate_up``), the Hub's layout, which transformers
-  writes; an expert-parallel rank reads only its own experts' tensors;
+  Mixtral's ``w1`` and ``w3`` make our ``gate_up``), the Hub's layout, which transformers'
+  ``save_pretrained`` writes and export writes, or by one fused ``[E, n, k]`` tensor
+  (transformers 5's in-memory layout, read too); an expert-parallel rank reads only its own
+  experts' tensors, or their rows of the fused one;
 * our vocabulary is padded to a multiple of ``128·t`` (parameters marked ``padded_vocab``);
   padded rows are dropped on export and zero on import (no token id reaches them, and they
   never receive probability).
@@ -135,13 +137,22 @@ def _full_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def hf_layout(model_type: HFModelType, config: GPTConfig) -> dict[str, HFTensor]:
-    """Every Hugging Face tensor of the ``model_type`` model equal to ``config``, by name."""
+def hf_layout(
+    model_type: HFModelType, config: GPTConfig, fused: bool = False
+) -> dict[str, HFTensor]:
+    """Every Hugging Face tensor of the ``model_type`` model equal to ``config``, by name:
+    the Hub's form (one tensor per expert), or with ``fused`` transformers' in-memory form
+    (one ``[E, n, k]`` tensor per stacked weight, equal to ours, so a plain part; every name
+    as its model holds it: ``model_type.renames`` applied)."""
     grouped: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     transposed: dict[str, bool] = {}
     layout = {}
     for name, shape in _full_shapes(config).items():
         mapping, layer = _mapping(model_type, name)
+        if isinstance(mapping, ExpertWeightMap) and fused:  # [E, n, k] as ours
+            hf_name = mapping.fused.format(i=layer)
+            layout[hf_name] = HFTensor(hf_name, shape, (Part(name, 0, shape),), False)
+            continue
         if isinstance(mapping, ExpertWeightMap):  # [E, n, k]: per expert, n split in pieces
             rows = shape[1] // len(mapping.hf)
             for expert, (j, piece) in itertools.product(range(shape[0]), enumerate(mapping.hf)):
@@ -150,6 +161,8 @@ def hf_layout(model_type: HFModelType, config: GPTConfig) -> dict[str, HFTensor]
                 layout[hf_name] = HFTensor(hf_name, part.shape, (part,), False)
             continue
         hf_name = mapping.hf.format(i=layer)
+        for hub, in_memory in model_type.renames if fused else ():
+            hf_name = hf_name.replace(hub, in_memory)
         grouped.setdefault(hf_name, []).append((name, shape))
         transposed[hf_name] = mapping.transpose
     for hf_name, members in grouped.items():
@@ -236,11 +249,18 @@ class HFWeights:
         short = name.removeprefix(prefix) if prefix else name
         return next((k for k in (name, short) if k in self._keys), None)
 
+    @property
+    def fused_experts(self) -> bool:
+        """Whether the files hold fused ``[E, n, k]`` expert tensors (transformers' in-memory
+        names) rather than the Hub's per-expert ones (found at layer 0)."""
+        rows = [w for w in self.model_type.weights if isinstance(w, ExpertWeightMap)]
+        return any(self._key(row.fused.format(i=0)) is not None for row in rows)
+
     def layout(self) -> dict[str, HFTensor]:
         """The tensors ``config.json`` implies (:func:`hf_layout` of its model, whose
         ``seq_length`` is the whole position table)."""
         config = GPTConfig.of(self.model_type.architecture, **self.config_fields())
-        return hf_layout(self.model_type, config)
+        return hf_layout(self.model_type, config, self.fused_experts)
 
     def check(self) -> None:
         """Raise :class:`ConfigError` unless every tensor ``config.json`` implies is in the
@@ -316,9 +336,12 @@ def load_hf_weights(model: GPT, directory: str | Path, field: str = "init_from")
                 continue
             tensor, part = parts[global_name]
             spec = param.shard  # type: ignore[attr-defined]
+            first_expert = getattr(param, "expert_start", None)  # a fused expert tensor
             index = []  # per dim of ours: the rows of the HF tensor this shard holds
             for dim, size in enumerate(param.shape):
                 start = spec.start if spec.dim == dim else 0
+                if dim == 0 and first_expert is not None:  # this EP rank's E/e experts
+                    start = first_expert
                 rows = torch.arange(start, max(start, min(start + size, part.shape[dim])))
                 index.append(rows + part.offset if dim == 0 else rows)
             param.zero_()

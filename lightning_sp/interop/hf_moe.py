@@ -15,9 +15,12 @@ olmoe       OLMo 2's query/key norms over the projections, norms before the subl
             ``norm_topk_prob`` (False in OLMoE-1B-7B)
 ==========  =================================================================================
 
-The Hub stores one tensor per expert (``...experts.{e}.w1.weight``), which transformers 5 also
-writes: our stacked ``experts.gate_up [E, 2f_e, h]`` and ``experts.down [E, h, f_e]`` are
-:class:`~lightning_sp.interop.hf_tables.ExpertWeightMap` rows. The routing a checkpoint fixes
+The Hub stores one tensor per expert (``...experts.{e}.w1.weight``), which transformers 5.24's
+``save_pretrained`` also writes (it holds them fused in memory and splits them on save): our
+stacked ``experts.gate_up [E, 2f_e, h]`` and ``experts.down [E, h, f_e]`` are
+:class:`~lightning_sp.interop.hf_tables.ExpertWeightMap` rows. A file of transformers'
+in-memory names (its ``state_dict`` saved as is: ``mlp.experts.gate_up_proj``, ``down_proj``,
+Mixtral's ``mlp.gate``) is read too; export writes the Hub's form. The routing a checkpoint fixes
 (experts, top-k, width, renormalisation) is compared; the training-only settings (loss
 coefficients, capacity, router dtype) are ours to choose, and the auxiliary coefficient is
 written as ``router_aux_loss_coef``.
@@ -105,14 +108,20 @@ def _no_ffn(fields: tuple[ConfigField, ...]) -> tuple[ConfigField, ...]:
 
 
 def _experts(router: str, experts: str, gate: str, up: str, down: str) -> tuple:
-    """The router and stacked-expert rows (names under ``model.layers.{i}``)."""
-    base = f"{_LAYER}.{experts}.{{e}}"
+    """The router and stacked-expert rows (names under ``model.layers.{i}``): per expert as
+    the Hub stores them, or fused as transformers 5 holds them in memory
+    (``mlp.experts.gate_up_proj [E, 2f_e, h]``, gate then up; ``down_proj [E, h, f_e]``)."""
+    base, fused = f"{_LAYER}.{experts}.{{e}}", f"{_LAYER}.mlp.experts"
     return (
         WeightMap("layers.{i}.mlp.router.weight", f"{_LAYER}.{router}.weight"),
         ExpertWeightMap(
-            "layers.{i}.mlp.experts.gate_up", (f"{base}.{gate}.weight", f"{base}.{up}.weight")
+            "layers.{i}.mlp.experts.gate_up",
+            (f"{base}.{gate}.weight", f"{base}.{up}.weight"),
+            f"{fused}.gate_up_proj",
         ),
-        ExpertWeightMap("layers.{i}.mlp.experts.down", (f"{base}.{down}.weight",)),
+        ExpertWeightMap(
+            "layers.{i}.mlp.experts.down", (f"{base}.{down}.weight",), f"{fused}.down_proj"
+        ),
     )
 
 
@@ -155,6 +164,7 @@ MIXTRAL = HFModelType(
     weights=_weights(
         False, _experts("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")
     ),
+    renames=((".block_sparse_moe.", ".mlp."),),
 )
 
 QWEN3_MOE = HFModelType(

@@ -26,10 +26,13 @@ class ExpertWeightMap:
     """Our stacked expert weight ``ours`` (``[E, n, k]``, a global name with ``{i}``) and the
     Hub's per-expert tensors holding it: expert ``e``'s ``[n, k]`` slice is the concatenation
     along its dim 0 of ``hf`` (names with ``{i}`` and ``{e}``), equal parts (``gate_up``:
-    the gate's then the up projection's)."""
+    the gate's then the up projection's). ``fused``: the one ``[E, n, k]`` tensor holding all
+    experts, equal to ours (transformers 5's in-memory name, which a file saved from its
+    ``state_dict`` holds; ``save_pretrained`` and the Hub write ``hf``)."""
 
     ours: str
     hf: tuple[str, ...]
+    fused: str
 
 
 def linear(ours: str, hf: str, transpose: bool = False) -> tuple[WeightMap, ...]:
@@ -48,7 +51,10 @@ class HFModelType:
     """A Hugging Face model family: ``model_type``, its ``*ForCausalLM`` class, our
     architecture family it reads into (``GPTConfig.of``: dropouts and the rest), the
     ``config.json`` table and the weight table. ``optional_prefix``: a prefix that files
-    written elsewhere may lack (OpenAI's GPT-2 upload has no ``transformer.``)."""
+    written elsewhere may lack (OpenAI's GPT-2 upload has no ``transformer.``). ``renames``:
+    ``(hub, in_memory)`` pieces of names that transformers' in-memory model uses instead
+    (Mixtral's ``.block_sparse_moe.`` is ``.mlp.``), as a file of fused experts names them
+    (:func:`~lightning_sp.interop.hf.hf_layout` with ``fused``)."""
 
     model_type: str
     hf_class: str
@@ -56,6 +62,7 @@ class HFModelType:
     config: ConfigTable
     weights: tuple[WeightMap | ExpertWeightMap, ...]
     optional_prefix: str = ""
+    renames: tuple[tuple[str, str], ...] = ()
 
     @property
     def title(self) -> str:

@@ -27,6 +27,17 @@ from lightning_sp.parallel.init import initialize_parameter
 from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_sp.parallel.state import ParallelState
 
+TOTALS = ("aux_loss", "z_loss", "dropped", "forwards")
+"""The first entries of :attr:`MoE.totals`; the choices per expert ``[E]`` follow."""
+
+
+def _totals(aux_loss: Tensor, z_loss: Tensor, dropped: int, counts: Tensor) -> Tensor:
+    """One forward's contribution to :attr:`MoE.totals` (float64 on the counts' device; no
+    device sync)."""
+    head = torch.stack([aux_loss.detach().double(), z_loss.detach().double()])
+    extra = torch.tensor([float(dropped), 1.0], dtype=torch.float64, device=counts.device)
+    return torch.cat([head, extra, counts.detach().double()])
+
 
 class _AttachLoss(torch.autograd.Function):
     """Forward: ``out`` unchanged. Backward: ``out``'s gradient, and ``scale`` for ``loss``
@@ -123,6 +134,10 @@ class MoE(nn.Module):
         self.metrics: dict[str, Tensor] = {}
         """The last forward's micro-batch values: ``aux_loss``, ``z_loss`` (unscaled),
         ``load_imbalance`` (max over mean choices per expert) and ``dropped``."""
+        self.totals: Tensor | None = None
+        """The sums of the training forwards since the last
+        :func:`~lightning_sp.model.moe_metrics.step_metrics` (:data:`TOTALS`, then the choices
+        per expert ``[E]``; float64): what the step's logged metrics are made of."""
 
     def reset_parameters(self, seed: int, prefix: str = "") -> None:
         """Initialise every parameter from ``seed`` as a model would (names ``prefix`` +
@@ -156,6 +171,9 @@ class MoE(nn.Module):
             "load_imbalance": routed.counts.max() / routed.counts.mean(),
             "dropped": torch.tensor(routed.dropped),
         }
+        if self.training:
+            added = _totals(routed.aux_loss, routed.z_loss, routed.dropped, routed.counts)
+            self.totals = added if self.totals is None else self.totals + added
         loss = cfg.aux_loss_coef * routed.aux_loss + cfg.z_loss_coef * routed.z_loss
         if cfg.aux_loss_coef or cfg.z_loss_coef:
             out = attach_loss(out, loss, self.aux_loss_scale)
@@ -165,20 +183,6 @@ class MoE(nn.Module):
         """After an optimizer step: DeepSeek-V3's bias update from the loads every rank of
         this layer counted (summed over the TP group under SP, then data x context)."""
         self.router.update_expert_bias(self.reduce_groups)
-
-
-def moe_metrics(module: nn.Module) -> dict[str, Tensor]:
-    """The last forward's routing metrics over every MoE layer of ``module`` (this rank's
-    micro-batch): ``moe/aux_loss``, ``moe/z_loss``, ``moe/load_imbalance`` (means over layers)
-    and ``moe/dropped`` (summed); empty without MoE layers."""
-    layers = [m for m in module.modules() if isinstance(m, MoE) and m.metrics]
-    if not layers:
-        return {}
-    out = {}
-    for key in ("aux_loss", "z_loss", "load_imbalance", "dropped"):
-        values = torch.stack([m.metrics[key].float().cpu() for m in layers])
-        out[f"moe/{key}"] = values.sum() if key == "dropped" else values.mean()
-    return out
 
 
 def update_expert_biases(module: nn.Module) -> None:

@@ -39,10 +39,10 @@ from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT, Reduction
 from lightning_sp.model.moe import (
     has_auxiliary_losses,
-    moe_metrics,
     scale_auxiliary_losses,
     update_expert_biases,
 )
+from lightning_sp.model.moe_metrics import step_metrics
 from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
 from lightning_sp.parallel.buffer import GradBufferConfig
@@ -317,8 +317,6 @@ class GPTModule(LightningModule):
             torch.distributed.all_reduce(logged, group=group)
             logged /= self.parallel_state.data_parallel_size
         self.log("train/loss", logged, prog_bar=True)
-        for name, value in moe_metrics(self.stage_model()).items():  # this rank's micro-batch
-            self.log(f"train/{name}", value)
         return loss
 
     @override
@@ -344,12 +342,16 @@ class GPTModule(LightningModule):
 
     @override
     def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
-        """With loss masks: divide the step's gradients (summed over its counted tokens) by
+        """The step's MoE routing metrics over every micro-batch, replica and stage
+        (:func:`~lightning_sp.model.moe_metrics.step_metrics`), logged as ``train/moe/*``.
+        With loss masks: divide the step's gradients (summed over its counted tokens) by
         the global count and log ``train/loss``, the global token mean
         (:meth:`TokenMean.finish`). Runs after the gradients are finalised, before clipping."""
+        model = self.stage_model()
+        for name, value in step_metrics(model, model.state, self.config).items():
+            self.log(f"train/{name}", value.float())
         if self._token_mean is None:
             return
-        model = self.stage_model()
         accumulation = 1 if model.runs_backward else self.trainer.accumulate_grad_batches
         loss = self._token_mean.finish(model, accumulation)
         self._token_mean = None
