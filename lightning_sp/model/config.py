@@ -296,9 +296,15 @@ class GPTConfig:
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
         return -(-self.vocab_size // multiple) * multiple
 
-    def validate(self, tensor_parallel_size: int = 1, expert_parallel_size: int = 1) -> None:
+    def validate(
+        self,
+        tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+        expert_tensor_parallel_size: int = 1,
+    ) -> None:
         """Raise :class:`ConfigError` (one line: field, value, what is valid) on a bad config,
-        or one that ``t`` tensor-parallel (and ``e`` expert-parallel) ranks cannot share."""
+        or one that ``t`` tensor-parallel (and ``e`` expert-parallel, ``t_e``
+        expert-tensor-parallel) ranks cannot share."""
         t = tensor_parallel_size
         for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_heads"):
             positive_int(name, getattr(self, name))
@@ -327,7 +333,9 @@ class GPTConfig:
                     f"feed_forward='moe' runs SwiGLU experts; activation={self.activation!r} "
                     "must be 'swiglu'"
                 )
-            self.moe.check_layout(expert_parallel_size, t, self.sequence_parallel)
+            self.moe.check_layout(
+                expert_parallel_size, t, self.sequence_parallel, expert_tensor_parallel_size
+            )
         if not isinstance(self.bias, bool):
             unknown = [p for p in self.bias if p not in BIAS_PROJECTIONS]
             if unknown:
