@@ -271,9 +271,61 @@ def _checkpoint_worker(rank: int, world_size: int, root: str) -> None:
                 Path(root) / "e1", target, [target_optimizer], meta=meta,
                 lightning_state={"global_step": 1}, rng=("rng.none", None),
             )  # fmt: skip
+    _expert_tensor_parallel_checkpoint(Path(root))
+
+
+def _expert_tensor_parallel_checkpoint(root: Path) -> None:
+    """Saved at t = 2 + SP with the experts split over TP (etp = 2) and the distributed
+    optimizer (each expert slice of ``[gate; up]`` two chunks), loaded at t = 1 (whole experts,
+    e = 2, the replicated optimizer): every weight and Adam moment equals the saving rank's
+    slice of it."""
+    from lightning_sp.checkpoint import Checkpointer, Meta
+    from lightning_sp.optim.adamw import build_adamw
+    from lightning_sp.parallel.buffer import GradBufferConfig
+    from lightning_sp.parallel.config import ParallelConfig
+
+    config = _gpt_config(sequence_parallel=True)
+    state = ParallelState.from_process_group(tensor_parallel_size=2, expert_tensor_parallel_size=2)
+    model = GPT(config, state, dtype=torch.float64)
+    optimizer = build_adamw(model, 1e-2, 0.1, (0.9, 0.95), 1e-8,
+                            GradBufferConfig(2000, overlap=False, distributed=True))  # fmt: skip
+    model(*batch(config)).backward()
+    finalize_grads(model, state, optimizer.grad_buffer)  # type: ignore[attr-defined]
+    optimizer.step()
+    layout = ParallelConfig(tensor_parallel_size=2, expert_tensor_parallel_size=2,
+                            sequence_parallel=True, distributed_optimizer=True)  # fmt: skip
+    meta = Meta(1, layout, dataclasses.asdict(config))
+    Checkpointer().save(root / "etp2", model, [optimizer], meta=meta,
+                        lightning_state={"global_step": 1}, rng=("rng.none", None))  # fmt: skip
+    whole = dataclasses.replace(config, sequence_parallel=False)
+    target = GPT(whole, ParallelState.from_process_group(expert_parallel_size=2),
+                 dtype=torch.float64)  # fmt: skip
+    target_optimizer = build_adamw(target, 1e-2, 0.1, (0.9, 0.95), 1e-8)
+    Checkpointer().load(
+        root / "etp2", target, [target_optimizer], rng_name="rng.none",
+        layout=ParallelConfig(data_parallel_size=2, expert_parallel_size=2),
+        model_config=dataclasses.asdict(whole),
+    )  # fmt: skip
+    moments = {id(s.param): s.state["exp_avg"] for s in optimizer.segments()}  # type: ignore[attr-defined]
+    experts = 0
+    for (name, p), q in zip(target.named_parameters(), model.parameters(), strict=True):
+        if not getattr(q, "expert", False):
+            continue
+        # q: this TP rank's f_e slice of all E experts; p: E/2 whole experts (EP rank's)
+        sliced, experts_held = q.expert_slice, slice(p.expert_start, p.expert_start + p.shape[0])  # type: ignore[attr-defined]
+        for got, saved in (
+            (p.detach(), q.detach()),
+            (target_optimizer.state[p]["exp_avg"], moments[id(q)].view(q.shape)),
+        ):
+            held = sliced.take(got, q.shape[sliced.dim])
+            assert torch.equal(held, saved[experts_held]), name
+            assert saved.abs().max() > 0, name
+        experts += 1
+    assert experts == 2 * config.num_layers
 
 
 def test_moe_checkpoint_reshards_between_expert_parallel_sizes(tmp_path: Path) -> None:
+    """e = 2 <-> e = 1 (2 ranks of d = 2), and etp = 2 at t = 2 -> t = 1, e = 2."""
     run_distributed(_checkpoint_worker, 2, str(tmp_path))
 
 
