@@ -1,6 +1,7 @@
 """The MoE layer's saved bytes per rank equal its part's formula to the byte (bf16, forced
-balanced routing, saved-tensor hooks), at t = 1 and t = 2 with SP, e = 1, 2, 4: expert
-parallelism moves rows but, balanced, does not divide them."""
+balanced routing, saved-tensor hooks), at t = 1 and t = 2 with SP, e = 1, 2, 4, and with the
+experts split over TP (etp = 2) at e = 1, 2: expert parallelism moves rows but, balanced, does
+not divide them; expert tensor parallelism divides only the f_e terms."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from lightning_sp.memory.saved import SavedTensorTracker
 from lightning_sp.model.moe import MoE
 from lightning_sp.model.moe_config import MoEConfig
-from lightning_sp.model.parts.base import INSIDE
+from lightning_sp.model.parts.base import INSIDE, OUTSIDE
 from lightning_sp.model.parts.moe import MoEFeedForward
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.config import ParallelConfig
@@ -22,11 +23,15 @@ CONFIG = MoEConfig(num_experts=8, top_k=2, expert_ffn_size=32, num_shared_expert
                    aux_loss_coef=0.01, z_loss_coef=0.001, force_balanced=True)  # fmt: skip
 
 
-def _formula(t: int, e: int, sp: bool) -> float:
-    """Bytes one rank saves: the part's terms split by region, plus the aux loss's counts."""
-    shape = ActivationShape(s=S, b=B, h=H, a=4, t=t, sequence_parallel=sp)
+def _formula(t: int, e: int, sp: bool, etp: int = 1) -> float:
+    """Bytes one rank saves: the part's terms split by region (replicated: whole), plus the
+    aux loss's counts."""
+    shape = ActivationShape(s=S, b=B, h=H, a=4, t=t, sequence_parallel=sp, etp=etp)
     terms = MoEFeedForward(CONFIG, e).saved_terms(shape)
-    per_rank = sum(b / (t if (region == INSIDE or sp) else 1) for b, region in terms.values())
+    per_rank = sum(
+        b / (t if region == INSIDE or (sp and region == OUTSIDE) else 1)
+        for b, region in terms.values()
+    )
     return per_rank + 4 * CONFIG.num_experts  # fp32 counts of the load-balancing loss
 
 
@@ -45,12 +50,15 @@ def _measure(state: ParallelState, sp: bool, recompute_act: bool = False) -> int
 
 def _worker(rank: int, world_size: int) -> list[tuple[str, int, float]]:
     results = []
-    for t, e in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2)):
-        state = ParallelState.from_process_group(tensor_parallel_size=t, expert_parallel_size=e)
+    for t, e, etp in ((1, 1, 1), (1, 2, 1), (1, 4, 1), (2, 1, 1), (2, 2, 1), (2, 1, 2), (2, 2, 2)):
+        state = ParallelState.from_process_group(
+            tensor_parallel_size=t, expert_parallel_size=e, expert_tensor_parallel_size=etp
+        )
         sp = t > 1
-        measured, expected = _measure(state, sp), _formula(t, e, sp)
-        assert measured == expected, f"t={t} e={e}: measured {measured} vs formula {expected}"
-        results.append((f"t={t} e={e}", measured, expected))
+        measured, expected = _measure(state, sp), _formula(t, e, sp, etp)
+        case = f"t={t} e={e} etp={etp}"
+        assert measured == expected, f"{case}: measured {measured} vs formula {expected}"
+        results.append((case, measured, expected))
     return results
 
 
@@ -76,8 +84,8 @@ def test_moe_saved_bytes_equal_formula_every_layout() -> None:
     run_distributed(_worker, 4)
 
 
-@pytest.mark.parametrize("t", [1, 2])
-def test_fake_measurement_of_an_moe_model_equals_its_formula(t: int) -> None:
+@pytest.mark.parametrize(("t", "etp"), [(1, 1), (2, 1), (2, 2)])
+def test_fake_measurement_of_an_moe_model_equals_its_formula(t: int, etp: int) -> None:
     """The planner's measurement (one layer of rank 0's shard under fake tensors, which route
     force-balanced: ``GPTConfig.for_measurement``) equals the layer formula plus the norms'
     statistics and the load-balancing counts (4E bytes), to the byte."""
@@ -95,10 +103,9 @@ def test_fake_measurement_of_an_moe_model_equals_its_formula(t: int) -> None:
         num_query_groups=2, feed_forward="moe", recompute="none", sequence_parallel=t > 1,
         moe=dataclasses.replace(CONFIG, num_shared_experts=0, force_balanced=False),
     )  # fmt: skip
-    measured = measure_activations(
-        config, ParallelConfig(tensor_parallel_size=t), micro_batch_size=2, layers=1
-    )
-    shape = config.activation_shape(t, 2)
+    layout = ParallelConfig(tensor_parallel_size=t, expert_tensor_parallel_size=etp)
+    measured = measure_activations(config, layout, micro_batch_size=2, layers=1)
+    shape = config.activation_shape(t, 2, expert_tensor_parallel_size=etp)
     expected = activation_bytes_per_layer(shape, "none") + layernorm_stats_bytes_per_layer(
         shape, "none"
     )
