@@ -118,14 +118,20 @@ def test_export_loads_as_the_same_class(saved: tuple, tmp_path: Path) -> None:
     assert float((logits - back_logits).abs().max()) <= _tolerance(family) * scale
 
 
-def _layout_worker(rank: int, world_size: int, directory: str, hf_loss: float) -> None:
+def _layout_worker(
+    rank: int, world_size: int, directory: str, hf_loss: float,
+    layouts: tuple[tuple[int, int, int], ...] = ((2, 1, 1), (1, 2, 1)),
+) -> None:  # fmt: skip
     ids, labels = tokens()
-    for t, e in ((2, 1), (1, 2)):
-        state = ParallelState.from_process_group(tensor_parallel_size=t, expert_parallel_size=e)
+    for t, e, etp in layouts:
+        state = ParallelState.from_process_group(
+            tensor_parallel_size=t, expert_parallel_size=e, expert_tensor_parallel_size=etp
+        )
         model = _ours(Path(directory), state, sequence_parallel=t > 1)
         with torch.no_grad():
             loss = float(model(ids, labels))
-        assert abs(loss - hf_loss) <= TOLERANCE * hf_loss, f"t={t} e={e}: {loss} vs {hf_loss}"
+        case = f"t={t} e={e} etp={etp}"
+        assert abs(loss - hf_loss) <= TOLERANCE * hf_loss, f"{case}: {loss} vs {hf_loss}"
 
 
 def test_import_any_layout_equals_transformers(tmp_path: Path) -> None:
@@ -135,3 +141,13 @@ def test_import_any_layout_equals_transformers(tmp_path: Path) -> None:
     hf = save_random("mixtral", directory)
     _, hf_loss = hf_logits_and_loss(hf, *tokens())
     run_distributed(_layout_worker, 2, str(directory), float(hf_loss))
+
+
+@pytest.mark.slow
+def test_import_expert_tensor_parallel_equals_transformers(tmp_path: Path) -> None:
+    """Mixtral at e = 2 x t = 2 + SP with each expert's f_e split over TP (etp = 2): each
+    rank reads its own experts and keeps its slice of them."""
+    directory = tmp_path / "mixtral"
+    hf = save_random("mixtral", directory)
+    _, hf_loss = hf_logits_and_loss(hf, *tokens())
+    run_distributed(_layout_worker, 4, str(directory), float(hf_loss), ((2, 2, 2),))
