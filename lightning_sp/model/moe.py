@@ -13,8 +13,10 @@ replicated), dispatches them over EP, runs its ``f_e/t`` slice of the experts, c
 ``ḡ`` reduce-scatters the partial sums back to ``[s/(c·t), b, h]``. The TP ranks compute the
 same auxiliary losses from the same tokens; each back-propagates ``1/t`` of them, so the
 router's gradient (a partial sum over TP, all-reduced as a ``sequence_parallel`` weight's)
-counts them once. The shared experts stay a TP MLP on the layer's sequence shard. They enter the training loss without changing any
-signature: :func:`attach_loss` adds their gradient to the layer output's backward (Megatron's
+counts them once. The shared experts stay a TP MLP on the layer's sequence shard.
+
+The load-balancing terms enter the training loss without changing any signature:
+:func:`attach_loss` adds their gradient to the layer output's backward (Megatron's
 ``MoEAuxLossAutoScaler``), so a pipeline stage carries them with the activations; their
 detached values are kept for logging in :attr:`MoE.metrics`.
 """

@@ -69,7 +69,9 @@ def check_layout(
     return world_size // model_parallel
 
 
-def check_expert_tensor_parallel(expert_tensor_parallel_size: int, tensor_parallel_size: int) -> None:
+def check_expert_tensor_parallel(
+    expert_tensor_parallel_size: int, tensor_parallel_size: int
+) -> None:
     """Experts are whole on every TP rank (1) or split over the whole TP group (``t``): one
     line (:class:`ConfigError`) for anything else."""
     etp, t = expert_tensor_parallel_size, tensor_parallel_size

@@ -63,9 +63,7 @@ def layer_gemms(config: GPTConfig, t: int, b: int, c: int = 1, etp: int = 1) -> 
     GEMMs per local chunk (:func:`cp_key_lengths`), tagged :data:`CP_CORE`. ``etp``: the
     expert tensor parallel size (a mixture of experts' GEMMs ``f_e/t`` wide over the TP
     group's gathered tokens)."""
-    shape = config.activation_shape(
-        t, b, context_parallel_size=c, expert_tensor_parallel_size=etp
-    )
+    shape = config.activation_shape(t, b, context_parallel_size=c, expert_tensor_parallel_size=etp)
     return config.block().gemms(shape)
 
 
