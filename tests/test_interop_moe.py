@@ -180,15 +180,21 @@ def test_export_loads_as_the_same_class(saved: tuple, tmp_path: Path) -> None:
     assert float((logits - back_logits).abs().max()) <= TOLERANCE * scale
 
 
-def _layout_worker(rank: int, world_size: int, directories: list[str], hf_loss: float) -> None:
+def _layout_worker(
+    rank: int, world_size: int, directories: list[str], hf_loss: float,
+    layouts: tuple[tuple[int, int, int], ...] = ((2, 1, 1), (1, 2, 1)),
+) -> None:  # fmt: skip
     ids, labels = tokens()
-    for directory, (t, e) in itertools.product(directories, ((2, 1), (1, 2))):
-        case = f"{Path(directory).name} t={t} e={e}"
-        state = ParallelState.from_process_group(tensor_parallel_size=t, expert_parallel_size=e)
+    for directory, (t, e, etp) in itertools.product(directories, layouts):
+        case = f"{Path(directory).name} t={t} e={e} etp={etp}"
+        state = ParallelState.from_process_group(
+            tensor_parallel_size=t, expert_parallel_size=e, expert_tensor_parallel_size=etp
+        )
         config = read_hf_config(directory, seq_length=32, recompute="none", sequence_parallel=t > 1)
         model = GPT(config, state, dtype=torch.float64)
         read = load_hf_weights(model, directory)
-        assert read == unpadded_elements([model]), f"{case}: read {read} elements"
+        if etp == 1:  # under etp a rank reads its experts whole and keeps its slice
+            assert read == unpadded_elements([model]), f"{case}: read {read} elements"
         with torch.no_grad():
             loss = float(model.eval()(ids, labels))
         assert abs(loss - hf_loss) <= TOLERANCE * hf_loss, f"{case}: {loss} vs {hf_loss}"
@@ -204,3 +210,14 @@ def test_import_any_layout_equals_transformers(tmp_path: Path) -> None:
     fused = save_fused(hf, tmp_path / "mixtral_fused")
     _, hf_loss = hf_logits_and_loss(hf, *tokens())
     run_distributed(_layout_worker, 2, [str(directory), str(fused)], float(hf_loss))
+
+
+@pytest.mark.slow
+def test_import_expert_tensor_parallel_equals_transformers(tmp_path: Path) -> None:
+    """Mixtral at e = 2 x t = 2 + SP with each expert's f_e split over TP (etp = 2): each
+    rank reads its own experts and keeps its slice of them."""
+    directory = tmp_path / "mixtral"
+    hf = save_random("mixtral", directory)
+    fused = save_fused(hf, tmp_path / "mixtral_fused")
+    _, hf_loss = hf_logits_and_loss(hf, *tokens())
+    run_distributed(_layout_worker, 4, [str(directory), str(fused)], float(hf_loss), ((2, 2, 2),))

@@ -1,6 +1,7 @@
 """The MoE layer's saved bytes per rank equal its part's formula to the byte (bf16, forced
-balanced routing, saved-tensor hooks), at t = 1 and t = 2 with SP, e = 1, 2, 4: expert
-parallelism moves rows but, balanced, does not divide them."""
+balanced routing, saved-tensor hooks), at t = 1 and t = 2 with SP, e = 1, 2, 4, and with the
+experts split over TP (etp = 2) at e = 1, 2: expert parallelism moves rows but, balanced, does
+not divide them; expert tensor parallelism divides only the f_e terms."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from lightning_sp.memory.saved import SavedTensorTracker
 from lightning_sp.model.moe import MoE
 from lightning_sp.model.moe_config import MoEConfig
-from lightning_sp.model.parts.base import INSIDE
+from lightning_sp.model.parts.base import INSIDE, OUTSIDE
 from lightning_sp.model.parts.moe import MoEFeedForward
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.config import ParallelConfig
@@ -22,11 +23,15 @@ CONFIG = MoEConfig(num_experts=8, top_k=2, expert_ffn_size=32, num_shared_expert
                    aux_loss_coef=0.01, z_loss_coef=0.001, force_balanced=True)  # fmt: skip
 
 
-def _formula(t: int, e: int, sp: bool) -> float:
-    """Bytes one rank saves: the part's terms split by region, plus the aux loss's counts."""
-    shape = ActivationShape(s=S, b=B, h=H, a=4, t=t, sequence_parallel=sp)
+def _formula(t: int, e: int, sp: bool, etp: int = 1) -> float:
+    """Bytes one rank saves: the part's terms split by region (replicated: whole), plus the
+    aux loss's counts."""
+    shape = ActivationShape(s=S, b=B, h=H, a=4, t=t, sequence_parallel=sp, etp=etp)
     terms = MoEFeedForward(CONFIG, e).saved_terms(shape)
-    per_rank = sum(b / (t if (region == INSIDE or sp) else 1) for b, region in terms.values())
+    per_rank = sum(
+        b / (t if region == INSIDE or (sp and region == OUTSIDE) else 1)
+        for b, region in terms.values()
+    )
     return per_rank + 4 * CONFIG.num_experts  # fp32 counts of the load-balancing loss
 
 
@@ -45,12 +50,15 @@ def _measure(state: ParallelState, sp: bool, recompute_act: bool = False) -> int
 
 def _worker(rank: int, world_size: int) -> list[tuple[str, int, float]]:
     results = []
-    for t, e in ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2)):
-        state = ParallelState.from_process_group(tensor_parallel_size=t, expert_parallel_size=e)
+    for t, e, etp in ((1, 1, 1), (1, 2, 1), (1, 4, 1), (2, 1, 1), (2, 2, 1), (2, 1, 2), (2, 2, 2)):
+        state = ParallelState.from_process_group(
+            tensor_parallel_size=t, expert_parallel_size=e, expert_tensor_parallel_size=etp
+        )
         sp = t > 1
-        measured, expected = _measure(state, sp), _formula(t, e, sp)
-        assert measured == expected, f"t={t} e={e}: measured {measured} vs formula {expected}"
-        results.append((f"t={t} e={e}", measured, expected))
+        measured, expected = _measure(state, sp), _formula(t, e, sp, etp)
+        case = f"t={t} e={e} etp={etp}"
+        assert measured == expected, f"{case}: measured {measured} vs formula {expected}"
+        results.append((case, measured, expected))
     return results
 
 
@@ -76,8 +84,8 @@ def test_moe_saved_bytes_equal_formula_every_layout() -> None:
     run_distributed(_worker, 4)
 
 
-@pytest.mark.parametrize("t", [1, 2])
-def test_fake_measurement_of_an_moe_model_equals_its_formula(t: int) -> None:
+@pytest.mark.parametrize(("t", "etp"), [(1, 1), (2, 1), (2, 2)])
+def test_fake_measurement_of_an_moe_model_equals_its_formula(t: int, etp: int) -> None:
     """The planner's measurement (one layer of rank 0's shard under fake tensors, which route
     force-balanced: ``GPTConfig.for_measurement``) equals the layer formula plus the norms'
     statistics and the load-balancing counts (4E bytes), to the byte."""
@@ -95,10 +103,9 @@ def test_fake_measurement_of_an_moe_model_equals_its_formula(t: int) -> None:
         num_query_groups=2, feed_forward="moe", recompute="none", sequence_parallel=t > 1,
         moe=dataclasses.replace(CONFIG, num_shared_experts=0, force_balanced=False),
     )  # fmt: skip
-    measured = measure_activations(
-        config, ParallelConfig(tensor_parallel_size=t), micro_batch_size=2, layers=1
-    )
-    shape = config.activation_shape(t, 2)
+    layout = ParallelConfig(tensor_parallel_size=t, expert_tensor_parallel_size=etp)
+    measured = measure_activations(config, layout, micro_batch_size=2, layers=1)
+    shape = config.activation_shape(t, 2, expert_tensor_parallel_size=etp)
     expected = activation_bytes_per_layer(shape, "none") + layernorm_stats_bytes_per_layer(
         shape, "none"
     )
@@ -176,7 +183,8 @@ def test_step_time_prices_the_expert_all_to_alls() -> None:
 
 def test_search_tries_expert_parallel_sizes() -> None:
     """The layout search tries every e dividing both d·c and E (SP rows only at t > 1 for an
-    MoE model), with and without the distributed optimizer; a dense model only e = 1."""
+    MoE model), with and without the distributed optimizer, and etp in {1, t}; a dense model
+    only e = 1."""
     import dataclasses
 
     from lightning_sp import GPTConfig
@@ -196,6 +204,9 @@ def test_search_tries_expert_parallel_sizes() -> None:
     assert {x.expert_parallel_size for x in layouts} == {1, 2, 4}
     assert any(x.distributed_optimizer and x.expert_parallel_size == 4 for x in layouts)
     assert any(x.tensor_parallel_size == 2 for x in layouts)
+    by_t = {t: {x.expert_tensor_parallel_size for x in layouts if x.tensor_parallel_size == t}
+            for t in (1, 2)}  # fmt: skip
+    assert by_t == {1: {1}, 2: {1, 2}}  # etp in {1, t}
     dense = dataclasses.replace(base, config=dataclasses.replace(config, feed_forward="dense"))
     assert {x.expert_parallel_size for x, _ in _layouts(dense, 2)} == {1}
 
@@ -221,3 +232,48 @@ def test_estimate_shards_expert_optimizer_state_over_the_expert_data_group() -> 
     assert experts == 4 * 8 * 3 * 64 * 32 // 4
     expected = (total - experts) * (6 + 12 / 8) + experts * (6 + 12 / 2)
     assert estimate(layout, measure=False).rows[0].model_state_bytes == round(expected)
+
+
+def test_expert_tensor_parallel_size_reaches_the_estimate() -> None:
+    """``--trainer.strategy.init_args.expert_tensor_parallel_size 2`` on Mixtral's config:
+    the layout carries it; each rank holds half of every routed expert's f_e (parameters per
+    rank drop by exactly half the rank's L/p·E/e·3·h·f_e), and its model state with them; the
+    expert GEMMs are f_e/2 wide over the TP group's gathered tokens; step time adds the layer's
+    all-gather and reduce-scatter each way. 3 (neither 1 nor t = 2) is one line."""
+    from pathlib import Path
+
+    from lightning_sp import ConfigError
+    from lightning_sp.cli.estimate import read_estimate_args
+    from lightning_sp.memory.formulas import parameters_per_rank
+    from lightning_sp.planner.cluster import load_cluster
+    from lightning_sp.planner.estimate import estimate
+    from lightning_sp.planner.ops import layer_gemms
+    from lightning_sp.planner.steptime import layer_time
+
+    path = str(Path(__file__).parent.parent / "configs" / "mixtral_8x7b.yaml")
+    knob = "--trainer.strategy.init_args.expert_tensor_parallel_size"
+    base = read_estimate_args(["--config", path]).layout
+    layout = read_estimate_args(["--config", path, knob, "2"]).layout
+    assert (base.expert_tensor_parallel_size, layout.expert_tensor_parallel_size) == (1, 2)
+    cfg = layout.config
+    assert cfg.moe is not None
+    h, f_e, e = cfg.hidden_size, cfg.moe.expert_ffn_size, layout.expert_parallel_size
+    half = cfg.num_layers // 4 * (cfg.moe.num_experts // e) * 3 * h * f_e // 2
+    assert parameters_per_rank(cfg, 2, 4, e, 2) == parameters_per_rank(cfg, 2, 4, e) - half
+    before, after = (estimate(x, measure=False) for x in (base, layout))
+    assert after.parameters_per_rank == before.parameters_per_rank - half
+    drop = before.rows[0].model_state_bytes - after.rows[0].model_state_bytes
+    assert drop == 18 * half  # replicated mixed-precision Adam: 18 bytes per parameter
+    gemms = {g.name: g for g in layer_gemms(cfg, 2, 1, 1, etp=2)}
+    whole = {g.name: g for g in layer_gemms(cfg, 2, 1, 1)}
+    assert gemms["expert_gate_up"].n == whole["expert_gate_up"].n // 2 == f_e
+    assert gemms["expert_down"].k == f_e // 2
+    assert gemms["expert_gate_up"].m == 2 * whole["expert_gate_up"].m  # all s tokens, not s/t
+    cluster = load_cluster("h100-80gb")
+    one, split = layer_time(cfg, 2, 1, cluster, 1, e), layer_time(cfg, 2, 1, cluster, 1, e, 2)
+    unit = (split.forward["tp"] - one.forward["tp"]) / 2
+    assert unit > 0 and split.backward["tp"] - one.backward["tp"] == 2 * unit
+    with pytest.raises(ConfigError) as info:
+        read_estimate_args(["--config", path, knob, "3"])
+    message = str(info.value)
+    assert "\n" not in message and "expert_tensor_parallel_size=3 must be 1 or 2" in message

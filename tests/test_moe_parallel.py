@@ -1,5 +1,5 @@
-"""The MoE layer under expert, data, tensor (+SP) and context parallelism equals one float64
-process: outputs, auxiliary and z losses, dropped counts, every gradient (after
+"""The MoE layer under expert, data, tensor (+SP), expert tensor and context parallelism equals
+one float64 process: outputs, auxiliary and z losses, dropped counts, every gradient (after
 ``finalize_grads``: experts reduced over their expert-data group), the global gradient norm
 and the auxiliary-loss-free bias update.
 
@@ -7,7 +7,9 @@ Real gloo ranks; each builds the one-process reference itself and compares its o
 reference runs the ``d`` micro-batches one after another and averages the gradients (what data
 parallelism equals); a rank's micro-batch is ``dp_rank``'s, and its tokens the slice
 ``cp_rank·t + tp_rank`` of it (sequence parallel: the TP shard; CP: the MoE layer is
-token-wise, so a contiguous slice stands for the load-balanced chunks).
+token-wise, so a contiguous slice stands for the load-balanced chunks). Under expert tensor
+parallelism (``t_e = t``) the layer's input and output keep that layout; an expert weight's
+shard is its experts' ``f_e`` slice (:func:`~lightning_sp.parallel.init.local_slice`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from lightning_sp.model.moe import MoE
 from lightning_sp.model.moe_config import MoEConfig
 from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.grads import finalize_grads, global_grad_norm
+from lightning_sp.parallel.init import local_slice
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.spawn import run_distributed
 
@@ -79,20 +82,24 @@ def _reference(config: MoEConfig, d: int) -> tuple[MoE, list[tuple], list[dict],
     return moe, results, metrics, norm
 
 
-def _check_layout(t: int, c: int, e: int, names: list[str]) -> None:
+def _check_layout(t: int, c: int, e: int, t_e: int, names: list[str]) -> None:
     state = ParallelState.from_process_group(
-        tensor_parallel_size=t, context_parallel_size=c, expert_parallel_size=e
-    )
+        tensor_parallel_size=t, context_parallel_size=c, expert_parallel_size=e,
+        expert_tensor_parallel_size=t_e,
+    )  # fmt: skip
     sp = t > 1
     d = state.data_parallel_size
     shards = t * c
     index = state.context_parallel_rank * t + state.tensor_parallel_rank
     rows = slice(index * S // shards, (index + 1) * S // shards)
-    for name in names:
+    # under expert TP every case runs twice: with and without the mlp_act recompute module
+    runs = [(n, r) for n in names for r in ((False, True) if t_e > 1 else (False,))]
+    for name, recompute_act in runs:
         config = CASES[name]
-        case = f"t={t} c={c} e={e} d={d} {name}"
+        case = f"t={t} c={c} e={e} etp={t_e} d={d} {name}" + " mlp_act" * recompute_act
         ref, ref_results, ref_metrics, ref_norm = _reference(config, d)
-        moe = MoE(H, config, state, sequence_parallel=sp, dtype=torch.float64)
+        moe = MoE(H, config, state, sequence_parallel=sp, recompute_act=recompute_act,
+                  dtype=torch.float64)  # fmt: skip
         moe.reset_parameters(SEED)
         m = state.data_parallel_rank
         x, w = _micro_batch(m)
@@ -103,12 +110,11 @@ def _check_layout(t: int, c: int, e: int, names: list[str]) -> None:
             assert _rel(value, ref_metrics[m][key]) <= RTOL, f"{case}: {key}"
         finalize_grads(moe, state)
         reference = dict(ref.named_parameters())
-        local = config.num_experts // e
         for pname, param in moe.named_parameters():
             full = reference[pname].grad
             assert full is not None and param.grad is not None, f"{case}: {pname}"
-            if getattr(param, "expert", False):
-                expected = full[state.expert_parallel_rank * local :][:local]
+            if getattr(param, "expert", False):  # its experts (and their f_e slice)
+                expected = local_slice(param, full)
             else:
                 expected = param.shard.full_slice(full, param.shape)  # type: ignore[attr-defined]
             assert _rel(param.grad, expected) <= RTOL, f"{case}: grad {pname}"
@@ -121,20 +127,21 @@ def _check_layout(t: int, c: int, e: int, names: list[str]) -> None:
 
 
 LAYOUTS = {
-    2: [(1, 1, 2), (2, 1, 1), (1, 2, 2)],
-    4: [(1, 1, 4), (1, 1, 2), (2, 1, 2), (1, 2, 2), (1, 2, 4), (2, 2, 1)],
-}
-"""(t, c, e) per world size; d = world / (t·c)."""
+    2: [(1, 1, 2, 1), (2, 1, 1, 1), (1, 2, 2, 1), (2, 1, 1, 2)],
+    4: [(1, 1, 4, 1), (1, 1, 2, 1), (2, 1, 2, 1), (1, 2, 2, 1), (1, 2, 4, 1), (2, 2, 1, 1),
+        (2, 1, 2, 2)],
+}  # fmt: skip
+"""(t, c, e, expert tensor parallel size) per world size; d = world / (t·c)."""
 
 
 def _worker(rank: int, world_size: int, names: list[str]) -> None:
-    for t, c, e in LAYOUTS[world_size]:
-        _check_layout(t, c, e, names)
+    for t, c, e, t_e in LAYOUTS[world_size]:
+        _check_layout(t, c, e, t_e, names)
 
 
 def test_moe_layouts_match_single_process_quick() -> None:
-    """Two ranks, e = 2 over d = 2, t = 2 + SP, and e = 2 over c = 2: top-2 with both
-    auxiliary losses, and capacity."""
+    """Two ranks, e = 2 over d = 2, t = 2 + SP (experts whole, and split over TP), and e = 2
+    over c = 2: top-2 with both auxiliary losses, and capacity."""
     run_distributed(_worker, 2, ["top2", "capacity"])
 
 
@@ -148,18 +155,23 @@ def _gpt_config(**overrides: object) -> GPTConfig:
     """tiny Llama with an MoE feed-forward: 4 experts of width 24, top-2, both losses."""
     moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=24, aux_loss_coef=0.1,
                     z_loss_coef=0.01, router_dtype="fp64", num_shared_experts=1)  # fmt: skip
-    return tiny_config("llama", feed_forward="moe", moe=moe, recompute="none", **overrides)
+    return tiny_config("llama", feed_forward="moe", moe=moe, **{"recompute": "none", **overrides})
 
 
-def _gpt_worker(rank: int, world_size: int, layouts: list[tuple[int, int, int]]) -> None:
+GPTLayout = tuple[int, int, int, int, str]
+"""(t, c, e, expert tensor parallel size, recompute)."""
+
+
+def _gpt_worker(rank: int, world_size: int, layouts: list[GPTLayout]) -> None:
     """The whole model: loss and every gradient (after ``finalize_grads``) equal one process
     running the d data-parallel batches and averaging."""
-    for t, c, e in layouts:
+    for t, c, e, t_e, recompute in layouts:
         state = ParallelState.from_process_group(
-            tensor_parallel_size=t, context_parallel_size=c, expert_parallel_size=e
-        )
-        case = f"GPT t={t} c={c} e={e} d={state.data_parallel_size}"
-        config = _gpt_config(sequence_parallel=t > 1)
+            tensor_parallel_size=t, context_parallel_size=c, expert_parallel_size=e,
+            expert_tensor_parallel_size=t_e,
+        )  # fmt: skip
+        case = f"GPT t={t} c={c} e={e} etp={t_e} d={state.data_parallel_size} {recompute}"
+        config = _gpt_config(sequence_parallel=t > 1, recompute=recompute)
         reference = GPT(_gpt_config(), ParallelState.single(), dtype=torch.float64)
         d = state.data_parallel_size
         for layer in reference.layers:  # d micro-batches accumulated: as the main loss's / d
@@ -203,12 +215,15 @@ def _gpt_worker(rank: int, world_size: int, layouts: list[tuple[int, int, int]])
 
 
 def test_moe_gpt_layouts_match_single_process_quick() -> None:
-    run_distributed(_gpt_worker, 2, [(2, 1, 1), (1, 1, 2), (1, 2, 2)])
+    layouts = [(2, 1, 1, 1, "none"), (1, 1, 2, 1, "none"), (1, 2, 2, 1, "none")]
+    run_distributed(_gpt_worker, 2, [*layouts, (2, 1, 1, 2, "lean")])
 
 
 @pytest.mark.slow
 def test_moe_gpt_layouts_match_single_process() -> None:
-    run_distributed(_gpt_worker, 4, [(2, 1, 2), (1, 1, 4), (1, 2, 2), (2, 2, 1)])
+    layouts = [(2, 1, 2, 1, "none"), (1, 1, 4, 1, "none"), (1, 2, 2, 1, "none")]
+    etp = [(2, 1, 2, 2, "none"), (2, 1, 2, 2, "full")]
+    run_distributed(_gpt_worker, 4, [*layouts, (2, 2, 1, 1, "none"), *etp])
 
 
 def _checkpoint_worker(rank: int, world_size: int, root: str) -> None:
@@ -256,9 +271,61 @@ def _checkpoint_worker(rank: int, world_size: int, root: str) -> None:
                 Path(root) / "e1", target, [target_optimizer], meta=meta,
                 lightning_state={"global_step": 1}, rng=("rng.none", None),
             )  # fmt: skip
+    _expert_tensor_parallel_checkpoint(Path(root))
+
+
+def _expert_tensor_parallel_checkpoint(root: Path) -> None:
+    """Saved at t = 2 + SP with the experts split over TP (etp = 2) and the distributed
+    optimizer (each expert slice of ``[gate; up]`` two chunks), loaded at t = 1 (whole experts,
+    e = 2, the replicated optimizer): every weight and Adam moment equals the saving rank's
+    slice of it."""
+    from lightning_sp.checkpoint import Checkpointer, Meta
+    from lightning_sp.optim.adamw import build_adamw
+    from lightning_sp.parallel.buffer import GradBufferConfig
+    from lightning_sp.parallel.config import ParallelConfig
+
+    config = _gpt_config(sequence_parallel=True)
+    state = ParallelState.from_process_group(tensor_parallel_size=2, expert_tensor_parallel_size=2)
+    model = GPT(config, state, dtype=torch.float64)
+    optimizer = build_adamw(model, 1e-2, 0.1, (0.9, 0.95), 1e-8,
+                            GradBufferConfig(2000, overlap=False, distributed=True))  # fmt: skip
+    model(*batch(config)).backward()
+    finalize_grads(model, state, optimizer.grad_buffer)  # type: ignore[attr-defined]
+    optimizer.step()
+    layout = ParallelConfig(tensor_parallel_size=2, expert_tensor_parallel_size=2,
+                            sequence_parallel=True, distributed_optimizer=True)  # fmt: skip
+    meta = Meta(1, layout, dataclasses.asdict(config))
+    Checkpointer().save(root / "etp2", model, [optimizer], meta=meta,
+                        lightning_state={"global_step": 1}, rng=("rng.none", None))  # fmt: skip
+    whole = dataclasses.replace(config, sequence_parallel=False)
+    target = GPT(whole, ParallelState.from_process_group(expert_parallel_size=2),
+                 dtype=torch.float64)  # fmt: skip
+    target_optimizer = build_adamw(target, 1e-2, 0.1, (0.9, 0.95), 1e-8)
+    Checkpointer().load(
+        root / "etp2", target, [target_optimizer], rng_name="rng.none",
+        layout=ParallelConfig(data_parallel_size=2, expert_parallel_size=2),
+        model_config=dataclasses.asdict(whole),
+    )  # fmt: skip
+    moments = {id(s.param): s.state["exp_avg"] for s in optimizer.segments()}  # type: ignore[attr-defined]
+    experts = 0
+    for (name, p), q in zip(target.named_parameters(), model.parameters(), strict=True):
+        if not getattr(q, "expert", False):
+            continue
+        # q: this TP rank's f_e slice of all E experts; p: E/2 whole experts (EP rank's)
+        sliced, experts_held = q.expert_slice, slice(p.expert_start, p.expert_start + p.shape[0])  # type: ignore[attr-defined]
+        for got, saved in (
+            (p.detach(), q.detach()),
+            (target_optimizer.state[p]["exp_avg"], moments[id(q)].view(q.shape)),
+        ):
+            held = sliced.take(got, q.shape[sliced.dim])
+            assert torch.equal(held, saved[experts_held]), name
+            assert saved.abs().max() > 0, name
+        experts += 1
+    assert experts == 2 * config.num_layers
 
 
 def test_moe_checkpoint_reshards_between_expert_parallel_sizes(tmp_path: Path) -> None:
+    """e = 2 <-> e = 1 (2 ranks of d = 2), and etp = 2 at t = 2 -> t = 1, e = 2."""
     run_distributed(_checkpoint_worker, 2, str(tmp_path))
 
 

@@ -2,8 +2,10 @@
 parameter name and the offsets of this rank's shard inside the full tensor (the
 :class:`~lightning_sp.parallel.init.ShardSpec` that the layout-independent init already uses),
 for the weights and for the optimizer state beside them. A mixture-of-experts expert weight
-``[E/e, ...]`` is the chunk at its first expert's offset of the full ``[E, ...]``, so a
-checkpoint loads under any expert-parallel size.
+``[E/e, ...]`` is the chunk at its first expert's offset of the full ``[E, ...]``; under expert
+tensor parallelism a rank's slice of ``f_e`` is one chunk (``down``'s columns) or one per block
+(``gate_up``'s gate rows and up rows: two entries ``<key>@<offsets>``), so a checkpoint loads
+under any expert-parallel and expert-tensor-parallel size.
 
 The distributed optimizer holds, per parameter, a flat range of its shard
 (:class:`~lightning_sp.optim.distributed.Segment`); that range is saved as the few
@@ -13,6 +15,7 @@ rank ever gathers the full state and either optimizer loads the other's checkpoi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ from torch import Tensor, nn
 
 from lightning_sp.model.gpt import GPT
 from lightning_sp.optim.distributed import DistributedAdamW, Segment
+from lightning_sp.parallel.init import ExpertSlice
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,9 @@ class Shard:
     key: str | None = None
     """The checkpoint key this is a chunk of, where the entry's own name differs (one of
     several chunks of a tensor on this rank: ``<key>@<offsets>``)."""
+    within: tuple[int, ...] | None = None
+    """Where ``local`` starts inside its parameter (one of several chunks of it); ``None``:
+    at the parameter's origin."""
 
 
 def checkpoint_key(entry: str, shards: dict[str, Shard]) -> str:
@@ -52,7 +59,8 @@ def gpt_chunks(module: nn.Module) -> list[GPT]:
 def parameter_shards(module: nn.Module) -> Iterator[tuple[str, Tensor, Shard | None]]:
     """``(global name, parameter, its saved slice)`` for every parameter of ``module``'s GPT
     shards; the slice is ``None`` where this rank holds nothing of the full tensor (a shard of
-    padding rows only)."""
+    padding rows only). A parameter saved as several chunks (an expert-tensor-parallel slice
+    of ``[gate; up]``) comes once per chunk."""
     for chunk in gpt_chunks(module):
         t = chunk.state.tensor_parallel_size
         for name, param in chunk.named_parameters():
@@ -61,9 +69,7 @@ def parameter_shards(module: nn.Module) -> Iterator[tuple[str, Tensor, Shard | N
             shape = tuple(param.shape)
             expert_start = getattr(param, "expert_start", None)
             if expert_start is not None:  # E/e experts of E: rows from expert_start of dim 0
-                full_experts = (shape[0] * chunk.state.expert_parallel_size, *shape[1:])
-                first = (expert_start,) + (0,) * (len(shape) - 1)
-                yield gname, param, Shard(param.detach(), full_experts, first)
+                yield from _expert_chunks(gname, param, chunk.state.expert_parallel_size)
                 continue
             if spec.dim is None:
                 yield gname, param, Shard(param.detach(), shape)
@@ -82,12 +88,40 @@ def parameter_shards(module: nn.Module) -> Iterator[tuple[str, Tensor, Shard | N
             yield gname, param, Shard(local, tuple(full), tuple(offsets))
 
 
+def _expert_chunks(
+    gname: str, param: Tensor, expert_parallel_size: int
+) -> Iterator[tuple[str, Tensor, Shard]]:
+    """A stacked expert weight's chunks: its ``E/e`` experts from ``expert_start``, and along
+    its :class:`~lightning_sp.parallel.init.ExpertSlice` dim each block of its ``f_e`` slice."""
+    shape = tuple(param.shape)
+    sliced: ExpertSlice = getattr(param, "expert_slice", ExpertSlice(1))
+    full = list(shape)
+    full[0] *= expert_parallel_size
+    full[sliced.dim] *= sliced.size
+    for local_start, full_start, length in sliced.blocks(shape[sliced.dim]):
+        offsets, within = [0] * len(shape), [0] * len(shape)
+        offsets[0] = param.expert_start  # type: ignore[attr-defined]
+        offsets[sliced.dim], within[sliced.dim] = full_start, local_start
+        local = param.detach().narrow(sliced.dim, local_start, length)
+        yield gname, param, Shard(local, tuple(full), tuple(offsets), within=tuple(within))
+
+
 def _like(shard: Shard, tensor: Tensor) -> Shard:
     """The same slice of ``tensor`` (an optimizer state of the parameter's shape)."""
     local = tensor.detach()
+    within = shard.within or (0,) * local.dim()
     for dim, size in enumerate(shard.local.shape):
-        local = local.narrow(dim, 0, size)
+        local = local.narrow(dim, within[dim], size)
     return Shard(local, shard.global_shape, shard.offsets)
+
+
+def _entry(key: str, shard: Shard, several: bool) -> tuple[str, Shard]:
+    """The state-dict entry of a chunk: ``key`` itself, or ``<key>@<offsets>`` (and the key
+    recorded on the chunk) when the tensor is ``several`` chunks on this rank."""
+    if not several:
+        return key, shard
+    at = ",".join(map(str, shard.offsets or ()))
+    return f"{key}@{at}", dataclasses.replace(shard, key=key)
 
 
 def _optimizer_pairs(optimizer: torch.optim.Optimizer) -> list[tuple[Tensor, Tensor]]:
@@ -114,28 +148,33 @@ def state_entries(
     are allocated (returned as installs, for :func:`install_states` after the load)."""
     tensors: dict[str, Tensor] = {}
     shards: dict[str, Shard] = {}
-    by_param: dict[int, tuple[str, Shard]] = {}
+    by_param: dict[int, tuple[str, list[Shard]]] = {}
     for gname, param, shard in parameter_shards(module):
         if shard is None or (not for_load and getattr(param, "pipeline_copy", False)):
             continue
-        by_param[id(param)] = (gname, shard)
-        _add(tensors, shards, f"model.{gname}", shard)
+        by_param.setdefault(id(param), (gname, []))[1].append(shard)
+    for gname, chunks in by_param.values():
+        for shard in chunks:
+            _add(tensors, shards, *_entry(f"model.{gname}", shard, len(chunks) > 1))
     installs: list[Install] = []
     for optimizer in optimizers:
         if isinstance(optimizer, DistributedAdamW):
             for segment in optimizer.segments():
                 if id(segment.param) in by_param:
-                    gname, shard = by_param[id(segment.param)]
-                    _add_segment(tensors, shards, installs, optimizer, gname, shard, segment,
+                    gname, chunks = by_param[id(segment.param)]
+                    _add_segment(tensors, shards, installs, optimizer, gname, chunks, segment,
                                  for_load=for_load)  # fmt: skip
             continue
         for opt_param, model_param in _optimizer_pairs(optimizer):
             if id(model_param) not in by_param:
                 continue
-            gname, shard = by_param[id(model_param)]
+            gname, chunks = by_param[id(model_param)]
             state = optimizer.state.get(opt_param, {})
+            several = len(chunks) > 1
             if opt_param is not model_param:
-                _add(tensors, shards, f"optim.{gname}.master", _like(shard, opt_param))
+                for shard in chunks:
+                    like = _like(shard, opt_param)
+                    _add(tensors, shards, *_entry(f"optim.{gname}.master", like, several))
             for name in (*ADAM_FIELDS, "step"):
                 key, value = f"optim.{gname}.{name}", state.get(name)
                 if value is None and for_load:
@@ -145,8 +184,9 @@ def state_entries(
                     continue
                 if name == "step":
                     tensors[key] = value
-                else:
-                    _add(tensors, shards, key, _like(shard, value))
+                    continue
+                for shard in chunks:
+                    _add(tensors, shards, *_entry(key, _like(shard, value), several))
     return tensors, shards, installs
 
 
@@ -167,14 +207,15 @@ def _add_segment(
     installs: list[Install],
     optimizer: torch.optim.Optimizer,
     gname: str,
-    shard: Shard,
+    chunks: list[Shard],
     segment: Segment,
     *,
     for_load: bool,
 ) -> None:
     """The chunks of one distributed-optimizer segment: its master (low-precision parameters
     only: a full-precision weight is its own master) and Adam moments, cut at the saved
-    region of the parameter (``shard``: true vocabulary rows only)."""
+    regions of the parameter (``chunks``: true vocabulary rows only; each block of an
+    expert-tensor-parallel slice)."""
     state = dict(segment.state)  # the live tensors (a load writes into them)
     if for_load:
         for name in (*ADAM_FIELDS, "step"):
@@ -188,18 +229,28 @@ def _add_segment(
     if segment.param.dtype != segment.master.dtype:
         fields["master"] = segment.master
     local_shape = tuple(segment.param.shape)
-    kept = shard.local.numel()  # the saved region is a prefix of the flat shard (dim 0 cut)
-    assert kept == segment.param.numel() or shard.local.shape[1:] == segment.param.shape[1:]
-    base = shard.offsets or (0,) * len(local_shape)
     strides = _strides(local_shape)
-    for offsets, sizes in flat_range_boxes(local_shape, segment.start, min(segment.end, kept)):
+    for offsets, sizes in flat_range_boxes(local_shape, segment.start, segment.end):
         first = sum(o * s for o, s in zip(offsets, strides, strict=True))
-        at = tuple(b + o for b, o in zip(base, offsets, strict=True))
-        for name, value in fields.items():
-            piece = value[first - segment.start : first - segment.start + math.prod(sizes)]
-            key = f"optim.{gname}.{name}"
-            entry = f"{key}@{','.join(map(str, at))}"
-            _add(tensors, shards, entry, Shard(piece.view(sizes), shard.global_shape, at, key))
+        for shard in chunks:  # the box's part inside each saved region
+            within = shard.within or (0,) * len(local_shape)
+            lo = [max(o, w) for o, w in zip(offsets, within, strict=True)]
+            hi = [
+                min(o + s, w + n)
+                for o, s, w, n in zip(offsets, sizes, within, shard.local.shape, strict=True)
+            ]
+            if any(h <= low for low, h in zip(lo, hi, strict=True)):
+                continue
+            base = shard.offsets or (0,) * len(local_shape)
+            at = tuple(b + low - w for b, low, w in zip(base, lo, within, strict=True))
+            for name, value in fields.items():
+                piece = value[first - segment.start : first - segment.start + math.prod(sizes)]
+                piece = piece.view(sizes)
+                for dim, (low, h, o) in enumerate(zip(lo, hi, offsets, strict=True)):
+                    piece = piece.narrow(dim, low - o, h - low)
+                key = f"optim.{gname}.{name}"
+                entry = f"{key}@{','.join(map(str, at))}"
+                _add(tensors, shards, entry, Shard(piece, shard.global_shape, at, key))
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -192,7 +192,11 @@ def check_fit_config(config: Any, subcommand: str | None = None) -> None:
         if devices > 0:
             layout = layout.for_world_size(devices * int(trainer.num_nodes or 1))
             layout = layout.with_sequence_parallel(model_config.sequence_parallel)
-            model_config.validate(layout.tensor_parallel_size, layout.expert_parallel_size)
+            model_config.validate(
+                layout.tensor_parallel_size,
+                layout.expert_parallel_size,
+                layout.expert_tensor_parallel_size,
+            )
             layout.check_sequence_length(model_config.seq_length, model_config.sequence_parallel)
     check_optimizer(config.model.optimizer)
     ckpt_path = getattr(config, "ckpt_path", None)

@@ -64,6 +64,7 @@ from lightning_sp.interop.hf_types import (
 )
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
+from lightning_sp.parallel.init import ExpertSlice
 from lightning_sp.parallel.state import ParallelState
 
 
@@ -356,8 +357,13 @@ def load_hf_weights(model: GPT, directory: str | Path, field: str = "init_from")
 
 def _load_experts(weights: HFWeights, param: Tensor, parts: list[tuple[HFTensor, Part]]) -> int:
     """Fill this rank's experts (``expert_start`` on, ``param.shape[0]`` of them) of a
-    stacked expert weight from their per-expert tensors; returns the elements read."""
+    stacked expert weight from their per-expert tensors; returns the elements read. Under
+    expert tensor parallelism each expert is read whole and this rank's slice of it kept."""
     start: int = getattr(param, "expert_start", 0)
+    sliced: ExpertSlice = getattr(param, "expert_slice", ExpertSlice(1))
+    whole = list(param.shape[1:])  # one expert's [n, k], unsliced
+    whole[sliced.dim - 1] *= sliced.size
+    experts: dict[int, Tensor] = {}
     elements = 0
     for tensor, part in parts:
         assert part.expert is not None
@@ -365,8 +371,11 @@ def _load_experts(weights: HFWeights, param: Tensor, parts: list[tuple[HFTensor,
         if not 0 <= local < param.shape[0]:
             continue  # another EP rank's expert: not read
         block = weights.read(tensor.name, [torch.arange(n) for n in part.shape])
-        param[local, part.offset : part.offset + part.shape[0]].copy_(block)
+        full = experts.setdefault(local, param.new_zeros(whole))
+        full[part.offset : part.offset + part.shape[0]].copy_(block)
         elements += block.numel()
+    for local, full in experts.items():
+        param[local].copy_(sliced.take(full.unsqueeze(0), param.shape[sliced.dim])[0])
     return elements
 
 

@@ -162,7 +162,8 @@ def measure_activations(
     c = layout.context_parallel_size
     if not 1 <= layers <= config.num_layers:
         raise ConfigError(f"layers={layers} must be between 1 and num_layers={config.num_layers}")
-    config.validate(t)
+    etp = layout.expert_tensor_parallel_size
+    config.validate(t, 1, etp)
     config = config.for_measurement()  # balanced routing, read from no fake tensor
     if config.attention == "sdpa":
         # traced as the fused kernel: on CPU, SDPA with dropout leaves it for a math fallback
@@ -170,5 +171,7 @@ def measure_activations(
         # memory-efficient kernels draw dropout inside and store the same tensors as without)
         config = replace(config, attention_dropout=0.0)
     with fake_world(t * c * p * layout.data_parallel_size):
-        state = ParallelState.from_process_group(t, p, device="cpu", context_parallel_size=c)
+        state = ParallelState.from_process_group(
+            t, p, device="cpu", context_parallel_size=c, expert_tensor_parallel_size=etp
+        )
         return _trace(config, state, micro_batch_size, layers, head, dtype)

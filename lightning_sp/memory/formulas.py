@@ -312,6 +312,7 @@ def layer_parameter_count(
     t: int = 1,
     ffn_hidden_size: int | None = None,
     config: GPTConfig | None = None,
+    expert_tensor_parallel_size: int = 1,
 ) -> int:
     """Parameters of one transformer layer on one tensor-parallel rank: the sum over the
     layer's parts (:meth:`~lightning_sp.model.parts.block.Block.parameters`); ``config`` gives
@@ -320,11 +321,13 @@ def layer_parameter_count(
     Split by t: the attention and MLP weights (and their column-parallel biases); key/value
     heads replicated when there are fewer groups than ranks (``g' = max(g, t)``). Replicated:
     the row-parallel biases and both norms. For GPT at ``f = 4h, t = 1`` this is
-    ``12h² + 13h``.
+    ``12h² + 13h``. Routed experts count ``f_e/t`` of their width under expert tensor
+    parallelism (``expert_tensor_parallel_size = t``).
     """
     if config is None:
         config = GPTConfig(hidden_size=h, num_heads=h, ffn_hidden_size=ffn_hidden_size)
-    return config.block().parameters(config.activation_shape(t))
+    shape = config.activation_shape(t, expert_tensor_parallel_size=expert_tensor_parallel_size)
+    return config.block().parameters(shape)
 
 
 def stage_parameter_count(
@@ -333,6 +336,7 @@ def stage_parameter_count(
     pipeline_parallel_size: int = 1,
     stage: int = 0,
     expert_parallel_size: int = 1,
+    expert_tensor_parallel_size: int = 1,
 ) -> int:
     """Parameters on one rank of pipeline stage ``stage`` (tensor-parallel shards counted once).
 
@@ -340,13 +344,15 @@ def stage_parameter_count(
     padded vocabulary) and the learned positions if any (``s × h``, replicated); the last the
     output layer (its own copy of the tied embedding, or its own weight, ``v_pad/t × h``) and
     the final norm. A mixture-of-experts layer's routed experts count ``1/e`` at expert-parallel
-    size ``e``.
+    size ``e``, and ``1/t`` more under expert tensor parallelism.
     """
     t, p, e = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
+    etp = expert_tensor_parallel_size
     h = config.hidden_size
-    layer = layer_parameter_count(h, t, config=config)
+    layer = layer_parameter_count(h, t, config=config, expert_tensor_parallel_size=etp)
     if e > 1:  # a rank of an EP group holds E/e of each layer's routed experts
-        experts = config.block().expert_parameters(config.activation_shape(t))
+        shape = config.activation_shape(t, expert_tensor_parallel_size=etp)
+        experts = config.block().expert_parameters(shape)
         layer -= experts - experts // e
     count = config.num_layers // p * layer
     vocab = config.padded_vocab_size(t) // t * h
@@ -364,12 +370,15 @@ def parameters_per_rank(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     expert_parallel_size: int = 1,
+    expert_tensor_parallel_size: int = 1,
 ) -> int:
     """The most parameters any rank holds (the first stage: embedding, positions, ``L/p``
-    layers; with ``p = 1`` also the final LayerNorm); routed experts ``1/e`` of them."""
-    p, e = pipeline_parallel_size, expert_parallel_size
+    layers; with ``p = 1`` also the final LayerNorm); routed experts ``1/e`` of them (and
+    ``1/t`` of their width under expert tensor parallelism)."""
+    p, e, etp = pipeline_parallel_size, expert_parallel_size, expert_tensor_parallel_size
     return max(
-        stage_parameter_count(config, tensor_parallel_size, p, stage, e) for stage in {0, p - 1}
+        stage_parameter_count(config, tensor_parallel_size, p, stage, e, etp)
+        for stage in {0, p - 1}
     )
 
 
@@ -378,10 +387,14 @@ def expert_parameters_per_rank(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     expert_parallel_size: int = 1,
+    expert_tensor_parallel_size: int = 1,
 ) -> int:
-    """Of :func:`parameters_per_rank`, the routed experts' (``L/p`` layers' ``1/e`` of them):
-    the distributed optimizer shards their state over the ``d·c/e`` ranks holding them."""
-    shape = config.activation_shape(tensor_parallel_size)
+    """Of :func:`parameters_per_rank`, the routed experts' (``L/p`` layers' ``1/e`` of them,
+    ``f_e/t`` wide under expert tensor parallelism): the distributed optimizer shards their
+    state over the ``d·c/e`` ranks holding them."""
+    shape = config.activation_shape(
+        tensor_parallel_size, expert_tensor_parallel_size=expert_tensor_parallel_size
+    )
     experts = config.block().expert_parameters(shape) // expert_parallel_size
     return config.num_layers // pipeline_parallel_size * experts
 

@@ -207,6 +207,14 @@ class GPTConfig:
             return (1,)
         return tuple(divisors(math.gcd(data_context_ranks, self.moe.num_experts)))
 
+    def expert_tensor_parallel_sizes(self, tensor_parallel_size: int) -> tuple[int, ...]:
+        """The expert tensor parallel sizes this model can run at ``t``: 1, and ``t`` for a
+        mixture of experts at ``t > 1`` whose ``f_e`` it divides."""
+        t = tensor_parallel_size
+        if self.feed_forward != "moe" or self.moe is None or t == 1 or self.moe.expert_ffn_size % t:
+            return (1,)
+        return (1, t)
+
     def for_measurement(self) -> GPTConfig:
         """This config as the memory measurement traces it (under fake tensors, which hold no
         values): a mixture of experts routes force-balanced (``moe.force_balanced``), the
@@ -244,10 +252,12 @@ class GPTConfig:
         activation_bytes: float = 2,
         mask_bytes: float = 1,
         context_parallel_size: int = 1,
+        expert_tensor_parallel_size: int = 1,
     ) -> ActivationShape:
-        """The shape of this config's layers at tensor-parallel size ``t``, micro-batch ``b``
-        and context-parallel size ``c`` (``seq_length`` overrides the config's, for shorter
-        inputs; it is the whole sequence, of which a rank holds ``s/c`` under CP)."""
+        """The shape of this config's layers at tensor-parallel size ``t``, micro-batch ``b``,
+        context-parallel size ``c`` and expert-tensor-parallel size (``seq_length`` overrides
+        the config's, for shorter inputs; it is the whole sequence, of which a rank holds
+        ``s/c`` under CP)."""
         return ActivationShape(
             s=seq_length or self.seq_length,
             b=micro_batch_size,
@@ -267,6 +277,7 @@ class GPTConfig:
             c=context_parallel_size,
             d=self.kv_channels or 0,
             block=self.block(),
+            etp=expert_tensor_parallel_size,
         )
 
     @property
@@ -296,9 +307,15 @@ class GPTConfig:
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
         return -(-self.vocab_size // multiple) * multiple
 
-    def validate(self, tensor_parallel_size: int = 1, expert_parallel_size: int = 1) -> None:
+    def validate(
+        self,
+        tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+        expert_tensor_parallel_size: int = 1,
+    ) -> None:
         """Raise :class:`ConfigError` (one line: field, value, what is valid) on a bad config,
-        or one that ``t`` tensor-parallel (and ``e`` expert-parallel) ranks cannot share."""
+        or one that ``t`` tensor-parallel (and ``e`` expert-parallel, ``t_e``
+        expert-tensor-parallel) ranks cannot share."""
         t = tensor_parallel_size
         for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_heads"):
             positive_int(name, getattr(self, name))
@@ -327,7 +344,9 @@ class GPTConfig:
                     f"feed_forward='moe' runs SwiGLU experts; activation={self.activation!r} "
                     "must be 'swiglu'"
                 )
-            self.moe.check_layout(expert_parallel_size, t, self.sequence_parallel)
+            self.moe.check_layout(
+                expert_parallel_size, t, self.sequence_parallel, expert_tensor_parallel_size
+            )
         if not isinstance(self.bias, bool):
             unknown = [p for p in self.bias if p not in BIAS_PROJECTIONS]
             if unknown:

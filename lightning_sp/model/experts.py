@@ -2,9 +2,14 @@
 
 Weights are held as Hugging Face's fused in-memory layout, one tensor per projection:
 ``gate_up [E_local, 2f, h]`` (each expert's ``[gate; up]`` rows) and ``down [E_local, h, f]``.
-They are unsharded inside the tensor-parallel group (expert tensor parallel size 1): every TP
+With expert tensor parallel size 1 they are unsharded inside the tensor-parallel group: every TP
 rank holds the same experts and runs them on its own sequence shard's tokens, so their
-gradients are partial sums over TP (marked ``sequence_parallel``); they are marked ``expert``
+gradients are partial sums over TP (marked ``sequence_parallel``). With expert tensor parallel
+size ``t`` each TP rank holds ``f/t`` of every expert's inner dimension (``gate_up``: rows
+``[r·f/t, (r+1)·f/t)`` of the gate and of the up block, column parallel; ``down``: those
+columns, row parallel; :class:`~lightning_sp.parallel.init.ExpertSlice`), runs every token of
+the TP group and returns partial sums of the output; its gradients are complete for its slice
+(not marked ``sequence_parallel``). They are marked ``expert``
 too, so that gradient reduction takes the expert-data group instead of all of data x context
 (:func:`~lightning_sp.parallel.grads.finalize_grads`). ``expert_start`` tells the initialiser
 the global index of the first local expert, so each expert draws the same values under every
@@ -24,7 +29,7 @@ from torch import Tensor, nn
 
 from lightning_sp.model.fused import activate
 from lightning_sp.model.spec import ACTIVATIONS
-from lightning_sp.parallel.init import mark_parameter
+from lightning_sp.parallel.init import ExpertSlice, mark_parameter
 
 SWIGLU = ACTIVATIONS["swiglu"]
 
@@ -113,8 +118,9 @@ def grouped_linear(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
 
 
 class Experts(nn.Module):
-    """``E_local = E/e`` SwiGLU experts of width ``f``: rows ``[N, h]`` grouped by local expert
-    (``counts`` rows each) -> ``[N, h]``."""
+    """``E_local = E/e`` SwiGLU experts of width ``f`` (``f/t_e`` of it on this rank under
+    expert tensor parallelism of size ``t_e``, this rank ``r_e``): rows ``[N, h]`` grouped by
+    local expert (``counts`` rows each) -> ``[N, h]`` (partial sums over the ``t_e`` ranks)."""
 
     def __init__(
         self,
@@ -126,17 +132,24 @@ class Experts(nn.Module):
         tensor_parallel: bool,
         init_std: float,
         output_init_std: float,
+        expert_tensor_parallel_size: int = 1,
+        expert_tensor_parallel_rank: int = 0,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        h, f = hidden_size, ffn_size
+        t_e, r_e = expert_tensor_parallel_size, expert_tensor_parallel_rank
+        h, f = hidden_size, ffn_size // t_e
         self.gate_up = nn.Parameter(torch.empty(num_local, 2 * f, h, dtype=dtype, device=device))
         self.down = nn.Parameter(torch.empty(num_local, h, f, dtype=dtype, device=device))
-        for param, std in ((self.gate_up, init_std), (self.down, output_init_std)):
-            mark_parameter(param, std=std, sequence_parallel=tensor_parallel)
+        for param, std, sliced in (
+            (self.gate_up, init_std, ExpertSlice(1, 2, t_e, r_e)),  # [gate; up] rows
+            (self.down, output_init_std, ExpertSlice(2, 1, t_e, r_e)),  # columns
+        ):
+            mark_parameter(param, std=std, sequence_parallel=tensor_parallel and t_e == 1)
             param.expert = True  # type: ignore[attr-defined]
             param.expert_start = first_expert  # type: ignore[attr-defined]
+            param.expert_slice = sliced  # type: ignore[attr-defined]
 
     def forward(self, rows: Tensor, counts: list[int], recompute_act: bool = False) -> Tensor:
         """``recompute_act`` (the ``mlp_act`` recompute module): the down projection saves

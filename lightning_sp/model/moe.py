@@ -4,8 +4,19 @@ group, grouped SwiGLU experts, combine, optional shared experts.
 ``[s/t or s, b, h]`` in and out (the residual stream's layout; sequence parallelism is required
 for ``t > 1``, :meth:`~lightning_sp.model.moe_config.MoEConfig.check_layout`). Each rank routes
 its own ``T = s_local·b`` tokens; the load-balancing terms are the micro-batch's
-(:mod:`lightning_sp.model.router`). They enter the training loss without changing any
-signature: :func:`attach_loss` adds their gradient to the layer output's backward (Megatron's
+(:mod:`lightning_sp.model.router`).
+
+Under expert tensor parallelism (``t_e = t``, each expert's ``f_e`` split over the TP group)
+the layer is one tensor-parallel region: ``g`` gathers the TP group's sequence shards
+(``[s/(c·t), b, h] -> [s/c, b, h]``), every TP rank routes those tokens identically (router
+replicated), dispatches them over EP, runs its ``f_e/t`` slice of the experts, combines, and
+``ḡ`` reduce-scatters the partial sums back to ``[s/(c·t), b, h]``. The TP ranks compute the
+same auxiliary losses from the same tokens; each back-propagates ``1/t`` of them, so the
+router's gradient (a partial sum over TP, all-reduced as a ``sequence_parallel`` weight's)
+counts them once. The shared experts stay a TP MLP on the layer's sequence shard.
+
+The load-balancing terms enter the training loss without changing any signature:
+:func:`attach_loss` adds their gradient to the layer output's backward (Megatron's
 ``MoEAuxLossAutoScaler``), so a pipeline stage carries them with the activations; their
 detached values are kept for logging in :attr:`MoE.metrics`.
 """
@@ -22,6 +33,7 @@ from lightning_sp.model.fused import act_row_linear, activate, fused_column_line
 from lightning_sp.model.moe_config import MoEConfig
 from lightning_sp.model.router import Router
 from lightning_sp.model.spec import NormModule
+from lightning_sp.parallel.comm import g, g_bar, group_size
 from lightning_sp.parallel.dispatch import combine, dispatch
 from lightning_sp.parallel.init import initialize_parameter
 from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -107,14 +119,22 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         e, t = state.expert_parallel_size, state.tensor_parallel_size
+        t_e = state.expert_tensor_parallel_size
         self.recompute_act = recompute_act
         """The ``mlp_act`` recompute module: the experts' and shared experts' down projections
         save SwiGLU's input and replay it in backward."""
-        config.check_layout(e, t, sequence_parallel)
+        config.check_layout(e, t, sequence_parallel, t_e)
         self.config = config
-        self.group = state.micro_batch_group(sequence_parallel)
+        self.expert_tp_group = state.tp_group if t_e > 1 else None
+        """The TP group gathered around the layer under expert tensor parallelism, else
+        ``None`` (each TP rank routes its own sequence shard)."""
+        gathered = t_e > 1  # the TP ranks hold the same tokens: count them once
+        self.group = state.micro_batch_group(sequence_parallel and not gathered)
         self.ep_group = state.ep_group
-        self.reduce_groups = (state.tp_group if sequence_parallel else None, state.gradient_group)
+        self.reduce_groups = (
+            state.tp_group if sequence_parallel and not gathered else None,
+            state.gradient_group,
+        )
         kwargs: dict[str, Any] = {"dtype": dtype, "device": device}
         self.router = Router(
             hidden_size, config, sequence_parallel=sequence_parallel, init_std=init_std, **kwargs
@@ -122,7 +142,9 @@ class MoE(nn.Module):
         local = config.num_experts // e
         self.experts = Experts(
             hidden_size, config.expert_ffn_size, local, state.expert_parallel_rank * local,
-            tensor_parallel=t > 1, init_std=init_std, output_init_std=output_init_std, **kwargs,
+            tensor_parallel=t > 1, init_std=init_std, output_init_std=output_init_std,
+            expert_tensor_parallel_size=t_e,
+            expert_tensor_parallel_rank=state.tensor_parallel_rank if t_e > 1 else 0, **kwargs,
         )  # fmt: skip
         self.shared: SharedExperts | None = None
         if config.num_shared_experts:
@@ -151,7 +173,9 @@ class MoE(nn.Module):
         ``[s/t or s, b, h]`` in and out."""
         if norm is not None:
             x = norm(x)
-        s, b, h = x.shape  # [s/t or s, b, h]
+        shard = x  # [s/(c·t) or s/c, b, h]
+        x = g(x, self.expert_tp_group)  # expert TP: [s/c, b, h], else unchanged
+        s, b, h = x.shape
         tokens = x.reshape(s * b, h)  # [T, h]
         routed = self.router(tokens, self.group)
         cfg = self.config
@@ -163,8 +187,9 @@ class MoE(nn.Module):
         )  # [N_local, h], expert-major
         y = self.experts(rows, routing.counts, self.recompute_act)  # [N_local, h]
         out = combine(y, routed.weights, routing, self.ep_group).view(s, b, h)
+        out = g_bar(out, self.expert_tp_group)  # expert TP: partial sums -> [s/(c·t), b, h]
         if self.shared is not None:
-            out = out + self.shared(x, self.recompute_act)
+            out = out + self.shared(shard, self.recompute_act)
         self.metrics = {  # detached tensors: no device sync here
             "aux_loss": routed.aux_loss.detach(),
             "z_loss": routed.z_loss.detach(),
@@ -175,8 +200,9 @@ class MoE(nn.Module):
             added = _totals(routed.aux_loss, routed.z_loss, routed.dropped, routed.counts)
             self.totals = added if self.totals is None else self.totals + added
         loss = cfg.aux_loss_coef * routed.aux_loss + cfg.z_loss_coef * routed.z_loss
-        if cfg.aux_loss_coef or cfg.z_loss_coef:
-            out = attach_loss(out, loss, self.aux_loss_scale)
+        if cfg.aux_loss_coef or cfg.z_loss_coef:  # each of the t_e ranks holding it: 1/t_e
+            t_e = 1 if self.expert_tp_group is None else group_size(self.expert_tp_group)
+            out = attach_loss(out, loss, self.aux_loss_scale / t_e)
         return out
 
     def update_expert_bias(self) -> None:

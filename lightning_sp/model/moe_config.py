@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from lightning_sp.errors import ConfigError, divisors, positive_int
+from lightning_sp.parallel.state import check_expert_tensor_parallel
 
 Score = Literal["softmax", "sigmoid"]
 RouterDtype = Literal["fp32", "fp64", "input"]
@@ -123,11 +124,13 @@ class MoEConfig:
         expert_tensor_parallel_size: int = 1,
     ) -> None:
         """:class:`ConfigError` (one line) unless ``e`` divides ``E``, tensor parallelism comes
-        with sequence parallelism (each TP rank routes its own sequence shard; replicated
-        tokens would be computed t times), and the experts are unsharded inside TP (the one
-        expert-tensor-parallel size built)."""
-        e, t = expert_parallel_size, tensor_parallel_size
+        with sequence parallelism (each TP rank routes its own sequence shard, or with
+        ``t_e = t`` the TP group gathers its shards; replicated tokens would be computed t
+        times), the experts are whole (``t_e = 1``) or split over the TP group (``t_e = t``)
+        and ``t_e`` divides ``f_e``."""
+        e, t, t_e = expert_parallel_size, tensor_parallel_size, expert_tensor_parallel_size
         positive_int("expert_parallel_size", e)
+        check_expert_tensor_parallel(t_e, t)
         if self.num_experts % e:
             raise ConfigError(
                 f"moe.num_experts={self.num_experts} is not divisible by expert_parallel_size="
@@ -138,10 +141,10 @@ class MoEConfig:
                 f"a mixture-of-experts model at tensor_parallel_size={t} needs "
                 "sequence_parallel=True (each TP rank routes its own sequence shard)"
             )
-        if expert_tensor_parallel_size != 1:
+        if self.expert_ffn_size % t_e:
             raise ConfigError(
-                f"expert_tensor_parallel_size={expert_tensor_parallel_size}: only 1 (experts "
-                "unsharded, replicated over the TP group) is built"
+                f"moe.expert_ffn_size={self.expert_ffn_size} is not divisible by "
+                f"expert_tensor_parallel_size={t_e}"
             )
         if self.shared_ffn_size % t:
             raise ConfigError(

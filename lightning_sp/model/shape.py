@@ -53,6 +53,9 @@ class ActivationShape:
     whole sequence length)."""
     d: int = 0
     """Head dimension; 0 means ``h/a``."""
+    etp: int = 1
+    """Expert tensor parallel size: 1 (experts whole on every TP rank) or ``t`` (each expert's
+    ``f_e`` split over the TP group, which gathers its tokens around the MoE layer)."""
     block: object | None = field(default=None, compare=False, repr=False)
     """The layer's parts (a :class:`~lightning_sp.model.parts.block.Block`, which sits above
     this module and so is not named in the type); None: the

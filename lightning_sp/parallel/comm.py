@@ -5,7 +5,9 @@ the regions around it are sequence parallel. ``f`` and ``g`` (entering the regio
 function of their own: they are the collectives inside the column-parallel linear's autograd
 function (:class:`lightning_sp.parallel.layers.ColumnParallelLinear`; forward all-gather along
 s under SP, backward all-reduce or reduce-scatter of the input gradient), which keeps the
-gathered input out of the saved tensors and recomputes it in backward. Sequence shards live
+gathered input out of the saved tensors and recomputes it in backward. ``g`` also stands alone
+for a region whose every op wants the gathered tokens (the MoE layer under expert tensor
+parallelism). Sequence shards live
 on dimension 0 (layout ``[s, b, h]``), so gathers and scatters are contiguous and copy nothing
 extra.
 
@@ -16,6 +18,7 @@ a group of ``None`` or of one rank, and never writes into its (autograd) input.
 op                                     forward                      backward
 =====================================  ===========================  ===========================
 ``f_bar``  (leave TP region)           all-reduce                   identity
+``g``      (SP -> TP region)           all-gather along s           reduce-scatter along s
 ``g_bar``  (TP -> SP region)           reduce-scatter along s       all-gather along s
 ``scatter_to_sequence_parallel``       keep own shard of s          all-gather along s
 ``gather_from_sequence_parallel``      all-gather along s           keep own shard of s
@@ -115,6 +118,7 @@ def _identity(x: Tensor, group: Group) -> Tensor:
 
 
 _FBar = _conjugate_op("FBar", all_reduce, _identity)
+_G = _conjugate_op("G", all_gather_sequence, reduce_scatter_sequence)
 _GBar = _conjugate_op("GBar", reduce_scatter_sequence, all_gather_sequence)
 _Scatter = _conjugate_op("Scatter", split_sequence, all_gather_sequence)
 _Gather = _conjugate_op("Gather", all_gather_sequence, split_sequence)
@@ -127,6 +131,15 @@ def _apply(fn: type[torch.autograd.Function], x: Tensor, group: Group) -> Tensor
 def f_bar(x: Tensor, group: Group) -> Tensor:
     """Leave a tensor-parallel region: forward all-reduce over ``group``, backward identity."""
     return _apply(_FBar, x, group)
+
+
+def g(x: Tensor, group: Group) -> Tensor:
+    """Sequence- to tensor-parallel: forward all-gather along s, backward reduce-scatter.
+
+    ``[s/t, b, h] -> [s, b, h]``; the gradient each rank returns is a partial sum over the
+    group (the region's ranks each compute a share), summed into the shard's.
+    """
+    return _apply(_G, x, group)
 
 
 def g_bar(x: Tensor, group: Group) -> Tensor:

@@ -15,7 +15,11 @@ import math
 from dataclasses import dataclass
 
 from lightning_sp.errors import ConfigError, positive_int
-from lightning_sp.parallel.state import check_expert_layout, check_layout
+from lightning_sp.parallel.state import (
+    check_expert_layout,
+    check_expert_tensor_parallel,
+    check_layout,
+)
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,14 @@ class ParallelConfig:
     expert_parallel_size: int = 1
     """e: ranks sharing out each mixture-of-experts layer's experts (E/e each), folded into
     the d·c data x context ranks (:mod:`lightning_sp.parallel.state`): e must divide d·c and
-    the model's number of experts. Experts are unsharded inside TP (expert tensor parallel
-    size 1) and their gradients are reduced over the d·c/e ranks holding the same ones."""
+    the model's number of experts. Their gradients are reduced over the d·c/e ranks holding
+    the same ones."""
+
+    expert_tensor_parallel_size: int = 1
+    """Ranks each expert's inner dimension ``f_e`` is split over: 1 (experts whole on every
+    tensor-parallel rank, each routing its own sequence shard) or t (gate/up column parallel,
+    down row parallel over the TP group, which gathers the micro-batch shard's tokens around
+    the layer and reduce-scatters its output)."""
 
     data_parallel_size: int = 1
     """d = world size / (t·c·p): replicas of the model. The strategy's arguments leave it 1
@@ -65,6 +75,7 @@ class ParallelConfig:
                       "context_parallel_size", "expert_parallel_size", "data_parallel_size",
                       "num_microbatches"):  # fmt: skip
             positive_int(field, getattr(self, field))
+        check_expert_tensor_parallel(self.expert_tensor_parallel_size, self.tensor_parallel_size)
 
     @property
     def world_size(self) -> int:
@@ -133,9 +144,9 @@ def resolve_sequence_parallel(strategy_value: bool | None, model_value: bool) ->
     )
 
 
-def _shard_fields(config: ParallelConfig) -> tuple[int, int, int, int, int, int, bool | None]:
+def _shard_fields(config: ParallelConfig) -> tuple[int | bool | None, ...]:
     return (
         config.tensor_parallel_size, config.pipeline_parallel_size,
         config.virtual_pipeline_size, config.context_parallel_size, config.data_parallel_size,
-        config.expert_parallel_size, config.sequence_parallel,
+        config.expert_parallel_size, config.expert_tensor_parallel_size, config.sequence_parallel,
     )  # fmt: skip

@@ -175,6 +175,9 @@ def _counted_once(param: Tensor, state: ParallelState) -> bool:
     """
     if getattr(param, "pipeline_copy", False):
         return False
+    sliced = getattr(param, "expert_slice", None)
+    if sliced is not None and sliced.size > 1:  # expert TP: each TP rank's own f_e slice
+        return True
     shard = getattr(param, "shard", None)
     if shard is not None and shard.dim is not None:
         return state.tensor_parallel_rank % shard.replicas == 0
@@ -191,7 +194,8 @@ def global_grad_norm(
     reduction, so they are not summed; ``sharded_over_dp`` (the distributed optimizer's
     buffer: each of the d·c ranks holds its own shard, zeros elsewhere) sums them too.
     Expert weights differ between the ranks of an expert-parallel group: their squares are
-    summed over it as well (each expert counted once, on TP rank 0).
+    summed over it as well (each expert counted once: on TP rank 0, or under expert tensor
+    parallelism each TP rank's slice).
     """
     params = list(params)
     device = params[0].device if params else state.device

@@ -5,7 +5,9 @@ initialised in one process from the same seed, whatever the tensor- or pipeline-
 layout: each index along the sharded dimension draws from its own generator, seeded by
 ``(seed, parameter name, index)``. The experts of a mixture-of-experts layer (marked
 ``expert_start``, the global index of the first local expert) draw per expert the same way, so
-every expert-parallel size holds the same experts. A rank therefore initialises only its own
+every expert-parallel size holds the same experts; under expert tensor parallelism a rank holds
+a slice of each expert's inner dimension (:class:`ExpertSlice`) and draws the whole expert,
+keeping its slice. A rank therefore initialises only its own
 shard (no full model is ever materialised), in time proportional to the shard.
 
 Draws happen on the CPU in fp32 and are copied to the parameter's device, so a shard is the
@@ -51,12 +53,41 @@ class ShardSpec:
         return full.narrow(self.dim, self.start, max(length, 0))
 
 
+@dataclass(frozen=True)
+class ExpertSlice:
+    """How a stacked expert weight ``[E_local, n, k]`` holds a slice of each expert's inner
+    dimension under expert tensor parallelism (``size`` ranks): along ``dim`` the full tensor is
+    ``pieces`` equal blocks (SwiGLU's ``[gate; up]``: 2), each cut into ``size`` parts, and this
+    rank holds part ``rank`` of every block, in block order. ``size = 1``: the whole dim."""
+
+    dim: int
+    pieces: int = 1
+    size: int = 1
+    rank: int = 0
+
+    def blocks(self, local: int) -> list[tuple[int, int, int]]:
+        """``(local start, full start, length)`` along ``dim`` of each block this rank holds
+        (``local``: the local size along ``dim``); one block when the slice is contiguous."""
+        if self.size == 1:
+            return [(0, 0, local)]
+        n = local // self.pieces
+        return [(i * n, (i * self.size + self.rank) * n, n) for i in range(self.pieces)]
+
+    def take(self, full: Tensor, local: int) -> Tensor:
+        """This rank's slice of ``full`` (the whole tensor along ``dim``)."""
+        parts = [full.narrow(self.dim, start, n) for _, start, n in self.blocks(local)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, self.dim)
+
+
 def local_slice(param: Tensor, full: Tensor) -> Tensor:
     """The slice of ``full`` (the unsharded tensor) that this rank's ``param`` holds: its
-    experts (dim 0 from ``expert_start``, when marked) and its tensor-parallel shard."""
+    experts (dim 0 from ``expert_start``, when marked; under expert tensor parallelism their
+    :class:`ExpertSlice`) and its tensor-parallel shard."""
     expert_start = getattr(param, "expert_start", None)
     if expert_start is not None:
         full = full.narrow(0, expert_start, param.shape[0])
+        sliced: ExpertSlice | None = getattr(param, "expert_slice", None)
+        return full if sliced is None else sliced.take(full, param.shape[sliced.dim])
     shard: ShardSpec = getattr(param, "shard", ShardSpec())
     return shard.full_slice(full, param.shape)
 
@@ -121,8 +152,18 @@ def initialize_parameter(param: Tensor, name: str, seed: int) -> None:
         return torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu")
 
     expert_start = getattr(param, "expert_start", None)
+    sliced: ExpertSlice | None = getattr(param, "expert_slice", None)
     if expert_start is not None:  # one generator per expert (dim 0), whatever E/e is held
         shard = ShardSpec(dim=0, start=expert_start)
+        if sliced is not None and sliced.size > 1:  # draw whole experts, keep the slice
+            whole = list(param.shape)
+            whole[sliced.dim] *= sliced.size
+            values = torch.empty(whole, dtype=param.dtype, device="cpu")
+            for i in range(param.shape[0]):
+                generator.manual_seed(derive_seed(seed, name, expert_start + i))
+                values[i].copy_(draw(values[i].shape).mul_(std))
+            param.copy_(sliced.take(values, param.shape[sliced.dim]))
+            return
     if shard.dim is None:
         generator.manual_seed(derive_seed(seed, name))
         param.copy_(draw(param.shape).mul_(std))

@@ -69,6 +69,21 @@ def check_layout(
     return world_size // model_parallel
 
 
+def check_expert_tensor_parallel(
+    expert_tensor_parallel_size: int, tensor_parallel_size: int
+) -> None:
+    """Experts are whole on every TP rank (1) or split over the whole TP group (``t``): one
+    line (:class:`ConfigError`) for anything else."""
+    etp, t = expert_tensor_parallel_size, tensor_parallel_size
+    if etp not in (1, t) or isinstance(etp, bool):
+        valid = "1" if t == 1 else f"1 or {t}"
+        raise ConfigError(
+            f"expert_tensor_parallel_size={etp!r} must be {valid} (1: experts whole on every "
+            f"tensor-parallel rank; tensor_parallel_size={t}: each expert's f_e split over "
+            "the TP group)"
+        )
+
+
 def check_expert_layout(data_context_ranks: int, expert_parallel_size: int) -> int:
     """Validate ``e`` against the ``d·c`` data x context ranks it folds into; return the
     expert-data size ``d·c/e`` (:class:`ConfigError`, one line, unless ``e`` divides them)."""
@@ -130,8 +145,12 @@ class ParallelState:
     ep_group: dist.ProcessGroup | None = None
     """The ``e`` ranks that exchange tokens (``all_to_all``); ``None`` for ``e = 1``."""
     expert_data_group: dist.ProcessGroup | None = None
-    """The ``d·c/e`` ranks of equal (pp, tp, EP rank): they hold the same experts, and expert
-    gradients are reduced over them; ``None`` when that is one rank."""
+    """The ``d·c/e`` ranks of equal (pp, tp, EP rank): they hold the same experts (under expert
+    tensor parallelism the same slice of them), and expert gradients are reduced over them;
+    ``None`` when that is one rank."""
+    expert_tensor_parallel_size: int = 1
+    """``1``: experts whole on every TP rank; ``t``: each expert's inner dimension split over
+    the TP group (the TP rank is the slice's rank)."""
     token_groups: dict[tuple[bool, bool], dist.ProcessGroup | None] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -158,6 +177,7 @@ class ParallelState:
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
         context_parallel_size: int = 1,
         expert_parallel_size: int = 1,
+        expert_tensor_parallel_size: int = 1,
     ) -> ParallelState:
         """Build the state from the initialised default process group.
 
@@ -175,6 +195,7 @@ class ParallelState:
         dp = check_layout(world_size, t, pipeline_parallel_size, c)
         e = expert_parallel_size
         check_expert_layout(dp * c, e)
+        check_expert_tensor_parallel(expert_tensor_parallel_size, t)
         backend = dist.get_backend()
         if device is None:
             device = (
@@ -261,6 +282,7 @@ class ParallelState:
             expert_parallel_rank=(dp_rank * c + cp_rank) % e,
             ep_group=ep_group,
             expert_data_group=expert_data_group,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
             token_groups=token_groups,
             timeout=timeout,
         )

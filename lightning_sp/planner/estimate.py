@@ -77,8 +77,9 @@ def formula_activations(layout: Layout, config: GPTConfig) -> Activations:
     """The paper's bytes (Table 2 generalised, §4.5) for ``config`` laid out as ``layout``."""
     t = layout.tensor_parallel_size
     shape = config.activation_shape(
-        t, layout.micro_batch_size, context_parallel_size=layout.context_parallel_size
-    )
+        t, layout.micro_batch_size, context_parallel_size=layout.context_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
+    )  # fmt: skip
     return Activations(
         per_layer=activation_bytes_per_layer(shape, config.recompute),
         embedding=embedding_activation_bytes(shape),
@@ -177,8 +178,9 @@ def estimate(
     hardware = load_cluster(cluster)
     cfg, t = layout.config, layout.tensor_parallel_size
     p, e = layout.pipeline_parallel_size, layout.expert_parallel_size
-    n_params = parameters_per_rank(cfg, t, p, e)
-    experts = expert_parameters_per_rank(cfg, t, p, e)  # sharded over d·c/e, the rest d·c
+    etp = layout.expert_tensor_parallel_size
+    n_params = parameters_per_rank(cfg, t, p, e, etp)
+    experts = expert_parameters_per_rank(cfg, t, p, e, etp)  # sharded over d·c/e, the rest d·c
     shards, zero = optimizer_shards(layout), layout.distributed_optimizer
     state_bytes = round(
         model_state_bytes(n_params - experts, precision, shards, zero)

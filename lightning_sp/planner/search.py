@@ -37,7 +37,7 @@ MAX_MICRO_BATCH = 16
 """The largest micro-batch tried."""
 
 
-Key = tuple[int, int, int, int, int, bool, str, bool, int]
+Key = tuple[int, int, int, int, int, bool, str, bool, int, int]
 """``(t, p, m, c, b, sp, recompute, distributed_optimizer, e)`` of a searched layout."""
 
 
@@ -53,12 +53,13 @@ class Candidate:
     """Memory and predicted time."""
 
     def key(self) -> Key:
-        """``(t, p, m, c, b, sp, recompute, distributed_optimizer, e)``."""
+        """``(t, p, m, c, b, sp, recompute, distributed_optimizer, e, etp)``."""
         x = self.layout
         return (
             x.tensor_parallel_size, x.pipeline_parallel_size, x.virtual_pipeline_size,
             self.context_parallel_size, x.micro_batch_size, self.row.sequence_parallel,
             self.row.recompute, x.distributed_optimizer, x.expert_parallel_size,
+            x.expert_tensor_parallel_size,
         )  # fmt: skip
 
 
@@ -94,7 +95,7 @@ def base_key(layout: Layout) -> Key:
         layout.virtual_pipeline_size, layout.context_parallel_size, layout.micro_batch_size,
         layout.config.sequence_parallel,
         rc if rc == "auto" else policy_name(rc), layout.distributed_optimizer,
-        layout.expert_parallel_size,
+        layout.expert_parallel_size, layout.expert_tensor_parallel_size,
     )  # fmt: skip
 
 
@@ -132,9 +133,10 @@ def _layouts(base: Layout, max_micro_batch: int) -> list[tuple[Layout, int]]:
                     for m in VIRTUAL_PIPELINE_SIZES:
                         if m > 1 and (p == 1 or cfg.num_layers % (p * m) or n % p):
                             continue
-                        for zero, e in itertools.product(
+                        for zero, e, etp in itertools.product(
                             (False, True) if d * c > 1 else (False,),
                             config.expert_parallel_sizes(d * c),
+                            config.expert_tensor_parallel_sizes(t),
                         ):
                             layout = Layout(
                                 config=config, tensor_parallel_size=t,
@@ -143,7 +145,8 @@ def _layouts(base: Layout, max_micro_batch: int) -> list[tuple[Layout, int]]:
                                 micro_batch_size=b, data_parallel_size=d,
                                 context_parallel_size=c, distributed_optimizer=zero,
                                 overlap_grad_reduce=base.overlap_grad_reduce,
-                                expert_parallel_size=e, source=base.source,
+                                expert_parallel_size=e, expert_tensor_parallel_size=etp,
+                                source=base.source,
                             )  # fmt: skip
                             out.append((layout, c))
     return out
@@ -194,7 +197,8 @@ def format_search(result: SearchResult, top: int) -> str:
         f"{len(result.ranked)} fit {result.device_bytes / 1e9:.0f} GB "
         f"({result.seconds:.1f} s)",
         "",
-        f"{'rank':>4} {'t':>3} {'p':>3} {'m':>2} {'c':>2} {'d':>4} {'e':>3} {'b':>3} {'n':>5} "
+        f"{'rank':>4} {'t':>3} {'p':>3} {'m':>2} {'c':>2} {'d':>4} {'e':>3} {'etp':>3} {'b':>3} "
+        f"{'n':>5} "
         f"{'acc':>4} "
         f"{'SP':<3} "
         f"{'recompute':<9} {'dist-opt':<8} {'memory GB':>9} {'step s':>8} {'tokens/s':>10} "
@@ -208,6 +212,7 @@ def format_search(result: SearchResult, top: int) -> str:
             f"{i:>4} {lay.tensor_parallel_size:>3} {lay.pipeline_parallel_size:>3} "
             f"{lay.virtual_pipeline_size:>2} {x.context_parallel_size:>2} "
             f"{lay.data_parallel_size:>4} {lay.expert_parallel_size:>3} "
+            f"{lay.expert_tensor_parallel_size:>3} "
             f"{lay.micro_batch_size:>3} {lay.num_microbatches:>5} "
             f"{lay.accumulate_grad_batches:>4} "
             f"{'on' if row.sequence_parallel else 'off':<3} {row.recompute:<9} "

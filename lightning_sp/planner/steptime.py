@@ -138,36 +138,37 @@ class LayerTime:
         )
 
 
-_LAYER_TIMES: dict[tuple[str, int, int, Cluster, int, int], LayerTime] = {}
+_LAYER_TIMES: dict[tuple[str, int, int, Cluster, int, int, int], LayerTime] = {}
 """Memo of :func:`layer_time` by ``(repr(config without its recompute fields), t, b,
-cluster, c, e)``: a search asks for the same layer under many layouts."""
+cluster, c, e, etp)``: a search asks for the same layer under many layouts."""
 
 
 def layer_time(
-    config: GPTConfig, t: int, b: int, cluster: Cluster, c: int = 1, e: int = 1
+    config: GPTConfig, t: int, b: int, cluster: Cluster, c: int = 1, e: int = 1, etp: int = 1
 ) -> LayerTime:
     """The parts of one layer of ``config`` (its ``sequence_parallel`` and ``attention``) at
-    tensor-parallel size ``t``, micro-batch ``b``, context-parallel size ``c`` and
-    expert-parallel size ``e`` on ``cluster`` (memoised; the recompute fields do not enter
-    it)."""
+    tensor-parallel size ``t``, micro-batch ``b``, context-parallel size ``c``,
+    expert-parallel size ``e`` and expert tensor parallel size ``etp`` on ``cluster``
+    (memoised; the recompute fields do not enter it)."""
     plain = dataclasses.replace(
         config, recompute="none", recompute_num_layers=None, recompute_rest="none"
     )
-    key = (repr(plain), t, b, cluster, c, e)
+    key = (repr(plain), t, b, cluster, c, e, etp)
     if key not in _LAYER_TIMES:
         if len(_LAYER_TIMES) > 4096:
             _LAYER_TIMES.clear()
-        _LAYER_TIMES[key] = _layer_time(plain, t, b, cluster, c, e)
+        _LAYER_TIMES[key] = _layer_time(plain, t, b, cluster, c, e, etp)
     return _LAYER_TIMES[key]
 
 
 def expert_exchange_seconds(
-    config: GPTConfig, t: int, b: int, cluster: Cluster, c: int, e: int
+    config: GPTConfig, t: int, b: int, cluster: Cluster, c: int, e: int, etp: int = 1
 ) -> float:
     """One all-to-all of the rows a rank dispatches to experts, over the ``e`` ranks of its EP
     group (``(e-1)/e`` of them leave the rank, as in an all-gather of that size; NVLink when
     the ``t·e`` ranks the group spans share a node); 0 for ``e = 1`` or a dense layer."""
-    nbytes = config.block().dispatch_bytes(config.activation_shape(t, b, context_parallel_size=c))
+    shape = config.activation_shape(t, b, context_parallel_size=c, expert_tensor_parallel_size=etp)
+    nbytes = config.block().dispatch_bytes(shape)
     if e == 1 or not nbytes:
         return 0.0
     return gather_seconds(cluster, nbytes, e, cluster.within_node(t * e))
@@ -212,10 +213,10 @@ def _core_seconds(
 
 
 def _layer_time(
-    config: GPTConfig, t: int, b: int, cluster: Cluster, c: int, e: int = 1
+    config: GPTConfig, t: int, b: int, cluster: Cluster, c: int, e: int = 1, etp: int = 1
 ) -> LayerTime:
     sp = config.sequence_parallel
-    gemms = {g.name: g for g in layer_gemms(config, t, b, c)}
+    gemms = {g.name: g for g in layer_gemms(config, t, b, c, etp)}
     grads = {name: backward_gemms(g) for name, g in gemms.items()}
     secs = {name: gemm_seconds(cluster, g) for name, g in gemms.items()}
     dgrad = {name: gemm_seconds(cluster, d) for name, (d, _) in grads.items()}
@@ -234,7 +235,7 @@ def _layer_time(
         cluster.within_node(t),
     )
     exchange = cp_exchange_seconds(config, t, b, cluster, c) if c > 1 else 0.0
-    experts = expert_exchange_seconds(config, t, b, cluster, c, e)
+    experts = expert_exchange_seconds(config, t, b, cluster, c, e, etp)
     # the input linears of attention and of the MLP (fc1, or SwiGLU's gate and up run as one)
     inputs = config.block().input_gemms()
     in_dgrad = [sum(dgrad[n] for n in names) for names in inputs]
@@ -248,6 +249,10 @@ def _layer_time(
     else:  # all-reduce after projection/fc2; backward's before qkv/fc1 overlap wgrad
         tp_fwd = 4 * unit
         tp_bwd = sum(max(0.0, 2 * unit - wg) for wg in in_wgrad)
+    shape = config.activation_shape(t, b, context_parallel_size=c, expert_tensor_parallel_size=etp)
+    exchanges = config.block().sequence_exchanges(shape)  # e.g. expert TP's gather / scatter
+    tp_fwd += exchanges * unit
+    tp_bwd += exchanges * unit
     forward = {
         "gemm": sum(secs[n] for n in dense),
         "attention": attn_fwd,
@@ -352,7 +357,9 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
     n, b, d = layout.microbatches_per_step, layout.micro_batch_size, layout.data_parallel_size
     c = layout.context_parallel_size
     sp, s, h = cfg.sequence_parallel, cfg.seq_length // c, cfg.hidden_size  # s: this rank's
-    layer = layer_time(cfg, t, b, cluster, c, layout.expert_parallel_size)
+    layer = layer_time(
+        cfg, t, b, cluster, c, layout.expert_parallel_size, layout.expert_tensor_parallel_size
+    )
     chunk = layout.layers_per_chunk
     policies = Counter(cfg.layer_recompute(i) for i in range(chunk))
     per_chunk = sum(k * layer.seconds(policy, cfg.attention) for policy, k in policies.items())

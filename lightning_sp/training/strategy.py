@@ -86,6 +86,8 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         expert_parallel_size: Ranks sharing out each mixture-of-experts layer's experts (e),
             folded into the data x context ranks (e divides d·c and the number of experts);
             tokens reach their experts by all-to-all.
+        expert_tensor_parallel_size: 1 (experts whole on every TP rank) or t (each expert's
+            f_e split over the TP group, gate/up column and down row parallel).
         sequence_parallel: Shard LayerNorm/dropout activations along the sequence over the
             tensor-parallel group (paper §4.2.2). ``None`` (default): as the module says
             (``GPTModule``: ``model.config.sequence_parallel``); a value that differs from
@@ -125,6 +127,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         pipeline_parallel_size: int = 1,
         context_parallel_size: int = 1,
         expert_parallel_size: int = 1,
+        expert_tensor_parallel_size: int = 1,
         sequence_parallel: bool | None = None,
         num_microbatches: int = 1,
         virtual_pipeline_size: int = 1,
@@ -151,6 +154,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
             pipeline_parallel_size=pipeline_parallel_size,
             context_parallel_size=context_parallel_size,
             expert_parallel_size=expert_parallel_size,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
             sequence_parallel=sequence_parallel,
             num_microbatches=num_microbatches,
             virtual_pipeline_size=virtual_pipeline_size,
@@ -220,6 +224,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
             timeout=self.timeout,
             context_parallel_size=config.context_parallel_size,
             expert_parallel_size=config.expert_parallel_size,
+            expert_tensor_parallel_size=config.expert_tensor_parallel_size,
         )
         if receiver is not None:
             receiver.setup_parallel(state, config)

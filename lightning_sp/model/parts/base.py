@@ -240,6 +240,12 @@ class Part(ABC):
         brings as many back; backward repeats both); 0 for most parts."""
         return 0.0
 
+    def sequence_exchanges(self, x: ActivationShape) -> int:
+        """Collectives of one ``[s/c, b, h]`` tensor over the TP group (all-gathers and
+        reduce-scatters) it runs in forward besides its input GEMMs' (backward runs as many):
+        an MoE layer gathering its tokens for expert tensor parallelism; 0 for most parts."""
+        return 0
+
     def stats_terms(self, x: ActivationShape) -> Terms:
         """Per-row statistics it saves besides :meth:`saved_terms` (a norm's mean and rstd,
         ``O(sb)``: Table 2 leaves them out), as terms; recomputing the norm drops them."""

@@ -163,6 +163,10 @@ class Block:
         """Bytes one rank sends in each of the layer's expert all-to-alls."""
         return sum(p.dispatch_bytes(x) for p in self.parts)
 
+    def sequence_exchanges(self, x: ActivationShape) -> int:
+        """The parts' own TP collectives of ``[s/c, b, h]`` per forward."""
+        return sum(p.sequence_exchanges(x) for p in self.parts)
+
 
 FeedForwardFactory = Callable[[LayerConfig], Part]
 

@@ -23,6 +23,16 @@ element (4 for fp32), 8 bytes per int64 index, ``N = k·T`` rows:
 * z-loss (``z_loss_coef > 0``): the logits ``r·TE`` and their ``logsumexp`` ``r·T``;
 * shared experts: ``2e·T·f_s`` (``[gate | up]``) and ``e·T·f_s`` (inside: divided by t).
 
+Under expert tensor parallelism (``etp = t``, SP on) the TP group gathers its tokens, so every
+TP rank routes all ``T = s·b`` (``/c``) of them: the routed terms are :data:`REPLICATED` (not
+divided by t), the experts' ``f_e`` terms (``expert_act_input``, ``expert_down_input``)
+:data:`INSIDE` (divided by t), and ``moe_input`` is the gathered router input (replicated)
+plus, with shared experts, their own input shard ``shared_input`` ``e·Th`` (outside: by t).
+Per rank, bf16, router fp32, ``T = sb/c``, ``N = kT``: ``2Th + 4TE + 4T(k+1) + 8Tk + 16N(1 +
+[e_p > 1]) + 2Nh + 6N·f_e/t + 2Nh + 2N`` (+ z-loss ``4TE + 4T``, + shared ``2Th/t + 6T·f_s/t``):
+expert tensor parallelism divides only the ``f_e`` terms, and costs the routed terms' factor t
+against ``etp = 1``, where each TP rank routes its own ``T/t``.
+
 Left out, as the norms' statistics are: the load-balancing loss's per-expert counts, ``r·E``
 bytes per layer (not per token). Measured (bf16, saved-tensor hooks, forced-balanced routing)
 these terms are exact to the byte at t = 1, 2 (SP) and e = 1, 2, 4
@@ -40,6 +50,7 @@ from lightning_sp.model.moe_config import MoEConfig
 from lightning_sp.model.parts.base import (
     INSIDE,
     OUTSIDE,
+    REPLICATED,
     BuildContext,
     Gemm,
     Part,
@@ -78,17 +89,21 @@ class MoEFeedForward(Part):
         k, n, f = cfg.top_k, cfg.top_k * x.s * x.b, cfg.expert_ffn_size
         chosen = r * t * (k + 1) if cfg.normalize_top_k or cfg.score == "sigmoid" else 0.0
         indices = 2 * INDEX * n * (2 if self.expert_parallel_size > 1 else 1)
+        # expert TP: every TP rank routes the gathered tokens, and holds f_e/t of each expert
+        routed, inner = (REPLICATED, INSIDE) if x.etp > 1 else (OUTSIDE, OUTSIDE)
         terms: Terms = {
-            "moe_input": (e * t * x.h, OUTSIDE),
-            "router_probs": (r * t * cfg.num_experts + chosen + INDEX * t * k, OUTSIDE),
-            "routed_indices": (float(indices), OUTSIDE),
-            "expert_input": (e * n * x.h, OUTSIDE),
-            "expert_act_input": (2 * e * n * f, OUTSIDE),
-            "expert_down_input": (e * n * f, OUTSIDE),
-            "combine": (e * n * x.h + e * n, OUTSIDE),
+            "moe_input": (e * t * x.h, routed),
+            "router_probs": (r * t * cfg.num_experts + chosen + INDEX * t * k, routed),
+            "routed_indices": (float(indices), routed),
+            "expert_input": (e * n * x.h, routed),
+            "expert_act_input": (2 * e * n * f, inner),
+            "expert_down_input": (e * n * f, inner),
+            "combine": (e * n * x.h + e * n, routed),
         }
         if cfg.z_loss_coef:
-            terms["router_z_loss"] = (r * t * cfg.num_experts + r * t, OUTSIDE)
+            terms["router_z_loss"] = (r * t * cfg.num_experts + r * t, routed)
+        if cfg.num_shared_experts and x.etp > 1:  # their input: the layer's sequence shard
+            terms["shared_input"] = (e * t * x.h, OUTSIDE)
         if cfg.num_shared_experts:
             terms["shared_act_input"] = (2 * e * t * cfg.shared_ffn_size, INSIDE)
             terms["shared_down_input"] = (e * t * cfg.shared_ffn_size, INSIDE)
@@ -96,10 +111,13 @@ class MoEFeedForward(Part):
 
     def gemms(self, x: ActivationShape) -> list[Gemm]:
         """Router ``T_local x h -> E``; the experts' grouped GEMMs at balance as one GEMM each
-        over ``k·T_local`` rows; the shared experts' TP-split GEMMs over the gathered tokens."""
+        over ``k·T_local`` rows (under expert tensor parallelism ``T_local`` is the gathered
+        ``T`` and the width ``f_e/t``); the shared experts' TP-split GEMMs over the gathered
+        tokens."""
         cfg, h = self.config, x.h
-        mine = tokens(x) // (x.t if x.sequence_parallel else 1)  # tokens this rank routes
-        rows, f = cfg.top_k * mine, cfg.expert_ffn_size
+        split = x.sequence_parallel and x.etp == 1  # each TP rank routes its own shard
+        mine = tokens(x) // (x.t if split else 1)  # tokens this rank routes
+        rows, f = cfg.top_k * mine, cfg.expert_ffn_size // x.etp
         gemms = [
             Gemm("router", mine, cfg.num_experts, h),
             Gemm("expert_gate_up", rows, 2 * f, h),
@@ -125,18 +143,26 @@ class MoEFeedForward(Part):
         return 3 * h * cfg.shared_ffn_size, cfg.num_experts * h + self.expert_parameters(x)
 
     def expert_parameters(self, x: ActivationShape) -> int:
-        """Parameters of all ``E`` routed experts (``3·h·f_e`` each)."""
-        return self.config.num_experts * 3 * x.h * self.config.expert_ffn_size
+        """Parameters of all ``E`` routed experts on one TP rank (``3·h·f_e`` each, ``/t``
+        under expert tensor parallelism)."""
+        return self.config.num_experts * 3 * x.h * self.config.expert_ffn_size // x.etp
 
     def active_expert_parameters(self, x: ActivationShape) -> int:
         """The ``k`` routed experts one token uses (``3·h·f_e`` each)."""
         return self.config.top_k * 3 * x.h * self.config.expert_ffn_size
 
     def dispatch_bytes(self, x: ActivationShape) -> float:
-        """The ``k`` rows of each of the rank's ``s·b/c`` tokens (``/t`` under SP), ``e·h``
-        bytes each: what a dispatch sends, the share for other EP ranks being ``(e-1)/e``."""
-        mine = tokens(x) / (x.t if x.sequence_parallel else 1)
+        """The ``k`` rows of each of the rank's ``s·b/c`` tokens (``/t`` under SP, unless the
+        TP group gathers them for expert tensor parallelism), ``e·h`` bytes each: what a
+        dispatch sends, the share for other EP ranks being ``(e-1)/e``."""
+        split = x.sequence_parallel and x.etp == 1
+        mine = tokens(x) / (x.t if split else 1)
         return x.activation_bytes * self.config.top_k * mine * x.h
+
+    def sequence_exchanges(self, x: ActivationShape) -> int:
+        """Under expert tensor parallelism: the all-gather of the layer's tokens and the
+        reduce-scatter of its output (2); else 0 (each TP rank routes its own shard)."""
+        return 2 if x.etp > 1 else 0
 
     def forward_flops(self, x: ActivationShape) -> float:
         """Active matmul FLOPs: router ``2·T·h·E``, ``k`` SwiGLU experts ``6·T·h·f_e`` each,
