@@ -338,12 +338,16 @@ def load_hf_weights(model: GPT, directory: str | Path, field: str = "init_from")
             tensor, part = parts[global_name]
             spec = param.shard  # type: ignore[attr-defined]
             first_expert = getattr(param, "expert_start", None)  # a fused expert tensor
+            sliced: ExpertSlice | None = getattr(param, "expert_slice", None)
             index = []  # per dim of ours: the rows of the HF tensor this shard holds
             for dim, size in enumerate(param.shape):
                 start = spec.start if spec.dim == dim else 0
                 if dim == 0 and first_expert is not None:  # this EP rank's E/e experts
                     start = first_expert
-                rows = torch.arange(start, max(start, min(start + size, part.shape[dim])))
+                if sliced is not None and dim == sliced.dim:  # expert TP: this rank's blocks
+                    rows = torch.cat([torch.arange(s, s + n) for _, s, n in sliced.blocks(size)])
+                else:
+                    rows = torch.arange(start, max(start, min(start + size, part.shape[dim])))
                 index.append(rows + part.offset if dim == 0 else rows)
             param.zero_()
             if any(len(rows) == 0 for rows in index):  # a shard of padding only
