@@ -257,3 +257,38 @@ def test_unsupported_families_and_options_fail_with_one_line(tmp_path: Path) -> 
         check_hf_directory(qwen, read_hf_config(qwen, seq_length=32))
     assert "sets use_sliding_window=True; this GPT computes use_sliding_window=False" in \
         _one_line(error)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model_type", "fields"),
+    [
+        ("gpt2", {}),
+        ("llama", {"bias": True}),  # attention_bias and mlp_bias
+        ("llama", {"bias": ["qkv", "proj"], "tie_embeddings": True}),
+        ("mistral", {"kv_channels": 12}),
+        ("qwen2", {}),
+        ("qwen3", {}),
+        ("olmo2", {}),
+    ],
+    ids=["gpt2", "llama_biases", "llama_tied", "mistral", "qwen2", "qwen3", "olmo2"],
+)
+def test_parts_name_every_tensor_of_the_family(model_type: str, fields: dict) -> None:
+    """The tensors our parts name for a config (each part's rows in the family's naming
+    scheme, plus the model's own) are exactly those transformers builds from the config.json
+    we write for it: no missing tensor, none named that the family lacks (biases as chosen,
+    Qwen3's and OLMo 2's query/key norms, OLMo 2's post-norms)."""
+    from lightning_sp.interop.hf import hf_layout
+    from lightning_sp.interop.hf_types import HF_MODEL_TYPES
+    from lightning_sp.model.config import GPTConfig
+
+    family = HF_MODEL_TYPES[model_type]
+    groups = {} if model_type == "gpt2" else {"num_query_groups": GROUPS}
+    config = GPTConfig.of(family.architecture, vocab_size=100, hidden_size=32, num_layers=2,
+                          num_heads=4, seq_length=16, hf_model_type=model_type,
+                          **groups, **fields)  # fmt: skip
+    hf = transformers.AutoConfig.for_model(**family.config_json(config, eos_token_id=0))
+    with torch.device("meta"):
+        theirs = set(transformers.AutoModelForCausalLM.from_config(hf).state_dict())
+    if config.tie_embeddings:
+        theirs.discard("lm_head.weight")  # the embedding's; save_pretrained writes it once
+    assert set(hf_layout(family, config)) == theirs

@@ -5,7 +5,8 @@ and a layout-free stream of our parameters to a directory ``AutoModelForCausalLM
 
 The Hugging Face tensors of a config (:func:`hf_layout`) come from the model itself: a
 :class:`GPT` built on the ``meta`` device names our parameters and their full shapes (what
-its descriptors build), the model type's weight table names the tensor holding each; four
+its descriptors build), the parts of its layer name the tensor holding each in the model
+type's naming scheme (:meth:`~lightning_sp.interop.hf_tables.HFModelType.weights`); four
 things differ between the two:
 
 * a tensor may hold several of ours, concatenated along our dim 0 (GPT-2's ``c_attn``: query,
@@ -53,15 +54,10 @@ from lightning_sp.interop.hf_config import (
     config_fields,
     read_config_json,
 )
-from lightning_sp.interop.hf_types import (
-    ExpertWeightMap,
-    HFModelType,
-    WeightMap,
-    hf_model_type,
-    model_type_for,
-)
+from lightning_sp.interop.hf_types import HFModelType, hf_model_type, model_type_for
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
+from lightning_sp.model.parts.weights import ExpertWeightMap, WeightMap
 from lightning_sp.parallel.state import ParallelState
 
 
@@ -96,29 +92,17 @@ class HFTensor:
     transpose: bool
 
 
-def _table(model_type: HFModelType) -> dict[str, WeightMap | ExpertWeightMap]:
-    return {w.ours: w for w in model_type.weights}
-
-
-def _mapping(model_type: HFModelType, global_name: str) -> tuple[WeightMap | ExpertWeightMap, str]:
+def _mapping(
+    table: dict[str, WeightMap | ExpertWeightMap], global_name: str, title: str
+) -> tuple[WeightMap | ExpertWeightMap, str]:
     """The table row of one of our global parameter names, and its layer number."""
     layer, key = "", global_name
     if global_name.startswith("layers."):
         _, layer, rest = global_name.split(".", 2)
         key = f"layers.{{i}}.{rest}"
-    table = _table(model_type)
     if key not in table:
-        raise KeyError(f"{global_name!r} has no {model_type.title} counterpart")
+        raise KeyError(f"{global_name!r} has no {title} counterpart")
     return table[key], layer
-
-
-def weight_map(model_type: HFModelType, global_name: str) -> tuple[WeightMap, str]:
-    """The :class:`WeightMap` of one of our global parameter names and its tensor's name
-    (not for stacked experts, which several tensors hold: :func:`hf_layout`)."""
-    mapping, layer = _mapping(model_type, global_name)
-    if isinstance(mapping, ExpertWeightMap):
-        raise KeyError(f"{global_name!r} is held by one {model_type.title} tensor per expert")
-    return mapping, mapping.hf.format(i=layer)
 
 
 def _full_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -140,8 +124,9 @@ def hf_layout(model_type: HFModelType, config: GPTConfig) -> dict[str, HFTensor]
     grouped: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     transposed: dict[str, bool] = {}
     layout = {}
+    table = {w.ours: w for w in model_type.weights(config)}
     for name, shape in _full_shapes(config).items():
-        mapping, layer = _mapping(model_type, name)
+        mapping, layer = _mapping(table, name, model_type.title)
         if isinstance(mapping, ExpertWeightMap):  # [E, n, k]: per expert, n split in pieces
             rows = shape[1] // len(mapping.hf)
             for expert, (j, piece) in itertools.product(range(shape[0]), enumerate(mapping.hf)):

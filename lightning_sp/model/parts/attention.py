@@ -22,7 +22,19 @@ from lightning_sp.model.parts.base import (
     Terms,
     tokens,
 )
+from lightning_sp.model.parts.weights import HFNames, Weight, WeightMap, convention, join, linear
 from lightning_sp.model.shape import ActivationShape
+
+HF_ATTENTION: dict[str, dict[str, str]] = {
+    "gpt2": {"query": "attn.c_attn", "key": "attn.c_attn", "value": "attn.c_attn",
+             "proj": "attn.c_proj"},
+    "llama": {"query": "self_attn.q_proj", "key": "self_attn.k_proj",
+              "value": "self_attn.v_proj", "proj": "self_attn.o_proj",
+              "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
+}  # fmt: skip
+"""The attention's Hugging Face modules under a layer: convention -> our module (``query``,
+``key``, ``value``, ``proj``, the query/key norms' ``q_norm``, ``k_norm``) -> theirs. GPT-2's
+``c_attn`` holds query, key and value, concatenated in that order."""
 
 CP_CORE = "cp_core"
 """The tag of the CP attention core's kernels (replayed by the core itself, not a module)."""
@@ -179,6 +191,18 @@ class SelfAttention(Part):
         elif self.qk_norm == "projection":
             split += (a + kv) * d
         return split, replicated
+
+    def weights(self, names: HFNames) -> tuple[Weight, ...]:
+        """Q, K, V (biases with ``bias_qkv``), the output projection (``bias_proj``) and the
+        query/key norms' weights (``qk_norm.q_norm``, ``qk_norm.k_norm``) if it has them."""
+        hf = convention(HF_ATTENTION, names.attention, "attention")
+        rows: list[Weight] = []
+        for module in ("query", "key", "value"):
+            rows += linear(module, hf[module], self.bias_qkv, names)
+        rows += linear("proj", hf["proj"], self.bias_proj, names)
+        if self.qk_norm is not None:
+            rows += [WeightMap(f"qk_norm.{n}", join(hf[n], "weight")) for n in ("q_norm", "k_norm")]
+        return tuple(rows)
 
     def forward_flops(self, x: ActivationShape) -> float:
         """QKV ``2·n·h·(a + 2g)·d``, QKᵀ and probs·V ``2·n·s·a·d`` each, output projection

@@ -11,7 +11,9 @@ A part owns, in one place, everything the rest of the package asks about it:
 * :meth:`Part.gemms` and :meth:`Part.memory_ops`: its kernels on one rank, for the step-time
   model (:mod:`lightning_sp.planner.steptime`);
 * :meth:`Part.parameters`: its parameter count on one rank (split by t, and replicated);
-* :meth:`Part.forward_flops`: its forward matmul FLOPs (all ranks together).
+* :meth:`Part.forward_flops`: its forward matmul FLOPs (all ranks together);
+* :meth:`Part.weights`: its parameters' Hugging Face tensors under a family's naming scheme
+  (:mod:`lightning_sp.model.parts.weights`).
 
 Every method reads the layer's sizes from one
 :class:`~lightning_sp.model.shape.ActivationShape` (``s, b, h, a, g, d, f, t, c``, element
@@ -29,6 +31,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from lightning_sp.model.ops import RopeScaling
+from lightning_sp.model.parts.weights import HFNames, Weight
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.random import RNGStreams
 from lightning_sp.parallel.state import ParallelState
@@ -239,6 +242,12 @@ class Part(ABC):
         """Bytes of the rows one rank sends to experts in one forward all-to-all (the combine
         brings as many back; backward repeats both); 0 for most parts."""
         return 0.0
+
+    @abstractmethod
+    def weights(self, names: HFNames) -> tuple[Weight, ...]:
+        """Its parameters (names under its module) and the Hugging Face tensors holding them
+        (names under the layer prefix) in the family naming scheme ``names``: only the
+        parameters its options give it; ``KeyError`` for a convention it has no names in."""
 
     def stats_terms(self, x: ActivationShape) -> Terms:
         """Per-row statistics it saves besides :meth:`saved_terms` (a norm's mean and rstd,

@@ -34,6 +34,7 @@ from lightning_sp.model.parts.base import (
 from lightning_sp.model.parts.dense import DenseMLP
 from lightning_sp.model.parts.moe import MoEFeedForward
 from lightning_sp.model.parts.norm import Norm
+from lightning_sp.model.parts.weights import HFNames, Weight, under
 from lightning_sp.model.shape import ActivationShape
 
 PLACEMENTS = ("pre", "post")
@@ -162,6 +163,16 @@ class Block:
     def dispatch_bytes(self, x: ActivationShape) -> float:
         """Bytes one rank sends in each of the layer's expert all-to-alls."""
         return sum(p.dispatch_bytes(x) for p in self.parts)
+
+    def weights(self, names: HFNames) -> tuple[Weight, ...]:
+        """Every parameter of the layer (our names under ``layers.{i}``) and the Hugging Face
+        tensor holding it (under ``names.layer``): each part's rows under its module, the
+        norms named by their placement."""
+        rows: list[Weight] = []
+        for sub in self.sublayers:
+            rows += under(sub.norm.weights(names, sub.placement), sub.norm.name)
+            rows += under(sub.mixer.weights(names), sub.name)
+        return under(tuple(rows), "layers.{i}", names.layer)
 
 
 FeedForwardFactory = Callable[[LayerConfig], Part]

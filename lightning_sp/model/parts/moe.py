@@ -46,10 +46,39 @@ from lightning_sp.model.parts.base import (
     Terms,
     tokens,
 )
+from lightning_sp.model.parts.weights import (
+    ExpertWeightMap,
+    HFNames,
+    Weight,
+    WeightMap,
+    convention,
+    join,
+)
 from lightning_sp.model.shape import ActivationShape
 
 INDEX = 8
 """Bytes of an int64 index element."""
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """A family's names of the MoE part's tensors under a layer: the router's module, the
+    experts' module (expert ``e`` under ``<experts>.<e>``) and each expert's gate, up and down
+    projections."""
+
+    router: str
+    experts: str
+    gate: str
+    up: str
+    down: str
+
+
+HF_MOE: dict[str, ExpertNames] = {
+    "mixtral": ExpertNames("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2"),
+    "llama": ExpertNames("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
+}
+"""The MoE part's Hugging Face names by convention: Mixtral's, and the Llama-style MoE families'
+(Qwen3-MoE, OLMoE)."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +166,21 @@ class MoEFeedForward(Part):
         bytes each: what a dispatch sends, the share for other EP ranks being ``(e-1)/e``."""
         mine = tokens(x) / (x.t if x.sequence_parallel else 1)
         return x.activation_bytes * self.config.top_k * mine * x.h
+
+    def weights(self, names: HFNames) -> tuple[Weight, ...]:
+        """The router and the stacked experts: ``experts.gate_up [E, 2f_e, h]`` held per
+        expert by the gate's then the up projection's tensor, ``experts.down [E, h, f_e]`` by
+        the down projection's (the shared experts have no Hugging Face names)."""
+        hf = convention(HF_MOE, names.feed_forward, "MoE")
+        expert = join(hf.experts, "{e}")
+        return (
+            WeightMap("router.weight", join(hf.router, "weight")),
+            ExpertWeightMap(
+                "experts.gate_up",
+                (join(expert, hf.gate, "weight"), join(expert, hf.up, "weight")),
+            ),
+            ExpertWeightMap("experts.down", (join(expert, hf.down, "weight"),)),
+        )
 
     def forward_flops(self, x: ActivationShape) -> float:
         """Active matmul FLOPs: router ``2·T·h·E``, ``k`` SwiGLU experts ``6·T·h·f_e`` each,
