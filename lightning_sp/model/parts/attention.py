@@ -16,6 +16,7 @@ from lightning_sp.model.parts.base import (
     OUTSIDE,
     REPLICATED,
     BuildContext,
+    Collective,
     Gemm,
     MemoryOp,
     Part,
@@ -178,6 +179,19 @@ class SelfAttention(Part):
             return []
         n = x.s // x.c * x.b * x.head_dim * (x.a + 2 * x.kv_heads) / x.t
         return [MemoryOp("qk_norm", 4 * n, 6 * n)]
+
+    def collectives(self, x: ActivationShape) -> list[Collective]:
+        """The query/key norm over the whole projection (``projection``) at ``t > 1``: its
+        statistics span the TP-sharded projection, so each rank's sums are all-reduced over
+        TP, one per token for the queries and one for the keys, in forward (the sum of
+        squares) and in backward (the gradient's inner product): 2 + 2 all-reduces of
+        ``w·s·b/c`` bytes (``w`` = 4, fp32; 8 for a float64 model). None per head (each rank
+        normalises whole heads)."""
+        if self.qk_norm != "projection" or x.t == 1:
+            return []
+        width = 8 if x.activation_bytes >= 8 else 4
+        nbytes = float(width * (x.s // x.c) * x.b)
+        return [Collective("qk_norm_stats", nbytes, forward=2, backward=2)]
 
     def parameters(self, x: ActivationShape) -> tuple[int, int]:
         """Q ``a·d·h``, K and V ``g'·d·h`` each, the projection ``a·d·h``, biases as chosen;

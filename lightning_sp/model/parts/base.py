@@ -8,8 +8,9 @@ A part owns, in one place, everything the rest of the package asks about it:
   layer before any split, region)``; the region says how a rank's share divides
   (:data:`INSIDE`: by t; :data:`OUTSIDE`: by t under sequence parallelism only); the names
   are what the recompute modules drop (:data:`lightning_sp.model.recompute.RECOMPUTE_MODULES`);
-* :meth:`Part.gemms` and :meth:`Part.memory_ops`: its kernels on one rank, for the step-time
-  model (:mod:`lightning_sp.planner.steptime`);
+* :meth:`Part.gemms` and :meth:`Part.memory_ops`: its kernels on one rank, and
+  :meth:`Part.collectives`: the collectives its module runs besides the layer's tensor-parallel
+  ones, for the step-time model (:mod:`lightning_sp.planner.steptime`);
 * :meth:`Part.parameters`: its parameter count on one rank (split by t, and replicated);
 * :meth:`Part.forward_flops`: its forward matmul FLOPs (all ranks together);
 * :meth:`Part.weights`: its parameters' Hugging Face tensors under a family's naming scheme
@@ -157,6 +158,19 @@ class MemoryOp:
 
 
 @dataclass(frozen=True)
+class Collective:
+    """An all-reduce over the tensor-parallel group that a part's module runs on one rank,
+    besides the layer's own TP collectives (the f / g around its linears, which the step-time
+    model places itself): ``nbytes`` per call, ``forward`` and ``backward`` calls per
+    micro-batch."""
+
+    name: str
+    nbytes: float
+    forward: int
+    backward: int
+
+
+@dataclass(frozen=True)
 class BuildContext:
     """What a part's module needs besides the config: the layout, the dropout streams, the
     recompute modules active in its layer, the shared RoPE tables and the tensor factory
@@ -217,6 +231,11 @@ class Part(ABC):
 
     def memory_ops(self, x: ActivationShape) -> list[MemoryOp]:
         """Its memory-bound kernels on one rank."""
+        return []
+
+    def collectives(self, x: ActivationShape) -> list[Collective]:
+        """The TP all-reduces its module runs on one rank besides the layer's (none for most
+        parts; none at ``x.t = 1``)."""
         return []
 
     @abstractmethod

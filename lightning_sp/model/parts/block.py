@@ -24,6 +24,7 @@ from lightning_sp.model.parts.base import (
     MASK,
     OUTSIDE,
     REPLICATED,
+    Collective,
     Gemm,
     LayerConfig,
     MemoryOp,
@@ -142,6 +143,10 @@ class Block:
                     )
                 merged[op.name] = op
         return list(merged.values())
+
+    def collectives(self, x: ActivationShape) -> list[Collective]:
+        """The TP all-reduces the parts run besides the layer's own."""
+        return [col for p in self.parts for col in p.collectives(x)]
 
     def parameters(self, x: ActivationShape) -> int:
         """Parameters on one of ``x.t`` tensor-parallel ranks."""
