@@ -51,7 +51,8 @@ _ROPE_TYPES = ("default", "llama3", "linear", "dynamic")
 
 def _rope_scaling(hf: Mapping[str, Any]) -> RopeScaling | None:
     """Our :class:`RopeScaling` of ``rope_type`` ``llama3`` (all its keys), ``linear``
-    (``factor``) or ``dynamic`` (``factor``; its length is ``max_position_embeddings``)."""
+    (``factor``) or ``dynamic`` (``factor``; its length is ``max_position_embeddings``, which
+    transformers' dynamic NTK reads, not an ``original_max_position_embeddings``)."""
     rope = _rope(hf)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
@@ -65,7 +66,7 @@ def _rope_scaling(hf: Mapping[str, Any]) -> RopeScaling | None:
         return RopeScaling(**{k: rope[k] for k in _SCALING_FIELDS if k in rope})
     if kind == "linear":
         return RopeScaling(factor=rope["factor"], rope_type="linear")
-    length = rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]
+    length = hf["max_position_embeddings"]  # transformers' length for dynamic, whatever else
     return RopeScaling(
         factor=rope["factor"], original_max_position_embeddings=length, rope_type="dynamic"
     )
@@ -77,14 +78,20 @@ def _write_rope_scaling(config: GPTConfig) -> dict[str, Any] | None:
         return None
     if scaling.rope_type == "linear":
         return {"rope_type": "linear", "factor": scaling.factor}
-    if scaling.rope_type == "dynamic":
-        return {
-            "rope_type": "dynamic",
-            "factor": scaling.factor,
-            "original_max_position_embeddings": scaling.original_max_position_embeddings,
-        }
+    if scaling.rope_type == "dynamic":  # its length is max_position_embeddings (_positions)
+        return {"rope_type": "dynamic", "factor": scaling.factor}
     fields = {k: v for k, v in dataclasses.asdict(scaling).items() if k != "rope_type"}
     return {"rope_type": "llama3", **fields}
+
+
+def _positions(config: GPTConfig) -> int:
+    """The positions the model's table must hold, ``max_position_embeddings``: ``seq_length``,
+    or under ``dynamic`` RoPE scaling its length (the base rescales beyond it: any
+    ``seq_length``, and the length is what ``max_position_embeddings`` says to transformers)."""
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.rope_type == "dynamic":
+        return scaling.original_max_position_embeddings
+    return config.seq_length
 
 
 def _bias(projections: list[str]) -> bool | list[str]:
@@ -141,7 +148,7 @@ def _fields(bias: ConfigField, fixed: Mapping[str, Any]) -> tuple[ConfigField, .
             read=lambda hf: hf.get("num_key_value_heads") or hf.get("num_attention_heads"),
         ),
         ConfigField("ffn_hidden_size", "intermediate_size", value=lambda c: c.ffn_size),
-        ConfigField("seq_length", "max_position_embeddings", at_most=True),
+        ConfigField("seq_length", "max_position_embeddings", value=_positions, at_most=True),
         ConfigField("layernorm_eps", "rms_norm_eps", default=1e-6),
         ConfigField("activation", "hidden_act", choices={"silu": "swiglu"}),
         ConfigField("normalization", default="rmsnorm"),
