@@ -13,7 +13,9 @@ perturbed) is saved locally.
 * Export: the model written back loads in ``AutoModelForCausalLM`` as that family's class
   and gives back every tensor of the original exactly.
 * Llama variants: ``attention_bias``, ``head_dim`` != h/a, RoPE scaling ``linear`` and
-  ``dynamic`` equal transformers.
+  ``dynamic`` equal transformers; ``dynamic`` also where it acts, beyond
+  ``max_position_embeddings``.
+* Names: the tensors our parts name are those transformers builds, for every dense family.
 * Generation: cached greedy decoding of Qwen3 and OLMo 2 equals transformers' greedy tokens.
 * Bad input: a family we do not read (Gemma, GPT-NeoX), a real sliding window, Qwen's
   ``use_sliding_window`` -> one ConfigError line naming it.
@@ -198,6 +200,35 @@ def test_llama_variants_equal_transformers(tmp_path: Path, overrides: dict) -> N
         assert relative(full_logits([model], model.state, ids), logits) <= TOLERANCE
 
 
+def test_dynamic_rope_above_max_position_embeddings_equals_transformers(tmp_path: Path) -> None:
+    """Dynamic NTK RoPE where it acts: a Llama whose position table is 16 read with seq_length
+    32, so the 32-token batch rescales RoPE's base from that length (transformers recomputes
+    its inverse frequencies from the current length, ``max(position_ids) + 1``, on a fresh
+    model): float64 loss and logits equal transformers'; the export writes the same
+    ``config.json`` keys back (its table length, not our seq_length)."""
+    from hf_models import SEQ, save_random_llama
+
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    table = SEQ // 2
+    reference = save_random_llama(tmp_path, max_position_embeddings=table, rope_parameters=rope)
+    config = read_hf_config(tmp_path, recompute="none", seq_length=SEQ)
+    assert config.seq_length == 2 * table and config.rope_scaling is not None
+    assert config.rope_scaling.original_max_position_embeddings == table
+    check_hf_directory(tmp_path, config)
+    model = GPT(config, ParallelState.single(), dtype=torch.float64)
+    load_hf_weights(model, tmp_path)
+    ids, labels = tokens()
+    assert ids.shape[1] == SEQ > table  # the scaled regime
+    logits, loss = hf_logits_and_loss(reference, ids, labels)
+    with torch.no_grad():
+        assert relative(model(ids, labels), loss) <= TOLERANCE
+        assert relative(full_logits([model], model.state, ids), logits) <= TOLERANCE
+    out = save_hf(config, model.state_dict().items(), tmp_path / "export")
+    written = json.loads((out / "config.json").read_text())
+    assert written["max_position_embeddings"] == table
+    assert written["rope_scaling"] == {"rope_type": "dynamic", "factor": 2.0}
+
+
 @pytest.mark.parametrize("name", ["qwen3", "olmo2"])
 def test_cached_generation_equals_transformers_greedy(saved: dict, name: str) -> None:
     """Query/key norms and post-norms under the key/value cache: our greedy decoding of the
@@ -257,3 +288,38 @@ def test_unsupported_families_and_options_fail_with_one_line(tmp_path: Path) -> 
         check_hf_directory(qwen, read_hf_config(qwen, seq_length=32))
     assert "sets use_sliding_window=True; this GPT computes use_sliding_window=False" in \
         _one_line(error)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model_type", "fields"),
+    [
+        ("gpt2", {}),
+        ("llama", {"bias": True}),  # attention_bias and mlp_bias
+        ("llama", {"bias": ["qkv", "proj"], "tie_embeddings": True}),
+        ("mistral", {"kv_channels": 12}),
+        ("qwen2", {}),
+        ("qwen3", {}),
+        ("olmo2", {}),
+    ],
+    ids=["gpt2", "llama_biases", "llama_tied", "mistral", "qwen2", "qwen3", "olmo2"],
+)
+def test_parts_name_every_tensor_of_the_family(model_type: str, fields: dict) -> None:
+    """The tensors our parts name for a config (each part's rows in the family's naming
+    scheme, plus the model's own) are exactly those transformers builds from the config.json
+    we write for it: no missing tensor, none named that the family lacks (biases as chosen,
+    Qwen3's and OLMo 2's query/key norms, OLMo 2's post-norms)."""
+    from lightning_sp.interop.hf import hf_layout
+    from lightning_sp.interop.hf_types import HF_MODEL_TYPES
+    from lightning_sp.model.config import GPTConfig
+
+    family = HF_MODEL_TYPES[model_type]
+    groups = {} if model_type == "gpt2" else {"num_query_groups": GROUPS}
+    config = GPTConfig.of(family.architecture, vocab_size=100, hidden_size=32, num_layers=2,
+                          num_heads=4, seq_length=16, hf_model_type=model_type,
+                          **groups, **fields)  # fmt: skip
+    hf = transformers.AutoConfig.for_model(**family.config_json(config, eos_token_id=0))
+    with torch.device("meta"):
+        theirs = set(transformers.AutoModelForCausalLM.from_config(hf).state_dict())
+    if config.tie_embeddings:
+        theirs.discard("lm_head.weight")  # the embedding's; save_pretrained writes it once
+    assert set(hf_layout(family, config)) == theirs

@@ -28,7 +28,7 @@ from lightning_sp.memory.flops import layer_forward_flops
 from lightning_sp.memory.formulas import layer_parameter_count, layer_saved_terms
 from lightning_sp.model.ops import RopeScaling
 from lightning_sp.model.parts import DenseMLP, Norm, SelfAttention
-from lightning_sp.planner.ops import layer_gemms
+from lightning_sp.planner.ops import layer_collectives, layer_gemms
 from lightning_sp.testing.spawn import run_distributed
 
 from models import (
@@ -136,6 +136,47 @@ def test_parts_one_process_match_float64_reference() -> None:
 )
 def test_parts_layouts_match_single_process_float64(world_size: int, layouts: list) -> None:
     run_distributed(_worker, world_size, layouts)
+
+
+def _qk_norm_reduce_worker(rank: int, world_size: int) -> list[tuple[str, int]]:
+    """One bf16 forward and backward of OLMo 2 at t = 2 + SP, every all-reduce the query/key
+    norm runs recorded (phase, bytes), the real one run."""
+    import torch.distributed as dist
+
+    from lightning_sp.model import qk_norm
+
+    calls: list[tuple[str, int]] = []
+    phase = ["forward"]
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(dist, name)
+
+        @staticmethod
+        def all_reduce(tensor: torch.Tensor, **kwargs: Any) -> Any:
+            calls.append((phase[0], tensor.numel() * tensor.element_size()))
+            return dist.all_reduce(tensor, **kwargs)
+
+    qk_norm.dist = Spy()  # type: ignore[assignment]
+    state = ParallelState.from_process_group(tensor_parallel_size=world_size)
+    model = GPT(part_config("olmo2", sequence_parallel=True), state, dtype=torch.bfloat16)
+    loss = model(*batch(model.config))
+    phase[0] = "backward"
+    loss.backward()
+    return calls
+
+
+@pytest.mark.slow  # a 2-rank spawn, 15 s on 2 busy cores
+def test_olmo2_query_key_norm_all_reduces_are_what_the_step_time_prices() -> None:
+    """The all-reduces OLMo 2's query/key norm runs at t = 2 (counted on the real gloo ranks)
+    are the part's declared collectives (:func:`layer_collectives`, which the step-time model
+    prices) on every layer: as many calls, as many bytes, in forward and in backward."""
+    config = part_config("olmo2", sequence_parallel=True)
+    [stats] = layer_collectives(config, 2, batch(config)[0].shape[0])
+    for calls in run_distributed(_qk_norm_reduce_worker, 2):
+        for phase, count in (("forward", stats.forward), ("backward", stats.backward)):
+            sizes = [n for p, n in calls if p == phase]
+            assert sizes == [stats.nbytes] * count * config.num_layers, (phase, sizes)
 
 
 def test_gpt2_and_llama_layers_are_attention_then_mlp_pre_norm() -> None:

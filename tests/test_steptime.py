@@ -39,7 +39,7 @@ from lightning_sp.planner.kernels import (
     wave_efficiency,
 )
 from lightning_sp.planner.layout import Layout
-from lightning_sp.planner.ops import Gemm, backward_gemms, layer_gemms
+from lightning_sp.planner.ops import Gemm, backward_gemms, layer_collectives, layer_gemms
 from lightning_sp.planner.steptime import layer_time, step_time
 
 from cli_runs import ROOT
@@ -130,6 +130,29 @@ def test_layer_tp_terms_by_hand() -> None:
             want = sum(max(0, 2 * unit - wgrad[n]) for n in wgrad)
         assert lt.backward["tp"] == pytest.approx(want)
     alone = layer_time(SMALL, 1, b, A100)
+    assert alone.forward["tp"] == alone.backward["tp"] == 0.0
+
+
+def test_olmo2_query_key_norm_all_reduces_priced() -> None:
+    """OLMo 2's query/key RMSNorm spans the whole projection, which TP shards: per token, each
+    rank's sum of squares of the queries and of the keys (fp32, 4 bytes each) is all-reduced
+    over TP in forward, and the gradient's two inner products again in backward: at t = 2, 2
+    + 2 all-reduces of 4·s·b bytes beside the layer's own collectives; at t = 1 none."""
+    t, b, s = 2, 2, 512
+    olmo2 = GPTConfig.of("olmo2", vocab_size=1000, seq_length=s, hidden_size=1024, num_layers=8,
+                         num_heads=16, sequence_parallel=True)  # fmt: skip
+    per_head = dataclasses.replace(olmo2, qk_norm="head")  # Qwen3's: whole heads, no reduce
+    reduce = all_reduce_seconds(A100, 4 * s * b, t, True)
+    for norm in ("projection", "head"):
+        plain = layer_time(dataclasses.replace(olmo2, qk_norm=None), t, b, A100)
+        lt = layer_time(olmo2 if norm == "projection" else per_head, t, b, A100)
+        extra = 2 * reduce if norm == "projection" else 0.0
+        assert lt.forward["tp"] - plain.forward["tp"] == pytest.approx(extra, abs=1e-15)
+        assert lt.backward["tp"] - plain.backward["tp"] == pytest.approx(extra, abs=1e-15)
+    [stats] = layer_collectives(olmo2, t, b)
+    assert (stats.nbytes, stats.forward, stats.backward) == (4 * s * b, 2, 2)
+    assert layer_collectives(olmo2, 1, b) == [] and layer_collectives(per_head, t, b) == []
+    alone = layer_time(olmo2, 1, b, A100)
     assert alone.forward["tp"] == alone.backward["tp"] == 0.0
 
 

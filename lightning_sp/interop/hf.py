@@ -5,7 +5,8 @@ and a layout-free stream of our parameters to a directory ``AutoModelForCausalLM
 
 The Hugging Face tensors of a config (:func:`hf_layout`) come from the model itself: a
 :class:`GPT` built on the ``meta`` device names our parameters and their full shapes (what
-its descriptors build), the model type's weight table names the tensor holding each; four
+its descriptors build), the parts of its layer name the tensor holding each in the model
+type's naming scheme (:meth:`~lightning_sp.interop.hf_tables.HFModelType.weights`); four
 things differ between the two:
 
 * a tensor may hold several of ours, concatenated along our dim 0 (GPT-2's ``c_attn``: query,
@@ -55,15 +56,10 @@ from lightning_sp.interop.hf_config import (
     config_fields,
     read_config_json,
 )
-from lightning_sp.interop.hf_types import (
-    ExpertWeightMap,
-    HFModelType,
-    WeightMap,
-    hf_model_type,
-    model_type_for,
-)
+from lightning_sp.interop.hf_types import HFModelType, hf_model_type, model_type_for
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
+from lightning_sp.model.parts.weights import ExpertWeightMap, WeightMap
 from lightning_sp.parallel.init import ExpertSlice
 from lightning_sp.parallel.state import ParallelState
 
@@ -99,29 +95,17 @@ class HFTensor:
     transpose: bool
 
 
-def _table(model_type: HFModelType) -> dict[str, WeightMap | ExpertWeightMap]:
-    return {w.ours: w for w in model_type.weights}
-
-
-def _mapping(model_type: HFModelType, global_name: str) -> tuple[WeightMap | ExpertWeightMap, str]:
+def _mapping(
+    table: dict[str, WeightMap | ExpertWeightMap], global_name: str, title: str
+) -> tuple[WeightMap | ExpertWeightMap, str]:
     """The table row of one of our global parameter names, and its layer number."""
     layer, key = "", global_name
     if global_name.startswith("layers."):
         _, layer, rest = global_name.split(".", 2)
         key = f"layers.{{i}}.{rest}"
-    table = _table(model_type)
     if key not in table:
-        raise KeyError(f"{global_name!r} has no {model_type.title} counterpart")
+        raise KeyError(f"{global_name!r} has no {title} counterpart")
     return table[key], layer
-
-
-def weight_map(model_type: HFModelType, global_name: str) -> tuple[WeightMap, str]:
-    """The :class:`WeightMap` of one of our global parameter names and its tensor's name
-    (not for stacked experts, which several tensors hold: :func:`hf_layout`)."""
-    mapping, layer = _mapping(model_type, global_name)
-    if isinstance(mapping, ExpertWeightMap):
-        raise KeyError(f"{global_name!r} is held by one {model_type.title} tensor per expert")
-    return mapping, mapping.hf.format(i=layer)
 
 
 def _full_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -144,12 +128,13 @@ def hf_layout(
     """Every Hugging Face tensor of the ``model_type`` model equal to ``config``, by name:
     the Hub's form (one tensor per expert), or with ``fused`` transformers' in-memory form
     (one ``[E, n, k]`` tensor per stacked weight, equal to ours, so a plain part; every name
-    as its model holds it: ``model_type.renames`` applied)."""
+    as its model holds it: the rows' ``in_memory`` names)."""
     grouped: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     transposed: dict[str, bool] = {}
     layout = {}
+    table = {w.ours: w for w in model_type.weights(config)}
     for name, shape in _full_shapes(config).items():
-        mapping, layer = _mapping(model_type, name)
+        mapping, layer = _mapping(table, name, model_type.title)
         if isinstance(mapping, ExpertWeightMap) and fused:  # [E, n, k] as ours
             hf_name = mapping.fused.format(i=layer)
             layout[hf_name] = HFTensor(hf_name, shape, (Part(name, 0, shape),), False)
@@ -161,9 +146,7 @@ def hf_layout(
                 part = Part(name, j * rows, (rows, *shape[2:]), expert)
                 layout[hf_name] = HFTensor(hf_name, part.shape, (part,), False)
             continue
-        hf_name = mapping.hf.format(i=layer)
-        for hub, in_memory in model_type.renames if fused else ():
-            hf_name = hf_name.replace(hub, in_memory)
+        hf_name = (mapping.in_memory if fused and mapping.in_memory else mapping.hf).format(i=layer)
         grouped.setdefault(hf_name, []).append((name, shape))
         transposed[hf_name] = mapping.transpose
     for hf_name, members in grouped.items():
@@ -254,14 +237,17 @@ class HFWeights:
     def fused_experts(self) -> bool:
         """Whether the files hold fused ``[E, n, k]`` expert tensors (transformers' in-memory
         names) rather than the Hub's per-expert ones (found at layer 0)."""
-        rows = [w for w in self.model_type.weights if isinstance(w, ExpertWeightMap)]
-        return any(self._key(row.fused.format(i=0)) is not None for row in rows)
+        rows = self.model_type.weights(self._config())
+        experts = [w for w in rows if isinstance(w, ExpertWeightMap)]
+        return any(self._key(row.fused.format(i=0)) is not None for row in experts)
+
+    def _config(self) -> GPTConfig:
+        return GPTConfig.of(self.model_type.architecture, **self.config_fields())
 
     def layout(self) -> dict[str, HFTensor]:
         """The tensors ``config.json`` implies (:func:`hf_layout` of its model, whose
-        ``seq_length`` is the whole position table)."""
-        config = GPTConfig.of(self.model_type.architecture, **self.config_fields())
-        return hf_layout(self.model_type, config, self.fused_experts)
+        ``seq_length`` is the whole position table), in the files' form."""
+        return hf_layout(self.model_type, self._config(), self.fused_experts)
 
     def check(self) -> None:
         """Raise :class:`ConfigError` unless every tensor ``config.json`` implies is in the

@@ -1,8 +1,9 @@
 """The Llama-style Hugging Face families, as data: Llama, Mistral, Qwen2, Qwen3 and OLMo 2.
 
 They share one ``config.json`` vocabulary (``hidden_size``, ``num_key_value_heads``,
-``rms_norm_eps``, ``rope_parameters`` ...) and one weight naming (``model.layers.N.self_attn.
-q_proj`` ...); each family is the shared table with the keys and tensors of its own parts:
+``rms_norm_eps``, ``rope_parameters`` ...) and one weight naming (:data:`NAMES`:
+``model.layers.N.self_attn.q_proj`` ...); each family is the shared table with the keys of its
+own parts:
 
 =========  ===========================================================================
 llama      biases from ``attention_bias`` (Q, K, V and O) and ``mlp_bias``; ``head_dim``
@@ -14,8 +15,8 @@ olmo2      ``attention_bias``; query/key norms over the projections (``q_norm [a
            ``post_feedforward_layernorm``), none before
 =========  ===========================================================================
 
-The weight rows come per part (:func:`_norms`, :func:`_attention`, :func:`_mlp`): a table
-names every tensor a model of the family can have; the model builds the ones its config has.
+The tensors are named by the parts themselves (``HF_NORMS``, ``HF_ATTENTION``, ``HF_MLP`` in
+``model/parts/``), from the config's layer: the tensors a model of the config has.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from typing import Any
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option
-from lightning_sp.interop.hf_tables import HFModelType, WeightMap, linear, norm
+from lightning_sp.interop.hf_tables import HFModelType
 from lightning_sp.model.config import BIAS_PROJECTIONS, GPTConfig
 from lightning_sp.model.ops import RopeScaling
+from lightning_sp.model.parts.weights import HFNames
 
 # -- config.json ----------------------------------------------------------------------------------
 
@@ -49,7 +51,8 @@ _ROPE_TYPES = ("default", "llama3", "linear", "dynamic")
 
 def _rope_scaling(hf: Mapping[str, Any]) -> RopeScaling | None:
     """Our :class:`RopeScaling` of ``rope_type`` ``llama3`` (all its keys), ``linear``
-    (``factor``) or ``dynamic`` (``factor``; its length is ``max_position_embeddings``)."""
+    (``factor``) or ``dynamic`` (``factor``; its length is ``max_position_embeddings``, which
+    transformers' dynamic NTK reads, not an ``original_max_position_embeddings``)."""
     rope = _rope(hf)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
@@ -63,7 +66,7 @@ def _rope_scaling(hf: Mapping[str, Any]) -> RopeScaling | None:
         return RopeScaling(**{k: rope[k] for k in _SCALING_FIELDS if k in rope})
     if kind == "linear":
         return RopeScaling(factor=rope["factor"], rope_type="linear")
-    length = rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]
+    length = hf["max_position_embeddings"]  # transformers' length for dynamic, whatever else
     return RopeScaling(
         factor=rope["factor"], original_max_position_embeddings=length, rope_type="dynamic"
     )
@@ -75,14 +78,20 @@ def _write_rope_scaling(config: GPTConfig) -> dict[str, Any] | None:
         return None
     if scaling.rope_type == "linear":
         return {"rope_type": "linear", "factor": scaling.factor}
-    if scaling.rope_type == "dynamic":
-        return {
-            "rope_type": "dynamic",
-            "factor": scaling.factor,
-            "original_max_position_embeddings": scaling.original_max_position_embeddings,
-        }
+    if scaling.rope_type == "dynamic":  # its length is max_position_embeddings (_positions)
+        return {"rope_type": "dynamic", "factor": scaling.factor}
     fields = {k: v for k, v in dataclasses.asdict(scaling).items() if k != "rope_type"}
     return {"rope_type": "llama3", **fields}
+
+
+def _positions(config: GPTConfig) -> int:
+    """The positions the model's table must hold, ``max_position_embeddings``: ``seq_length``,
+    or under ``dynamic`` RoPE scaling its length (the base rescales beyond it: any
+    ``seq_length``, and the length is what ``max_position_embeddings`` says to transformers)."""
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.rope_type == "dynamic":
+        return scaling.original_max_position_embeddings
+    return config.seq_length
 
 
 def _bias(projections: list[str]) -> bool | list[str]:
@@ -139,7 +148,7 @@ def _fields(bias: ConfigField, fixed: Mapping[str, Any]) -> tuple[ConfigField, .
             read=lambda hf: hf.get("num_key_value_heads") or hf.get("num_attention_heads"),
         ),
         ConfigField("ffn_hidden_size", "intermediate_size", value=lambda c: c.ffn_size),
-        ConfigField("seq_length", "max_position_embeddings", at_most=True),
+        ConfigField("seq_length", "max_position_embeddings", value=_positions, at_most=True),
         ConfigField("layernorm_eps", "rms_norm_eps", default=1e-6),
         ConfigField("activation", "hidden_act", choices={"silu": "swiglu"}),
         ConfigField("normalization", default="rmsnorm"),
@@ -164,57 +173,18 @@ def _dropout(config: GPTConfig) -> dict[str, Any]:
     return {"attention_dropout": config.attention_dropout}
 
 
-# -- weights --------------------------------------------------------------------------------------
+# -- weights ------------------------------------------------------------------------------------
 
-_LAYER = "model.layers.{i}"
-
-
-def _norms(post: bool) -> tuple[WeightMap, ...]:
-    """The two layer norms: before the sublayers (``input_layernorm``,
-    ``post_attention_layernorm``) or after them (OLMo 2: ``post_attention_layernorm``,
-    ``post_feedforward_layernorm``)."""
-    names = ("post_attention_layernorm", "post_feedforward_layernorm") if post else (
-        "input_layernorm", "post_attention_layernorm")  # fmt: skip
-    return (*norm("layers.{i}.ln1", f"{_LAYER}.{names[0]}"),
-            *norm("layers.{i}.ln2", f"{_LAYER}.{names[1]}"))  # fmt: skip
-
-
-def _attention(qk_norm: bool) -> tuple[WeightMap, ...]:
-    """Q, K, V, O projections (``self_attn.q_proj`` ...) and the query/key norms
-    (``self_attn.q_norm``, ``k_norm``) if the family has them."""
-    ours, theirs = "layers.{i}.attention", f"{_LAYER}.self_attn"
-    rows = [
-        *linear(f"{ours}.query", f"{theirs}.q_proj"),
-        *linear(f"{ours}.key", f"{theirs}.k_proj"),
-        *linear(f"{ours}.value", f"{theirs}.v_proj"),
-        *linear(f"{ours}.proj", f"{theirs}.o_proj"),
-    ]
-    if qk_norm:
-        rows += [
-            WeightMap(f"{ours}.qk_norm.q_norm", f"{theirs}.q_norm.weight"),
-            WeightMap(f"{ours}.qk_norm.k_norm", f"{theirs}.k_norm.weight"),
-        ]
-    return tuple(rows)
-
-
-def _mlp() -> tuple[WeightMap, ...]:
-    """SwiGLU's ``gate_proj``, ``up_proj`` and ``down_proj``."""
-    return (
-        *linear("layers.{i}.mlp.gate", f"{_LAYER}.mlp.gate_proj"),
-        *linear("layers.{i}.mlp.up", f"{_LAYER}.mlp.up_proj"),
-        *linear("layers.{i}.mlp.fc2", f"{_LAYER}.mlp.down_proj"),
-    )
-
-
-def _weights(post: bool = False, qk_norm: bool = False) -> tuple[WeightMap, ...]:
-    return (
-        WeightMap("word_embeddings.weight", "model.embed_tokens.weight"),
-        WeightMap("output.weight", "lm_head.weight"),
-        *norm("final_norm", "model.norm"),
-        *_norms(post),
-        *_attention(qk_norm),
-        *_mlp(),
-    )
+NAMES = HFNames(
+    layer="model.layers.{i}",
+    norm="llama",
+    attention="llama",
+    feed_forward="llama",
+    embedding="model.embed_tokens",
+    final_norm="model.norm",
+)
+"""The Llama-style naming (``model.layers.N.self_attn.q_proj`` ...): each part names its own
+tensors in the ``llama`` convention (OLMo 2's post-norms and the query/key norms included)."""
 
 
 # -- the families ---------------------------------------------------------------------------------
@@ -229,7 +199,7 @@ LLAMA = HFModelType(
         options=(_HEAD_DIM, Option.constant("pretraining_tp", 1)),
         extra=_dropout,
     ),
-    weights=_weights(),
+    names=NAMES,
 )
 
 MISTRAL = HFModelType(
@@ -246,7 +216,7 @@ MISTRAL = HFModelType(
         extra=lambda c: {**_dropout(c), "sliding_window": None},
         checks=(_check_window,),
     ),
-    weights=_weights(),
+    names=NAMES,
 )
 
 QWEN2 = HFModelType(
@@ -260,7 +230,7 @@ QWEN2 = HFModelType(
         extra=lambda c: {**_dropout(c), "sliding_window": None},
         checks=(_check_window,),
     ),
-    weights=_weights(),
+    names=NAMES,
 )
 
 QWEN3 = HFModelType(
@@ -277,7 +247,7 @@ QWEN3 = HFModelType(
         extra=lambda c: {**_dropout(c), "sliding_window": None},
         checks=(_check_window,),
     ),
-    weights=_weights(qk_norm=True),
+    names=NAMES,
 )
 
 OLMO2 = HFModelType(
@@ -290,7 +260,7 @@ OLMO2 = HFModelType(
         options=(_NO_HEAD_DIM,),
         extra=_dropout,
     ),
-    weights=_weights(post=True, qk_norm=True),
+    names=NAMES,
 )
 
 LLAMA_STYLE = (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2)

@@ -15,15 +15,16 @@ olmoe       OLMo 2's query/key norms over the projections, norms before the subl
             ``norm_topk_prob`` (False in OLMoE-1B-7B)
 ==========  =================================================================================
 
-The Hub stores one tensor per expert (``...experts.{e}.w1.weight``), which transformers 5.24's
-``save_pretrained`` also writes (it holds them fused in memory and splits them on save): our
-stacked ``experts.gate_up [E, 2f_e, h]`` and ``experts.down [E, h, f_e]`` are
-:class:`~lightning_sp.interop.hf_tables.ExpertWeightMap` rows. A file of transformers'
-in-memory names (its ``state_dict`` saved as is: ``mlp.experts.gate_up_proj``, ``down_proj``,
-Mixtral's ``mlp.gate``) is read too; export writes the Hub's form. The routing a checkpoint fixes
-(experts, top-k, width, renormalisation) is compared; the training-only settings (loss
-coefficients, capacity, router dtype) are ours to choose, and the auxiliary coefficient is
-written as ``router_aux_loss_coef``.
+The Hub stores one tensor per expert (``...experts.{e}.w1.weight``), which transformers 5 also
+writes: our stacked ``experts.gate_up [E, 2f_e, h]`` and ``experts.down [E, h, f_e]`` are
+:class:`~lightning_sp.model.parts.weights.ExpertWeightMap` rows, named by the MoE part
+(``HF_MOE`` in ``model/parts/moe.py``: ``mixtral``, and ``llama`` for Qwen3-MoE and OLMoE).
+A file of transformers' in-memory names (its ``state_dict`` saved as is: fused
+``mlp.experts.gate_up_proj`` and ``down_proj``, Mixtral's router as ``mlp.gate``) is read too;
+export writes the Hub's form.
+The routing a checkpoint fixes (experts, top-k, width, renormalisation) is compared; the
+training-only settings (loss coefficients, capacity, router dtype) are ours to choose, and the
+auxiliary coefficient is written as ``router_aux_loss_coef``.
 """
 
 from __future__ import annotations
@@ -37,15 +38,13 @@ from lightning_sp.interop.hf_llama import (
     _ATTENTION_BIAS,
     _HEAD_DIM,
     _HEAD_DIM_FIELD,
-    _LAYER,
     _NO_HEAD_DIM,
-    _attention,
+    NAMES,
     _check_window,
     _dropout,
     _fields,
-    _norms,
 )
-from lightning_sp.interop.hf_tables import ExpertWeightMap, HFModelType, WeightMap, norm
+from lightning_sp.interop.hf_tables import HFModelType
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.moe_config import MoEConfig
 
@@ -107,33 +106,9 @@ def _no_ffn(fields: tuple[ConfigField, ...]) -> tuple[ConfigField, ...]:
     return tuple(f for f in fields if f.ours != "ffn_hidden_size")
 
 
-def _experts(router: str, experts: str, gate: str, up: str, down: str) -> tuple:
-    """The router and stacked-expert rows (names under ``model.layers.{i}``): per expert as
-    the Hub stores them, or fused as transformers 5 holds them in memory
-    (``mlp.experts.gate_up_proj [E, 2f_e, h]``, gate then up; ``down_proj [E, h, f_e]``)."""
-    base, fused = f"{_LAYER}.{experts}.{{e}}", f"{_LAYER}.mlp.experts"
-    return (
-        WeightMap("layers.{i}.mlp.router.weight", f"{_LAYER}.{router}.weight"),
-        ExpertWeightMap(
-            "layers.{i}.mlp.experts.gate_up",
-            (f"{base}.{gate}.weight", f"{base}.{up}.weight"),
-            f"{fused}.gate_up_proj",
-        ),
-        ExpertWeightMap(
-            "layers.{i}.mlp.experts.down", (f"{base}.{down}.weight",), f"{fused}.down_proj"
-        ),
-    )
-
-
-def _weights(qk_norm: bool, experts: tuple) -> tuple:
-    return (
-        WeightMap("word_embeddings.weight", "model.embed_tokens.weight"),
-        WeightMap("output.weight", "lm_head.weight"),
-        *norm("final_norm", "model.norm"),
-        *_norms(False),
-        *_attention(qk_norm),
-        *experts,
-    )
+MIXTRAL_NAMES = dataclasses.replace(NAMES, feed_forward="mixtral")
+"""Mixtral's naming: the Llama-style one with the MoE part's ``mixtral`` names
+(``block_sparse_moe.gate``, ``block_sparse_moe.experts.{e}.w1`` ...)."""
 
 
 _MOE = {"feed_forward": "moe", "norm_placement": "pre"}
@@ -161,10 +136,7 @@ MIXTRAL = HFModelType(
         },
         checks=(_check_window,),
     ),
-    weights=_weights(
-        False, _experts("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")
-    ),
-    renames=((".block_sparse_moe.", ".mlp."),),
+    names=MIXTRAL_NAMES,
 )
 
 QWEN3_MOE = HFModelType(
@@ -190,9 +162,7 @@ QWEN3_MOE = HFModelType(
         },
         checks=(_check_window,),
     ),
-    weights=_weights(
-        True, _experts("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj")
-    ),
+    names=NAMES,
 )
 
 OLMOE = HFModelType(
@@ -208,9 +178,7 @@ OLMOE = HFModelType(
         options=(_NO_HEAD_DIM, Option.constant("clip_qkv", None)),
         extra=_moe_keys("num_experts", "intermediate_size", "norm_topk_prob"),
     ),
-    weights=_weights(
-        True, _experts("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj")
-    ),
+    names=NAMES,
 )
 
 MOE_TYPES = (MIXTRAL, QWEN3_MOE, OLMOE)

@@ -1,5 +1,7 @@
-"""The rows of a Hugging Face weight table and the model-type record
-(:data:`lightning_sp.interop.hf_types.HF_MODEL_TYPES` holds one per ``model_type``)."""
+"""The model-type record (:data:`lightning_sp.interop.hf_types.HF_MODEL_TYPES` holds one per
+``model_type``) and the weight table of a config: the rows of its layer's parts
+(:meth:`~lightning_sp.model.parts.block.Block.weights`, which name themselves in the family's
+:class:`~lightning_sp.model.parts.weights.HFNames`) plus the model's own tensors."""
 
 from __future__ import annotations
 
@@ -8,65 +10,41 @@ from typing import Any
 
 from lightning_sp.interop.hf_config import ConfigTable, write_config
 from lightning_sp.model.config import GPTConfig
-
-
-@dataclass(frozen=True)
-class WeightMap:
-    """One of our parameters (``ours``, a global name with ``{i}`` for the layer) and the
-    Hugging Face tensor that holds it (``hf``, the name ``save_pretrained`` writes);
-    ``transpose``: stored ``[in, out]`` (GPT-2's ``Conv1D``) where ours is ``[out, in]``."""
-
-    ours: str
-    hf: str
-    transpose: bool = False
-
-
-@dataclass(frozen=True)
-class ExpertWeightMap:
-    """Our stacked expert weight ``ours`` (``[E, n, k]``, a global name with ``{i}``) and the
-    Hub's per-expert tensors holding it: expert ``e``'s ``[n, k]`` slice is the concatenation
-    along its dim 0 of ``hf`` (names with ``{i}`` and ``{e}``), equal parts (``gate_up``:
-    the gate's then the up projection's). ``fused``: the one ``[E, n, k]`` tensor holding all
-    experts, equal to ours (transformers 5's in-memory name, which a file saved from its
-    ``state_dict`` holds; ``save_pretrained`` and the Hub write ``hf``)."""
-
-    ours: str
-    hf: tuple[str, ...]
-    fused: str
-
-
-def linear(ours: str, hf: str, transpose: bool = False) -> tuple[WeightMap, ...]:
-    """The weight and bias rows of a linear layer (modules ``ours`` and ``hf``)."""
-    weight = WeightMap(f"{ours}.weight", f"{hf}.weight", transpose)
-    return weight, WeightMap(f"{ours}.bias", f"{hf}.bias")
-
-
-def norm(ours: str, hf: str) -> tuple[WeightMap, ...]:
-    """The weight and (LayerNorm) bias rows of a norm."""
-    return linear(ours, hf)
+from lightning_sp.model.parts.weights import HFNames, Weight, WeightMap, norm
+from lightning_sp.model.spec import NORMS
 
 
 @dataclass(frozen=True)
 class HFModelType:
     """A Hugging Face model family: ``model_type``, its ``*ForCausalLM`` class, our
     architecture family it reads into (``GPTConfig.of``: dropouts and the rest), the
-    ``config.json`` table and the weight table. ``optional_prefix``: a prefix that files
-    written elsewhere may lack (OpenAI's GPT-2 upload has no ``transformer.``). ``renames``:
-    ``(hub, in_memory)`` pieces of names that transformers' in-memory model uses instead
-    (Mixtral's ``.block_sparse_moe.`` is ``.mlp.``), as a file of fused experts names them
-    (:func:`~lightning_sp.interop.hf.hf_layout` with ``fused``)."""
+    ``config.json`` table and the naming scheme of its tensors. ``optional_prefix``: a prefix
+    that files written elsewhere may lack (OpenAI's GPT-2 upload has no ``transformer.``)."""
 
     model_type: str
     hf_class: str
     architecture: str
     config: ConfigTable
-    weights: tuple[WeightMap | ExpertWeightMap, ...]
+    names: HFNames
     optional_prefix: str = ""
-    renames: tuple[tuple[str, str], ...] = ()
 
     @property
     def title(self) -> str:
         return self.config.title
+
+    def weights(self, config: GPTConfig) -> tuple[Weight, ...]:
+        """The weight table of the model equal to ``config``: the model's own tensors (token
+        and position embeddings, final norm, output layer: a row for each it may have; the
+        model says which it has) and its layer's parts' rows."""
+        names = self.names
+        own = [
+            WeightMap("word_embeddings.weight", f"{names.embedding}.weight"),
+            WeightMap("output.weight", f"{names.output}.weight"),
+            *norm("final_norm", names.final_norm, NORMS[config.normalization].has_bias),
+        ]
+        if names.positions:
+            own.append(WeightMap("position_embeddings", f"{names.positions}.weight"))
+        return (*own, *config.block().weights(names))
 
     def config_json(self, config: GPTConfig, eos_token_id: int | None = None) -> dict[str, Any]:
         """The ``config.json`` of the model equal to ``config``: class, ``model_type``, token

@@ -1,15 +1,17 @@
 """The Hugging Face model types we read and write, as data: per ``model_type`` its
-``config.json`` table (:class:`~lightning_sp.interop.hf_config.ConfigTable`) and its weight
-table (:class:`WeightMap` rows: our parameter name -> the Hugging Face tensor).
+``config.json`` table (:class:`~lightning_sp.interop.hf_config.ConfigTable`) and its naming
+scheme (:class:`~lightning_sp.model.parts.weights.HFNames`).
 
-Which of our parameters exist is the model's business (its descriptors: a norm with or
-without bias, ``fc1`` or ``gate`` + ``up``, learned positions or RoPE, tied or untied output);
-a weight table only names, for each parameter a model of that family can have, the tensor that
-holds it. Several of our parameters may share one tensor (GPT-2's ``c_attn`` holds query, key
-and value): they are concatenated along our dim 0 in table order.
+Which of our parameters exist, and which Hugging Face tensor holds each, is the model's
+business: the parts of the config's layer list their weights in the family's naming scheme
+(:meth:`HFModelType.weights`: a norm with or without bias, ``fc1`` or ``gate`` + ``up``,
+query/key norms); the scheme names the model's own tensors. Several of our parameters may
+share one tensor (GPT-2's ``c_attn`` holds query, key and value): they are concatenated along
+our dim 0 in the model's order.
 
 A new Hugging Face family made of parts we have is one :class:`HFModelType` entry in
-:data:`HF_MODEL_TYPES`; nothing else asks which family it is looking at.
+:data:`HF_MODEL_TYPES` (with an existing naming scheme, or a new :class:`HFNames` whose
+conventions the parts have); nothing else asks which family it is looking at.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option, fits
 from lightning_sp.interop.hf_llama import LLAMA, LLAMA_STYLE, MISTRAL, OLMO2, QWEN2, QWEN3
 from lightning_sp.interop.hf_moe import MOE_TYPES
-from lightning_sp.interop.hf_tables import ExpertWeightMap, HFModelType, WeightMap, linear, norm
+from lightning_sp.interop.hf_tables import HFModelType
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.parts.weights import ExpertWeightMap, HFNames, WeightMap
 
 __all__ = [
     "GPT2",
@@ -34,6 +37,7 @@ __all__ = [
     "QWEN3",
     "ExpertWeightMap",
     "HFModelType",
+    "HFNames",
     "WeightMap",
     "hf_model_type",
     "model_type_for",
@@ -96,18 +100,15 @@ GPT2 = HFModelType(
         ),
         extra=_gpt2_dropouts,
     ),
-    weights=(
-        WeightMap("word_embeddings.weight", "transformer.wte.weight"),
-        WeightMap("position_embeddings", "transformer.wpe.weight"),
-        *norm("final_norm", "transformer.ln_f"),
-        *norm("layers.{i}.ln1", "transformer.h.{i}.ln_1"),
-        *linear("layers.{i}.attention.query", "transformer.h.{i}.attn.c_attn", True),
-        *linear("layers.{i}.attention.key", "transformer.h.{i}.attn.c_attn", True),
-        *linear("layers.{i}.attention.value", "transformer.h.{i}.attn.c_attn", True),
-        *linear("layers.{i}.attention.proj", "transformer.h.{i}.attn.c_proj", True),
-        *norm("layers.{i}.ln2", "transformer.h.{i}.ln_2"),
-        *linear("layers.{i}.mlp.fc1", "transformer.h.{i}.mlp.c_fc", True),
-        *linear("layers.{i}.mlp.fc2", "transformer.h.{i}.mlp.c_proj", True),
+    names=HFNames(
+        layer="transformer.h.{i}",
+        norm="gpt2",
+        attention="gpt2",
+        feed_forward="gpt2",
+        embedding="transformer.wte",
+        final_norm="transformer.ln_f",
+        positions="transformer.wpe",
+        conv1d=True,
     ),
     optional_prefix="transformer.",
 )

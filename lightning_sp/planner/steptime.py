@@ -12,7 +12,8 @@ kernels, :mod:`lightning_sp.planner.kernels` times them):
   included); a module set replays, for each active module, the kernels tagged with it, the
   GEMMs scaled to the FLOPs the module's descriptor says it redoes
   (:data:`lightning_sp.model.recompute.RECOMPUTE_MODULES`);
-* **tensor-parallel collectives** (Megatron's placement and overlap): without SP, an
+* **tensor-parallel collectives** (Megatron's placement and overlap, plus what a part runs
+  itself, exposed: :func:`lightning_sp.planner.ops.layer_collectives`): without SP, an
   all-reduce of the ``2sbh``-byte activation after the projection and after fc2 (exposed) and
   in backward before QKV and fc1 (overlapped with their weight-gradient GEMMs: only what
   outlasts the GEMM is exposed); with SP, an all-gather before QKV and fc1 and a
@@ -95,6 +96,7 @@ from lightning_sp.planner.ops import (
     embedding_memory_ops,
     head_gemms,
     head_memory_ops,
+    layer_collectives,
     layer_gemms,
     layer_memory_ops,
 )
@@ -253,6 +255,9 @@ def _layer_time(
     exchanges = config.block().sequence_exchanges(shape)  # e.g. expert TP's gather / scatter
     tp_fwd += exchanges * unit
     tp_bwd += exchanges * unit
+    for col in layer_collectives(config, t, b, c):  # a part's own (exposed: in its forward)
+        reduce = all_reduce_seconds(cluster, col.nbytes, t, cluster.within_node(t))
+        tp_fwd, tp_bwd = tp_fwd + col.forward * reduce, tp_bwd + col.backward * reduce
     forward = {
         "gemm": sum(secs[n] for n in dense),
         "attention": attn_fwd,

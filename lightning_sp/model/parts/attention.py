@@ -16,13 +16,26 @@ from lightning_sp.model.parts.base import (
     OUTSIDE,
     REPLICATED,
     BuildContext,
+    Collective,
     Gemm,
     MemoryOp,
     Part,
     Terms,
     tokens,
 )
+from lightning_sp.model.parts.weights import HFNames, Weight, WeightMap, convention, join, linear
 from lightning_sp.model.shape import ActivationShape
+
+HF_ATTENTION: dict[str, dict[str, str]] = {
+    "gpt2": {"query": "attn.c_attn", "key": "attn.c_attn", "value": "attn.c_attn",
+             "proj": "attn.c_proj"},
+    "llama": {"query": "self_attn.q_proj", "key": "self_attn.k_proj",
+              "value": "self_attn.v_proj", "proj": "self_attn.o_proj",
+              "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"},
+}  # fmt: skip
+"""The attention's Hugging Face modules under a layer: convention -> our module (``query``,
+``key``, ``value``, ``proj``, the query/key norms' ``q_norm``, ``k_norm``) -> theirs. GPT-2's
+``c_attn`` holds query, key and value, concatenated in that order."""
 
 CP_CORE = "cp_core"
 """The tag of the CP attention core's kernels (replayed by the core itself, not a module)."""
@@ -167,6 +180,19 @@ class SelfAttention(Part):
         n = x.s // x.c * x.b * x.head_dim * (x.a + 2 * x.kv_heads) / x.t
         return [MemoryOp("qk_norm", 4 * n, 6 * n)]
 
+    def collectives(self, x: ActivationShape) -> list[Collective]:
+        """The query/key norm over the whole projection (``projection``) at ``t > 1``: its
+        statistics span the TP-sharded projection, so each rank's sums are all-reduced over
+        TP, one per token for the queries and one for the keys, in forward (the sum of
+        squares) and in backward (the gradient's inner product): 2 + 2 all-reduces of
+        ``w·s·b/c`` bytes (``w`` = 4, fp32; 8 for a float64 model). None per head (each rank
+        normalises whole heads)."""
+        if self.qk_norm != "projection" or x.t == 1:
+            return []
+        width = 8 if x.activation_bytes >= 8 else 4
+        nbytes = float(width * (x.s // x.c) * x.b)
+        return [Collective("qk_norm_stats", nbytes, forward=2, backward=2)]
+
     def parameters(self, x: ActivationShape) -> tuple[int, int]:
         """Q ``a·d·h``, K and V ``g'·d·h`` each, the projection ``a·d·h``, biases as chosen;
         a query/key norm ``2d`` (per head, replicated) or ``(a + g')·d`` (split)."""
@@ -179,6 +205,18 @@ class SelfAttention(Part):
         elif self.qk_norm == "projection":
             split += (a + kv) * d
         return split, replicated
+
+    def weights(self, names: HFNames) -> tuple[Weight, ...]:
+        """Q, K, V (biases with ``bias_qkv``), the output projection (``bias_proj``) and the
+        query/key norms' weights (``qk_norm.q_norm``, ``qk_norm.k_norm``) if it has them."""
+        hf = convention(HF_ATTENTION, names.attention, "attention")
+        rows: list[Weight] = []
+        for module in ("query", "key", "value"):
+            rows += linear(module, hf[module], self.bias_qkv, names)
+        rows += linear("proj", hf["proj"], self.bias_proj, names)
+        if self.qk_norm is not None:
+            rows += [WeightMap(f"qk_norm.{n}", join(hf[n], "weight")) for n in ("q_norm", "k_norm")]
+        return tuple(rows)
 
     def forward_flops(self, x: ActivationShape) -> float:
         """QKV ``2·n·h·(a + 2g)·d``, QKᵀ and probs·V ``2·n·s·a·d`` each, output projection

@@ -8,10 +8,13 @@ A part owns, in one place, everything the rest of the package asks about it:
   layer before any split, region)``; the region says how a rank's share divides
   (:data:`INSIDE`: by t; :data:`OUTSIDE`: by t under sequence parallelism only); the names
   are what the recompute modules drop (:data:`lightning_sp.model.recompute.RECOMPUTE_MODULES`);
-* :meth:`Part.gemms` and :meth:`Part.memory_ops`: its kernels on one rank, for the step-time
-  model (:mod:`lightning_sp.planner.steptime`);
+* :meth:`Part.gemms` and :meth:`Part.memory_ops`: its kernels on one rank, and
+  :meth:`Part.collectives`: the collectives its module runs besides the layer's tensor-parallel
+  ones, for the step-time model (:mod:`lightning_sp.planner.steptime`);
 * :meth:`Part.parameters`: its parameter count on one rank (split by t, and replicated);
-* :meth:`Part.forward_flops`: its forward matmul FLOPs (all ranks together).
+* :meth:`Part.forward_flops`: its forward matmul FLOPs (all ranks together);
+* :meth:`Part.weights`: its parameters' Hugging Face tensors under a family's naming scheme
+  (:mod:`lightning_sp.model.parts.weights`).
 
 Every method reads the layer's sizes from one
 :class:`~lightning_sp.model.shape.ActivationShape` (``s, b, h, a, g, d, f, t, c``, element
@@ -29,6 +32,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from lightning_sp.model.ops import RopeScaling
+from lightning_sp.model.parts.weights import HFNames, Weight
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.random import RNGStreams
 from lightning_sp.parallel.state import ParallelState
@@ -154,6 +158,19 @@ class MemoryOp:
 
 
 @dataclass(frozen=True)
+class Collective:
+    """An all-reduce over the tensor-parallel group that a part's module runs on one rank,
+    besides the layer's own TP collectives (the f / g around its linears, which the step-time
+    model places itself): ``nbytes`` per call, ``forward`` and ``backward`` calls per
+    micro-batch."""
+
+    name: str
+    nbytes: float
+    forward: int
+    backward: int
+
+
+@dataclass(frozen=True)
 class BuildContext:
     """What a part's module needs besides the config: the layout, the dropout streams, the
     recompute modules active in its layer, the shared RoPE tables and the tensor factory
@@ -216,6 +233,11 @@ class Part(ABC):
         """Its memory-bound kernels on one rank."""
         return []
 
+    def collectives(self, x: ActivationShape) -> list[Collective]:
+        """The TP all-reduces its module runs on one rank besides the layer's (none for most
+        parts; none at ``x.t = 1``)."""
+        return []
+
     @abstractmethod
     def parameters(self, x: ActivationShape) -> tuple[int, int]:
         """``(split, replicated)``: parameters split over the ``x.t`` tensor-parallel ranks
@@ -245,6 +267,12 @@ class Part(ABC):
         reduce-scatters) it runs in forward besides its input GEMMs' (backward runs as many):
         an MoE layer gathering its tokens for expert tensor parallelism; 0 for most parts."""
         return 0
+
+    @abstractmethod
+    def weights(self, names: HFNames) -> tuple[Weight, ...]:
+        """Its parameters (names under its module) and the Hugging Face tensors holding them
+        (names under the layer prefix) in the family naming scheme ``names``: only the
+        parameters its options give it; ``KeyError`` for a convention it has no names in."""
 
     def stats_terms(self, x: ActivationShape) -> Terms:
         """Per-row statistics it saves besides :meth:`saved_terms` (a norm's mean and rstd,

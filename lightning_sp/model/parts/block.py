@@ -24,6 +24,7 @@ from lightning_sp.model.parts.base import (
     MASK,
     OUTSIDE,
     REPLICATED,
+    Collective,
     Gemm,
     LayerConfig,
     MemoryOp,
@@ -34,6 +35,7 @@ from lightning_sp.model.parts.base import (
 from lightning_sp.model.parts.dense import DenseMLP
 from lightning_sp.model.parts.moe import MoEFeedForward
 from lightning_sp.model.parts.norm import Norm
+from lightning_sp.model.parts.weights import HFNames, Weight, under
 from lightning_sp.model.shape import ActivationShape
 
 PLACEMENTS = ("pre", "post")
@@ -142,6 +144,10 @@ class Block:
                 merged[op.name] = op
         return list(merged.values())
 
+    def collectives(self, x: ActivationShape) -> list[Collective]:
+        """The TP all-reduces the parts run besides the layer's own."""
+        return [col for p in self.parts for col in p.collectives(x)]
+
     def parameters(self, x: ActivationShape) -> int:
         """Parameters on one of ``x.t`` tensor-parallel ranks."""
         counts = [p.parameters(x) for p in self.parts]
@@ -166,6 +172,16 @@ class Block:
     def sequence_exchanges(self, x: ActivationShape) -> int:
         """The parts' own TP collectives of ``[s/c, b, h]`` per forward."""
         return sum(p.sequence_exchanges(x) for p in self.parts)
+
+    def weights(self, names: HFNames) -> tuple[Weight, ...]:
+        """Every parameter of the layer (our names under ``layers.{i}``) and the Hugging Face
+        tensor holding it (under ``names.layer``): each part's rows under its module, the
+        norms named by their placement."""
+        rows: list[Weight] = []
+        for sub in self.sublayers:
+            rows += under(sub.norm.weights(names, sub.placement), sub.norm.name)
+            rows += under(sub.mixer.weights(names), sub.name)
+        return under(tuple(rows), "layers.{i}", names.layer)
 
 
 FeedForwardFactory = Callable[[LayerConfig], Part]

@@ -22,10 +22,18 @@ from lightning_sp.model.parts.base import (
     Terms,
     tokens,
 )
+from lightning_sp.model.parts.weights import HFNames, WeightMap, convention, linear
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.model.spec import ACTIVATIONS, NORMS, ActivationKind, NormModule
 from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_sp.parallel.state import ParallelState
+
+HF_MLP: dict[str, dict[str, str]] = {
+    "gpt2": {"fc1": "mlp.c_fc", "fc2": "mlp.c_proj"},
+    "llama": {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "fc2": "mlp.down_proj"},
+}
+"""The MLP's Hugging Face modules under a layer: convention -> our linear (``fc1``, or
+SwiGLU's ``gate`` and ``up``; ``fc2``) -> theirs."""
 
 
 class MLP(nn.Module):
@@ -137,6 +145,18 @@ class DenseMLP(Part):
         h, f, n = x.h, x.ffn, len(self.kind.inputs)
         split = n * f * h + f * h + (n * f if self.bias_in else 0)
         return split, h if self.bias_out else 0
+
+    def weights(self, names: HFNames) -> tuple[WeightMap, ...]:
+        """The activation's input projections (biases with ``bias_in``) and ``fc2``
+        (``bias_out``)."""
+        hf = convention(HF_MLP, names.feed_forward, "dense MLP")
+        missing = [m for m in (*self.kind.inputs, "fc2") if m not in hf]
+        if missing:
+            raise KeyError(f"the {names.feed_forward!r} MLP naming has no {missing[0]!r}")
+        return (
+            *(w for m in self.kind.inputs for w in linear(m, hf[m], self.bias_in, names)),
+            *linear("fc2", hf["fc2"], self.bias_out, names),
+        )
 
     def forward_flops(self, x: ActivationShape) -> float:
         return self.kind.forward_flops(x.b * x.s, x.h, x.ffn)

@@ -57,10 +57,43 @@ from lightning_sp.model.parts.base import (
     Terms,
     tokens,
 )
+from lightning_sp.model.parts.weights import (
+    ExpertWeightMap,
+    HFNames,
+    Weight,
+    WeightMap,
+    convention,
+    join,
+)
 from lightning_sp.model.shape import ActivationShape
 
 INDEX = 8
 """Bytes of an int64 index element."""
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """A family's names of the MoE part's tensors under a layer: the router's module, the
+    experts' module (expert ``e`` under ``<experts>.<e>``) and each expert's gate, up and down
+    projections."""
+
+    router: str
+    experts: str
+    gate: str
+    up: str
+    down: str
+    in_memory: str = "mlp"
+    """The module transformers 5 holds the block as in memory: router ``<in_memory>.gate``,
+    fused experts ``<in_memory>.experts.gate_up_proj [E, 2f_e, h]`` (gate then up) and
+    ``.down_proj [E, h, f_e]``."""
+
+
+HF_MOE: dict[str, ExpertNames] = {
+    "mixtral": ExpertNames("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2"),
+    "llama": ExpertNames("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
+}
+"""The MoE part's Hugging Face names by convention: Mixtral's, and the Llama-style MoE families'
+(Qwen3-MoE, OLMoE)."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +196,27 @@ class MoEFeedForward(Part):
         """Under expert tensor parallelism: the all-gather of the layer's tokens and the
         reduce-scatter of its output (2); else 0 (each TP rank routes its own shard)."""
         return 2 if x.etp > 1 else 0
+
+    def weights(self, names: HFNames) -> tuple[Weight, ...]:
+        """The router and the stacked experts: ``experts.gate_up [E, 2f_e, h]`` held per
+        expert by the gate's then the up projection's tensor, ``experts.down [E, h, f_e]`` by
+        the down projection's, or each by one fused tensor in transformers' in-memory form
+        (the shared experts have no Hugging Face names)."""
+        hf = convention(HF_MOE, names.feed_forward, "MoE")
+        expert, router = join(hf.experts, "{e}"), join(hf.router, "weight")
+        fused = join(hf.in_memory, "experts")
+        in_memory = join(hf.in_memory, "gate", "weight")
+        return (
+            WeightMap("router.weight", router, in_memory="" if in_memory == router else in_memory),
+            ExpertWeightMap(
+                "experts.gate_up",
+                (join(expert, hf.gate, "weight"), join(expert, hf.up, "weight")),
+                join(fused, "gate_up_proj"),
+            ),
+            ExpertWeightMap(
+                "experts.down", (join(expert, hf.down, "weight"),), join(fused, "down_proj")
+            ),
+        )
 
     def forward_flops(self, x: ActivationShape) -> float:
         """Active matmul FLOPs: router ``2·T·h·E``, ``k`` SwiGLU experts ``6·T·h·f_e`` each,

@@ -15,9 +15,20 @@ from lightning_sp.model.parts.base import (
     Terms,
     outside_elements,
 )
+from lightning_sp.model.parts.weights import HFNames, WeightMap, convention, norm
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.model.spec import NORMS, NormKind
 from lightning_sp.parallel.init import mark_parameter
+
+HF_NORMS: dict[str, dict[str, dict[str, str]]] = {
+    "gpt2": {"pre": {"ln1": "ln_1", "ln2": "ln_2"}},
+    "llama": {
+        "pre": {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"},
+        "post": {"ln1": "post_attention_layernorm", "ln2": "post_feedforward_layernorm"},
+    },
+}
+"""The layer norms' Hugging Face modules: convention -> placement (``pre``, ``post``) -> our
+norm (``ln1``, ``ln2``) -> theirs. OLMo 2's post-norms are Llama's naming after the sublayers."""
 
 
 @dataclass(frozen=True)
@@ -62,3 +73,11 @@ class Norm(Part):
 
     def parameters(self, x: ActivationShape) -> tuple[int, int]:
         return 0, self.descriptor.parameters(x.h)
+
+    def weights(self, names: HFNames, placement: str = "pre") -> tuple[WeightMap, ...]:
+        """Weight (and LayerNorm's bias) of the norm before (``pre``) or after (``post``) its
+        sublayer."""
+        modules = convention(HF_NORMS, names.norm, "norm").get(placement, {})
+        if self.name not in modules:
+            raise KeyError(f"the {names.norm!r} naming has no {placement}-norm {self.name!r}")
+        return norm("", modules[self.name], self.descriptor.has_bias)
