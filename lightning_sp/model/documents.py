@@ -27,8 +27,20 @@ local chunk). An ``s x s`` boolean kept per layer would cost ``b·s²`` bytes pe
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 from torch import Tensor
+
+from lightning_sp.parallel.context import shard_for_context_parallel
+from lightning_sp.parallel.state import ParallelState
+
+Reduction = Literal["mean", "sum"]
+"""How the loss reduces the per-token losses: their mean over the counted tokens, or their sum
+(for a token mean taken later over a whole step:
+:class:`~lightning_sp.pipeline.token_mean.TokenMean`)."""
 
 DOCUMENT_ID_BYTES = 4
 """Bytes per token of the document ids (int32) a micro-batch carries."""
@@ -57,6 +69,48 @@ def positions_in_documents(documents: Tensor) -> Tensor:
     return index - first
 
 
+@dataclass(frozen=True)
+class Packing:
+    """What a batch carries besides its token ids and labels, built once from the batch
+    (:meth:`of_batch`) and passed whole through :meth:`GPT.forward
+    <lightning_sp.model.gpt.GPT.forward>` and :class:`~lightning_sp.pipeline.stages.Pipeline`'s
+    ``forward`` / ``train_step`` / ``eval_step``. The default is an unpacked batch whose loss is
+    the mean over its counted tokens."""
+
+    documents: Tensor | None = None
+    """``[B, s]`` document ids of the **whole** sequences (also under context parallelism):
+    block-causal attention; None: causal over the whole sequence."""
+    positions: Tensor | None = None
+    """``[B, s]`` position of each given token (this CP rank's chunks under context
+    parallelism), e.g. restarting per document; None: ``0 … s-1`` (each CP chunk's own)."""
+    reduction: Reduction = "mean"
+    """``mean``: the loss is the mean over the counted tokens; ``sum``: their sum (a batch with
+    a loss mask, whose step divides by the global count)."""
+
+    @classmethod
+    def of(cls, packing: Packing | Reduction) -> Packing:
+        """``packing`` itself, or a reduction name as shorthand for an unpacked batch's."""
+        return packing if isinstance(packing, Packing) else cls(reduction=packing)
+
+    @classmethod
+    def of_batch(cls, batch: Mapping[str, Tensor], state: ParallelState) -> Packing:
+        """From a data-path batch (``documents``, ``positions``, ``loss_mask``: those the data
+        options gave, :mod:`lightning_sp.data.documents`): the positions of this CP rank's
+        chunks, the documents of the whole sequences, ``sum`` when a loss mask is present."""
+        positions = batch.get("positions")
+        if positions is not None:
+            c, r = state.context_parallel_size, state.context_parallel_rank
+            positions = shard_for_context_parallel(positions, 1, c, r)  # [B, s/c]
+        reduction: Reduction = "sum" if "loss_mask" in batch else "mean"
+        return cls(batch.get("documents"), positions, reduction)
+
+    def sequence(self) -> dict[str, Tensor]:
+        """The per-token tensors given, by keyword (``documents``, ``positions``): what each
+        pipeline stage receives, split into micro-batches by the schedule."""
+        given = {"documents": self.documents, "positions": self.positions}
+        return {k: v for k, v in given.items() if v is not None}
+
+
 def same_document(query_documents: Tensor, key_documents: Tensor, rows: int) -> Tensor:
     """Boolean ``[rows, Lq, Lk]``: query ``i`` and key ``j`` lie in one document.
 
@@ -74,6 +128,8 @@ def same_document(query_documents: Tensor, key_documents: Tensor, rows: int) -> 
 
 __all__ = [
     "DOCUMENT_ID_BYTES",
+    "Packing",
+    "Reduction",
     "document_id_bytes",
     "document_ids",
     "positions_in_documents",
