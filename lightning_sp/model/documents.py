@@ -23,6 +23,10 @@ scores, ``[b·g/t, s, s]`` elements of the activation dtype, which it builds for
 anyway; ``sdpa``: a boolean ``[b·g/t, s, s]`` attention mask; CP: ``[b·g/t, L, (i+1)L]`` per
 local chunk). An ``s x s`` boolean kept per layer would cost ``b·s²`` bytes per layer: at
 ``s = 8192``, ``b = 1`` that is 64 MiB per layer against 32 KiB of ids per micro-batch.
+What is saved for backward: ``math`` nothing more; ``sdpa`` the concatenated context its
+projection keeps, ``e·sb·a·d/t`` per layer (the attention part's ``document_context``); the
+positions, ``8·b·s/c``, and under RoPE one pair of per-token tables per micro-batch and model
+chunk (:func:`packed_bytes`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.state import ParallelState
 
@@ -45,10 +50,43 @@ Reduction = Literal["mean", "sum"]
 DOCUMENT_ID_BYTES = 4
 """Bytes per token of the document ids (int32) a micro-batch carries."""
 
+POSITION_BYTES = 8
+"""Bytes per token of the positions (int64, :func:`positions_in_documents`) a micro-batch
+carries."""
+
 
 def document_id_bytes(batch: int, seq_length: int) -> int:
     """Bytes of one micro-batch's document ids ``[b, s]`` (int32), shared by every layer."""
     return DOCUMENT_ID_BYTES * batch * seq_length
+
+
+@dataclass(frozen=True)
+class PackedBytes:
+    """What packed documents add to one rank's memory per micro-batch, outside the layers'
+    saved terms (the layers' own: the attention part's ``document_context``)."""
+
+    ids: float
+    """The micro-batch's document ids, ``4·b·s`` (the whole sequences on every rank, also
+    under CP), and its positions, ``8·b·s/c`` (this CP rank's tokens): held with the batch
+    for the whole step, by every rank of a replica (each pipeline stage is given the batch)."""
+    tables: float
+    """RoPE's cos and sin at the per-token positions, ``2·e·b·(s/c)·d`` on every TP rank
+    (the QKV output is the whole local sequence): made once per micro-batch by each model
+    chunk (:meth:`~lightning_sp.model.attention.Rotary.per_token`) and kept until the last
+    of its layers' backward; 0 with learned positions (an index into the table)."""
+
+
+def packed_bytes(
+    shape: ActivationShape, *, document_mask: bool, reset_position_ids: bool, rotary: bool
+) -> PackedBytes:
+    """:class:`PackedBytes` of one micro-batch of ``shape`` (``b``, the whole ``s``, ``c``,
+    ``d``, ``e``) under the data options ``document_mask`` / ``reset_position_ids`` and
+    rotary (``rotary``) or learned positions."""
+    local = shape.s // shape.c * shape.b  # tokens of this rank
+    ids = DOCUMENT_ID_BYTES * shape.b * shape.s if document_mask else 0
+    ids += POSITION_BYTES * local if reset_position_ids else 0
+    tables = 2 * shape.activation_bytes * local * shape.head_dim
+    return PackedBytes(float(ids), float(tables) if reset_position_ids and rotary else 0.0)
 
 
 def document_ids(tokens: Tensor, eod_id: int) -> Tensor:
@@ -128,10 +166,13 @@ def same_document(query_documents: Tensor, key_documents: Tensor, rows: int) -> 
 
 __all__ = [
     "DOCUMENT_ID_BYTES",
+    "POSITION_BYTES",
+    "PackedBytes",
     "Packing",
     "Reduction",
     "document_id_bytes",
     "document_ids",
+    "packed_bytes",
     "positions_in_documents",
     "same_document",
 ]

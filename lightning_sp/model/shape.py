@@ -53,6 +53,10 @@ class ActivationShape:
     whole sequence length)."""
     d: int = 0
     """Head dimension; 0 means ``h/a``."""
+    documents: bool = False
+    """Whether attention is document-masked (block-causal over packed documents,
+    ``data.document_mask``): what the backend's document path saves besides the causal one
+    (:attr:`~lightning_sp.model.cores.AttentionBackend.document_copy`)."""
     block: object | None = field(default=None, compare=False, repr=False)
     """The layer's parts (a :class:`~lightning_sp.model.parts.block.Block`, which sits above
     this module and so is not named in the type); None: the
