@@ -185,3 +185,25 @@ def test_estimate_and_monitor_count_the_document_mask() -> None:
         == real - (layernorm_stats_bytes_per_layer(shape, "none"))
     )
     assert A == 8  # the shape the docs quote (s=256, b=2, h=256, a=8)
+
+
+def test_estimate_reads_the_data_options() -> None:
+    """``estimate`` takes ``data.document_mask`` / ``data.reset_position_ids`` from the fit
+    config (Llama 3's turns the mask on) into its layout, and the search keeps them."""
+    import os
+
+    from lightning_sp.cli.estimate import read_estimate_args
+    from lightning_sp.planner.cluster import load_cluster
+    from lightning_sp.planner.search import search
+
+    from cli_runs import ROOT
+
+    args = ["--config", os.path.join(ROOT, "configs", "llama3_8b.yaml")]
+    layout = read_estimate_args(args).layout
+    assert layout.document_mask and not layout.reset_position_ids
+    off = read_estimate_args([*args, "--data.document_mask", "false"]).layout
+    assert not off.document_mask
+    tiny = Layout(config=_config(False, "none", "sdpa", "llama"), document_mask=True,
+                  data_parallel_size=2)  # fmt: skip
+    ranked = search(tiny, load_cluster("h100-80gb"), 80e9).ranked
+    assert ranked and all(candidate.layout.document_mask for candidate in ranked)
