@@ -22,6 +22,7 @@ import torch
 
 from benchmarks._stats import median_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.model.documents import Packing
 
 
 def documents_of(batch: int, seq: int, min_doc: int, max_doc: int, seed: int) -> torch.Tensor:
@@ -40,7 +41,7 @@ def documents_of(batch: int, seq: int, min_doc: int, max_doc: int, seed: int) ->
 def step_seconds(model: GPT, ids: torch.Tensor, documents: torch.Tensor | None) -> float:
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
-    model(ids, ids, "mean", documents, None).backward()
+    model(ids, ids, Packing(documents)).backward()
     return time.perf_counter() - start
 
 

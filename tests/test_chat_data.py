@@ -170,3 +170,45 @@ def test_parquet_rows_and_training_on_every_token(tmp_path: Path) -> None:
     same = sample["documents"][1:] == sample["documents"][:-1]
     padding = sample["input_ids"] == data.eos_token_id
     assert torch.equal(sample["loss_mask"][:-1], same & ~padding[1:])
+
+
+def test_generate_chat_stops_at_the_templates_end_of_turn(tmp_path: Path) -> None:
+    """``generate --chat true`` stops at the chat template's end of turn (``<|end|>`` here),
+    not only at the end-of-document token: the ids come from the tokenizer directory (EOS,
+    the template's end-of-turn marker, and ``generation_config.json``'s ``eos_token_id``), and
+    a model whose most likely answer starts with ``<|end|>`` answers nothing, where without
+    the template's stop ids it would go on past it."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from lightning_sp import GPT, ParallelState
+    from lightning_sp.cli.generate import chat_generation
+    from lightning_sp.data.chat import chat_stop_ids
+    from lightning_sp.model.generate import GenerationConfig, generate
+
+    from models import tiny_config
+
+    tokenizer_dir = chat_tokenizer(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    end = hf.convert_tokens_to_ids("<|end|>")
+    assert chat_stop_ids(str(tokenizer_dir)) == (hf.eos_token_id, end)
+    (tokenizer_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6]}))
+    assert chat_stop_ids(str(tokenizer_dir)) == (5, 6, hf.eos_token_id, end)
+    rows = jsonl(tmp_path / "chat.jsonl", conversations(4))
+    data = TextDataModule(
+        paths=str(rows), chat_template_dir=str(tokenizer_dir), prepared_dir=str(tmp_path / "p"),
+        seq_length=S,
+    )  # fmt: skip
+    plain = GenerationConfig(max_new_tokens=4, temperature=0.0)
+    chat = chat_generation(data, plain)
+    assert chat.stop_token_ids == (5, 6, hf.eos_token_id, end)
+
+    model = GPT(tiny_config(vocab_size=len(hf), seq_length=S), ParallelState.single())
+    prompt = hf("<|user|> the fox <|end|> <|assistant|> ")["input_ids"]
+    first = generate(model, prompt, plain)[0]
+    with torch.no_grad():  # <|end|> scores twice what the first answer token scored
+        model.word_embeddings.weight[end] = 2 * model.word_embeddings.weight[first]
+    answer = generate(model, prompt, plain, eos_id=hf.eos_token_id)
+    assert answer[0] == end and len(answer) == plain.max_new_tokens  # went on past it
+    assert generate(model, prompt, chat, eos_id=hf.eos_token_id) == []

@@ -23,6 +23,7 @@ import torch
 from lightning_sp import GPT, ParallelState
 from lightning_sp.model.attention import token_positions
 from lightning_sp.model.documents import (
+    Packing,
     document_id_bytes,
     document_ids,
     positions_in_documents,
@@ -127,7 +128,7 @@ def _check(state: ParallelState, sequence_parallel: bool, grid: list) -> list[st
         assert err <= RTOL, f"{what}: per-token loss relative error {err:.2e}"
         # the loss and every gradient shard of the packed batch
         model.zero_grad(set_to_none=True)
-        loss = model(local_ids, local_labels, "mean", documents, local_positions)
+        loss = model(local_ids, local_labels, Packing(documents, local_positions))
         loss.backward()
         allreduce_sequence_parallel_grads(model, state)
         allreduce_replicated_grads(model, state)
@@ -156,7 +157,7 @@ def _check_pipeline(state: ParallelState, grid: list) -> list[str]:
         positions = positions_in_documents(documents)
         local_ids, local_labels, local_positions = context_shards(state, ids, labels, positions)
         mean = TokenMean(state)
-        total = pipe.train_step(local_ids, local_labels, "sum", documents, local_positions)
+        total = pipe.train_step(local_ids, local_labels, Packing(documents, local_positions, "sum"))
         mean.add(labels, total)
         pipe.finalize_grads()
         loss = mean.finish(pipe)

@@ -3,6 +3,8 @@
 * One process: the vocab-parallel cross entropy with a mask gives a masked token loss 0 and
   its logits zero gradient; a micro-batch whose tokens are all masked gives loss 0 and zero
   gradients, never NaN.
+* A Trainer step with the ``megatron_sp`` strategy at p = 2 (4 micro-batches, slow): its
+  loss and both stages' gradients equal one process's global token mean.
 * Float64 parity (gloo): a step of ``k = 2`` accumulated batches, each of ``n = 2``
   micro-batches per replica, with a different number of unmasked tokens in every micro-batch
   (one of them none at all), on d = 2, c = 2 and p = 2 (2 ranks, quick) and d = 2 x c = 2,
@@ -251,3 +253,69 @@ def test_loss_mask_with_experts_is_refused_in_one_line() -> None:
         module._loss(batch, train=False)
     del batch["loss_mask"]
     assert torch.isfinite(module._loss(batch, train=False))  # without a mask it trains
+
+
+class _SaveStep(Callback):
+    """In each spawned rank: this rank's gradients after the step (by global name) and the
+    step's loss in float64 (the returned sum over the batch's counted tokens divided by their
+    number, d = 1), written to ``out/rank<r>.pt``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, *_: Any
+    ) -> None:
+        assert isinstance(pl_module, GPTModule)
+        grads = {}
+        for name, param in pl_module.stage_model().named_parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            if grad is not None:
+                grads[pl_module.stage_model().global_name(name)] = grad.detach().clone()
+        labels = apply_loss_mask(batch["labels"], batch["loss_mask"])
+        loss = outputs["loss"].detach().double() / int((labels != IGNORE_INDEX).sum())
+        torch.save({"grads": grads, "loss": loss}, self.out / f"rank{trainer.global_rank}.pt")
+
+
+@pytest.mark.slow
+def test_trainer_pipeline_step_with_loss_masks_is_the_global_token_mean(tmp_path: Path) -> None:
+    """Lightning's Trainer with the ``megatron_sp`` strategy at p = 2 (gloo, 1F1B over 4
+    micro-batches of one row with 0 to all of their tokens counted): the step's loss and every
+    gradient of both stages equal one float64 process's global token mean over the batch
+    (<= 1e-10), which the mean of the micro-batches' means misses."""
+    from lightning_sp import MegatronSPStrategy
+
+    config = tiny_config(recompute="selective")
+    ids, labels = _global_batch(config, 4)
+    mask = labels != IGNORE_INDEX
+    batch = {"input_ids": ids, "labels": labels.clamp(min=0), "loss_mask": mask}
+    reference = reference_model(config)
+    ref_loss = reference(ids, labels)  # the token mean over the whole batch
+    ref_loss.backward()
+    rows = zip(ids.split(1), labels.split(1), strict=True)  # the mean of micro-batch means
+    naive = torch.stack([reference(i, lab).detach() for i, lab in rows])
+    assert abs(naive.mean().item() - ref_loss.item()) > 1e-3  # the test can fail
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, precision="64-true", max_steps=1, logger=False,
+        strategy=MegatronSPStrategy(start_method="spawn", pipeline_parallel_size=2,
+                                    num_microbatches=4),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, callbacks=[_SaveStep(tmp_path)],
+    )  # fmt: skip
+    module = GPTModule(config, OptimizerConfig(lr=1e-3, warmup_steps=0))
+    trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    named = dict(reference.named_parameters())
+    scale = max(q.grad.norm().item() for q in reference.parameters() if q.grad is not None)
+    seen = set()
+    for rank, saved in enumerate(ranks):
+        err = relative_error(saved["loss"], ref_loss.detach())
+        assert err <= RTOL, f"rank {rank}: loss {saved['loss'].item()} vs {ref_loss.item()}"
+        for name, grad in saved["grads"].items():
+            ref = named[name].grad
+            assert ref is not None
+            err = relative_error(grad, ref, 1e-6 * scale)  # t = 1: the same padded shapes
+            assert err <= RTOL, f"rank {rank} {name}: gradient relative error {err:.2e}"
+            seen.add(name)
+    assert seen == set(named), sorted(set(named) - seen)

@@ -59,7 +59,9 @@ class ActivationMemoryMonitor(Callback):
       ``c`` from ``gpt.state``, each layer's recompute policy), generalised to the parameters'
       element size (Table 2 itself assumes 2-byte activations; fp32 runs count 4). Under
       context parallelism ``s`` is the batch's whole sequence and the formula is this rank's
-      ``1/c`` of it (:func:`~lightning_sp.memory.formulas.activation_bytes_per_layer`).
+      ``1/c`` of it (:func:`~lightning_sp.memory.formulas.activation_bytes_per_layer`). A batch
+      with ``documents`` (a document mask) is counted with the attention part's document
+      terms (``sdpa``'s concatenated context).
     * ``memory/activation_bytes_ratio``: measured / formula
     * ``memory/activation_bytes_total``: everything saved, including embedding and head
     * ``memory/peak_allocated_bytes``: on CUDA, ``torch.cuda.max_memory_allocated`` over the
@@ -82,6 +84,8 @@ class ActivationMemoryMonitor(Callback):
         self.last_peak_allocated: int | None = None
         self._tracker: SavedTensorTracker | None = None
         self._shape: tuple[int, int] | None = None
+        self._documents = False
+        """Whether the measured batch carries ``documents`` (a document mask)."""
         self._cuda_device: torch.device | None = None
         self.last_per_layer: list[int] = []
         self.last_formula: float | None = None
@@ -122,6 +126,7 @@ class ActivationMemoryMonitor(Callback):
             return
         gpt = gpt_of(pl_module)
         self._shape = batch_shape(batch)
+        self._documents = "documents" in batch
         self._cuda_device = None
         device = next(gpt.parameters()).device
         if device.type == "cuda":
@@ -235,7 +240,7 @@ class ActivationMemoryMonitor(Callback):
         shape = config.activation_shape(  # s: the whole sequence; a CP rank holds s/c of it
             state.tensor_parallel_size, b, seq_length=s,
             activation_bytes=next(gpt.parameters()).element_size(),
-            context_parallel_size=state.context_parallel_size,
+            context_parallel_size=state.context_parallel_size, documents=self._documents,
         )  # fmt: skip
         return sum(
             activation_bytes_per_layer(shape, config.layer_recompute(i))

@@ -154,12 +154,15 @@ def layout_from_fit(
     batch_size: int,
     source: str = "<config>",
     accumulate_grad_batches: Any = 1,
+    document_mask: bool = False,
+    reset_position_ids: bool = False,
 ) -> Layout:
     """The validated :class:`Layout` of a ``fit`` run: ``model.config``, the instantiated
     ``trainer.strategy``, ``trainer.devices × trainer.num_nodes`` GPUs (= t·c·p·d),
     ``data.batch_size`` samples per data-parallel rank per pipeline step (= b ×
     micro-batches) and ``trainer.accumulate_grad_batches`` such batches per optimizer step
-    (Lightning's accumulation, ``p = 1`` only)."""
+    (Lightning's accumulation, ``p = 1`` only); ``document_mask`` / ``reset_position_ids``: the
+    data options of packed documents (:attr:`Layout.document_mask`)."""
     gpus_per_node = _devices(devices)
     nodes = positive_int("trainer.num_nodes", num_nodes)
     batch = positive_int("data.batch_size", batch_size)
@@ -195,6 +198,8 @@ def layout_from_fit(
         micro_batch_size=batch // n,
         accumulate_grad_batches=accumulate,
         overlap_grad_reduce=_overlaps(strategy),
+        document_mask=document_mask,
+        reset_position_ids=reset_position_ids,
         source=source,
     )
     layout.validate()
@@ -245,6 +250,7 @@ class FitLayoutCLI(LightningCLI):
                 raise rejected[0] from None
             raise
         files = parsed.get("config") or []
+        chat = data.get("chat_template_dir") is not None
         self.layout = layout_from_fit(
             built.model.config,
             built.trainer.strategy,
@@ -253,6 +259,9 @@ class FitLayoutCLI(LightningCLI):
             data.batch_size,
             source=os.fspath(files[-1]) if files else "<command line>",
             accumulate_grad_batches=parsed.trainer.get("accumulate_grad_batches", 1),
+            # chat data always packs with document masks and restarting positions
+            document_mask=bool(data.get("document_mask")) or chat,
+            reset_position_ids=bool(data.get("reset_position_ids")) or chat,
         )
         self.options = planner_options(parsed)
 

@@ -25,7 +25,7 @@ import lightning as L
 from lightning_sp.checkpoint.verify import check_checkpoint
 from lightning_sp.cli.checks import check_generate_layout
 from lightning_sp.data import TextDataModule
-from lightning_sp.data.chat import load_chat_tokenizer
+from lightning_sp.data.chat import chat_stop_ids, load_chat_tokenizer
 from lightning_sp.errors import ConfigError, positive_int
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.generate import GenerationConfig
@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_true_or_false,
         default=False,
         help="true: --prompt is a user message, rendered with the chat template "
-        "of data.chat_template_dir (add_generation_prompt), answered by the model",
+        "of data.chat_template_dir (add_generation_prompt), answered by the model up to the "
+        "template's end of turn (or an EOS id of the directory's generation_config.json)",
     )
     parser.add_argument("--max_new_tokens", type=int, default=defaults.max_new_tokens,
                         help="tokens to generate at most (fewer at end of document)")  # fmt: skip
@@ -83,6 +84,13 @@ def chat_prompt(data: Any, message: str) -> str:
     return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
+def chat_generation(data: Any, generation: GenerationConfig) -> GenerationConfig:
+    """``generation`` stopping also at the end of an assistant's turn of the data's chat
+    template (:func:`~lightning_sp.data.chat.chat_stop_ids` of ``data.chat_template_dir``)."""
+    stops = chat_stop_ids(data.chat_template_dir)
+    return dataclasses.replace(generation, stop_token_ids=(*generation.stop_token_ids, *stops))
+
+
 def main(argv: list[str], cli_class: Any) -> int:
     """Run the subcommand; ``cli_class`` is the LightningCLI class of ``fit`` (for
     ``GPTModule`` and ``TextDataModule``, built with ``run=False`` to read the config).
@@ -112,6 +120,8 @@ def main(argv: list[str], cli_class: Any) -> int:
     if Path(args.ckpt_path).is_dir():  # the architecture it was trained with
         check_checkpoint(args.ckpt_path, module.config)
     prompt = chat_prompt(data, args.prompt) if args.chat else args.prompt
+    if args.chat:  # stop at the template's end of turn too, not only at end of document
+        module.generation = generation = chat_generation(data, generation)
     data.prompts = [prompt]
     trainer = L.Trainer(
         accelerator=cli.config.trainer.accelerator,

@@ -82,6 +82,39 @@ def load_chat_tokenizer(directory: str, assistant_only_loss: bool) -> Any:
     return tokenizer
 
 
+def chat_stop_ids(directory: str) -> tuple[int, ...]:
+    """The token ids that end an assistant's turn for the chat tokenizer of ``directory``
+    (local, checked as by :func:`load_chat_tokenizer`), in this order, without repeats:
+    ``generation_config.json``'s ``eos_token_id`` (an id or a list) if the directory has one,
+    the tokenizer's EOS token, and the special tokens the template writes after an
+    assistant's content (its end-of-turn marker: Llama 3's ``<|eot_id|>``, ChatML's
+    ``<|im_end|>``), found by rendering one exchange with and without the answer."""
+    tokenizer = load_chat_tokenizer(directory, assistant_only_loss=False)
+    ids: list[int] = []
+    path = os.path.join(directory, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    user = [{"role": "user", "content": "x"}]
+    try:
+        prompt = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(
+            [*user, {"role": "assistant", "content": "y"}], tokenize=False
+        )
+    except Exception:  # a template that wants more (a system turn): the EOS ids only
+        return tuple(dict.fromkeys(int(i) for i in ids))
+    special = set(tokenizer.all_special_ids) | {
+        i for i, token in tokenizer.added_tokens_decoder.items() if token.special
+    }
+    if str(full).startswith(str(prompt)):  # the answer's turn: "y" and what closes it
+        turn = tokenizer(str(full)[len(str(prompt)) :], add_special_tokens=False)["input_ids"]
+        ids += [i for i in turn if i in special]
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
 def read_rows(path: str) -> list[dict[str, Any]]:
     """The rows of one ``.jsonl`` / ``.json`` (a list, or one object per line) / ``.parquet``
     file."""

@@ -77,6 +77,26 @@ class Rotary:
     def __init__(self, config: LayerConfig) -> None:
         self.config = config
         self._cache: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
+        self._per_token: tuple[Tensor, int, torch.dtype, tuple[Tensor, Tensor]] | None = None
+
+    def per_token(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``cos, sin`` (``[n, d]``) for a micro-batch's per-token ``positions`` (``[b, s]``,
+        flattened), made once and shared by every layer of the model: the last micro-batch's
+        are kept (the same tensor object, unmodified, and dtype), so a micro-batch holds one
+        pair, ``2·e·b·s·d`` bytes, however many layers rotate by it (each layer's rotation
+        keeps a reference until its backward)."""
+        kept = self._per_token
+        if (
+            kept is not None
+            and kept[0] is positions
+            and kept[1] == positions._version
+            and kept[2] == dtype
+        ):
+            return kept[3]
+        tables = self.tables_at(positions.reshape(-1), dtype)
+        if not is_fake(tables[0]):  # as tables(): none made under a fake mode is kept
+            self._per_token = (positions, positions._version, dtype, tables)
+        return tables
 
     def tables(
         self,
@@ -224,7 +244,7 @@ class Attention(nn.Module):
         if self.rotary is not None and positions is not None:  # per token: [s, b, 1, 1, d]
             cos, sin = (
                 y.view(b, s, 1, 1, -1).transpose(0, 1)
-                for y in self.rotary.tables_at(positions.reshape(-1), qkv.dtype)
+                for y in self.rotary.per_token(positions, qkv.dtype)
             )
             qkv = _Rope.apply(qkv.view(s, b, self.local_groups, *qkv.shape[2:]), cos, sin)
             qkv = qkv.view(s, b * self.local_groups, *qkv.shape[3:])

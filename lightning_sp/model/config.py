@@ -253,11 +253,13 @@ class GPTConfig:
         mask_bytes: float = 1,
         context_parallel_size: int = 1,
         expert_tensor_parallel_size: int = 1,
+        documents: bool = False,
     ) -> ActivationShape:
         """The shape of this config's layers at tensor-parallel size ``t``, micro-batch ``b``,
         context-parallel size ``c`` and expert-tensor-parallel size (``seq_length`` overrides
         the config's, for shorter inputs; it is the whole sequence, of which a rank holds
-        ``s/c`` under CP)."""
+        ``s/c`` under CP); ``documents``: attention masked by packed documents
+        (``data.document_mask``)."""
         return ActivationShape(
             s=seq_length or self.seq_length,
             b=micro_batch_size,
@@ -276,6 +278,7 @@ class GPTConfig:
             norm=self.normalization,
             c=context_parallel_size,
             d=self.kv_channels or 0,
+            documents=documents,
             block=self.block(),
             etp=expert_tensor_parallel_size,
         )

@@ -162,6 +162,11 @@ class AttentionBackend:
     """Whether it stores ``s x s`` tensors for backward (``core_attn`` drops them)."""
     backward_redone_flops: Callable[[ActivationShape], float]
     """Matmul FLOPs its backward recomputes per layer for ``shape.b`` sequences (all ranks)."""
+    document_copy: bool = False
+    """Whether, under a document mask, its output is a concatenation of per-document outputs
+    that the projection keeps besides the pieces the kernels keep (``sdpa``: one more
+    ``[s, b, a·d/t]`` context, ``e·sb·a·d/t`` per layer); ``math`` masks its score bias
+    in place of the causal one and saves nothing more."""
 
 
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
@@ -170,7 +175,11 @@ ATTENTION_BACKENDS: dict[str, AttentionBackend] = {
         AttentionBackend("math", attention_core, True, lambda x: 0.0),
         # flash-style backward recomputes the scores QKᵀ (2bs²·ad, 2bs²h when a·d = h)
         AttentionBackend(
-            "sdpa", sdpa_core, False, lambda x: 2.0 * x.b * x.s * x.s * x.a * x.head_dim
+            "sdpa",
+            sdpa_core,
+            False,
+            lambda x: 2.0 * x.b * x.s * x.s * x.a * x.head_dim,
+            document_copy=True,
         ),
     )
 }

@@ -57,9 +57,20 @@ class GenerationConfig:
     use_cache: bool = True
     """Decode incrementally with a key/value cache; false: a full forward every token."""
 
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end the continuation besides the end-of-document token (not included in
+    it): a chat template's end of turn (``generate --chat true`` reads them from the
+    tokenizer directory: :func:`~lightning_sp.data.chat.chat_stop_ids`)."""
+
     def validate(self) -> None:
         """:class:`ConfigError` (one line) for a bad field."""
         positive_int("max_new_tokens", self.max_new_tokens)
+        for token in self.stop_token_ids:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ConfigError(
+                    f"stop_token_ids={list(self.stop_token_ids)!r} must be token ids "
+                    f"(integers >= 0); {token!r} is not"
+                )
         if self.top_k is not None:
             positive_int("top_k", self.top_k)
         if self.temperature < 0:
@@ -177,9 +188,10 @@ def generate(
     model: GPT, prompt: list[int], config: GenerationConfig, eos_id: int | None = None
 ) -> list[int]:
     """The tokens that follow ``prompt`` (one sequence), without the end-of-document token
-    ``eos_id`` that stops it. At most ``config.max_new_tokens`` and at most up to the model's
-    ``seq_length`` in all. Every rank of the TP group must call it with the same arguments;
-    they return the same tokens. Dropout is off while generating."""
+    ``eos_id`` or the token of ``config.stop_token_ids`` that stops it. At most
+    ``config.max_new_tokens`` and at most up to the model's ``seq_length`` in all. Every rank
+    of the TP group must call it with the same arguments; they return the same tokens.
+    Dropout is off while generating."""
     config.validate()
     if not (model.has_embedding and model.has_head):
         raise ConfigError(
@@ -201,6 +213,7 @@ def generate(
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, n]
     cached = sequence_parallel_off(model) if config.use_cache else None
     cache = KVCache.for_model(cached, batch=1) if cached is not None else None
+    stops = set(config.stop_token_ids) | ({eos_id} if eos_id is not None else set())
     out: list[int] = []
     try:
         while len(out) < config.max_new_tokens and ids.shape[1] <= seq_length:
@@ -210,7 +223,7 @@ def generate(
             else:
                 logits = forward_full(model, ids)[0]
             token = sample(logits, config, generator)
-            if token == eos_id:
+            if token in stops:
                 break
             out.append(token)
             if ids.shape[1] == seq_length:

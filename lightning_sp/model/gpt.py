@@ -30,7 +30,7 @@ two masks; ``full`` keeps the layer input only.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from lightning_sp.errors import ConfigError
 from lightning_sp.model.attention import Attention, Rotary, token_positions
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.documents import Packing, Reduction
 from lightning_sp.model.parts.base import BuildContext
 from lightning_sp.model.parts.dense import MLP
 from lightning_sp.model.parts.norm import Norm
@@ -55,10 +56,6 @@ from lightning_sp.parallel.layers import (
 )
 from lightning_sp.parallel.random import RNGStreams, dropout
 from lightning_sp.parallel.state import ParallelState
-
-Reduction = Literal["mean", "sum"]
-"""How :meth:`GPT.loss` reduces the per-token losses: their mean over the counted tokens, or
-their sum (for a token mean taken later over a whole step)."""
 
 
 class TransformerLayer(nn.Module):
@@ -302,22 +299,21 @@ class GPT(nn.Module):
         )
 
     def forward(
-        self,
-        input_ids: Tensor,
-        labels: Tensor,
-        reduction: Reduction = "mean",
-        documents: Tensor | None = None,
-        positions: Tensor | None = None,
+        self, input_ids: Tensor, labels: Tensor, packing: Packing | Reduction = "mean"
     ) -> Tensor:
-        """The loss of ``input_ids`` against ``labels`` (``[b, s]``, this CP rank's chunks).
-        ``documents``: ``[b, s]`` document ids of the **whole** sequence (also under context
-        parallelism): block-causal attention; ``positions``: ``[b, s]`` position of each
-        (local) token, e.g. restarting per document (:mod:`lightning_sp.model.documents`)."""
+        """The loss of ``input_ids`` against ``labels`` (``[b, s]``, this CP rank's chunks),
+        reduced as ``packing.reduction`` says. ``packing`` (:class:`~lightning_sp.model.
+        documents.Packing`; a reduction name for an unpacked batch): ``documents``, ``[b, s]``
+        ids of the **whole** sequence (also under context parallelism), block-causal
+        attention; ``positions``, ``[b, s]`` of each (local) token, e.g. restarting per
+        document (:mod:`lightning_sp.model.documents`)."""
         if not (self.has_embedding and self.has_head):
             raise RuntimeError("GPT.forward needs the whole stack; run stages through the pipeline")
+        packing = Packing.of(packing)
         self.check_sequence(input_ids.shape[-1])
-        x = self.embed(input_ids, positions=positions)
-        return self.loss(self.forward_layers(x, documents, positions), labels, reduction)
+        x = self.embed(input_ids, positions=packing.positions)
+        x = self.forward_layers(x, packing.documents, packing.positions)
+        return self.loss(x, labels, packing.reduction)
 
     def check_sequence(self, s: int) -> None:
         """``ValueError`` (one line) unless ``s`` tokens fit this model and its layout; ``s``
@@ -341,4 +337,4 @@ class GPT(nn.Module):
             )
 
 
-__all__ = ["GPT", "MLP", "Attention", "TransformerLayer"]
+__all__ = ["GPT", "MLP", "Attention", "Packing", "Reduction", "TransformerLayer"]

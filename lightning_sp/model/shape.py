@@ -56,6 +56,10 @@ class ActivationShape:
     etp: int = 1
     """Expert tensor parallel size: 1 (experts whole on every TP rank) or ``t`` (each expert's
     ``f_e`` split over the TP group, which gathers its tokens around the MoE layer)."""
+    documents: bool = False
+    """Whether attention is document-masked (block-causal over packed documents,
+    ``data.document_mask``): what the backend's document path saves besides the causal one
+    (:attr:`~lightning_sp.model.cores.AttentionBackend.document_copy`)."""
     block: object | None = field(default=None, compare=False, repr=False)
     """The layer's parts (a :class:`~lightning_sp.model.parts.block.Block`, which sits above
     this module and so is not named in the type); None: the

@@ -40,7 +40,8 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.gpt import GPT, Reduction
+from lightning_sp.model.documents import Packing, Reduction
+from lightning_sp.model.gpt import GPT
 from lightning_sp.model.moe import scale_auxiliary_losses
 from lightning_sp.parallel import grads as grad_utils
 from lightning_sp.parallel.buffer import GradBuffer
@@ -53,12 +54,6 @@ from lightning_sp.pipeline.split import (
 )
 
 _Schedule = Schedule1F1B | ScheduleInterleaved1F1B
-
-
-def _extra(documents: Tensor | None, positions: Tensor | None) -> dict[str, Any]:
-    """The keyword inputs of every stage for packed documents (those given)."""
-    extra = {"documents": documents, "positions": positions}
-    return {k: v for k, v in extra.items() if v is not None}
 
 
 # -- stage modules --------------------------------------------------------------------------------
@@ -262,26 +257,16 @@ class Pipeline(nn.Module):
         return self.schedule_name != "none"
 
     def forward(
-        self,
-        input_ids: Tensor,
-        labels: Tensor,
-        reduction: Reduction = "mean",
-        documents: Tensor | None = None,
-        positions: Tensor | None = None,
+        self, input_ids: Tensor, labels: Tensor, packing: Packing | Reduction = "mean"
     ) -> Tensor:
-        """``p = 1`` only: the mean (or sum: ``reduction``) loss of the batch with its graph
-        (the whole model is this rank's one chunk), for the caller to run backward."""
+        """``p = 1`` only: the mean (or sum: ``packing.reduction``) loss of the batch with its
+        graph (the whole model is this rank's one chunk), for the caller to run backward."""
         if self.runs_backward:
             raise RuntimeError("with pipeline_parallel_size > 1 the schedule runs: use train_step")
-        return self.chunks[0](input_ids, labels, reduction, documents, positions)
+        return self.chunks[0](input_ids, labels, packing)
 
     def train_step(
-        self,
-        input_ids: Tensor,
-        labels: Tensor,
-        reduction: Reduction = "mean",
-        documents: Tensor | None = None,
-        positions: Tensor | None = None,
+        self, input_ids: Tensor, labels: Tensor, packing: Packing | Reduction = "mean"
     ) -> Tensor:
         """Forward and backward of all ``n`` micro-batches of ``input_ids``/``labels`` ``[B, s]``.
 
@@ -289,16 +274,17 @@ class Pipeline(nn.Module):
         optimizer's hooks): their sum over micro-batches is the gradient of the mean loss over
         the batch. They are not yet reduced: call :meth:`finalize_grads` before the optimizer.
         Returns the mean loss (a detached scalar, fp32 for bf16/fp16 models) on every rank of
-        the pipeline. ``reduction="sum"``: the loss and its gradients are instead the sum over
-        the counted tokens (labels not :data:`~lightning_sp.parallel.layers.IGNORE_INDEX`) of
-        all micro-batches, for :class:`~lightning_sp.pipeline.token_mean.TokenMean` to divide
-        by the step's global count. ``documents`` (``[B, s]`` ids of the whole sequences)
-        and ``positions`` (``[B, s]`` of the given tokens): packed documents
-        (:meth:`GPT.forward`); every stage receives its micro-batch's rows.
+        the pipeline. ``packing.reduction="sum"``: the loss and its gradients are instead the
+        sum over the counted tokens (labels not :data:`~lightning_sp.parallel.layers.
+        IGNORE_INDEX`) of all micro-batches, for :class:`~lightning_sp.pipeline.token_mean.
+        TokenMean` to divide by the step's global count. ``packing.documents`` (``[B, s]`` ids
+        of the whole sequences) and ``packing.positions`` (``[B, s]`` of the given tokens):
+        packed documents (:meth:`GPT.forward`); every stage receives its micro-batch's rows.
         """
+        packing = Packing.of(packing)
         self._check_inputs(input_ids, labels)
-        self._reduction = reduction
-        extra = _extra(documents, positions)
+        self._reduction = packing.reduction
+        extra: dict[str, Any] = packing.sequence()
         if self.schedule_name == "none":
             return self._accumulate(input_ids, labels, backward=True, **extra)
         schedule = self._schedule(input_ids)
@@ -315,21 +301,17 @@ class Pipeline(nn.Module):
 
     @torch.no_grad()
     def eval_step(
-        self,
-        input_ids: Tensor,
-        labels: Tensor,
-        reduction: Reduction = "mean",
-        documents: Tensor | None = None,
-        positions: Tensor | None = None,
+        self, input_ids: Tensor, labels: Tensor, packing: Packing | Reduction = "mean"
     ) -> Tensor:
         """Forward of all micro-batches (validation; no graph is built, no gradient touched).
 
         The caller sets train/eval mode (dropout) as for any module. Returns the mean (or sum)
         loss (as :meth:`train_step`) on every rank of the pipeline.
         """
+        packing = Packing.of(packing)
         self._check_inputs(input_ids, labels)
-        self._reduction = reduction
-        extra = _extra(documents, positions)
+        self._reduction = packing.reduction
+        extra: dict[str, Any] = packing.sequence()
         if self.schedule_name == "none":
             return self._accumulate(input_ids, labels, backward=False, **extra)
         schedule = self._schedule(input_ids)

@@ -56,7 +56,10 @@ from lightning_sp.memory.formulas import (
     parameters_per_rank,
 )
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.documents import packed_bytes
 from lightning_sp.model.recompute import AUTO, policy_name
+from lightning_sp.model.shape import ActivationShape
+from lightning_sp.model.spec import POSITIONS
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.cluster import Cluster, load_cluster
 from lightning_sp.planner.layout import DEFAULT_DEVICE_BYTES, Layout
@@ -73,18 +76,48 @@ from lightning_sp.planner.steptime import step_time
 # -- the estimate ------------------------------------------------------------------------------
 
 
-def formula_activations(layout: Layout, config: GPTConfig) -> Activations:
-    """The paper's bytes (Table 2 generalised, §4.5) for ``config`` laid out as ``layout``."""
-    t = layout.tensor_parallel_size
-    shape = config.activation_shape(
-        t, layout.micro_batch_size, context_parallel_size=layout.context_parallel_size,
+def _shape(layout: Layout, config: GPTConfig, documents: bool) -> ActivationShape:
+    return config.activation_shape(
+        layout.tensor_parallel_size,
+        layout.micro_batch_size,
+        context_parallel_size=layout.context_parallel_size,
         expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
-    )  # fmt: skip
+        documents=documents,
+    )
+
+
+def formula_activations(layout: Layout, config: GPTConfig) -> Activations:
+    """The paper's bytes (Table 2 generalised, §4.5) for ``config`` laid out as ``layout``,
+    with what packed documents add (the attention part's terms under a document mask, the
+    ids, positions and per-token RoPE tables: :func:`~lightning_sp.model.documents.
+    packed_bytes`)."""
+    shape = _shape(layout, config, layout.document_mask)
+    packed = packed_bytes(
+        shape,
+        document_mask=layout.document_mask,
+        reset_position_ids=layout.reset_position_ids,
+        rotary=not POSITIONS[config.position_embedding].learned,
+    )
     return Activations(
         per_layer=activation_bytes_per_layer(shape, config.recompute),
         embedding=embedding_activation_bytes(shape),
-        head=output_activation_bytes(shape, config.padded_vocab_size(t)),
+        head=output_activation_bytes(shape, config.padded_vocab_size(layout.tensor_parallel_size)),
+        ids=packed.ids,
+        tables=packed.tables,
     )
+
+
+def document_mask_bytes_per_layer(layout: Layout, config: GPTConfig) -> float:
+    """What the document mask adds to a layer's saved bytes under ``config.recompute`` (the
+    formula's difference; the fake-tensor trace runs causal, since ``sdpa``'s per-document
+    calls need the document lengths on the host, which fake tensors do not have)."""
+    if not layout.document_mask:
+        return 0.0
+    masked, causal = (
+        activation_bytes_per_layer(_shape(layout, config, documents), config.recompute)
+        for documents in (True, False)
+    )
+    return masked - causal
 
 
 def _measure(layout: Layout, config: GPTConfig, layers: int) -> ActivationMeasurement:
@@ -110,6 +143,7 @@ def first_stage_bytes(layout: Layout, layer_bytes: list[float], acts: Activation
     p, n = layout.pipeline_parallel_size, layout.num_microbatches
     in_flight = chunk_forwards_in_flight(p, layout.virtual_pipeline_size, n)
     total = sum(layer_bytes) * in_flight + acts.embedding * min(p, n)
+    total += acts.ids * n + acts.tables * in_flight  # packed documents (0 without)
     return total + (acts.head if p == 1 else 0.0)
 
 
@@ -203,7 +237,13 @@ def estimate(
         got = formula
         if measure:
             m = measurements[(sp, rc)] = _measure(layout, combo, layers)
-            got = Activations(m.bytes_per_layer, m.embedding_bytes, m.head_bytes or 0)
+            got = Activations(
+                m.bytes_per_layer + document_mask_bytes_per_layer(layout, combo),
+                m.embedding_bytes,
+                m.head_bytes or 0,
+                formula.ids,
+                formula.tables,
+            )
         acts[sp][rc] = (got, formula)
     rows = [
         _row(layout, sp, rc, acts[sp], state_bytes, device, hardware)

@@ -45,6 +45,15 @@ class Layout(ParallelConfig):
     """The strategy's ``overlap_grad_reduce``: the data-parallel reduction starts during the
     last micro-batch's backward (else it runs after it, all exposed)."""
 
+    document_mask: bool = False
+    """``data.document_mask`` (or chat data, which always packs with document masks):
+    block-causal attention, whose bytes the attention part states (``document_context``), and
+    the micro-batch's document ids (:class:`~lightning_sp.model.documents.PackedBytes`)."""
+
+    reset_position_ids: bool = False
+    """``data.reset_position_ids`` (or chat data): positions per token, and under RoPE their
+    cos/sin tables per micro-batch and model chunk in flight."""
+
     source: str = "<layout>"
     """Where the layout was read from, for messages."""
 

@@ -52,6 +52,16 @@ class Activations:
     head: float
     """The final LayerNorm, output layer and loss (on the first stage only when ``p = 1``)."""
 
+    ids: float = 0.0
+    """Packed documents: the micro-batch's document ids and positions, held for the step
+    (each of the step's micro-batches: :attr:`PackedBytes.ids
+    <lightning_sp.model.documents.PackedBytes.ids>`)."""
+
+    tables: float = 0.0
+    """Packed documents under RoPE: the per-token cos/sin of one micro-batch, per model chunk
+    forward in flight (:attr:`PackedBytes.tables
+    <lightning_sp.model.documents.PackedBytes.tables>`)."""
+
 
 @dataclass
 class EstimateRow:

@@ -147,6 +147,8 @@ def _layouts(base: Layout, max_micro_batch: int) -> list[tuple[Layout, int]]:
                                 overlap_grad_reduce=base.overlap_grad_reduce,
                                 expert_parallel_size=e, expert_tensor_parallel_size=etp,
                                 source=base.source,
+                                document_mask=base.document_mask,
+                                reset_position_ids=base.reset_position_ids,
                             )  # fmt: skip
                             out.append((layout, c))
     return out

@@ -35,8 +35,9 @@ from lightning_sp.data.prompts import Codec
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.documents import Packing
 from lightning_sp.model.generate import GenerationConfig, generate
-from lightning_sp.model.gpt import GPT, Reduction
+from lightning_sp.model.gpt import GPT
 from lightning_sp.model.moe import (
     has_auxiliary_losses,
     scale_auxiliary_losses,
@@ -272,8 +273,8 @@ class GPTModule(LightningModule):
         step's global token mean divides it: :class:`TokenMean`)."""
         model = self.stage_model()
         c, r = model.state.context_parallel_size, model.state.context_parallel_rank
-        reduction: Reduction = "sum" if "loss_mask" in batch else "mean"
-        if reduction == "sum" and has_auxiliary_losses(model):
+        packing = Packing.of_batch(batch, model.state)  # documents, positions, reduction
+        if packing.reduction == "sum" and has_auxiliary_losses(model):
             # the step's token mean rescales every gradient once the step's count is known;
             # the auxiliary losses' share would be rescaled with it
             raise ConfigError(
@@ -285,19 +286,14 @@ class GPTModule(LightningModule):
             shard_for_context_parallel(x, 1, c, r)
             for x in (batch["input_ids"], self._labels(batch))
         )
-        # packed documents: the ids of the whole sequences, the positions of this rank's tokens
-        positions = batch.get("positions")
-        if positions is not None:
-            positions = shard_for_context_parallel(positions, 1, c, r)
-        extra = {"documents": batch.get("documents"), "positions": positions}
         if not train:
-            return model.eval_step(ids, labels, reduction, **extra)
+            return model.eval_step(ids, labels, packing)
         if not model.runs_backward:
-            return model(ids, labels, reduction, **extra)  # Lightning runs backward
+            return model(ids, labels, packing)  # Lightning runs backward
         optimizer = self.optimizers()
         assert not isinstance(optimizer, list)  # configure_optimizers returns one
         optimizer.zero_grad()  # see optimizer_zero_grad
-        return model.train_step(ids, labels, reduction, **extra)  # every micro-batch's passes
+        return model.train_step(ids, labels, packing)  # every micro-batch's passes
 
     # -- steps -------------------------------------------------------------------------------
 

@@ -67,7 +67,9 @@ class SelfAttention(Part):
       * the core: ``math`` keeps ``attention_scores`` ``(2e + k)·as²b`` (``e·as²b`` without
         attention dropout; the paper's 5as²b), ``sdpa`` an fp32 ``attention_lse`` ``4asb``;
         under CP neither;
-      * ``proj_input``: the core's own output ``e·sb·a·d`` (inside).
+      * ``proj_input``: the core's own output ``e·sb·a·d`` (inside);
+      * ``document_context``: under a document mask with ``sdpa`` (one call per document), the
+        concatenated context the projection keeps, ``e·sb·a·d`` (inside); 0 otherwise.
     GEMMs: ``qkv`` ``h -> (a + 2g')d/t``, the core (per query head), ``projection``
     ``a·d/t -> h``. Params: ``(a + 2g')·d·h + a·d·h``, biases as ``bias_qkv`` / ``bias_proj``.
     """
@@ -109,8 +111,23 @@ class SelfAttention(Part):
                 INSIDE,
             ),
             "proj_input": (e * sb * x.a * d if x.d else e * x.sbh, INSIDE),
+            "document_context": (self._document_context(x), INSIDE),
             **self._qk_norm_terms(x),
         }
+
+    def _document_context(self, x: ActivationShape) -> float:
+        """Under a document mask, with a backend that runs one call per document
+        (:attr:`~lightning_sp.model.cores.AttentionBackend.document_copy`, ``sdpa``): the
+        concatenated context the projection keeps besides the kernels' own outputs,
+        ``e·sb·a·d`` (``2sbh`` in bf16 for ``a·d = h``); 0 under context parallelism (the CP
+        core masks its chunk pairs and keeps q, k, v only) and for ``math`` (its mask replaces
+        the causal score bias, transient). Assumes a micro-batch of more than one document
+        piece (``b > 1`` or a boundary in the sequence): with ``b = 1`` and one document the
+        kernel's output is kept as is."""
+        copies = ATTENTION_BACKENDS[x.attention].document_copy
+        if not (x.documents and copies) or x.c > 1:
+            return 0.0
+        return x.activation_bytes * x.s * x.b * x.a * x.head_dim
 
     def _qk_norm_terms(self, x: ActivationShape) -> Terms:
         """With a query/key norm: its input, the QKV linear's output (a second storage of
