@@ -64,11 +64,15 @@ def children(pid: int) -> list[int]:
     return [int(c) for c in path.read_text().split()] if path.exists() else []
 
 
+class Stalled(AssertionError):
+    """A run still going without getting to where :func:`wait_for` waited for it."""
+
+
 def wait_for(path: Path, proc: subprocess.Popen, cwd: Path, timeout: float = 150) -> None:
     """Wait until ``path`` exists (the run :func:`start` ran in ``cwd`` got that far); fail if
-    ``proc`` ended first, or after ``timeout`` seconds: then every process of the run is sent
-    ``SIGABRT`` (each prints its threads' stacks: :func:`start` sets ``PYTHONFAULTHANDLER``)
-    and the failure shows the end of the run's stderr, so a stalled run says where it was."""
+    ``proc`` ended first, or after ``timeout`` seconds (:class:`Stalled`): then every process
+    of the run is sent ``SIGABRT`` (each prints its threads' stacks: :func:`start` sets
+    ``PYTHONFAULTHANDLER``) and the failure shows the end of the run's stderr."""
     deadline = time.monotonic() + timeout
     while not path.exists():
         assert proc.poll() is None, f"the run ended (code {proc.returncode}) before {path}"
@@ -76,7 +80,7 @@ def wait_for(path: Path, proc: subprocess.Popen, cwd: Path, timeout: float = 150
             for pid in [*children(proc.pid), proc.pid]:
                 os.kill(pid, signal.SIGABRT)
             _, stderr = finish(proc, cwd, 30)
-            raise AssertionError(f"no {path} after {timeout} s; its stderr:\n{stderr[-20000:]}")
+            raise Stalled(f"no {path} after {timeout} s; its stderr:\n{stderr[-20000:]}")
         time.sleep(0.2)
 
 

@@ -7,30 +7,57 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 
 from lightning_sp.checkpoint import read_full
 
-from cli_runs import CLI, SMALL, TINY, children, error_lines, finish, gone, start, wait_for
+from cli_runs import (
+    CLI,
+    SMALL,
+    TINY,
+    Stalled,
+    children,
+    error_lines,
+    finish,
+    gone,
+    start,
+    wait_for,
+)
 
 STOP_WITHIN = 30  # seconds from the signal to the exit of every rank
 
 
 def _training(tmp_path: Path) -> tuple:
     """A run that would train for long, once it has saved step 2 (so training is under way):
-    (the launcher process, its rank-1 child's pid)."""
+    (the launcher process, its rank-1 child's pid).
+
+    A run that has not got to step 2 after 150 s (seconds normally) is started once more,
+    after a warning holding its stderr and every rank's stacks: CI once saw such a stall
+    before training, which 20 runs here did not repeat; what these tests check is how a run
+    under way ends, and the warning keeps the stall visible in the report."""
     config = tmp_path / "config.yaml"
     config.write_text(
         Path(TINY).read_text().replace("every_n_train_steps: 100", "every_n_train_steps: 2")
     )
     args = [CLI, "fit", "--config", str(config), *SMALL, "--trainer.max_steps", "100000"]
-    proc = start(args, tmp_path)
-    wait_for(tmp_path / "checkpoints" / "tiny" / "step2.ckpt", proc, tmp_path)
+    for attempt in (1, 2):
+        proc = start(args, tmp_path)
+        try:
+            wait_for(tmp_path / "checkpoints" / "tiny" / "step2.ckpt", proc, tmp_path)
+            break
+        except Stalled as stalled:
+            if attempt == 2:
+                raise
+            warnings.warn(f"a run stalled before step 2; started again:\n{stalled}", stacklevel=1)
+            for folder in ("checkpoints", "logs"):
+                shutil.rmtree(tmp_path / folder, ignore_errors=True)
     (rank1,) = children(proc.pid)
     return proc, rank1
 
