@@ -160,3 +160,24 @@ def test_what_may_change_on_resume_loads_exactly(saved) -> None:
     assert loss_and_grads(model, ids, labels).item() == pytest.approx(
         loss_and_grads(trained, ids, labels).item(), rel=1e-12, abs=0
     )
+
+
+def test_a_recorded_config_with_nested_settings_builds_their_records() -> None:
+    """A checkpoint records its config as JSON values (``meta.json``: ``moe`` and
+    ``rope_scaling`` as mappings); read back, they are a ``MoEConfig`` and a ``RopeScaling``
+    again, so the model builds (``export`` of an MoE checkpoint failed on a dict before)."""
+    from lightning_sp.checkpoint.verify import saved_config
+    from lightning_sp.model.moe_config import MoEConfig
+    from lightning_sp.model.ops import RopeScaling
+
+    config = GPTConfig.of(
+        "llama", vocab_size=64, seq_length=16, hidden_size=32, num_layers=1, num_heads=4,
+        feed_forward="moe", moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_size=16),
+        rope_scaling=RopeScaling(rope_type="linear", factor=2.0),
+    )  # fmt: skip
+    recorded = json.loads(json.dumps(dataclasses.asdict(config)))
+    meta = Meta(step=1, layout=ParallelConfig(), model=recorded)
+    back = saved_config(meta)
+    assert back == config and isinstance(back.moe, MoEConfig)
+    assert isinstance(back.rope_scaling, RopeScaling)
+    GPT(back, ParallelState.single(), device="meta")

@@ -1,4 +1,4 @@
-"""A tiny run of a new family end to end: ``configs/qwen3_tiny.yaml``'s model (Qwen3: query/key
+"""Tiny runs end to end. A new family: ``configs/qwen3_tiny.yaml``'s model (Qwen3: query/key
 norms per head, head dimension 48 != h/a) shrunk to seconds, trained 10 steps at t = 2 + SP
 from the seeded init on byte-level data, exported by ``export_checkpoint`` (what ``cli.py
 export`` runs): the directory loads in ``AutoModelForCausalLM`` as a ``Qwen3ForCausalLM`` and
@@ -13,10 +13,12 @@ import pytest
 import torch
 import yaml
 from test_hf_export import LOSS_RTOL, SaveHeldOutLoss, _fit
+from test_interop_moe import float64_reference
 
 from lightning_sp import GPTConfig, GPTModule, OptimizerConfig
 from lightning_sp.cli.export import export_checkpoint
 from lightning_sp.data import TextDataModule
+from lightning_sp.model.moe_config import MoEConfig
 
 from cli_runs import ROOT
 from hf_models import SEQ, hf_logits_and_loss, transformers
@@ -46,6 +48,37 @@ def test_trained_qwen3_exported_gives_its_own_loss(tmp_path: Path, corpus: Path)
     out = export_checkpoint(ckpt, tmp_path / "hf")
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
     assert type(model).__name__ == "Qwen3ForCausalLM"
+    saved = torch.load(held_out)
+    _, hf_loss = hf_logits_and_loss(model, saved["input_ids"], saved["labels"])
+    error = abs(hf_loss.item() - saved["loss"].item()) / hf_loss.item()
+    print(f"held-out loss: run {saved['loss'].item():.8f}, transformers {hf_loss.item():.8f}, "
+          f"relative {error:.1e}")  # fmt: skip
+    assert saved["loss"].item() < 5.0, "10 steps did not train (ln 257 = 5.55)"
+    assert error <= LOSS_RTOL, f"held-out loss {saved['loss']} vs transformers' {hf_loss}"
+
+
+def moe_tiny(**overrides: object) -> GPTConfig:
+    """``configs/moe_tiny.yaml``'s model config with ``overrides`` (``moe`` merged)."""
+    raw = yaml.safe_load((ROOT / "configs" / "moe_tiny.yaml").read_text())["model"]["config"]
+    moe = MoEConfig(**{**raw.pop("moe"), **overrides.pop("moe", {})})  # type: ignore[arg-type]
+    return GPTConfig(**{**raw, "moe": moe, **overrides})  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_trained_moe_tiny_exported_gives_its_own_loss(tmp_path: Path, corpus: Path) -> None:
+    """``configs/moe_tiny.yaml``'s model shrunk (8 experts, top-2), trained 10 steps with its
+    experts shared out over 2 ranks (e = 2), exported: the directory loads as a
+    ``MixtralForCausalLM`` and gives the run's own loss on a held-out batch."""
+    config = moe_tiny(hidden_size=64, num_layers=2, num_heads=4, seq_length=SEQ,
+                      moe={"expert_ffn_size": 32})  # fmt: skip
+    module = GPTModule(config, OptimizerConfig(lr=1e-2, warmup_steps=1))
+    data = TextDataModule(paths=str(corpus), seq_length=SEQ, batch_size=4, val_fraction=0.1)
+    held_out = tmp_path / "held_out.pt"
+    ckpt = _fit(tmp_path, module, data, {"expert_parallel_size": 2}, steps=10,
+                callbacks=(SaveHeldOutLoss(held_out),))  # fmt: skip
+    out = export_checkpoint(ckpt, tmp_path / "hf")
+    model = float64_reference(transformers.AutoModelForCausalLM.from_pretrained(out))
+    assert type(model).__name__ == "MixtralForCausalLM"
     saved = torch.load(held_out)
     _, hf_loss = hf_logits_and_loss(model, saved["input_ids"], saved["labels"])
     error = abs(hf_loss.item() - saved["loss"].item()) / hf_loss.item()

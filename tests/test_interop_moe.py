@@ -59,7 +59,7 @@ FAMILIES = {
 """A small random model of each family: 2 layers, 4 experts, top-2, 4 heads in 2 KV groups."""
 
 
-def _float64(model: Any) -> Any:
+def float64_reference(model: Any) -> Any:
     """``model`` in float64 eval mode with the eager expert loop (``torch._grouped_mm``
     refuses float64), OLMoE's query/key norms in float64 (module docstring)."""
     model.config._experts_implementation = "eager"
@@ -71,14 +71,14 @@ def _float64(model: Any) -> Any:
 
 def save_random(family: str, directory: Path) -> Any:
     """A random model of ``family``, perturbed, saved in ``directory`` by ``save_pretrained``;
-    returned as :func:`_float64` makes it."""
+    returned as :func:`float64_reference` makes it."""
     torch.manual_seed(0)
     model = FAMILIES[family]()
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param), alpha=0.05)
     model.save_pretrained(directory)
-    return _float64(model)
+    return float64_reference(model)
 
 
 def save_fused(model: Any, directory: Path) -> Path:
@@ -166,7 +166,7 @@ def test_export_loads_as_the_same_class(saved: tuple, tmp_path: Path) -> None:
     save_hf(model.config, names, tmp_path / "out", eos_token_id=0)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert type(back).__name__ == type(hf).__name__
-    back = _float64(back)
+    back = float64_reference(back)
     original = hf.state_dict()
     assert back.state_dict().keys() == original.keys()
     for name, value in back.state_dict().items():

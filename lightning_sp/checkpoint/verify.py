@@ -81,7 +81,7 @@ def saved_config(meta: Meta) -> Any:
     from lightning_sp.model.config import GPTConfig
 
     known = {f.name for f in dataclasses.fields(GPTConfig)}
-    return GPTConfig(**{k: v for k, v in meta.model.items() if k in known})
+    return GPTConfig.from_values({k: v for k, v in meta.model.items() if k in known})
 
 
 def check_architecture(metadata: Metadata, meta: Meta, config: Any) -> None:

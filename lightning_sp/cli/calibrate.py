@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.config is None:
             parser.error("--config is required (or --smoke)")
         with open(args.config) as fh:
-            config = GPTConfig(**yaml.safe_load(fh)["model"]["config"])
+            config = GPTConfig.from_values(yaml.safe_load(fh)["model"]["config"])
         tps, mbs = _sizes(args.tensor_parallel_sizes), _sizes(args.micro_batch_sizes)
         tps = [t for t in tps if config.num_heads % t == 0 and config.ffn_size % t == 0]
         seconds, square, copy_bytes = args.seconds, 8192, 1 << 30

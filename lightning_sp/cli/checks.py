@@ -120,19 +120,8 @@ def model_config_of(fields: Any) -> Any:
     """The ``GPTConfig`` of a parsed ``model.config`` (a Namespace; ``rope_scaling`` and
     ``moe`` given as mappings become a ``RopeScaling`` and a ``MoEConfig``)."""
     from lightning_sp.model.config import GPTConfig
-    from lightning_sp.model.moe_config import MoEConfig
-    from lightning_sp.model.ops import RopeScaling
 
-    values = dict(vars(fields)) if not isinstance(fields, dict) else dict(fields)
-    scaling = values.get("rope_scaling")
-    if scaling is not None and not isinstance(scaling, RopeScaling):
-        values["rope_scaling"] = RopeScaling(
-            **dict(vars(scaling) if hasattr(scaling, "__dict__") else scaling)
-        )
-    moe = values.get("moe")
-    if moe is not None and not isinstance(moe, MoEConfig):
-        values["moe"] = MoEConfig(**dict(vars(moe) if hasattr(moe, "__dict__") else moe))
-    return GPTConfig(**values)
+    return GPTConfig.from_values(fields)
 
 
 def check_generate_layout(config: Any, t: int) -> None:

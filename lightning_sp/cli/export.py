@@ -36,7 +36,7 @@ from lightning_sp.model.config import GPTConfig
 
 
 def _config(fields: dict[str, Any]) -> GPTConfig:
-    config = GPTConfig(**fields)
+    config = GPTConfig.from_values(fields)
     if config.recompute == "auto":  # recompute does not change the weights
         config = dataclasses.replace(config, recompute="none")
     return config

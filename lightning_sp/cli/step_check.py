@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.config is None:
             parser.error("--config is required (or --smoke)")
         with open(args.config) as fh:
-            config, seconds = GPTConfig(**yaml.safe_load(fh)["model"]["config"]), args.seconds
+            config = GPTConfig.from_values(yaml.safe_load(fh)["model"]["config"])
+        seconds = args.seconds
     cluster = load_cluster(args.cluster)
     device = torch.device(args.device)
     rows = check(config, args.micro_batch_size, cluster, device, seconds)

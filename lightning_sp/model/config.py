@@ -192,6 +192,19 @@ class GPTConfig:
             )
         return cls(**{**ARCHITECTURES[architecture], **overrides})
 
+    @classmethod
+    def from_values(cls, values: Any) -> GPTConfig:
+        """A config from plain values (a YAML mapping, a checkpoint's record, a parsed
+        namespace): ``rope_scaling`` and ``moe`` given as mappings become a
+        :class:`~lightning_sp.model.ops.RopeScaling` and a
+        :class:`~lightning_sp.model.moe_config.MoEConfig`."""
+        fields = dict(values) if isinstance(values, dict) else dict(vars(values))
+        for name, record in (("rope_scaling", RopeScaling), ("moe", MoEConfig)):
+            given = fields.get(name)
+            if given is not None and not isinstance(given, record):
+                fields[name] = record(**(dict(given) if isinstance(given, dict) else vars(given)))
+        return cls(**fields)
+
     def has_bias(self, projection: str) -> bool:
         """Whether the projection ``projection`` (one of :data:`BIAS_PROJECTIONS`) has a
         bias."""
