@@ -244,10 +244,12 @@ class GPTConfig:
         activation_bytes: float = 2,
         mask_bytes: float = 1,
         context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
     ) -> ActivationShape:
-        """The shape of this config's layers at tensor-parallel size ``t``, micro-batch ``b``
-        and context-parallel size ``c`` (``seq_length`` overrides the config's, for shorter
-        inputs; it is the whole sequence, of which a rank holds ``s/c`` under CP)."""
+        """The shape of this config's layers at tensor-parallel size ``t``, micro-batch ``b``,
+        context-parallel size ``c`` and expert-parallel size ``e`` (``seq_length`` overrides
+        the config's, for shorter inputs; it is the whole sequence, of which a rank holds
+        ``s/c`` under CP)."""
         return ActivationShape(
             s=seq_length or self.seq_length,
             b=micro_batch_size,
@@ -266,6 +268,7 @@ class GPTConfig:
             norm=self.normalization,
             c=context_parallel_size,
             d=self.kv_channels or 0,
+            e=expert_parallel_size,
             block=self.block(),
         )
 

@@ -53,6 +53,9 @@ class ActivationShape:
     whole sequence length)."""
     d: int = 0
     """Head dimension; 0 means ``h/a``."""
+    e: int = 1
+    """Expert-parallel size: the ranks that share out a mixture-of-experts layer's experts
+    (each holds ``E/e`` of them and runs them on the rows the group sends it)."""
     block: object | None = field(default=None, compare=False, repr=False)
     """The layer's parts (a :class:`~lightning_sp.model.parts.block.Block`, which sits above
     this module and so is not named in the type); None: the

@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 
-def layer_gemms(config: GPTConfig, t: int, b: int, c: int = 1) -> list[Gemm]:
+def layer_gemms(config: GPTConfig, t: int, b: int, c: int = 1, e: int = 1) -> list[Gemm]:
     """The forward GEMMs of one transformer layer on one of ``t`` tensor-parallel ranks for a
     micro-batch of ``b`` sequences: the sum over the layer's parts (:meth:`~lightning_sp.model.
     parts.block.Block.gemms`). For GPT-2 / Llama: QKV ``h -> (a + 2g')d`` (``g' = max(g, t)``
@@ -60,8 +60,10 @@ def layer_gemms(config: GPTConfig, t: int, b: int, c: int = 1) -> list[Gemm]:
     (``b·a/t``), projection, the MLP's input projections ``h -> f`` (one, or SwiGLU's gate and
     up) and ``f -> h``; column-parallel outputs and row-parallel inputs split by ``t``. Under
     context parallelism ``c`` the token GEMMs have ``s·b/c`` rows and the core is one pair of
-    GEMMs per local chunk (:func:`cp_key_lengths`), tagged :data:`CP_CORE`."""
-    shape = config.activation_shape(t, b, context_parallel_size=c)
+    GEMMs per local chunk (:func:`cp_key_lengths`), tagged :data:`CP_CORE`. A mixture of
+    experts at expert-parallel size ``e`` runs its ``E/e`` local experts as a batch of GEMMs
+    of the rows each receives (:meth:`~lightning_sp.model.parts.moe.MoEFeedForward.gemms`)."""
+    shape = config.activation_shape(t, b, context_parallel_size=c, expert_parallel_size=e)
     return config.block().gemms(shape)
 
 
