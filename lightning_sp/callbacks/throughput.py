@@ -109,15 +109,23 @@ class MFUMonitor(Callback):
     ``peak_flops_per_device=None`` resolves the peak once, at the first ``on_train_start``,
     with :func:`~lightning_sp.memory.flops.peak_flops` for the device and compute dtype (the
     parameters' dtype, or bf16 / fp16 under a ``*-mixed`` precision): Lightning's datasheet
-    value on GPUs (A100 bf16: 312e12), a measured matmul rate on CPU (every rank measures,
-    rank zero's value is broadcast). The resolved value is kept in ``peak_flops_per_device``;
-    the last metrics in ``last_metrics``.
+    value on GPUs (A100 bf16: 312e12), a measured matmul rate on CPU. On CPU that rate is what
+    one rank's threads reach *while every rank of the host multiplies at once*, as in
+    training: all ranks measure together (a barrier before each of :attr:`PEAK_ROUNDS`
+    rounds, each stopping within one 1024² matmul of the others), each keeps its best round,
+    and rank zero's best is broadcast. Two ranks of one thread on a host whose two cores
+    share their vector units (as this project's machine: one rank alone reaches about twice
+    the rate of each of two together) would otherwise read a peak of two cores' worth when
+    one rank's measurement outlasts the other's, and an MFU half the true one. The resolved
+    value is kept in ``peak_flops_per_device``; the last metrics in ``last_metrics``.
 
     With :class:`ActivationMemoryMonitor` active on the same step, its saved-tensor hooks
     are inside the timed region (a small overhead on the measured steps).
     """
 
     PREFIX = "throughput/"
+    PEAK_ROUNDS = 3
+    """Measurements of the CPU peak at the start of training, the best kept."""
 
     def __init__(
         self,
@@ -154,15 +162,25 @@ class MFUMonitor(Callback):
             return torch.bfloat16 if precision.startswith("bf16") else torch.float16
         return next(gpt.parameters()).dtype
 
+    def _resolve_peak(self, trainer: Trainer, gpt: GPT) -> float:
+        """:func:`~lightning_sp.memory.flops.peak_flops` of this device and compute dtype,
+        :attr:`PEAK_ROUNDS` times, every rank at once after a barrier (CPU ranks sharing
+        cores contend as in training); the best of each rank's rounds (other processes only
+        ever slow a measurement down), rank zero's used everywhere: one denominator, equal MFU
+        on equal ranks."""
+        device = next(gpt.parameters()).device
+        dtype = self._compute_dtype(trainer, gpt)
+        best = 0.0
+        for _ in range(self.PEAK_ROUNDS):
+            trainer.strategy.barrier()
+            best = max(best, peak_flops(device, dtype))
+        return float(trainer.strategy.broadcast(best, src=0))
+
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         gpt = gpt_of(pl_module)
         if self.peak_flops_per_device is None:
-            device = next(gpt.parameters()).device
-            measured = peak_flops(device, self._compute_dtype(trainer, gpt))
-            # every rank measures (so CPU ranks sharing cores contend as in training), rank
-            # zero's value is used everywhere: one denominator, equal MFU on equal ranks
-            self.peak_flops_per_device = float(trainer.strategy.broadcast(measured, src=0))
+            self.peak_flops_per_device = self._resolve_peak(trainer, gpt)
         world_size = gpt.state.world_size
         self._model, self._hardware = (
             Throughput(self.peak_flops_per_device, world_size, self.window_size) for _ in range(2)
