@@ -159,8 +159,8 @@ def measure_peak_flops(
     On CPU the clock is read after every matmul, so no matmul starts after ``seconds``:
     processes that start measuring together (the ranks of a host, after a barrier) also stop
     together, and each measures its rate while all of them multiply, as they do in training
-    (a rank that went on alone would take a whole core, or the whole of cores sharing one
-    physical core, and overstate its share). On accelerators the device is synchronised after
+    (where cores share their vector units, a rank that went on alone would overstate its
+    share). On accelerators the device is synchronised after
     batches of matmuls doubling in length (few synchronisations). Returns a positive finite
     number.
     """
