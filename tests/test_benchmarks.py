@@ -192,3 +192,28 @@ def test_step_check_smoke_on_cpu(tmp_path: Path) -> None:
         assert row["ratio"] == pytest.approx(row["measured_seconds"] / row["predicted_seconds"])
     predicted = {row["recompute"]: row["predicted_seconds"] for row in rows}
     assert predicted["full"] > predicted["selective"] >= predicted["none"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_moe_benchmark_smoke(tmp_path: Path) -> None:
+    """``python -m benchmarks.moe --smoke``: our MoE layer, the dense SwiGLU of equal active
+    FLOPs and transformers' Mixtral block (both expert implementations) ran; each ratio lies in
+    its interval (the timings themselves are not asserted); the agreement check before the
+    timings fails on a block whose weights differ from ours."""
+    from benchmarks import moe
+
+    out = moe.main(["--smoke", "--out", str(tmp_path)])
+    assert (tmp_path / "moe.json").is_file() and (tmp_path / "moe.md").is_file()
+    for clock in ("wall", "cpu"):
+        ratios = out[f"ratios_{clock}"]
+        assert set(ratios) == {f"moe_over_{n}" for n in moe.IMPLEMENTATIONS[1:]}
+        for ratio, low, high in ratios.values():
+            assert 0 < low <= ratio <= high
+    layers = moe.build(moe.SMOKE)
+    x = torch.randn(moe.SMOKE.tokens, 1, moe.SMOKE.hidden_size)
+    moe.check_agreement(layers, x, torch.randn_like(x))
+    with torch.no_grad():
+        layers["hf"].experts.down_proj[0, 0, 0] += 1.0  # type: ignore[index, operator]
+    with pytest.raises(AssertionError, match="moe and hf disagree on the output"):
+        moe.check_agreement(layers, x, torch.randn_like(x))

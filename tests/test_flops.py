@@ -196,3 +196,31 @@ def test_measure_peak_flops_is_positive_and_finite(dtype: torch.dtype) -> None:
 def test_peak_flops_on_cpu_is_measured() -> None:
     flops = peak_flops(torch.device("cpu"), torch.float32)
     assert math.isfinite(flops) and flops > 0
+
+
+def test_cpu_peak_starts_no_matmul_after_its_time() -> None:
+    """On CPU the clock is read after every matmul: no matmul starts once ``seconds`` have
+    passed, so ranks that start measuring together stop together and none measures a stretch
+    alone (which on shared cores overstated the peak and halved the MFU). Every matmul's start
+    is recorded at dispatch."""
+    import time
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    starts: list[float] = []
+
+    class Clock(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out):
+                starts.append(time.perf_counter())
+            return func(*args, **(kwargs or {}))
+
+    seconds = 0.05
+    with Clock():
+        measure_peak_flops(size=32, seconds=seconds)
+    _, *timed = starts  # the warm-up, then the timed matmuls
+    assert len(timed) > 10
+    # at most the one matmul after the last clock reading before the deadline starts late (by
+    # the loop's overhead); batches doubling in length started hundreds after it
+    late = [t for t in timed if t >= timed[0] + seconds]
+    assert len(late) <= 1, f"{len(late)} of {len(timed)} matmuls started after {seconds} s"

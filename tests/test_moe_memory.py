@@ -153,13 +153,14 @@ def test_qwen3_30b_a3b_parameters_total_and_active() -> None:
 
 def test_step_time_prices_the_expert_all_to_alls() -> None:
     """configs/mixtral_8x7b.yaml's layout: 4 all-to-alls per layer and micro-batch (dispatch and
-    combine, forward and backward) of the k·s·b/t rows a rank routes, over e = 8 ranks (across
-    nodes at t = 2): present at e = 8, absent at e = 1 and in a dense model."""
+    combine, forward and backward) of the k·s·b/t rows a rank routes, over e = 8 ranks (at
+    t = 2 four in each of two nodes: 3/8 of the rows over NVLink, 4/8 over the network):
+    present at e = 8, absent at e = 1 and in a dense model."""
     import dataclasses
 
     from lightning_sp import GPTConfig
     from lightning_sp.planner.cluster import load_cluster
-    from lightning_sp.planner.kernels import gather_seconds
+    from lightning_sp.planner.kernels import all_to_all_seconds
     from lightning_sp.planner.layout import Layout
     from lightning_sp.planner.steptime import layer_time, step_time
 
@@ -171,7 +172,7 @@ def test_step_time_prices_the_expert_all_to_alls() -> None:
     cluster = load_cluster("h100-80gb")
     layer = layer_time(config, 2, 1, cluster, 1, 8)
     rows = 2 * 2 * 4096 // 2 * 4096  # bytes: bf16, k = 2, s·b/t tokens, h
-    expected = gather_seconds(cluster, rows, 8, cluster.within_node(16))
+    expected = all_to_all_seconds(cluster, rows, 8, 4)
     assert layer.forward["ep"] == layer.backward["ep"] == 2 * expected > 0
     assert layer_time(config, 2, 1, cluster, 1, 1).forward["ep"] == 0
     dense = dataclasses.replace(config, feed_forward="dense", moe=None)

@@ -153,11 +153,16 @@ def measure_peak_flops(
 ) -> float:
     """This machine's GEMM rate in FLOP/s: ``size x size`` matmuls in ``dtype`` on ``device``.
 
-    One warm-up matmul, then batches of matmuls (doubling in length, the device synchronised
-    after each batch) until at least ``seconds`` of ``time.perf_counter`` have passed. Each
-    matmul counts ``2·size³`` FLOPs. Used as the "peak" where no datasheet value is known
-    (CPUs), so MFU there means "fraction of what a large square matmul achieves".
-    Returns a positive finite number.
+    One warm-up matmul, then matmuls until at least ``seconds`` of ``time.perf_counter`` have
+    passed. Each matmul counts ``2·size³`` FLOPs. Used as the "peak" where no datasheet value
+    is known (CPUs), so MFU there means "fraction of what a large square matmul achieves".
+    On CPU the clock is read after every matmul, so no matmul starts after ``seconds``:
+    processes that start measuring together (the ranks of a host, after a barrier) also stop
+    together, and each measures its rate while all of them multiply, as they do in training
+    (where cores share their vector units, a rank that went on alone would overstate its
+    share). On accelerators the device is synchronised after
+    batches of matmuls doubling in length (few synchronisations). Returns a positive finite
+    number.
     """
     positive_int("size", size)
     if not seconds > 0:
@@ -179,7 +184,8 @@ def measure_peak_flops(
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
             break
-        batch *= 2
+        if device.type != "cpu":
+            batch *= 2
     flops = 2.0 * size**3 * iterations / elapsed
     if not (math.isfinite(flops) and flops > 0):  # pragma: no cover - a timer of zero resolution
         raise RuntimeError(f"could not measure the matmul rate ({iterations} in {elapsed} s)")

@@ -265,14 +265,15 @@ class GPTConfig:
         activation_bytes: float = 2,
         mask_bytes: float = 1,
         context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         expert_tensor_parallel_size: int = 1,
         documents: bool = False,
     ) -> ActivationShape:
         """The shape of this config's layers at tensor-parallel size ``t``, micro-batch ``b``,
-        context-parallel size ``c`` and expert-tensor-parallel size (``seq_length`` overrides
-        the config's, for shorter inputs; it is the whole sequence, of which a rank holds
-        ``s/c`` under CP); ``documents``: attention masked by packed documents
-        (``data.document_mask``)."""
+        context-parallel size ``c``, expert-parallel size ``e`` and expert-tensor-parallel size
+        (``seq_length`` overrides the config's, for shorter inputs; it is the whole sequence,
+        of which a rank holds ``s/c`` under CP); ``documents``: attention masked by packed
+        documents (``data.document_mask``)."""
         return ActivationShape(
             s=seq_length or self.seq_length,
             b=micro_batch_size,
@@ -292,6 +293,7 @@ class GPTConfig:
             c=context_parallel_size,
             d=self.kv_channels or 0,
             documents=documents,
+            e=expert_parallel_size,
             block=self.block(),
             etp=expert_tensor_parallel_size,
         )

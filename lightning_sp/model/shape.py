@@ -53,6 +53,9 @@ class ActivationShape:
     whole sequence length)."""
     d: int = 0
     """Head dimension; 0 means ``h/a``."""
+    e: int = 1
+    """Expert-parallel size: the ranks that share out a mixture-of-experts layer's experts
+    (each holds ``E/e`` of them and runs them on the rows the group sends it)."""
     etp: int = 1
     """Expert tensor parallel size: 1 (experts whole on every TP rank) or ``t`` (each expert's
     ``f_e`` split over the TP group, which gathers its tokens around the MoE layer)."""

@@ -157,9 +157,11 @@ def combine(y: Tensor, weights: Tensor, routing: Routing, group: Group) -> Tenso
         y = all_to_all(y.index_select(0, back), routing.send, routing.recv, group)  # [N, h]
     t, k = weights.shape
     # each (token, slot) takes its row, a dropped one the zero row appended at N: gathers
-    # save only their index (an index_add or index_copy would save its [N, h] source too)
+    # save only their index (an index_add or index_copy would save its [N, h] source too);
+    # dropless (N = T·k), every slot has a row and nothing is appended (no copy of y)
     position = torch.full((t * k,), y.shape[0], dtype=torch.long, device=y.device)
     position[routing.slot] = torch.arange(y.shape[0], device=y.device)
-    padded = torch.cat([y, y.new_zeros((1, y.shape[1]))])  # [N + 1, h]
-    per_slot = padded.index_select(0, position).view(t, k, y.shape[1])  # [T, k, h]
+    if y.shape[0] < t * k:
+        y = torch.cat([y, y.new_zeros((1, y.shape[1]))])  # [N + 1, h]
+    per_slot = y.index_select(0, position).view(t, k, y.shape[1])  # [T, k, h]
     return (per_slot * weights.unsqueeze(-1).to(y.dtype)).sum(1)  # [T, h]

@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -224,6 +225,15 @@ class Cluster:
     def within_node(self, group: int) -> bool:
         """Whether a group of ``group`` consecutive ranks lies inside one node."""
         return group <= self.gpus_per_node and self.gpus_per_node % group == 0
+
+    def members_in_node(self, stride: int, group: int) -> int:
+        """Of a group of ``group`` ranks ``stride`` apart (``0, stride, 2·stride, ...``,
+        nodes of ``gpus_per_node`` consecutive ranks), how many share a node with the
+        least-accompanied one (itself included): ``group`` when the group lies inside a node, 1
+        when every member has a node to itself. An expert-parallel group is ``e`` ranks
+        ``t`` apart (:class:`~lightning_sp.parallel.state.ParallelState`'s mesh)."""
+        nodes = Counter(i * stride // self.gpus_per_node for i in range(group))
+        return min(nodes.values())
 
     def link_rate(self, within_node: bool) -> float:
         """Achievable bandwidth per GPU, one direction, of NVLink or the network."""

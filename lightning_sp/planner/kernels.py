@@ -13,6 +13,9 @@ Collectives are NCCL's ring algorithm, bandwidth terms only (the messages here a
 where per-step latency is well under 1%): all-gather and reduce-scatter of a tensor of ``N``
 bytes over ``g`` ranks move ``(g-1)/g·N`` bytes per GPU, all-reduce twice that, at the
 achievable rate of the slowest link in the group (NVLink if the group is inside one node).
+An all-to-all (expert parallelism's dispatch and combine) sends each peer its own share
+directly: the shares for peers in the node over NVLink, those for other nodes over the
+network, at the same time.
 """
 
 from __future__ import annotations
@@ -86,6 +89,21 @@ def gather_seconds(cluster: Cluster, nbytes: float, group: int, within_node: boo
     if group <= 1:
         return 0.0
     return (group - 1) / group * nbytes / cluster.link_rate(within_node)
+
+
+def all_to_all_seconds(cluster: Cluster, nbytes: float, group: int, members_in_node: int) -> float:
+    """An all-to-all over ``group`` ranks in which each rank sends ``1/group`` of its
+    ``nbytes`` to every other rank and receives as much: to the ``members_in_node - 1`` others
+    in its node over NVLink, to the ``group - members_in_node`` others over the network (its
+    own NIC), both at once; the slower of the two sets the time. Inside one node this is a ring
+    all-gather's ``(group-1)/group·nbytes``; across nodes only the share for other nodes
+    crosses the network."""
+    if group <= 1:
+        return 0.0
+    share = nbytes / group
+    nvlink = (members_in_node - 1) * share / cluster.link_rate(True)
+    network = (group - members_in_node) * share / cluster.link_rate(False)
+    return max(nvlink, network)
 
 
 def all_reduce_seconds(cluster: Cluster, nbytes: float, group: int, within_node: bool) -> float:

@@ -56,7 +56,9 @@ __all__ = [
 ]
 
 
-def layer_gemms(config: GPTConfig, t: int, b: int, c: int = 1, etp: int = 1) -> list[Gemm]:
+def layer_gemms(
+    config: GPTConfig, t: int, b: int, c: int = 1, e: int = 1, etp: int = 1
+) -> list[Gemm]:
     """The forward GEMMs of one transformer layer on one of ``t`` tensor-parallel ranks for a
     micro-batch of ``b`` sequences: the sum over the layer's parts (:meth:`~lightning_sp.model.
     parts.block.Block.gemms`). For GPT-2 / Llama: QKV ``h -> (a + 2g')d`` (``g' = max(g, t)``
@@ -64,10 +66,14 @@ def layer_gemms(config: GPTConfig, t: int, b: int, c: int = 1, etp: int = 1) -> 
     (``b·a/t``), projection, the MLP's input projections ``h -> f`` (one, or SwiGLU's gate and
     up) and ``f -> h``; column-parallel outputs and row-parallel inputs split by ``t``. Under
     context parallelism ``c`` the token GEMMs have ``s·b/c`` rows and the core is one pair of
-    GEMMs per local chunk (:func:`cp_key_lengths`), tagged :data:`CP_CORE`. ``etp``: the
-    expert tensor parallel size (a mixture of experts' GEMMs ``f_e/t`` wide over the TP
-    group's gathered tokens)."""
-    shape = config.activation_shape(t, b, context_parallel_size=c, expert_tensor_parallel_size=etp)
+    GEMMs per local chunk (:func:`cp_key_lengths`), tagged :data:`CP_CORE`. A mixture of
+    experts at expert-parallel size ``e`` runs its ``E/e`` local experts as a batch of GEMMs
+    of the rows each receives (:meth:`~lightning_sp.model.parts.moe.MoEFeedForward.gemms`);
+    ``etp``: the expert tensor parallel size (its GEMMs ``f_e/t`` wide over the TP group's
+    gathered tokens)."""
+    shape = config.activation_shape(
+        t, b, context_parallel_size=c, expert_parallel_size=e, expert_tensor_parallel_size=etp
+    )
     return config.block().gemms(shape)
 
 

@@ -32,6 +32,13 @@ kernels, :mod:`lightning_sp.planner.kernels` times them):
   ``t·c`` ranks of a TP x CP block share a node, else the network), none overlapped (the
   code calls them before and after the core, synchronously: no ring of per-chunk transfers to
   hide behind compute, as Megatron/TransformerEngine's ring would).
+* **expert parallelism** (``e > 1``, a mixture-of-experts layer at balanced routing): each
+  rank's ``E/e`` experts run as a batch of GEMMs of ``k·T/E·e`` rows each (``T`` the tokens a
+  rank routes: ``s·b/c``, ``/t`` under SP) at the experts' weight shapes; the dispatch and
+  combine all-to-alls (forward, and their adjoints in backward; none overlapped) each send
+  ``(e-1)/e`` of the rank's ``k·T`` rows, the shares for EP peers in the rank's node over
+  NVLink and those for peers in other nodes over the network at once
+  (:func:`expert_exchange_seconds`).
 
 Per micro-batch and pipeline stage: its ``L/p`` layers, the embedding on the first stage and
 the output layer + loss on the last, and ``2m`` point-to-point transfers of the
@@ -45,8 +52,9 @@ pipeline fills and drains through the others: the bubble ``(p-1)/(m·n)`` of the
 Lightning's ``accumulate_grad_batches``, each a whole forward and backward, no bubble)
 ``+`` the step's one data-parallel gradient reduction, the part that outlasts the last
 micro-batch's backward (all of it without ``overlap_grad_reduce``)
-(fp32 gradients, summed over the ``d·c`` ranks of dp x cp; all-reduce, or with the
-distributed optimizer, which shards over those ``d·c`` ranks, a reduce-scatter and an
+(fp32 gradients, summed over the ``d·c`` ranks of dp x cp, a mixture of experts' routed
+experts (``1/e`` of them per rank) over the ``d·c/e`` ranks holding the same ones; all-reduce,
+or with the distributed optimizer, which shards over those ranks, a reduce-scatter and an
 exposed all-gather of the bf16 weights) ``+`` the
 all-reduce of the tied embedding's gradient between the first and last stage ``+`` the
 optimizer step (memory bound: the gradient norm reads 4 bytes per parameter and zeroing
@@ -66,7 +74,7 @@ from dataclasses import dataclass, field
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
-from lightning_sp.memory.formulas import parameters_per_rank
+from lightning_sp.memory.formulas import expert_parameters_per_rank, parameters_per_rank
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.cores import ATTENTION_BACKENDS
 from lightning_sp.model.recompute import (
@@ -78,6 +86,7 @@ from lightning_sp.model.recompute import (
 from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.kernels import (
     all_reduce_seconds,
+    all_to_all_seconds,
     flash_attention_seconds,
     gather_seconds,
     gemm_seconds,
@@ -166,14 +175,18 @@ def layer_time(
 def expert_exchange_seconds(
     config: GPTConfig, t: int, b: int, cluster: Cluster, c: int, e: int, etp: int = 1
 ) -> float:
-    """One all-to-all of the rows a rank dispatches to experts, over the ``e`` ranks of its EP
-    group (``(e-1)/e`` of them leave the rank, as in an all-gather of that size; NVLink when
-    the ``t·e`` ranks the group spans share a node); 0 for ``e = 1`` or a dense layer."""
+    """One all-to-all of the ``k·s·b/(c·t)`` rows (SP) a rank dispatches to experts, at
+    balanced routing, over the ``e`` ranks of its EP group: ``1/e`` of them stay, the shares
+    of the other members of its node go over NVLink and those of members on other nodes over
+    the network (the group is ``e`` ranks ``t`` apart:
+    :meth:`~lightning_sp.planner.cluster.Cluster.members_in_node`;
+    :func:`~lightning_sp.planner.kernels.all_to_all_seconds`); 0 for ``e = 1`` or a dense
+    layer. The combine moves as many rows back."""
     shape = config.activation_shape(t, b, context_parallel_size=c, expert_tensor_parallel_size=etp)
     nbytes = config.block().dispatch_bytes(shape)
     if e == 1 or not nbytes:
         return 0.0
-    return gather_seconds(cluster, nbytes, e, cluster.within_node(t * e))
+    return all_to_all_seconds(cluster, nbytes, e, cluster.members_in_node(t, e))
 
 
 def cp_exchange_seconds(config: GPTConfig, t: int, b: int, cluster: Cluster, c: int) -> float:
@@ -218,7 +231,7 @@ def _layer_time(
     config: GPTConfig, t: int, b: int, cluster: Cluster, c: int, e: int = 1, etp: int = 1
 ) -> LayerTime:
     sp = config.sequence_parallel
-    gemms = {g.name: g for g in layer_gemms(config, t, b, c, etp)}
+    gemms = {g.name: g for g in layer_gemms(config, t, b, c, e, etp)}
     grads = {name: backward_gemms(g) for name, g in gemms.items()}
     secs = {name: gemm_seconds(cluster, g) for name, g in gemms.items()}
     dgrad = {name: gemm_seconds(cluster, d) for name, (d, _) in grads.items()}
@@ -403,23 +416,27 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
     bubble = (p - 1) / m * mean
     pipeline = n * slowest + bubble
     # data parallelism, tied embedding, optimizer
-    params = parameters_per_rank(cfg, t, p)
+    e = layout.expert_parallel_size
+    params = parameters_per_rank(cfg, t, p, e)
+    experts = expert_parameters_per_rank(cfg, t, p, e)  # over the d·c/e ranks holding them
+    groups = ((params - experts, d * c), (experts, d * c // e))  # (parameters, ranks)
     dp_exposed = 0.0
     if d * c > 1:  # gradients summed over dp x cp (the ranks of one TP / PP position)
         in_node = t * c * d <= cluster.gpus_per_node
-        grads = GRAD_BYTES * params
-        if layout.distributed_optimizer:  # sharded over the d·c ranks
-            reduce = gather_seconds(cluster, grads, d * c, in_node)
-            gather = gather_seconds(cluster, ACT * params, d * c, in_node)
-        else:
-            reduce, gather = all_reduce_seconds(cluster, grads, d * c, in_node), 0.0
+        reduce = gather = 0.0
+        for count, ranks in groups:
+            if layout.distributed_optimizer:  # sharded over those ranks
+                reduce += gather_seconds(cluster, GRAD_BYTES * count, ranks, in_node)
+                gather += gather_seconds(cluster, ACT * count, ranks, in_node)
+            else:
+                reduce += all_reduce_seconds(cluster, GRAD_BYTES * count, ranks, in_node)
         dp_exposed = data_parallel_exposed(layout, reduce, layer, policies, cfg.attention) + gather
     embedding_grad = 0.0
     if p > 1:
         vocab = cfg.padded_vocab_size(t) // t * h
         in_node = t * c * d * p <= cluster.gpus_per_node
         embedding_grad = all_reduce_seconds(cluster, GRAD_BYTES * vocab, 2, in_node)
-    shard = params / (d * c) if layout.distributed_optimizer else params
+    shard = sum(n / r for n, r in groups) if layout.distributed_optimizer else params
     optimizer = memory_seconds(cluster, UNSHARDED_STEP_BYTES * params + OPTIMIZER_BYTES * shard)
     iteration = pipeline + dp_exposed + embedding_grad + optimizer
     # the paper's metrics

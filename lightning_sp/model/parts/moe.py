@@ -143,18 +143,21 @@ class MoEFeedForward(Part):
         return terms
 
     def gemms(self, x: ActivationShape) -> list[Gemm]:
-        """Router ``T_local x h -> E``; the experts' grouped GEMMs at balance as one GEMM each
-        over ``k·T_local`` rows (under expert tensor parallelism ``T_local`` is the gathered
-        ``T`` and the width ``f_e/t``); the shared experts' TP-split GEMMs over the gathered
-        tokens."""
+        """Router ``T_local x h -> E``; the experts' grouped GEMMs at their per-expert shapes
+        (at balance each of the rank's ``E/e`` experts gets ``k·T_local/E`` rows from each of
+        the ``x.e`` ranks of its EP group: a batch of ``E/e`` GEMMs of ``k·T_local·e/E``
+        rows, ``k·T_local`` rows in all; under expert tensor parallelism ``T_local`` is the
+        gathered ``T`` and the width ``f_e/t``); the shared experts' TP-split GEMMs over the
+        gathered tokens."""
         cfg, h = self.config, x.h
         split = x.sequence_parallel and x.etp == 1  # each TP rank routes its own shard
         mine = tokens(x) // (x.t if split else 1)  # tokens this rank routes
-        rows, f = cfg.top_k * mine, cfg.expert_ffn_size // x.etp
+        local, f = cfg.num_experts // x.e, cfg.expert_ffn_size // x.etp
+        rows = -(-cfg.top_k * mine * x.e // cfg.num_experts)  # per expert (the fullest's)
         gemms = [
             Gemm("router", mine, cfg.num_experts, h),
-            Gemm("expert_gate_up", rows, 2 * f, h),
-            Gemm("expert_down", rows, h, f),
+            Gemm("expert_gate_up", rows, 2 * f, h, batch=local),
+            Gemm("expert_down", rows, h, f, batch=local),
         ]
         if cfg.num_shared_experts:
             fs = cfg.shared_ffn_size // x.t

@@ -1,0 +1,102 @@
+"""Expert parallelism in the step-time model: the dispatch / combine all-to-all's volume over
+NVLink and the network, the experts' GEMMs at their per-expert shapes, and the expert
+gradients reduced over the expert-data group only, each against a hand calculation."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_sp import GPTConfig
+from lightning_sp.memory.formulas import parameters_per_rank
+from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.planner.cluster import H100_80GB
+from lightning_sp.planner.kernels import all_reduce_seconds, gather_seconds, gemm_seconds
+from lightning_sp.planner.layout import Layout
+from lightning_sp.planner.ops import backward_gemms, layer_gemms
+from lightning_sp.planner.steptime import expert_exchange_seconds, layer_time, step_time
+
+# a small Mixtral-like model: E = 8 experts of width 96, top-2, h = 32, s = 64
+S, H, F_E, E, K, L = 64, 32, 96, 8, 2, 4
+MOE = GPTConfig.of(
+    "mistral", vocab_size=1000, seq_length=S, hidden_size=H, num_layers=L, num_heads=4,
+    num_query_groups=2, feed_forward="moe", sequence_parallel=True,
+    moe=MoEConfig(num_experts=E, top_k=K, expert_ffn_size=F_E),
+)  # fmt: skip
+NVLINK = H100_80GB.nvlink_bandwidth * H100_80GB.nvlink_efficiency
+NETWORK = H100_80GB.network_bandwidth * H100_80GB.network_efficiency
+
+
+def test_members_in_node() -> None:
+    """An EP group is e ranks t apart; nodes hold 8 consecutive ranks."""
+    node = H100_80GB.members_in_node
+    assert node(1, 8) == 8  # ranks 0..7: one node
+    assert node(2, 8) == 4  # 0, 2, ..., 14: four in each of two nodes
+    assert node(8, 4) == 1  # 0, 8, 16, 24: one per node
+    assert node(3, 3) == 3  # 0, 3, 6: one node
+    assert node(4, 4) == 2  # 0, 4 | 8, 12
+
+
+def test_all_to_all_volume_by_hand() -> None:
+    """b = 2, t = 2 + SP: a rank routes s·b/t = 64 tokens, k = 2 rows each of h = 32 bf16
+    values: 64·2·32·2 = 8192 bytes per dispatch, 1/e of them to each member of the group.
+    At e = 8 (ranks 0, 2, ..., 14: 4 per node) 3/8 go over NVLink and 4/8 over the network,
+    at once; at e = 4 (t = 2: ranks 0..6, one node) 3/4 over NVLink, as a ring all-gather of
+    8192 bytes would move; at e = 4 with t = 8 every peer is on another node: 3/4 over the
+    network."""
+    nbytes = 64 * 2 * 32 * 2
+    assert MOE.block().dispatch_bytes(MOE.activation_shape(2, 2)) == nbytes
+    assert expert_exchange_seconds(MOE, 2, 2, H100_80GB, 1, 8) == pytest.approx(
+        max(3 * 1024 / NVLINK, 4 * 1024 / NETWORK), rel=1e-12
+    )
+    in_node = expert_exchange_seconds(MOE, 2, 2, H100_80GB, 1, 4)
+    assert in_node == pytest.approx(3 * 2048 / NVLINK, rel=1e-12)
+    assert in_node == pytest.approx(gather_seconds(H100_80GB, nbytes, 4, True), rel=1e-12)
+    across = expert_exchange_seconds(MOE, 8, 8, H100_80GB, 1, 4)  # s·b/t = 64 tokens again
+    assert across == pytest.approx(3 * 2048 / NETWORK, rel=1e-12)
+    assert expert_exchange_seconds(MOE, 2, 2, H100_80GB, 1, 1) == 0.0
+    layer = layer_time(MOE, 2, 2, H100_80GB, 1, 8)
+    assert (
+        layer.forward["ep"]
+        == layer.backward["ep"]
+        == pytest.approx(2 * max(3 * 1024 / NVLINK, 4 * 1024 / NETWORK), rel=1e-12)
+    )
+
+
+def test_expert_gemms_at_their_per_expert_shapes() -> None:
+    """t = 2 + SP, b = 2: 64 routed tokens per rank, 128 rows. At e the rank's E/e experts get
+    128·e/E rows each (16 at e = 1, 64 at e = 4): a batch of E/e GEMMs of the experts' weight
+    shapes, the same FLOPs at every e; the grouped GEMMs' time follows the shapes."""
+    for e, rows, local in ((1, 16, 8), (2, 32, 4), (4, 64, 2), (8, 128, 1)):
+        gemms = {g.name: g for g in layer_gemms(MOE, 2, 2, 1, e)}
+        gate_up, down = gemms["expert_gate_up"], gemms["expert_down"]
+        assert (gate_up.m, gate_up.n, gate_up.k, gate_up.batch) == (rows, 2 * F_E, H, local)
+        assert (down.m, down.n, down.k, down.batch) == (rows, H, F_E, local)
+        assert gate_up.flops == 2 * 128 * 2 * F_E * H and down.flops == 2 * 128 * H * F_E
+        _, wgrad = backward_gemms(down)
+        assert (wgrad.m, wgrad.n, wgrad.k, wgrad.batch) == (F_E, H, rows, local)
+        layer = layer_time(MOE, 2, 2, H100_80GB, 1, e)
+        others = {n: g for n, g in gemms.items() if not n.startswith("expert")}
+        assert layer.forward["gemm"] == pytest.approx(
+            sum(gemm_seconds(H100_80GB, g) for g in [*others.values(), gate_up, down]
+                if g.tag != "core_attn"), rel=1e-12,
+        )  # fmt: skip
+
+
+def test_expert_gradients_reduce_over_the_expert_data_group() -> None:
+    """d = 8, t = 1, replicated optimizer, no overlap: the non-expert gradients all-reduce over
+    the 8 data-parallel ranks, the routed experts' (L·E·3·h·f_e/e per rank) over the d/e ranks
+    holding the same experts; at e = d they are not reduced at all."""
+    experts = L * E * 3 * H * F_E
+    # per layer: q 32·32 + k, v 2·32·(2 groups·8) + o 32·32, two RMSNorms 2·32, router 8·32;
+    # the vocabulary padded to 1024: embedding and (untied) output 1024·32 each, final norm 32
+    rest = L * (1024 + 1024 + 1024 + 64 + 256) + 2 * 1024 * 32 + 32
+    assert parameters_per_rank(MOE) == rest + experts
+    for e in (1, 2, 8):
+        layout = Layout(config=MOE, data_parallel_size=8, expert_parallel_size=e,
+                        overlap_grad_reduce=False)  # fmt: skip
+        expected = all_reduce_seconds(H100_80GB, 4 * rest, 8, True) + all_reduce_seconds(
+            H100_80GB, 4 * experts / e, 8 // e, True
+        )
+        assert step_time(layout, H100_80GB).parts["dp_exposed"] == pytest.approx(
+            expected, rel=1e-12
+        )
