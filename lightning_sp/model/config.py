@@ -11,28 +11,23 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lightning_sp.errors import ConfigError, divisors, positive_int
-from lightning_sp.model.cores import check_attention
+from lightning_sp.errors import ConfigError, divisors
+from lightning_sp.model.config_checks import BIAS_PROJECTIONS, check_config
 from lightning_sp.model.moe_config import MoEConfig
-from lightning_sp.model.ops import ROPE_TYPES, RopeScaling
-from lightning_sp.model.parts.block import FEED_FORWARDS, PLACEMENTS, Block, block_of
-from lightning_sp.model.qk_norm import QK_NORMS
+from lightning_sp.model.ops import RopeScaling
+from lightning_sp.model.parts.block import Block, block_of
 from lightning_sp.model.recompute import (
     POLICIES,
     RecomputePolicy,
-    parse_recompute,
     parse_rest,
 )
 from lightning_sp.model.shape import ActivationShape
-from lightning_sp.model.spec import ACTIVATIONS, NORMS, POSITIONS
 
 RECOMPUTE_POLICIES = POLICIES
 """The named policies: the presets ``none``, ``selective``, ``lean`` and ``full``."""
 Activation = Literal["gelu", "gelu_tanh", "swiglu"]
 Normalization = Literal["layernorm", "rmsnorm"]
 PositionEmbedding = Literal["learned", "rope"]
-BIAS_PROJECTIONS = ("qkv", "proj", "fc1", "fc2")
-"""The projections ``GPTConfig.bias`` may name."""
 
 
 @dataclass
@@ -334,148 +329,7 @@ class GPTConfig:
         """Raise :class:`ConfigError` (one line: field, value, what is valid) on a bad config,
         or one that ``t`` tensor-parallel (and ``e`` expert-parallel, ``t_e``
         expert-tensor-parallel) ranks cannot share."""
-        t = tensor_parallel_size
-        for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_heads"):
-            positive_int(name, getattr(self, name))
-        parse_recompute(self.recompute)
-        parse_rest(self.recompute_rest)
-        check_attention(self.attention)
-        for name, registry, what in (
-            ("activation", ACTIVATIONS, "an activation"),
-            ("normalization", NORMS, "a normalization"),
-            ("position_embedding", POSITIONS, "a position embedding"),
-        ):
-            if getattr(self, name) not in registry:
-                raise ConfigError(
-                    f"{name}={getattr(self, name)!r} is not {what}; valid: {', '.join(registry)}"
-                )
-        if self.feed_forward not in FEED_FORWARDS:
-            raise ConfigError(
-                f"feed_forward={self.feed_forward!r} is not a feed-forward part; valid: "
-                f"{', '.join(FEED_FORWARDS)}"
-            )
-        if self.feed_forward == "moe":
-            if self.moe is None:
-                raise ConfigError("feed_forward='moe' needs moe settings (moe.num_experts ...)")
-            if self.activation != "swiglu":
-                raise ConfigError(
-                    f"feed_forward='moe' runs SwiGLU experts; activation={self.activation!r} "
-                    "must be 'swiglu'"
-                )
-            self.moe.check_layout(
-                expert_parallel_size, t, self.sequence_parallel, expert_tensor_parallel_size
-            )
-        if not isinstance(self.bias, bool):
-            unknown = [p for p in self.bias if p not in BIAS_PROJECTIONS]
-            if unknown:
-                raise ConfigError(
-                    f"bias={list(self.bias)!r} names {unknown[0]!r}, not a projection; valid: "
-                    f"true, false or a list of {', '.join(BIAS_PROJECTIONS)}"
-                )
-        if self.kv_channels is not None:
-            positive_int("kv_channels", self.kv_channels)
-        if self.qk_norm is not None and self.qk_norm not in QK_NORMS:
-            raise ConfigError(
-                f"qk_norm={self.qk_norm!r} is not a query/key norm; valid: null, "
-                f"{', '.join(QK_NORMS)}"
-            )
-        if self.rope_scaling is not None and self.rope_scaling.rope_type not in ROPE_TYPES:
-            raise ConfigError(
-                f"rope_scaling.rope_type={self.rope_scaling.rope_type!r} is not a RoPE scaling; "
-                f"valid: {', '.join(ROPE_TYPES)}"
-            )
-        if self.norm_placement not in PLACEMENTS:
-            raise ConfigError(
-                f"norm_placement={self.norm_placement!r} is not a placement; valid: "
-                f"{', '.join(PLACEMENTS)}"
-            )
-        if self.recompute_num_layers is not None and self.recompute_num_layers < 0:
-            raise ConfigError(
-                f"recompute_num_layers={self.recompute_num_layers} must be >= 0 or null"
-            )
-        for name in ("hidden_dropout", "attention_dropout"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ConfigError(f"{name}={value!r} must be in [0, 1)")
-        if self.kv_channels is None and self.hidden_size % self.num_heads:
-            raise ConfigError(
-                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
-                f"num_heads must be one of {divisors(self.hidden_size)}"
-            )
-        if self.hidden_size % t:
-            raise ConfigError(
-                f"hidden_size={self.hidden_size} is not divisible by tensor_parallel_size={t}; "
-                f"tensor_parallel_size must be one of {divisors(self.hidden_size)}"
-            )
-        if self.num_heads % t:
-            raise ConfigError(
-                f"num_heads={self.num_heads} is not divisible by tensor_parallel_size={t}; "
-                f"tensor_parallel_size must be one of {divisors(self.num_heads)}"
-            )
-        g = self.groups
-        if not isinstance(g, int) or isinstance(g, bool) or g < 1:
-            raise ConfigError(
-                f"num_query_groups={self.num_query_groups!r} must be a positive integer dividing "
-                f"num_heads={self.num_heads} (one of {divisors(self.num_heads)}), or null for "
-                "multi-head attention"
-            )
-        _check_rope(self.rope_theta, self.rope_scaling)
-        if self.num_heads % g:
-            raise ConfigError(
-                f"num_query_groups={g} does not divide num_heads={self.num_heads}; "
-                f"num_query_groups must be one of {divisors(self.num_heads)}"
-            )
-        if g % t and t % g:
-            raise ConfigError(
-                f"num_query_groups={g} and tensor_parallel_size={t}: one must divide the other "
-                f"(tensor_parallel_size one of {sorted(set(divisors(g)) | _multiples(g, t))})"
-            )
-        if self.position_embedding == "rope" and self.head_dim % 2:
-            raise ConfigError(
-                f"position_embedding='rope' needs an even head dimension; kv_channels or "
-                f"hidden_size/num_heads = {self.head_dim}"
-            )
-        if self.ffn_size % t:
-            raise ConfigError(
-                f"ffn_hidden_size={self.ffn_size} is not divisible by tensor_parallel_size={t}; "
-                f"tensor_parallel_size must be one of {divisors(self.ffn_size)}"
-            )
-        if self.sequence_parallel and self.seq_length % t:
-            raise ConfigError(
-                f"seq_length={self.seq_length} is not divisible by tensor_parallel_size={t} "
-                f"with sequence_parallel=True; use a seq_length that is a multiple of {t} "
-                "or sequence_parallel=False"
-            )
-
-
-def _check_rope(theta: float, scaling: RopeScaling | None) -> None:
-    """``rope_theta`` > 0 and finite; ``rope_scaling``'s factors positive, ``high_freq_factor``
-    above ``low_freq_factor`` (their difference divides) and its context a positive integer."""
-    if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0 < theta < math.inf:
-        raise ConfigError(f"rope_theta={theta!r} must be a positive number (Llama 3: 500000)")
-    if scaling is None:
-        return
-    for name in ("factor", "low_freq_factor", "high_freq_factor"):
-        value = getattr(scaling, name)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not 0 < value < math.inf
-        ):
-            raise ConfigError(f"rope_scaling.{name}={value!r} must be a positive number")
-    if not scaling.high_freq_factor > scaling.low_freq_factor:
-        raise ConfigError(
-            f"rope_scaling.high_freq_factor={scaling.high_freq_factor!r} must be greater than "
-            f"rope_scaling.low_freq_factor={scaling.low_freq_factor!r} (Llama 3.1: 4 and 1)"
-        )
-    positive_int(
-        "rope_scaling.original_max_position_embeddings", scaling.original_max_position_embeddings
-    )
-
-
-def _multiples(g: int, t: int) -> set[int]:
-    """Multiples of ``g`` up to ``t``."""
-    return set(range(g, t + 1, g))
+        check_config(self, tensor_parallel_size, expert_parallel_size, expert_tensor_parallel_size)
 
 
 RESUMABLE_FIELDS = frozenset(

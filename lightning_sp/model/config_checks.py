@@ -1,0 +1,173 @@
+"""The checks of a :class:`~lightning_sp.model.config.GPTConfig`: every field in its range and
+the layout's sizes dividing what they split, each failure one :class:`ConfigError` line naming
+the field, the value and what is valid (:meth:`GPTConfig.validate` runs them)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lightning_sp.errors import ConfigError, divisors, positive_int
+from lightning_sp.model.cores import check_attention
+from lightning_sp.model.ops import ROPE_TYPES, RopeScaling
+from lightning_sp.model.parts.block import FEED_FORWARDS, PLACEMENTS
+from lightning_sp.model.qk_norm import QK_NORMS
+from lightning_sp.model.recompute import parse_recompute, parse_rest
+from lightning_sp.model.spec import ACTIVATIONS, NORMS, POSITIONS
+
+BIAS_PROJECTIONS = ("qkv", "proj", "fc1", "fc2")
+"""The projections ``GPTConfig.bias`` may name."""
+
+
+def check_config(
+    config: Any,
+    tensor_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
+    expert_tensor_parallel_size: int = 1,
+) -> None:
+    """Raise :class:`ConfigError` (one line: field, value, what is valid) on a bad ``config``
+    (a :class:`~lightning_sp.model.config.GPTConfig`, which imports this module),
+    or one that ``t`` tensor-parallel (and ``e`` expert-parallel, ``t_e``
+    expert-tensor-parallel) ranks cannot share."""
+    t = tensor_parallel_size
+    for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_heads"):
+        positive_int(name, getattr(config, name))
+    parse_recompute(config.recompute)
+    parse_rest(config.recompute_rest)
+    check_attention(config.attention)
+    for name, registry, what in (
+        ("activation", ACTIVATIONS, "an activation"),
+        ("normalization", NORMS, "a normalization"),
+        ("position_embedding", POSITIONS, "a position embedding"),
+    ):
+        if getattr(config, name) not in registry:
+            raise ConfigError(
+                f"{name}={getattr(config, name)!r} is not {what}; valid: {', '.join(registry)}"
+            )
+    if config.feed_forward not in FEED_FORWARDS:
+        raise ConfigError(
+            f"feed_forward={config.feed_forward!r} is not a feed-forward part; valid: "
+            f"{', '.join(FEED_FORWARDS)}"
+        )
+    if config.feed_forward == "moe":
+        if config.moe is None:
+            raise ConfigError("feed_forward='moe' needs moe settings (moe.num_experts ...)")
+        if config.activation != "swiglu":
+            raise ConfigError(
+                f"feed_forward='moe' runs SwiGLU experts; activation={config.activation!r} "
+                "must be 'swiglu'"
+            )
+        config.moe.check_layout(
+            expert_parallel_size, t, config.sequence_parallel, expert_tensor_parallel_size
+        )
+    if not isinstance(config.bias, bool):
+        unknown = [p for p in config.bias if p not in BIAS_PROJECTIONS]
+        if unknown:
+            raise ConfigError(
+                f"bias={list(config.bias)!r} names {unknown[0]!r}, not a projection; valid: "
+                f"true, false or a list of {', '.join(BIAS_PROJECTIONS)}"
+            )
+    if config.kv_channels is not None:
+        positive_int("kv_channels", config.kv_channels)
+    if config.qk_norm is not None and config.qk_norm not in QK_NORMS:
+        raise ConfigError(
+            f"qk_norm={config.qk_norm!r} is not a query/key norm; valid: null, "
+            f"{', '.join(QK_NORMS)}"
+        )
+    if config.rope_scaling is not None and config.rope_scaling.rope_type not in ROPE_TYPES:
+        raise ConfigError(
+            f"rope_scaling.rope_type={config.rope_scaling.rope_type!r} is not a RoPE scaling; "
+            f"valid: {', '.join(ROPE_TYPES)}"
+        )
+    if config.norm_placement not in PLACEMENTS:
+        raise ConfigError(
+            f"norm_placement={config.norm_placement!r} is not a placement; valid: "
+            f"{', '.join(PLACEMENTS)}"
+        )
+    if config.recompute_num_layers is not None and config.recompute_num_layers < 0:
+        raise ConfigError(
+            f"recompute_num_layers={config.recompute_num_layers} must be >= 0 or null"
+        )
+    for name in ("hidden_dropout", "attention_dropout"):
+        value = getattr(config, name)
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{name}={value!r} must be in [0, 1)")
+    if config.kv_channels is None and config.hidden_size % config.num_heads:
+        raise ConfigError(
+            f"hidden_size={config.hidden_size} is not divisible by num_heads={config.num_heads}; "
+            f"num_heads must be one of {divisors(config.hidden_size)}"
+        )
+    if config.hidden_size % t:
+        raise ConfigError(
+            f"hidden_size={config.hidden_size} is not divisible by tensor_parallel_size={t}; "
+            f"tensor_parallel_size must be one of {divisors(config.hidden_size)}"
+        )
+    if config.num_heads % t:
+        raise ConfigError(
+            f"num_heads={config.num_heads} is not divisible by tensor_parallel_size={t}; "
+            f"tensor_parallel_size must be one of {divisors(config.num_heads)}"
+        )
+    g = config.groups
+    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+        raise ConfigError(
+            f"num_query_groups={config.num_query_groups!r} must be a positive integer dividing "
+            f"num_heads={config.num_heads} (one of {divisors(config.num_heads)}), or null for "
+            "multi-head attention"
+        )
+    _check_rope(config.rope_theta, config.rope_scaling)
+    if config.num_heads % g:
+        raise ConfigError(
+            f"num_query_groups={g} does not divide num_heads={config.num_heads}; "
+            f"num_query_groups must be one of {divisors(config.num_heads)}"
+        )
+    if g % t and t % g:
+        raise ConfigError(
+            f"num_query_groups={g} and tensor_parallel_size={t}: one must divide the other "
+            f"(tensor_parallel_size one of {sorted(set(divisors(g)) | _multiples(g, t))})"
+        )
+    if config.position_embedding == "rope" and config.head_dim % 2:
+        raise ConfigError(
+            f"position_embedding='rope' needs an even head dimension; kv_channels or "
+            f"hidden_size/num_heads = {config.head_dim}"
+        )
+    if config.ffn_size % t:
+        raise ConfigError(
+            f"ffn_hidden_size={config.ffn_size} is not divisible by tensor_parallel_size={t}; "
+            f"tensor_parallel_size must be one of {divisors(config.ffn_size)}"
+        )
+    if config.sequence_parallel and config.seq_length % t:
+        raise ConfigError(
+            f"seq_length={config.seq_length} is not divisible by tensor_parallel_size={t} "
+            f"with sequence_parallel=True; use a seq_length that is a multiple of {t} "
+            "or sequence_parallel=False"
+        )
+
+
+def _check_rope(theta: float, scaling: RopeScaling | None) -> None:
+    """``rope_theta`` > 0 and finite; ``rope_scaling``'s factors positive, ``high_freq_factor``
+    above ``low_freq_factor`` (their difference divides) and its context a positive integer."""
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0 < theta < math.inf:
+        raise ConfigError(f"rope_theta={theta!r} must be a positive number (Llama 3: 500000)")
+    if scaling is None:
+        return
+    for name in ("factor", "low_freq_factor", "high_freq_factor"):
+        value = getattr(scaling, name)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 0 < value < math.inf
+        ):
+            raise ConfigError(f"rope_scaling.{name}={value!r} must be a positive number")
+    if not scaling.high_freq_factor > scaling.low_freq_factor:
+        raise ConfigError(
+            f"rope_scaling.high_freq_factor={scaling.high_freq_factor!r} must be greater than "
+            f"rope_scaling.low_freq_factor={scaling.low_freq_factor!r} (Llama 3.1: 4 and 1)"
+        )
+    positive_int(
+        "rope_scaling.original_max_position_embeddings", scaling.original_max_position_embeddings
+    )
+
+
+def _multiples(g: int, t: int) -> set[int]:
+    """Multiples of ``g`` up to ``t``."""
+    return set(range(g, t + 1, g))
