@@ -129,9 +129,10 @@ def state_entries(
     module: nn.Module, optimizers: list[torch.optim.Optimizer], *, for_load: bool
 ) -> tuple[dict[str, Tensor], dict[str, Shard], list[Install]]:
     """The tensors of a checkpoint as DCP sees them (weights, persistent buffers, optimizer
-    state): ``{entry: local tensor}`` and ``{entry: Shard}`` for the sharded ones. For a save, the tied embedding's pipeline copy is
-    left out; for a load, every parameter is a target, and Adam states that do not exist yet
-    are allocated (returned as installs, for :func:`install_states` after the load)."""
+    state): ``{entry: local tensor}`` and ``{entry: Shard}`` for the sharded ones. For a save,
+    the tied embedding's pipeline copy is left out; for a load, every parameter is a target,
+    and Adam states that do not exist yet are allocated (returned as installs, for
+    :func:`install_states` after the load)."""
     tensors: dict[str, Tensor] = {}
     shards: dict[str, Shard] = {}
     by_param: dict[int, tuple[str, Shard]] = {}
