@@ -4,8 +4,8 @@
   optimizer step) is a persistent buffer and travels in checkpoints: a run of 6 AdamW steps
   at d = 2 with e = 2 (the real ``MegatronSPStrategy`` under Lightning's Trainer, float64) equals
   the same run resumed from its step-3 checkpoint, in the same layout and resharded to one
-  process (e = 1, d = 1) and to p = 2 (e = 1): every bias exactly (at the start of the resumed
-  run and at step 6), the step-6 weights and the losses of steps 3-5 to 1e-10. A checkpoint
+  process (e = 1, d = 1), to p = 2 and to t = 2 + SP: every bias exactly (at the start of the
+  resumed run and at step 6), the step-6 weights and the losses of steps 3-5 to 1e-10. A checkpoint
   written without the biases (before they were saved) loads them as zero, with one notice.
 * ``tokens_per_expert`` (the loads counted since the last bias update; reset by every update,
   so not saved) and the layer's routing totals count a step's choices once under ``recompute:
@@ -22,14 +22,13 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from test_context_trainer import STEPS, assert_same_tensors, fit
+from test_context_trainer import STEPS, assert_same_tensors, fit, module
 from test_moe_trainer import moe_module
 
 from lightning_sp import GPT, GPTModule, ParallelState
 from lightning_sp.checkpoint import Checkpointer, Meta, read_full
 from lightning_sp.checkpoint.verify import check_checkpoint
 from lightning_sp.model.moe import MoE
-from lightning_sp.model.moe_config import MoEConfig
 from lightning_sp.model.moe_metrics import step_metrics
 from lightning_sp.parallel.config import ParallelConfig
 
@@ -37,9 +36,9 @@ from models import batch, loss_and_grads, relative_error, tiny_config
 
 RTOL = 1e-10
 BIAS = "mlp.router.expert_bias"
-MOE = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=24, score="sigmoid", expert_bias=True,
-                bias_update_rate=0.05, router_dtype="fp64")  # fmt: skip
-"""``test_moe_trainer.moe_module``'s experts."""
+MOE = moe_module().config.moe
+"""``test_moe_trainer.moe_module``'s experts: 4, top-2, sigmoid, the bias moved by 0.05."""
+assert MOE is not None
 
 
 def _biases(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -192,11 +191,15 @@ def test_moe_resume_equals_the_straight_run_and_reshards(tmp_path: Path, corpus:
         "one process": {},
         "p=2": {"devices": 2, "tensor_parallel_size": 1, "pipeline_parallel_size": 2,
                 "num_microbatches": 2},
+        "t=2 + SP": {"devices": 2, "tensor_parallel_size": 2},
     }  # fmt: skip
     worst = {"loss": 0.0, "weights": 0.0}
     for number, (layout, strategy) in enumerate(layouts.items()):
         name, report = f"resumed{number}", tmp_path / f"holds{number}"
-        logged = fit(tmp_path, name, corpus, moe_module(), 2 * STEPS, ckpt_path=str(half),
+        net = moe_module()
+        if strategy.get("tensor_parallel_size", 1) > 1:  # MoE under TP needs SP (resumable)
+            net = module("llama", feed_forward="moe", moe=MOE, sequence_parallel=True)
+        logged = fit(tmp_path, name, corpus, net, 2 * STEPS, ckpt_path=str(half),
                      callbacks=[HoldsBiases(biases, report)], **strategy)  # fmt: skip
         ranks, p = strategy.get("devices", 1), strategy.get("pipeline_parallel_size", 1)
         held = HoldsBiases.compared(report)  # every rank: its layers' biases
