@@ -37,8 +37,7 @@ CLIP = 0.5
 
 class SaveExpertBiases(Callback):
     """At the end of training, writes every MoE layer's router bias (by global name) to
-    ``<directory>/rank<r>.pt`` (the run is a spawned process; biases are buffers, which
-    checkpoints do not hold)."""
+    ``<directory>/rank<r>.pt`` (the run is a spawned process): what each rank holds."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory

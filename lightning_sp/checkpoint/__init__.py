@@ -10,7 +10,8 @@ into any other valid layout: resharding on load, no conversion step.
 
 Keys::
 
-    model.<global name>                 weights, e.g. model.layers.3.mlp.fc1.weight
+    model.<global name>                 weights, e.g. model.layers.3.mlp.fc1.weight, and
+                                        persistent buffers, whole (an MoE router's expert_bias)
     optim.<global name>.<field>         Adam's exp_avg, exp_avg_sq and step, and ``master``
                                         (fp32 master weights of bf16/fp16 models)
     optim.param_groups                  learning rates, betas, ... per parameter group

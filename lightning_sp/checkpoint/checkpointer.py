@@ -47,6 +47,7 @@ from lightning_sp.checkpoint.dcp_planners import (
 )
 from lightning_sp.checkpoint.format import META_FILE, Meta
 from lightning_sp.checkpoint.shards import (
+    buffer_entries,
     checkpoint_key,
     global_shapes,
     gpt_chunks,
@@ -270,9 +271,11 @@ class Checkpointer:
         model_config: dict[str, Any],
         rng_name: str,
     ) -> dict[str, Any]:
-        """Load weights and optimizer state in place into ``module`` and ``optimizers`` (any
-        layout) and return Lightning's state, with this rank's ``rng`` state when the layout
-        is the one that saved it. Errors are one :class:`ConfigError`, the same on every rank."""
+        """Load weights, persistent buffers and optimizer state in place into ``module`` and
+        ``optimizers`` (any layout) and return Lightning's state, with this rank's ``rng``
+        state when the layout is the one that saved it, and under ``missing_buffers`` the keys
+        of the module's buffers the checkpoint lacks (saved before checkpoints held buffers;
+        set to zero). Errors are one :class:`ConfigError`, the same on every rank."""
         error = None
         if self.rank == 0:
             try:
@@ -306,6 +309,9 @@ class Checkpointer:
         if same_layout and rng_name in stored:
             state[rng_name] = None
         dcp.load(state, storage_reader=FileSystemReader(data), planner=GlobalLoadPlanner(shards))
+        missing = [k for k, _ in buffer_entries(module) if k not in stored]
+        for key in missing:  # saved before checkpoints held buffers: they start at zero
+            tensors[key].zero_()
         install_states(installs, {checkpoint_key(k, shards) for k in state})
         for optimizer in optimizers:
             if isinstance(optimizer, DistributedAdamW):
@@ -317,6 +323,7 @@ class Checkpointer:
         lightning: dict[str, Any] = state["lightning"]
         lightning["rng_streams"] = state.get(rng_name)
         lightning["checkpoint_layout"] = meta.layout
+        lightning["missing_buffers"] = missing
         return lightning
 
 

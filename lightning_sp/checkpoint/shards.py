@@ -11,7 +11,11 @@ The distributed optimizer holds, per parameter, a flat range of its shard
 (:class:`~lightning_sp.optim.distributed.Segment`); that range is saved as the few
 rectangular chunks it covers (:func:`flat_range_boxes`: a partial first row, whole rows, a
 partial last row), under the same keys the replicated optimizer saves whole tensors, so no
-rank ever gathers the full state and either optimizer loads the other's checkpoints."""
+rank ever gathers the full state and either optimizer loads the other's checkpoints.
+
+A layer's persistent buffers (:func:`buffer_shards`: state a training run carries across
+steps, e.g. an MoE router's ``expert_bias``) are saved whole under ``model.<global name>``,
+as a replicated parameter is: every rank holding the layer holds the same values."""
 
 from __future__ import annotations
 
@@ -106,6 +110,22 @@ def _expert_chunks(
         yield gname, param, Shard(local, tuple(full), tuple(offsets), within=tuple(within))
 
 
+def buffer_shards(module: nn.Module) -> Iterator[tuple[str, Shard]]:
+    """``(global name, the whole buffer)`` for every persistent buffer (one in ``state_dict``)
+    of ``module``'s GPT shards: replicated on every rank holding its layer, so any layout
+    saves and loads it whole."""
+    for chunk in gpt_chunks(module):
+        persistent = chunk.state_dict(keep_vars=True)
+        for name, buffer in chunk.named_buffers():
+            if name in persistent:
+                yield chunk.global_name(name), Shard(buffer.detach(), tuple(buffer.shape))
+
+
+def buffer_entries(module: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """``(model.<global name>, shape)`` of the persistent buffers of ``module``'s GPT shards."""
+    return [(f"model.{gname}", shard.global_shape) for gname, shard in buffer_shards(module)]
+
+
 def _like(shard: Shard, tensor: Tensor) -> Shard:
     """The same slice of ``tensor`` (an optimizer state of the parameter's shape)."""
     local = tensor.detach()
@@ -142,10 +162,11 @@ Install = tuple[torch.optim.Optimizer, Tensor, str, Tensor, str]
 def state_entries(
     module: nn.Module, optimizers: list[torch.optim.Optimizer], *, for_load: bool
 ) -> tuple[dict[str, Tensor], dict[str, Shard], list[Install]]:
-    """The tensors of a checkpoint as DCP sees them: ``{entry: local tensor}`` and
-    ``{entry: Shard}`` for the sharded ones. For a save, the tied embedding's pipeline copy is
-    left out; for a load, every parameter is a target, and Adam states that do not exist yet
-    are allocated (returned as installs, for :func:`install_states` after the load)."""
+    """The tensors of a checkpoint as DCP sees them (weights, persistent buffers, optimizer
+    state): ``{entry: local tensor}`` and ``{entry: Shard}`` for the sharded ones. For a save,
+    the tied embedding's pipeline copy is left out; for a load, every parameter is a target,
+    and Adam states that do not exist yet are allocated (returned as installs, for
+    :func:`install_states` after the load)."""
     tensors: dict[str, Tensor] = {}
     shards: dict[str, Shard] = {}
     by_param: dict[int, tuple[str, list[Shard]]] = {}
@@ -156,6 +177,8 @@ def state_entries(
     for gname, chunks in by_param.values():
         for shard in chunks:
             _add(tensors, shards, *_entry(f"model.{gname}", shard, len(chunks) > 1))
+    for gname, shard in buffer_shards(module):
+        _add(tensors, shards, f"model.{gname}", shard)  # a checkpoint without one: zero
     installs: list[Install] = []
     for optimizer in optimizers:
         if isinstance(optimizer, DistributedAdamW):

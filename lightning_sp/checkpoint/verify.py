@@ -87,13 +87,13 @@ def saved_config(meta: Meta) -> Any:
 def check_architecture(metadata: Metadata, meta: Meta, config: Any) -> None:
     """The model ``config`` (a ``GPTConfig``) is the architecture the checkpoint was trained
     with: every field of :func:`~lightning_sp.model.config.architecture` equal, and every
-    weight the checkpoint holds a parameter of this model. Else one :class:`ConfigError` line
-    naming each differing field with both values (or the tensor this model lacks). Fields that
-    may change on resume (:data:`~lightning_sp.model.config.RESUMABLE_FIELDS`) are not
-    compared."""
+    tensor the checkpoint holds a parameter or persistent buffer of this model. Else one
+    :class:`ConfigError` line naming each differing field with both values (or the tensor
+    this model lacks). Fields that may change on resume
+    (:data:`~lightning_sp.model.config.RESUMABLE_FIELDS`) are not compared."""
     import torch
 
-    from lightning_sp.checkpoint.shards import global_shapes
+    from lightning_sp.checkpoint.shards import buffer_entries, global_shapes
     from lightning_sp.model.config import architecture
     from lightning_sp.model.gpt import GPT
     from lightning_sp.parallel.state import ParallelState
@@ -114,7 +114,7 @@ def check_architecture(metadata: Metadata, meta: Meta, config: Any) -> None:
         config = dataclasses.replace(config, recompute="none")
     with torch.device("meta"):
         model = GPT(config, ParallelState.single("meta"), device="meta")
-    shapes = global_shapes(model)
+    shapes = global_shapes(model) | dict(buffer_entries(model))
     for key, entry in metadata.state_dict_metadata.items():
         tensor = key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
         if tensor and key not in shapes:

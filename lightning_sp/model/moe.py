@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from lightning_sp.model.experts import SWIGLU, Experts
 from lightning_sp.model.fused import act_row_linear, activate, fused_column_linear
 from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.recompute import replaying
 from lightning_sp.model.router import Router
 from lightning_sp.model.spec import NormModule
 from lightning_sp.parallel.comm import g, g_bar, group_size
@@ -159,7 +160,8 @@ class MoE(nn.Module):
         self.totals: Tensor | None = None
         """The sums of the training forwards since the last
         :func:`~lightning_sp.model.moe_metrics.step_metrics` (:data:`TOTALS`, then the choices
-        per expert ``[E]``; float64): what the step's logged metrics are made of."""
+        per expert ``[E]``; float64; a full-recompute replay adds nothing): what the step's
+        logged metrics are made of."""
 
     def reset_parameters(self, seed: int, prefix: str = "") -> None:
         """Initialise every parameter from ``seed`` as a model would (names ``prefix`` +
@@ -196,7 +198,7 @@ class MoE(nn.Module):
             "load_imbalance": routed.counts.max() / routed.counts.mean(),
             "dropped": torch.tensor(routed.dropped),
         }
-        if self.training:
+        if self.training and not replaying():  # once per micro-batch under full recompute
             added = _totals(routed.aux_loss, routed.z_loss, routed.dropped, routed.counts)
             self.totals = added if self.totals is None else self.totals + added
         loss = cfg.aux_loss_coef * routed.aux_loss + cfg.z_loss_coef * routed.z_loss

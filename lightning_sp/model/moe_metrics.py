@@ -15,8 +15,8 @@ takes the ratios, so the values equal one process's over the same micro-batches:
   the whole global batch, then the mean over layers;
 * ``moe/dropped_fraction``: assignments dropped by the capacity over all assignments.
 
-Every value is a ratio of sums that a layer adds to once per micro-batch, or twice for every
-micro-batch when full recompute replays the layer in backward: the same either way.
+A layer adds to its sums once per micro-batch, also under full recompute (the replay in
+backward adds nothing: :func:`~lightning_sp.model.recompute.replaying`).
 """
 
 from __future__ import annotations

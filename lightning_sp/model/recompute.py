@@ -23,11 +23,16 @@ How each module is realised (``lightning_sp.model``):
   backward instead of storing them (:func:`lightning_sp.parallel.random.dropout`).
 
 ``full`` is not a module: the whole layer runs under :func:`recompute` (paper §5).
+
+A region runs twice per step: once in forward, once replayed in backward. State that a forward
+accumulates (an MoE router's choices per expert, a layer's routing totals) asks
+:func:`replaying` and adds only in the first run, so it counts each token once per step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -211,6 +216,15 @@ def active_modules(modules: Sequence[str], attention: str) -> tuple[RecomputeMod
     )
 
 
+_REPLAYING: ContextVar[bool] = ContextVar("recompute_replaying", default=False)
+
+
+def replaying() -> bool:
+    """Whether this thread is inside a :func:`recompute` region's replay in backward (the
+    second run of a forward already counted)."""
+    return _REPLAYING.get()
+
+
 class _Recompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, fn: Callable[..., Tensor], rng: RNGStreams, *inputs: Tensor) -> Tensor:
@@ -224,10 +238,12 @@ class _Recompute(torch.autograd.Function):
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
         after = ctx.rng.get_state()
         ctx.rng.set_state(ctx.rng_state)
+        token = _REPLAYING.set(True)
         try:
             with torch.enable_grad():
                 out = ctx.fn(*inputs)
         finally:
+            _REPLAYING.reset(token)
             ctx.rng.set_state(after)
         torch.autograd.backward(out, grad)
         return (None, None, *(x.grad if x.requires_grad else None for x in inputs))
@@ -239,6 +255,7 @@ def recompute(fn: Callable[..., Tensor], rng: RNGStreams, *inputs: Tensor) -> Te
     Runs ``fn`` without building a graph and saves only its tensor inputs (through
     ``save_for_backward``, so saved-tensor hooks see exactly what is kept); in backward re-runs
     ``fn`` with the dropout streams rewound to where they were, which replays identical masks.
-    ``fn`` must return one tensor and draw its randomness from ``rng``.
+    ``fn`` must return one tensor and draw its randomness from ``rng``; during the replay
+    :func:`replaying` is true.
     """
     return _Recompute.apply(fn, rng, *inputs)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.recompute import replaying
 from lightning_sp.parallel.comm import Group, all_gather_sequence, f_bar, group_rank, group_size
 from lightning_sp.parallel.dispatch import expert_counts
 from lightning_sp.parallel.init import mark_parameter
@@ -50,8 +51,10 @@ class Routed:
 
 class Router(nn.Module):
     """``weight [E, h]`` (replicated; ``sequence_parallel`` marks its gradient a partial sum
-    over the TP group) and, with ``config.expert_bias``, the buffers ``expert_bias [E]`` and
-    ``tokens_per_expert [E]`` (fp32; the loads counted since the last bias update)."""
+    over the TP group) and, with ``config.expert_bias``, the buffers ``expert_bias [E]`` (fp32,
+    replicated on every rank holding the layer; persistent: checkpoints save it) and
+    ``tokens_per_expert [E]`` (fp32; this rank's choices per expert counted since the last bias
+    update, once per token: not in a full-recompute replay; reset every step, not saved)."""
 
     expert_bias: Tensor | None
     tokens_per_expert: Tensor | None
@@ -74,7 +77,8 @@ class Router(nn.Module):
         mark_parameter(self.weight, std=init_std, sequence_parallel=sequence_parallel)
         for name in ("expert_bias", "tokens_per_expert"):
             zeros = torch.zeros(config.num_experts, dtype=torch.float32, device=device)
-            self.register_buffer(name, zeros if config.expert_bias else None)
+            persistent = name == "expert_bias"
+            self.register_buffer(name, zeros if config.expert_bias else None, persistent)
 
     def forward(self, x: Tensor, group: Group) -> Routed:
         """Route ``x`` ``[T, h]`` (this rank's tokens of a micro-batch sharded over ``group``)."""
@@ -93,7 +97,7 @@ class Router(nn.Module):
         if cfg.normalize_top_k or cfg.score == "sigmoid":
             weights = weights / weights.sum(dim=-1, keepdim=True)
         local_counts = expert_counts(experts, cfg.num_experts)
-        if self.tokens_per_expert is not None and self.training:
+        if self.tokens_per_expert is not None and self.training and not replaying():
             self.tokens_per_expert.add_(local_counts.to(self.tokens_per_expert.dtype))
         counts = local_counts.to(logits.dtype)
         if group_size(group) > 1:

@@ -20,10 +20,12 @@ mean over the whole sequences (equal on the CP ranks).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor
@@ -316,10 +318,18 @@ class GPTModule(LightningModule):
         return loss
 
     @override
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """After the optimizer step: the MoE layers' auxiliary-loss-free bias updates."""
-        if not self.trainer.fit_loop._should_accumulate():
-            update_expert_biases(self.stage_model())
+    def optimizer_step(
+        self,
+        epoch: int,
+        batch_idx: int,
+        optimizer: Optimizer | LightningOptimizer,
+        optimizer_closure: Callable[[], Any] | None = None,
+    ) -> None:
+        """The step, then the MoE layers' auxiliary-loss-free bias updates: here, not in
+        ``on_train_batch_end``, which Lightning calls after the callbacks' (a checkpoint saved
+        there must hold the biases this step moved)."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        update_expert_biases(self.stage_model())
 
     @override
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:

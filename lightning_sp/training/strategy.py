@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -342,8 +343,10 @@ class MegatronSPStrategy(ProcessGroupStrategy):
     def load_checkpoint(
         self, checkpoint_path: str | Path, weights_only: bool | None = None
     ) -> dict:
-        """Load weights and optimizer state in place (any saved layout) and return
-        Lightning's state; the RNG streams come back only into the layout that saved them."""
+        """Load weights, persistent buffers and optimizer state in place (any saved layout)
+        and return Lightning's state; the RNG streams come back only into the layout that
+        saved them. A checkpoint without the model's buffers (MoE router biases, before they
+        were saved) loads them as zero, with one notice line."""
         assert self.lightning_module is not None
         checkpoint = self.checkpointer.load(
             Path(checkpoint_path),
@@ -353,6 +356,13 @@ class MegatronSPStrategy(ProcessGroupStrategy):
             model_config=self._model_config(),
             rng_name=self._rng_key(),
         )
+        missing = checkpoint.pop("missing_buffers", [])
+        if missing:
+            rank_zero_info(
+                f"{checkpoint_path} holds no {missing[0]}"
+                + (f" (nor {len(missing) - 1} more buffers)" if len(missing) > 1 else "")
+                + ": saved before checkpoints held MoE router biases; they start at zero"
+            )
         streams = checkpoint.pop("rng_streams", None) or {}
         if streams.get("torch") is not None:
             torch.set_rng_state(streams["torch"])
