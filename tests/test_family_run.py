@@ -12,16 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_hf_export import LOSS_RTOL, SaveHeldOutLoss, _fit
+from test_hf_export import assert_held_out_loss, fit_and_export
 from test_interop_moe import float64_reference
 
 from lightning_sp import GPTConfig, GPTModule, OptimizerConfig
-from lightning_sp.cli.export import export_checkpoint
-from lightning_sp.data import TextDataModule
 from lightning_sp.model.moe_config import MoEConfig
 
 from cli_runs import ROOT
-from hf_models import SEQ, hf_logits_and_loss, transformers
+from hf_models import SEQ, transformers
 
 
 def qwen3_tiny(**overrides: object) -> GPTConfig:
@@ -41,20 +39,10 @@ def test_trained_qwen3_exported_gives_its_own_loss(tmp_path: Path, corpus: Path)
     config = qwen3_tiny(hidden_size=64, num_layers=2, ffn_hidden_size=96, kv_channels=12,
                         seq_length=SEQ, recompute="lean")  # fmt: skip
     module = GPTModule(config, OptimizerConfig(lr=1e-2, warmup_steps=1))
-    data = TextDataModule(paths=str(corpus), seq_length=SEQ, batch_size=4, val_fraction=0.1)
-    held_out = tmp_path / "held_out.pt"
-    ckpt = _fit(tmp_path, module, data, {"tensor_parallel_size": 2}, steps=10,
-                callbacks=(SaveHeldOutLoss(held_out),))  # fmt: skip
-    out = export_checkpoint(ckpt, tmp_path / "hf")
+    _, out, saved = fit_and_export(tmp_path, corpus, module, {"tensor_parallel_size": 2})
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
     assert type(model).__name__ == "Qwen3ForCausalLM"
-    saved = torch.load(held_out)
-    _, hf_loss = hf_logits_and_loss(model, saved["input_ids"], saved["labels"])
-    error = abs(hf_loss.item() - saved["loss"].item()) / hf_loss.item()
-    print(f"held-out loss: run {saved['loss'].item():.8f}, transformers {hf_loss.item():.8f}, "
-          f"relative {error:.1e}")  # fmt: skip
-    assert saved["loss"].item() < 5.0, "10 steps did not train (ln 257 = 5.55)"
-    assert error <= LOSS_RTOL, f"held-out loss {saved['loss']} vs transformers' {hf_loss}"
+    assert_held_out_loss(model, saved)
 
 
 def moe_tiny(**overrides: object) -> GPTConfig:
@@ -72,17 +60,7 @@ def test_trained_moe_tiny_exported_gives_its_own_loss(tmp_path: Path, corpus: Pa
     config = moe_tiny(hidden_size=64, num_layers=2, num_heads=4, seq_length=SEQ,
                       moe={"expert_ffn_size": 32})  # fmt: skip
     module = GPTModule(config, OptimizerConfig(lr=1e-2, warmup_steps=1))
-    data = TextDataModule(paths=str(corpus), seq_length=SEQ, batch_size=4, val_fraction=0.1)
-    held_out = tmp_path / "held_out.pt"
-    ckpt = _fit(tmp_path, module, data, {"expert_parallel_size": 2}, steps=10,
-                callbacks=(SaveHeldOutLoss(held_out),))  # fmt: skip
-    out = export_checkpoint(ckpt, tmp_path / "hf")
+    _, out, saved = fit_and_export(tmp_path, corpus, module, {"expert_parallel_size": 2})
     model = float64_reference(transformers.AutoModelForCausalLM.from_pretrained(out))
     assert type(model).__name__ == "MixtralForCausalLM"
-    saved = torch.load(held_out)
-    _, hf_loss = hf_logits_and_loss(model, saved["input_ids"], saved["labels"])
-    error = abs(hf_loss.item() - saved["loss"].item()) / hf_loss.item()
-    print(f"held-out loss: run {saved['loss'].item():.8f}, transformers {hf_loss.item():.8f}, "
-          f"relative {error:.1e}")  # fmt: skip
-    assert saved["loss"].item() < 5.0, "10 steps did not train (ln 257 = 5.55)"
-    assert error <= LOSS_RTOL, f"held-out loss {saved['loss']} vs transformers' {hf_loss}"
+    assert_held_out_loss(model, saved)

@@ -190,6 +190,30 @@ def _fit(
     return tmp_path / "ckpt" / "final.ckpt"
 
 
+def fit_and_export(
+    tmp_path: Path, corpus: Path, module: GPTModule, strategy: dict
+) -> tuple[Path, Path, dict[str, Any]]:
+    """Train ``module`` 10 steps on ``corpus`` under ``strategy`` (:func:`_fit`) and export
+    it: the checkpoint, the Hugging Face directory, and the run's held-out batch with its own
+    loss."""
+    data = TextDataModule(paths=str(corpus), seq_length=SEQ, batch_size=4, val_fraction=0.1)
+    held_out = tmp_path / "held_out.pt"
+    ckpt = _fit(tmp_path, module, data, strategy, steps=10,
+                callbacks=(SaveHeldOutLoss(held_out),))  # fmt: skip
+    return ckpt, export_checkpoint(ckpt, tmp_path / "hf"), torch.load(held_out)
+
+
+def assert_held_out_loss(model: Any, saved: dict[str, Any]) -> None:
+    """The run trained (below ln 257) and ``model`` (transformers, float64) gives its own
+    held-out loss to :data:`LOSS_RTOL`."""
+    _, hf_loss = hf_logits_and_loss(model, saved["input_ids"], saved["labels"])
+    error = abs(hf_loss.item() - saved["loss"].item()) / hf_loss.item()
+    print(f"held-out loss: run {saved['loss'].item():.8f}, transformers {hf_loss.item():.8f}, "
+          f"relative {error:.1e}")  # fmt: skip
+    assert saved["loss"].item() < 5.0, "10 steps did not train (ln 257 = 5.55)"
+    assert error <= LOSS_RTOL, f"held-out loss {saved['loss']} vs transformers' {hf_loss}"
+
+
 def _check_exported(directory: Path, run_logits: Path, vocab: int, hf_class: str) -> Any:
     """The exported directory loads in transformers as ``hf_class`` and gives the run's
     logits; returns it."""
@@ -297,19 +321,9 @@ def test_trained_llama_exported_gives_its_own_loss_and_greedy_tokens(
     ``export_checkpoint``; loss on a held-out batch and greedy generation agree."""
     config = llama_config(vocab_size=257, sequence_parallel=True)
     module = GPTModule(config, OptimizerConfig(lr=1e-2, warmup_steps=1))
-    data = TextDataModule(paths=str(corpus), seq_length=SEQ, batch_size=4, val_fraction=0.1)
-    held_out = tmp_path / "held_out.pt"
-    ckpt = _fit(tmp_path, module, data, {"tensor_parallel_size": 2}, steps=10,
-                callbacks=(SaveHeldOutLoss(held_out),))  # fmt: skip
-    out = export_checkpoint(ckpt, tmp_path / "hf")
+    ckpt, out, saved = fit_and_export(tmp_path, corpus, module, {"tensor_parallel_size": 2})
     model = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float64).eval()
-    saved = torch.load(held_out)
-    _, hf_loss = hf_logits_and_loss(model, saved["input_ids"], saved["labels"])
-    error = abs(hf_loss.item() - saved["loss"].item()) / hf_loss.item()
-    print(f"held-out loss: run {saved['loss'].item():.8f}, transformers {hf_loss.item():.8f}, "
-          f"relative {error:.1e}")  # fmt: skip
-    assert saved["loss"].item() < 5.0, "10 steps did not train (ln 257 = 5.55)"
-    assert error <= LOSS_RTOL, f"held-out loss {saved['loss']} vs transformers' {hf_loss}"
+    assert_held_out_loss(model, saved)
 
     # greedy (12 spaces after 10 steps: the corpus is mostly indentation) against
     # transformers; sampled with a seed, cached against the full forward every token
