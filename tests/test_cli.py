@@ -44,6 +44,7 @@ def test_fit_tiny_pipeline_config(tmp_path: Path) -> None:
         "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "data_parallel_size": 1,
         "context_parallel_size": 1, "virtual_pipeline_size": 2, "sequence_parallel": True,
         "num_microbatches": 4, "distributed_optimizer": False, "expert_parallel_size": 1,
+        "expert_tensor_parallel_size": 1,
     }  # fmt: skip
 
 
