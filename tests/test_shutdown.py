@@ -128,3 +128,20 @@ def test_a_child_rank_broken_by_a_peers_stop_waits_for_its_signal(shutdown_handl
     timer.start()
     assert shutdown.wait_for_stop(20) == 130  # the launcher's Ctrl-C arrived
     timer.join()
+
+
+def test_a_sigterm_repeated_at_once_is_the_same_stop(shutdown_handlers: None) -> None:
+    """During training a SIGTERM lets the step finish; one arriving within
+    ``SAME_STOP_SECONDS`` (the scheduler's to every rank and the launcher's copy) is the same
+    stop, and one later means "now" (exit 143 at once)."""
+    from lightning_sp.runtime import shutdown
+
+    shutdown.set_training(True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)  # at once: nothing raised, the step runs on
+    assert shutdown.received() == signal.SIGTERM and not shutdown.interrupted()
+    shutdown._state["received_at"] -= shutdown.SAME_STOP_SECONDS  # as if it came later
+    with pytest.raises(SystemExit) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)  # the handler runs between bytecodes
+    assert stop.value.code == 143 and shutdown.interrupted()

@@ -85,6 +85,8 @@ class Rotary:
         are kept (the same tensor object, unmodified, and dtype), so a micro-batch holds one
         pair, ``2·e·b·s·d`` bytes, however many layers rotate by it (each layer's rotation
         keeps a reference until its backward)."""
+        if positions.is_inference():  # no version counter; nothing is saved for a backward
+            return self.tables_at(positions.reshape(-1), dtype)
         kept = self._per_token
         if (
             kept is not None

@@ -8,7 +8,9 @@ Lightning's SIGTERM handler, which runs a collective inside the handler):
   exchange (no extra collective), so all ranks agree on the same step: it finishes, the
   ``lightning_sp.ModelCheckpoint`` callbacks save it (``last.ckpt`` continues the run exactly)
   and the run stops; ``cli.py`` then exits with 143. Outside training, or on a second
-  ``SIGTERM``, the process exits at once (``SystemExit(143)``).
+  ``SIGTERM`` (more than :data:`SAME_STOP_SECONDS` after the first: a scheduler's SIGTERM to
+  every rank and the launcher's copy of it are one stop), the process exits at once
+  (``SystemExit(143)``).
 * ``SIGINT`` (Ctrl-C): ``KeyboardInterrupt`` as usual (Lightning's interrupt path tears down
   without a barrier and kills the launcher's children); ``cli.py`` exits with 130.
 
@@ -36,11 +38,17 @@ from typing import Any
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
+SAME_STOP_SECONDS = 2.0
+"""A SIGTERM this soon after the first is the same stop (a scheduler such as SLURM signals
+every process of the job, and the launcher passes its own on to its children); a later one
+means "now"."""
+
 GRACE_SECONDS = 5.0
 """How long rank 0 lets its main thread fail on its own after a rank died, before it exits."""
 
 _state: dict[str, Any] = {
     "received": 0,  # the last stop signal this process received (0: none)
+    "received_at": 0.0,  # when (time.monotonic) it was received
     "interrupted": False,  # a handler raised: the signal broke whatever this process was doing
     "agreed": 0,  # the stop signal the ranks agreed on during training (0: none)
     "stopping": False,  # this process is ending the job itself: a child's exit is expected
@@ -135,8 +143,11 @@ def set_training(active: bool) -> None:
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    now = time.monotonic()
     first = not _state["received"]
-    _state["received"] = signum
+    if not first and now - _state["received_at"] < SAME_STOP_SECONDS:
+        return  # the same stop: a scheduler signals every rank, and the launcher passes it on
+    _state["received"], _state["received_at"] = signum, now
     for child in _state["children"]:
         if child.poll() is None:
             child.send_signal(signum)
