@@ -404,6 +404,34 @@ MUTATIONS = (
         ("tests/test_two_ranks_quick.py",),
         r"the outcome was not agreed across ranks",
     ),
+    Mutation(
+        "sigterm_twice_exits_unsaved",
+        "a scheduler's SIGTERM to every rank plus the launcher's copy of it count as two: the "
+        "second stops the rank at once, unsaved",
+        (
+            (
+                "lightning_sp/runtime/shutdown.py",
+                "SAME_STOP_SECONDS = 2.0\n",
+                "SAME_STOP_SECONDS = 0.0\n",
+            ),
+        ),
+        ("tests/test_shutdown.py", "-k", "same_stop"),
+        r"SystemExit",
+    ),
+    Mutation(
+        "router_bias_not_saved",
+        "checkpoints hold no persistent buffers: a resumed MoE run restarts its router biases "
+        "at zero",
+        (
+            (
+                "lightning_sp/checkpoint/shards.py",
+                "            if name in persistent:\n",
+                "            if False:\n",
+            ),
+        ),
+        ("tests/test_moe_state.py", "-k", "hold_router_biases"),
+        r"expert_bias",
+    ),
 )
 
 
