@@ -1,4 +1,4 @@
-"""Hugging Face export (lightning_sp.interop.hf.save_hf, lightning_sp.cli.export,
+"""Hugging Face export (lightning_sp.interop.hf_export.save_hf, lightning_sp.cli.export,
 ``cli.py export``), GPT-2 and Llama.
 
 * Round trip: a random GPT-2 and a random Llama (GQA, untied; and tied with Llama 3.1 RoPE
@@ -32,7 +32,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_sp import ConfigError, GPTModule, MegatronSPStrategy, OptimizerConfig, ParallelState
 from lightning_sp.cli.export import export_checkpoint
 from lightning_sp.data import TextDataModule
-from lightning_sp.interop.hf import load_hf_weights, read_hf_config, save_hf
+from lightning_sp.interop.hf import load_hf_weights, read_hf_config
+from lightning_sp.interop.hf_export import save_hf
 from lightning_sp.model.generate import GenerationConfig
 from lightning_sp.model.gpt import GPT
 

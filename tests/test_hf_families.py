@@ -32,7 +32,8 @@ import torch
 from hf_families import FAMILIES, GROUPS, save_family_with_reference, save_random_family
 
 from lightning_sp import ConfigError
-from lightning_sp.interop.hf import check_hf_directory, load_hf_weights, read_hf_config, save_hf
+from lightning_sp.interop.hf import check_hf_directory, load_hf_weights, read_hf_config
+from lightning_sp.interop.hf_export import save_hf
 from lightning_sp.model.gpt import GPT
 from lightning_sp.optim.adamw import build_adamw
 from lightning_sp.parallel.context import shard_for_context_parallel

@@ -24,7 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lightning_sp import GPT
-from lightning_sp.interop.hf import hf_layout, load_hf_weights, read_hf_config, save_hf
+from lightning_sp.interop.hf import hf_layout, load_hf_weights, read_hf_config
+from lightning_sp.interop.hf_export import save_hf
 from lightning_sp.interop.hf_types import hf_model_type
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.spawn import run_distributed

@@ -14,7 +14,7 @@ import torch
 
 from lightning_sp import GPTModule, OptimizerConfig
 from lightning_sp.data import TextDataModule
-from lightning_sp.interop.hf import save_hf
+from lightning_sp.interop.hf_export import save_hf
 
 from corpora import chat_tokenizer, conversations, jsonl
 from hf_models import llama_config, save_random_llama

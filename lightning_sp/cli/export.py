@@ -5,7 +5,7 @@ Hugging Face directory of the model type that holds its architecture (GPT-2 or L
 This module only *reads* the checkpoint (a ``megatron_sp`` DCP directory,
 :mod:`lightning_sp.checkpoint`, whose keys are global parameter names; or a
 one-process Lightning ``.ckpt`` file) into layout-free ``(global name, full tensor)`` pairs;
-:func:`lightning_sp.interop.hf.save_hf` turns those into the directory. DCP assembles one
+:func:`lightning_sp.interop.hf_export.save_hf` turns those into the directory. DCP assembles one
 full tensor at a time from whichever ranks' shards hold its pieces, so no full model is held
 beyond the output.
 """
@@ -31,7 +31,7 @@ from lightning_sp.checkpoint import verify
 from lightning_sp.checkpoint.verify import check_architecture, saved_config
 from lightning_sp.data import BYTE_EOS_ID, EOS_TOKENS
 from lightning_sp.errors import ConfigError
-from lightning_sp.interop.hf import save_hf
+from lightning_sp.interop.hf_export import save_hf
 from lightning_sp.model.config import GPTConfig
 
 

@@ -4,11 +4,13 @@ memory-mapped token shards) -> packed samples in a seeded, resumable, data-paral
 Modules: ``sources`` (text/JSONL/Parquet/CSV/saved/Hub), ``tokenizer`` (bytes or
 ``tokenizer.json``), ``prepare`` (the prepared directory), ``tokens`` (memory-mapped samples),
 ``order`` (per-index permutations and blends), ``blend`` (Megatron-style weights),
-``sampler`` (data-parallel, resumable), ``module`` (the ``LightningDataModule``).
+``sampler`` (data-parallel, resumable), ``corpus`` (where the samples come from),
+``datamodule`` (the ``LightningDataModule``).
 """
 
 from lightning_sp.data.blend import Blend, parse_blend
-from lightning_sp.data.datamodule import TextDataModule, default_cache_dir
+from lightning_sp.data.corpus import default_cache_dir
+from lightning_sp.data.datamodule import TextDataModule
 from lightning_sp.data.order import Permutation, SampleOrder
 from lightning_sp.data.prepare import (
     PrepareSettings,

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import sysconfig
 from typing import Any
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_sp.data.blend import parse_blend
 from lightning_sp.data.chat import load_chat_tokenizer, prepare_chat
+from lightning_sp.data.corpus import resolve_corpus
 from lightning_sp.data.documents import DocumentOptions
 from lightning_sp.data.order import SampleOrder
 from lightning_sp.data.prepare import (
@@ -23,31 +20,12 @@ from lightning_sp.data.prepare import (
     read_metadata,
 )
 from lightning_sp.data.prompts import Codec, prompt_dataloader
-from lightning_sp.data.sampler import ResumableSampler
-from lightning_sp.data.sources import Source, resolve_paths, stdlib_python_files
+from lightning_sp.data.sampler import ResumableLoader, ResumableSampler
+from lightning_sp.data.sources import Source
 from lightning_sp.data.tokenizer import tokenizer_info
 from lightning_sp.data.tokens import PackedSamples, TokenSplit
 from lightning_sp.errors import ConfigError, positive_int
 from lightning_sp.runtime.agree import ranks_agree
-
-
-class ResumableLoader(DataLoader):
-    """A ``DataLoader`` whose state is its :class:`ResumableSampler`'s, so Lightning's fit loop
-    knows the training data resumes mid-epoch (the datamodule's ``state_dict`` holds the same)."""
-
-    def state_dict(self) -> dict[str, int]:
-        assert isinstance(self.sampler, ResumableSampler)
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        assert isinstance(self.sampler, ResumableSampler)
-        self.sampler.load_state_dict(state)
-
-
-def default_cache_dir() -> str:
-    """``~/.cache/lightning_sp`` (``$XDG_CACHE_HOME`` respected)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "lightning_sp")
 
 
 class TextDataModule(pl.LightningDataModule):
@@ -185,39 +163,19 @@ class TextDataModule(pl.LightningDataModule):
         self.prompts = prompts
 
         # Where the samples come from, checked now (before any work).
-        self.source: Source | None = None
-        self.weights: list[float] | None = None
-        if blend is not None:
-            parsed = parse_blend(blend)
-            self.directories = [os.path.abspath(d) for d in parsed.directories]
-            self.weights = list(parsed.weights)
-        elif (
-            prepared_dir is not None
-            and paths is None
-            and dataset_name is None
-            and read_metadata(os.path.expanduser(prepared_dir)) is not None
-        ):  # an existing prepared corpus, whatever it was prepared from
-            self.directories = [os.path.abspath(os.path.expanduser(prepared_dir))]
-        else:
-            entries: list[str] = []
-            if dataset_name is None:
-                entries = stdlib_python_files() if paths is None else resolve_paths(paths)
-                if not entries:
-                    raise ConfigError(
-                        "paths=None found no standard-library .py files under "
-                        f"{sysconfig.get_paths()['stdlib']!r}; give files with paths"
-                    )
-            self.source = Source(tuple(entries), dataset_name, text_field, max_documents, seed)
-            self.directories = [prepared_dir or self._cache_path(self.source)]
+        corpus = resolve_corpus(
+            paths=paths, dataset_name=dataset_name, text_field=text_field,
+            prepared_dir=prepared_dir, blend=blend, max_documents=max_documents, seed=seed,
+            val_fraction=val_fraction, cache_dir=cache_dir, info=self.info,
+        )  # fmt: skip
+        self.source: Source | None = corpus.source
+        self.directories, self.weights = corpus.directories, corpus.weights
         if chat_template_dir is not None and self.source is not None and paths is None:
             raise ConfigError(
                 f"chat_template_dir={chat_template_dir!r} needs paths: the chat rows (JSONL, "
                 "JSON or Parquet with 'messages' or 'prompt'/'completion'), or a prepared_dir "
                 "already prepared from them"
             )
-        if self.source is None:  # already prepared: it must match the tokenizer
-            for directory in self.directories:
-                check_prepared(directory, self.info)
 
         self.num_tokens: int | None = None
         self.train_dataset: PackedSamples | None = None
@@ -233,11 +191,6 @@ class TextDataModule(pl.LightningDataModule):
 
     def _settings(self) -> PrepareSettings:
         return PrepareSettings(self.val_fraction, self.seed, num_proc=self.num_proc)
-
-    def _cache_path(self, source: Source) -> str:
-        key = [source.fingerprint(), self.info.digest, self.val_fraction, self.seed]
-        digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:20]
-        return os.path.join(self.cache_dir or default_cache_dir(), "prepared", digest)
 
     @property
     def vocab_size(self) -> int:

@@ -1,5 +1,5 @@
 """The training sampler: a seeded order per epoch, sharded over data-parallel replicas, with a
-plain-dict state for exact mid-epoch resume."""
+plain-dict state for exact mid-epoch resume; the ``DataLoader`` whose state is the sampler's."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_sp.data.order import SampleOrder
 from lightning_sp.errors import ConfigError
@@ -83,3 +83,16 @@ class ResumableSampler(DistributedSampler):
             )
         self._resume = dict(state)
         self.epoch = int(state["epoch"])
+
+
+class ResumableLoader(DataLoader):
+    """A ``DataLoader`` whose state is its :class:`ResumableSampler`'s, so Lightning's fit loop
+    knows the training data resumes mid-epoch (the datamodule's ``state_dict`` holds the same)."""
+
+    def state_dict(self) -> dict[str, int]:
+        assert isinstance(self.sampler, ResumableSampler)
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        assert isinstance(self.sampler, ResumableSampler)
+        self.sampler.load_state_dict(state)

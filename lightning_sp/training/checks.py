@@ -22,10 +22,17 @@ from lightning_sp.model.config import GPTConfig
 from lightning_sp.parallel.buffer import DEFAULT_BUCKET_NUMEL, GradBufferConfig
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.state import ParallelState
-from lightning_sp.pipeline import check_pipeline_schedule
+from lightning_sp.pipeline import check_batch, check_pipeline_schedule
 
 SUPPORTED_PRECISION = ("32-true", "bf16-true", "64-true")
 STRATEGY = "trainer.strategy"
+
+COMPILED_MEMORY_WARNING = (
+    "compile_layers=True: a compiled layer saves for backward what the compiler's partitioner "
+    "chooses, not what the recompute policy states (the same loss and gradients); the activation "
+    "formulas and the planner describe eager layers, ActivationMemoryMonitor measures these"
+)
+"""Warned once where ``compile_layers=True`` passes :func:`check_compile`."""
 
 
 def check_strategy_args(**args: Any) -> ParallelConfig:
@@ -125,6 +132,32 @@ def check_compile(state: ParallelState) -> None:
             "compile_layers=True on CUDA needs Triton, which is not installed; install it or set "
             "compile_layers=false"
         )
+
+
+def check_pipeline_batch(
+    accumulate_grad_batches: int | None, batch_size: int | None, num_microbatches: int
+) -> None:
+    """Under a pipeline schedule a step's batch splits into the micro-batches and the schedule
+    accumulates: fail before any step if the trainer asks otherwise (``None``: not known)."""
+    if accumulate_grad_batches is not None and accumulate_grad_batches != 1:
+        raise ConfigError(
+            f"trainer.accumulate_grad_batches={accumulate_grad_batches} with "
+            "pipeline_parallel_size > 1; the schedule accumulates over num_microbatches, "
+            "use accumulate_grad_batches=1"
+        )
+    if batch_size is not None:  # this replica's batch splits into the micro-batches
+        check_batch(batch_size, num_microbatches)
+
+
+def check_predict(state: ParallelState) -> None:
+    """``predict`` generates with the whole model and sequence on each rank: no pipeline or
+    context parallelism."""
+    for field in ("pipeline_parallel_size", "context_parallel_size"):
+        if getattr(state, field) > 1:
+            raise ConfigError(
+                f"{field}={getattr(state, field)}: predict needs the whole model and "
+                f"sequence on each rank; predict with {field}=1"
+            )
 
 
 def check_data(datamodule: object, config: GPTConfig) -> None:

@@ -12,8 +12,8 @@ micro-batch) inside ``training_step``; with ``p = 1`` Lightning runs backward as
 
 Under context parallelism (``c > 1``) every CP rank of a data-parallel replica reads the same
 batch ``[b, s]`` and feeds its model only its two load-balanced chunks ``[b, s/c]``
-(:func:`~lightning_sp.parallel.context.shard_for_context_parallel`), in training, validation
-and the pipeline schedule alike; the loss the model returns, and the one logged, is the token
+(:func:`~lightning_sp.training.batches.step_inputs`), in training, validation and the
+pipeline schedule alike; the loss the model returns, and the one logged, is the token
 mean over the whole sequences (equal on the CP ranks).
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
@@ -37,58 +37,36 @@ from lightning_sp.data.prompts import Codec
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.documents import Packing
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
 from lightning_sp.model.moe import (
-    has_auxiliary_losses,
     scale_auxiliary_losses,
     update_expert_biases,
 )
 from lightning_sp.model.moe_metrics import step_metrics
 from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
-from lightning_sp.parallel.buffer import GradBufferConfig
 from lightning_sp.parallel.config import ParallelConfig
-from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.grads import clip_grad_norm_
 from lightning_sp.parallel.state import ParallelState
-from lightning_sp.pipeline import Pipeline, check_batch
-from lightning_sp.pipeline.token_mean import TokenMean, apply_loss_mask, counted_tokens
+from lightning_sp.pipeline import Pipeline
+from lightning_sp.pipeline.token_mean import TokenMean, counted_tokens
+from lightning_sp.training.batches import labels_of, replica_mean, step_inputs
 from lightning_sp.training.checks import (
+    COMPILED_MEMORY_WARNING,
     check_compile,
     check_data,
     check_optimizer,
+    check_pipeline_batch,
+    check_predict,
     check_vocabulary,
     vocabulary_identity,
 )
+from lightning_sp.training.protocol import Batched, BucketsGradients
 
 _DEFAULT_MODEL = GPTConfig()
 _DEFAULT_OPTIMIZER = OptimizerConfig()
 _DEFAULT_GENERATION = GenerationConfig()
-
-
-COMPILED_MEMORY_WARNING = (
-    "compile_layers=True: a compiled layer saves for backward what the compiler's partitioner "
-    "chooses, not what the recompute policy states (the same loss and gradients); the activation "
-    "formulas and the planner describe eager layers, ActivationMemoryMonitor measures these"
-)
-
-
-@runtime_checkable
-class Batched(Protocol):
-    """A data module that states its batch size per data-parallel rank
-    (:class:`~lightning_sp.data.TextDataModule`)."""
-
-    batch_size: int
-
-
-@runtime_checkable
-class BucketsGradients(Protocol):
-    """A strategy that buckets gradients (``MegatronSPStrategy``): its record of how the
-    optimizer's gradient buffer is built."""
-
-    grad_buffer: GradBufferConfig
 
 
 class GPTModule(LightningModule):
@@ -221,7 +199,9 @@ class GPTModule(LightningModule):
             self.config = config
             self._save_hyperparameters()
         if state.pipeline_parallel_size > 1:
-            self._check_pipeline_batch(layout.num_microbatches)
+            trainer = self._trainer
+            accumulate = trainer.accumulate_grad_batches if trainer is not None else None
+            check_pipeline_batch(accumulate, self._batch_size(), layout.num_microbatches)
         self.pipeline = Pipeline(
             config,
             state,
@@ -238,19 +218,6 @@ class GPTModule(LightningModule):
                 for layer in chunk.layers:
                     layer.compile()
 
-    def _check_pipeline_batch(self, num_microbatches: int) -> None:
-        """Under a pipeline schedule a step's batch splits into the micro-batches and the
-        schedule accumulates: fail before any step if the trainer asks otherwise."""
-        if self._trainer is not None and self._trainer.accumulate_grad_batches != 1:
-            raise ConfigError(
-                f"trainer.accumulate_grad_batches={self._trainer.accumulate_grad_batches} with "
-                "pipeline_parallel_size > 1; the schedule accumulates over num_microbatches, "
-                "use accumulate_grad_batches=1"
-            )
-        batch_size = self._batch_size()
-        if batch_size is not None:  # this replica's batch splits into the micro-batches
-            check_batch(batch_size, num_microbatches)
-
     def _batch_size(self) -> int | None:
         """Samples per step per data-parallel rank, if the data module states it."""
         datamodule = getattr(self._trainer, "datamodule", None)  # set by Trainer.fit
@@ -262,32 +229,11 @@ class GPTModule(LightningModule):
             for chunk in self.chunks:
                 load_hf_weights(chunk, self.init_from)
 
-    @staticmethod
-    def _labels(batch: dict[str, Tensor]) -> Tensor:
-        """The batch's labels ``[b, s]``, with ``IGNORE_INDEX`` where its ``loss_mask`` (if it
-        carries one) is false."""
-        if "loss_mask" in batch:
-            return apply_loss_mask(batch["labels"], batch["loss_mask"])
-        return batch["labels"]
-
     def _loss(self, batch: dict[str, Tensor], train: bool) -> Tensor:
         """The batch's mean loss, or with a ``loss_mask`` the sum over its counted tokens (the
         step's global token mean divides it: :class:`TokenMean`)."""
         model = self.stage_model()
-        c, r = model.state.context_parallel_size, model.state.context_parallel_rank
-        packing = Packing.of_batch(batch, model.state)  # documents, positions, reduction
-        if packing.reduction == "sum" and has_auxiliary_losses(model):
-            # the step's token mean rescales every gradient once the step's count is known;
-            # the auxiliary losses' share would be rescaled with it
-            raise ConfigError(
-                "a per-token loss mask (chat data, eod_mask_loss) with a mixture-of-experts "
-                "model is not supported yet; train it without loss masks"
-            )
-        # under context parallelism: this CP rank's two chunks [b, s/c] of the batch
-        ids, labels = (
-            shard_for_context_parallel(x, 1, c, r)
-            for x in (batch["input_ids"], self._labels(batch))
-        )
+        ids, labels, packing = step_inputs(batch, model)  # this CP rank's chunks [b, s/c]
         if not train:
             return model.eval_step(ids, labels, packing)
         if not model.runs_backward:
@@ -305,16 +251,9 @@ class GPTModule(LightningModule):
         if "loss_mask" in batch:  # logged with the step's token mean (on_before_optimizer_step)
             if self._token_mean is None or batch_idx % self.trainer.accumulate_grad_batches == 0:
                 self._token_mean = TokenMean(self.parallel_state)  # a new step
-            self._token_mean.add(self._labels(batch), loss)
+            self._token_mean.add(labels_of(batch), loss)
             return loss
-        # the mean over data-parallel replicas (the TP, CP and PP ranks of one already agree):
-        # the loss of the global batch. Reduced here, since Lightning's sync_dist is a no-op
-        # under a strategy its accelerator connector does not know as distributed.
-        logged, group = loss.detach().clone(), self.parallel_state.dp_group
-        if group is not None:
-            torch.distributed.all_reduce(logged, group=group)
-            logged /= self.parallel_state.data_parallel_size
-        self.log("train/loss", logged, prog_bar=True)
+        self.log("train/loss", replica_mean(loss, self.parallel_state), prog_bar=True)
         return loss
 
     @override
@@ -369,7 +308,7 @@ class GPTModule(LightningModule):
         if "loss_mask" not in batch:
             self.val_loss.update(loss)
             return
-        tokens = counted_tokens(self._labels(batch))  # a token mean over the whole split
+        tokens = counted_tokens(labels_of(batch))  # a token mean over the whole split
         if tokens:
             self.val_loss.update(loss / tokens, weight=tokens)
 
@@ -380,13 +319,7 @@ class GPTModule(LightningModule):
         ``{"prompt", "completion", "token_ids"}`` (text decoded with the datamodule's
         ``codec``, which also gives the end-of-document token that stops generation)."""
         codec: Codec | None = getattr(getattr(self.trainer, "datamodule", None), "codec", None)
-        state = self.stage_model().state
-        for field in ("pipeline_parallel_size", "context_parallel_size"):
-            if getattr(state, field) > 1:
-                raise ConfigError(
-                    f"{field}={getattr(state, field)}: predict needs the whole model and "
-                    f"sequence on each rank; predict with {field}=1"
-                )
+        check_predict(self.stage_model().state)
         ids = batch["input_ids"][0].tolist()
         eos = codec.eos_id if codec is not None else None
         tokens = generate(self.chunks[0], ids, self.generation, eos_id=eos)

@@ -8,7 +8,8 @@ Lightning's ``ModelParallelStrategy`` hands the module its device mesh): before
 :class:`~lightning_sp.parallel.state.ParallelState` and the run's
 :class:`~lightning_sp.parallel.config.ParallelConfig`; the module builds its shard from them
 in ``configure_model`` and returns it from ``stage_model()``; after the last backward of a
-step the strategy calls the shard's ``finalize_grads(buffer)``.
+step the strategy calls the shard's ``finalize_grads(buffer)``. What a module may read back:
+:class:`BucketsGradients` of the strategy, :class:`Batched` of the data module.
 :class:`~lightning_sp.training.gpt_module.GPTModule` holds a
 :class:`~lightning_sp.pipeline.Pipeline` (for every ``p``, including 1);
 ``examples/custom_mlp.py`` shows a custom tensor-parallel model on ``lightning_sp.parallel``.
@@ -21,7 +22,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.parallel.buffer import GradBuffer
+from lightning_sp.parallel.buffer import GradBuffer, GradBufferConfig
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.state import ParallelState
 
@@ -120,3 +121,19 @@ def check_module(module: object, layout: ParallelConfig) -> None:
             f"pipeline_parallel_size={layout.pipeline_parallel_size} but {name} does not run a "
             "pipeline schedule (supports_pipeline_parallel=False); use pipeline_parallel_size=1"
         )
+
+
+@runtime_checkable
+class Batched(Protocol):
+    """A data module that states its batch size per data-parallel rank
+    (:class:`~lightning_sp.data.TextDataModule`)."""
+
+    batch_size: int
+
+
+@runtime_checkable
+class BucketsGradients(Protocol):
+    """A strategy that buckets gradients (``MegatronSPStrategy``): its record of how the
+    optimizer's gradient buffer is built."""
+
+    grad_buffer: GradBufferConfig

@@ -29,7 +29,6 @@ skips the step (:mod:`~lightning_sp.runtime.guard`).
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
@@ -39,13 +38,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sp.checkpoint import Checkpointer, Meta, rng_key
+from lightning_sp.checkpoint import Checkpointer
 from lightning_sp.checkpoint.checkpointer import resumable_loader
-from lightning_sp.checkpoint.shards import gpt_chunks
 from lightning_sp.errors import ConfigError
 from lightning_sp.optim.adamw import grad_buffer_of
 from lightning_sp.parallel.buffer import DEFAULT_BUCKET_NUMEL, GradBufferConfig
@@ -53,6 +50,7 @@ from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.runtime import shutdown
 from lightning_sp.runtime.guard import NonFiniteGuard
+from lightning_sp.training.checkpoint_io import load_lightning_checkpoint, save_lightning_checkpoint
 from lightning_sp.training.checks import check_precision, check_strategy_args
 from lightning_sp.training.processes import ProcessGroupStrategy
 from lightning_sp.training.protocol import ParallelModule, check_module, stage_model_of
@@ -306,38 +304,19 @@ class MegatronSPStrategy(ProcessGroupStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return True
 
-    def _model_config(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        chunks = gpt_chunks(self.lightning_module)
-        return dataclasses.asdict(chunks[0].config) if chunks else {}
-
-    def _rng_key(self) -> str:
-        state = self.parallel_state
-        cp_rank = state.context_parallel_rank if state.context_parallel_size > 1 else None
-        return rng_key(
-            state.pipeline_parallel_rank, state.data_parallel_rank, state.tensor_parallel_rank,
-            cp_rank,
-        )  # fmt: skip
-
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None
     ) -> None:
         """Write a checkpoint (:mod:`lightning_sp.checkpoint`); every rank calls this.
-        Weights and optimizer state are taken from the live module and optimizers."""
+        Weights and optimizer state are taken from the live module and optimizers
+        (:func:`~lightning_sp.training.checkpoint_io.save_lightning_checkpoint`)."""
         assert self.lightning_module is not None
-        checkpoint.pop("state_dict", None)
-        checkpoint.pop("optimizer_states", None)
-        streams = {"streams": checkpoint.pop("rng_streams", None), "torch": torch.get_rng_state()}
-        meta = Meta(checkpoint.get("global_step", 0), self.parallel_config, self._model_config())
-        self.checkpointer.save(
-            Path(self.broadcast(str(filepath))),
-            self.lightning_module,
-            self.optimizers,
-            meta=meta,
-            lightning_state=checkpoint,
-            rng=(self._rng_key(), streams),
-        )
+        path = Path(self.broadcast(str(filepath)))
+        save_lightning_checkpoint(
+            self.checkpointer, self.lightning_module, self.optimizers, checkpoint, path,
+            self.parallel_config, self.parallel_state,
+        )  # fmt: skip
 
     @override
     def load_checkpoint(
@@ -345,30 +324,12 @@ class MegatronSPStrategy(ProcessGroupStrategy):
     ) -> dict:
         """Load weights, persistent buffers and optimizer state in place (any saved layout)
         and return Lightning's state; the RNG streams come back only into the layout that
-        saved them. A checkpoint without the model's buffers (MoE router biases, before they
-        were saved) loads them as zero, with one notice line."""
+        saved them (:func:`~lightning_sp.training.checkpoint_io.load_lightning_checkpoint`)."""
         assert self.lightning_module is not None
-        checkpoint = self.checkpointer.load(
-            Path(checkpoint_path),
-            self.lightning_module,
-            self.optimizers,
-            layout=self.parallel_config,
-            model_config=self._model_config(),
-            rng_name=self._rng_key(),
-        )
-        missing = checkpoint.pop("missing_buffers", [])
-        if missing:
-            rank_zero_info(
-                f"{checkpoint_path} holds no {missing[0]}"
-                + (f" (nor {len(missing) - 1} more buffers)" if len(missing) > 1 else "")
-                + ": saved before checkpoints held MoE router biases; they start at zero"
-            )
-        streams = checkpoint.pop("rng_streams", None) or {}
-        if streams.get("torch") is not None:
-            torch.set_rng_state(streams["torch"])
-        checkpoint["rng_streams"] = streams.get("streams")
-        checkpoint["optimizer_states"] = []  # loaded in place; Lightning checks the key
-        return checkpoint
+        return load_lightning_checkpoint(
+            self.checkpointer, self.lightning_module, self.optimizers, checkpoint_path,
+            self.parallel_config, self.parallel_state,
+        )  # fmt: skip
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
