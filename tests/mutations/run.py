@@ -343,7 +343,7 @@ MUTATIONS = (
         "dp x cp",
         (
             (
-                "lightning_sp/planner/estimate.py",
+                "lightning_sp/planner/rows.py",
                 "    return layout.data_parallel_size * layout.context_parallel_size\n",
                 "    return layout.data_parallel_size\n",
             ),
