@@ -52,6 +52,8 @@ from lightning_sp.model.parts.base import (
     OUTSIDE,
     REPLICATED,
     BuildContext,
+    Collective,
+    CollectiveKind,
     Gemm,
     Part,
     Terms,
@@ -195,10 +197,18 @@ class MoEFeedForward(Part):
         mine = tokens(x) / (x.t if split else 1)
         return x.activation_bytes * self.config.top_k * mine * x.h
 
-    def sequence_exchanges(self, x: ActivationShape) -> int:
-        """Under expert tensor parallelism: the all-gather of the layer's tokens and the
-        reduce-scatter of its output (2); else 0 (each TP rank routes its own shard)."""
-        return 2 if x.etp > 1 else 0
+    def collectives(self, x: ActivationShape) -> list[Collective]:
+        """Under expert tensor parallelism: the all-gather of the layer's ``[s/c, b, h]``
+        tokens over the TP group before the router and the reduce-scatter of its output
+        after the combine (once each per forward and per backward); else none (each TP rank
+        routes its own shard)."""
+        if x.etp == 1:
+            return []
+        nbytes = float(x.activation_bytes * tokens(x) * x.h)  # the gathered [s/c, b, h]
+        return [
+            Collective("expert_tp_gather", CollectiveKind.ALL_GATHER, nbytes, 1, 1),
+            Collective("expert_tp_scatter", CollectiveKind.REDUCE_SCATTER, nbytes, 1, 1),
+        ]
 
     def weights(self, names: HFNames) -> tuple[Weight, ...]:
         """The router and the stacked experts: ``experts.gate_up [E, 2f_e, h]`` held per
