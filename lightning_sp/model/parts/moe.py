@@ -100,11 +100,10 @@ HF_MOE: dict[str, ExpertNames] = {
 
 @dataclass(frozen=True)
 class MoEFeedForward(Part):
-    """The MoE layer of ``config`` (see the module docstring); ``expert_parallel_size`` only
-    prices the EP index terms (its module reads the layout's)."""
+    """The MoE layer of ``config`` (see the module docstring); the expert-parallel size is the
+    shape's ``x.e`` (its module reads the layout's)."""
 
     config: MoEConfig
-    expert_parallel_size: int = 1
 
     def build(self, ctx: BuildContext) -> nn.Module:
         c = ctx.config
@@ -123,7 +122,7 @@ class MoEFeedForward(Part):
         t = x.s * x.b  # tokens of the whole layer before any split
         k, n, f = cfg.top_k, cfg.top_k * x.s * x.b, cfg.expert_ffn_size
         chosen = r * t * (k + 1) if cfg.normalize_top_k or cfg.score == "sigmoid" else 0.0
-        indices = 2 * INDEX * n * (2 if self.expert_parallel_size > 1 else 1)
+        indices = 2 * INDEX * n * (2 if x.e > 1 else 1)  # EP: the regroup and its inverse
         # expert TP: every TP rank routes the gathered tokens, and holds f_e/t of each expert
         routed, inner = (REPLICATED, INSIDE) if x.etp > 1 else (OUTSIDE, OUTSIDE)
         terms: Terms = {
