@@ -26,8 +26,8 @@ CONFIG = MoEConfig(num_experts=8, top_k=2, expert_ffn_size=32, num_shared_expert
 def _formula(t: int, e: int, sp: bool, etp: int = 1) -> float:
     """Bytes one rank saves: the part's terms split by region (replicated: whole), plus the
     aux loss's counts."""
-    shape = ActivationShape(s=S, b=B, h=H, a=4, t=t, sequence_parallel=sp, etp=etp)
-    terms = MoEFeedForward(CONFIG, e).saved_terms(shape)
+    shape = ActivationShape(s=S, b=B, h=H, a=4, t=t, sequence_parallel=sp, e=e, etp=etp)
+    terms = MoEFeedForward(CONFIG).saved_terms(shape)
     per_rank = sum(
         b / (t if region == INSIDE or (sp and region == OUTSIDE) else 1)
         for b, region in terms.values()
@@ -278,3 +278,29 @@ def test_expert_tensor_parallel_size_reaches_the_estimate() -> None:
         read_estimate_args(["--config", path, knob, "3"])
     message = str(info.value)
     assert "\n" not in message and "expert_tensor_parallel_size=3 must be 1 or 2" in message
+
+
+def test_estimate_counts_the_expert_parallel_regroup_indices() -> None:
+    """One expert-parallel size: the layout's e reaches the estimate's formula (``x.e``) and
+    its fake-tensor trace (the MoE module at e); at e = 2 both rise by the regroup indices
+    over e = 1, 16 bytes per routed row, N = k·s·b/t = 2·64·2/2 = 128 rows: 2048 bytes (the
+    rest of each row's gap, the per-expert counts and norm statistics the formula leaves
+    out, is the same at both e)."""
+    from lightning_sp import GPTConfig
+    from lightning_sp.planner.estimate import estimate
+    from lightning_sp.planner.layout import Layout
+
+    config = GPTConfig.of(
+        "mistral", vocab_size=1000, seq_length=64, hidden_size=32, num_layers=2, num_heads=4,
+        feed_forward="moe", sequence_parallel=True,
+        moe=MoEConfig(num_experts=8, top_k=2, expert_ffn_size=96),
+    )  # fmt: skip
+    rows = {}
+    for e in (1, 2):
+        layout = Layout(tensor_parallel_size=2, data_parallel_size=4, expert_parallel_size=e,
+                        micro_batch_size=2, config=config)  # fmt: skip
+        [row] = [r for r in estimate(layout).rows if r.sequence_parallel and r.recompute == "none"]
+        rows[e] = row
+    indices = 16 * 2 * 64 * 2 // 2
+    assert rows[2].formula_bytes_per_layer - rows[1].formula_bytes_per_layer == indices
+    assert rows[2].activation_bytes_per_layer - rows[1].activation_bytes_per_layer == indices

@@ -238,3 +238,34 @@ def test_a_checkpoint_without_router_biases_loads_them_as_zero_with_one_notice(
         "held MoE router biases; they start at zero"
     ], printed
     assert HoldsBiases.compared(tmp_path / "holds") == {"rank0": 2}
+
+
+def test_expert_bias_stays_fp32_under_a_bf16_module() -> None:
+    """Lightning's ``bf16-true`` casts the module (``module.to(bfloat16)``): the router's
+    weight turns bf16, its ``expert_bias`` and ``tokens_per_expert`` stay fp32 (a loaded
+    value is not rounded through bf16), and 300 updates of +1e-3 from 0.25 land exactly
+    where fp32 arithmetic puts them. A bf16 bias does not (its spacing at 0.25 is 2^-9 ~ 2e-3:
+    each +1e-3 rounds up to 2^-9 until 0.5, where it is below half the spacing 2^-8 and
+    rounds away: it stalls at 0.5 instead of 0.55)."""
+    from lightning_sp.model.router import Router
+
+    config = dataclasses.replace(MOE, bias_update_rate=1e-3)
+    router = Router(8, config, sequence_parallel=False, init_std=0.02)
+    assert router.expert_bias is not None and router.tokens_per_expert is not None
+    router.expert_bias.fill_(0.25)
+    router.expert_bias[1] = 0.25 + 1e-4  # not representable in bf16
+    start = router.expert_bias.clone()
+    router.to(torch.bfloat16)
+    assert router.weight.dtype == torch.bfloat16
+    assert router.expert_bias.dtype == router.tokens_per_expert.dtype == torch.float32
+    assert torch.equal(router.expert_bias, start)
+    expected, rounded = start[0].clone(), start[0].to(torch.bfloat16)
+    for _ in range(300):  # expert 0 below the mean load: its bias rises by γ each step
+        router.tokens_per_expert.copy_(torch.tensor([0.0, 1.0, 1.0, 1.0]))
+        router.update_expert_bias(())
+        expected += 1e-3
+        rounded += 1e-3
+    assert router.expert_bias.dtype == torch.float32
+    assert router.expert_bias[0].item() == expected.item() != start[0].item()
+    assert expected.item() == pytest.approx(0.55, abs=1e-5)
+    assert rounded.item() == 0.5  # what the bf16 buffer did before

@@ -10,9 +10,19 @@ from lightning_sp import GPTConfig
 from lightning_sp.memory.formulas import parameters_per_rank
 from lightning_sp.model.moe_config import MoEConfig
 from lightning_sp.planner.cluster import H100_80GB
-from lightning_sp.planner.kernels import all_reduce_seconds, gather_seconds, gemm_seconds
+from lightning_sp.planner.kernels import (
+    COLLECTIVE_SECONDS,
+    all_reduce_seconds,
+    gather_seconds,
+    gemm_seconds,
+)
 from lightning_sp.planner.layout import Layout
-from lightning_sp.planner.ops import backward_gemms, layer_gemms
+from lightning_sp.planner.ops import (
+    CollectiveKind,
+    backward_gemms,
+    layer_collectives,
+    layer_gemms,
+)
 from lightning_sp.planner.steptime import expert_exchange_seconds, layer_time, step_time
 
 # a small Mixtral-like model: E = 8 experts of width 96, top-2, h = 32, s = 64
@@ -100,3 +110,25 @@ def test_expert_gradients_reduce_over_the_expert_data_group() -> None:
         assert step_time(layout, H100_80GB).parts["dp_exposed"] == pytest.approx(
             expected, rel=1e-12
         )
+
+
+def test_expert_tensor_parallel_gather_and_scatter_by_hand() -> None:
+    """Under expert tensor parallelism (t = etp = 2, SP) the MoE part declares an all-gather
+    of the layer's tokens and a reduce-scatter of its output, ``[s, b, h]`` bf16 = 64·2·32·2
+    = 8192 bytes each, once per forward and once per backward; the step-time model adds one
+    ring all-gather's time for each to the layer's TP time in both passes, and nothing at
+    etp = 1 or for a dense layer."""
+    t, b, nbytes = 2, 2, 64 * 2 * 32 * 2
+    cols = layer_collectives(MOE, t, b, etp=2)
+    assert [(c.kind, c.nbytes, c.forward, c.backward) for c in cols] == [
+        (CollectiveKind.ALL_GATHER, nbytes, 1, 1),
+        (CollectiveKind.REDUCE_SCATTER, nbytes, 1, 1),
+    ]
+    assert layer_collectives(MOE, t, b) == []
+    assert set(COLLECTIVE_SECONDS) == set(CollectiveKind)  # every kind has a price
+    one = (t - 1) / t * nbytes / NVLINK  # a ring all-gather / reduce-scatter inside a node
+    assert gather_seconds(H100_80GB, nbytes, t, True) == pytest.approx(one, rel=1e-12)
+    plain, etp = layer_time(MOE, t, b, H100_80GB), layer_time(MOE, t, b, H100_80GB, etp=2)
+    for phase in ("forward", "backward"):
+        extra = getattr(etp, phase)["tp"] - getattr(plain, phase)["tp"]
+        assert extra == pytest.approx(2 * one, rel=1e-9), phase

@@ -241,6 +241,8 @@ class ActivationMemoryMonitor(Callback):
             state.tensor_parallel_size, b, seq_length=s,
             activation_bytes=next(gpt.parameters()).element_size(),
             context_parallel_size=state.context_parallel_size, documents=self._documents,
+            expert_parallel_size=state.expert_parallel_size,
+            expert_tensor_parallel_size=state.expert_tensor_parallel_size,
         )  # fmt: skip
         return sum(
             activation_bytes_per_layer(shape, config.layer_recompute(i))

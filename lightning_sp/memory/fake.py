@@ -172,6 +172,7 @@ def measure_activations(
         config = replace(config, attention_dropout=0.0)
     with fake_world(t * c * p * layout.data_parallel_size):
         state = ParallelState.from_process_group(
-            t, p, device="cpu", context_parallel_size=c, expert_tensor_parallel_size=etp
-        )
+            t, p, device="cpu", context_parallel_size=c, expert_tensor_parallel_size=etp,
+            expert_parallel_size=layout.expert_parallel_size,  # the EP regroup's indices
+        )  # fmt: skip
         return _trace(config, state, micro_batch_size, layers, head, dtype)

@@ -16,6 +16,7 @@ the group's TP ranks (marked ``sequence_parallel``) and CP ranks, as every other
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,15 @@ class Router(nn.Module):
     over the TP group) and, with ``config.expert_bias``, the buffers ``expert_bias [E]`` (fp32,
     replicated on every rank holding the layer; persistent: checkpoints save it) and
     ``tokens_per_expert [E]`` (fp32; this rank's choices per expert counted since the last bias
-    update, once per token: not in a full-recompute replay; reset every step, not saved)."""
+    update, once per token: not in a full-recompute replay; reset every step, not saved).
+
+    Both buffers stay fp32 whatever dtype the module is cast to (:meth:`_apply`): a bias
+    moved by ``bias_update_rate`` (1e-3) per step would round away in bf16, and bf16 counts
+    are exact only up to 256."""
+
+    FP32_BUFFERS = ("expert_bias", "tokens_per_expert")
+    """The buffers a dtype conversion of the module (``.to(dtype)``, ``.half()``, Lightning's
+    precision plugin) leaves in fp32."""
 
     expert_bias: Tensor | None
     tokens_per_expert: Tensor | None
@@ -75,10 +84,23 @@ class Router(nn.Module):
             torch.empty(config.num_experts, hidden_size, dtype=dtype, device=device)
         )
         mark_parameter(self.weight, std=init_std, sequence_parallel=sequence_parallel)
-        for name in ("expert_bias", "tokens_per_expert"):
+        for name in self.FP32_BUFFERS:
             zeros = torch.zeros(config.num_experts, dtype=torch.float32, device=device)
             persistent = name == "expert_bias"
             self.register_buffer(name, zeros if config.expert_bias else None, persistent)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Router:
+        """``nn.Module._apply`` (every ``.to``, ``.cuda``, ``.half``, ``to_empty`` goes
+        through it), except that a buffer of :data:`FP32_BUFFERS` that ``fn`` would give
+        another dtype keeps its fp32 tensor, only moved to ``fn``'s device: its value never
+        passes through the lower precision (recasting afterwards would keep the rounding)."""
+        kept = {name: self._buffers.get(name) for name in self.FP32_BUFFERS}
+        super()._apply(fn, recurse)
+        for name, old in kept.items():
+            new = self._buffers.get(name)
+            if old is not None and new is not None and new.dtype != torch.float32:
+                self._buffers[name] = old.to(device=new.device)
+        return self
 
     def forward(self, x: Tensor, group: Group) -> Routed:
         """Route ``x`` ``[T, h]`` (this rank's tokens of a micro-batch sharded over ``group``)."""

@@ -21,9 +21,10 @@ network, at the same time.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from lightning_sp.planner.cluster import Cluster
-from lightning_sp.planner.ops import Gemm
+from lightning_sp.planner.ops import Collective, CollectiveKind, Gemm
 
 
 def wave_efficiency(cluster: Cluster, m: int, n: int, batch: int = 1) -> float:
@@ -109,6 +110,22 @@ def all_to_all_seconds(cluster: Cluster, nbytes: float, group: int, members_in_n
 def all_reduce_seconds(cluster: Cluster, nbytes: float, group: int, within_node: bool) -> float:
     """A ring all-reduce of ``nbytes``: a reduce-scatter and an all-gather."""
     return 2.0 * gather_seconds(cluster, nbytes, group, within_node)
+
+
+COLLECTIVE_SECONDS: dict[CollectiveKind, Callable[[Cluster, float, int, bool], float]] = {
+    CollectiveKind.ALL_REDUCE: all_reduce_seconds,
+    CollectiveKind.ALL_GATHER: gather_seconds,
+    CollectiveKind.REDUCE_SCATTER: gather_seconds,
+}
+"""The ring time of each kind of part collective: ``(cluster, nbytes, group, within_node) ->
+seconds``."""
+
+
+def collective_seconds(
+    cluster: Cluster, collective: Collective, group: int, within_node: bool
+) -> float:
+    """One call of a part's ``collective`` over ``group`` ranks, priced by its kind."""
+    return COLLECTIVE_SECONDS[collective.kind](cluster, collective.nbytes, group, within_node)
 
 
 def transfer_seconds(cluster: Cluster, nbytes: float, within_node: bool) -> float:

@@ -7,8 +7,10 @@ place the step-time model reads the block's architecture from.
 * :func:`layer_memory_ops`: the element-wise kernels (LayerNorm, bias-dropout-add, GeLU,
   softmax, attention dropout, the context permute), as bytes moved in forward, backward and
   replay; they are memory bound.
-* :func:`layer_collectives`: the TP all-reduces a part runs besides the layer's own f / g
-  (OLMo 2's query/key norm statistics).
+* :func:`layer_collectives`: the TP collectives a part runs besides the layer's own f / g
+  (OLMo 2's query/key norm statistics' all-reduces, an MoE layer's all-gather and
+  reduce-scatter of its tokens under expert tensor parallelism), each of a
+  :class:`CollectiveKind`.
 
 Both are sums over the layer's parts (:mod:`lightning_sp.model.parts`): each part states its
 own GEMMs and kernels, so a new part (a gated MLP's third GEMM, a query/key norm) changes
@@ -35,13 +37,14 @@ import dataclasses
 
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.parts.attention import CP_CORE, attention_pairs, cp_key_lengths
-from lightning_sp.model.parts.base import ACT, MASK, Collective, Gemm, MemoryOp
+from lightning_sp.model.parts.base import ACT, MASK, Collective, CollectiveKind, Gemm, MemoryOp
 
 __all__ = [
     "ACT",
     "CP_CORE",
     "MASK",
     "Collective",
+    "CollectiveKind",
     "Gemm",
     "MemoryOp",
     "attention_pairs",
@@ -101,10 +104,14 @@ def layer_memory_ops(
     return config.block().memory_ops(shape)
 
 
-def layer_collectives(config: GPTConfig, t: int, b: int, c: int = 1) -> list[Collective]:
-    """The TP all-reduces the layer's parts run on one rank besides the layer's own f / g (the
-    sum over its parts, :meth:`~lightning_sp.model.parts.block.Block.collectives`)."""
-    return config.block().collectives(config.activation_shape(t, b, context_parallel_size=c))
+def layer_collectives(
+    config: GPTConfig, t: int, b: int, c: int = 1, etp: int = 1
+) -> list[Collective]:
+    """The TP collectives the layer's parts run on one rank besides the layer's own f / g (the
+    sum over its parts, :meth:`~lightning_sp.model.parts.block.Block.collectives`) at
+    context-parallel size ``c`` and expert tensor parallel size ``etp``."""
+    shape = config.activation_shape(t, b, context_parallel_size=c, expert_tensor_parallel_size=etp)
+    return config.block().collectives(shape)
 
 
 def head_gemms(config: GPTConfig, t: int, b: int, c: int = 1) -> list[Gemm]:

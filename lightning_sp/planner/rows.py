@@ -30,6 +30,7 @@ def _shape(layout: Layout, config: GPTConfig, documents: bool) -> ActivationShap
         layout.tensor_parallel_size,
         layout.micro_batch_size,
         context_parallel_size=layout.context_parallel_size,
+        expert_parallel_size=layout.expert_parallel_size,
         expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
         documents=documents,
     )

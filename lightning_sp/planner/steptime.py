@@ -13,10 +13,10 @@ kernels, :mod:`lightning_sp.planner.kernels` times them):
   GEMMs scaled to the FLOPs the module's descriptor says it redoes
   (:data:`lightning_sp.model.recompute.RECOMPUTE_MODULES`);
 * **tensor-parallel collectives** (Megatron's placement and overlap, plus what a part runs
-  itself, exposed: :func:`lightning_sp.planner.ops.layer_collectives`): without SP, an
-  all-reduce of the ``2sbh``-byte activation after the projection and after fc2 (exposed) and
-  in backward before QKV and fc1 (overlapped with their weight-gradient GEMMs: only what
-  outlasts the GEMM is exposed); with SP, an all-gather before QKV and fc1 and a
+  itself, exposed, each priced by its kind: :func:`lightning_sp.planner.ops.layer_collectives`):
+  without SP, an all-reduce of the ``2sbh``-byte activation after the projection and after
+  fc2 (exposed) and in backward before QKV and fc1 (overlapped with their weight-gradient
+  GEMMs: only what outlasts the GEMM is exposed); with SP, an all-gather before QKV and fc1 and a
   reduce-scatter after the projection and fc2 (exposed), in backward the all-gathers of the
   gradient entering the projection and fc2 (exposed), the re-gather of QKV's and fc1's
   input (overlapped with the data-gradient GEMM) and the reduce-scatter of their input
@@ -87,6 +87,7 @@ from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.kernels import (
     all_reduce_seconds,
     all_to_all_seconds,
+    collective_seconds,
     flash_attention_seconds,
     gather_seconds,
     gemm_seconds,
@@ -264,13 +265,9 @@ def _layer_time(
     else:  # all-reduce after projection/fc2; backward's before qkv/fc1 overlap wgrad
         tp_fwd = 4 * unit
         tp_bwd = sum(max(0.0, 2 * unit - wg) for wg in in_wgrad)
-    shape = config.activation_shape(t, b, context_parallel_size=c, expert_tensor_parallel_size=etp)
-    exchanges = config.block().sequence_exchanges(shape)  # e.g. expert TP's gather / scatter
-    tp_fwd += exchanges * unit
-    tp_bwd += exchanges * unit
-    for col in layer_collectives(config, t, b, c):  # a part's own (exposed: in its forward)
-        reduce = all_reduce_seconds(cluster, col.nbytes, t, cluster.within_node(t))
-        tp_fwd, tp_bwd = tp_fwd + col.forward * reduce, tp_bwd + col.backward * reduce
+    for col in layer_collectives(config, t, b, c, etp):  # a part's own (exposed)
+        one = collective_seconds(cluster, col, t, cluster.within_node(t))
+        tp_fwd, tp_bwd = tp_fwd + col.forward * one, tp_bwd + col.backward * one
     forward = {
         "gemm": sum(secs[n] for n in dense),
         "attention": attn_fwd,

@@ -17,6 +17,7 @@ from lightning_sp.model.parts.base import (
     REPLICATED,
     BuildContext,
     Collective,
+    CollectiveKind,
     Gemm,
     MemoryOp,
     Part,
@@ -208,7 +209,9 @@ class SelfAttention(Part):
             return []
         width = 8 if x.activation_bytes >= 8 else 4
         nbytes = float(width * (x.s // x.c) * x.b)
-        return [Collective("qk_norm_stats", nbytes, forward=2, backward=2)]
+        return [
+            Collective("qk_norm_stats", CollectiveKind.ALL_REDUCE, nbytes, forward=2, backward=2)
+        ]
 
     def parameters(self, x: ActivationShape) -> tuple[int, int]:
         """Q ``a·d·h``, K and V ``g'·d·h`` each, the projection ``a·d·h``, biases as chosen;

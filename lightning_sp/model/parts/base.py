@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Protocol
 
 from torch import nn
@@ -157,14 +158,26 @@ class MemoryOp:
         return self.forward_bytes if self.replay_bytes is None else self.replay_bytes
 
 
+class CollectiveKind(Enum):
+    """What a part's collective does over the tensor-parallel group (the step-time model
+    prices each kind: :data:`lightning_sp.planner.kernels.COLLECTIVE_SECONDS`)."""
+
+    ALL_REDUCE = "all-reduce"
+    ALL_GATHER = "all-gather"
+    REDUCE_SCATTER = "reduce-scatter"
+
+
 @dataclass(frozen=True)
 class Collective:
-    """An all-reduce over the tensor-parallel group that a part's module runs on one rank,
+    """A collective over the tensor-parallel group that a part's module runs on one rank,
     besides the layer's own TP collectives (the f / g around its linears, which the step-time
-    model places itself): ``nbytes`` per call, ``forward`` and ``backward`` calls per
-    micro-batch."""
+    model places itself): ``nbytes`` per call (an all-reduce's tensor; the whole, gathered
+    tensor of an all-gather or reduce-scatter), ``forward`` and ``backward`` calls per
+    micro-batch (a backward call is priced as the same kind: an all-gather's adjoint, a
+    reduce-scatter of the same tensor, moves as many bytes)."""
 
     name: str
+    kind: CollectiveKind
     nbytes: float
     forward: int
     backward: int
@@ -234,7 +247,7 @@ class Part(ABC):
         return []
 
     def collectives(self, x: ActivationShape) -> list[Collective]:
-        """The TP all-reduces its module runs on one rank besides the layer's (none for most
+        """The TP collectives its module runs on one rank besides the layer's (none for most
         parts; none at ``x.t = 1``)."""
         return []
 
@@ -261,12 +274,6 @@ class Part(ABC):
         """Bytes of the rows one rank sends to experts in one forward all-to-all (the combine
         brings as many back; backward repeats both); 0 for most parts."""
         return 0.0
-
-    def sequence_exchanges(self, x: ActivationShape) -> int:
-        """Collectives of one ``[s/c, b, h]`` tensor over the TP group (all-gathers and
-        reduce-scatters) it runs in forward besides its input GEMMs' (backward runs as many):
-        an MoE layer gathering its tokens for expert tensor parallelism; 0 for most parts."""
-        return 0
 
     @abstractmethod
     def weights(self, names: HFNames) -> tuple[Weight, ...]:

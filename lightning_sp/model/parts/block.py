@@ -145,7 +145,7 @@ class Block:
         return list(merged.values())
 
     def collectives(self, x: ActivationShape) -> list[Collective]:
-        """The TP all-reduces the parts run besides the layer's own."""
+        """The TP collectives the parts run besides the layer's own."""
         return [col for p in self.parts for col in p.collectives(x)]
 
     def parameters(self, x: ActivationShape) -> int:
@@ -168,10 +168,6 @@ class Block:
     def dispatch_bytes(self, x: ActivationShape) -> float:
         """Bytes one rank sends in each of the layer's expert all-to-alls."""
         return sum(p.dispatch_bytes(x) for p in self.parts)
-
-    def sequence_exchanges(self, x: ActivationShape) -> int:
-        """The parts' own TP collectives of ``[s/c, b, h]`` per forward."""
-        return sum(p.sequence_exchanges(x) for p in self.parts)
 
     def weights(self, names: HFNames) -> tuple[Weight, ...]:
         """Every parameter of the layer (our names under ``layers.{i}``) and the Hugging Face

@@ -52,6 +52,8 @@ from lightning_sp.model.parts.base import (
     OUTSIDE,
     REPLICATED,
     BuildContext,
+    Collective,
+    CollectiveKind,
     Gemm,
     Part,
     Terms,
@@ -98,11 +100,10 @@ HF_MOE: dict[str, ExpertNames] = {
 
 @dataclass(frozen=True)
 class MoEFeedForward(Part):
-    """The MoE layer of ``config`` (see the module docstring); ``expert_parallel_size`` only
-    prices the EP index terms (its module reads the layout's)."""
+    """The MoE layer of ``config`` (see the module docstring); the expert-parallel size is the
+    shape's ``x.e`` (its module reads the layout's)."""
 
     config: MoEConfig
-    expert_parallel_size: int = 1
 
     def build(self, ctx: BuildContext) -> nn.Module:
         c = ctx.config
@@ -121,7 +122,7 @@ class MoEFeedForward(Part):
         t = x.s * x.b  # tokens of the whole layer before any split
         k, n, f = cfg.top_k, cfg.top_k * x.s * x.b, cfg.expert_ffn_size
         chosen = r * t * (k + 1) if cfg.normalize_top_k or cfg.score == "sigmoid" else 0.0
-        indices = 2 * INDEX * n * (2 if self.expert_parallel_size > 1 else 1)
+        indices = 2 * INDEX * n * (2 if x.e > 1 else 1)  # EP: the regroup and its inverse
         # expert TP: every TP rank routes the gathered tokens, and holds f_e/t of each expert
         routed, inner = (REPLICATED, INSIDE) if x.etp > 1 else (OUTSIDE, OUTSIDE)
         terms: Terms = {
@@ -195,10 +196,18 @@ class MoEFeedForward(Part):
         mine = tokens(x) / (x.t if split else 1)
         return x.activation_bytes * self.config.top_k * mine * x.h
 
-    def sequence_exchanges(self, x: ActivationShape) -> int:
-        """Under expert tensor parallelism: the all-gather of the layer's tokens and the
-        reduce-scatter of its output (2); else 0 (each TP rank routes its own shard)."""
-        return 2 if x.etp > 1 else 0
+    def collectives(self, x: ActivationShape) -> list[Collective]:
+        """Under expert tensor parallelism: the all-gather of the layer's ``[s/c, b, h]``
+        tokens over the TP group before the router and the reduce-scatter of its output
+        after the combine (once each per forward and per backward); else none (each TP rank
+        routes its own shard)."""
+        if x.etp == 1:
+            return []
+        nbytes = float(x.activation_bytes * tokens(x) * x.h)  # the gathered [s/c, b, h]
+        return [
+            Collective("expert_tp_gather", CollectiveKind.ALL_GATHER, nbytes, 1, 1),
+            Collective("expert_tp_scatter", CollectiveKind.REDUCE_SCATTER, nbytes, 1, 1),
+        ]
 
     def weights(self, names: HFNames) -> tuple[Weight, ...]:
         """The router and the stacked experts: ``experts.gate_up [E, 2f_e, h]`` held per
