@@ -232,8 +232,8 @@ MUTATIONS = (
         (
             (
                 "lightning_sp/checkpoint/shards.py",
-                "at = tuple(b + o for b, o in zip(base, offsets, strict=True))",
-                "at = tuple(offsets)",
+                "at = tuple(b + low - w for b, low, w in zip(base, lo, within, strict=True))",
+                "at = tuple(low - w for b, low, w in zip(base, lo, within, strict=True))",
             ),
         ),
         ("tests/test_distributed_optimizer.py",),
@@ -330,8 +330,8 @@ MUTATIONS = (
         (
             (
                 "lightning_sp/planner/steptime.py",
-                "reduce, gather = all_reduce_seconds(cluster, grads, d * c, in_node), 0.0",
-                "reduce, gather = all_reduce_seconds(cluster, grads, d, in_node), 0.0",
+                "groups = ((params - experts, d * c), (experts, d * c // e))",
+                "groups = ((params - experts, d), (experts, d * c // e))",
             ),
         ),
         ("tests/test_steptime_context.py", "-k", "d_times_c"),
