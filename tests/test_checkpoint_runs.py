@@ -9,7 +9,9 @@ all present and loadable at their own steps afterwards; a run that resumes from 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_resume import Notices, _module, _one_process
@@ -29,17 +31,16 @@ def _names(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("top_k", [0, 1])
-def test_two_runs_from_one_checkpoint_keep_each_others_checkpoints(
-    tmp_path: Path, corpus: Path, top_k: int
-) -> None:
-    folder = tmp_path / "ck"
+def _runs(tmp_path: Path, corpus: Path, **checkpoint: Any) -> Callable[..., list[str]]:
+    """``fit(name, steps, ckpt_path=None)``: train run ``name`` for ``steps`` steps into
+    ``tmp_path / "ck"`` (``ModelCheckpoint(**checkpoint)``, saving every step as ``{step}``),
+    resumed from ``ckpt_path``; returns its ``-vN`` notice lines."""
     optimizer = OptimizerConfig(lr=3e-3, warmup_steps=1)
 
     def fit(name: str, steps: int, ckpt_path: Path | None = None) -> list[str]:
-        checkpoints = ModelCheckpoint(dirpath=folder, save_last=True, save_top_k=top_k,
-                                      every_n_train_steps=1, filename="{step}")  # fmt: skip
+        checkpoints = ModelCheckpoint(
+            dirpath=tmp_path / "ck", every_n_train_steps=1, filename="{step}", **checkpoint
+        )
         with Notices() as notices:
             _one_process(tmp_path, name, steps, [checkpoints]).fit(
                 _module(optimizer),
@@ -47,6 +48,17 @@ def test_two_runs_from_one_checkpoint_keep_each_others_checkpoints(
                 ckpt_path=None if ckpt_path is None else str(ckpt_path),
             )
         return notices.containing("from another run")
+
+    return fit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_k", [0, 1])
+def test_two_runs_from_one_checkpoint_keep_each_others_checkpoints(
+    tmp_path: Path, corpus: Path, top_k: int
+) -> None:
+    folder = tmp_path / "ck"
+    fit = _runs(tmp_path, corpus, save_last=True, save_top_k=top_k)
 
     assert fit("a", 2) == []
     copy = tmp_path / "copy.ckpt"
@@ -72,18 +84,7 @@ def test_two_runs_from_one_checkpoint_keep_each_others_checkpoints(
 @pytest.mark.slow
 def test_a_resume_from_the_newest_last_continues_in_place(tmp_path: Path, corpus: Path) -> None:
     folder = tmp_path / "ck"
-    optimizer = OptimizerConfig(lr=3e-3, warmup_steps=1)
-
-    def fit(name: str, steps: int, ckpt_path: Path | None = None) -> list[str]:
-        checkpoints = ModelCheckpoint(dirpath=folder, save_last=True, every_n_train_steps=1,
-                                      filename="{step}")  # fmt: skip
-        with Notices() as notices:
-            _one_process(tmp_path, name, steps, [checkpoints]).fit(
-                _module(optimizer),
-                data(corpus),
-                ckpt_path=None if ckpt_path is None else str(ckpt_path),
-            )
-        return notices.containing("from another run")
+    fit = _runs(tmp_path, corpus, save_last=True)
 
     fit("a", 2)
     assert fit("a2", 3, folder / "last.ckpt") == []
@@ -99,18 +100,7 @@ def test_save_last_link_points_at_the_newest_step_and_resumes_in_place(
     directory here), a resume through the link continues the run in place, and a run resumed
     from a copy links its own ``last-v1.ckpt`` without touching the first run's link."""
     folder = tmp_path / "ck"
-    optimizer = OptimizerConfig(lr=3e-3, warmup_steps=1)
-
-    def fit(name: str, steps: int, ckpt_path: Path | None = None) -> list[str]:
-        checkpoints = ModelCheckpoint(dirpath=folder, save_last="link", save_top_k=1,
-                                      every_n_train_steps=1, filename="{step}")  # fmt: skip
-        with Notices() as notices:
-            _one_process(tmp_path, name, steps, [checkpoints]).fit(
-                _module(optimizer),
-                data(corpus),
-                ckpt_path=None if ckpt_path is None else str(ckpt_path),
-            )
-        return notices.containing("from another run")
+    fit = _runs(tmp_path, corpus, save_last="link", save_top_k=1)
 
     fit("a", 2)
     last = folder / "last.ckpt"
