@@ -116,14 +116,6 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def model_config_of(fields: Any) -> Any:
-    """The ``GPTConfig`` of a parsed ``model.config`` (a Namespace; ``rope_scaling`` and
-    ``moe`` given as mappings become a ``RopeScaling`` and a ``MoEConfig``)."""
-    from lightning_sp.model.config import GPTConfig
-
-    return GPTConfig.from_values(fields)
-
-
 def check_generate_layout(config: Any, t: int) -> None:
     """``generate --tensor_parallel_size t`` fits the model: one line listing the t that do
     (each divides hidden_size, num_heads and the MLP width, and divides or is divided by the
@@ -168,10 +160,11 @@ def check_fit_config(config: Any, subcommand: str | None = None) -> None:
     optimizer values and, when resuming, the checkpoint (present, intact, the same
     architecture and shapes)."""
     from lightning_sp.checkpoint.verify import check_checkpoint
+    from lightning_sp.model.config import GPTConfig
 
     trainer = config.trainer
     args = _strategy_init_args(trainer.strategy)
-    model_config = model_config_of(config.model.config)
+    model_config = GPTConfig.from_values(config.model.config)  # nested mappings as records
     model_config.validate(1)
     if args is not None:
         layout = check_strategy_args(**args)
