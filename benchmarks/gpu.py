@@ -208,9 +208,9 @@ def models_section(shape: Shape, args: argparse.Namespace, peak: float) -> list[
         assert isinstance(model, GPT)
         return monitor._formula_per_layer(model, shape.b, shape.s)
 
-    for backend in attention_backends():
+    for backend in [b for b in attention_backends() if b in args.backends]:
         extra = {"attention": backend} if _has_attention_field() else {}
-        for policy in RECOMPUTE_POLICIES:
+        for policy in [p for p in RECOMPUTE_POLICIES if p in args.policies]:
             config = shape.config(recompute=policy, **dropout, **extra)
             variants = [False, True] if policy == "none" and args.compile else [False]
             for compiled in variants:
@@ -234,10 +234,11 @@ def models_section(shape: Shape, args: argparse.Namespace, peak: float) -> list[
                 del model
                 _free(device)
     for sdpa, compiled in ((True, False), (True, True), (False, False)):
-        if compiled and not args.compile:
+        if (compiled and not args.compile) or not args.plain:
             continue
         config = shape.config(recompute="none", **dropout)
-        plain: nn.Module = plain_gpt(config, sdpa).to(device=device, dtype=dtype)
+        with torch.device(device):  # initialised there: on the CPU 1.2B took over a minute
+            plain: nn.Module = plain_gpt(config, sdpa).to(dtype=dtype)
         if compiled:
             plain = torch.compile(plain)  # type: ignore[assignment]
         row = measure_model(plain, config, shape, args, peak, held_bytes=not compiled)
@@ -351,6 +352,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dropout", type=float, default=0.1, help="hidden and attention")
     parser.add_argument("--no-compile", dest="compile", action="store_false",
                         help="skip the torch.compile variants")  # fmt: skip
+    parser.add_argument(
+        "--backends",
+        type=lambda v: v.split(","),
+        default=attention_backends(),
+        help="attention backends of our GPT, comma-separated (default: all)",
+    )
+    parser.add_argument(
+        "--policies",
+        type=lambda v: v.split(","),
+        default=RECOMPUTE_POLICIES,
+        help="recompute policies of our GPT, comma-separated (default: all)",
+    )
+    parser.add_argument(
+        "--no-plain", dest="plain", action="store_false", help="skip the plain PyTorch GPTs"
+    )
     parser.add_argument("--no-fit", dest="fit", action="store_false",
                         help="skip cli.py fit vs the plain loop")  # fmt: skip
     args = parser.parse_args(argv)

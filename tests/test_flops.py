@@ -224,3 +224,23 @@ def test_cpu_peak_starts_no_matmul_after_its_time() -> None:
     # the loop's overhead); batches doubling in length started hundreds after it
     late = [t for t in timed if t >= timed[0] + seconds]
     assert len(late) <= 1, f"{len(late)} of {len(timed)} matmuls started after {seconds} s"
+
+
+def test_accelerators_lightning_lacks_read_our_datasheet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An H200 is not in Lightning's table: its peak came from a 1024² matmul measurement, which
+    read about 100 TFLOP/s on an H200 and showed MFU=333% in a bf16 fit there (this session's
+    GPU run). Now the datasheet's dense rate, by dtype; an unknown chip reads ``None`` (then
+    measured at ACCELERATOR_MEASURE_SIZE). The device name is set: no GPU here."""
+    from lightning_sp.memory import flops
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert flops.peak_flops(cuda, torch.bfloat16) == 989.4e12
+    assert flops._datasheet_flops(cuda, torch.float16) == 989.4e12
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    assert flops._datasheet_flops(cuda, torch.float32) == 66.9e12
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert flops._datasheet_flops(cuda, torch.float32) == 494.7e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    assert flops._datasheet_flops(cuda, torch.bfloat16) is None
+    assert flops.ACCELERATOR_MEASURE_SIZE >= 8192

@@ -197,14 +197,43 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype) -> float:
 
     On accelerators, the datasheet value Lightning knows
     (:func:`lightning.fabric.utilities.throughput.get_available_flops`, e.g. 312e12 for an
-    A100 in bf16). Where that is unknown (it returns ``None``), and always on CPU, the rate
-    :func:`measure_peak_flops` measures on this machine.
+    A100 in bf16), else ours for chips it lacks (:data:`DATASHEET_FLOPS`: the H200), else the
+    rate :func:`measure_peak_flops` measures with :data:`ACCELERATOR_MEASURE_SIZE` matmuls.
+    On CPU, always the measured rate (1024² matmuls).
     """
     device = torch.device(device)
     if device.type != "cpu":
         from lightning.fabric.utilities.throughput import get_available_flops
 
-        available = get_available_flops(device, dtype)
+        available = get_available_flops(device, dtype) or _datasheet_flops(device, dtype)
         if available:
             return float(available)
+        return measure_peak_flops(dtype=dtype, device=device, size=ACCELERATOR_MEASURE_SIZE)
     return measure_peak_flops(dtype=dtype, device=device)
+
+
+ACCELERATOR_MEASURE_SIZE = 8192
+"""Square matmul size measured on an accelerator whose datasheet rate is unknown: large enough
+that the kernel, not its launch, sets the rate (1024 read about 100 TFLOP/s on an H200, whose
+8192 rate is about 700)."""
+
+DATASHEET_FLOPS: dict[str, dict[str, float]] = {
+    # NVIDIA H200 SXM datasheet: the H100 SXM's tensor cores and clocks (dense, no sparsity)
+    "h200": {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12},
+}
+"""Dense peak FLOP/s of chips Lightning's table lacks, by a lower-case name fragment."""
+
+
+def _datasheet_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """:data:`DATASHEET_FLOPS` for ``device``'s name and ``dtype`` (fp32 as TF32 unless the
+    float32 matmul precision is ``"highest"``, as Lightning reads it), or ``None``."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    key = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    if dtype == torch.float32:
+        key = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    for fragment, rates in DATASHEET_FLOPS.items():
+        if fragment in name and key in rates:
+            return rates[key]
+    return None

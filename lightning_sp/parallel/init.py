@@ -168,9 +168,23 @@ def initialize_parameter(param: Tensor, name: str, seed: int) -> None:
         generator.manual_seed(derive_seed(seed, name))
         param.copy_(draw(param.shape).mul_(std))
         return
-    values = torch.empty(param.shape, dtype=param.dtype, device="cpu")
-    for i in range(param.shape[shard.dim]):
-        generator.manual_seed(derive_seed(seed, name, shard.start + i))
-        row = values.select(shard.dim, i)
-        row.copy_(draw(row.shape).mul_(std))
-    param.copy_(values)
+    # rows drawn straight into one fp32 buffer laid out [rows, ...] (each row contiguous), then
+    # scaled and written to the parameter in one copy: the same values as drawing row by row
+    values = torch.empty(param.movedim(shard.dim, 0).shape, dtype=torch.float32, device="cpu")
+    _draw_rows(values, name, seed, shard.start)
+    param.copy_(values.mul_(std).movedim(0, shard.dim))
+
+
+def _draw_rows(values: Tensor, name: str, seed: int, start: int) -> None:
+    """Fill each row ``i`` of ``values`` (fp32, ``[rows, ...]``, on the CPU) with standard
+    normals from a generator seeded by ``(seed, name, start + i)``. (A pool of threads over row
+    ranges was tried: 1.23 s against 0.90 s for two h=2048 layers on this 2-core machine.)"""
+    generator = torch.Generator(device="cpu")
+    for i in range(values.shape[0]):
+        generator.manual_seed(derive_seed(seed, name, start + i))
+        # dtype and device named: a default-device context (Lightning's CUDA one) adds its
+        # device to a call that names none, which ``out`` on the CPU then refuses
+        torch.randn(
+            values.shape[1:], generator=generator, out=values[i],
+            dtype=torch.float32, device="cpu",
+        )  # fmt: skip

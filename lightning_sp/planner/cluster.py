@@ -17,6 +17,9 @@ Sources (quoted by the comments below):
   DGX SuperPOD of DGX A100 nodes.
 * [H100-DS] NVIDIA H100 Tensor Core GPU datasheet (2022): SXM5 80GB, 989 TFLOP/s dense BF16
   (1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (both directions).
+* [H200-DS] NVIDIA H200 Tensor Core GPU datasheet (2024): SXM 141 GB HBM3e at 4.8 TB/s, the
+  H100 SXM's compute (989 TFLOP/s dense BF16) and NVLink (900 GB/s both directions); DGX H200
+  nodes have the DGX H100's eight ConnectX-7 400 Gb/s adapters, one per GPU.
 * [H100-WP] NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022): 132 SMs (SXM5).
 * [DGXH100] NVIDIA DGX H100 datasheet: 8 H100 per node on 4 NVSwitches; 8 ConnectX-7 NDR
   400 Gb/s InfiniBand adapters for the compute fabric, one per GPU (50 GB/s each way).
@@ -280,7 +283,11 @@ SELENE = dataclasses.replace(A100_80GB, name="selene", gemm_efficiency=0.703)  #
 """The paper's Selene as its own Table 4 measured it: ``a100-80gb`` with the GEMM efficiency
 of the paper's 2022 software (70.3% of peak) in place of the best-shape 85.9%."""
 
-PRESETS: dict[str, Cluster] = {c.name: c for c in (A100_80GB, SELENE, H100_80GB)}
+H200 = dataclasses.replace(H100_80GB, name="h200", hbm_bytes=141 * GB, hbm_bandwidth=4800 * GB)
+"""DGX H200 nodes of 8: ``h100-80gb`` with the H200's memory, 141 GB at 4.8 TB/s [H200-DS]; the
+efficiencies are the H100's (the same chip), not measured on an H200."""
+
+PRESETS: dict[str, Cluster] = {c.name: c for c in (A100_80GB, SELENE, H100_80GB, H200)}
 """The named clusters of ``estimate --cluster``."""
 
 DEFAULT_CLUSTER = A100_80GB

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU, on one CUDA machine: bash benchmarks/gpu_session.sh [PART ...]
+#   bash ../shared/gpu/prepare.sh      # here, once: the wheels the GPU image lacks, into .gpu/
+#   bash benchmarks/gpu_session.sh fit planner moe    # there, from the project root, .gpu/ carried
+# PARTs (default: all, in this order; about 14 minutes on an H200, so a 10-minute call takes a few):
+#   models   python -m benchmarks.gpu: our GPT per attention x recompute, eager and compiled, and
+#            plain PyTorch (gpu.md/.json; about 7 minutes: every 1.2B model is drawn on the CPU, ~18 s)
+#   fit      python cli.py fit --config configs/gpu_1b.yaml, 30 steps (about 2 minutes)
+#   planner  calibrate and step-check of configs/gpu_1b.yaml (gpu_1b_cluster.yaml, step_check.json;
+#            about 3 minutes)
+#   moe      python -m benchmarks.moe_gpu (moe_gpu_bf16.md/.json; under a minute)
+# Results go to $OUT (default benchmarks/results/gpu), everything printed to $OUT/session.log. Each
+# step has its own limit (SIGABRT at the limit: Python prints every thread's stack), cut to what is
+# left of $BUDGET seconds (560), so one that fails or hangs leaves the others' results.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/gpu}
+BUDGET=${BUDGET:-560}
+PARTS=${*:-models fit planner moe}
+mkdir -p "$OUT"
+log="$OUT/session.log"
+[ -f .gpu/setup-on-gpu.sh ] && source .gpu/setup-on-gpu.sh >>"$log" 2>&1
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+step() {  # step SECONDS NAME COMMAND...
+  local limit=$1 name=$2; shift 2
+  local left=$((BUDGET - SECONDS - 5))
+  ((left < limit)) && limit=$left
+  if ((limit < 20)); then echo "=== $name: skipped, ${left}s left" | tee -a "$log"; return; fi
+  echo "=== $(date +%T) $name: $* (limit ${limit}s)" | tee -a "$log"
+  local start=$SECONDS
+  timeout -s ABRT -k 10 "$limit" "$@" >>"$log" 2>&1
+  echo "=== $(date +%T) $name: exit $? after $((SECONDS - start)) s" | tee -a "$log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$log"
+for part in $PARTS; do
+  case $part in
+    models) step 450 "benchmarks.gpu" python -m benchmarks.gpu --out "$OUT" --warmup 2 --steps 6 ;;
+    fit) step 150 "fit gpu_1b" python cli.py fit --config configs/gpu_1b.yaml --trainer.max_steps 30 \
+      --trainer.val_check_interval 30 --trainer.default_root_dir /tmp/fit_1b ;;
+    planner)
+      step 60 "calibrate" python cli.py calibrate --config configs/gpu_1b.yaml --base h200 \
+        --seconds 0.05 --out "$OUT/gpu_1b_cluster.yaml"
+      step 150 "step-check" python cli.py step-check --config configs/gpu_1b.yaml \
+        --cluster "$OUT/gpu_1b_cluster.yaml" --seconds 0.5 --out "$OUT/step_check.json" ;;
+    moe) step 70 "moe layer, bf16" python -m benchmarks.moe_gpu --out "$OUT" ;;
+    *) echo "unknown part $part (models, fit, planner, moe)"; exit 2 ;;
+  esac
+done
+grep -av "it/s\]" "$log" | grep -a "===\|MFU\|TFLOP\|ratio\|wrote\|rror" | tail -40
