@@ -94,7 +94,10 @@ def layer_memory_ops(
       mask, 1);
     * inside (``/t``): bias-GeLU on ``sbf`` (4 / 6); with attention that keeps ``s x s``
       tensors (``math``), the fused scale-mask-softmax on ``b·a·s²`` (4 / 6), its dropout
-      (5 / 5) and the context permute ``[b·a, s, d] -> [s, b, h]`` on ``sbh`` (4 / 4).
+      (5 / 5) and the context permute ``[b·a, s, d] -> [s, b, h]`` on ``sbh`` (4 / 4);
+    * a mixture of experts: the experts' SwiGLU on the ``k·T`` rows it computes and the
+      dispatch's and combine's row copies (:meth:`~lightning_sp.model.parts.moe.
+      MoEFeedForward.memory_ops`).
 
     Under context parallelism every ``s`` is the rank's ``s/c`` and the softmax and dropout
     run on :func:`attention_pairs` per head, tagged :data:`CP_CORE`.

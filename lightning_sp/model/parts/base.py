@@ -158,6 +158,15 @@ class MemoryOp:
         return self.forward_bytes if self.replay_bytes is None else self.replay_bytes
 
 
+def activation_op(name: str, elements: float, inputs: int, split: int = 1) -> MemoryOp:
+    """The fused MLP activation on ``elements`` outputs (rows x width before the ``split``
+    over TP ranks), reading its ``inputs`` inputs of the same width (GeLU one, SwiGLU's gate
+    and up two), as bytes per element of ``elements·(1 + inputs)/(2·split)``: forward 4 (read
+    2, write 2), backward 6 (read input and gradient, write gradient), tagged ``mlp_act``."""
+    inner = elements * (1 + inputs) / (2 * split)
+    return MemoryOp(name, 4 * inner, 6 * inner, tag="mlp_act")
+
+
 class CollectiveKind(Enum):
     """What a part's collective does over the tensor-parallel group (the step-time model
     prices each kind: :data:`lightning_sp.planner.kernels.COLLECTIVE_SECONDS`)."""

@@ -20,6 +20,7 @@ from lightning_sp.model.parts.base import (
     MemoryOp,
     Part,
     Terms,
+    activation_op,
     tokens,
 )
 from lightning_sp.model.parts.weights import HFNames, WeightMap, convention, linear
@@ -137,9 +138,8 @@ class DenseMLP(Part):
     def memory_ops(self, x: ActivationShape) -> list[MemoryOp]:
         """The fused bias-activation on ``sbf/t`` (reading ``z``: SwiGLU reads gate and up),
         4 / 6 bytes per element."""
-        inputs = len(self.kind.inputs)
-        inner = x.s // x.c * x.b * x.ffn * (1 + inputs) / (2 * x.t)
-        return [MemoryOp("bias_gelu", 4 * inner, 6 * inner, tag="mlp_act")]
+        elements = x.s // x.c * x.b * x.ffn
+        return [activation_op("bias_gelu", elements, len(self.kind.inputs), x.t)]
 
     def parameters(self, x: ActivationShape) -> tuple[int, int]:
         h, f, n = x.h, x.ffn, len(self.kind.inputs)
