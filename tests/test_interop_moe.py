@@ -1,6 +1,7 @@
 """Mixtral, Qwen3-MoE and OLMoE both ways: a random model saved by transformers (the Hub's
-per-expert tensors) read into one process (and Mixtral into expert- and tensor-parallel
-layouts) equals transformers' float64 logits and loss; so does the same model written with
+per-expert tensors) read into one process, and into e = 2 x t = 2 + SP (Mixtral also t = 2 + SP
+and e = 2), equals transformers' float64 logits and loss (and each layer's auxiliary loss, to
+fp32 rounding, in the spawned layouts); so does the same model written with
 transformers 5's fused in-memory expert tensors (``mlp.experts.gate_up_proj [E, 2f, h]``,
 ``down_proj [E, h, f]``); our model exported is loaded by ``AutoModelForCausalLM`` as the same
 class holding every tensor of the original, with the same logits.
