@@ -1,6 +1,7 @@
 """Mixtral, Qwen3-MoE and OLMoE both ways: a random model saved by transformers (the Hub's
-per-expert tensors) read into one process (and Mixtral into expert- and tensor-parallel
-layouts) equals transformers' float64 logits and loss; so does the same model written with
+per-expert tensors) read into one process, and into e = 2 x t = 2 + SP (Mixtral also t = 2 + SP
+and e = 2), equals transformers' float64 logits and loss (and each layer's auxiliary loss, to
+fp32 rounding, in the spawned layouts); so does the same model written with
 transformers 5's fused in-memory expert tensors (``mlp.experts.gate_up_proj [E, 2f, h]``,
 ``down_proj [E, h, f]``); our model exported is loaded by ``AutoModelForCausalLM`` as the same
 class holding every tensor of the original, with the same logits.
@@ -14,6 +15,7 @@ helper). Unpatched the difference is fp32 rounding, ~2e-7 of the logits."""
 from __future__ import annotations
 
 import itertools
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from lightning_sp import GPT
 from lightning_sp.interop.hf import hf_layout, load_hf_weights, read_hf_config
 from lightning_sp.interop.hf_export import save_hf
 from lightning_sp.interop.hf_types import hf_model_type
+from lightning_sp.model.moe import MoE
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.spawn import run_distributed
 
@@ -181,12 +184,34 @@ def test_export_loads_as_the_same_class(saved: tuple, tmp_path: Path) -> None:
     assert float((logits - back_logits).abs().max()) <= TOLERANCE * scale
 
 
+AUX_TOLERANCE = 1e-6
+"""The auxiliary loss is summed in fp32 on both sides (transformers' ``load_balancing_loss_func``
+casts the probabilities to fp32; our router dtype is fp32, to route as transformers does), so
+the two agree to fp32 rounding, not 1e-10 (seen: one fp32 ulp, ~1.2e-7 relative)."""
+
+
+def hf_reference(model: Any) -> dict[str, Any]:
+    """transformers' float64 logits ``[b, s, V]`` and loss on :func:`tokens`' batch, and its
+    unscaled auxiliary loss of each layer: the family's ``load_balancing_loss_func`` of that
+    layer's router logits alone (``output_router_logits=True``). transformers' own
+    ``aux_loss`` (of every layer together) is checked to be that function of all of them."""
+    ids, labels = tokens()
+    logits, loss = hf_logits_and_loss(model, ids, labels)
+    with torch.no_grad():
+        out = model(ids, output_router_logits=True)
+    balance = sys.modules[type(model).__module__].load_balancing_loss_func
+    experts, top_k = model.num_experts, model.config.num_experts_per_tok
+    assert torch.equal(out.aux_loss, balance(out.router_logits, experts, top_k))
+    aux = [float(balance((layer,), experts, top_k)) for layer in out.router_logits]
+    return {"logits": logits, "loss": float(loss), "aux": aux}
+
+
 def _layout_worker(
-    rank: int, world_size: int, directories: list[str], hf_loss: float,
+    rank: int, world_size: int, cases: list[tuple[str, dict[str, Any]]],
     layouts: tuple[tuple[int, int, int], ...] = ((2, 1, 1), (1, 2, 1)),
 ) -> None:  # fmt: skip
     ids, labels = tokens()
-    for directory, (t, e, etp) in itertools.product(directories, layouts):
+    for (directory, ref), (t, e, etp) in itertools.product(cases, layouts):
         case = f"{Path(directory).name} t={t} e={e} etp={etp}"
         state = ParallelState.from_process_group(
             tensor_parallel_size=t, expert_parallel_size=e, expert_tensor_parallel_size=etp
@@ -198,27 +223,57 @@ def _layout_worker(
             assert read == unpadded_elements([model]), f"{case}: read {read} elements"
         with torch.no_grad():
             loss = float(model.eval()(ids, labels))
+            logits = full_logits([model], state, ids)  # [b, s, V] on every rank
+        hf_loss = ref["loss"]
         assert abs(loss - hf_loss) <= TOLERANCE * hf_loss, f"{case}: {loss} vs {hf_loss}"
+        assert logits is not None and logits.shape == ref["logits"].shape, case
+        error = float((logits - ref["logits"]).abs().max())
+        assert error <= TOLERANCE, f"{case}: logits differ by {error:.1e}"
+        aux = [float(m.metrics["aux_loss"]) for m in model.modules() if isinstance(m, MoE)]
+        errors = [abs(a - b) / b for a, b in zip(aux, ref["aux"], strict=True)]
+        assert max(errors) <= AUX_TOLERANCE, f"{case}: aux losses {aux} vs {ref['aux']}"
+        if rank == 0:
+            print(f"{case}: loss {abs(loss - hf_loss) / hf_loss:.1e} (relative), logits "
+                  f"{error:.1e} (max abs), aux losses {max(errors):.1e} (relative)")  # fmt: skip
 
 
 def test_import_any_layout_equals_transformers(tmp_path: Path) -> None:
     """Mixtral at t = 2 with SP, and at e = 2, from the per-expert and the fused files: each
     rank reads exactly its shard's elements (at e = 2 its own experts' tensors, or their rows
-    of the fused ones); one family's layouts suffice: the other families' layer is the same
-    part."""
+    of the fused ones), and its logits (gathered over the sequence and the vocabulary), loss
+    and each layer's auxiliary loss are transformers'; the three families at e = 2 x t = 2 +
+    SP are :func:`test_import_expert_parallel_equals_transformers`'."""
     directory = tmp_path / "mixtral"
     hf = save_random("mixtral", directory)
     fused = save_fused(hf, tmp_path / "mixtral_fused")
-    _, hf_loss = hf_logits_and_loss(hf, *tokens())
-    run_distributed(_layout_worker, 2, [str(directory), str(fused)], float(hf_loss))
+    ref = hf_reference(hf)
+    run_distributed(_layout_worker, 2, [(str(directory), ref), (str(fused), ref)])
 
 
 @pytest.mark.slow
-def test_import_expert_tensor_parallel_equals_transformers(tmp_path: Path) -> None:
-    """Mixtral at e = 2 x t = 2 + SP with each expert's f_e split over TP (etp = 2): each
-    rank reads its own experts and keeps its slice of them."""
-    directory = tmp_path / "mixtral"
-    hf = save_random("mixtral", directory)
-    fused = save_fused(hf, tmp_path / "mixtral_fused")
-    _, hf_loss = hf_logits_and_loss(hf, *tokens())
-    run_distributed(_layout_worker, 4, [str(directory), str(fused)], float(hf_loss), ((2, 2, 2),))
+def test_import_expert_parallel_equals_transformers(tmp_path: Path) -> None:
+    """Mixtral (per-expert and fused files), Qwen3-MoE and OLMoE at e = 2 x t = 2 + SP, each
+    expert whole on its rank (etp = 1) and each expert's f_e split over TP (etp = 2, a rank
+    reads its own experts and keeps its slice): on every rank the logits gathered to
+    ``[b, s, V]`` are transformers' float64 ones (max abs error <= 1e-10), so is the loss,
+    and each layer's auxiliary loss is transformers' (to :data:`AUX_TOLERANCE`).
+
+    The auxiliary losses compare layer by layer. With ``c_li`` the micro-batch's top-k choices
+    of expert ``i`` at layer ``l`` and ``p_li`` the sum over its ``T`` tokens of that expert's
+    router probability, ours (``MoE.metrics["aux_loss"]``, unscaled) is, per layer,
+    ``E / T² · Σ_i c_li · p_li``: transformers' ``load_balancing_loss_func`` given that one
+    layer's router logits. transformers' ``aux_loss`` is the same function of every layer's
+    logits concatenated, ``E / (L·T)² · Σ_i (Σ_l c_li)(Σ_l p_li)``: it holds the cross-layer
+    terms ``c_li · p_mi`` (``l ≠ m``) too, so it is no function of the per-layer values and is
+    only checked to be that function (:func:`hf_reference`). Scaled, transformers adds
+    ``router_aux_loss_coef · aux_loss`` to its returned loss; ours adds ``aux_loss_coef`` times
+    the sum of the layers' to the gradient alone (0 as imported), so the losses compared are
+    the language-model ones."""
+    cases = []
+    for family in FAMILIES:
+        hf = save_random(family, tmp_path / family)
+        ref = hf_reference(hf)
+        cases.append((str(tmp_path / family), ref))
+        if family == "mixtral":
+            cases.append((str(save_fused(hf, tmp_path / "mixtral_fused")), ref))
+    run_distributed(_layout_worker, 4, cases, ((2, 2, 1), (2, 2, 2)))
