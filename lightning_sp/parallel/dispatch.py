@@ -9,7 +9,9 @@ back, weights them by their routing probability and sums each token's ``k`` rows
 
 Every step is differentiable: row gathers (``index_select``, whose backward adds into the rows it
 read and saves only the index) and :class:`AllToAll` (backward: the same exchange with the splits
-swapped); the combine gathers each (token, slot)'s row and sums over the ``k`` slots. With
+swapped); the combine (:class:`_WeightedSum`) gathers each (token, slot)'s row and adds the ``k``
+weighted rows of a token in slot order, and its backward gathers too (each row's token's
+gradient; no scatter-add). With
 ``e = 1`` (group ``None``) nothing is communicated and the routing is the same, so one process
 and every layout run the same arithmetic per row.
 
@@ -17,6 +19,7 @@ and every layout run the same arithmetic per row.
 op                      forward                                    backward
 ======================  =========================================  ==========================
 ``AllToAll``            rows to ranks by ``send`` splits           rows back by ``recv`` splits
+``_WeightedSum``        ``Σ_j w[t, j] · y[row of (t, j)]``         gathers by ``token``
 ======================  =========================================  ==========================
 """
 
@@ -146,6 +149,41 @@ def dispatch(
     return rows.index_select(0, regroup), Routing(token, slot, send, recv, regroup, per_expert)
 
 
+class _WeightedSum(torch.autograd.Function):
+    """``out[t] = Σ_j w[t, j] · y[row of (t, j)]``: each token's weighted sum of its expert
+    output rows (``y`` ``[N, h]`` in expert-sorted assignment order, the (token, slot) of row
+    ``n`` being ``slot[n]``; a dropped assignment has no row and adds nothing). Saves ``y``,
+    ``w`` and the two indices (``token`` is the dispatch's own, stored once); gathers both ways,
+    no ``[T, k, h]`` product and no scatter-add."""
+
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, w: Tensor, token: Tensor, slot: Tensor) -> Tensor:
+        ctx.save_for_backward(y, w, token, slot)
+        t, k = w.shape
+        # row of each (token, slot), the zero row appended at N for a dropped one
+        position = torch.full((t * k,), y.shape[0], dtype=torch.long, device=y.device)
+        position[slot] = torch.arange(y.shape[0], device=y.device)
+        rows = y if y.shape[0] == t * k else torch.cat([y, y.new_zeros((1, y.shape[1]))])
+        position = position.view(t, k)
+        out = rows.index_select(0, position[:, 0]) * w[:, :1]  # [T, h]
+        for j in range(1, k):
+            out.addcmul_(rows.index_select(0, position[:, j]), w[:, j : j + 1])
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+        y, w, token, slot = ctx.saved_tensors
+        per_row = grad.index_select(0, token)  # [N, h]: each row's token's gradient
+        grad_w = None
+        if ctx.needs_input_grad[1]:  # <grad[t], y[n]> to (t, j), zero for a dropped slot
+            dots = torch.linalg.vecdot(per_row, y)  # [N]
+            grad_w = dots.new_zeros(w.numel()).index_copy_(0, slot, dots).view_as(w)
+        grad_y = None
+        if ctx.needs_input_grad[0]:
+            grad_y = per_row.mul_(w.reshape(-1).index_select(0, slot).unsqueeze(1))
+        return grad_y, grad_w, None, None
+
+
 def combine(y: Tensor, weights: Tensor, routing: Routing, group: Group) -> Tensor:
     """The inverse of :func:`dispatch`: ``y`` ``[N_local, h]`` expert outputs (expert-major)
     go back to their tokens' ranks; each row is scaled by its routing weight (``weights``:
@@ -155,13 +193,5 @@ def combine(y: Tensor, weights: Tensor, routing: Routing, group: Group) -> Tenso
         back = torch.empty_like(routing.regroup)
         back[routing.regroup] = torch.arange(len(routing.regroup), device=y.device)
         y = all_to_all(y.index_select(0, back), routing.send, routing.recv, group)  # [N, h]
-    t, k = weights.shape
-    # each (token, slot) takes its row, a dropped one the zero row appended at N: gathers
-    # save only their index (an index_add or index_copy would save its [N, h] source too);
-    # dropless (N = T·k), every slot has a row and nothing is appended (no copy of y)
-    position = torch.full((t * k,), y.shape[0], dtype=torch.long, device=y.device)
-    position[routing.slot] = torch.arange(y.shape[0], device=y.device)
-    if y.shape[0] < t * k:
-        y = torch.cat([y, y.new_zeros((1, y.shape[1]))])  # [N + 1, h]
-    per_slot = y.index_select(0, position).view(t, k, y.shape[1])  # [T, k, h]
-    return (per_slot * weights.unsqueeze(-1).to(y.dtype)).sum(1)  # [T, h]
+    # [N, h] in the dispatch's expert-sorted order -> [T, h]; the weights in y's dtype
+    return _WeightedSum.apply(y, weights.to(y.dtype), routing.token, routing.slot)
