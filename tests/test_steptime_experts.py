@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_sp import GPTConfig
-from lightning_sp.memory.formulas import parameters_per_rank
+from lightning_sp.memory.model_state import parameters_per_rank
 from lightning_sp.model.moe_config import MoEConfig
 from lightning_sp.planner.cluster import H100_80GB
 from lightning_sp.planner.kernels import (
