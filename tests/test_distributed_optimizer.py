@@ -18,7 +18,7 @@ import torch.distributed as dist
 from lightning_sp import GPT, ParallelState
 from lightning_sp.checkpoint import Checkpointer, Meta, read_full, rng_key
 from lightning_sp.checkpoint.shards import flat_range_boxes
-from lightning_sp.memory.formulas import distributed_optimizer_elements, model_state_bytes
+from lightning_sp.memory.model_state import distributed_optimizer_elements, model_state_bytes
 from lightning_sp.optim.adamw import build_adamw
 from lightning_sp.optim.distributed import DistributedAdamW
 from lightning_sp.parallel.buffer import GradBufferConfig

@@ -33,7 +33,7 @@ from lightning_sp.parallel.grads import (
     allreduce_sequence_parallel_grads,
     sum_context_parallel_grads,
 )
-from lightning_sp.parallel.layers import IGNORE_INDEX, vocab_parallel_cross_entropy
+from lightning_sp.parallel.vocab import IGNORE_INDEX, vocab_parallel_cross_entropy
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.pipeline.token_mean import TokenMean
 from lightning_sp.testing.spawn import run_distributed

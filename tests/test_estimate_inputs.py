@@ -17,7 +17,7 @@ from lightning_sp import ConfigError, GPTConfig
 from lightning_sp.cli.estimate import main as report_main
 from lightning_sp.cli.estimate import read_estimate_args
 from lightning_sp.memory.flops import model_flops_per_iteration
-from lightning_sp.memory.formulas import parameters_per_rank
+from lightning_sp.memory.model_state import parameters_per_rank
 from lightning_sp.planner.cluster import H100_80GB, load_cluster
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.kernels import all_reduce_seconds

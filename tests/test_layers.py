@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_sp import GPT, ParallelState
-from lightning_sp.parallel.layers import vocab_parallel_cross_entropy
+from lightning_sp.parallel.vocab import vocab_parallel_cross_entropy
 from lightning_sp.testing.spawn import run_distributed
 
 from models import (

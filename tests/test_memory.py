@@ -18,29 +18,31 @@ from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
 from lightning_sp.memory.fake import fake_world, measure_activations
 from lightning_sp.memory.formulas import (
     CONTEXT_GENERATOR_STATE_BYTES,
-    MIXED_PRECISION_ADAM,
     TABLE2_ROWS,
-    ModelStatePrecision,
     activation_bytes_per_layer,
     chunk_forwards_in_flight,
-    distributed_optimizer_elements,
     dropped_bytes_per_layer,
     embedding_activation_bytes,
     extra_activation_bytes,
     figure7_percentages,
     first_stage_activation_bytes,
     interleave_factor,
-    layer_parameter_count,
     layer_saved_terms,
     layernorm_stats_bytes_per_layer,
     layers_in_flight,
-    model_parameter_count,
-    model_state_bytes,
     output_activation_bytes,
-    parameters_per_rank,
-    stage_parameter_count,
     table2_bytes_per_layer,
     table2_row,
+)
+from lightning_sp.memory.model_state import (
+    MIXED_PRECISION_ADAM,
+    ModelStatePrecision,
+    distributed_optimizer_elements,
+    layer_parameter_count,
+    model_parameter_count,
+    model_state_bytes,
+    parameters_per_rank,
+    stage_parameter_count,
 )
 from lightning_sp.model.recompute import PRESETS, RECOMPUTE_MODULES
 from lightning_sp.model.shape import ActivationShape

@@ -120,7 +120,7 @@ def test_mixtral_8x7b_parameters_total_active_and_per_rank() -> None:
     import yaml
 
     from lightning_sp import GPTConfig
-    from lightning_sp.memory.formulas import (
+    from lightning_sp.memory.model_state import (
         model_active_parameter_count,
         model_parameter_count,
         parameters_per_rank,
@@ -142,7 +142,7 @@ def test_qwen3_30b_a3b_parameters_total_and_active() -> None:
     import yaml
 
     from lightning_sp import GPTConfig
-    from lightning_sp.memory.formulas import model_active_parameter_count, model_parameter_count
+    from lightning_sp.memory.model_state import model_active_parameter_count, model_parameter_count
 
     path = Path(__file__).parent.parent / "configs" / "qwen3_30b_a3b.yaml"
     fields = yaml.safe_load(path.read_text())["model"]["config"]
@@ -216,7 +216,7 @@ def test_estimate_shards_expert_optimizer_state_over_the_expert_data_group() -> 
     """With the distributed optimizer, dense weights' fp32 master and Adam moments split over
     d·c ranks, the routed experts' over the d·c/e that hold them."""
     from lightning_sp import GPTConfig
-    from lightning_sp.memory.formulas import expert_parameters_per_rank, parameters_per_rank
+    from lightning_sp.memory.model_state import expert_parameters_per_rank, parameters_per_rank
     from lightning_sp.planner.estimate import estimate
     from lightning_sp.planner.layout import Layout
 
@@ -245,7 +245,7 @@ def test_expert_tensor_parallel_size_reaches_the_estimate() -> None:
 
     from lightning_sp import ConfigError
     from lightning_sp.cli.estimate import read_estimate_args
-    from lightning_sp.memory.formulas import parameters_per_rank
+    from lightning_sp.memory.model_state import parameters_per_rank
     from lightning_sp.planner.cluster import load_cluster
     from lightning_sp.planner.estimate import estimate
     from lightning_sp.planner.ops import layer_gemms

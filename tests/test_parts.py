@@ -25,7 +25,8 @@ import torch
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.errors import ConfigError
 from lightning_sp.memory.flops import layer_forward_flops
-from lightning_sp.memory.formulas import layer_parameter_count, layer_saved_terms
+from lightning_sp.memory.formulas import layer_saved_terms
+from lightning_sp.memory.model_state import layer_parameter_count
 from lightning_sp.model.ops import RopeScaling
 from lightning_sp.model.parts import DenseMLP, Norm, SelfAttention
 from lightning_sp.planner.ops import layer_collectives, layer_gemms

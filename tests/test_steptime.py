@@ -27,7 +27,7 @@ from lightning_sp.memory.flops import (
     hardware_flops_per_iteration,
     model_flops_per_iteration,
 )
-from lightning_sp.memory.formulas import parameters_per_rank
+from lightning_sp.memory.model_state import parameters_per_rank
 from lightning_sp.model.recompute import RECOMPUTE_MODULES
 from lightning_sp.planner.cluster import A100_80GB, H100_80GB, PRESETS, load_cluster
 from lightning_sp.planner.estimate import estimate

@@ -210,7 +210,7 @@ def test_gradient_reduction_and_optimizer_shards_run_over_d_times_c() -> None:
     d·c = 8 ranks of dp x cp, across the network, and what outlasts the last micro-batch's
     backward is exposed; the distributed optimizer shards its state over d·c (memory and
     optimizer time)."""
-    from lightning_sp.memory.formulas import (
+    from lightning_sp.memory.model_state import (
         MIXED_PRECISION_ADAM,
         model_state_bytes,
         parameters_per_rank,

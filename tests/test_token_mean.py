@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from lightning_sp import GPTModule, OptimizerConfig, ParallelState
-from lightning_sp.parallel.layers import IGNORE_INDEX, vocab_parallel_cross_entropy
+from lightning_sp.parallel.vocab import IGNORE_INDEX, vocab_parallel_cross_entropy
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.pipeline.token_mean import TokenMean, apply_loss_mask
 from lightning_sp.testing.spawn import run_distributed

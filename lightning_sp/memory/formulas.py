@@ -1,5 +1,6 @@
-"""Activation and model-state memory: the paper's formulas. The same bytes measured at full
-scale without the memory are :mod:`lightning_sp.memory.fake`'s.
+"""Activation memory: the paper's formulas. The same bytes measured at full scale without the
+memory are :mod:`lightning_sp.memory.fake`'s; parameters, gradients and optimizer state are
+:mod:`lightning_sp.memory.model_state`'s.
 
 Formulas (Korthikanti et al. §4, Table 2, eq. 5, §4.5), in bytes. Symbols as in the paper:
 s sequence length, b micro-batch, h hidden size, a heads, t tensor-parallel size, p pipeline
@@ -24,16 +25,11 @@ and optimizer states (CP shards none of them); the FLOPs (each rank does ``1/c``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 from lightning_sp.errors import ConfigError
-from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.parts.base import INSIDE, OUTSIDE, REPLICATED
 from lightning_sp.model.parts.block import block_of_shape
 from lightning_sp.model.recompute import active_modules, parse_recompute
 from lightning_sp.model.shape import ActivationShape
-from lightning_sp.model.spec import NORMS, POSITIONS
 
 ACTIVATION_BYTES = 2
 """Bytes per stored activation element in the paper (fp16/bf16)."""
@@ -275,169 +271,3 @@ def extra_activation_bytes(
     if p == 1:
         extra += output_activation_bytes(shape, v)
     return extra
-
-
-# -- parameters, gradients, optimizer state ----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelStatePrecision:
-    """Bytes kept per parameter by mixed-precision Adam (Megatron's, and
-    ``lightning_sp.optim.adamw``'s :class:`MasterWeightAdamW`; no distributed optimizer, so
-    nothing is sharded over data parallelism). The defaults sum to 18 bytes per parameter."""
-
-    param_bytes: float = 2
-    """The model's low-precision (bf16) weights."""
-
-    grad_bytes: float = 4
-    """The fp32 gradient-accumulation buffer (``main_grad``); the bf16 ``.grad`` is freed as
-    soon as it has been added into it, so it is not counted."""
-
-    master_bytes: float = 4
-    """The optimizer's fp32 master copy of the weights."""
-
-    optimizer_bytes: float = 8
-    """Adam's fp32 first and second moments, 4 bytes each."""
-
-    @property
-    def bytes_per_parameter(self) -> float:
-        return self.param_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
-
-
-MIXED_PRECISION_ADAM = ModelStatePrecision()
-
-
-def layer_parameter_count(
-    h: int,
-    t: int = 1,
-    ffn_hidden_size: int | None = None,
-    config: GPTConfig | None = None,
-    expert_tensor_parallel_size: int = 1,
-) -> int:
-    """Parameters of one transformer layer on one tensor-parallel rank: the sum over the
-    layer's parts (:meth:`~lightning_sp.model.parts.block.Block.parameters`); ``config`` gives
-    the architecture (default: GPT's, with ``h`` and ``ffn_hidden_size``).
-
-    Split by t: the attention and MLP weights (and their column-parallel biases); key/value
-    heads replicated when there are fewer groups than ranks (``g' = max(g, t)``). Replicated:
-    the row-parallel biases and both norms. For GPT at ``f = 4h, t = 1`` this is
-    ``12h² + 13h``. Routed experts count ``f_e/t`` of their width under expert tensor
-    parallelism (``expert_tensor_parallel_size = t``).
-    """
-    if config is None:
-        config = GPTConfig(hidden_size=h, num_heads=h, ffn_hidden_size=ffn_hidden_size)
-    shape = config.activation_shape(t, expert_tensor_parallel_size=expert_tensor_parallel_size)
-    return config.block().parameters(shape)
-
-
-def stage_parameter_count(
-    config: GPTConfig,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    stage: int = 0,
-    expert_parallel_size: int = 1,
-    expert_tensor_parallel_size: int = 1,
-) -> int:
-    """Parameters on one rank of pipeline stage ``stage`` (tensor-parallel shards counted once).
-
-    A stage holds ``L/p`` layers; the first also the word embedding (``v_pad/t × h``, the
-    padded vocabulary) and the learned positions if any (``s × h``, replicated); the last the
-    output layer (its own copy of the tied embedding, or its own weight, ``v_pad/t × h``) and
-    the final norm. A mixture-of-experts layer's routed experts count ``1/e`` at expert-parallel
-    size ``e``, and ``1/t`` more under expert tensor parallelism.
-    """
-    t, p, e = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
-    etp = expert_tensor_parallel_size
-    h = config.hidden_size
-    layer = layer_parameter_count(h, t, config=config, expert_tensor_parallel_size=etp)
-    if e > 1:  # a rank of an EP group holds E/e of each layer's routed experts
-        shape = config.activation_shape(t, expert_tensor_parallel_size=etp)
-        experts = config.block().expert_parameters(shape)
-        layer -= experts - experts // e
-    count = config.num_layers // p * layer
-    vocab = config.padded_vocab_size(t) // t * h
-    if stage == 0:
-        count += vocab + POSITIONS[config.position_embedding].parameters(config.seq_length, h)
-    if stage == p - 1:
-        count += NORMS[config.normalization].parameters(h)
-        if p > 1 or not config.tie_embeddings:
-            count += vocab
-    return count
-
-
-def parameters_per_rank(
-    config: GPTConfig,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    expert_parallel_size: int = 1,
-    expert_tensor_parallel_size: int = 1,
-) -> int:
-    """The most parameters any rank holds (the first stage: embedding, positions, ``L/p``
-    layers; with ``p = 1`` also the final LayerNorm); routed experts ``1/e`` of them (and
-    ``1/t`` of their width under expert tensor parallelism)."""
-    p, e, etp = pipeline_parallel_size, expert_parallel_size, expert_tensor_parallel_size
-    return max(
-        stage_parameter_count(config, tensor_parallel_size, p, stage, e, etp)
-        for stage in {0, p - 1}
-    )
-
-
-def expert_parameters_per_rank(
-    config: GPTConfig,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    expert_parallel_size: int = 1,
-    expert_tensor_parallel_size: int = 1,
-) -> int:
-    """Of :func:`parameters_per_rank`, the routed experts' (``L/p`` layers' ``1/e`` of them,
-    ``f_e/t`` wide under expert tensor parallelism): the distributed optimizer shards their
-    state over the ``d·c/e`` ranks holding them."""
-    shape = config.activation_shape(
-        tensor_parallel_size, expert_tensor_parallel_size=expert_tensor_parallel_size
-    )
-    experts = config.block().expert_parameters(shape) // expert_parallel_size
-    return config.num_layers // pipeline_parallel_size * experts
-
-
-def model_parameter_count(config: GPTConfig) -> int:
-    """Parameters of the whole model (the embedding once if tied, vocabulary padded as at
-    t = 1)."""
-    return stage_parameter_count(config, 1, 1, 0)
-
-
-def model_active_parameter_count(config: GPTConfig) -> int:
-    """Parameters one token uses: :func:`model_parameter_count` less, per layer, the routed
-    experts it is not sent to (all of them for a dense model)."""
-    block, x = config.block(), config.activation_shape(1)
-    unused = block.expert_parameters(x) - block.active_expert_parameters(x)
-    return model_parameter_count(config) - config.num_layers * unused
-
-
-def model_state_bytes(
-    num_parameters: int,
-    precision: ModelStatePrecision = MIXED_PRECISION_ADAM,
-    data_parallel_size: int = 1,
-    distributed_optimizer: bool = False,
-) -> float:
-    """Weights + gradients + optimizer state for ``num_parameters`` parameters on one rank.
-
-    With the distributed optimizer (ZeRO-1) the fp32 masters and Adam moments are split over
-    the ``data_parallel_size`` ranks given (``d·c`` under context parallelism):
-    ``2 + 4 + 12/d`` bytes per parameter by default.
-    """
-    n = num_parameters
-    replicated = n * (precision.param_bytes + precision.grad_bytes)
-    sharded = n * (precision.master_bytes + precision.optimizer_bytes)
-    return replicated + (sharded / data_parallel_size if distributed_optimizer else sharded)
-
-
-def distributed_optimizer_elements(bucket_numels: Sequence[int], d: int, rank: int) -> int:
-    """Parameter elements whose optimizer state data-parallel ``rank`` keeps: each bucket of
-    ``n`` elements is padded to a multiple of ``d`` and split in ``d`` equal shards (the
-    padding belongs to no parameter). Times 12 bytes (fp32 master, exp_avg, exp_avg_sq) is a
-    rank's optimizer state; summed over ranks it is every element once."""
-    total = 0
-    for n in bucket_numels:
-        per = -(-n // d)
-        total += max(0, min(n, (rank + 1) * per) - rank * per)
-    return total

@@ -13,7 +13,7 @@ this package spells them:
   (:func:`positions_in_documents`); the model takes ``positions`` ``[b, s]`` (the local
   chunks' under context parallelism).
 * ``--eod-mask-loss``: the loss at the end-of-document token is masked (a label of
-  :data:`~lightning_sp.parallel.layers.IGNORE_INDEX`; the data path does it).
+  :data:`~lightning_sp.parallel.vocab.IGNORE_INDEX`; the data path does it).
 
 **Bytes.** The mask is never stored: what travels with a micro-batch is its document ids, one
 int32 per token, ``4·b·s`` bytes, one tensor shared by every layer (held by reference, not

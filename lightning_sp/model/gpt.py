@@ -47,15 +47,14 @@ from lightning_sp.model.spec import POSITIONS
 from lightning_sp.parallel.comm import f_bar
 from lightning_sp.parallel.context import context_token_mean
 from lightning_sp.parallel.init import initialize_parameter, mark_parameter
-from lightning_sp.parallel.layers import (
-    IGNORE_INDEX,
-    ColumnParallelLinear,
-    VocabParallelEmbedding,
-    column_parallel_linear,
-    vocab_parallel_cross_entropy,
-)
+from lightning_sp.parallel.layers import ColumnParallelLinear, column_parallel_linear
 from lightning_sp.parallel.random import RNGStreams, dropout
 from lightning_sp.parallel.state import ParallelState
+from lightning_sp.parallel.vocab import (
+    IGNORE_INDEX,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 
 
 class TransformerLayer(nn.Module):

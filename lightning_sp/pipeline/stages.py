@@ -275,7 +275,7 @@ class Pipeline(nn.Module):
         the batch. They are not yet reduced: call :meth:`finalize_grads` before the optimizer.
         Returns the mean loss (a detached scalar, fp32 for bf16/fp16 models) on every rank of
         the pipeline. ``packing.reduction="sum"``: the loss and its gradients are instead the
-        sum over the counted tokens (labels not :data:`~lightning_sp.parallel.layers.
+        sum over the counted tokens (labels not :data:`~lightning_sp.parallel.vocab.
         IGNORE_INDEX`) of all micro-batches, for :class:`~lightning_sp.pipeline.token_mean.
         TokenMean` to divide by the step's global count. ``packing.documents`` (``[B, s]`` ids
         of the whole sequences) and ``packing.positions`` (``[B, s]`` of the given tokens):

@@ -1,6 +1,6 @@
 """The global token mean of a step whose tokens carry loss masks.
 
-Once some tokens are masked (labels :data:`~lightning_sp.parallel.layers.IGNORE_INDEX`: prompt
+Once some tokens are masked (labels :data:`~lightning_sp.parallel.vocab.IGNORE_INDEX`: prompt
 tokens in supervised fine-tuning, masked ends of documents), the mean per micro-batch is no
 longer the mean over the step: averaging per micro-batch, then over micro-batches, replicas and
 accumulated batches weights the tokens of sparse micro-batches up (the gradient-accumulation bug
@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_sp.parallel.grads import grad_of
-from lightning_sp.parallel.layers import IGNORE_INDEX
 from lightning_sp.parallel.state import ParallelState
+from lightning_sp.parallel.vocab import IGNORE_INDEX
 
 
 def counted_tokens(labels: Tensor) -> int:

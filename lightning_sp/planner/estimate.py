@@ -10,7 +10,7 @@ measure_activations`), and by the paper's formulas — and sets them against the
   ``1 + (p-1)/(p·m)`` interleaved) + the §4.5 extras (embedding dropout masks; with ``p = 1``
   also the final LayerNorm, output layer and loss);
 * parameters + gradients + optimizer state per rank (18 bytes per parameter, see
-  :class:`lightning_sp.memory.formulas.ModelStatePrecision`).
+  :class:`lightning_sp.memory.model_state.ModelStatePrecision`).
 
 Context parallelism (``layout.context_parallel_size = c``): the activations are those of the
 rank's ``s/c`` tokens (the formulas divide every term by ``c`` and drop the core's ``s x s``
@@ -43,7 +43,7 @@ import torch
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.memory.fake import ActivationMeasurement
-from lightning_sp.memory.formulas import (
+from lightning_sp.memory.model_state import (
     MIXED_PRECISION_ADAM,
     ModelStatePrecision,
     expert_parameters_per_rank,

@@ -10,13 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.memory.formulas import (
-    FIGURE7_ROWS,
-    MIXED_PRECISION_ADAM,
-    TABLE2_SETTINGS,
-    layers_in_flight,
-    model_state_bytes,
-)
+from lightning_sp.memory.formulas import FIGURE7_ROWS, TABLE2_SETTINGS, layers_in_flight
+from lightning_sp.memory.model_state import MIXED_PRECISION_ADAM, model_state_bytes
 from lightning_sp.planner.estimate import no_gain_notes
 from lightning_sp.planner.records import Estimate, EstimateRow, gigabytes
 

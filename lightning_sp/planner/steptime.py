@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
-from lightning_sp.memory.formulas import expert_parameters_per_rank, parameters_per_rank
+from lightning_sp.memory.model_state import expert_parameters_per_rank, parameters_per_rank
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.cores import ATTENTION_BACKENDS
 from lightning_sp.model.recompute import (

@@ -216,7 +216,7 @@ class MoEFeedForward(Part):
         """``(split, replicated)`` at ``e = 1``: the shared experts split over TP; router and
         all ``E`` experts replicated (a rank of an EP group of ``e`` holds ``E/e`` of them:
         :meth:`expert_parameters`, divided by e in
-        :func:`~lightning_sp.memory.formulas.stage_parameter_count`)."""
+        :func:`~lightning_sp.memory.model_state.stage_parameter_count`)."""
         cfg, h = self.config, x.h
         return 3 * h * cfg.shared_ffn_size, cfg.num_experts * h + self.expert_parameters(x)
 
