@@ -262,7 +262,12 @@ def test_faster_cluster_is_faster() -> None:
 def test_cluster_presets_and_yaml(tmp_path: Path) -> None:
     for cluster in PRESETS.values():
         cluster.validate()
-        assert cluster.gpus_per_node == 8 and cluster.hbm_bytes == 80e9
+        assert cluster.gpus_per_node == 8
+        assert cluster.hbm_bytes == (141e9 if cluster.name == "h200" else 80e9)
+    h200 = load_cluster("h200")  # the H100 but for its memory
+    assert dataclasses.replace(h200, name="h100-80gb", hbm_bytes=80e9, hbm_bandwidth=3350e9) == (
+        H100_80GB
+    )
     path = tmp_path / "mine.yaml"
     path.write_text("base: a100-80gb\nnetwork_bandwidth: 50.0e9\n")
     mine = load_cluster(str(path))
