@@ -30,6 +30,17 @@ def tiny_config(architecture: str = "gpt2", **overrides: object) -> GPTConfig:
     return GPTConfig.of(architecture, **fields)
 
 
+def small_config(**overrides: object) -> GPTConfig:
+    """A small GPT-2 config (v=300, s=32, h=64, 4 layers of 4 heads, dropout 0.1) with
+    ``overrides``: the memory and model-state tests' model."""
+    fields: dict[str, object] = dict(
+        vocab_size=300, seq_length=32, hidden_size=64, num_layers=4, num_heads=4,
+        hidden_dropout=0.1, attention_dropout=0.1,
+    )  # fmt: skip
+    fields.update(overrides)
+    return GPTConfig(**fields)  # type: ignore[arg-type]
+
+
 def batch(
     config: GPTConfig, batch_size: int = 2, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
-from lightning_sp.memory.fake import fake_world, measure_activations
+from lightning_sp.memory.fake import measure_activations
 from lightning_sp.memory.formulas import (
     CONTEXT_GENERATOR_STATE_BYTES,
     TABLE2_ROWS,
@@ -34,21 +34,11 @@ from lightning_sp.memory.formulas import (
     table2_bytes_per_layer,
     table2_row,
 )
-from lightning_sp.memory.model_state import (
-    MIXED_PRECISION_ADAM,
-    ModelStatePrecision,
-    distributed_optimizer_elements,
-    layer_parameter_count,
-    model_parameter_count,
-    model_state_bytes,
-    parameters_per_rank,
-    stage_parameter_count,
-)
 from lightning_sp.model.recompute import PRESETS, RECOMPUTE_MODULES
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.config import ParallelConfig
 
-from models import feed_forward_terms
+from models import feed_forward_terms, small_config
 
 S, B, H, A, T = 2048, 1, 12288, 96, 8
 SBH = S * B * H
@@ -198,66 +188,12 @@ def test_section_4_5_extras() -> None:
     assert output_activation_bytes(tp, v) == 4 * SBH + 4 * S * B * v / T
 
 
-def test_model_state_bytes_per_parameter() -> None:
-    assert MIXED_PRECISION_ADAM.bytes_per_parameter == 18
-    assert model_state_bytes(1_000_000) == 18_000_000
-    fp32_adam = ModelStatePrecision(param_bytes=4, grad_bytes=4, master_bytes=0)
-    assert model_state_bytes(10, fp32_adam) == 160
-    # the distributed optimizer: 2 + 4 + 12/d bytes; without it d changes nothing
-    zero = model_state_bytes(1_000_000, data_parallel_size=8, distributed_optimizer=True)
-    assert zero == 7_500_000
-    assert model_state_bytes(1_000_000, data_parallel_size=8) == 18_000_000
-    assert distributed_optimizer_elements([10, 7], 4, 0) == 3 + 2
-    assert sum(distributed_optimizer_elements([10, 7], 4, r) for r in range(4)) == 17
-
-
-def test_parameter_count_of_gpt3_175b() -> None:
-    config = GPTConfig(
-        vocab_size=51200, seq_length=2048, hidden_size=12288, num_layers=96, num_heads=96
-    )
-    h, L = 12288, 96
-    assert layer_parameter_count(h) == 12 * h * h + 13 * h
-    assert model_parameter_count(config) == L * (12 * h * h + 13 * h) + (51200 + 2048) * h + 2 * h
-    assert model_parameter_count(config) == pytest.approx(175e9, rel=0.01)
-    # t=8, p=8: the first stage holds 12 layers' shards, the embedding shard and the positions
-    first = 12 * layer_parameter_count(h, 8) + 51200 // 8 * h + 2048 * h
-    assert parameters_per_rank(config, 8, 8) == first
-
-
-def _count(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def _small(**overrides: object) -> GPTConfig:
-    fields: dict[str, object] = dict(
-        vocab_size=300, seq_length=32, hidden_size=64, num_layers=4, num_heads=4,
-        hidden_dropout=0.1, attention_dropout=0.1,
-    )  # fmt: skip
-    fields.update(overrides)
-    return GPTConfig(**fields)  # type: ignore[arg-type]
-
-
-def test_parameter_count_matches_real_gpt_shards() -> None:
-    # one process, a real model with real weights
-    config = _small(ffn_hidden_size=96)
-    model = GPT(config, ParallelState.single())
-    assert _count(model) == model_parameter_count(config)
-    # t=2, p=2: each stage's shard as the model builds it (meta: shapes only)
-    with fake_world(4):
-        state = ParallelState.from_process_group(2, 2, device="cpu")
-        for stage, layers in ((0, range(0, 2)), (1, range(2, 4))):
-            shard = GPT(config, state, layer_range=layers, device="meta")
-            assert _count(shard) == stage_parameter_count(config, 2, 2, stage), stage
-        assert parameters_per_rank(config, 2, 2) == stage_parameter_count(config, 2, 2, 0)
-    assert not dist.is_initialized()
-
-
 @pytest.mark.parametrize("attention", ["math", "sdpa"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "lean", "full"])
 def test_fake_measurement_equals_a_real_run(attention: str, recompute: str) -> None:
     """At t=1 a real forward can run here: the fake trace counts exactly the same bytes
     (sdpa without attention dropout, as the fake measurement traces it)."""
-    config = _small(recompute=recompute, attention=attention)
+    config = small_config(recompute=recompute, attention=attention)
     if attention == "sdpa":
         config.attention_dropout = 0.0
     b = 2
@@ -284,7 +220,9 @@ def test_fake_measurement_matches_formula_at_t4(
 ) -> None:
     """The fake trace at t=4 is the formula + the LayerNorm statistics, byte for byte."""
     s, b, h, a, t = 256, 2, 256, 8, 4
-    config = _small(seq_length=s, hidden_size=h, num_heads=a, num_layers=2, attention=attention)
+    config = small_config(
+        seq_length=s, hidden_size=h, num_heads=a, num_layers=2, attention=attention
+    )
     config = dataclasses.replace(config, sequence_parallel=sequence_parallel, recompute=recompute)
     got = measure_activations(
         config, ParallelConfig(tensor_parallel_size=t), micro_batch_size=b, layers=2
@@ -305,7 +243,7 @@ def test_fake_measurement_of_a_full_k_model_follows_each_layer(rest: str) -> Non
     """Full on the first layer of the chunk, ``recompute_rest`` on the second: the fake trace
     at t=4 + SP gives each layer its own policy's formula."""
     s, b, h, a, t = 256, 2, 256, 8, 4
-    config = _small(seq_length=s, hidden_size=h, num_heads=a, num_layers=2)
+    config = small_config(seq_length=s, hidden_size=h, num_heads=a, num_layers=2)
     config = dataclasses.replace(
         config, sequence_parallel=True, recompute="full", recompute_num_layers=1,
         recompute_rest=rest,
@@ -324,7 +262,7 @@ def test_fake_measurement_of_a_full_k_model_follows_each_layer(rest: str) -> Non
 
 def test_head_measurement_matches_section_4_5() -> None:
     s, b, h, t = 256, 2, 256, 4
-    config = _small(seq_length=s, hidden_size=h, num_heads=8, num_layers=2, vocab_size=1000)
+    config = small_config(seq_length=s, hidden_size=h, num_heads=8, num_layers=2, vocab_size=1000)
     for sp in (False, True):
         got = measure_activations(
             dataclasses.replace(config, sequence_parallel=sp),
