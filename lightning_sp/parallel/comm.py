@@ -5,9 +5,7 @@ the regions around it are sequence parallel. ``f`` and ``g`` (entering the regio
 function of their own: they are the collectives inside the column-parallel linear's autograd
 function (:class:`lightning_sp.parallel.layers.ColumnParallelLinear`; forward all-gather along
 s under SP, backward all-reduce or reduce-scatter of the input gradient), which keeps the
-gathered input out of the saved tensors and recomputes it in backward. ``g`` also stands alone
-for a region whose every op wants the gathered tokens (the MoE layer under expert tensor
-parallelism). Sequence shards live
+gathered input out of the saved tensors and recomputes it in backward. Sequence shards live
 on dimension 0 (layout ``[s, b, h]``), so gathers and scatters are contiguous and copy nothing
 extra.
 
