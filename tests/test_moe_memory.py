@@ -1,7 +1,8 @@
 """The MoE layer's saved bytes per rank equal its part's formula to the byte (bf16, forced
 balanced routing, saved-tensor hooks), at t = 1 and t = 2 with SP, e = 1, 2, 4, and with the
 experts split over TP (etp = 2) at e = 1, 2: expert parallelism moves rows but, balanced, does
-not divide them; expert tensor parallelism divides only the f_e terms."""
+not divide them; expert tensor parallelism divides the f_e terms and keeps the TP group's
+gathered expert input rows whole on every TP rank."""
 
 from __future__ import annotations
 
@@ -239,7 +240,7 @@ def test_expert_tensor_parallel_size_reaches_the_estimate() -> None:
     """``--trainer.strategy.init_args.expert_tensor_parallel_size 2`` on Mixtral's config:
     the layout carries it; each rank holds half of every routed expert's f_e (parameters per
     rank drop by exactly half the rank's L/p·E/e·3·h·f_e), and its model state with them; the
-    expert GEMMs are f_e/2 wide over the TP group's gathered tokens; step time adds the layer's
+    expert GEMMs are f_e/2 wide over the TP group's gathered rows; step time adds the layer's
     all-gather and reduce-scatter each way. 3 (neither 1 nor t = 2) is one line."""
     from pathlib import Path
 

@@ -124,17 +124,20 @@ def test_expert_gradients_reduce_over_the_expert_data_group() -> None:
 
 def test_expert_tensor_parallel_gather_and_scatter_by_hand() -> None:
     """Under expert tensor parallelism (t = etp = 2, SP) the MoE part declares an all-gather
-    of the layer's tokens and a reduce-scatter of its output, ``[s, b, h]`` bf16 = 64·2·32·2
-    = 8192 bytes each, once per forward and once per backward; the step-time model adds one
-    ring all-gather's time for each to the layer's TP time in both passes, and nothing at
-    etp = 1 or for a dense layer."""
-    t, b, nbytes = 2, 2, 64 * 2 * 32 * 2
+    of the dispatched rows over the TP group and a reduce-scatter of the experts' partial sums:
+    the group's k·s·b = 2·64·2 rows of h = 32 bf16 values (each TP rank routes s·b/t = 64
+    tokens, k = 2 rows each) = 2·64·2·32·2 = 16384 bytes each, once per forward and once per
+    backward; the step-time model adds one ring all-gather's time for each to the layer's TP
+    time in both passes, and nothing at etp = 1 or for a dense layer."""
+    t, b, nbytes = 2, 2, K * 64 * 2 * 32 * 2
     cols = layer_collectives(MOE, t, b, etp=2)
     assert [(c.kind, c.nbytes, c.forward, c.backward) for c in cols] == [
         (CollectiveKind.ALL_GATHER, nbytes, 1, 1),
         (CollectiveKind.REDUCE_SCATTER, nbytes, 1, 1),
     ]
     assert layer_collectives(MOE, t, b) == []
+    etp_shape = MOE.activation_shape(t, b, expert_tensor_parallel_size=2)
+    assert MOE.block().dispatch_bytes(etp_shape) == nbytes // t  # EP moves the shard's rows
     assert set(COLLECTIVE_SECONDS) == set(CollectiveKind)  # every kind has a price
     one = (t - 1) / t * nbytes / NVLINK  # a ring all-gather / reduce-scatter inside a node
     assert gather_seconds(H100_80GB, nbytes, t, True) == pytest.approx(one, rel=1e-12)

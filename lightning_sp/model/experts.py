@@ -7,13 +7,13 @@ rank holds the same experts and runs them on its own sequence shard's tokens, so
 gradients are partial sums over TP (marked ``sequence_parallel``). With expert tensor parallel
 size ``t`` each TP rank holds ``f/t`` of every expert's inner dimension (``gate_up``: rows
 ``[r·f/t, (r+1)·f/t)`` of the gate and of the up block, column parallel; ``down``: those
-columns, row parallel; :class:`~lightning_sp.parallel.init.ExpertSlice`), runs every token of
-the TP group and returns partial sums of the output; its gradients are complete for its slice
-(not marked ``sequence_parallel``). They are marked ``expert``
-too, so that gradient reduction takes the expert-data group instead of all of data x context
-(:func:`~lightning_sp.parallel.grads.finalize_grads`). ``expert_start`` tells the initialiser
-the global index of the first local expert, so each expert draws the same values under every
-expert-parallel size.
+columns, row parallel; :class:`~lightning_sp.parallel.init.ExpertSlice`), runs every row the
+TP group's ranks received for its experts and returns partial sums of the output; its
+gradients are complete for its slice (not marked ``sequence_parallel``). They are marked
+``expert`` too, so that gradient reduction takes the expert-data group instead of all of
+data x context (:func:`~lightning_sp.parallel.grads.finalize_grads`). ``expert_start`` tells
+the initialiser the global index of the first local expert, so each expert draws the same
+values under every expert-parallel size.
 
 :func:`grouped_linear` runs ``torch._grouped_mm`` where it can (fp32 and bf16 with 16-byte
 aligned rows) and a loop of per-expert matmuls otherwise (float64); both compute the same

@@ -7,13 +7,14 @@ its own ``T = s_local·b`` tokens; the load-balancing terms are the micro-batch'
 (:mod:`lightning_sp.model.router`).
 
 Under expert tensor parallelism (``t_e = t``, each expert's ``f_e`` split over the TP group)
-the layer is one tensor-parallel region: ``g`` gathers the TP group's sequence shards
-(``[s/(c·t), b, h] -> [s/c, b, h]``), every TP rank routes those tokens identically (router
-replicated), dispatches them over EP, runs its ``f_e/t`` slice of the experts, combines, and
-``ḡ`` reduce-scatters the partial sums back to ``[s/(c·t), b, h]``. The TP ranks compute the
-same auxiliary losses from the same tokens; each back-propagates ``1/t`` of them, so the
-router's gradient (a partial sum over TP, all-reduced as a ``sequence_parallel`` weight's)
-counts them once. The shared experts stay a TP MLP on the layer's sequence shard.
+the order is Megatron-Core's, dispatch first: every rank routes its own sequence shard as at
+``t_e = 1`` (the load-balancing terms count each token once, summed over the TP group),
+dispatches its rows over EP, then the TP group all-gathers the rows its ranks received
+(:func:`~lightning_sp.parallel.expert_rows.gather_rows`, uneven counts), each TP rank runs its
+``f_e/t`` slice of the local experts on all of them, and the partial sums are reduce-scattered
+back to the rows' TP rank (:func:`~lightning_sp.parallel.expert_rows.scatter_rows`) before the
+combine returns them over EP. With ``t_e = 1`` both exchanges are the identity: one code path.
+The shared experts are a TP MLP on the layer's sequence shard either way.
 
 The load-balancing terms enter the training loss without changing any signature:
 :func:`attach_loss` adds their gradient to the layer output's backward (Megatron's
@@ -34,8 +35,8 @@ from lightning_sp.model.moe_config import MoEConfig
 from lightning_sp.model.recompute import replaying
 from lightning_sp.model.router import Router
 from lightning_sp.model.spec import NormModule
-from lightning_sp.parallel.comm import g, g_bar, group_size
 from lightning_sp.parallel.dispatch import combine, dispatch
+from lightning_sp.parallel.expert_rows import gather_rows, plan_rows, scatter_rows
 from lightning_sp.parallel.init import initialize_parameter
 from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_sp.parallel.state import ParallelState
@@ -127,15 +128,11 @@ class MoE(nn.Module):
         config.check_layout(e, t, sequence_parallel, t_e)
         self.config = config
         self.expert_tp_group = state.tp_group if t_e > 1 else None
-        """The TP group gathered around the layer under expert tensor parallelism, else
-        ``None`` (each TP rank routes its own sequence shard)."""
-        gathered = t_e > 1  # the TP ranks hold the same tokens: count them once
-        self.group = state.micro_batch_group(sequence_parallel and not gathered)
+        """The TP group that shares each expert's ``f_e`` under expert tensor parallelism, over
+        which the dispatched rows are gathered and scattered, else ``None``."""
+        self.group = state.micro_batch_group(sequence_parallel)
         self.ep_group = state.ep_group
-        self.reduce_groups = (
-            state.tp_group if sequence_parallel and not gathered else None,
-            state.gradient_group,
-        )
+        self.reduce_groups = (state.tp_group if sequence_parallel else None, state.gradient_group)
         kwargs: dict[str, Any] = {"dtype": dtype, "device": device}
         self.router = Router(
             hidden_size, config, sequence_parallel=sequence_parallel, init_std=init_std, **kwargs
@@ -175,9 +172,7 @@ class MoE(nn.Module):
         ``[s/t or s, b, h]`` in and out."""
         if norm is not None:
             x = norm(x)
-        shard = x  # [s/(c·t) or s/c, b, h]
-        x = g(x, self.expert_tp_group)  # expert TP: [s/c, b, h], else unchanged
-        s, b, h = x.shape
+        s, b, h = x.shape  # [s/(c·t) or s/c, b, h]: this rank's sequence shard
         tokens = x.reshape(s * b, h)  # [T, h]
         routed = self.router(tokens, self.group)
         cfg = self.config
@@ -187,11 +182,13 @@ class MoE(nn.Module):
         rows, routing = dispatch(
             tokens, routed.experts, routed.keep, cfg.num_experts, self.ep_group, balanced
         )  # [N_local, h], expert-major
-        y = self.experts(rows, routing.counts, self.recompute_act)  # [N_local, h]
+        plan = plan_rows(routing.counts, self.expert_tp_group, balanced, rows.device)
+        rows = gather_rows(rows, plan)  # expert TP: [Σ_TP N_local, h], expert-major
+        y = self.experts(rows, plan.counts, self.recompute_act)  # partial sums under expert TP
+        y = scatter_rows(y, plan)  # expert TP: summed over the TP group -> [N_local, h]
         out = combine(y, routed.weights, routing, self.ep_group).view(s, b, h)
-        out = g_bar(out, self.expert_tp_group)  # expert TP: partial sums -> [s/(c·t), b, h]
         if self.shared is not None:
-            out = out + self.shared(shard, self.recompute_act)
+            out = out + self.shared(x, self.recompute_act)
         self.metrics = {  # detached tensors: no device sync here
             "aux_loss": routed.aux_loss.detach(),
             "z_loss": routed.z_loss.detach(),
@@ -202,9 +199,8 @@ class MoE(nn.Module):
             added = _totals(routed.aux_loss, routed.z_loss, routed.dropped, routed.counts)
             self.totals = added if self.totals is None else self.totals + added
         loss = cfg.aux_loss_coef * routed.aux_loss + cfg.z_loss_coef * routed.z_loss
-        if cfg.aux_loss_coef or cfg.z_loss_coef:  # each of the t_e ranks holding it: 1/t_e
-            t_e = 1 if self.expert_tp_group is None else group_size(self.expert_tp_group)
-            out = attach_loss(out, loss, self.aux_loss_scale / t_e)
+        if cfg.aux_loss_coef or cfg.z_loss_coef:
+            out = attach_loss(out, loss, self.aux_loss_scale)
         return out
 
     def update_expert_bias(self) -> None:

@@ -124,10 +124,9 @@ class MoEConfig:
         expert_tensor_parallel_size: int = 1,
     ) -> None:
         """:class:`ConfigError` (one line) unless ``e`` divides ``E``, tensor parallelism comes
-        with sequence parallelism (each TP rank routes its own sequence shard, or with
-        ``t_e = t`` the TP group gathers its shards; replicated tokens would be computed t
-        times), the experts are whole (``t_e = 1``) or split over the TP group (``t_e = t``)
-        and ``t_e`` divides ``f_e``."""
+        with sequence parallelism (each TP rank routes its own sequence shard, with ``t_e = t``
+        too; replicated tokens would be computed t times), the experts are whole (``t_e = 1``)
+        or split over the TP group (``t_e = t``) and ``t_e`` divides ``f_e``."""
         e, t, t_e = expert_parallel_size, tensor_parallel_size, expert_tensor_parallel_size
         positive_int("expert_parallel_size", e)
         check_expert_tensor_parallel(t_e, t)

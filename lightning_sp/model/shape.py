@@ -58,7 +58,7 @@ class ActivationShape:
     (each holds ``E/e`` of them and runs them on the rows the group sends it)."""
     etp: int = 1
     """Expert tensor parallel size: 1 (experts whole on every TP rank) or ``t`` (each expert's
-    ``f_e`` split over the TP group, which gathers its tokens around the MoE layer)."""
+    ``f_e`` split over the TP group, which gathers the rows dispatched to its experts)."""
     documents: bool = False
     """Whether attention is document-masked (block-causal over packed documents,
     ``data.document_mask``): what the backend's document path saves besides the causal one

@@ -5,9 +5,7 @@ the regions around it are sequence parallel. ``f`` and ``g`` (entering the regio
 function of their own: they are the collectives inside the column-parallel linear's autograd
 function (:class:`lightning_sp.parallel.layers.ColumnParallelLinear`; forward all-gather along
 s under SP, backward all-reduce or reduce-scatter of the input gradient), which keeps the
-gathered input out of the saved tensors and recomputes it in backward. ``g`` also stands alone
-for a region whose every op wants the gathered tokens (the MoE layer under expert tensor
-parallelism). Sequence shards live
+gathered input out of the saved tensors and recomputes it in backward. Sequence shards live
 on dimension 0 (layout ``[s, b, h]``), so gathers and scatters are contiguous and copy nothing
 extra.
 
@@ -92,22 +90,23 @@ def split_sequence(x: Tensor, group: Group) -> Tensor:
     return x.chunk(world, dim=0)[group_rank(group)].contiguous()
 
 
-def _conjugate_op(
+def conjugate_op(
     name: str,
-    forward: Callable[[Tensor, Group], Tensor],
-    backward: Callable[[Tensor, Group], Tensor],
+    forward: Callable[[Tensor, Any], Tensor],
+    backward: Callable[[Tensor, Any], Tensor],
 ) -> type[torch.autograd.Function]:
-    """An autograd Function computing ``forward(x, group)``, with ``backward(grad, group)``."""
+    """An autograd Function computing ``forward(x, arg)``, with ``backward(grad, arg)``
+    (``arg``: the process group here, or whatever else both need, never differentiated)."""
 
     class Op(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, x: Tensor, group: Group) -> Tensor:
-            ctx.group = group
-            return forward(x, group)
+        def forward(ctx: Any, x: Tensor, arg: Any) -> Tensor:
+            ctx.arg = arg
+            return forward(x, arg)
 
         @staticmethod
         def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-            return backward(grad, ctx.group), None
+            return backward(grad, ctx.arg), None
 
     Op.__name__ = Op.__qualname__ = name
     return Op
@@ -117,11 +116,11 @@ def _identity(x: Tensor, group: Group) -> Tensor:
     return x.view_as(x)
 
 
-_FBar = _conjugate_op("FBar", all_reduce, _identity)
-_G = _conjugate_op("G", all_gather_sequence, reduce_scatter_sequence)
-_GBar = _conjugate_op("GBar", reduce_scatter_sequence, all_gather_sequence)
-_Scatter = _conjugate_op("Scatter", split_sequence, all_gather_sequence)
-_Gather = _conjugate_op("Gather", all_gather_sequence, split_sequence)
+_FBar = conjugate_op("FBar", all_reduce, _identity)
+_G = conjugate_op("G", all_gather_sequence, reduce_scatter_sequence)
+_GBar = conjugate_op("GBar", reduce_scatter_sequence, all_gather_sequence)
+_Scatter = conjugate_op("Scatter", split_sequence, all_gather_sequence)
+_Gather = conjugate_op("Gather", all_gather_sequence, split_sequence)
 
 
 def _apply(fn: type[torch.autograd.Function], x: Tensor, group: Group) -> Tensor:

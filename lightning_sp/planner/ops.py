@@ -9,7 +9,7 @@ place the step-time model reads the block's architecture from.
   replay; they are memory bound.
 * :func:`layer_collectives`: the TP collectives a part runs besides the layer's own f / g
   (OLMo 2's query/key norm statistics' all-reduces, an MoE layer's all-gather and
-  reduce-scatter of its tokens under expert tensor parallelism), each of a
+  reduce-scatter of its dispatched rows under expert tensor parallelism), each of a
   :class:`CollectiveKind`.
 
 Both are sums over the layer's parts (:mod:`lightning_sp.model.parts`): each part states its
@@ -73,7 +73,7 @@ def layer_gemms(
     experts at expert-parallel size ``e`` runs its ``E/e`` local experts as a batch of GEMMs
     of the rows each receives (:meth:`~lightning_sp.model.parts.moe.MoEFeedForward.gemms`);
     ``etp``: the expert tensor parallel size (its GEMMs ``f_e/t`` wide over the TP group's
-    gathered tokens)."""
+    gathered rows)."""
     shape = config.activation_shape(
         t, b, context_parallel_size=c, expert_parallel_size=e, expert_tensor_parallel_size=etp
     )

@@ -24,15 +24,16 @@ element (4 for fp32), 8 bytes per int64 index, ``N = k·T`` rows:
 * z-loss (``z_loss_coef > 0``): the logits ``r·TE`` and their ``logsumexp`` ``r·T``;
 * shared experts: ``2e·T·f_s`` (``[gate | up]``) and ``e·T·f_s`` (inside: divided by t).
 
-Under expert tensor parallelism (``etp = t``, SP on) the TP group gathers its tokens, so every
-TP rank routes all ``T = s·b`` (``/c``) of them: the routed terms are :data:`REPLICATED` (not
-divided by t), the experts' ``f_e`` terms (``expert_act_input``, ``expert_down_input``)
-:data:`INSIDE` (divided by t), and ``moe_input`` is the gathered router input (replicated)
-plus, with shared experts, their own input shard ``shared_input`` ``e·Th`` (outside: by t).
-Per rank, bf16, router fp32, ``T = sb/c``, ``N = kT``: ``2Th + 4TE + 4T(k+1) + 8Tk + 16N(1 +
-[e_p > 1]) + 2Nh + 6N·f_e/t + 2Nh + 2N`` (+ z-loss ``4TE + 4T``, + shared ``2Th/t + 6T·f_s/t``):
-expert tensor parallelism divides only the ``f_e`` terms, and costs the routed terms' factor t
-against ``etp = 1``, where each TP rank routes its own ``T/t``.
+Under expert tensor parallelism (``etp = t``, SP on) each rank still routes its own sequence
+shard and dispatches its rows over EP; the TP group then all-gathers the rows its ranks
+received, so each TP rank runs its ``f_e/t`` slice on the group's ``N = k·T`` rows (``T =
+sb/c``). Only ``expert_input`` (those gathered rows, the gate/up GEMM's input) is
+:data:`REPLICATED`, the experts' ``f_e`` terms are :data:`INSIDE` (``N·f_e/t`` per rank) and
+every other term stays :data:`OUTSIDE`, as at ``etp = 1`` (the row exchanges regroup with
+``split``/``cat`` and save nothing). Per rank, bf16, router fp32, ``N = kT``: ``2Th/t +
+4TE/t + 4T(k+1)/t + 8Tk/t + 16N(1 + [e_p > 1])/t + 2Nh + 6N·f_e/t + (2Nh + 2N)/t`` (+ z-loss
+``(4TE + 4T)/t``, + shared ``6T·f_s/t``): ``etp = 1``'s bytes plus ``2Nh(1 - 1/t)``, the
+gathered rows.
 
 Left out, as the norms' statistics are: the load-balancing loss's per-expert counts, ``r·E``
 bytes per layer (not per token). Measured (bf16, saved-tensor hooks, forced-balanced routing)
@@ -126,38 +127,35 @@ class MoEFeedForward(Part):
         k, n, f = cfg.top_k, cfg.top_k * x.s * x.b, cfg.expert_ffn_size
         chosen = r * t * (k + 1) if cfg.normalize_top_k or cfg.score == "sigmoid" else 0.0
         indices = 2 * INDEX * n * (2 if x.e > 1 else 1)  # EP: the regroup and its inverse
-        # expert TP: every TP rank routes the gathered tokens, and holds f_e/t of each expert
-        routed, inner = (REPLICATED, INSIDE) if x.etp > 1 else (OUTSIDE, OUTSIDE)
+        # expert TP: each TP rank runs its f_e/t slice on the TP group's gathered rows
+        gathered, inner = (REPLICATED, INSIDE) if x.etp > 1 else (OUTSIDE, OUTSIDE)
         terms: Terms = {
-            "moe_input": (e * t * x.h, routed),
-            "router_probs": (r * t * cfg.num_experts + chosen + INDEX * t * k, routed),
-            "routed_indices": (float(indices), routed),
-            "expert_input": (e * n * x.h, routed),
+            "moe_input": (e * t * x.h, OUTSIDE),
+            "router_probs": (r * t * cfg.num_experts + chosen + INDEX * t * k, OUTSIDE),
+            "routed_indices": (float(indices), OUTSIDE),
+            "expert_input": (e * n * x.h, gathered),
             "expert_act_input": (2 * e * n * f, inner),
             "expert_down_input": (e * n * f, inner),
-            "combine": (e * n * x.h + e * n, routed),
+            "combine": (e * n * x.h + e * n, OUTSIDE),
         }
         if cfg.z_loss_coef:
-            terms["router_z_loss"] = (r * t * cfg.num_experts + r * t, routed)
-        if cfg.num_shared_experts and x.etp > 1:  # their input: the layer's sequence shard
-            terms["shared_input"] = (e * t * x.h, OUTSIDE)
+            terms["router_z_loss"] = (r * t * cfg.num_experts + r * t, OUTSIDE)
         if cfg.num_shared_experts:
             terms["shared_act_input"] = (2 * e * t * cfg.shared_ffn_size, INSIDE)
             terms["shared_down_input"] = (e * t * cfg.shared_ffn_size, INSIDE)
         return terms
 
     def gemms(self, x: ActivationShape) -> list[Gemm]:
-        """Router ``T_local x h -> E``; the experts' grouped GEMMs at their per-expert shapes
-        (at balance each of the rank's ``E/e`` experts gets ``k·T_local/E`` rows from each of
-        the ``x.e`` ranks of its EP group: a batch of ``E/e`` GEMMs of ``k·T_local·e/E``
-        rows, ``k·T_local`` rows in all; under expert tensor parallelism ``T_local`` is the
-        gathered ``T`` and the width ``f_e/t``); the shared experts' TP-split GEMMs over the
-        gathered tokens."""
+        """Router ``T_local x h -> E`` (``T_local`` the tokens of the rank's own sequence
+        shard); the experts' grouped GEMMs at their per-expert shapes (at balance each of the
+        rank's ``E/e`` experts gets ``k·T_local/E`` rows from each of the ``x.e`` ranks of its
+        EP group, and under expert tensor parallelism from each of the ``t`` ranks of its TP
+        group: a batch of ``E/e`` GEMMs of ``k·T_local·e·etp/E`` rows, ``f_e/etp`` wide); the
+        shared experts' TP-split GEMMs over the gathered tokens."""
         cfg, h = self.config, x.h
-        split = x.sequence_parallel and x.etp == 1  # each TP rank routes its own shard
-        mine = tokens(x) // (x.t if split else 1)  # tokens this rank routes
+        mine = tokens(x) // (x.t if x.sequence_parallel else 1)  # tokens this rank routes
         local, f = cfg.num_experts // x.e, cfg.expert_ffn_size // x.etp
-        rows = -(-cfg.top_k * mine * x.e // cfg.num_experts)  # per expert (the fullest's)
+        rows = -(-cfg.top_k * mine * x.e * x.etp // cfg.num_experts)  # per expert (fullest's)
         gemms = [
             Gemm("router", mine, cfg.num_experts, h),
             Gemm("expert_gate_up", rows, 2 * f, h, batch=local),
@@ -179,32 +177,36 @@ class MoEFeedForward(Part):
         of ``h`` (``T_local`` the tokens the rank routes, as in :meth:`gemms`; ``a`` bytes
         per activation, ``R = a·N·h`` the bytes of the ``[N, h]`` rows):
 
-        * ``expert_act``: the experts' SwiGLU on ``N x f_e`` (``/etp``), the fused
-          activation's 4 / 6 bytes per element of its ``[gate | up]`` read
-          (:func:`~lightning_sp.model.parts.base.activation_op`, tagged ``mlp_act``, which
-          the experts replay); the shared experts' the same on ``T x f_s`` (``/t``);
+        * ``expert_act``: the experts' SwiGLU on the ``etp·N`` rows the rank computes, ``f_e
+          /etp`` wide, the fused activation's 4 / 6 bytes per element of its ``[gate | up]``
+          read (:func:`~lightning_sp.model.parts.base.activation_op`, tagged ``mlp_act``,
+          which the experts replay); the shared experts' the same on ``T x f_s`` (``/t``);
         * ``expert_dispatch``: the row gathers of :func:`lightning_sp.parallel.dispatch.
           dispatch`, read + write ``2R`` each: the expert-sorted copy of the tokens, and
-          under EP (``e > 1``) the regroup of the received rows by local expert;
+          under EP (``e > 1``) the regroup of the received rows by local expert; under expert
+          tensor parallelism the regroup of the TP group's gathered rows (``2·etp·R``,
+          :func:`~lightning_sp.parallel.expert_rows.gather_rows`);
         * ``expert_combine``: :func:`~lightning_sp.parallel.dispatch.combine`'s gathers
           (under EP the inverse regroup, then each (token, slot)'s row, ``2R`` each), the
           rows scaled by their weights (read and write ``R``) and summed over the ``k``
-          slots (read ``R``, write ``a·T_local·h``).
+          slots (read ``R``, write ``a·T_local·h``); under expert tensor parallelism the
+          regroup of the partial sums before their reduce-scatter (``2·etp·R``).
 
         Backward moves as many bytes as forward in each (the gathers' adjoints scatter-add
-        the same rows; the weighted sum's reads the gradient and the rows). The router's
-        softmax and top-k on ``T_local x E`` fp32 scores are left out, as the norms'
-        statistics are (``E = 8``, ``T_local = 4096``: 0.1 MB against the rows' 67 MB)."""
+        the same rows; the weighted sum's reads the gradient and the rows; each TP regroup's
+        adjoint is the other's). The router's softmax and top-k on ``T_local x E`` fp32
+        scores are left out, as the norms' statistics are (``E = 8``, ``T_local = 4096``:
+        0.1 MB against the rows' 67 MB)."""
         cfg, a = self.config, x.activation_bytes
-        split = x.sequence_parallel and x.etp == 1
-        mine = tokens(x) // (x.t if split else 1)  # tokens this rank routes
-        n = cfg.top_k * mine  # rows it dispatches, and at balance computes
+        mine = tokens(x) // (x.t if x.sequence_parallel else 1)  # tokens this rank routes
+        n = cfg.top_k * mine  # rows it dispatches
         rows = a * n * x.h  # [N, h]
         passes = 2 if x.e > 1 else 1  # EP: the regroup by local expert and its inverse
-        dispatch = 2 * rows * passes
-        combine = 2 * rows * passes + 3 * rows + a * mine * x.h
+        regroup = 2 * rows * x.etp if x.etp > 1 else 0  # expert TP: the gathered rows' regroup
+        dispatch = 2 * rows * passes + regroup
+        combine = 2 * rows * passes + 3 * rows + a * mine * x.h + regroup
         ops = [
-            activation_op("expert_act", n * cfg.expert_ffn_size, 2, x.etp),
+            activation_op("expert_act", n * x.etp * cfg.expert_ffn_size, 2, x.etp),
             MemoryOp("expert_dispatch", dispatch, dispatch),
             MemoryOp("expert_combine", combine, combine),
         ]
@@ -230,21 +232,20 @@ class MoEFeedForward(Part):
         return self.config.top_k * 3 * x.h * self.config.expert_ffn_size
 
     def dispatch_bytes(self, x: ActivationShape) -> float:
-        """The ``k`` rows of each of the rank's ``s·b/c`` tokens (``/t`` under SP, unless the
-        TP group gathers them for expert tensor parallelism), ``e·h`` bytes each: what a
-        dispatch sends, the share for other EP ranks being ``(e-1)/e``."""
-        split = x.sequence_parallel and x.etp == 1
-        mine = tokens(x) / (x.t if split else 1)
+        """The ``k`` rows of each of the rank's ``s·b/c`` tokens (``/t`` under SP: every rank
+        routes its own sequence shard, under expert tensor parallelism too), ``e·h`` bytes
+        each: what a dispatch sends, the share for other EP ranks being ``(e-1)/e``."""
+        mine = tokens(x) / (x.t if x.sequence_parallel else 1)
         return x.activation_bytes * self.config.top_k * mine * x.h
 
     def collectives(self, x: ActivationShape) -> list[Collective]:
-        """Under expert tensor parallelism: the all-gather of the layer's ``[s/c, b, h]``
-        tokens over the TP group before the router and the reduce-scatter of its output
-        after the combine (once each per forward and per backward); else none (each TP rank
-        routes its own shard)."""
+        """Under expert tensor parallelism: the all-gather of the dispatched rows over the TP
+        group before the experts and the reduce-scatter of their partial sums after them
+        (once each per forward and per backward), each of the group's ``k·s·b/c`` rows at
+        balance (``k·s·b/(c·t)`` from each TP rank), ``a·h`` bytes a row; else none."""
         if x.etp == 1:
             return []
-        nbytes = float(x.activation_bytes * tokens(x) * x.h)  # the gathered [s/c, b, h]
+        nbytes = float(x.activation_bytes * self.config.top_k * tokens(x) * x.h)  # [kT, h]
         return [
             Collective("expert_tp_gather", CollectiveKind.ALL_GATHER, nbytes, 1, 1),
             Collective("expert_tp_scatter", CollectiveKind.REDUCE_SCATTER, nbytes, 1, 1),
