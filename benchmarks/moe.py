@@ -106,7 +106,7 @@ def build(shape: MoEShape) -> dict[str, nn.Module]:
     return layers
 
 
-def _step(layer: nn.Module, x: Tensor, grad: Tensor, hf: bool) -> tuple[Tensor, Tensor]:
+def step(layer: nn.Module, x: Tensor, grad: Tensor, hf: bool) -> tuple[Tensor, Tensor]:
     """Forward and backward of ``x`` ``[T, 1, h]``; ``(output, input gradient)`` in that
     layout (transformers' block takes ``[b, s, h]``)."""
     for param in layer.parameters():
@@ -123,9 +123,9 @@ def _step(layer: nn.Module, x: Tensor, grad: Tensor, hf: bool) -> tuple[Tensor, 
 def check_agreement(layers: dict[str, nn.Module], x: Tensor, grad: Tensor) -> None:
     """Our layer's output and input gradient equal each transformers block's (fp32
     tolerance), on the timed input; raises AssertionError otherwise."""
-    ours = _step(layers["moe"], x, grad, hf=False)
+    ours = step(layers["moe"], x, grad, hf=False)
     for name in ("hf", "hf_eager"):
-        theirs = _step(layers[name], x, grad, hf=True)
+        theirs = step(layers[name], x, grad, hf=True)
         for what, a, b in zip(("output", "input gradient"), ours, theirs, strict=True):
             try:
                 torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
@@ -152,7 +152,7 @@ def measure(shape: MoEShape) -> dict[str, Any]:
         times: dict[tuple[str, str], float] = {}
         for name in order:
             start = {c: clock() for c, clock in clocks.items()}
-            _step(layers[name], x, grad, hf=name.startswith("hf"))
+            step(layers[name], x, grad, hf=name.startswith("hf"))
             for c, clock in clocks.items():
                 times[c, name] = (clock() - start[c]) / shape.tokens
         if r >= shape.warmup:
@@ -167,18 +167,19 @@ def measure(shape: MoEShape) -> dict[str, Any]:
         "rounds_used": len(used),
         "clean": len(used) == len(clean),
         "other_processes_share": shares,
-        **{f"us_per_token_{c}": _medians(seconds[c], used) for c in clocks},
-        **{f"ratios_{c}": _ratios(seconds[c], used) for c in clocks},
+        **{f"us_per_token_{c}": medians(seconds[c], used) for c in clocks},
+        **{f"ratios_{c}": ratios(seconds[c], used) for c in clocks},
         "samples": seconds,
         "targets": {"moe_over_dense": 1.3, "moe_over_hf": 1.0},
     }
 
 
-def _medians(seconds: dict[str, list[float]], used: list[int]) -> dict[str, float]:
+def medians(seconds: dict[str, list[float]], used: list[int]) -> dict[str, float]:
+    """µs per token of each implementation: the median over the rounds ``used``."""
     return {n: 1e6 * statistics.median([v[i] for i in used]) for n, v in seconds.items()}
 
 
-def _ratios(seconds: dict[str, list[float]], used: list[int]) -> dict[str, list[float]]:
+def ratios(seconds: dict[str, list[float]], used: list[int]) -> dict[str, list[float]]:
     """``moe_over_X``: the median of the per-round ratios ours / X, with its 95% interval."""
     return {
         f"moe_over_{other}": list(median_ci([seconds["moe"][i] / seconds[other][i] for i in used]))

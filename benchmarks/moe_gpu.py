@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import time
 from typing import Any
 
@@ -24,8 +23,7 @@ import torch
 from torch import Tensor
 
 from benchmarks._format import add_out_argument, ci, command, fixed, out_dir, table, write
-from benchmarks._stats import median_ci
-from benchmarks.moe import IMPLEMENTATIONS, MoEShape, _step, build
+from benchmarks.moe import IMPLEMENTATIONS, MoEShape, build, medians, ratios, step
 
 REL_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 """Relative Frobenius error allowed between our layer and transformers' (per dtype)."""
@@ -40,10 +38,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def _check(layers: dict[str, Any], x: Tensor, grad: Tensor, dtype: torch.dtype) -> dict[str, float]:
     """Our output and input gradient against each transformers block: the relative errors
     (raises AssertionError above :data:`REL_TOL`)."""
-    ours = _step(layers["moe"], x, grad, hf=False)
+    ours = step(layers["moe"], x, grad, hf=False)
     errors = {}
     for name in ("hf", "hf_eager"):
-        theirs = _step(layers[name], x, grad, hf=True)
+        theirs = step(layers[name], x, grad, hf=True)
         for what, a, b in zip(("output", "input_grad"), ours, theirs, strict=True):
             error = ((a.float() - b.float()).norm() / b.float().norm()).item()
             errors[f"{name}_{what}"] = error
@@ -65,24 +63,19 @@ def measure(shape: MoEShape, device: torch.device, dtype: torch.dtype) -> dict[s
         for name in order:
             sync()
             start = time.perf_counter()
-            _step(layers[name], x, grad, hf=name.startswith("hf"))
+            step(layers[name], x, grad, hf=name.startswith("hf"))
             sync()
             if r >= shape.warmup:
                 seconds[name].append((time.perf_counter() - start) / shape.tokens)
-    ratios = {
-        f"moe_over_{other}": list(
-            median_ci([m / o for m, o in zip(seconds["moe"], seconds[other], strict=True)])
-        )
-        for other in IMPLEMENTATIONS[1:]
-    }
+    rounds = list(range(shape.rounds))
     return {
         "shape": dataclasses.asdict(shape),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype),
         "torch": torch.__version__,
         "relative_errors": errors,
-        "us_per_token": {n: 1e6 * statistics.median(v) for n, v in seconds.items()},
-        "ratios": ratios,
+        "us_per_token": medians(seconds, rounds),
+        "ratios": ratios(seconds, rounds),
         "samples": seconds,
     }
 
