@@ -268,8 +268,11 @@ def markdown(result: dict[str, Any]) -> str:
     names = [c.replace("_", ", ") for c in clocks]
     header = ["layer", *(f"fwd+bwd µs / token{c}" for c in names)]
     header += [f"ours / it{c} [95% CI]" for c in names]
-    head = f"{result['device']}, {result['dtype']}, torch {result['torch']}\n\n"
-    return (head if "device" in result else "") + table(header, rows)
+    if "device" not in result:
+        return table(header, rows)
+    return f"{result['device']}, {result['dtype']}, torch {result['torch']}\n\n" + table(
+        header, rows
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

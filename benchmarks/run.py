@@ -39,8 +39,8 @@ from benchmarks._format import add_out_argument, command, out_dir, write
 
 SECTIONS = {"activation_bytes": activation_bytes, "layer_time": layer_time, "flops": flops,
             "throughput": throughput}  # fmt: skip
-"""The sections, in the order they run; each module has ``FULL``, ``SMOKE``, ``run`` and
-``markdown``."""
+"""The sections, in the order they run: each module's ``run`` measures, its ``markdown`` is the
+table."""
 
 
 def _read(path: str, prefix: str) -> str | None:
@@ -97,14 +97,15 @@ def _run_sections(
 ) -> tuple[dict[str, Any], dict[str, float], dict[str, float]]:
     """Run the selected sections in order: ``(results, seconds, other processes' CPU share)``
     per section."""
-    shapes = {name: module.SMOKE if smoke else module.FULL for name, module in SECTIONS.items()}
+    layer = layer_time.SMOKE if smoke else layer_time.FULL
+    model = throughput.SMOKE if smoke else throughput.FULL
     jobs: dict[str, Callable[[], dict[str, Any]]] = {
-        "activation_bytes": lambda: activation_bytes.run(shapes["activation_bytes"]),
-        "layer_time": lambda: layer_time.run(shapes["layer_time"]),
-        "flops": lambda: flops.run(shapes["layer_time"], shapes["throughput"]),
-        "throughput": lambda: throughput.run(
-            shapes["throughput"], cache, peak_rounds=1 if smoke else 4
+        "activation_bytes": lambda: activation_bytes.run(
+            activation_bytes.SMOKE if smoke else activation_bytes.FULL
         ),
+        "layer_time": lambda: layer_time.run(layer),
+        "flops": lambda: flops.run(layer, model),
+        "throughput": lambda: throughput.run(model, cache, peak_rounds=1 if smoke else 4),
     }
     results: dict[str, Any] = {}
     seconds: dict[str, float] = {}
