@@ -15,6 +15,7 @@ in ``peft``; name ``query``, ``key``, ``value`` to adapt them one by one).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -29,6 +30,7 @@ from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_sp.parallel.lora import Kind, LoRA
 
 if TYPE_CHECKING:
+    from lightning_sp.model.config import GPTConfig
     from lightning_sp.model.gpt import GPT
 
 ALL_LINEAR = "all-linear"
@@ -167,6 +169,19 @@ def resolve_targets(targets: list[str], paths: list[str]) -> list[str]:
             )
         chosen.update(matched)
     return [p for p in paths if p in chosen]
+
+
+def check_lora(config: LoRAConfig, model: GPTConfig) -> list[str]:
+    """Everything :func:`apply_lora` checks, before any work: the settings, and that each
+    target names a linear of ``model``'s layers (a one-layer model on the ``meta`` device
+    answers). Returns the adapted linears' paths under a layer."""
+    from lightning_sp.model.gpt import GPT
+    from lightning_sp.parallel.state import ParallelState
+
+    config.validate()
+    one = dataclasses.replace(model, num_layers=1, recompute="none", sequence_parallel=False)
+    layer = GPT(one, ParallelState.single(), device="meta").layers[0]
+    return resolve_targets(list(config.target_modules), list(adaptable_linears(layer)))
 
 
 def _require_input_grad(module: nn.Module, inputs: object, output: Tensor) -> Tensor:
