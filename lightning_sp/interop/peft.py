@@ -16,15 +16,17 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf_types import HFModelType, model_type_for
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.lora import LoRAConfig
 from lightning_sp.model.parts.weights import WeightMap
+from lightning_sp.parallel.init import local_slice
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -152,6 +154,57 @@ def read_adapter(directory: str | Path, config: GPTConfig) -> dict[str, Tensor]:
     return out
 
 
+def check_adapter_base(directory: str | Path, init_from: str | Path | None) -> None:
+    """:class:`ConfigError` (one line) when the adapter directory names a base model
+    (``base_model_name_or_path``, a local directory) other than ``init_from``."""
+    document = json.loads((Path(directory) / ADAPTER_CONFIG).read_text())
+    base = document.get("base_model_name_or_path")
+    if base and init_from is not None and Path(base).resolve() != Path(init_from).resolve():
+        raise ConfigError(
+            f"adapter_from={str(directory)!r} was trained on {base!r}, not on "
+            f"init_from={str(init_from)!r}"
+        )
+
+
+@torch.no_grad()
+def load_adapter(model: nn.Module, directory: str | Path, config: GPTConfig) -> int:
+    """Set every adapter shard of ``model`` (one rank's GPT chunk, adapted) to its slice of
+    the PEFT adapter in ``directory``; :class:`ConfigError` (one line) if the directory lacks
+    one of them or holds one the model lacks. Returns the number of tensors set."""
+    full = read_adapter(directory, config)
+    ours = {
+        model.global_name(n): p  # type: ignore[operator]
+        for n, p in model.named_parameters()
+        if getattr(p, "lora", False)
+    }
+    missing = sorted(set(ours) - set(full))
+    if missing:
+        raise ConfigError(f"adapter_from={str(directory)!r} has no {missing[0]!r}")
+    layers = {n.split(".")[1] for n in ours}
+    extra = sorted(n for n in set(full) - set(ours) if n.split(".")[1] in layers)
+    if extra:
+        raise ConfigError(f"adapter_from: {extra[0]!r} adapts a linear this run does not")
+    for name, param in ours.items():
+        param.copy_(local_slice(param, full[name].to(param.dtype)))
+    return len(ours)
+
+
+def merged_tensors(
+    tensors: Mapping[str, Tensor], adapters: Mapping[str, Tensor], lora: LoRAConfig
+) -> dict[str, Tensor]:
+    """Full base tensors (our global names) with each adapted linear's weight replaced by
+    ``W + s · B A``: the model a plain transformers directory holds."""
+    out = dict(tensors)
+    for name, a in adapters.items():
+        linear, _, which = name.rpartition(".lora.")
+        if which != "A":
+            continue
+        weight = f"{linear}.weight"
+        delta = adapters[f"{linear}.lora.B"].double() @ a.double()
+        out[weight] = tensors[weight] + (lora.scaling * delta).to(tensors[weight].dtype)
+    return out
+
+
 def _layer_pattern(key: str) -> tuple[str, str] | None:
     """``key`` with its layer number replaced by ``{i}``, and the number (``""`` if none)."""
     parts = key.split(".")
@@ -165,6 +218,9 @@ __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
     "adapter_config",
+    "check_adapter_base",
+    "load_adapter",
+    "merged_tensors",
     "read_adapter",
     "read_adapter_config",
     "save_adapter",
