@@ -39,6 +39,7 @@ from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
+from lightning_sp.model.lora import LoRAConfig, apply_lora, check_lora
 from lightning_sp.model.moe.layer import (
     scale_auxiliary_losses,
     update_expert_biases,
@@ -89,6 +90,9 @@ class GPTModule(LightningModule):
             measured vs 32.0 eager), so the formulas and the planner no longer describe them
             (warned once); the activation monitor measures them.
         generation: How ``predict`` continues each prompt (:meth:`predict_step`).
+        lora: Train LoRA adapters (``peft``'s settings: :class:`~lightning_sp.model.lora.
+            LoRAConfig`) on the linears it names, the base frozen (no gradients, no optimizer
+            state, no weight-gradient GEMMs), in any layout; ``None``: train every weight.
     """
 
     def __init__(
@@ -98,8 +102,10 @@ class GPTModule(LightningModule):
         init_from: str | None = None,
         compile_layers: bool = False,
         generation: GenerationConfig = _DEFAULT_GENERATION,
+        lora: LoRAConfig | None = None,
     ) -> None:
         super().__init__()
+        self.lora = dataclasses.replace(lora) if lora is not None else None
         self.compile_layers = compile_layers
         self.config = dataclasses.replace(config)
         self.optimizer_config = dataclasses.replace(optimizer)
@@ -110,6 +116,8 @@ class GPTModule(LightningModule):
         if init_from is not None:
             check_hf_directory(init_from, self.config)
         self.generation.validate()
+        if self.lora is not None:
+            check_lora(self.lora, self.config)
         self._save_hyperparameters()
         self.pipeline: Pipeline | None = None  # this rank's model chunks (one when p = 1)
         self._parallel: tuple[ParallelState, ParallelConfig] | None = None  # pushed by megatron_sp
@@ -127,6 +135,7 @@ class GPTModule(LightningModule):
                 "optimizer": dataclasses.asdict(self.optimizer_config),
                 "init_from": self.init_from,
                 "compile_layers": self.compile_layers,
+                "lora": dataclasses.asdict(self.lora) if self.lora is not None else None,
             }
         )
 
@@ -212,6 +221,9 @@ class GPTModule(LightningModule):
             timeout=state.timeout,
         )
         self._load_init_from()
+        if self.lora is not None:  # after the base weights: adapters start from peft's init
+            for chunk in self.pipeline.chunks:
+                apply_lora(chunk, self.lora)
         if self.compile_layers:
             rank_zero_warn(COMPILED_MEMORY_WARNING)
             for chunk in self.pipeline.chunks:
