@@ -39,15 +39,6 @@ from torch.utils.checkpoint import checkpoint
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.parallel.layers import interleave
 
-__all__ = [
-    "DTensorGPT",
-    "DTensorLayer",
-    "dropout",
-    "layer_plan",
-    "load_from_lightning_sp",
-    "parallelize",
-]
-
 
 def dropout(x: Tensor, p: float, training: bool, native: bool = False) -> Tensor:
     """``F.dropout`` (on CPU it saves a noise tensor of ``x``'s dtype for backward), or with

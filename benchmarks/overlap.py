@@ -36,16 +36,10 @@ def _rank(rank: int, world_size: int, rounds: int, hidden: int, bucket: int) -> 
     state = ParallelState.from_process_group()
     models = {name: GPT(config, state) for name in MODES}
     optimizers = {
-        name: build_adamw(
-            models[name],
-            1e-4,
-            0.1,
-            (0.9, 0.95),
-            1e-8,
-            GradBufferConfig(bucket, overlap=name == "overlap"),
-        )
+        name: build_adamw(models[name], 1e-4, 0.1, (0.9, 0.95), 1e-8,
+                          GradBufferConfig(bucket, overlap=name == "overlap"))
         for name in MODES
-    }
+    }  # fmt: skip
     tokens = torch.randint(0, 257, (4, 129), generator=torch.Generator().manual_seed(rank))
     times: dict[str, list[float]] = {name: [] for name in MODES}
     comm: list[float] = []
