@@ -90,6 +90,7 @@ class Layout(ParallelConfig):
         the sequence by 2c (causal load balancing), and, interleaved, micro-batches ≥ p."""
         positive_int("micro_batch_size", self.micro_batch_size)  # the sizes: ParallelConfig's
         k = positive_int("trainer.accumulate_grad_batches", self.accumulate_grad_batches)
+        self.for_world_size(self.world_size)  # complete already: e divides its d·c ranks
         p = self.pipeline_parallel_size
         if k > 1 and p > 1:
             raise ConfigError(
