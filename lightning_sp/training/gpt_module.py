@@ -37,6 +37,7 @@ from lightning_sp.data.prompts import Codec
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
 from lightning_sp.model.hooks import after_optimizer_step, scale_auxiliary_losses, step_metrics
@@ -189,7 +190,7 @@ class GPTModule(LightningModule):
             return
         config, state, layout = self.config, self.parallel_state, self.parallel_config
         check_data(getattr(self._trainer, "datamodule", None), config)
-        layout.check_sequence_length(config.seq_length, config.sequence_parallel)
+        check_model_layout(config, layout)  # the one check of the model against the layout
         if self.compile_layers:
             check_compile(state)
         if config.recompute == "auto":  # the planner's fastest recomputation that fits
