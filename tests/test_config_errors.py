@@ -60,11 +60,11 @@ def test_sequence_not_divisible_by_tp_under_sequence_parallel() -> None:
 
 
 def test_unknown_recompute_policy() -> None:
-    message = _raises(r"recompute='partial'", GPT, tiny_config(recompute="partial"), _state(1))
+    message = _raises(r"recompute='partial'", tiny_config, recompute="partial")
     assert "none, selective, lean, full" in message
     message = _raises(
         r"recompute=\['core_attn', 'gelu'\]: 'gelu' is not a recompute module",
-        GPT, tiny_config(recompute=["core_attn", "gelu"]), _state(1),
+        tiny_config, recompute=["core_attn", "gelu"],
     )  # fmt: skip
     assert "core_attn, layernorm, mlp_act, residual_mask" in message
     assert "\n" not in message
@@ -79,7 +79,8 @@ def test_recompute_module_lists_build_the_layers_they_name() -> None:
     model = GPT(tiny_config(recompute=["mlp_act", "layernorm"]), _state(1))
     layer = model.layers[0]
     assert layer.recompute == "layernorm+mlp_act"
-    assert (layer.recompute_norm, layer.recompute_act, layer.regenerate_masks) == (
+    policy, backend = layer.recompute, layer.attention_backend
+    assert tuple(policy.acts(m, backend) for m in ("layernorm", "mlp_act", "residual_mask")) == (
         True,
         True,
         False,
@@ -97,7 +98,7 @@ def test_world_size_not_divisible_by_model_parallel_size() -> None:
 def test_non_positive_sizes() -> None:
     _raises(r"tensor_parallel_size=0 must be a positive integer", check_layout, 4, 0, 1)
     _raises(r"num_layers=0 must be a positive integer", GPTConfig(num_layers=0).validate)
-    _raises(r"hidden_dropout=1.0 must be in \[0, 1\)", GPTConfig(hidden_dropout=1.0).validate)
+    _raises(r"hidden_dropout=1.0 must be in \[0, 1\)", GPTConfig, hidden_dropout=1.0)
 
 
 @pytest.mark.parametrize("value", [True, False, 0, -1, 2.0, "2", None])
@@ -160,7 +161,8 @@ def test_recompute_rest_builds_the_layers_beyond_recompute_num_layers(
     model = GPT(config, _state(1))
     assert [layer.recompute for layer in model.layers] == ["full", name, name]
     assert [layer.attention.recompute_core for layer in model.layers] == [False, core, core]
-    assert [layer.regenerate_masks for layer in model.layers] == [False, masks, masks]
+    regenerated = [layer.recompute.acts("residual_mask", "math") for layer in model.layers]
+    assert regenerated == [False, masks, masks]
 
 
 def test_recompute_rest_is_ignored_without_a_split() -> None:
@@ -186,10 +188,11 @@ REST_CASES = [
 
 @pytest.mark.parametrize(("rest", "message"), REST_CASES)
 def test_bad_recompute_rest(rest: object, message: str) -> None:
+    fields = {"recompute": "full", "recompute_num_layers": 1, "recompute_rest": rest}
+    _raises(re.escape(message), tiny_config, **fields)  # parsed once, when the config is built
     config = tiny_config(recompute="full", recompute_num_layers=1)
-    config.recompute_rest = rest  # type: ignore[assignment]
-    _raises(re.escape(message), GPT, config, _state(1))
-    _raises(re.escape(message), config.validate)
+    with pytest.raises(ConfigError, match=re.escape(message)):  # and whenever it is set
+        config.recompute_rest = rest
 
 
 # -- the README's table of bad inputs: each check in-process, through the function cli.py runs

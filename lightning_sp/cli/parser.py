@@ -18,8 +18,15 @@ import re
 import sys
 from typing import NoReturn
 
+from jsonargparse.typing import register_type
 from lightning.pytorch.cli import LightningArgumentParser
 from typing_extensions import override
+
+from lightning_sp.model.recompute import RecomputePolicy
+
+register_type(RecomputePolicy, serializer=lambda p: p.value, deserializer=RecomputePolicy.parse)
+"""``model.config.recompute`` / ``recompute_rest`` are written as a preset or a list of modules
+(their YAML spelling) and parsed once, into the policy the config holds."""
 
 _UNKNOWN = (
     re.compile(r"does not accept option '([^']+)'"),
