@@ -342,3 +342,56 @@ def test_checkpoint_of_another_model_names_both_values(saved) -> None:
 def test_unknown_activation() -> None:
     _raises(r"activation='relu' is not an activation; valid: gelu, gelu_tanh",
             tiny_config(activation="relu").validate)  # fmt: skip
+
+
+# -- every float setting checked finite and in range when the config is built (issue 40, 3-4)
+
+from lightning_sp.model.moe.config import MoEConfig  # noqa: E402
+
+FLOAT_CASES = [
+    ({"hidden_dropout": float("nan")}, "hidden_dropout=nan must be in [0, 1)"),
+    ({"attention_dropout": -0.1}, "attention_dropout=-0.1 must be in [0, 1)"),
+    ({"init_std": float("inf")}, "init_std=inf must be a finite number >= 0"),
+    ({"layernorm_eps": 0.0}, "layernorm_eps=0.0 must be a finite number > 0"),
+    ({"rope_theta": float("inf")}, "rope_theta=inf must be a positive number (Llama 3: 500000)"),
+    ({"moe": {"aux_loss_coef": float("nan")}}, "moe.aux_loss_coef=nan must be a finite number >= 0"),
+    ({"moe": {"z_loss_coef": -1.0}}, "moe.z_loss_coef=-1.0 must be a finite number >= 0"),
+    ({"moe": {"bias_update_rate": float("inf")}},
+     "moe.bias_update_rate=inf must be a finite number >= 0"),
+    ({"moe": {"capacity_factor": float("nan")}},
+     "moe.capacity_factor=nan must be > 0 and finite (or null: dropless)"),
+    ({"moe": {"shared_expert_ffn_size": 64}}, "moe.shared_expert_ffn_size=64 is given with "
+     "moe.num_shared_experts=0; set num_shared_experts >= 1 or leave it null"),
+    ({"moe": {"num_shared_experts": 1, "shared_expert_ffn_size": -8}},
+     "moe.shared_expert_ffn_size=-8 must be a positive integer"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "message"), FLOAT_CASES, ids=[str(f) for f, _ in FLOAT_CASES])
+def test_float_settings_are_checked_when_built(fields: dict, message: str) -> None:
+    """A NaN ``aux_loss_coef`` trained as if it were 0 (the router builds the loss's graph only
+    for a coefficient > 0, and ``nan > 0`` is false); now every float setting is refused when
+    the config is built, from a YAML mapping (``from_values``) as from Python."""
+    assert _raises(re.escape(message), GPTConfig.from_values, fields) == message
+    if "moe" in fields:
+        assert _raises(re.escape(message), MoEConfig, **fields["moe"]) == message
+
+
+def test_force_balanced_is_refused_in_fit(tmp_path) -> None:
+    """``moe.force_balanced`` routes for measurements only: ``fit`` refuses it before launch,
+    and so does a module fitted from Python (``GPTModule.on_fit_start``)."""
+    from lightning_sp import GPTModule
+    from lightning_sp.cli import main as cli
+
+    from cli_runs import ROOT
+
+    message = _raises(
+        r"^moe.force_balanced=True routes every token to fixed experts", cli.main,
+        ["fit", "--config", str(ROOT / "configs" / "moe_tiny.yaml"),
+         "--model.config.moe.force_balanced", "true", "--trainer.default_root_dir", str(tmp_path)],
+    )  # fmt: skip
+    assert message.endswith("fit with force_balanced: false")
+    module = GPTModule(
+        GPTConfig.of("llama", moe=MoEConfig(force_balanced=True), feed_forward="moe")
+    )
+    _raises(r"^moe.force_balanced=True", module.on_fit_start)

@@ -4,8 +4,6 @@ Hugging Face directory read by ``init_from`` and the resume check compare it who
 (:attr:`lightning_sp.model.config.GPTConfig.architecture`); how a run computes is
 :class:`~lightning_sp.model.run_settings.RunSettings`, which may change between runs."""
 
-from __future__ import annotations
-
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -140,7 +138,7 @@ class Architecture:
         """The head dimension d: ``kv_channels`` or ``hidden_size / num_heads``."""
         return self.kv_channels or self.hidden_size // self.num_heads
 
-    def canonical(self) -> Architecture:
+    def canonical(self) -> "Architecture":
         """This architecture written one way, so that two describe the same weights exactly
         when they are equal: ``num_query_groups`` None for multi-head attention,
         ``ffn_hidden_size`` None for 4h, ``bias`` as :meth:`bias_value`, ``moe`` its shape
@@ -155,7 +153,7 @@ class Architecture:
         )
         return Architecture(**values)
 
-    def differences(self, other: Architecture) -> list[tuple[str, Any, Any]]:
+    def differences(self, other: "Architecture") -> list[tuple[str, Any, Any]]:
         """``(field, this value, other's value)`` for every field where the two differ, in
         field order; an MoE field by its dotted name (``moe.top_k``). Values as a config file
         writes them (a record as a mapping)."""

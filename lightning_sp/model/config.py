@@ -6,8 +6,6 @@ data: the norm, the positions, the MLP activation, the key/value groups, biases 
 embeddings are fields naming descriptors of :mod:`lightning_sp.model.spec`; ``ARCHITECTURES``
 holds the field values of each family (``GPTConfig.of("llama", ...)`` builds one)."""
 
-from __future__ import annotations
-
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -56,7 +54,7 @@ class GPTConfig(RunSettings, Architecture):
         RunSettings.__post_init__(self)
 
     @property
-    def architecture(self) -> Architecture:
+    def architecture(self) -> "Architecture":
         """What the weights mean, as its own record written one way
         (:meth:`Architecture.canonical`): what checkpoints, export, ``init_from`` and the
         resume check compare, whole."""
@@ -75,7 +73,7 @@ class GPTConfig(RunSettings, Architecture):
         return plain
 
     @classmethod
-    def of(cls, architecture: str, **overrides: Any) -> GPTConfig:
+    def of(cls, architecture: str, **overrides: Any) -> "GPTConfig":
         """A config of the family ``architecture`` (:data:`ARCHITECTURES`) with ``overrides``."""
         if architecture not in ARCHITECTURES:
             raise ConfigError(
@@ -84,7 +82,7 @@ class GPTConfig(RunSettings, Architecture):
         return cls(**{**ARCHITECTURES[architecture], **overrides})
 
     @classmethod
-    def from_values(cls, values: Any) -> GPTConfig:
+    def from_values(cls, values: Any) -> "GPTConfig":
         """A config from plain values (a YAML mapping, a checkpoint's record, a parsed
         namespace): ``rope_scaling`` and ``moe`` given as mappings become a
         :class:`~lightning_sp.model.ops.RopeScaling` and a
@@ -112,7 +110,7 @@ class GPTConfig(RunSettings, Architecture):
             return (1,)
         return (1, t)
 
-    def for_measurement(self) -> GPTConfig:
+    def for_measurement(self) -> "GPTConfig":
         """This config as the memory measurement traces it (under fake tensors, which hold no
         values): a mixture of experts routes force-balanced (``moe.force_balanced``), the
         balanced routing its formulas assume, with no count read from the device."""

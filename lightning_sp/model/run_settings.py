@@ -4,8 +4,6 @@ sequence length it trains on). They may change between runs of the same weights 
 ``init_from``, export); what the weights mean is
 :class:`~lightning_sp.model.architecture.Architecture`."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 
 from lightning_sp.errors import finite_number

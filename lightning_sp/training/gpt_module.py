@@ -379,6 +379,13 @@ class GPTModule(LightningModule):
         checkpoint["vocabulary"] = self._vocabulary_identity()
 
     @override
+    def on_fit_start(self) -> None:
+        """A mixture of experts routing force-balanced (a measurement switch) is not trained:
+        one line (the CLI refuses it before launch)."""
+        if self.config.moe is not None:
+            self.config.moe.check_trainable()
+
+    @override
     def on_train_start(self) -> None:
         """A resumed run trains with this run's optimizer settings (restored from the
         checkpoint just before): :mod:`lightning_sp.optim.resume`; one line if they differ

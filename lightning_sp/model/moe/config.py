@@ -3,8 +3,6 @@ records (:class:`MoEArchitecture`: what the weights mean; :class:`MoETraining`: 
 trains them), each checked at construction, and their checks against a layout (one line each,
 before any work starts)."""
 
-from __future__ import annotations
-
 import dataclasses
 from dataclasses import dataclass
 from typing import Literal
@@ -139,6 +137,15 @@ class MoEConfig(MoETraining, MoEArchitecture):
     def __post_init__(self) -> None:
         MoEArchitecture.__post_init__(self)
         MoETraining.__post_init__(self)
+
+    def check_trainable(self) -> None:
+        """:class:`ConfigError` (one line) if this config routes only for measurements
+        (``force_balanced``): ``fit`` refuses it before any work."""
+        if self.force_balanced:
+            raise ConfigError(
+                "moe.force_balanced=True routes every token to fixed experts whatever the "
+                "scores, for memory and speed measurements only; fit with force_balanced: false"
+            )
 
     @property
     def architecture(self) -> MoEArchitecture:
