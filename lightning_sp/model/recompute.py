@@ -157,7 +157,7 @@ class RecomputePolicy(str):
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"RecomputePolicy is immutable; {name} cannot be set")
 
-    def __getnewargs__(self) -> tuple[str]:  # type: ignore[override]
+    def __getnewargs__(self) -> tuple[str]:
         return (str(self),)  # copies and pickles parse the name again
 
     @classmethod
