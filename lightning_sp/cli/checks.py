@@ -171,6 +171,8 @@ def check_fit_config(config: Any, subcommand: str | None = None) -> None:
     args = _strategy_init_args(trainer.strategy)
     model_config = GPTConfig.from_values(config.model.config)  # nested mappings as records
     layout = ParallelConfig()  # another strategy: data parallelism, the whole model per rank
+    if subcommand in (None, "fit") and model_config.moe is not None:
+        model_config.moe.check_trainable()
     if args is not None:
         layout = check_strategy_args(**args)
         check_precision(trainer.precision)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.config_checks import check_model_layout
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.parallel.config import ParallelConfig, resolve_sequence_parallel
 from lightning_sp.pipeline import check_pipeline
 
@@ -63,9 +64,8 @@ class Layout(ParallelConfig):
         object.__setattr__(self, "sequence_parallel", sp)  # frozen: decided once, here
 
     @property
-    def recompute(self) -> str | list[str]:
-        """The recompute policy as configured (``auto`` included; a list of modules is kept as
-        given)."""
+    def recompute(self) -> RecomputePolicy:
+        """The recompute policy as configured (``auto`` included)."""
         return self.config.recompute
 
     @property
@@ -136,9 +136,9 @@ class Layout(ParallelConfig):
     def with_policy(
         self,
         sequence_parallel: bool,
-        recompute: str,
+        recompute: str | RecomputePolicy,
         recompute_num_layers: int | None = None,
-        recompute_rest: str | None = None,
+        recompute_rest: str | RecomputePolicy | None = None,
     ) -> GPTConfig:
         """The model config for one ``(sequence_parallel, recompute)`` combination; with
         ``recompute_num_layers``, the other layers run ``recompute_rest`` (``None``: as
@@ -147,9 +147,9 @@ class Layout(ParallelConfig):
         return dataclasses.replace(
             self.config,
             sequence_parallel=sequence_parallel,
-            recompute=recompute,
+            recompute=RecomputePolicy.parse(recompute),
             recompute_num_layers=recompute_num_layers,
-            recompute_rest=rest,
+            recompute_rest=RecomputePolicy.parse(rest, "recompute_rest", rest=True),
         )
 
 

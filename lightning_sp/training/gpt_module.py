@@ -128,7 +128,7 @@ class GPTModule(LightningModule):
         run (``recompute: auto`` appears resolved once ``configure_model`` has resolved it)."""
         self.save_hyperparameters(
             {
-                "config": dataclasses.asdict(self.config),
+                "config": self.config.values(),
                 "optimizer": dataclasses.asdict(self.optimizer_config),
                 "init_from": self.init_from,
                 "compile_layers": self.compile_layers,
@@ -193,7 +193,7 @@ class GPTModule(LightningModule):
         check_model_layout(config, layout)  # the one check of the model against the layout
         if self.compile_layers:
             check_compile(state)
-        if config.recompute == "auto":  # the planner's fastest recomputation that fits
+        if config.recompute.auto:  # the planner's fastest recomputation that fits
             from lightning_sp.planner.estimate import auto_recompute_config
 
             per_step = self._batch_size() or layout.num_microbatches
@@ -388,6 +388,13 @@ class GPTModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rng_streams"] = self.stage_model().rng_state_dict()
         checkpoint["vocabulary"] = self._vocabulary_identity()
+
+    @override
+    def on_fit_start(self) -> None:
+        """A mixture of experts routing force-balanced (a measurement switch) is not trained:
+        one line (the CLI refuses it before launch)."""
+        if self.config.moe is not None:
+            self.config.moe.check_trainable()
 
     @override
     def on_train_start(self) -> None:
