@@ -37,14 +37,11 @@ from lightning_sp.data.prompts import Codec
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
+from lightning_sp.model.hooks import after_optimizer_step, scale_auxiliary_losses, step_metrics
 from lightning_sp.model.lora import LoRAConfig, apply_lora, check_lora
-from lightning_sp.model.moe.layer import (
-    scale_auxiliary_losses,
-    update_expert_biases,
-)
-from lightning_sp.model.moe.metrics import step_metrics
 from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
 from lightning_sp.parallel.config import ParallelConfig
@@ -193,7 +190,7 @@ class GPTModule(LightningModule):
             return
         config, state, layout = self.config, self.parallel_state, self.parallel_config
         check_data(getattr(self._trainer, "datamodule", None), config)
-        layout.check_sequence_length(config.seq_length, config.sequence_parallel)
+        check_model_layout(config, layout)  # the one check of the model against the layout
         if self.compile_layers:
             check_compile(state)
         if config.recompute == "auto":  # the planner's fastest recomputation that fits
@@ -276,11 +273,12 @@ class GPTModule(LightningModule):
         optimizer: Optimizer | LightningOptimizer,
         optimizer_closure: Callable[[], Any] | None = None,
     ) -> None:
-        """The step, then the MoE layers' auxiliary-loss-free bias updates: here, not in
-        ``on_train_batch_end``, which Lightning calls after the callbacks' (a checkpoint saved
-        there must hold the biases this step moved)."""
+        """The step, then the modules' state moved once per step
+        (:func:`~lightning_sp.model.hooks.after_optimizer_step`: the MoE routers'
+        auxiliary-loss-free biases): here, not in ``on_train_batch_end``, which Lightning calls
+        after the callbacks' (a checkpoint saved there must hold the state this step moved)."""
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        update_expert_biases(self.stage_model())
+        after_optimizer_step(self.stage_model())
 
     @override
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
@@ -299,8 +297,9 @@ class GPTModule(LightningModule):
 
     @override
     def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
-        """The step's MoE routing metrics over every micro-batch, replica and stage
-        (:func:`~lightning_sp.model.moe.metrics.step_metrics`), logged as ``train/moe/*``.
+        """The step's metrics the model's parts count over every micro-batch, replica and
+        stage (:func:`~lightning_sp.model.hooks.step_metrics`: an MoE model's routing metrics),
+        logged as ``train/<name>`` (``train/moe/*``).
         With loss masks: divide the step's gradients (summed over its counted tokens) by
         the global count and log ``train/loss``, the global token mean
         (:meth:`TokenMean.finish`). Runs after the gradients are finalised, before clipping."""
@@ -395,7 +394,8 @@ class GPTModule(LightningModule):
         """A resumed run trains with this run's optimizer settings (restored from the
         checkpoint just before): :mod:`lightning_sp.optim.resume`; one line if they differ
         from the checkpoint's. Lightning divides each accumulated batch's loss by
-        ``accumulate_grad_batches``: the MoE auxiliary losses are scaled alike."""
+        ``accumulate_grad_batches``: the auxiliary losses (an MoE layer's load-balancing
+        terms) are scaled alike (:func:`~lightning_sp.model.hooks.scale_auxiliary_losses`)."""
         pipeline = self.stage_model()
         accumulate = self.trainer.accumulate_grad_batches
         scale_auxiliary_losses(pipeline, 1 / (pipeline.num_microbatches * accumulate))
