@@ -50,6 +50,7 @@ from lightning_sp.memory.model_state import (
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.lora import LoRAConfig, with_adapters
 from lightning_sp.model.parts.base import Gemm
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.planner.cluster import Cluster, load_cluster
 from lightning_sp.planner.kernels import (
@@ -97,7 +98,7 @@ class LoRAEstimate:
     lora: LoRAConfig
     full: Priced
     adapted: Priced
-    recompute: str
+    recompute: RecomputePolicy
 
 
 def adapter_parameters_per_rank(config: GPTConfig, lora: LoRAConfig, t: int, p: int = 1) -> int:
@@ -179,10 +180,9 @@ def lora_estimate(
     base, under its configured recompute policy (``auto``: ``selective``), by formula."""
     hardware = load_cluster(cluster)
     config = layout.config
-    recompute = config.recompute if isinstance(config.recompute, str) else "selective"
-    if recompute == "auto":
-        recompute = "selective"
-    config = dataclasses.replace(config, recompute=recompute)
+    if config.recompute.auto:
+        config = dataclasses.replace(config, recompute=RecomputePolicy.parse("selective"))
+    recompute = config.recompute
     t, p, m = (
         layout.tensor_parallel_size,
         layout.pipeline_parallel_size,
