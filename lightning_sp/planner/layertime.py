@@ -47,6 +47,7 @@ kernels, :mod:`lightning_sp.planner.kernels` times them):
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from lightning_sp.errors import ConfigError
@@ -197,14 +198,16 @@ def _layer_time(
     config: GPTConfig, t: int, b: int, cluster: Cluster, c: int, e: int = 1, etp: int = 1
 ) -> LayerTime:
     sp = config.sequence_parallel
+    skew = cluster.execution.expert_load_imbalance  # the busiest EP rank's routed tokens
     gemms = {g.name: g for g in layer_gemms(config, t, b, c, e, etp)}
-    grads = {name: backward_gemms(g) for name, g in gemms.items()}
-    secs = {name: gemm_seconds(cluster, g) for name, g in gemms.items()}
+    timed = {name: _busiest(g, skew) for name, g in gemms.items()}
+    grads = {name: backward_gemms(g) for name, g in timed.items()}
+    secs = {name: gemm_seconds(cluster, g) for name, g in timed.items()}
     dgrad = {name: gemm_seconds(cluster, d) for name, (d, _) in grads.items()}
     wgrad = {name: gemm_seconds(cluster, w) for name, (_, w) in grads.items()}
     core_tags = ("core_attn", CP_CORE)
     core = [name for name, g in gemms.items() if g.tag in core_tags]
-    ops = layer_memory_ops(config, t, b, sp, c)
+    ops = [_busiest_op(op, skew) for op in layer_memory_ops(config, t, b, sp, c)]
     core_memory = [op for op in ops if op.tag in core_tags]
     attn_fwd, attn_bwd = _core_seconds(config, cluster, gemms, (secs, dgrad, wgrad), core_memory, c)
     others = [op for op in ops if op.tag not in core_tags]
@@ -216,14 +219,19 @@ def _layer_time(
         cluster.within_node(t),
     )
     exchange = cp_exchange_seconds(config, t, b, cluster, c) if c > 1 else 0.0
-    experts = expert_exchange_seconds(config, t, b, cluster, c, e, etp)
+    experts = skew * expert_exchange_seconds(config, t, b, cluster, c, e, etp)
     # the input linears of attention and of the MLP (fc1, or SwiGLU's gate and up run as one)
     inputs = config.block().input_gemms()
     in_dgrad = [sum(dgrad[n] for n in names) for names in inputs]
     in_wgrad = [sum(wgrad[n] for n in names) for names in inputs]
     if sp:  # all-gather before qkv/fc1, reduce-scatter after projection/fc2
-        tp_fwd = 4 * unit
-        tp_bwd = 2 * unit + sum(
+        # beside the GEMM each feeds or drains (exposed unless the stack pipelines them)
+        outputs = _output_gemms(config, t, b, c, e, etp, inputs)
+        run = cluster.execution
+        fed = [sum(secs[n] for n in names) for names in (*inputs, *outputs)]
+        drained = [sum(dgrad[n] for n in names) for names in outputs]  # the gradient's gather
+        tp_fwd = sum(run.overlapped(unit, g, t) for g in fed)
+        tp_bwd = sum(run.overlapped(unit, g, t) for g in drained) + sum(
             max(0.0, unit - dg) + max(0.0, unit - wg)
             for dg, wg in zip(in_dgrad, in_wgrad, strict=True)
         )
@@ -250,6 +258,48 @@ def _layer_time(
         "ep": 2 * experts,  # the combine's and the dispatch's adjoints
     }
     return LayerTime(forward, backward, _replays(config, t, b, cluster, gemms, secs, ops, c))
+
+
+def _busiest(gemm: Gemm, skew: float) -> Gemm:
+    """``gemm`` on the busiest expert-parallel rank: a routed GEMM's rows times ``skew``
+    (the tokens it receives over the mean); any other as it is."""
+    if not gemm.routed or skew == 1:
+        return gemm
+    return dataclasses.replace(gemm, m=math.ceil(gemm.m * skew))
+
+
+def _busiest_op(op: MemoryOp, skew: float) -> MemoryOp:
+    """``op`` on the busiest expert-parallel rank: a routed kernel's bytes times ``skew``."""
+    if not op.routed or skew == 1:
+        return op
+    replay = None if op.replay_bytes is None else op.replay_bytes * skew
+    return dataclasses.replace(
+        op, forward_bytes=op.forward_bytes * skew, backward_bytes=op.backward_bytes * skew,
+        replay_bytes=replay,
+    )  # fmt: skip
+
+
+def _output_gemms(
+    config: GPTConfig,
+    t: int,
+    b: int,
+    c: int,
+    e: int,
+    etp: int,
+    inputs: tuple[tuple[str, ...], ...],
+) -> tuple[tuple[str, ...], ...]:
+    """Per sublayer, the mixer's GEMMs that are neither its inputs nor the attention core:
+    the row-parallel output (projection, fc2) whose result the reduce-scatter takes."""
+    shape = config.activation_shape(
+        t, b, context_parallel_size=c, expert_parallel_size=e, expert_tensor_parallel_size=etp
+    )
+    core_tags = ("core_attn", CP_CORE)
+    return tuple(
+        tuple(
+            g.name for g in sub.mixer.gemms(shape) if g.name not in names and g.tag not in core_tags
+        )
+        for sub, names in zip(config.block().sublayers, inputs, strict=True)
+    )
 
 
 def _replays(

@@ -47,6 +47,7 @@ from lightning_sp.planner.kernels import (
     gather_seconds,
     gemm_seconds,
     memory_seconds,
+    spread_gather_seconds,
     transfer_seconds,
 )
 from lightning_sp.planner.layertime import (
@@ -71,6 +72,7 @@ __all__ = [
     "data_parallel_exposed",
     "expert_exchange_seconds",
     "layer_time",
+    "parameter_gather_exposed",
     "step_time",
 ]
 
@@ -98,6 +100,19 @@ def data_parallel_exposed(
         for pol, k in policies.items()
     )
     return max(0.0, reduce - last_backward)
+
+
+def parameter_gather_exposed(
+    layout: Layout, cluster: Cluster, gather: float, layer: LayerTime
+) -> float:
+    """The part of the distributed optimizer's parameter all-gather (``gather`` seconds) left
+    exposed: all of it, unless the cluster's stack overlaps it with the next iteration's first
+    forward (:attr:`~lightning_sp.planner.execution.Execution.param_gather_overlap`), then
+    what outlasts one micro-batch's forward of the stage's layers."""
+    if not cluster.execution.param_gather_overlap:
+        return gather
+    first_forward = layout.layers_per_chunk * layout.virtual_pipeline_size
+    return max(0.0, gather - first_forward * sum(layer.forward.values()))
 
 
 @dataclass(frozen=True)
@@ -166,6 +181,8 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
         one = transfer_seconds(cluster, ACT * s * b * h / t, in_node)
         if not sp:
             one += unit  # scatter/gather: the receiving TP group all-gathers the message
+        if m > 1 and cluster.execution.pipeline_overlap:  # beside the next chunk's compute
+            one = max(0.0, one - chunk * sum(layer.forward.values()))
         p2p = 2 * m * one
     if p == 1:
         slowest = mean = layers + emb + head
@@ -181,15 +198,18 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
     groups = ((params - experts, d * c), (experts, d * c // e))  # (parameters, ranks)
     dp_exposed = 0.0
     if d * c > 1:  # gradients summed over dp x cp (the ranks of one TP / PP position)
-        in_node = t * c * d <= cluster.gpus_per_node
         reduce = gather = 0.0
-        for count, ranks in groups:
-            if layout.distributed_optimizer:  # sharded over those ranks
-                reduce += gather_seconds(cluster, GRAD_BYTES * count, ranks, in_node)
-                gather += gather_seconds(cluster, ACT * count, ranks, in_node)
+        strides = (t, t * e)  # dp x cp ranks are t apart; an expert-data group's t·e
+        for (count, ranks), stride in zip(groups, strides, strict=True):
+            near = cluster.members_in_node(stride, ranks)
+            one = spread_gather_seconds(cluster, GRAD_BYTES * count, ranks, near)
+            if layout.distributed_optimizer:  # sharded over those ranks: scatter, gather
+                reduce += one
+                gather += spread_gather_seconds(cluster, ACT * count, ranks, near)
             else:
-                reduce += all_reduce_seconds(cluster, GRAD_BYTES * count, ranks, in_node)
-        dp_exposed = data_parallel_exposed(layout, reduce, layer, policies, cfg.attention) + gather
+                reduce += 2 * one  # all-reduce: a reduce-scatter and an all-gather
+        dp_exposed = data_parallel_exposed(layout, reduce, layer, policies, cfg.attention)
+        dp_exposed += parameter_gather_exposed(layout, cluster, gather, layer)
     embedding_grad = 0.0
     if p > 1:
         vocab = cfg.padded_vocab_size(t) // t * h
