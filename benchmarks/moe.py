@@ -5,7 +5,7 @@ weights: ``python -m benchmarks.moe`` (``--smoke`` for a seconds-long plumbing r
 One process, one intra-op thread, fp32, ``T`` tokens of width ``h`` routed top-``k`` over ``E``
 SwiGLU experts of width ``f_e`` (softmax scores, renormalised top-k: Mixtral's router):
 
-* ``moe``: :class:`~lightning_sp.model.moe.MoE` (router, dispatch, grouped-GEMM experts,
+* ``moe``: :class:`~lightning_sp.model.moe.layer.MoE` (router, dispatch, grouped-GEMM experts,
   combine; no auxiliary loss in the gradient, as transformers' block has none);
 * ``dense``: the dense :class:`~lightning_sp.model.parts.dense.MLP`, SwiGLU of width
   ``f = k·f_e``: the experts' active matmul FLOPs (``6·T·h·k·f_e`` forward); the MoE layer adds
@@ -41,8 +41,8 @@ from benchmarks import _cpu
 from benchmarks._format import add_out_argument, ci, command, fixed, out_dir, table, write
 from benchmarks._stats import median_ci
 from lightning_sp import GPTConfig, ParallelState
-from lightning_sp.model.moe import MoE
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.model.moe.layer import MoE
 from lightning_sp.model.parts.dense import MLP
 from lightning_sp.parallel.init import initialize_parameter
 

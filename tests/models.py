@@ -237,7 +237,7 @@ def feed_forward_terms() -> set[str]:
     (GPT-2 and Llama) and the mixture of experts' (with a shared expert), which the recompute
     modules may name."""
     from lightning_sp.memory.formulas import layer_saved_terms
-    from lightning_sp.model.moe_config import MoEConfig
+    from lightning_sp.model.moe.config import MoEConfig
 
     moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=16, num_shared_experts=1)
     configs = (

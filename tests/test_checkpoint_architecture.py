@@ -167,7 +167,7 @@ def test_a_recorded_config_with_nested_settings_builds_their_records() -> None:
     ``rope_scaling`` as mappings); read back, they are a ``MoEConfig`` and a ``RopeScaling``
     again, so the model builds (``export`` of an MoE checkpoint failed on a dict before)."""
     from lightning_sp.checkpoint.verify import saved_config
-    from lightning_sp.model.moe_config import MoEConfig
+    from lightning_sp.model.moe.config import MoEConfig
     from lightning_sp.model.ops import RopeScaling
 
     config = GPTConfig.of(

@@ -16,7 +16,7 @@ from test_hf_export import assert_held_out_loss, fit_and_export
 from test_interop_moe import float64_reference
 
 from lightning_sp import GPTConfig, GPTModule, OptimizerConfig
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
 
 from cli_runs import ROOT
 from hf_models import SEQ, transformers

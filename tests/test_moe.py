@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.model.experts import grouped_available, grouped_linear
-from lightning_sp.model.moe import MoE
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.model.moe.experts import grouped_available, grouped_linear
+from lightning_sp.model.moe.layer import MoE
 from lightning_sp.parallel.state import ParallelState
 
 transformers = pytest.importorskip("transformers")
@@ -40,7 +40,7 @@ def test_grouped_gemm_equals_loop(dtype: torch.dtype) -> None:
     results = []
     for grouped in (True, False):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        from lightning_sp.model.experts import _GroupedLinear
+        from lightning_sp.model.moe.experts import _GroupedLinear
 
         y = _GroupedLinear.apply(xi, wi, counts, grouped)
         y.backward(g)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from lightning_sp.memory.saved import SavedTensorTracker
-from lightning_sp.model.moe import MoE
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.model.moe.layer import MoE
+from lightning_sp.model.moe.part import MoEFeedForward
 from lightning_sp.model.parts.base import INSIDE, OUTSIDE
-from lightning_sp.model.parts.moe import MoEFeedForward
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.state import ParallelState

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from lightning_sp import GPT, GPTConfig
-from lightning_sp.model.moe import MoE
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.model.moe.layer import MoE
 from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.grads import finalize_grads, global_grad_norm
 from lightning_sp.parallel.init import local_slice

@@ -14,7 +14,7 @@ from lightning_sp import GPTConfig
 from lightning_sp.cli.estimate import read_estimate_args
 from lightning_sp.memory.flops import model_flops_per_iteration
 from lightning_sp.memory.model_state import parameters_per_rank
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.planner.cluster import H100_80GB
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.kernels import (

@@ -241,7 +241,7 @@ def test_loss_mask_with_experts_is_refused_in_one_line() -> None:
     auxiliary losses' share with it: a masked batch on an MoE model is one line, not a silently
     mis-weighted load-balancing loss."""
     from lightning_sp import ConfigError
-    from lightning_sp.model.moe_config import MoEConfig
+    from lightning_sp.model.moe.config import MoEConfig
 
     moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=32)
     module = GPTModule(tiny_config("llama", feed_forward="moe", moe=moe))

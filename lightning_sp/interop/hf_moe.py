@@ -18,7 +18,7 @@ olmoe       OLMo 2's query/key norms over the projections, norms before the subl
 The Hub stores one tensor per expert (``...experts.{e}.w1.weight``), which transformers 5 also
 writes: our stacked ``experts.gate_up [E, 2f_e, h]`` and ``experts.down [E, h, f_e]`` are
 :class:`~lightning_sp.model.parts.weights.ExpertWeightMap` rows, named by the MoE part
-(``HF_MOE`` in ``model/parts/moe.py``: ``mixtral``, and ``llama`` for Qwen3-MoE and OLMoE).
+(``HF_MOE`` in ``model/moe/part.py``: ``mixtral``, and ``llama`` for Qwen3-MoE and OLMoE).
 A file of transformers' in-memory names (its ``state_dict`` saved as is: fused
 ``mlp.experts.gate_up_proj`` and ``down_proj``, Mixtral's router as ``mlp.gate``) is read too;
 export writes the Hub's form.
@@ -46,7 +46,7 @@ from lightning_sp.interop.hf_llama import (
 )
 from lightning_sp.interop.hf_tables import HFModelType
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
 
 
 def moe_structure(moe: MoEConfig | None) -> MoEConfig | None:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from lightning_sp.errors import ConfigError, divisors
 from lightning_sp.model.config_checks import BIAS_PROJECTIONS, check_config
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.model.ops import RopeScaling
 from lightning_sp.model.parts.block import Block, block_of
 from lightning_sp.model.recompute import (
@@ -192,7 +192,7 @@ class GPTConfig:
         """A config from plain values (a YAML mapping, a checkpoint's record, a parsed
         namespace): ``rope_scaling`` and ``moe`` given as mappings become a
         :class:`~lightning_sp.model.ops.RopeScaling` and a
-        :class:`~lightning_sp.model.moe_config.MoEConfig`."""
+        :class:`~lightning_sp.model.moe.config.MoEConfig`."""
         fields = dict(values) if isinstance(values, dict) else dict(vars(values))
         for name, record in (("rope_scaling", RopeScaling), ("moe", MoEConfig)):
             given = fields.get(name)

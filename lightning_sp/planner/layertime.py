@@ -37,7 +37,7 @@ kernels, :mod:`lightning_sp.planner.kernels` times them):
   rank's ``E/e`` experts run as a batch of GEMMs of ``k·T/E·e`` rows each (``T`` the tokens a
   rank routes: ``s·b/c``, ``/t`` under SP) at the experts' weight shapes, their SwiGLU and
   the dispatch's and combine's row copies as memory-bound kernels
-  (:meth:`~lightning_sp.model.parts.moe.MoEFeedForward.memory_ops`); the dispatch and
+  (:meth:`~lightning_sp.model.moe.part.MoEFeedForward.memory_ops`); the dispatch and
   combine all-to-alls (forward, and their adjoints in backward; none overlapped) each send
   ``(e-1)/e`` of the rank's ``k·T`` rows, the shares for EP peers in the rank's node over
   NVLink and those for peers in other nodes over the network at once

@@ -77,7 +77,7 @@ def layer_gemms(
     context parallelism ``c`` the token GEMMs have ``s·b/c`` rows and the core is one pair of
     GEMMs per local chunk (:func:`cp_key_lengths`), tagged :data:`CP_CORE`. A mixture of
     experts at expert-parallel size ``e`` runs its ``E/e`` local experts as a batch of GEMMs
-    of the rows each receives (:meth:`~lightning_sp.model.parts.moe.MoEFeedForward.gemms`);
+    of the rows each receives (:meth:`~lightning_sp.model.moe.part.MoEFeedForward.gemms`);
     ``etp``: the expert tensor parallel size (its GEMMs ``f_e/t`` wide over the TP group's
     gathered rows)."""
     shape = config.activation_shape(
@@ -102,7 +102,7 @@ def layer_memory_ops(
       tensors (``math``), the fused scale-mask-softmax on ``b·a·s²`` (4 / 6), its dropout
       (5 / 5) and the context permute ``[b·a, s, d] -> [s, b, h]`` on ``sbh`` (4 / 4);
     * a mixture of experts: the experts' SwiGLU on the ``k·T`` rows it computes and the
-      dispatch's and combine's row copies (:meth:`~lightning_sp.model.parts.moe.
+      dispatch's and combine's row copies (:meth:`~lightning_sp.model.moe.part.
       MoEFeedForward.memory_ops`).
 
     Under context parallelism every ``s`` is the rank's ``s/c`` and the softmax and dropout

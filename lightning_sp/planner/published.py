@@ -28,7 +28,7 @@ from lightning_sp.memory.flops import (
     model_flops_per_iteration,
 )
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.planner.cluster import PRESETS
 from lightning_sp.planner.execution import MEGATRON_CORE_OVERLAPS, Execution
 from lightning_sp.planner.layout import Layout

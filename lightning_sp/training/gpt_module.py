@@ -39,11 +39,11 @@ from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
-from lightning_sp.model.moe import (
+from lightning_sp.model.moe.layer import (
     scale_auxiliary_losses,
     update_expert_biases,
 )
-from lightning_sp.model.moe_metrics import step_metrics
+from lightning_sp.model.moe.metrics import step_metrics
 from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
 from lightning_sp.parallel.config import ParallelConfig
@@ -288,7 +288,7 @@ class GPTModule(LightningModule):
     @override
     def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
         """The step's MoE routing metrics over every micro-batch, replica and stage
-        (:func:`~lightning_sp.model.moe_metrics.step_metrics`), logged as ``train/moe/*``.
+        (:func:`~lightning_sp.model.moe.metrics.step_metrics`), logged as ``train/moe/*``.
         With loss masks: divide the step's gradients (summed over its counted tokens) by
         the global count and log ``train/loss``, the global token mean
         (:meth:`TokenMean.finish`). Runs after the gradients are finalised, before clipping."""

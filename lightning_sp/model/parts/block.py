@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lightning_sp.model.moe.part import MoEFeedForward
 from lightning_sp.model.parts.attention import SelfAttention
 from lightning_sp.model.parts.base import (
     ACT,
@@ -33,7 +34,6 @@ from lightning_sp.model.parts.base import (
     outside_elements,
 )
 from lightning_sp.model.parts.dense import DenseMLP
-from lightning_sp.model.parts.moe import MoEFeedForward
 from lightning_sp.model.parts.norm import Norm
 from lightning_sp.model.parts.weights import HFNames, Weight, under
 from lightning_sp.model.shape import ActivationShape

@@ -74,7 +74,7 @@ class HFNames:
     """The attention's convention (:data:`lightning_sp.model.parts.attention.HF_ATTENTION`)."""
     feed_forward: str
     """The feed-forward part's convention (``HF_MLP`` in ``parts/dense.py``, ``HF_MOE`` in
-    ``parts/moe.py``)."""
+    ``moe/part.py``)."""
     embedding: str
     """The token embedding's module (``model.embed_tokens``)."""
     final_norm: str

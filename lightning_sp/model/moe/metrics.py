@@ -2,12 +2,12 @@
 data-parallel replica (and so every expert-parallel rank, folded into data x context), every
 layer on every pipeline stage.
 
-Each :class:`~lightning_sp.model.moe.MoE` layer adds, per training forward, its micro-batch's
+Each :class:`~lightning_sp.model.moe.layer.MoE` layer adds, per training forward, its micro-batch's
 load-balancing loss, z-loss, dropped assignments, one forward and its choices per expert (all
 already summed over the micro-batch's sequence- and context-parallel shards: the router's) into
-:attr:`~lightning_sp.model.moe.MoE.totals`. :func:`step_metrics` sums those over the data-parallel
-group, places each layer at its global number, sums over the pipeline group, and only then
-takes the ratios, so the values equal one process's over the same micro-batches:
+:attr:`~lightning_sp.model.moe.layer.MoE.totals`. :func:`step_metrics` sums those over the
+data-parallel group, places each layer at its global number, sums over the pipeline group,
+and only then takes the ratios, so the values equal one process's over the same micro-batches:
 
 * ``moe/aux_loss``, ``moe/z_loss``: the mean over the step's micro-batches of each one's loss
   (what the objective holds, before its coefficient), then over layers;
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
-from lightning_sp.model.moe import TOTALS, MoE
+from lightning_sp.model.moe.layer import TOTALS, MoE
 from lightning_sp.parallel.state import ParallelState
 
 

@@ -2,9 +2,9 @@
 group, grouped SwiGLU experts, combine, optional shared experts.
 
 ``[s/t or s, b, h]`` in and out (the residual stream's layout; sequence parallelism is required
-for ``t > 1``, :meth:`~lightning_sp.model.moe_config.MoEConfig.check_layout`). Each rank routes
+for ``t > 1``, :meth:`~lightning_sp.model.moe.config.MoEConfig.check_layout`). Each rank routes
 its own ``T = s_local·b`` tokens; the load-balancing terms are the micro-batch's
-(:mod:`lightning_sp.model.router`).
+(:mod:`lightning_sp.model.moe.router`).
 
 Under expert tensor parallelism (``t_e = t``, each expert's ``f_e`` split over the TP group)
 the order is Megatron-Core's, dispatch first: every rank routes its own sequence shard as at
@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_sp.model.experts import SWIGLU, Experts
 from lightning_sp.model.fused import act_row_linear, activate, fused_column_linear
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.model.moe.experts import SWIGLU, Experts
+from lightning_sp.model.moe.router import Router
 from lightning_sp.model.recompute import replaying
-from lightning_sp.model.router import Router
 from lightning_sp.model.spec import NormModule
 from lightning_sp.parallel.dispatch import combine, dispatch
 from lightning_sp.parallel.expert_rows import gather_rows, plan_rows, scatter_rows
@@ -156,7 +156,7 @@ class MoE(nn.Module):
         ``load_imbalance`` (max over mean choices per expert) and ``dropped``."""
         self.totals: Tensor | None = None
         """The sums of the training forwards since the last
-        :func:`~lightning_sp.model.moe_metrics.step_metrics` (:data:`TOTALS`, then the choices
+        :func:`~lightning_sp.model.moe.metrics.step_metrics` (:data:`TOTALS`, then the choices
         per expert ``[E]``; float64; a full-recompute replay adds nothing): what the step's
         logged metrics are made of."""
 

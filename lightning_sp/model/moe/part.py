@@ -1,5 +1,5 @@
 """The mixture-of-experts feed-forward part (``GPTConfig.feed_forward = "moe"``): the module is
-:class:`lightning_sp.model.moe.MoE`; here its saved bytes, GEMMs, memory-bound kernels (the
+:class:`lightning_sp.model.moe.layer.MoE`; here its saved bytes, GEMMs, memory-bound kernels (the
 experts' activation, the dispatch and combine row copies), parameters (total and active) and
 FLOPs (active), at balanced routing (each expert receives ``k·T/E`` of the ``T`` tokens'
 assignments; dropless).
@@ -47,8 +47,8 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from lightning_sp.model.moe import MoE
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.model.moe.layer import MoE
 from lightning_sp.model.parts.base import (
     INSIDE,
     OUTSIDE,
