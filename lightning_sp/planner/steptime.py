@@ -37,7 +37,11 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
-from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
+from lightning_sp.memory.flops import (
+    causal_half_model_flops_per_iteration,
+    hardware_flops_per_iteration,
+    model_flops_per_iteration,
+)
 from lightning_sp.memory.model_state import expert_parameters_per_rank, parameters_per_rank
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.recompute import RecomputePolicy
@@ -123,7 +127,12 @@ class StepTime:
     tokens_per_second: float
     model_tflops_per_gpu: float
     mfu: float
-    """Model FLOPs per second per GPU / peak (the paper's MFU)."""
+    """Model FLOPs per second per GPU / peak (the paper's MFU; attention counted whole)."""
+    model_tflops_per_gpu_causal_half: float
+    """Model TFLOP/s per GPU with causal attention counted at half (Megatron-LM since 2025,
+    MaxText: :func:`lightning_sp.memory.flops.causal_half_model_flops_per_iteration`)."""
+    mfu_causal_half: float
+    """``model_tflops_per_gpu_causal_half`` / peak."""
     hfu: float
     """Hardware FLOPs (recomputation included) per second per GPU / peak."""
     parts: dict[str, float]
@@ -221,6 +230,7 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
     # the paper's metrics
     batch, gpus = layout.global_batch_size, layout.world_size
     model = model_flops_per_iteration(cfg, batch)
+    half = causal_half_model_flops_per_iteration(cfg, batch)
     part = dataclasses.replace(cfg, num_layers=chunk)  # the recompute pattern repeats per chunk
     redone = hardware_flops_per_iteration(part, batch, chunk, context_parallel_size=c)
     hardware = model + cfg.num_layers // chunk * (redone - model_flops_per_iteration(part, batch))
@@ -245,6 +255,8 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
         tokens_per_second=batch * cfg.seq_length / iteration,
         model_tflops_per_gpu=model * per_gpu / 1e12,
         mfu=model * per_gpu / cluster.peak_flops,
+        model_tflops_per_gpu_causal_half=half * per_gpu / 1e12,
+        mfu_causal_half=half * per_gpu / cluster.peak_flops,
         hfu=hardware * per_gpu / cluster.peak_flops,
         parts=parts,
         layer=layer,
