@@ -71,7 +71,8 @@ def test_accumulation_runs_k_micro_batches_and_reduces_once() -> None:
     assert tk.tokens_per_second == pytest.approx(64 * 1024 / tk.iteration_seconds, rel=1e-12)
     flops = model_flops_per_iteration(SMALL, 64)
     assert tk.mfu == pytest.approx(
-        flops / (tk.iteration_seconds * 128 * H100_80GB.peak_flops), rel=1e-12  # t·d GPUs
+        flops / (tk.iteration_seconds * 128 * H100_80GB.peak_flops),
+        rel=1e-12,  # t·d GPUs
     )
     # the wider micro-batch's backward is 4x as long: more of the one reduction is hidden
     assert tw.parts["dp_exposed"] < tk.parts["dp_exposed"]

@@ -273,7 +273,7 @@ def test_search_175b_on_1024_gpus_ranks_the_papers_layout_high(
 ) -> None:
     """``estimate --search`` for GPT-3 175B on 1024 A100s (global batch 1024): a ranked table
     of layouts that fit; the best row with the paper's t=8, p=8, m=3, b=1 is in the top 1%
-    (rank 153 of 15984), 5.6% behind the first. (It was 4th until the data-parallel
+    (rank 143 of 15984), 5.4% behind the first. (It was 4th until the data-parallel
     reduction of a group with several ranks in a node was priced through all their network
     adapters: layouts at t < 8, c = 2 now lead, docs/planner.md.)"""
     from lightning_sp.planner.search import search

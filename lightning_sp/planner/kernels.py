@@ -97,19 +97,19 @@ def spread_gather_seconds(
 ) -> float:
     """A ring all-gather (or reduce-scatter) whose full tensor is ``nbytes`` over ``group``
     ranks, ``members_in_node`` of them in each node (a data-parallel group: the ranks of
-    equal TP / PP position, ``t`` apart). Inside one node it is :func:`gather_seconds` over
-    NVLink. Across nodes every node must receive the ``(group - members_in_node)/group`` of
-    the tensor held elsewhere, and it has ``members_in_node`` network adapters to take it in
-    (one per GPU, [DGXA100] / [DGXH100]), over which NCCL stripes its ring channels; inside
-    the node every member still receives ``(group-1)/group`` over NVLink. The slower of the
-    two sets the time. With one member per node this is the ring over the network."""
+    equal TP / PP position, ``t`` apart). Every member passes ``(group-1)/group`` of the
+    tensor along the ring. Inside one node that is :func:`gather_seconds` over NVLink. Across
+    nodes NCCL runs one ring per channel and stripes the channels over the node's network
+    adapters, one per GPU ([DGXA100] / [DGXH100]): the ``members_in_node`` members' adapters
+    carry the ring's inter-node hops side by side, so the ring runs at the slower of NVLink
+    and ``members_in_node`` adapters. With one member per node this is the ring over the
+    network."""
     if group <= 1:
         return 0.0
-    nvlink = (group - 1) / group * nbytes / cluster.link_rate(True)
     if members_in_node >= group:
-        return nvlink
-    network = (group - members_in_node) / group * nbytes
-    return max(nvlink, network / (members_in_node * cluster.link_rate(False)))
+        return gather_seconds(cluster, nbytes, group, True)
+    rate = min(cluster.link_rate(True), members_in_node * cluster.link_rate(False))
+    return (group - 1) / group * nbytes / rate
 
 
 def all_to_all_seconds(cluster: Cluster, nbytes: float, group: int, members_in_node: int) -> float:
