@@ -21,7 +21,9 @@ kernels, :mod:`lightning_sp.planner.kernels` times them):
   reduce-scatter after the projection and fc2 (exposed), in backward the all-gathers of the
   gradient entering the projection and fc2 (exposed), the re-gather of QKV's and fc1's
   input (overlapped with the data-gradient GEMM) and the reduce-scatter of their input
-  gradient (overlapped with the weight-gradient GEMM);
+  gradient (overlapped with the weight-gradient GEMM); with the cluster's
+  ``execution.tensor_parallel_overlap`` the exposed ones run in ``t`` chunks beside the GEMM
+  they feed or drain (:meth:`~lightning_sp.planner.execution.Execution.overlapped`);
 * **context parallelism** (``c > 1``, :mod:`lightning_sp.parallel.context_attention`): every
   kernel above runs on the rank's ``s/c`` tokens; the attention core is the CP core's, rank
   0's two chunks against their key prefixes (``(2c+1)·L²`` query-key pairs per head, ``L =
@@ -33,7 +35,9 @@ kernels, :mod:`lightning_sp.planner.kernels` times them):
   ``t·c`` ranks of a TP x CP block share a node, else the network), none overlapped (the
   code calls them before and after the core, synchronously: no ring of per-chunk transfers to
   hide behind compute, as Megatron/TransformerEngine's ring would).
-* **expert parallelism** (``e > 1``, a mixture-of-experts layer at balanced routing): each
+* **expert parallelism** (``e > 1``, a mixture-of-experts layer at balanced routing, or on
+  its busiest rank at ``execution.expert_load_imbalance``: the GEMMs and kernels a part marks
+  ``routed`` and the all-to-alls scaled by it): each
   rank's ``E/e`` experts run as a batch of GEMMs of ``k·T/E·e`` rows each (``T`` the tokens a
   rank routes: ``s·b/c``, ``/t`` under SP) at the experts' weight shapes, their SwiGLU and
   the dispatch's and combine's row copies as memory-bound kernels

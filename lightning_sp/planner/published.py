@@ -45,6 +45,31 @@ MEGATRON_CORE_MOE = (
 )
 PAPER = "Korthikanti et al., MLSys 2023 (arXiv 2205.05198), Tables 3 and 5"
 
+PREVIOUS = {
+    "megatron-h100-1.7B": 0.5237,
+    "megatron-h100-7.1B": 1.0278,
+    "megatron-h100-16B": 1.1861,
+    "megatron-h100-32B": 1.2469,
+    "megatron-h100-70B": 2.3617,
+    "megatron-h100-119B": 3.6841,
+    "megatron-h100-177B": 5.1499,
+    "megatron-h100-314B": 8.4008,
+    "megatron-h100-462B": 12.1753,
+    "mcore-mixtral-8x7b": 2.5057,
+    "paper-22B-full": 1.3828,
+    "paper-22B-sp-selective": 1.0403,
+    "paper-175B-full": 18.5222,
+    "paper-175B-sp-selective": 13.6699,
+    "paper-530B-full": 52.0284,
+    "paper-530B-full-d=8": 52.6282,
+    "paper-530B-sp-selective": 39.0075,
+    "paper-530B-sp-selective-d=8": 39.6488,
+    "paper-1T-full": 103.3039,
+    "paper-1T-sp-selective": 77.7249,
+}
+"""Each row's predicted iteration (seconds) before issue 42
+(:attr:`PublishedRun.previous_seconds`)."""
+
 
 @dataclass(frozen=True)
 class PublishedRun:
@@ -76,6 +101,10 @@ class PublishedRun:
     MaxText); ``False``: whole, as this project (and Megatron-Core until 2025) counts."""
     assumed: str = ""
     """What the row assumes where the source is silent."""
+    previous_seconds: float | None = None
+    """The iteration the planner predicted on the row's preset before issue 42 (this
+    project's execution, a data-parallel ring through one adapter per node, the cross entropy
+    at 32 bytes a logit), for the docs' before / after columns."""
 
     @property
     def pipelined(self) -> bool:
@@ -236,4 +265,59 @@ def published_runs() -> tuple[PublishedRun, ...]:
         _paper("530B", selective=False, d=8, mfu=0.421),
         _paper("530B", selective=True, d=8, mfu=0.542),
     ]
-    return tuple(rows)
+    return tuple(dataclasses.replace(r, previous_seconds=PREVIOUS.get(r.name)) for r in rows)
+
+
+OTHER_PRESET = {"h100-80gb": "h100-realised", "selene": "a100-80gb"}
+"""For each row's preset, the other preset of the same hardware shown beside it."""
+
+
+def _layout_text(layout: Layout) -> str:
+    x, parts = layout, []
+    for key, value in (
+        ("t", x.tensor_parallel_size), ("p", x.pipeline_parallel_size),
+        ("m", x.virtual_pipeline_size), ("e", x.expert_parallel_size),
+        ("d", x.data_parallel_size), ("b", x.micro_batch_size),
+        ("n", x.microbatches_per_step),
+    ):  # fmt: skip
+        if value > 1 or key in ("t", "p", "d"):
+            parts.append(f"{key}={value}")
+    return " ".join(parts) + (" SP" if x.config.sequence_parallel else "")
+
+
+def markdown_table(runs: tuple[PublishedRun, ...] | None = None) -> str:
+    """The rows as docs/planner.md tables them: published and predicted iteration, the
+    deviation on the row's preset and on the other preset of its hardware, before issue 42,
+    and the role."""
+    lines = [
+        "| row | layout | GPUs | published | preset: predicted (dev.) | other preset (dev.) "
+        "| before (dev.) | role |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for run in runs or published_runs():
+        published = run.published_seconds()
+        own = predict(run).iteration_seconds
+        other = OTHER_PRESET[run.preset]
+        alt = predict(run, other).iteration_seconds
+        before = (
+            f"{run.previous_seconds:.3f} s ({run.previous_seconds / published - 1:+.1%})"
+            if run.previous_seconds
+            else "-"
+        )
+        figure = (
+            f"{run.tflops_per_gpu:g} TFLOP/s = {published:.3f} s"
+            if run.tflops_per_gpu
+            else f"MFU {run.mfu:.1%} = {published:.2f} s"
+            if run.mfu
+            else f"{published:.2f} s"
+        )
+        lines.append(
+            f"| {run.name} | {_layout_text(run.layout)} | {run.layout.world_size} | {figure} "
+            f"| {run.preset}: {own:.3f} s ({own / published - 1:+.1%}) "
+            f"| {other}: {alt:.3f} s ({alt / published - 1:+.1%}) | {before} | {run.role} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m lightning_sp.planner.published
+    print(markdown_table())

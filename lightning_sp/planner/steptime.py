@@ -9,7 +9,8 @@ Per micro-batch and pipeline stage: its ``L/p`` layers, the embedding on the fir
 the output layer + loss on the last, and ``2m`` point-to-point transfers of the
 ``2sbh/t``-byte boundary activation (one forward, one backward per model chunk; without SP
 each receive is followed by an all-gather over the TP group, Megatron's scatter/gather
-optimisation), not overlapped. Per iteration:
+optimisation), not overlapped (interleaved, with the cluster's ``execution.pipeline_overlap``,
+each beside the next chunk's forward). Per iteration:
 
 ``n·T_max + (p-1)/m·T_mean`` (the slowest stage sets the pace of the steady state; the
 pipeline fills and drains through the others: the bubble ``(p-1)/(m·n)`` of the paper;
@@ -20,7 +21,10 @@ micro-batch's backward (all of it without ``overlap_grad_reduce``)
 (fp32 gradients, summed over the ``d·c`` ranks of dp x cp, a mixture of experts' routed
 experts (``1/e`` of them per rank) over the ``d·c/e`` ranks holding the same ones; all-reduce,
 or with the distributed optimizer, which shards over those ranks, a reduce-scatter and an
-exposed all-gather of the bf16 weights) ``+`` the
+all-gather of the bf16 weights, exposed unless ``execution.param_gather_overlap`` puts it
+beside the next iteration's first forward: :func:`parameter_gather_exposed`; each a ring whose
+inter-node hops run on the adapters of the group's members in a node,
+:func:`~lightning_sp.planner.kernels.spread_gather_seconds`) ``+`` the
 all-reduce of the tied embedding's gradient between the first and last stage ``+`` the
 optimizer step (memory bound: the gradient norm reads 4 bytes per parameter and zeroing
 writes 4; Adam reads the fp32 gradient, master, m and v and writes master, m, v and the bf16
@@ -28,7 +32,10 @@ weight, 30 bytes per parameter of its shard).
 
 MFU and HFU are the paper's: model FLOPs (:func:`lightning_sp.memory.flops.
 model_flops_per_iteration`) and hardware FLOPs (recomputation included, :func:`lightning_sp.
-memory.flops.hardware_flops_per_iteration`) per second per GPU over the dense BF16 peak.
+memory.flops.hardware_flops_per_iteration`) per second per GPU over the dense BF16 peak,
+attention counted whole; beside them the model FLOPs with causal attention at half
+(Megatron-LM since 2025, MaxText: :func:`lightning_sp.memory.flops.
+causal_half_model_flops_per_iteration`).
 """
 
 from __future__ import annotations
