@@ -31,11 +31,12 @@ from lightning_sp.cli.fit import GPTCLI
 from lightning_sp.data import TextDataModule
 from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.lora import LoRAConfig
 from lightning_sp.parallel.config import ParallelConfig
-from lightning_sp.parallel.state import check_layout
 from lightning_sp.planner.cluster import load_cluster
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.layout import Layout, PlannerOptions, parse_bytes
+from lightning_sp.planner.lora import format_lora, lora_estimate
 from lightning_sp.planner.report import (
     _candidate_json,
     check_plot_path,
@@ -172,28 +173,22 @@ def layout_from_fit(
             "integer (micro-batches accumulated per optimizer step)"
         )
     accumulate = positive_int("trainer.accumulate_grad_batches", accumulate_grad_batches)
-    parallel = strategy_layout(strategy)
-    t, p, c, n = (
-        parallel.tensor_parallel_size,
-        parallel.pipeline_parallel_size,
-        parallel.context_parallel_size,
-        parallel.num_microbatches,
-    )
-    world = gpus_per_node * nodes
+    world, parallel = gpus_per_node * nodes, strategy_layout(strategy)
     try:
-        d = check_layout(world, t, p, c)
+        parallel = parallel.for_world_size(world)
     except ConfigError as exc:
         raise ConfigError(
             f"trainer.devices={gpus_per_node} x trainer.num_nodes={nodes} = {world} GPUs must "
             f"be t * c * p * d: {exc}"
         ) from None
+    n = parallel.num_microbatches
     if batch % n:
         raise ConfigError(
             f"data.batch_size={batch} is not divisible by num_microbatches={n} (micro-batch = "
             f"batch_size / num_microbatches); num_microbatches must be one of {divisors(batch)}"
         )
     layout = Layout(
-        **dataclasses.asdict(parallel) | {"data_parallel_size": d},
+        **dataclasses.asdict(parallel),
         config=model_config,
         micro_batch_size=batch // n,
         accumulate_grad_batches=accumulate,
@@ -220,6 +215,10 @@ class FitLayoutCLI(LightningCLI):
 
     options: PlannerOptions
     """The planner's own options."""
+
+    lora: LoRAConfig | None = None
+    """``model.lora``: the run trains adapters on a frozen base (priced next to its full
+    fine-tune, :mod:`lightning_sp.planner.lora`)."""
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -264,6 +263,7 @@ class FitLayoutCLI(LightningCLI):
             reset_position_ids=bool(data.get("reset_position_ids")) or chat,
         )
         self.options = planner_options(parsed)
+        self.lora = getattr(built.model, "lora", None)
 
 
 class EstimateCLI(FitLayoutCLI, GPTCLI):
@@ -308,6 +308,9 @@ def main(read: Callable[[list[str]], FitLayoutCLI], argv: list[str]) -> int:
             print(result.choice.describe(), file=sys.stderr)
     else:
         print(format_table(result))
+        lora = getattr(parsed, "lora", None)
+        if lora is not None:
+            print(format_lora(lora_estimate(parsed.layout, lora, cluster)))
     if options.plot:
         plot_ladder(result, options.plot)
         if options.format == "table":

@@ -29,6 +29,7 @@ from lightning_sp.memory.flops import (
 )
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.model.recompute import NO_RECOMPUTE, RecomputePolicy
 from lightning_sp.planner.cluster import PRESETS
 from lightning_sp.planner.execution import MEGATRON_CORE_OVERLAPS, Execution
 from lightning_sp.planner.layout import Layout
@@ -154,7 +155,7 @@ def _gpt(h: int, a: int, layers: int, t: int, **kw: object) -> GPTConfig:
     fields: dict[str, object] = dict(
         vocab_size=131072, seq_length=4096, hidden_size=h, num_layers=layers, num_heads=a,
         tie_embeddings=False, hidden_dropout=0.0, attention_dropout=0.0, attention="sdpa",
-        recompute="none", sequence_parallel=t > 1,
+        recompute=NO_RECOMPUTE, sequence_parallel=t > 1,
     )  # fmt: skip
     return GPTConfig(**{**fields, **kw})  # type: ignore[arg-type]
 
@@ -206,7 +207,7 @@ def _mixtral() -> PublishedRun:
         "mistral", vocab_size=32000, seq_length=4096, hidden_size=4096, num_layers=32,
         num_heads=32, num_query_groups=8, rope_theta=1e6, feed_forward="moe",
         moe=MoEConfig(num_experts=8, top_k=2, expert_ffn_size=14336),
-        sequence_parallel=False, attention="sdpa", recompute="none",
+        sequence_parallel=False, attention="sdpa", recompute=NO_RECOMPUTE,
     )  # fmt: skip
     layout = Layout(
         config=config, pipeline_parallel_size=4, virtual_pipeline_size=8,
@@ -237,7 +238,7 @@ def _paper(name: str, selective: bool, d: int = 1, mfu: float | None = None) -> 
     config = GPTConfig(
         vocab_size=51200, seq_length=2048, hidden_size=h, num_layers=layers, num_heads=a,
         attention="math", sequence_parallel=selective,
-        recompute="selective" if selective else "full",
+        recompute=RecomputePolicy.parse("selective" if selective else "full"),
     )  # fmt: skip
     layout = Layout(
         config=config, tensor_parallel_size=t, pipeline_parallel_size=p,

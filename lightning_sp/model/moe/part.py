@@ -48,7 +48,8 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from lightning_sp.model.moe.config import MoEConfig
-from lightning_sp.model.moe.layer import MoE
+from lightning_sp.model.moe.layer import TOTALS, MoE
+from lightning_sp.model.moe.metrics import routing_metrics
 from lightning_sp.model.parts.base import (
     INSIDE,
     OUTSIDE,
@@ -59,6 +60,8 @@ from lightning_sp.model.parts.base import (
     Gemm,
     MemoryOp,
     Part,
+    PartLinear,
+    StepTotals,
     Terms,
     activation_op,
     tokens,
@@ -114,8 +117,14 @@ class MoEFeedForward(Part):
         return MoE(
             c.hidden_size, self.config, ctx.state, sequence_parallel=c.sequence_parallel,
             init_std=c.init_std, output_init_std=c.output_init_std,
-            recompute_act="mlp_act" in ctx.active, **ctx.kwargs,
+            recompute_act=ctx.recomputes("mlp_act"), **ctx.kwargs,
         )  # fmt: skip
+
+    def step_totals(self) -> StepTotals:
+        """Each layer's routing sums (:data:`~lightning_sp.model.moe.layer.TOTALS`, then the
+        choices per expert) and the step's ``moe/*`` metrics made of them
+        (:func:`~lightning_sp.model.moe.metrics.routing_metrics`)."""
+        return StepTotals(len(TOTALS) + self.config.num_experts, routing_metrics)
 
     def router_bytes(self, x: ActivationShape) -> float:
         """Bytes per router element: fp32 4, fp64 8, else the activations'."""
@@ -171,6 +180,23 @@ class MoEFeedForward(Part):
 
     def input_gemms(self) -> tuple[str, ...]:
         return ("shared_gate_up",) if self.config.num_shared_experts else ()
+
+    def linears(self, x: ActivationShape) -> tuple[PartLinear, ...]:
+        """Its linears, none of which takes a LoRA adapter: frozen with the base, the router
+        and the shared experts' input projections keep no ``moe_input``, the experts no
+        ``expert_input`` nor ``expert_down_input``, the shared experts' down projection no
+        ``shared_down_input`` (what stays: the activations' inputs, the router's outputs,
+        the indices and the combine)."""
+        cfg, h, f = self.config, x.h, self.config.expert_ffn_size
+        rows = [
+            PartLinear("router", "column", h, cfg.num_experts, "moe_input"),
+            PartLinear("experts.gate_up", "column", h, 2 * f, "expert_input"),
+            PartLinear("experts.down", "row", f, h, "expert_down_input"),
+        ]
+        if cfg.num_shared_experts:
+            fs = cfg.shared_ffn_size
+            rows.append(PartLinear("shared.fc2", "row", fs, h, "shared_down_input"))
+        return tuple(rows)
 
     def memory_ops(self, x: ActivationShape) -> list[MemoryOp]:
         """The layer's memory-bound kernels on one rank at balance, ``N = k·T_local`` rows
