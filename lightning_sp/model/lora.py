@@ -178,10 +178,11 @@ def check_lora(config: LoRAConfig, model: GPTConfig) -> list[str]:
     target names a linear of ``model``'s layers (a one-layer model on the ``meta`` device
     answers). Returns the adapted linears' paths under a layer."""
     from lightning_sp.model.gpt import GPT
+    from lightning_sp.model.recompute import NO_RECOMPUTE
     from lightning_sp.parallel.state import ParallelState
 
     config.validate()
-    one = dataclasses.replace(model, num_layers=1, recompute="none", sequence_parallel=False)
+    one = dataclasses.replace(model, num_layers=1, recompute=NO_RECOMPUTE, sequence_parallel=False)
     layer = GPT(one, ParallelState.single(), device="meta").layers[0]
     return resolve_targets(list(config.target_modules), list(adaptable_linears(layer)))
 

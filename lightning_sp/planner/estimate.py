@@ -41,7 +41,6 @@ import time
 
 import torch
 
-from lightning_sp.errors import ConfigError
 from lightning_sp.memory.fake import ActivationMeasurement
 from lightning_sp.memory.model_state import (
     MIXED_PRECISION_ADAM,
@@ -52,10 +51,10 @@ from lightning_sp.memory.model_state import (
     parameters_per_rank,
 )
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.recompute import AUTO, policy_name
+from lightning_sp.model.recompute import AUTO, RecomputePolicy, policy_name
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.cluster import Cluster, load_cluster
-from lightning_sp.planner.layout import DEFAULT_DEVICE_BYTES, Layout
+from lightning_sp.planner.layout import DEFAULT_DEVICE_BYTES, Layout, runs
 from lightning_sp.planner.records import (
     COMBINATIONS,
     LADDER,
@@ -113,9 +112,7 @@ def estimate(
         if sp and local % t:
             continue
         combo = layout.with_policy(sp, rc)
-        try:  # a combination the model cannot run (MoE at t > 1 without SP) is left out
-            combo.validate(t)
-        except ConfigError:
+        if not runs(combo, layout):  # a combination the model cannot run (MoE at t > 1, no SP)
             continue
         formula = formula_activations(layout, combo)
         got = formula
@@ -148,7 +145,7 @@ def estimate(
         seconds=time.perf_counter() - start,
         cluster=hardware.name,
     )
-    if layout.recompute == "auto":
+    if layout.recompute.auto:
         result.choice = _choose(result, acts[configured_sp(layout)], state_bytes, hardware)
     _mark_selected(result)
     return result
@@ -191,7 +188,7 @@ def _choose(
 def _combinations(layout: Layout) -> tuple[tuple[bool, str], ...]:
     """:data:`COMBINATIONS`, plus the configured module set if it is no named policy (that of
     the layers beyond ``recompute_num_layers`` included)."""
-    if layout.recompute == AUTO:
+    if layout.recompute.auto:
         return COMBINATIONS
     config = layout.config
     names = {config.layer_recompute(i).name for i in range(layout.layers_per_chunk)}
@@ -272,7 +269,7 @@ def resolve_recompute(
         measure = not (dist.is_available() and dist.is_initialized())
     layout = Layout(
         **dataclasses.asdict(parallel or ParallelConfig()),
-        config=dataclasses.replace(config, recompute="auto", recompute_num_layers=None),
+        config=dataclasses.replace(config, recompute=AUTO, recompute_num_layers=None),
         micro_batch_size=micro_batch_size,
         source="the running layout",
     )
@@ -297,8 +294,8 @@ def auto_recompute_config(
     )
     resolved = dataclasses.replace(
         config,
-        recompute=choice.recompute,  # a policy of the planner's ladder
+        recompute=RecomputePolicy.parse(choice.recompute),  # a policy of the planner's ladder
         recompute_num_layers=choice.recompute_num_layers,
-        recompute_rest=choice.recompute_rest or config.recompute_rest,
+        recompute_rest=RecomputePolicy.parse(choice.recompute_rest or config.recompute_rest),
     )
     return resolved, choice

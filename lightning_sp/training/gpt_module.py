@@ -37,6 +37,7 @@ from lightning_sp.data.prompts import Codec
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
 from lightning_sp.model.hooks import after_optimizer_step, scale_auxiliary_losses, step_metrics
@@ -139,7 +140,7 @@ class GPTModule(LightningModule):
         run (``recompute: auto`` appears resolved once ``configure_model`` has resolved it)."""
         self.save_hyperparameters(
             {
-                "config": dataclasses.asdict(self.config),
+                "config": self.config.values(),
                 "optimizer": dataclasses.asdict(self.optimizer_config),
                 "init_from": self.init_from,
                 "compile_layers": self.compile_layers,
@@ -202,10 +203,10 @@ class GPTModule(LightningModule):
             return
         config, state, layout = self.config, self.parallel_state, self.parallel_config
         check_data(getattr(self._trainer, "datamodule", None), config)
-        layout.check_sequence_length(config.seq_length, config.sequence_parallel)
+        check_model_layout(config, layout)  # the one check of the model against the layout
         if self.compile_layers:
             check_compile(state)
-        if config.recompute == "auto":  # the planner's fastest recomputation that fits
+        if config.recompute.auto:  # the planner's fastest recomputation that fits
             from lightning_sp.planner.estimate import auto_recompute_config
 
             per_step = self._batch_size() or layout.num_microbatches
@@ -422,6 +423,13 @@ class GPTModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rng_streams"] = self.stage_model().rng_state_dict()
         checkpoint["vocabulary"] = self._vocabulary_identity()
+
+    @override
+    def on_fit_start(self) -> None:
+        """A mixture of experts routing force-balanced (a measurement switch) is not trained:
+        one line (the CLI refuses it before launch)."""
+        if self.config.moe is not None:
+            self.config.moe.check_trainable()
 
     @override
     def on_train_start(self) -> None:

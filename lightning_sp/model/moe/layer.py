@@ -130,7 +130,6 @@ class MoE(nn.Module):
         self.recompute_act = recompute_act
         """The ``mlp_act`` recompute module: the experts' and shared experts' down projections
         save SwiGLU's input and replay it in backward."""
-        config.check_layout(e, t, sequence_parallel, t_e)
         self.config = config
         self.expert_tp_group = state.tp_group if t_e > 1 else None
         """The TP group that shares each expert's ``f_e`` under expert tensor parallelism, over

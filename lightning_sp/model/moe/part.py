@@ -116,7 +116,7 @@ class MoEFeedForward(Part):
         return MoE(
             c.hidden_size, self.config, ctx.state, sequence_parallel=c.sequence_parallel,
             init_std=c.init_std, output_init_std=c.output_init_std,
-            recompute_act="mlp_act" in ctx.active, **ctx.kwargs,
+            recompute_act=ctx.recomputes("mlp_act"), **ctx.kwargs,
         )  # fmt: skip
 
     def step_totals(self) -> StepTotals:

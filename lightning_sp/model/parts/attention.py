@@ -90,7 +90,7 @@ class SelfAttention(Part):
         from lightning_sp.model.attention import Attention
 
         return Attention(
-            ctx.config, ctx.state, ctx.rng, "core_attn" in ctx.active, ctx.rotary, **ctx.kwargs
+            ctx.config, ctx.state, ctx.rng, ctx.recomputes("core_attn"), ctx.rotary, **ctx.kwargs
         )
 
     def saved_terms(self, x: ActivationShape) -> Terms:

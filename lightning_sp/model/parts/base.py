@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from lightning_sp.model.ops import RopeScaling
 from lightning_sp.model.parts.weights import HFNames, Weight
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.random import RNGStreams
 from lightning_sp.parallel.state import ParallelState
@@ -198,17 +199,22 @@ class Collective:
 
 @dataclass(frozen=True)
 class BuildContext:
-    """What a part's module needs besides the config: the layout, the dropout streams, the
-    recompute modules active in its layer, the shared RoPE tables and the tensor factory
-    arguments (``dtype``, ``device``)."""
+    """What a part's module needs besides the config: the layout, the dropout streams, its
+    layer's recompute policy, the shared RoPE tables and the tensor factory arguments
+    (``dtype``, ``device``)."""
 
     config: LayerConfig
     state: ParallelState
     rng: RNGStreams
-    active: frozenset[str]
-    """Names of the recompute modules this layer runs (``core_attn``, ``mlp_act`` ...)."""
+    recompute: RecomputePolicy
+    """The policy its layer runs (:meth:`recomputes` asks it)."""
     rotary: Any
     kwargs: dict[str, Any]
+
+    def recomputes(self, module: str) -> bool:
+        """Whether the recompute module ``module`` (``core_attn``, ``mlp_act`` ...) acts in
+        this layer, under the config's attention backend."""
+        return self.recompute.acts(module, self.config.attention)
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,7 @@ class DenseMLP(Part):
 
     def build(self, ctx: BuildContext) -> nn.Module:
         return MLP(
-            ctx.config, ctx.state, "mlp_act" in ctx.active, self.bias_in, self.bias_out,
+            ctx.config, ctx.state, ctx.recomputes("mlp_act"), self.bias_in, self.bias_out,
             **ctx.kwargs,
         )  # fmt: skip
 
