@@ -35,6 +35,7 @@ from lightning_sp.model.documents import Packing
 from lightning_sp.model.gpt import GPT
 from lightning_sp.model.hooks import has_auxiliary_losses
 from lightning_sp.model.lora import adapters_disabled
+from lightning_sp.model.recompute import NO_RECOMPUTE
 from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
@@ -66,7 +67,7 @@ def check_dpo(config: DPOConfig, model: GPTConfig, lora: bool) -> None:
     global pair count once known, which would rescale their share too; a one-layer model on
     the ``meta`` device answers)."""
     config.validate(lora)
-    one = dataclasses.replace(model, num_layers=1, recompute="none", sequence_parallel=False)
+    one = dataclasses.replace(model, num_layers=1, recompute=NO_RECOMPUTE, sequence_parallel=False)
     if has_auxiliary_losses(GPT(one, ParallelState.single(), device="meta")):
         raise ConfigError(
             "dpo with a mixture-of-experts model is not supported (its auxiliary losses "

@@ -163,29 +163,28 @@ class PairSums:
     reduced over the pipeline and data-parallel groups (:meth:`reduce`)."""
 
     def __init__(self) -> None:
-        self.values = torch.zeros(2 + len(METRICS), dtype=torch.float64)
-        """``[loss sum, pairs, metric sums...]`` (float64, CPU)."""
+        self.values = [0.0] * (2 + len(METRICS))
+        """``[loss sum, pairs, metric sums...]`` (Python floats: float64, kept off any
+        device and outside autograd and inference mode)."""
 
     def add(self, losses: Tensor, metrics: Tensor) -> None:
         """One micro-batch's per-pair losses ``[P]`` and metrics ``[P, 6]`` (valid pairs)."""
-        row = torch.cat(
-            [losses.detach().sum().reshape(1), losses.new_full((1,), losses.numel()),
-             metrics.sum(0)]
-        )  # fmt: skip
-        self.values += row.double().cpu()
+        row = [float(losses.detach().double().sum()), float(losses.numel())]
+        row += metrics.double().sum(0).tolist()
+        self.values = [a + b for a, b in zip(self.values, row, strict=True)]
 
     def reduce(self, state: ParallelState) -> dict[str, float]:
         """The means over every pair the data-parallel replicas counted (``loss`` and
         :data:`METRICS`; 0 when none), identical on every rank; the sums are on the last
         pipeline stage (broadcast from it here). Resets the sums."""
-        values = self.values.to(state.device)
+        values = torch.tensor(self.values, dtype=torch.float64, device=state.device)
         if state.pipeline_parallel_size > 1:
             last = state.pipeline_parallel_size - 1
             dist.broadcast(values, group=state.pp_group, group_src=last)
         if state.dp_group is not None:
             dist.all_reduce(values, group=state.dp_group)
         values = values.cpu()
-        self.values = torch.zeros_like(self.values)
+        self.values = [0.0] * len(self.values)
         pairs = float(values[1])
         means = (values / pairs if pairs else torch.zeros_like(values)).tolist()
         return {"loss": means[0], "pairs": pairs, **dict(zip(METRICS, means[2:], strict=True))}
