@@ -71,7 +71,8 @@ def test_dpo_run_logs_trl_metrics_and_learns(tmp_path: Path, lora: bool) -> None
     trainer = L.Trainer(
         accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, max_steps=40,
-        val_check_interval=20, check_val_every_n_epoch=None, num_sanity_val_steps=0, accumulate_grad_batches=2,
+        val_check_interval=20, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+        accumulate_grad_batches=2,
         callbacks=[logged],
     )  # fmt: skip
     trainer.validate(module, datamodule=data)
