@@ -169,9 +169,7 @@ def search(
             rows += 1
             if row.fits:
                 chosen = dataclasses.replace(
-                    layout,
-                    sequence_parallel=row.sequence_parallel,
-                    config=layout.with_policy(row.sequence_parallel, row.recompute),
+                    layout, config=layout.with_policy(row.sequence_parallel, row.recompute)
                 )
                 ranked.append(Candidate(chosen, c, row))
     ranked.sort(key=lambda x: x.row.iteration_seconds)

@@ -74,7 +74,7 @@ class GPTModule(LightningModule):
 
     Args:
         config: The model (``lightning_sp.GPTConfig``). Its ``sequence_parallel`` is the
-            run's; the strategy's ``sequence_parallel``, if given, must agree.
+            run's, and the one place it is set.
         optimizer: AdamW and learning-rate schedule settings.
         init_from: A local Hugging Face directory of a GPT-2 or Llama model (``config.json``
             + ``model.safetensors``, or shards with ``model.safetensors.index.json``) to start
@@ -158,11 +158,6 @@ class GPTModule(LightningModule):
     """The strategy may run this module with ``context_parallel_size > 1`` (each CP rank
     keeps its chunks of every batch)."""
 
-    @property
-    def sequence_parallel(self) -> bool:
-        """``config.sequence_parallel`` (the ``ParallelModule`` protocol)."""
-        return self.config.sequence_parallel
-
     def setup_parallel(self, state: ParallelState, config: ParallelConfig) -> None:
         """Receive this rank's state and the run's layout from the strategy (the
         ``ParallelModule`` protocol); ``configure_model`` builds the shard from them."""
@@ -190,7 +185,7 @@ class GPTModule(LightningModule):
         """The layout the strategy pushed, else one process (every size 1)."""
         if self._parallel is not None:
             return self._parallel[1]
-        return ParallelConfig(sequence_parallel=self.config.sequence_parallel)
+        return ParallelConfig()
 
     @property
     def chunks(self) -> list[GPT]:
