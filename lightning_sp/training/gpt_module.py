@@ -60,6 +60,8 @@ from lightning_sp.training.checks import (
     check_vocabulary,
     vocabulary_identity,
 )
+from lightning_sp.training.dpo import PreferenceSteps, check_dpo
+from lightning_sp.training.preference import DPOConfig
 from lightning_sp.training.protocol import Batched, BucketsGradients
 
 _DEFAULT_MODEL = GPTConfig()
@@ -90,6 +92,10 @@ class GPTModule(LightningModule):
         lora: Train LoRA adapters (``peft``'s settings: :class:`~lightning_sp.model.lora.
             LoRAConfig`) on the linears it names, the base frozen (no gradients, no optimizer
             state, no weight-gradient GEMMs), in any layout; ``None``: train every weight.
+        dpo: Train on preference pairs with Direct Preference Optimization (TRL's losses and
+            metrics, the reference as :class:`~lightning_sp.training.preference.DPOConfig`
+            says: :mod:`lightning_sp.training.dpo`); the data must be preference data.
+            ``None``: next-token training.
     """
 
     def __init__(
@@ -100,8 +106,10 @@ class GPTModule(LightningModule):
         compile_layers: bool = False,
         generation: GenerationConfig = _DEFAULT_GENERATION,
         lora: LoRAConfig | None = None,
+        dpo: DPOConfig | None = None,
     ) -> None:
         super().__init__()
+        self.dpo = dataclasses.replace(dpo) if dpo is not None else None
         self.lora = dataclasses.replace(lora) if lora is not None else None
         self.compile_layers = compile_layers
         self.config = dataclasses.replace(config)
@@ -115,6 +123,10 @@ class GPTModule(LightningModule):
         self.generation.validate()
         if self.lora is not None:
             check_lora(self.lora, self.config)
+        self._preference: PreferenceSteps | None = None  # a DPO run's steps
+        if self.dpo is not None:
+            check_dpo(self.dpo, self.config, self.lora is not None)
+            self._preference = PreferenceSteps(self.dpo, self.lora is not None)
         self._save_hyperparameters()
         self.pipeline: Pipeline | None = None  # this rank's model chunks (one when p = 1)
         self._parallel: tuple[ParallelState, ParallelConfig] | None = None  # pushed by megatron_sp
@@ -133,6 +145,7 @@ class GPTModule(LightningModule):
                 "init_from": self.init_from,
                 "compile_layers": self.compile_layers,
                 "lora": dataclasses.asdict(self.lora) if self.lora is not None else None,
+                "dpo": dataclasses.asdict(self.dpo) if self.dpo is not None else None,
             }
         )
 
@@ -221,6 +234,8 @@ class GPTModule(LightningModule):
             for chunk in self.pipeline.chunks:
                 for layer in chunk.layers:
                     layer.compile()
+        if self._preference is not None:
+            self._preference.configure(config, self.pipeline, self.init_from)
 
     def _batch_size(self) -> int | None:
         """Samples per step per data-parallel rank, if the data module states it."""
@@ -251,6 +266,11 @@ class GPTModule(LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        if self._preference is not None:  # DPO: the step's mean over pairs
+            if self._token_mean is None or batch_idx % self.trainer.accumulate_grad_batches == 0:
+                self._token_mean = TokenMean(self.parallel_state)  # a new step
+            model, mean = self.stage_model(), self._token_mean
+            return self._preference.training_step(model, batch, mean, self._zero_grad)
         loss = self._loss(batch, train=True)
         if "loss_mask" in batch:  # logged with the step's token mean (on_before_optimizer_step)
             if self._token_mean is None or batch_idx % self.trainer.accumulate_grad_batches == 0:
@@ -282,6 +302,12 @@ class GPTModule(LightningModule):
         if not self.stage_model().runs_backward:
             super().backward(loss, *args, **kwargs)
 
+    def _zero_grad(self) -> None:
+        """Zero the gradients now (before a pipeline schedule runs backward in a step)."""
+        optimizer = self.optimizers()
+        assert not isinstance(optimizer, list)  # configure_optimizers returns one
+        optimizer.zero_grad()
+
     @override
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Optimizer) -> None:
         """Lightning zeroes gradients between ``training_step`` and ``backward``; under
@@ -301,6 +327,9 @@ class GPTModule(LightningModule):
         model = self.stage_model()
         for name, value in step_metrics(model, model.state, self.config).items():
             self.log(f"train/{name}", value.float())
+        if self._preference is not None:  # TRL's names: train/rewards/chosen, ...
+            for name, mean in self._preference.step_metrics(model.state).items():
+                self.log(f"train/{name}", mean)
         if self._token_mean is None:
             return
         accumulation = 1 if model.runs_backward else self.trainer.accumulate_grad_batches
@@ -310,6 +339,8 @@ class GPTModule(LightningModule):
 
     @override
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        if self._preference is not None:
+            return self._preference.validation_step(self.stage_model(), batch)
         loss = self._loss(batch, train=False)
         if "loss_mask" not in batch:
             self.val_loss.update(loss)
@@ -337,6 +368,10 @@ class GPTModule(LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
+        if self._preference is not None:  # val/loss and TRL's names: val/rewards/accuracies, ...
+            for name, mean in self._preference.validation_metrics(self.parallel_state).items():
+                self.log(f"val/{name}", mean, prog_bar=name in ("loss", "rewards/accuracies"))
+            return
         loss = self.val_loss.compute()
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True)
