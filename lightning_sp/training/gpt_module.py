@@ -235,7 +235,8 @@ class GPTModule(LightningModule):
                 for layer in chunk.layers:
                     layer.compile()
         if self._preference is not None:
-            self._preference.configure(config, self.pipeline, self.init_from)
+            data = getattr(self._trainer, "datamodule", None)
+            self._preference.configure(config, self.pipeline, self.init_from, data)
 
     def _batch_size(self) -> int | None:
         """Samples per step per data-parallel rank, if the data module states it."""
