@@ -432,6 +432,34 @@ MUTATIONS = (
         ("tests/test_moe_state.py", "-k", "hold_router_biases"),
         r"expert_bias",
     ),
+    # -- issue 40: MoE bugs no test caught --------------------------------------------------
+    Mutation(
+        "sigmoid_always_renormalised",
+        "a sigmoid router with normalize_top_k: false renormalises its top-k weights anyway",
+        (
+            (
+                "lightning_sp/model/moe/router.py",
+                "        if cfg.normalize_top_k:  # softmax or sigmoid alike",
+                '        if cfg.normalize_top_k or cfg.score == "sigmoid":  # softmax or sigmoid alike',
+            ),
+        ),
+        ("tests/test_moe.py", "-k", "by_hand or does_not_weigh"),
+        r"normalize_top_k=false renormalised its top-k weights",
+    ),
+    Mutation(
+        "expert_bias_in_combine_weights",
+        "the auxiliary-loss-free expert bias leaks into the combine weights (not only the choice)",
+        (
+            (
+                "lightning_sp/model/moe/router.py",
+                "        weights = scores.gather(1, experts)\n",
+                "        bias = 0 if self.expert_bias is None else self.expert_bias\n"
+                "        weights = (scores + bias).gather(1, experts)\n",
+            ),
+        ),
+        ("tests/test_moe.py", "-k", "does_not_weigh"),
+        r"the expert bias leaks into the combine weights",
+    ),
 )
 
 
