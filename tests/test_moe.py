@@ -200,7 +200,9 @@ def test_sigmoid_top2_weights_by_hand(normalize: bool, expected: list[float]) ->
 @pytest.mark.parametrize(
     "normalize,expected", [(False, [0.9, 0.25]), (True, [0.9 / 1.15, 0.25 / 1.15])]
 )
-def test_expert_bias_chooses_but_does_not_weigh_top2(normalize: bool, expected: list[float]) -> None:
+def test_expert_bias_chooses_but_does_not_weigh_top2(
+    normalize: bool, expected: list[float]
+) -> None:
     """Scores 0.9, 0.75, 0.5, 0.25 with the bias 0, 0, 0.3, 0.6: the biased scores 0.9, 0.75,
     0.8, 0.85 choose experts 0 and 3 (the bias changed the second choice), which weigh their
     *unbiased* scores 0.9 and 0.25 (renormalised: 0.9/1.15, 0.25/1.15); the bias leaking into

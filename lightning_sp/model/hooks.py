@@ -9,7 +9,7 @@ chunks, any module holding them) and call it:
   through its output's backward (an MoE layer's load-balancing losses). The loop sets their
   scale to the main loss's (``1 / micro-batches per step``): :func:`scale_auxiliary_losses`.
   :func:`has_auxiliary_losses` says whether a model has any (a step that rescales every
-  gradient afterwards, a token mean over loss masks, would rescale them too);
+  gradient afterwards, a token mean over loss masks, scales them up front to cancel it);
 * :class:`AfterOptimizerStep`: state moved once after every optimizer step from what the
   step's forwards counted (an MoE router's auxiliary-loss-free bias):
   :func:`after_optimizer_step`, collective over the ranks of a stage;
@@ -44,6 +44,9 @@ class AuxiliaryLosses(Protocol):
     def set_auxiliary_loss_scale(self, scale: float) -> None:
         """Multiply the auxiliary losses' gradient by ``scale`` from the next forward on."""
 
+    def adds_auxiliary_losses(self) -> bool:
+        """Whether its settings add any auxiliary loss to the gradient (a coefficient > 0)."""
+
 
 @runtime_checkable
 class AfterOptimizerStep(Protocol):
@@ -71,7 +74,7 @@ def _modules(module: nn.Module, kind: type) -> list[nn.Module]:
 
 def has_auxiliary_losses(module: nn.Module) -> bool:
     """Whether ``module`` holds a module whose auxiliary losses join the loss's gradient."""
-    return bool(_modules(module, AuxiliaryLosses))
+    return any(m.adds_auxiliary_losses() for m in _modules(module, AuxiliaryLosses))  # type: ignore[operator]
 
 
 def scale_auxiliary_losses(module: nn.Module, scale: float) -> None:

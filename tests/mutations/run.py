@@ -440,7 +440,8 @@ MUTATIONS = (
             (
                 "lightning_sp/model/moe/router.py",
                 "        if cfg.normalize_top_k:  # softmax or sigmoid alike",
-                '        if cfg.normalize_top_k or cfg.score == "sigmoid":  # softmax or sigmoid alike',
+                "        if cfg.normalize_top_k or cfg.score == 'sigmoid':  # softmax or sigmoid "
+                "alike",
             ),
         ),
         ("tests/test_moe.py", "-k", "by_hand or does_not_weigh"),
