@@ -86,7 +86,7 @@ def test_configs_are_table3(name: str) -> None:
     assert layout.world_size == gpus
     assert (layout.global_batch_size, layout.micro_batch_size) == (global_batch, micro)
     assert (cfg.seq_length, cfg.vocab_size) == (2048, 51200)
-    assert layout.sequence_parallel and layout.recompute == "none"
+    assert layout.config.sequence_parallel and layout.recompute == "none"
     assert cfg.attention == "sdpa"  # so none holds what selective holds with math attention
     # a real fit config: the keys the model, strategy and data module take
     raw = _raw(name)
@@ -355,10 +355,6 @@ BAD = [  # (fit overrides of gpt175b.yaml, fragments the one-line message must c
         ["num_microbatches=4", "pipeline_parallel_size=8"],
     ),
     ([f"{STRATEGY}.virtual_pipeline_size", "0"], ["virtual_pipeline_size=0", "positive"]),
-    (
-        [f"{STRATEGY}.sequence_parallel", "false"],
-        ["trainer.strategy.sequence_parallel=False", "model.config.sequence_parallel=True"],
-    ),
     (["--trainer.devices", "auto"], ["trainer.devices='auto'"]),
     (["--layers", "0"], ["--layers=0", "positive"]),
     (["--device_memory", "lots"], ["--device_memory='lots'", "80GiB"]),
@@ -379,13 +375,14 @@ def test_config_errors_are_one_line(overrides: list[str], fragments: list[str]) 
 
 @pytest.mark.parametrize(
     "overrides",
-    [["--model.config.hiden_size", "1"]],
-    ids=["unknown-field"],
+    [["--model.config.hiden_size", "1"], [f"{STRATEGY}.sequence_parallel", "false"]],
+    ids=["unknown-field", "moved-to-model-config"],
 )
 def test_the_fit_parser_rejects_what_fit_rejects(
     overrides: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Types and field names are ``fit``'s parser's to check: it names the key and exits 2."""
+    """Types and field names are ``fit``'s parser's to check: it names the key and exits 2
+    (a strategy argument that moved, ``sequence_parallel``, with where it lives now)."""
     with pytest.raises(SystemExit) as info:
         main(["--config", CONFIGS["gpt175b"], *overrides])
     assert info.value.code == 2
@@ -411,7 +408,7 @@ def test_fit_overrides_change_the_estimate(capsys: pytest.CaptureFixture[str]) -
         2 * first.first_stage_activation_bytes, rel=1e-9
     )
     tp_only = read_layout("gpt175b", "--model.config.sequence_parallel", "false")
-    assert not tp_only.sequence_parallel and base.sequence_parallel
+    assert not tp_only.config.sequence_parallel and base.config.sequence_parallel
     tp_rows = estimate(tp_only, measure=False)
     assert [(r.sequence_parallel, r.recompute) for r in tp_rows.rows if r.selected] == [
         (False, "none")

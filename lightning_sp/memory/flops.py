@@ -26,7 +26,7 @@ import torch
 from lightning_sp.errors import positive_int
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.cores import ATTENTION_BACKENDS
-from lightning_sp.model.recompute import active_modules, parse_recompute
+from lightning_sp.model.recompute import active_modules
 
 __all__ = [
     "forward_flops_per_iteration",
@@ -128,12 +128,11 @@ def hardware_flops_per_iteration(
         cp_core = 4.0 * global_batch_size * config.seq_length**2 * config.num_heads
         cp_core *= config.head_dim  # QKᵀ and probs·V again: 4Bs²·ad (4Bs²h when a·d = h)
     for index in range(config.num_layers):
-        policy = config.layer_recompute(index % chunk)  # ConfigError for auto or unknown
-        modules = parse_recompute(policy)
-        if modules == "full":
+        policy = config.layer_recompute(index % chunk)  # ConfigError for auto
+        if policy.full:
             extra += layer + backend + cp_core
         else:
-            active = active_modules(modules, config.attention)
+            active = active_modules(policy.modules, config.attention)
             if cp_core:  # core_attn leaves the CP core alone; the core replays itself
                 active = tuple(m for m in active if not m.needs_scores)
             extra += sum(m.redone_flops(shape) for m in active) + backend + cp_core

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, replace
 
 from lightning_sp.errors import ConfigError, divisors
-from lightning_sp.model.recompute import policy_name
+from lightning_sp.model.recompute import NO_RECOMPUTE
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.estimate import estimate
@@ -89,12 +89,11 @@ class SearchResult:
 
 def base_key(layout: Layout) -> Key:
     """The :meth:`Candidate.key` of the configured layout (``auto`` stays ``auto``)."""
-    rc = layout.recompute
     return (
         layout.tensor_parallel_size, layout.pipeline_parallel_size,
         layout.virtual_pipeline_size, layout.context_parallel_size, layout.micro_batch_size,
         layout.config.sequence_parallel,
-        rc if rc == "auto" else policy_name(rc), layout.distributed_optimizer,
+        layout.recompute.name, layout.distributed_optimizer,
         layout.expert_parallel_size, layout.expert_tensor_parallel_size,
     )  # fmt: skip
 
@@ -102,7 +101,7 @@ def base_key(layout: Layout) -> Key:
 def _layouts(base: Layout, max_micro_batch: int) -> list[tuple[Layout, int]]:
     """Every valid ``(layout, c)`` of ``base``'s GPUs and global batch."""
     gpus, batch, cfg = base.world_size, base.global_batch_size, base.config
-    config = dataclasses.replace(cfg, recompute="none", recompute_num_layers=None)
+    config = dataclasses.replace(cfg, recompute=NO_RECOMPUTE, recompute_num_layers=None)
     out = []
     for c in CONTEXT_PARALLEL_SIZES:
         two_c = ParallelConfig(context_parallel_size=c).sequence_divisor(False)  # causal balance
@@ -170,9 +169,7 @@ def search(
             rows += 1
             if row.fits:
                 chosen = dataclasses.replace(
-                    layout,
-                    sequence_parallel=row.sequence_parallel,
-                    config=layout.with_policy(row.sequence_parallel, row.recompute),
+                    layout, config=layout.with_policy(row.sequence_parallel, row.recompute)
                 )
                 ranked.append(Candidate(chosen, c, row))
     ranked.sort(key=lambda x: x.row.iteration_seconds)

@@ -74,16 +74,15 @@ import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
-from lightning_sp.errors import ConfigError
 from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
 from lightning_sp.memory.model_state import expert_parameters_per_rank, parameters_per_rank
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.cores import ATTENTION_BACKENDS
 from lightning_sp.model.recompute import (
+    NO_RECOMPUTE,
     RECOMPUTE_MODULES,
     RecomputePolicy,
     active_modules,
-    parse_recompute,
 )
 from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.kernels import (
@@ -136,12 +135,10 @@ class LayerTime:
     def recompute_seconds(self, policy: str | RecomputePolicy, attention: str) -> float:
         """What ``policy`` (a layer's, by :meth:`GPTConfig.layer_recompute`) adds to
         backward."""
-        parsed = parse_recompute(policy)
-        if parsed == "full":
+        parsed = RecomputePolicy.parse(policy).check_resolved()
+        if parsed.full:
             return sum(self.forward.values())
-        if parsed == "auto":
-            raise ConfigError("recompute='auto' has no step time until the planner resolves it")
-        return sum(self.replays[m.name] for m in active_modules(parsed, attention))
+        return sum(self.replays[m.name] for m in active_modules(parsed.modules, attention))
 
     def seconds(self, policy: str | RecomputePolicy, attention: str) -> float:
         """Forward + backward + recompute under ``policy``."""
@@ -165,7 +162,7 @@ def layer_time(
     expert-parallel size ``e`` and expert tensor parallel size ``etp`` on ``cluster``
     (memoised; the recompute fields do not enter it)."""
     plain = dataclasses.replace(
-        config, recompute="none", recompute_num_layers=None, recompute_rest="none"
+        config, recompute=NO_RECOMPUTE, recompute_num_layers=None, recompute_rest=NO_RECOMPUTE
     )
     key = (repr(plain), t, b, cluster, c, e, etp)
     if key not in _LAYER_TIMES:

@@ -77,7 +77,7 @@ class GPTModule(LightningModule):
 
     Args:
         config: The model (``lightning_sp.GPTConfig``). Its ``sequence_parallel`` is the
-            run's; the strategy's ``sequence_parallel``, if given, must agree.
+            run's, and the one place it is set.
         optimizer: AdamW and learning-rate schedule settings.
         init_from: A local Hugging Face directory of a GPT-2 or Llama model (``config.json``
             + ``model.safetensors``, or shards with ``model.safetensors.index.json``) to start
@@ -133,7 +133,7 @@ class GPTModule(LightningModule):
         run (``recompute: auto`` appears resolved once ``configure_model`` has resolved it)."""
         self.save_hyperparameters(
             {
-                "config": dataclasses.asdict(self.config),
+                "config": self.config.values(),
                 "optimizer": dataclasses.asdict(self.optimizer_config),
                 "init_from": self.init_from,
                 "compile_layers": self.compile_layers,
@@ -149,11 +149,6 @@ class GPTModule(LightningModule):
     supports_context_parallel = True
     """The strategy may run this module with ``context_parallel_size > 1`` (each CP rank
     keeps its chunks of every batch)."""
-
-    @property
-    def sequence_parallel(self) -> bool:
-        """``config.sequence_parallel`` (the ``ParallelModule`` protocol)."""
-        return self.config.sequence_parallel
 
     def setup_parallel(self, state: ParallelState, config: ParallelConfig) -> None:
         """Receive this rank's state and the run's layout from the strategy (the
@@ -182,7 +177,7 @@ class GPTModule(LightningModule):
         """The layout the strategy pushed, else one process (every size 1)."""
         if self._parallel is not None:
             return self._parallel[1]
-        return ParallelConfig(sequence_parallel=self.config.sequence_parallel)
+        return ParallelConfig()
 
     @property
     def chunks(self) -> list[GPT]:
@@ -198,7 +193,7 @@ class GPTModule(LightningModule):
         check_model_layout(config, layout)  # the one check of the model against the layout
         if self.compile_layers:
             check_compile(state)
-        if config.recompute == "auto":  # the planner's fastest recomputation that fits
+        if config.recompute.auto:  # the planner's fastest recomputation that fits
             from lightning_sp.planner.estimate import auto_recompute_config
 
             per_step = self._batch_size() or layout.num_microbatches
@@ -399,6 +394,13 @@ class GPTModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rng_streams"] = self.stage_model().rng_state_dict()
         checkpoint["vocabulary"] = self._vocabulary_identity()
+
+    @override
+    def on_fit_start(self) -> None:
+        """A mixture of experts routing force-balanced (a measurement switch) is not trained:
+        one line (the CLI refuses it before launch)."""
+        if self.config.moe is not None:
+            self.config.moe.check_trainable()
 
     @override
     def on_train_start(self) -> None:

@@ -60,6 +60,7 @@ from lightning_sp.model.parts.base import (
     Gemm,
     MemoryOp,
     Part,
+    PartLinear,
     StepTotals,
     Terms,
     activation_op,
@@ -116,7 +117,7 @@ class MoEFeedForward(Part):
         return MoE(
             c.hidden_size, self.config, ctx.state, sequence_parallel=c.sequence_parallel,
             init_std=c.init_std, output_init_std=c.output_init_std,
-            recompute_act="mlp_act" in ctx.active, **ctx.kwargs,
+            recompute_act=ctx.recomputes("mlp_act"), **ctx.kwargs,
         )  # fmt: skip
 
     def step_totals(self) -> StepTotals:
@@ -179,6 +180,23 @@ class MoEFeedForward(Part):
 
     def input_gemms(self) -> tuple[str, ...]:
         return ("shared_gate_up",) if self.config.num_shared_experts else ()
+
+    def linears(self, x: ActivationShape) -> tuple[PartLinear, ...]:
+        """Its linears, none of which takes a LoRA adapter: frozen with the base, the router
+        and the shared experts' input projections keep no ``moe_input``, the experts no
+        ``expert_input`` nor ``expert_down_input``, the shared experts' down projection no
+        ``shared_down_input`` (what stays: the activations' inputs, the router's outputs,
+        the indices and the combine)."""
+        cfg, h, f = self.config, x.h, self.config.expert_ffn_size
+        rows = [
+            PartLinear("router", "column", h, cfg.num_experts, "moe_input"),
+            PartLinear("experts.gate_up", "column", h, 2 * f, "expert_input"),
+            PartLinear("experts.down", "row", f, h, "expert_down_input"),
+        ]
+        if cfg.num_shared_experts:
+            fs = cfg.shared_ffn_size
+            rows.append(PartLinear("shared.fc2", "row", fs, h, "shared_down_input"))
+        return tuple(rows)
 
     def memory_ops(self, x: ActivationShape) -> list[MemoryOp]:
         """The layer's memory-bound kernels on one rank at balance, ``N = k·T_local`` rows
