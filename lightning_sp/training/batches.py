@@ -16,7 +16,7 @@ from torch import Tensor
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.model.documents import Packing
-from lightning_sp.model.hooks import has_auxiliary_losses, scale_auxiliary_losses
+from lightning_sp.model.hooks import auxiliary_losses_on, scale_auxiliary_losses
 from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
@@ -61,7 +61,7 @@ def scale_auxiliary_losses_to_token_mean(
     ``accumulate_grad_batches``, whose later batches are not read yet) must be 1:
     ``ConfigError`` (one line) otherwise. Nothing to do for a model without auxiliary
     losses."""
-    if not has_auxiliary_losses(model):
+    if not auxiliary_losses_on(model):
         return
     if accumulation > 1:
         raise ConfigError(
