@@ -253,7 +253,9 @@ class GPTModule(LightningModule):
                 self._token_mean = TokenMean(self.parallel_state)  # a new step
             self._token_mean.add(labels_of(batch), loss)
             return loss
-        self.log("train/loss", replica_mean(loss, self.parallel_state), prog_bar=True)
+        # not prog_bar: Lightning would read it to a number every step (a host-device sync on
+        # a GPU); lightning_sp.ProgressBar reads it on its refresh steps only
+        self.log("train/loss", replica_mean(loss, self.parallel_state))
         return loss
 
     @override
@@ -300,7 +302,7 @@ class GPTModule(LightningModule):
         accumulation = 1 if model.runs_backward else self.trainer.accumulate_grad_batches
         loss = self._token_mean.finish(model, accumulation)
         self._token_mean = None
-        self.log("train/loss", loss.float(), prog_bar=True)
+        self.log("train/loss", loss.float())  # not prog_bar: see training_step
 
     @override
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
