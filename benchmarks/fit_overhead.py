@@ -40,8 +40,8 @@ the profiler (Python-heavy parts most); only the shares are reported.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import collections
+import cProfile
 import dataclasses
 import datetime
 import os
@@ -50,7 +50,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -129,6 +128,10 @@ _FILES: dict[str, tuple[str, ...]] = {
 _CALLBACKS = ("lightning_sp/callbacks/", "lightning/pytorch/callbacks/progress/")
 
 
+def _in_callbacks(filename: str) -> bool:
+    return any(c in filename.replace(os.sep, "/") for c in _CALLBACKS)
+
+
 def profile_parts(profile: cProfile.Profile, steps: int, wall: float) -> dict[str, float]:
     """Seconds per step of each part of :data:`PARTS`, the optimizer update (the optimizer's
     ``step`` less the closure it runs: Lightning's hooks before the step and clipping), the
@@ -140,11 +143,10 @@ def profile_parts(profile: cProfile.Profile, steps: int, wall: float) -> dict[st
     for (filename, _line, name), (_cc, _nc, _tt, ct, callers) in stats.items():
         path = filename.replace(os.sep, "/")
         cumulative[(path, name)] += ct
-        if any(c in path for c in _CALLBACKS) and name.startswith("on_"):
-            # a hook once: not again where another of these hooks called it
-            if not any(any(c in caller[0].replace(os.sep, "/") for c in _CALLBACKS)
-                       for caller in callers):  # fmt: skip
-                callbacks += ct
+        # a callback's hook, counted once: not again where another of these hooks called it
+        hook = any(c in path for c in _CALLBACKS) and name.startswith("on_")
+        if hook and not any(_in_callbacks(caller[0]) for caller in callers):
+            callbacks += ct
 
     def seconds(fragment: str, name: str) -> float:
         return sum(v for (path, n), v in cumulative.items() if n == name and fragment in path)
@@ -170,7 +172,9 @@ class Rounds(Callback):
     step is timed from the end of those to the next fit step's start. Then counts host
     reads, then profiles (see the module docstring)."""
 
-    def __init__(self, shape: FitShape, bare: Callable[[Any], None], fwd_bwd: Callable[[Any], None]):
+    def __init__(
+        self, shape: FitShape, bare: Callable[[Any], None], fwd_bwd: Callable[[Any], None]
+    ):
         self.shape = shape
         self.bare, self.fwd_bwd = bare, fwd_bwd
         self.fit: list[float] = []
@@ -221,7 +225,10 @@ class Rounds(Callback):
         self._close()
         phase = self._phase(trainer.global_step)
         if phase == "timed":
-            for fn, seconds in ((self.bare, self.bare_seconds), (self.fwd_bwd, self.fwd_bwd_seconds)):
+            for fn, seconds in (
+                (self.bare, self.bare_seconds),
+                (self.fwd_bwd, self.fwd_bwd_seconds),
+            ):
                 start = time.perf_counter()
                 fn(batch)
                 seconds.append(time.perf_counter() - start)
@@ -254,8 +261,13 @@ def _bare_model(shape: FitShape, total: int) -> tuple[Callable[[Any], None], Cal
         optimizer, schedule = configured["optimizer"], configured["lr_scheduler"]
         scheduler = schedule["scheduler"] if isinstance(schedule, dict) else schedule
 
-        def step(batch: Any, gpt: Any = gpt, optimizer: Any = optimizer,
-                 scheduler: Any = scheduler, with_optimizer: bool = with_optimizer) -> None:  # fmt: skip
+        def step(
+            batch: Any,
+            gpt: Any = gpt,
+            optimizer: Any = optimizer,
+            scheduler: Any = scheduler,
+            with_optimizer: bool = with_optimizer,
+        ) -> None:
             gpt(batch["input_ids"], batch["labels"]).backward()
             if with_optimizer:
                 optimizer.step()
@@ -321,9 +333,10 @@ def measure(shape: FitShape) -> dict[str, Any]:
         "bare_over_fwd_bwd": median_ci([b / f for b, f in zip(bare_s, fb, strict=True)]),
         "fit_over_fwd_bwd": median_ci([f / g for f, g in zip(fit, fb, strict=True)]),
         "median_seconds": {
-            "fit": statistics.median(fit), "bare": statistics.median(bare_s),
+            "fit": statistics.median(fit),
+            "bare": statistics.median(bare_s),
             "fwd_bwd": statistics.median(fb),
-        },  # fmt: skip
+        },
         "host_reads_per_step": {
             "fit": statistics.mean(fit_reads) if fit_reads else 0.0,
             "bare": statistics.mean(sum(r.reads.values()) for r in rounds.bare_reads),
@@ -341,6 +354,7 @@ def measure(shape: FitShape) -> dict[str, Any]:
 def _markdown(result: dict[str, Any]) -> str:
     meta, m = result["meta"], result["measured"]
     shape = meta["shape"]
+    origins = m["host_reads_per_step"]["fit_origins"]
     lines = [
         f"fit step vs bare step, one CPU rank, fp32, GPT s={shape['s']} h={shape['h']} "
         f"L={shape['layers']} a={shape['heads']} v={shape['vocab']} b={shape['b']} "
@@ -361,7 +375,7 @@ def _markdown(result: dict[str, Any]) -> str:
             [
                 ["fit (device syncs on a GPU)", f"{m['host_reads_per_step']['fit']:.2f}"],
                 ["bare", f"{m['host_reads_per_step']['bare']:.2f}"],
-                *[[f"fit: {k}", f"{v:.2f}"] for k, v in m["host_reads_per_step"]["fit_origins"].items()],
+                *[[f"fit: {k}", f"{v:.2f}"] for k, v in origins.items()],
             ],
         ),
         "",

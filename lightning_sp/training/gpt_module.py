@@ -36,6 +36,7 @@ from typing_extensions import override
 from lightning_sp.data.prompts import Codec
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
+from lightning_sp.model.compile import CompileOptions, check_compile_options, compile_layers
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
@@ -67,6 +68,7 @@ from lightning_sp.training.protocol import Batched, BucketsGradients
 _DEFAULT_MODEL = GPTConfig()
 _DEFAULT_OPTIMIZER = OptimizerConfig()
 _DEFAULT_GENERATION = GenerationConfig()
+_DEFAULT_COMPILE = CompileOptions()
 
 
 class GPTModule(LightningModule):
@@ -88,6 +90,9 @@ class GPTModule(LightningModule):
             are the partitioner's choice, not the policy's (configs/tiny.yaml: 36.0 sbh
             measured vs 32.0 eager), so the formulas and the planner no longer describe them
             (warned once); the activation monitor measures them.
+        compile_options: How ``compile_layers`` compiles (backend, mode, ``fullgraph``,
+            ``dynamic``: :class:`~lightning_sp.model.compile.CompileOptions`); set only with
+            ``compile_layers=True``, checked against the model and the device before any step.
         generation: How ``predict`` continues each prompt (:meth:`predict_step`).
     """
 
@@ -98,9 +103,12 @@ class GPTModule(LightningModule):
         init_from: str | None = None,
         compile_layers: bool = False,
         generation: GenerationConfig = _DEFAULT_GENERATION,
+        compile_options: CompileOptions = _DEFAULT_COMPILE,
     ) -> None:
         super().__init__()
         self.compile_layers = compile_layers
+        self.compile_options = dataclasses.replace(compile_options)
+        self.compile_options.validate(compile_layers)
         self.config = dataclasses.replace(config)
         self.optimizer_config = dataclasses.replace(optimizer)
         self.generation = dataclasses.replace(generation)
@@ -127,6 +135,7 @@ class GPTModule(LightningModule):
                 "optimizer": dataclasses.asdict(self.optimizer_config),
                 "init_from": self.init_from,
                 "compile_layers": self.compile_layers,
+                "compile_options": dataclasses.asdict(self.compile_options),
             }
         )
 
@@ -185,7 +194,7 @@ class GPTModule(LightningModule):
         config, state, layout = self.config, self.parallel_state, self.parallel_config
         check_data(getattr(self._trainer, "datamodule", None), config)
         layout.check_sequence_length(config.seq_length, config.sequence_parallel)
-        if self.compile_layers:
+        if self.compile_layers and self.compile_options.backend == "inductor":
             check_compile(state)
         if config.recompute == "auto":  # the planner's fastest recomputation that fits
             from lightning_sp.planner.estimate import auto_recompute_config
@@ -198,6 +207,8 @@ class GPTModule(LightningModule):
             # the policy that runs (the loggers write hparams after configure_model)
             self.config = config
             self._save_hyperparameters()
+        if self.compile_layers:  # recompute resolved: what the layers will run
+            check_compile_options(self.compile_options, config, state.device)
         if state.pipeline_parallel_size > 1:
             trainer = self._trainer
             accumulate = trainer.accumulate_grad_batches if trainer is not None else None
@@ -215,8 +226,7 @@ class GPTModule(LightningModule):
         if self.compile_layers:
             rank_zero_warn(COMPILED_MEMORY_WARNING)
             for chunk in self.pipeline.chunks:
-                for layer in chunk.layers:
-                    layer.compile()
+                compile_layers(chunk.layers, self.compile_options)
 
     def _batch_size(self) -> int | None:
         """Samples per step per data-parallel rank, if the data module states it."""
