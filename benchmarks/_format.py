@@ -67,6 +67,28 @@ def add_out_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def parser(
+    doc: str, smoke: str = "tiny shapes, seconds; its numbers mean nothing"
+) -> argparse.ArgumentParser:
+    """A benchmark's command line: ``doc``'s first line as its description, ``--smoke``
+    (``smoke`` its help) and ``--out`` (:func:`add_out_argument`)."""
+    result = argparse.ArgumentParser(description=doc.splitlines()[0])
+    result.add_argument("--smoke", action="store_true", help=smoke)
+    add_out_argument(result)
+    return result
+
+
+def save(
+    args: argparse.Namespace, argv: list[str] | None, name: str, result: dict[str, Any],
+    markdown: str, **meta: Any,
+) -> None:  # fmt: skip
+    """What ``python -m benchmarks.NAME`` (``argv``: its arguments) measured:
+    :func:`write` ``{"meta": {"command": ..., **meta}, **result}`` and ``markdown`` as ``NAME``
+    into :func:`out_dir` of ``args.out`` and ``args.smoke``."""
+    meta = {"command": command(f"benchmarks.{name}", argv), **meta}
+    write(out_dir(args.out, args.smoke), name, {"meta": meta, **result}, markdown)
+
+
 def out_dir(out: Path | None, smoke: bool) -> Path:
     """``out`` if given, else :data:`RESULTS` (``RESULTS/smoke`` for a smoke run)."""
     if out is not None:

@@ -187,17 +187,10 @@ def markdown(section: dict[str, Any]) -> str:
         "DTensor + native_dropout", "DTensor / ours",
     ]  # fmt: skip
     rows = [
-        [
-            r["t"],
-            "on" if r["sequence_parallel"] else "off",
-            r["recompute"],
-            fixed(r["paper_sbh"]),
-            fixed(r["ours_sbh"], 4),
-            fixed(r["ours_vs_paper"], 4),
-            fixed(r["dtensor_sbh"], 4),
-            fixed(r["dtensor_native_dropout_sbh"], 4),
-            fixed(r["dtensor_vs_ours"], 3),
-        ]
+        [r["t"], "on" if r["sequence_parallel"] else "off", r["recompute"], fixed(r["paper_sbh"]),
+         *(fixed(r[k], 4) for k in ("ours_sbh", "ours_vs_paper", "dtensor_sbh",
+                                    "dtensor_native_dropout_sbh")),
+         fixed(r["dtensor_vs_ours"], 3)]
         for r in section["rows"]
-    ]
+    ]  # fmt: skip
     return table(header, rows)

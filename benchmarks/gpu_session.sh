@@ -3,12 +3,13 @@
 #   bash ../shared/gpu/prepare.sh      # here, once: the wheels the GPU image lacks, into .gpu/
 #   bash benchmarks/gpu_session.sh fit planner moe    # there, from the project root, .gpu/ carried
 # PARTs (default: all, in this order; about 14 minutes on an H200, so a 10-minute call takes a few):
-#   models   python -m benchmarks.gpu: our GPT per attention x recompute, eager and compiled, and
-#            plain PyTorch (gpu.md/.json; about 7 minutes: every 1.2B model is drawn on the CPU, ~18 s)
+#   models   python -m benchmarks.gpu --only models,fit: our GPT per attention x recompute, eager and
+#            compiled, plain PyTorch, and cli.py fit's path vs a plain loop (gpu.md/.json; about 7
+#            minutes: every 1.2B model is drawn on the CPU, ~18 s)
 #   fit      python cli.py fit --config configs/gpu_1b.yaml, 30 steps (about 2 minutes)
 #   planner  calibrate and step-check of configs/gpu_1b.yaml (gpu_1b_cluster.yaml, step_check.json;
 #            about 3 minutes)
-#   moe      python -m benchmarks.moe_gpu (moe_gpu_bf16.md/.json; under a minute)
+#   moe      python -m benchmarks.gpu --only moe (moe_gpu_bf16.md/.json; under a minute)
 # Results go to $OUT (default benchmarks/results/gpu), everything printed to $OUT/session.log. Each
 # step has its own limit (SIGABRT at the limit: Python prints every thread's stack), cut to what is
 # left of $BUDGET seconds (560), so one that fails or hangs leaves the others' results.
@@ -34,7 +35,8 @@ step() {  # step SECONDS NAME COMMAND...
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$log"
 for part in $PARTS; do
   case $part in
-    models) step 450 "benchmarks.gpu" python -m benchmarks.gpu --out "$OUT" --warmup 2 --steps 6 ;;
+    models) step 450 "benchmarks.gpu" python -m benchmarks.gpu --only models,fit --out "$OUT" \
+      --warmup 2 --steps 6 ;;
     fit) step 150 "fit gpu_1b" python cli.py fit --config configs/gpu_1b.yaml --trainer.max_steps 30 \
       --trainer.val_check_interval 30 --trainer.default_root_dir /tmp/fit_1b ;;
     planner)
@@ -42,7 +44,7 @@ for part in $PARTS; do
         --seconds 0.05 --out "$OUT/gpu_1b_cluster.yaml"
       step 150 "step-check" python cli.py step-check --config configs/gpu_1b.yaml \
         --cluster "$OUT/gpu_1b_cluster.yaml" --seconds 0.5 --out "$OUT/step_check.json" ;;
-    moe) step 70 "moe layer, bf16" python -m benchmarks.moe_gpu --out "$OUT" ;;
+    moe) step 70 "moe layer, bf16" python -m benchmarks.gpu --only moe --out "$OUT" ;;
     *) echo "unknown part $part (models, fit, planner, moe)"; exit 2 ;;
   esac
 done

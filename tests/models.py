@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.grads import (
     finalize_grads,
@@ -28,6 +29,16 @@ def tiny_config(architecture: str = "gpt2", **overrides: object) -> GPTConfig:
         fields.update(num_query_groups=2, ffn_hidden_size=48)
     fields.update(overrides)
     return GPTConfig.of(architecture, **fields)
+
+
+def check_layout(world_size: int, t: int, p: int, c: int = 1) -> int:
+    """The data-parallel size of ``(t, p, c)`` on ``world_size`` ranks: the layout record
+    built (its sizes checked) and completed for the world (:meth:`ParallelConfig.
+    for_world_size`, the one check of a layout against a world)."""
+    layout = ParallelConfig(
+        tensor_parallel_size=t, pipeline_parallel_size=p, context_parallel_size=c
+    )
+    return layout.for_world_size(world_size).data_parallel_size
 
 
 def small_config(**overrides: object) -> GPTConfig:

@@ -10,10 +10,11 @@ import torch
 from lightning_sp import GPT, ConfigError, GPTConfig, MegatronSPStrategy, ParallelState
 from lightning_sp.data import TextDataModule
 from lightning_sp.errors import positive_int
-from lightning_sp.parallel.state import check_layout
+from lightning_sp.model.config_checks import check_model_layout
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.pipeline import check_batch
 
-from models import tiny_config
+from models import check_layout, tiny_config
 
 
 def _state(t: int) -> ParallelState:
@@ -31,7 +32,10 @@ def _raises(match: str, fn, *args, **kwargs) -> str:
 def test_heads_not_divisible_by_tp() -> None:
     config = tiny_config(hidden_size=96, num_heads=6)
     message = _raises(
-        r"num_heads=6 is not divisible by tensor_parallel_size=4", GPT, config, _state(4)
+        r"num_heads=6 is not divisible by tensor_parallel_size=4",
+        check_model_layout,
+        config,
+        ParallelConfig(tensor_parallel_size=4),
     )
     assert "[1, 2, 3, 6]" in message
 
@@ -39,7 +43,10 @@ def test_heads_not_divisible_by_tp() -> None:
 def test_hidden_not_divisible_by_tp() -> None:
     config = tiny_config(hidden_size=100, num_heads=4)
     message = _raises(
-        r"hidden_size=100 is not divisible by tensor_parallel_size=8", GPT, config, _state(8)
+        r"hidden_size=100 is not divisible by tensor_parallel_size=8",
+        check_model_layout,
+        config,
+        ParallelConfig(tensor_parallel_size=8),
     )
     assert "[1, 2, 4, 5, 10, 20, 25, 50, 100]" in message
 
@@ -53,7 +60,10 @@ def test_hidden_not_divisible_by_heads() -> None:
 def test_sequence_not_divisible_by_tp_under_sequence_parallel() -> None:
     config = tiny_config(seq_length=18, sequence_parallel=True)
     message = _raises(
-        r"seq_length=18 is not divisible by tensor_parallel_size=4", GPT, config, _state(4)
+        r"seq_length=18 is not divisible by tensor_parallel_size=4",
+        check_model_layout,
+        config,
+        ParallelConfig(tensor_parallel_size=4),
     )
     assert "sequence_parallel=False" in message
     GPT(tiny_config(seq_length=18, sequence_parallel=False), _state(1))  # fine without SP

@@ -253,7 +253,8 @@ def test_layout_and_sequence_errors_name_the_values() -> None:
     from dataclasses import replace
 
     from lightning_sp.errors import ConfigError
-    from lightning_sp.parallel.state import check_layout
+
+    from models import check_layout
 
     assert check_layout(8, 2, 1, 2) == 2
     with pytest.raises(ConfigError, match=r"context_parallel_size = 2 \* 1 \* 4 = 8; t \* p \* c"):

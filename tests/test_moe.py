@@ -14,6 +14,7 @@ from lightning_sp.errors import ConfigError
 from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.model.moe.experts import grouped_available, grouped_linear
 from lightning_sp.model.moe.layer import MoE
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.state import ParallelState
 
 transformers = pytest.importorskip("transformers")
@@ -174,12 +175,14 @@ def test_expert_bias_moves_towards_balance_and_only_chooses() -> None:
 )
 def test_bad_settings_one_line(fields: dict, layout: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
-        MoEConfig(**fields).check_layout(**{"expert_parallel_size": 1, **layout})
+        MoEConfig(**fields).check_layout(ParallelConfig(**layout), sequence_parallel=False)
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
 def test_expert_parallel_size_must_divide_data_context_ranks() -> None:
-    from lightning_sp.parallel.state import check_expert_layout
+    def check_expert_layout(data_context_ranks: int, e: int) -> int:
+        layout = ParallelConfig(expert_parallel_size=e).for_world_size(data_context_ranks)
+        return layout.expert_data_parallel_size
 
     with pytest.raises(ConfigError, match="expert_parallel_size=4 does not divide") as info:
         check_expert_layout(6, 4)

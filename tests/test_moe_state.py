@@ -28,8 +28,8 @@ from test_moe_trainer import moe_module
 from lightning_sp import GPT, GPTModule, ParallelState
 from lightning_sp.checkpoint import Checkpointer, Meta, read_full
 from lightning_sp.checkpoint.verify import check_checkpoint
+from lightning_sp.model.hooks import step_metrics
 from lightning_sp.model.moe.layer import MoE
-from lightning_sp.model.moe.metrics import step_metrics
 from lightning_sp.parallel.config import ParallelConfig
 
 from models import batch, loss_and_grads, relative_error, tiny_config

@@ -31,6 +31,7 @@ from lightning_sp.memory.formulas import (
     figure7_percentages,
     table2_bytes_per_layer,
 )
+from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.estimate import estimate, resolve_recompute
 from lightning_sp.planner.layout import Layout, parse_bytes
@@ -91,7 +92,7 @@ def test_configs_are_table3(name: str) -> None:
     raw = _raw(name)
     assert raw["trainer"]["strategy"]["class_path"] == "lightning_sp.MegatronSPStrategy"
     assert raw["trainer"]["precision"] == "bf16-true"
-    GPTConfig(**raw["model"]["config"]).validate(t)
+    check_model_layout(GPTConfig(**raw["model"]["config"]), ParallelConfig(tensor_parallel_size=t))
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -32,7 +32,6 @@ from lightning_sp.data import TextDataModule
 from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.parallel.config import ParallelConfig
-from lightning_sp.parallel.state import check_layout
 from lightning_sp.planner.cluster import load_cluster
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.layout import Layout, PlannerOptions, parse_bytes
@@ -172,28 +171,22 @@ def layout_from_fit(
             "integer (micro-batches accumulated per optimizer step)"
         )
     accumulate = positive_int("trainer.accumulate_grad_batches", accumulate_grad_batches)
-    parallel = strategy_layout(strategy)
-    t, p, c, n = (
-        parallel.tensor_parallel_size,
-        parallel.pipeline_parallel_size,
-        parallel.context_parallel_size,
-        parallel.num_microbatches,
-    )
-    world = gpus_per_node * nodes
+    world, parallel = gpus_per_node * nodes, strategy_layout(strategy)
     try:
-        d = check_layout(world, t, p, c)
+        parallel = parallel.for_world_size(world)
     except ConfigError as exc:
         raise ConfigError(
             f"trainer.devices={gpus_per_node} x trainer.num_nodes={nodes} = {world} GPUs must "
             f"be t * c * p * d: {exc}"
         ) from None
+    n = parallel.num_microbatches
     if batch % n:
         raise ConfigError(
             f"data.batch_size={batch} is not divisible by num_microbatches={n} (micro-batch = "
             f"batch_size / num_microbatches); num_microbatches must be one of {divisors(batch)}"
         )
     layout = Layout(
-        **dataclasses.asdict(parallel) | {"data_parallel_size": d},
+        **dataclasses.asdict(parallel),
         config=model_config,
         micro_batch_size=batch // n,
         accumulate_grad_batches=accumulate,

@@ -35,14 +35,15 @@ from typing import Any
 
 from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option
 from lightning_sp.interop.hf_llama import (
-    _ATTENTION_BIAS,
-    _HEAD_DIM,
-    _HEAD_DIM_FIELD,
-    _NO_HEAD_DIM,
+    ATTENTION_BIAS,
+    HEAD_DIM,
+    HEAD_DIM_FIELD,
     NAMES,
-    _check_window,
-    _dropout,
-    _fields,
+    NO_BIAS,
+    NO_HEAD_DIM,
+    check_window,
+    decoder_fields,
+    dropout_keys,
 )
 from lightning_sp.interop.hf_tables import HFModelType
 from lightning_sp.model.config import GPTConfig
@@ -86,7 +87,7 @@ def _moe_keys(experts_key: str, width: str, normalize_key: str | None) -> Callab
     def extra(config: GPTConfig) -> dict[str, Any]:
         moe = config.moe or MoEConfig()
         keys = {
-            **_dropout(config),
+            **dropout_keys(config),
             experts_key: moe.num_experts,
             "num_experts_per_tok": moe.top_k,
             width: moe.expert_ffn_size,
@@ -100,18 +101,18 @@ def _moe_keys(experts_key: str, width: str, normalize_key: str | None) -> Callab
     return extra
 
 
-def _no_ffn(fields: tuple[ConfigField, ...]) -> tuple[ConfigField, ...]:
-    """The Llama-style fields less the dense MLP's width (``intermediate_size`` is the
-    experts' in Mixtral and OLMoE, unused in an all-sparse Qwen3-MoE)."""
-    return tuple(f for f in fields if f.ours != "ffn_hidden_size")
+def _sparse_fields(bias: ConfigField, qk_norm: str | None) -> tuple[ConfigField, ...]:
+    """The Llama-style fields of an all-sparse family: no dense width (``intermediate_size``
+    is the experts' in Mixtral and OLMoE, unused in Qwen3-MoE), the ``moe`` feed-forward,
+    norms before the sublayers, ``qk_norm``."""
+    fixed = {"feed_forward": "moe", "norm_placement": "pre", "qk_norm": qk_norm}
+    return decoder_fields(bias, fixed, feed_forward=())
 
 
 MIXTRAL_NAMES = dataclasses.replace(NAMES, feed_forward="mixtral")
 """Mixtral's naming: the Llama-style one with the MoE part's ``mixtral`` names
 (``block_sparse_moe.gate``, ``block_sparse_moe.experts.{e}.w1`` ...)."""
 
-
-_MOE = {"feed_forward": "moe", "norm_placement": "pre"}
 
 MIXTRAL = HFModelType(
     model_type="mixtral",
@@ -120,21 +121,16 @@ MIXTRAL = HFModelType(
     config=ConfigTable(
         title="Mixtral",
         fields=(
-            *_no_ffn(
-                _fields(
-                    ConfigField("bias", default=False, value=lambda c: c.bias_value()),
-                    {**_MOE, "qk_norm": None},
-                )
-            ),
-            _HEAD_DIM_FIELD,
+            *_sparse_fields(NO_BIAS, None),
+            HEAD_DIM_FIELD,
             _moe_field("intermediate_size", lambda hf: True),
         ),
-        options=(_HEAD_DIM, Option.constant("router_jitter_noise", 0.0)),
+        options=(HEAD_DIM, Option.constant("router_jitter_noise", 0.0)),
         extra=lambda c: {
             **_moe_keys("num_local_experts", "intermediate_size", None)(c),
             "sliding_window": None,
         },
-        checks=(_check_window,),
+        checks=(check_window,),
     ),
     names=MIXTRAL_NAMES,
 )
@@ -146,12 +142,12 @@ QWEN3_MOE = HFModelType(
     config=ConfigTable(
         title="Qwen3-MoE",
         fields=(
-            *_no_ffn(_fields(_ATTENTION_BIAS, {**_MOE, "qk_norm": "head"})),
-            _HEAD_DIM_FIELD,
+            *_sparse_fields(ATTENTION_BIAS, "head"),
+            HEAD_DIM_FIELD,
             _moe_field("moe_intermediate_size", lambda hf: bool(hf.get("norm_topk_prob"))),
         ),
         options=(
-            _HEAD_DIM,
+            HEAD_DIM,
             Option.constant("use_sliding_window", False),
             Option.constant("decoder_sparse_step", 1),
             Option.constant("mlp_only_layers", []),
@@ -160,7 +156,7 @@ QWEN3_MOE = HFModelType(
             **_moe_keys("num_experts", "moe_intermediate_size", "norm_topk_prob")(c),
             "sliding_window": None,
         },
-        checks=(_check_window,),
+        checks=(check_window,),
     ),
     names=NAMES,
 )
@@ -172,10 +168,10 @@ OLMOE = HFModelType(
     config=ConfigTable(
         title="OLMoE",
         fields=(
-            *_no_ffn(_fields(_ATTENTION_BIAS, {**_MOE, "qk_norm": "projection"})),
+            *_sparse_fields(ATTENTION_BIAS, "projection"),
             _moe_field("intermediate_size", lambda hf: bool(hf.get("norm_topk_prob"))),
         ),
-        options=(_NO_HEAD_DIM, Option.constant("clip_qkv", None)),
+        options=(NO_HEAD_DIM, Option.constant("clip_qkv", None)),
         extra=_moe_keys("num_experts", "intermediate_size", "norm_topk_prob"),
     ),
     names=NAMES,

@@ -320,16 +320,11 @@ class GPTConfig:
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
         return -(-self.vocab_size // multiple) * multiple
 
-    def validate(
-        self,
-        tensor_parallel_size: int = 1,
-        expert_parallel_size: int = 1,
-        expert_tensor_parallel_size: int = 1,
-    ) -> None:
-        """Raise :class:`ConfigError` (one line: field, value, what is valid) on a bad config,
-        or one that ``t`` tensor-parallel (and ``e`` expert-parallel, ``t_e``
-        expert-tensor-parallel) ranks cannot share."""
-        check_config(self, tensor_parallel_size, expert_parallel_size, expert_tensor_parallel_size)
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` (one line: field, value, what is valid) on a bad field,
+        whatever the layout (:func:`~lightning_sp.model.config_checks.check_config`); the one
+        check against a layout is :func:`~lightning_sp.model.config_checks.check_model_layout`."""
+        check_config(self)
 
 
 RESUMABLE_FIELDS = frozenset(

@@ -155,7 +155,7 @@ class GPT(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        config.validate(state.tensor_parallel_size)
+        config.validate()  # its fields; the layout was checked against it before launch
         if config.recompute == "auto":
             raise ConfigError(
                 "recompute='auto' must be resolved before the model is built "

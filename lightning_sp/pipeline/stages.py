@@ -42,7 +42,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.documents import Packing, Reduction
 from lightning_sp.model.gpt import GPT
-from lightning_sp.model.moe.layer import scale_auxiliary_losses
+from lightning_sp.model.hooks import scale_auxiliary_losses
 from lightning_sp.parallel import grads as grad_utils
 from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.state import DEFAULT_TIMEOUT, ParallelState

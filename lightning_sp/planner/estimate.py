@@ -41,7 +41,6 @@ import time
 
 import torch
 
-from lightning_sp.errors import ConfigError
 from lightning_sp.memory.fake import ActivationMeasurement
 from lightning_sp.memory.model_state import (
     MIXED_PRECISION_ADAM,
@@ -55,7 +54,7 @@ from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.recompute import AUTO, policy_name
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.cluster import Cluster, load_cluster
-from lightning_sp.planner.layout import DEFAULT_DEVICE_BYTES, Layout
+from lightning_sp.planner.layout import DEFAULT_DEVICE_BYTES, Layout, runs
 from lightning_sp.planner.records import (
     COMBINATIONS,
     LADDER,
@@ -113,9 +112,7 @@ def estimate(
         if sp and local % t:
             continue
         combo = layout.with_policy(sp, rc)
-        try:  # a combination the model cannot run (MoE at t > 1 without SP) is left out
-            combo.validate(t)
-        except ConfigError:
+        if not runs(combo, layout):  # a combination the model cannot run (MoE at t > 1, no SP)
             continue
         formula = formula_activations(layout, combo)
         got = formula

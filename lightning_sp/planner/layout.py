@@ -10,12 +10,12 @@ from a ``fit`` command line. :class:`PlannerOptions` holds the command's own opt
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass
 
 from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.parallel.config import ParallelConfig, resolve_sequence_parallel
 from lightning_sp.pipeline import check_pipeline
 
@@ -90,16 +90,18 @@ class Layout(ParallelConfig):
         the sequence by 2c (causal load balancing), and, interleaved, micro-batches ≥ p."""
         positive_int("micro_batch_size", self.micro_batch_size)  # the sizes: ParallelConfig's
         k = positive_int("trainer.accumulate_grad_batches", self.accumulate_grad_batches)
-        t, p = self.tensor_parallel_size, self.pipeline_parallel_size
+        self.for_world_size(self.world_size)  # complete already: e divides its d·c ranks
+        p = self.pipeline_parallel_size
         if k > 1 and p > 1:
             raise ConfigError(
                 f"trainer.accumulate_grad_batches={k} with pipeline_parallel_size={p}; the "
                 "pipeline schedule accumulates over num_microbatches, use "
                 "accumulate_grad_batches=1"
             )
-        self.config.validate(t)
         c, s = self.context_parallel_size, self.config.seq_length
-        if c > 1 and s % (2 * c):
+        # the sequence by 2c whatever SP (a layout whose SP cannot split it is shown SP off)
+        check_model_layout(self.config, self, split_sequence=False)
+        if s % self.sequence_divisor(False):
             raise ConfigError(
                 f"context_parallel_size={c}: seq_length={s} is not divisible by 2c = {2 * c} "
                 "(causal load balancing cuts each sequence into 2c chunks); "
@@ -117,19 +119,19 @@ class Layout(ParallelConfig):
         """The context-parallel sizes ``fit`` accepts for this sequence, t and SP setting
         (:func:`lightning_sp.training.checks.check_context_sequence`): 1, and each ``c`` with
         ``2c`` dividing ``s`` (with SP at ``t > 1``, ``lcm(2c, c·t)``)."""
-        s, t = self.config.seq_length, self.tensor_parallel_size
-        sp = bool(self.sequence_parallel) and t > 1
-        return [1] + [
-            c
-            for c in divisors(s // 2)
-            if c > 1 and not s % (2 * c) and not (sp and s % math.lcm(2 * c, c * t))
-        ]
+        s, sp, t = self.config.seq_length, bool(self.sequence_parallel), self.tensor_parallel_size
+
+        def divisor(c: int) -> int:
+            return ParallelConfig(tensor_parallel_size=t, context_parallel_size=c).sequence_divisor(
+                sp
+            )
+
+        return [1] + [c for c in divisors(s // 2) if c > 1 and not s % divisor(c)]
 
     def splits_sequence(self) -> bool:
         """Whether sequence parallelism, if on, can split each rank's ``s/c`` tokens over t
-        (``fit`` refuses the layout otherwise)."""
-        local = self.config.seq_length // self.context_parallel_size  # [s/c] per rank
-        return local % self.tensor_parallel_size == 0
+        (``fit`` refuses the layout otherwise: :meth:`ParallelConfig.sequence_divisor`)."""
+        return not self.config.seq_length % self.sequence_divisor(True)
 
     def with_policy(
         self,
@@ -149,6 +151,17 @@ class Layout(ParallelConfig):
             recompute_num_layers=recompute_num_layers,
             recompute_rest=rest,
         )
+
+
+def runs(config: GPTConfig, layout: ParallelConfig) -> bool:
+    """Whether ``config`` (a row's sequence parallelism and recompute) can run on ``layout``
+    (:func:`~lightning_sp.model.config_checks.check_model_layout`, the sequence aside: the
+    rows whose SP cannot split it are left out by the estimate itself)."""
+    try:
+        check_model_layout(config, layout, split_sequence=False)
+    except ConfigError:
+        return False
+    return True
 
 
 # -- the estimate command's options -------------------------------------------------------------

@@ -16,14 +16,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_sp.errors import ConfigError, divisors
-from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.recompute import policy_name
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.estimate import estimate
-from lightning_sp.planner.layout import Layout
+from lightning_sp.planner.layout import Layout, runs
 from lightning_sp.planner.records import EstimateRow
 
 CONTEXT_PARALLEL_SIZES: tuple[int, ...] = (1, 2, 4, 8)
@@ -99,26 +99,20 @@ def base_key(layout: Layout) -> Key:
     )  # fmt: skip
 
 
-def _valid(config: GPTConfig, t: int, sequence_parallel: bool) -> bool:
-    try:
-        dataclasses.replace(config, sequence_parallel=sequence_parallel).validate(t)
-    except ConfigError:
-        return False
-    return True
-
-
 def _layouts(base: Layout, max_micro_batch: int) -> list[tuple[Layout, int]]:
     """Every valid ``(layout, c)`` of ``base``'s GPUs and global batch."""
     gpus, batch, cfg = base.world_size, base.global_batch_size, base.config
     config = dataclasses.replace(cfg, recompute="none", recompute_num_layers=None)
     out = []
     for c in CONTEXT_PARALLEL_SIZES:
-        if gpus % c or (c > 1 and cfg.seq_length % (2 * c)):
+        two_c = ParallelConfig(context_parallel_size=c).sequence_divisor(False)  # causal balance
+        if gpus % c or cfg.seq_length % two_c:
             continue
         for t in divisors(gpus // c):
             # sequence parallelism is a row of the estimate, checked there: t is searched if
-            # either setting is valid (an MoE model at t > 1 needs SP)
-            if not any(_valid(config, t, sp) for sp in (False, True)):
+            # either setting can run (an MoE model at t > 1 needs SP)
+            tc = ParallelConfig(tensor_parallel_size=t, context_parallel_size=c)
+            if not any(runs(replace(config, sequence_parallel=sp), tc) for sp in (False, True)):
                 continue
             for p in divisors(gpus // (c * t)):
                 d = gpus // (c * t * p)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.model.documents import Packing
-from lightning_sp.model.moe.layer import has_auxiliary_losses
+from lightning_sp.model.hooks import has_auxiliary_losses
 from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline

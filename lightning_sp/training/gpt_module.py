@@ -38,13 +38,11 @@ from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
 from lightning_sp.model.compile import CompileOptions, check_compile_options, compile_layers
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
-from lightning_sp.model.moe.layer import (
-    scale_auxiliary_losses,
-    update_expert_biases,
-)
-from lightning_sp.model.moe.metrics import step_metrics
+from lightning_sp.model.hooks import after_optimizer_step, scale_auxiliary_losses, step_metrics
+from lightning_sp.model.lora import LoRAConfig, apply_lora, check_lora
 from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
 from lightning_sp.parallel.config import ParallelConfig
@@ -94,6 +92,9 @@ class GPTModule(LightningModule):
             ``dynamic``: :class:`~lightning_sp.model.compile.CompileOptions`); set only with
             ``compile_layers=True``, checked against the model and the device before any step.
         generation: How ``predict`` continues each prompt (:meth:`predict_step`).
+        lora: Train LoRA adapters (``peft``'s settings: :class:`~lightning_sp.model.lora.
+            LoRAConfig`) on the linears it names, the base frozen (no gradients, no optimizer
+            state, no weight-gradient GEMMs), in any layout; ``None``: train every weight.
     """
 
     def __init__(
@@ -103,9 +104,11 @@ class GPTModule(LightningModule):
         init_from: str | None = None,
         compile_layers: bool = False,
         generation: GenerationConfig = _DEFAULT_GENERATION,
+        lora: LoRAConfig | None = None,
         compile_options: CompileOptions = _DEFAULT_COMPILE,
     ) -> None:
         super().__init__()
+        self.lora = dataclasses.replace(lora) if lora is not None else None
         self.compile_layers = compile_layers
         self.compile_options = dataclasses.replace(compile_options)
         self.compile_options.validate(compile_layers)
@@ -118,6 +121,8 @@ class GPTModule(LightningModule):
         if init_from is not None:
             check_hf_directory(init_from, self.config)
         self.generation.validate()
+        if self.lora is not None:
+            check_lora(self.lora, self.config)
         self._save_hyperparameters()
         self.pipeline: Pipeline | None = None  # this rank's model chunks (one when p = 1)
         self._parallel: tuple[ParallelState, ParallelConfig] | None = None  # pushed by megatron_sp
@@ -135,6 +140,7 @@ class GPTModule(LightningModule):
                 "optimizer": dataclasses.asdict(self.optimizer_config),
                 "init_from": self.init_from,
                 "compile_layers": self.compile_layers,
+                "lora": dataclasses.asdict(self.lora) if self.lora is not None else None,
                 "compile_options": dataclasses.asdict(self.compile_options),
             }
         )
@@ -193,7 +199,7 @@ class GPTModule(LightningModule):
             return
         config, state, layout = self.config, self.parallel_state, self.parallel_config
         check_data(getattr(self._trainer, "datamodule", None), config)
-        layout.check_sequence_length(config.seq_length, config.sequence_parallel)
+        check_model_layout(config, layout)  # the one check of the model against the layout
         if self.compile_layers and self.compile_options.backend == "inductor":
             check_compile(state)
         if config.recompute == "auto":  # the planner's fastest recomputation that fits
@@ -223,6 +229,9 @@ class GPTModule(LightningModule):
             timeout=state.timeout,
         )
         self._load_init_from()
+        if self.lora is not None:  # after the base weights: adapters start from peft's init
+            for chunk in self.pipeline.chunks:
+                apply_lora(chunk, self.lora)
         if self.compile_layers:
             rank_zero_warn(COMPILED_MEMORY_WARNING)
             for chunk in self.pipeline.chunks:
@@ -276,11 +285,12 @@ class GPTModule(LightningModule):
         optimizer: Optimizer | LightningOptimizer,
         optimizer_closure: Callable[[], Any] | None = None,
     ) -> None:
-        """The step, then the MoE layers' auxiliary-loss-free bias updates: here, not in
-        ``on_train_batch_end``, which Lightning calls after the callbacks' (a checkpoint saved
-        there must hold the biases this step moved)."""
+        """The step, then the modules' state moved once per step
+        (:func:`~lightning_sp.model.hooks.after_optimizer_step`: the MoE routers'
+        auxiliary-loss-free biases): here, not in ``on_train_batch_end``, which Lightning calls
+        after the callbacks' (a checkpoint saved there must hold the state this step moved)."""
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        update_expert_biases(self.stage_model())
+        after_optimizer_step(self.stage_model())
 
     @override
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
@@ -299,8 +309,9 @@ class GPTModule(LightningModule):
 
     @override
     def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
-        """The step's MoE routing metrics over every micro-batch, replica and stage
-        (:func:`~lightning_sp.model.moe.metrics.step_metrics`), logged as ``train/moe/*``.
+        """The step's metrics the model's parts count over every micro-batch, replica and
+        stage (:func:`~lightning_sp.model.hooks.step_metrics`: an MoE model's routing metrics),
+        logged as ``train/<name>`` (``train/moe/*``).
         With loss masks: divide the step's gradients (summed over its counted tokens) by
         the global count and log ``train/loss``, the global token mean
         (:meth:`TokenMean.finish`). Runs after the gradients are finalised, before clipping."""
@@ -395,7 +406,8 @@ class GPTModule(LightningModule):
         """A resumed run trains with this run's optimizer settings (restored from the
         checkpoint just before): :mod:`lightning_sp.optim.resume`; one line if they differ
         from the checkpoint's. Lightning divides each accumulated batch's loss by
-        ``accumulate_grad_batches``: the MoE auxiliary losses are scaled alike."""
+        ``accumulate_grad_batches``: the auxiliary losses (an MoE layer's load-balancing
+        terms) are scaled alike (:func:`~lightning_sp.model.hooks.scale_auxiliary_losses`)."""
         pipeline = self.stage_model()
         accumulate = self.trainer.accumulate_grad_batches
         scale_auxiliary_losses(pipeline, 1 / (pipeline.num_microbatches * accumulate))

@@ -216,14 +216,8 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         )
         self.parallel_config = config = config.with_sequence_parallel(model_sp)
         super().setup_environment()
-        self._parallel_state = state = ParallelState.from_process_group(
-            config.tensor_parallel_size,
-            config.pipeline_parallel_size,
-            device=self.root_device,
-            timeout=self.timeout,
-            context_parallel_size=config.context_parallel_size,
-            expert_parallel_size=config.expert_parallel_size,
-            expert_tensor_parallel_size=config.expert_tensor_parallel_size,
+        self._parallel_state = state = ParallelState.from_config(
+            config, device=self.root_device, timeout=self.timeout
         )
         if receiver is not None:
             receiver.setup_parallel(state, config)

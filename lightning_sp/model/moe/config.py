@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 
 from lightning_sp.errors import ConfigError, divisors, positive_int
-from lightning_sp.parallel.state import check_expert_tensor_parallel
+from lightning_sp.parallel.config import ParallelConfig
 
 Score = Literal["softmax", "sigmoid"]
 RouterDtype = Literal["fp32", "fp64", "input"]
@@ -116,20 +116,15 @@ class MoEConfig:
         """The router's compute dtype for activations of ``activations``."""
         return {"fp32": torch.float32, "fp64": torch.float64}.get(self.router_dtype, activations)
 
-    def check_layout(
-        self,
-        expert_parallel_size: int,
-        tensor_parallel_size: int = 1,
-        sequence_parallel: bool = False,
-        expert_tensor_parallel_size: int = 1,
-    ) -> None:
-        """:class:`ConfigError` (one line) unless ``e`` divides ``E``, tensor parallelism comes
-        with sequence parallelism (each TP rank routes its own sequence shard, with ``t_e = t``
-        too; replicated tokens would be computed t times), the experts are whole (``t_e = 1``)
-        or split over the TP group (``t_e = t``) and ``t_e`` divides ``f_e``."""
-        e, t, t_e = expert_parallel_size, tensor_parallel_size, expert_tensor_parallel_size
-        positive_int("expert_parallel_size", e)
-        check_expert_tensor_parallel(t_e, t)
+    def check_layout(self, layout: ParallelConfig, sequence_parallel: bool) -> None:
+        """This part against a layout (:func:`~lightning_sp.model.config_checks.
+        check_model_layout` calls it; the layout checked its own sizes and the expert tensor
+        parallel rule): :class:`ConfigError` (one line) unless ``e`` divides ``E``, tensor
+        parallelism comes with sequence parallelism (each TP rank routes its own sequence
+        shard, with ``t_e = t`` too; replicated tokens would be computed t times) and ``t_e``
+        divides ``f_e``."""
+        e, t = layout.expert_parallel_size, layout.tensor_parallel_size
+        t_e = layout.expert_tensor_parallel_size
         if self.num_experts % e:
             raise ConfigError(
                 f"moe.num_experts={self.num_experts} is not divisible by expert_parallel_size="

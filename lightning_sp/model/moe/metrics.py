@@ -5,9 +5,11 @@ layer on every pipeline stage.
 Each :class:`~lightning_sp.model.moe.layer.MoE` layer adds, per training forward, its micro-batch's
 load-balancing loss, z-loss, dropped assignments, one forward and its choices per expert (all
 already summed over the micro-batch's sequence- and context-parallel shards: the router's) into
-:attr:`~lightning_sp.model.moe.layer.MoE.totals`. :func:`step_metrics` sums those over the
-data-parallel group, places each layer at its global number, sums over the pipeline group,
-and only then takes the ratios, so the values equal one process's over the same micro-batches:
+:attr:`~lightning_sp.model.moe.layer.MoE.totals`. The generic
+:func:`~lightning_sp.model.hooks.step_metrics` places each layer's at its global number, sums
+them over the data-parallel and the pipeline group, and only then :func:`routing_metrics`
+takes the ratios (the part declares both: :meth:`~lightning_sp.model.moe.part.MoEFeedForward.
+step_totals`), so the values equal one process's over the same micro-batches:
 
 * ``moe/aux_loss``, ``moe/z_loss``: the mean over the step's micro-batches of each one's loss
   (what the objective holds, before its coefficient), then over layers;
@@ -21,42 +23,20 @@ backward adds nothing: :func:`~lightning_sp.model.recompute.replaying`).
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
-from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.gpt import GPT
-from lightning_sp.model.moe.layer import TOTALS, MoE
-from lightning_sp.parallel.state import ParallelState
+from lightning_sp.model.moe.layer import TOTALS
+
+FORWARDS = TOTALS.index("forwards")
 
 
-def _layers(module: nn.Module) -> list[tuple[int, Tensor]]:
-    """``(global layer number, totals)`` of the MoE layers of ``module``'s GPT chunks."""
-    found = []
-    for chunk in (m for m in module.modules() if isinstance(m, GPT)):
-        for name, m in chunk.named_modules():
-            if isinstance(m, MoE) and m.totals is not None:  # name: layers.<i>.…
-                found.append((int(chunk.global_name(name).split(".")[1]), m.totals))
-    return found
-
-
-def step_metrics(module: nn.Module, state: ParallelState, config: GPTConfig) -> dict[str, Tensor]:
-    """The step's global routing metrics (module docstring) of ``module``, this rank's chunks
-    of the model of ``config``, and every layer's totals reset. Collective over the data- and
-    pipeline-parallel groups: every rank calls it. Empty without MoE layers."""
-    if config.moe is None:
-        return {}
-    width = len(TOTALS) + config.moe.num_experts
-    table = torch.zeros(config.num_layers, width, dtype=torch.float64, device=state.device)
-    for number, totals in _layers(module):
-        table[number] += totals.to(table.device)
-        totals.zero_()
-    for group in (state.dp_group, state.pp_group):
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(table, group=group)
-    table = table[table[:, TOTALS.index("forwards")] > 0]  # the MoE layers
-    forwards = table[:, TOTALS.index("forwards")]
+def routing_metrics(table: Tensor) -> dict[str, Tensor]:
+    """The step's global routing metrics (module docstring) of ``table``, ``[num_layers,
+    len(TOTALS) + E]``: each layer's :attr:`~lightning_sp.model.moe.layer.MoE.totals` at its
+    global number, summed over the data-parallel replicas and the pipeline stages (by
+    :func:`~lightning_sp.model.hooks.step_metrics`; rows of layers without MoE are zero)."""
+    table = table[table[:, FORWARDS] > 0]  # the MoE layers
+    forwards = table[:, FORWARDS]
     counts = table[:, len(TOTALS) :]  # [layers, E]
     return {
         "moe/aux_loss": (table[:, 0] / forwards).mean(),

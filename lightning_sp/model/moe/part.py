@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_sp.model.moe.config import MoEConfig
-from lightning_sp.model.moe.layer import MoE
+from lightning_sp.model.moe.layer import TOTALS, MoE
+from lightning_sp.model.moe.metrics import routing_metrics
 from lightning_sp.model.parts.base import (
     INSIDE,
     OUTSIDE,
@@ -59,6 +60,7 @@ from lightning_sp.model.parts.base import (
     Gemm,
     MemoryOp,
     Part,
+    StepTotals,
     Terms,
     activation_op,
     tokens,
@@ -116,6 +118,12 @@ class MoEFeedForward(Part):
             init_std=c.init_std, output_init_std=c.output_init_std,
             recompute_act="mlp_act" in ctx.active, **ctx.kwargs,
         )  # fmt: skip
+
+    def step_totals(self) -> StepTotals:
+        """Each layer's routing sums (:data:`~lightning_sp.model.moe.layer.TOTALS`, then the
+        choices per expert) and the step's ``moe/*`` metrics made of them
+        (:func:`~lightning_sp.model.moe.metrics.routing_metrics`)."""
+        return StepTotals(len(TOTALS) + self.config.num_experts, routing_metrics)
 
     def router_bytes(self, x: ActivationShape) -> float:
         """Bytes per router element: fp32 4, fp64 8, else the activations'."""

@@ -14,7 +14,10 @@ A part owns, in one place, everything the rest of the package asks about it:
 * :meth:`Part.parameters`: its parameter count on one rank (split by t, and replicated);
 * :meth:`Part.forward_flops`: its forward matmul FLOPs (all ranks together);
 * :meth:`Part.weights`: its parameters' Hugging Face tensors under a family's naming scheme
-  (:mod:`lightning_sp.model.parts.weights`).
+  (:mod:`lightning_sp.model.parts.weights`);
+* :meth:`Part.step_totals`: the per-layer sums its module counts over a training step and the
+  step metrics made of them (:class:`StepTotals`; what the training loop logs through the
+  generic module hooks, :mod:`lightning_sp.model.hooks`).
 
 Every method reads the layer's sizes from one
 :class:`~lightning_sp.model.shape.ActivationShape` (``s, b, h, a, g, d, f, t, c``, element
@@ -26,11 +29,12 @@ its parts.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_sp.model.ops import RopeScaling
 from lightning_sp.model.parts.weights import HFNames, Weight
@@ -207,6 +211,21 @@ class BuildContext:
     kwargs: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class StepTotals:
+    """What a part's module counts over a training step, and the step's metrics made of it.
+
+    The module (:class:`~lightning_sp.model.hooks.CountsStepTotals`) adds ``width`` float64
+    sums per training forward; the loop places each layer's at its global layer number in a
+    ``[num_layers, width]`` table, sums the table over every data-parallel replica and
+    pipeline stage (:func:`~lightning_sp.model.hooks.step_metrics`), and ``metrics(table)``
+    turns the sums into the step's metrics by name (``moe/aux_loss`` ...; rows of layers
+    that counted nothing are zero)."""
+
+    width: int
+    metrics: Callable[[Tensor], dict[str, Tensor]]
+
+
 def tokens(x: ActivationShape) -> int:
     """Rows of every token-wise GEMM on one rank: ``s·b/c``."""
     return x.s * x.b // x.c
@@ -294,3 +313,9 @@ class Part(ABC):
         """Per-row statistics it saves besides :meth:`saved_terms` (a norm's mean and rstd,
         ``O(sb)``: Table 2 leaves them out), as terms; recomputing the norm drops them."""
         return {}
+
+    def step_totals(self) -> StepTotals | None:
+        """What its module counts over a training step for the step's metrics (its module
+        then implements :class:`~lightning_sp.model.hooks.CountsStepTotals`); ``None`` for
+        most parts."""
+        return None
