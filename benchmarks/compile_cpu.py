@@ -41,9 +41,9 @@ class CompileShape:
     heads: int = 8
     vocab: int = 257
     policies: tuple[str, ...] = ("none", "selective")
-    dropouts: tuple[float, ...] = (0.0, 0.1)
+    dropouts: tuple[float, ...] = (0.0,)
     warmup: int = 2
-    rounds: int = 20
+    rounds: int = 12
 
 
 FULL = CompileShape()
