@@ -142,3 +142,48 @@ def test_a_gpu_without_fp8_gemms_is_one_line(monkeypatch: pytest.MonkeyPatch) ->
                        r"capability >= 8.9.*NVIDIA A100-SXM4-80GB has 8.0"):  # fmt: skip
         check_fp8(FP8Config("tensorwise"), torch.device("cuda", 0))
     check_fp8(FP8Config("tensorwise", emulate=True), torch.device("cuda", 0))  # emulated: fine
+
+
+def _train(recipe: str | None, steps: int) -> list[float]:
+    """A two-layer MLP (h=64, f=256, bf16) fitted to a fixed random teacher for ``steps``
+    AdamW steps; its linears in float8 (``recipe``) or bf16 (``None``)."""
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(512, 1, 64)
+    with torch.no_grad():
+        target = teacher(x).to(torch.bfloat16)
+    x = x.to(torch.bfloat16)
+    w1 = nn.Parameter(torch.randn(256, 64, dtype=torch.bfloat16) * 0.05)
+    w2 = nn.Parameter(torch.randn(64, 256, dtype=torch.bfloat16) * 0.05)
+    optimizer = torch.optim.AdamW([w1, w2], lr=3e-3)
+    built = Recipe.build(FP8Config(recipe, emulate=True)) if recipe else None
+    losses = []
+    for _ in range(steps):
+        if built is None:
+            y = nn.functional.linear(nn.functional.gelu(nn.functional.linear(x, w1)), w2)
+        else:
+            z = fp8_column_parallel_linear(x, w1, None, built, None, sequence_parallel=False)
+            y = fp8_row_parallel_matmul(nn.functional.gelu(z), w2, built, None)
+        loss = nn.functional.mse_loss(y.float(), target.float())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+BAND = 0.05
+"""An FP8 run's loss may differ from bf16's by this share of bf16's, at every step."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_a_tiny_fp8_run_stays_within_a_band_of_bf16(recipe: str) -> None:
+    steps = 40
+    bf16, ours = _train(None, steps), _train(recipe, steps)
+    assert bf16[-1] < 0.5 * bf16[0], f"the bf16 run did not learn: {bf16[0]:.4f} -> {bf16[-1]:.4f}"
+    worst = max(abs(a - b) / b for a, b in zip(ours, bf16, strict=True))
+    assert worst <= BAND, (
+        f"{recipe}: loss {worst:.1%} away from bf16's (band {BAND:.0%}); "
+        f"bf16 {bf16[::10]}, fp8 {ours[::10]}"
+    )
