@@ -78,15 +78,18 @@ def test_a_fit_step_reads_the_device_once_outside_logging_steps(
 ) -> None:
     config = GPTConfig(vocab_size=64, seq_length=16, hidden_size=32, num_layers=2, num_heads=4,
                        recompute="selective")  # fmt: skip
-    counter = StepReads()
+    counter, bar = StepReads(), ProgressBar()
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=MegatronSPStrategy(), max_steps=STEPS,
         logger=CSVLogger(tmp_path), log_every_n_steps=LOG_EVERY, enable_checkpointing=False,
         gradient_clip_val=clip, enable_model_summary=False,
-        callbacks=[counter, ProgressBar(), ActivationMemoryMonitor(), MFUMonitor(window_size=2)],
+        callbacks=[counter, bar, ActivationMemoryMonitor(), MFUMonitor(window_size=2)],
     )  # fmt: skip
     data = torch.utils.data.DataLoader(Tokens(2 * STEPS, config), batch_size=2)
-    trainer.fit(GPTModule(config), data)
+    module = GPTModule(config)
+    trainer.fit(module, data)
+    shown = bar.get_metrics(trainer, module)
+    assert "loss" in shown, f"the bar no longer shows the training loss: {shown}"
     # a step's reads: from its start to the next one's (the last step's are cut by on_train_end)
     quiet = [
         (step, reads)
