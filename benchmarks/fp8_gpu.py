@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import statistics
 import sys
 import time
@@ -61,7 +62,9 @@ class OurFP8MLP(nn.Module):
 
     def __init__(self, plain: nn.Sequential, recipe: Recipe) -> None:
         super().__init__()
-        self.w1, self.w2 = plain[0].weight, plain[2].weight
+        first, second = plain[0], plain[2]
+        assert isinstance(first, nn.Linear) and isinstance(second, nn.Linear)
+        self.w1, self.w2 = first.weight, second.weight
         self.recipe = recipe
 
     def forward(self, x: Tensor) -> Tensor:
@@ -92,6 +95,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _step(fn: Any, x: Tensor, grad: Tensor) -> Tensor:
+    """Forward + backward of ``fn`` on a fresh leaf ``x``; the output."""
+    out = fn(x.detach().requires_grad_(True))
+    out.backward(grad)
+    return out.detach()
+
+
 def measure(shape: MLPShape, device: torch.device, compile_too: bool) -> dict[str, Any]:
     emulate = device.type != "cuda"
     generator = torch.Generator().manual_seed(0)
@@ -104,13 +114,7 @@ def measure(shape: MLPShape, device: torch.device, compile_too: bool) -> dict[st
             fn = torch.compile(model) if compiled else model
             label = f"{name}{' compiled' if compiled else ''}"
 
-            def step(fn: Any = fn) -> Tensor:
-                inp = x.detach().requires_grad_(True)
-                out = fn(inp)
-                out.backward(grad)
-                return out.detach()
-
-            steps[label] = step
+            steps[label] = functools.partial(_step, fn, x, grad)
     outputs = {label: step() for label, step in steps.items()}  # compiles
     agreement = {}
     for label, out in outputs.items():
