@@ -32,6 +32,7 @@ from benchmarks import dtensor_gpt
 from benchmarks._format import fixed, table
 from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
 from lightning_sp.memory.formulas import activation_bytes_per_layer
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.testing.spawn import run_distributed
 
@@ -83,7 +84,7 @@ def _config(shape: BytesShape, sp: bool, policy: str) -> GPTConfig:
     return GPTConfig(
         vocab_size=shape.vocab, seq_length=shape.s, hidden_size=shape.h,
         num_layers=shape.layers, num_heads=shape.a, hidden_dropout=0.1,
-        attention_dropout=0.1, sequence_parallel=sp, recompute=policy,
+        attention_dropout=0.1, sequence_parallel=sp, recompute=RecomputePolicy.parse(policy),
     )  # fmt: skip
 
 

@@ -23,6 +23,7 @@ from benchmarks._format import ci, parser, save, table
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.checkpoint import Checkpointer, Meta
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.optim.adamw import build_adamw
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.grads import finalize_grads
@@ -34,13 +35,14 @@ SCHEDULES = ("none", "async", "sync")
 def _rank(rank: int, world_size: int, rounds: int, every: int, folder: str) -> dict:
     config = GPTConfig(vocab_size=257, seq_length=256, hidden_size=256, num_layers=4,
                        num_heads=8, hidden_dropout=0.0, attention_dropout=0.0,
-                       sequence_parallel=True, recompute="selective")  # fmt: skip
+                       sequence_parallel=True,
+                       recompute=RecomputePolicy.parse("selective"))  # fmt: skip
     state = ParallelState.from_process_group(2)
     model = GPT(config, state)
     optimizer = build_adamw(model, 1e-4, 0.1, (0.9, 0.95), 1e-8)
     tokens = torch.randint(0, 257, (8, 257), generator=torch.Generator().manual_seed(0))
     savers = {"async": Checkpointer(async_save=True), "sync": Checkpointer()}
-    meta = Meta(0, ParallelConfig(tensor_parallel_size=2, sequence_parallel=True), {})
+    meta = Meta(0, ParallelConfig(tensor_parallel_size=2), config.values())
 
     def step() -> None:
         optimizer.zero_grad()

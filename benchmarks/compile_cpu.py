@@ -27,6 +27,7 @@ from benchmarks._stats import median_ci
 from lightning_sp.model.compile import CompileOptions, compile_layers
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.parallel.state import ParallelState
 
 
@@ -54,7 +55,7 @@ SMOKE = CompileShape(s=32, b=2, h=32, layers=1, heads=2, policies=("none",), dro
 def measure_case(shape: CompileShape, recompute: str, dropout: float) -> dict[str, Any]:
     config = GPTConfig(
         vocab_size=shape.vocab, seq_length=shape.s, hidden_size=shape.h, num_layers=shape.layers,
-        num_heads=shape.heads, recompute=recompute, hidden_dropout=dropout,
+        num_heads=shape.heads, recompute=RecomputePolicy.parse(recompute), hidden_dropout=dropout,
         attention_dropout=dropout,
     )  # fmt: skip
     generator = torch.Generator().manual_seed(0)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from benchmarks._format import ci, fixed, parser, save, table
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.model.recompute import NO_RECOMPUTE
 from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.grads import average_data_parallel_grads, sum_context_parallel_grads
 from lightning_sp.testing.spawn import run_distributed
@@ -37,7 +38,7 @@ def _config(seq_length: int, hidden: int) -> GPTConfig:
     return GPTConfig(
         vocab_size=257, seq_length=seq_length, hidden_size=hidden, num_layers=4,
         num_heads=8, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=False,
-        recompute="none", attention="math",
+        recompute=NO_RECOMPUTE, attention="math",
     )  # fmt: skip
 
 

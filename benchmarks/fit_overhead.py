@@ -61,6 +61,7 @@ from benchmarks._format import add_out_argument, ci, command, out_dir, table, wr
 from benchmarks._stats import median_ci
 from lightning_sp.data import TextDataModule
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.optim.adamw import configure_adamw
 from lightning_sp.testing.host_reads import HostReads
 from lightning_sp.training.gpt_module import GPTModule
@@ -91,7 +92,8 @@ class FitShape:
     def config(self) -> GPTConfig:
         return GPTConfig(
             vocab_size=self.vocab, seq_length=self.s, hidden_size=self.h,
-            num_layers=self.layers, num_heads=self.heads, recompute=self.recompute,
+            num_layers=self.layers, num_heads=self.heads,
+            recompute=RecomputePolicy.parse(self.recompute),
             hidden_dropout=0.0, attention_dropout=0.0,
         )  # fmt: skip
 

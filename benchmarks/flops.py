@@ -33,6 +33,7 @@ from benchmarks.throughput import ThroughputShape, model_config
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.memory.fake import fake_world
 from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.testing.spawn import run_distributed
 
 POLICIES: tuple[str, ...] = ("none", "selective", "full")
@@ -122,7 +123,9 @@ def _count_all(rank: int, world_size: int, layer: LayerShape, model: ThroughputS
     layer_rows = _layer_rows(layer, 1, False) + _layer_rows(layer, layer.t, True)
     iteration = []
     for policy in POLICIES:
-        config = dataclasses.replace(model_config(model), recompute=policy, sequence_parallel=False)
+        config = dataclasses.replace(
+            model_config(model), recompute=RecomputePolicy.parse(policy), sequence_parallel=False
+        )
         forward, backward = _count_model(config, model.b)
         counted = forward + backward
         hardware = hardware_flops_per_iteration(config, model.b)

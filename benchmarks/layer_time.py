@@ -44,6 +44,7 @@ from benchmarks import _cpu, dtensor_gpt
 from benchmarks._format import ci, fixed, pct_ci, table
 from benchmarks._stats import median_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.testing.spawn import run_distributed
 
 POLICIES = ("none", "selective", "full")
@@ -89,7 +90,7 @@ def layer_config(
         vocab_size=128 * shape.t, seq_length=s or shape.s, hidden_size=shape.h, num_layers=1,
         num_heads=shape.a, hidden_dropout=0.1,
         attention_dropout=0.1 if s is None else 0.0, sequence_parallel=sp,
-        recompute=policy, attention=attention,
+        recompute=RecomputePolicy.parse(policy), attention=attention,
     )  # fmt: skip
 
 

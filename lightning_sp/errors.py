@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
+from collections.abc import Callable
 
 
 class ConfigError(ValueError):
@@ -21,6 +23,18 @@ def positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}={value!r} must be a positive integer")
     return value
+
+
+def finite_number(
+    name: str, value: object, valid: str, in_range: Callable[[float], bool] = lambda v: True
+) -> float:
+    """``value`` if it is a finite real number (``True``/``False`` are not) for which
+    ``in_range`` holds; else :class:`ConfigError` naming ``name``, the value and ``valid``
+    (the range in words: ``"in [0, 1)"``, ``"a finite number >= 0"``)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or not in_range(value):  # type: ignore[arg-type]
+        raise ConfigError(f"{name}={value!r} must be {valid}")
+    return float(value)  # type: ignore[arg-type]
 
 
 def divisors(n: int) -> list[int]:

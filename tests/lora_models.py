@@ -23,7 +23,7 @@ import torch
 from lightning_sp.interop.hf import load_hf_weights
 from lightning_sp.interop.hf_types import model_type_for
 from lightning_sp.interop.peft import hf_modules, peft_name
-from lightning_sp.model import ops
+from lightning_sp.model import ops, qk_norm
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
 from lightning_sp.model.lora import LoRAConfig, apply_lora, lora_parameters
@@ -44,15 +44,30 @@ def _wide_hf_norm(self: Any, hidden: torch.Tensor) -> torch.Tensor:
     return _wide_rms(hidden, self.weight, self.variance_epsilon)
 
 
+def _wide_qk_norm(
+    qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float, per_head: bool,
+    *rest: Any,
+) -> torch.Tensor:  # fmt: skip
+    """Qwen3's per-head query/key norm on ``[s, b, G, r + 2, d]`` in the input's dtype."""
+    assert per_head, "wide_norms widens the per-head (Qwen3) query/key norm only"
+    r = qkv.shape[3] - 2
+    q, k, v = qkv[:, :, :, :r], qkv[:, :, :, r : r + 1], qkv[:, :, :, r + 1 :]
+    return torch.cat([_wide_rms(q, wq, eps), _wide_rms(k, wk, eps), v], dim=3)
+
+
 @contextmanager
 def wide_norms() -> Iterator[None]:
-    """Inside: our RMSNorm is float64 throughout for float64 inputs (plain autograd)."""
-    saved = ops._RMSNorm.apply
+    """Inside: our RMSNorm, and Qwen3's per-head query/key norm (fp32 statistics as
+    transformers' ``Qwen3RMSNorm``), are float64 throughout for float64 inputs (plain
+    autograd)."""
+    saved, saved_qk = ops._RMSNorm.apply, qk_norm._QKNorm.apply
     ops._RMSNorm.apply = staticmethod(_wide_rms)  # type: ignore[method-assign]
+    qk_norm._QKNorm.apply = staticmethod(_wide_qk_norm)  # type: ignore[method-assign]
     try:
         yield
     finally:
         ops._RMSNorm.apply = saved  # type: ignore[method-assign]
+        qk_norm._QKNorm.apply = saved_qk  # type: ignore[method-assign]
 
 
 def widen_hf_norms(model: Any) -> None:
@@ -75,18 +90,34 @@ def full_adapters(config: GPTConfig, lora: LoRAConfig, seed: int = 5) -> dict[st
 
 
 def peft_reference(
-    directory: Path, config: GPTConfig, adapters: dict[str, torch.Tensor], wide: bool
+    directory: Path,
+    config: GPTConfig,
+    adapters: dict[str, torch.Tensor],
+    wide: bool,
+    lora: LoRAConfig = LORA,
+    targets: list[str] | None = None,
+    prepare: Any = None,
 ) -> dict[str, Any]:
-    """``peft`` on the saved Llama with ``adapters``: logits, loss, and every adapter's
-    gradient by our global name (float64; ``wide``: float64 norms)."""
+    """``peft`` on the saved model (Llama, or any family ``config`` reads) with ``adapters``
+    (``lora``'s settings on the Hugging Face linears ``targets``, default every one of
+    Llama's): logits, loss, and every adapter's gradient by our global name (float64;
+    ``wide``: float64 norms; an MoE model's experts run transformers' eager loop, as
+    ``torch._grouped_mm`` refuses float64; ``prepare(model)``: a last change to the
+    transformers model, e.g. a wider router)."""
     import peft
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="sdpa")
+    hf.config._experts_implementation = "eager"
     hf = hf.double().eval()
     if wide:
         widen_hf_norms(hf)
-    settings = peft.LoraConfig(r=LORA.r, lora_alpha=LORA.lora_alpha, target_modules=HF_TARGETS)
+    if prepare is not None:
+        prepare(hf)
+    settings = peft.LoraConfig(
+        r=lora.r, lora_alpha=lora.lora_alpha, target_modules=targets or HF_TARGETS,
+        use_rslora=lora.use_rslora,
+    )  # fmt: skip
     model = peft.get_peft_model(hf, settings).double()
     modules = hf_modules(model_type_for(config), config)
     theirs = dict(model.named_parameters())
@@ -111,13 +142,14 @@ def adapted_shard(
     directory: str,
     adapters: dict[str, torch.Tensor],
     model: Any = None,
+    lora: LoRAConfig = LORA,
 ) -> list[GPT]:
-    """Our chunks (``model``'s, or one GPT) loaded from ``directory``, adapted, their adapter
-    shards set to their slices of ``adapters``."""
+    """Our chunks (``model``'s, or one GPT) loaded from ``directory``, adapted with ``lora``,
+    their adapter shards set to their slices of ``adapters``."""
     chunks = list(model.chunks) if model is not None else [GPT(config, state, dtype=torch.float64)]
     for chunk in chunks:
         load_hf_weights(chunk, directory)
-        apply_lora(chunk, LORA)
+        apply_lora(chunk, lora)
         with torch.no_grad():
             for name, param in lora_parameters(chunk).items():
                 param.copy_(local_slice(param, adapters[chunk.global_name(name)]))

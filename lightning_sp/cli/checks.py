@@ -171,6 +171,8 @@ def check_fit_config(config: Any, subcommand: str | None = None) -> None:
     args = _strategy_init_args(trainer.strategy)
     model_config = GPTConfig.from_values(config.model.config)  # nested mappings as records
     layout = ParallelConfig()  # another strategy: data parallelism, the whole model per rank
+    if subcommand in (None, "fit") and model_config.moe is not None:
+        model_config.moe.check_trainable()
     if args is not None:
         layout = check_strategy_args(**args)
         check_precision(trainer.precision)
@@ -178,7 +180,6 @@ def check_fit_config(config: Any, subcommand: str | None = None) -> None:
         devices = device_count(trainer.devices, trainer.accelerator)
         if devices > 0:
             layout = layout.for_world_size(devices * int(trainer.num_nodes or 1))
-            layout = layout.with_sequence_parallel(model_config.sequence_parallel)
     check_model_layout(model_config, layout)  # the one check of the model against the layout
     check_optimizer(config.model.optimizer)
     ckpt_path = getattr(config, "ckpt_path", None)

@@ -31,10 +31,12 @@ from lightning_sp.cli.fit import GPTCLI
 from lightning_sp.data import TextDataModule
 from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.lora import LoRAConfig
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.cluster import load_cluster
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.layout import Layout, PlannerOptions, parse_bytes
+from lightning_sp.planner.lora import format_lora, lora_estimate
 from lightning_sp.planner.report import (
     _candidate_json,
     check_plot_path,
@@ -214,6 +216,10 @@ class FitLayoutCLI(LightningCLI):
     options: PlannerOptions
     """The planner's own options."""
 
+    lora: LoRAConfig | None = None
+    """``model.lora``: the run trains adapters on a frozen base (priced next to its full
+    fine-tune, :mod:`lightning_sp.planner.lora`)."""
+
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         super().add_arguments_to_parser(parser)
@@ -257,6 +263,7 @@ class FitLayoutCLI(LightningCLI):
             reset_position_ids=bool(data.get("reset_position_ids")) or chat,
         )
         self.options = planner_options(parsed)
+        self.lora = getattr(built.model, "lora", None)
 
 
 class EstimateCLI(FitLayoutCLI, GPTCLI):
@@ -301,6 +308,9 @@ def main(read: Callable[[list[str]], FitLayoutCLI], argv: list[str]) -> int:
             print(result.choice.describe(), file=sys.stderr)
     else:
         print(format_table(result))
+        lora = getattr(parsed, "lora", None)
+        if lora is not None:
+            print(format_lora(lora_estimate(parsed.layout, lora, cluster)))
     if options.plot:
         plot_ladder(result, options.plot)
         if options.format == "table":

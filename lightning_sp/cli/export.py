@@ -33,13 +33,13 @@ from lightning_sp.data import BYTE_EOS_ID, EOS_TOKENS
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf_export import save_hf
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.recompute import NO_RECOMPUTE
 
 
 def _config(fields: dict[str, Any]) -> GPTConfig:
-    config = GPTConfig.from_values(fields)
-    if config.recompute == "auto":  # recompute does not change the weights
-        config = dataclasses.replace(config, recompute="none")
-    return config
+    """The checkpoint's config, as export builds it: without recomputation (which does not
+    change the weights; ``auto`` is resolved per device at run time)."""
+    return dataclasses.replace(GPTConfig.from_values(fields), recompute=NO_RECOMPUTE)
 
 
 @dataclasses.dataclass
@@ -72,7 +72,7 @@ def open_checkpoint(path: str | Path) -> CheckpointModel:
             raise ConfigError(f"ckpt_path={str(path)!r} holds no GPTModule hyper-parameters")
         return CheckpointModel(path, _config(fields), {}, saved.get("vocabulary", {}))
     meta, metadata = verify(path)  # one line if missing, incomplete or corrupt
-    config = _config(dataclasses.asdict(saved_config(meta)))
+    config = _config(saved_config(meta).values())
     check_architecture(metadata, meta, config)  # a tensor this model lacks: one line
     data = path.resolve()
     lightning: dict[str, Any] = {"lightning": None}  # Lightning's state: the vocabulary record

@@ -18,8 +18,33 @@ import re
 import sys
 from typing import NoReturn
 
+from jsonargparse.typing import register_type
 from lightning.pytorch.cli import LightningArgumentParser
 from typing_extensions import override
+
+from lightning_sp.errors import ConfigError
+from lightning_sp.model.recompute import RecomputePolicy
+from lightning_sp.training.checks import MOVED_STRATEGY_ARGS, moved_strategy_arg
+from lightning_sp.training.strategy import MegatronSPStrategy
+
+
+def _policy(value: object) -> object:
+    """A config file's ``recompute`` as the policy it names; a value that names none is kept
+    as given, for the config's own construction to refuse in one line (jsonargparse would
+    wrap the error in several)."""
+    try:
+        return RecomputePolicy.parse(value)
+    except ConfigError:
+        return value
+
+
+register_type(
+    RecomputePolicy,
+    serializer=lambda p: p.value if isinstance(p, RecomputePolicy) else p,
+    deserializer=_policy,
+)
+"""``model.config.recompute`` / ``recompute_rest`` are written as a preset or a list of modules
+(their YAML spelling) and parsed once, into the policy the config holds."""
 
 _UNKNOWN = (
     re.compile(r"does not accept option '([^']+)'"),
@@ -66,6 +91,8 @@ def unknown_class_key(message: str) -> str | None:
     module, _, name = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
+        if key in MOVED_STRATEGY_ARGS and issubclass(cls, MegatronSPStrategy):
+            return moved_strategy_arg(key)  # it lives elsewhere now: say where
         valid = [
             p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")
         ]

@@ -56,6 +56,7 @@ from lightning_sp.interop.hf_types import HFModelType, hf_model_type
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
 from lightning_sp.model.parts.weights import ExpertWeightMap, WeightMap
+from lightning_sp.model.recompute import NO_RECOMPUTE
 from lightning_sp.parallel.init import ExpertSlice
 from lightning_sp.parallel.state import ParallelState
 
@@ -107,7 +108,7 @@ def _mapping(
 def full_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Our global parameter names and full shapes, vocabulary padding removed (a one-process
     model of ``config`` built on the ``meta`` device: nothing is allocated)."""
-    meta_config = dataclasses.replace(config, recompute="none", sequence_parallel=False)
+    meta_config = dataclasses.replace(config, recompute=NO_RECOMPUTE, sequence_parallel=False)
     model = GPT(meta_config, ParallelState.single(), device="meta")
     shapes = {}
     for name, param in model.named_parameters():

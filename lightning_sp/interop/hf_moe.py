@@ -50,25 +50,11 @@ from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.moe.config import MoEConfig
 
 
-def moe_structure(moe: MoEConfig | None) -> MoEConfig | None:
-    """What of an MoE config a checkpoint fixes (experts, top-k, width, scores, shared
-    experts, the choice bias); the training-only settings back at their defaults."""
-    if moe is None:
-        return None
-    return dataclasses.replace(
-        moe,
-        aux_loss_coef=0.0,
-        z_loss_coef=0.0,
-        capacity_factor=None,
-        force_balanced=False,
-        bias_update_rate=MoEConfig.bias_update_rate,
-        router_dtype="fp32",
-    )
-
-
 def _moe_field(width: str, normalize: Callable[[Mapping[str, Any]], bool]) -> ConfigField:
     """Our ``moe`` from ``num_local_experts`` / ``num_experts``, ``num_experts_per_tok`` and
-    the expert width key ``width``; compared by :func:`moe_structure`."""
+    the expert width key ``width``; compared as the MoE shape (:attr:`MoEConfig.
+    architecture`; the training settings, no part of a checkpoint, at their defaults on both
+    sides)."""
 
     def read(hf: Mapping[str, Any]) -> MoEConfig:
         return MoEConfig(
@@ -78,7 +64,11 @@ def _moe_field(width: str, normalize: Callable[[Mapping[str, Any]], bool]) -> Co
             normalize_top_k=normalize(hf),
         )
 
-    return ConfigField("moe", read=read, value=lambda c: moe_structure(c.moe))
+    def shape(config: GPTConfig) -> MoEConfig | None:
+        moe = config.moe
+        return None if moe is None else MoEConfig(**dataclasses.asdict(moe.architecture))
+
+    return ConfigField("moe", read=read, value=shape)
 
 
 def _moe_keys(experts_key: str, width: str, normalize_key: str | None) -> Callable:

@@ -2,7 +2,8 @@
 (:func:`check_config`, which :meth:`GPTConfig.validate` runs) and, in the one function
 :func:`check_model_layout`, the model against a layout (the layout's sizes dividing what they
 split), each failure one :class:`ConfigError` line naming the field, the value and what is
-valid. The model and its MoE layer are built trusting them."""
+valid. The model and its MoE layer are built trusting them; the recompute policies and the
+float settings are checked when the config is built."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from lightning_sp.model.cores import check_attention
 from lightning_sp.model.ops import ROPE_TYPES, RopeScaling
 from lightning_sp.model.parts.block import FEED_FORWARDS, PLACEMENTS
 from lightning_sp.model.qk_norm import QK_NORMS
-from lightning_sp.model.recompute import parse_recompute, parse_rest
 from lightning_sp.model.spec import ACTIVATIONS, NORMS, POSITIONS
 from lightning_sp.parallel.config import ParallelConfig
 
@@ -67,8 +67,6 @@ def check_config(config: Any) -> None:
     alone, whatever the layout (:func:`check_model_layout` adds the layout)."""
     for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_heads"):
         positive_int(name, getattr(config, name))
-    parse_recompute(config.recompute)
-    parse_rest(config.recompute_rest)
     check_attention(config.attention)
     for name, registry, what in (
         ("activation", ACTIVATIONS, "an activation"),
@@ -120,10 +118,6 @@ def check_config(config: Any) -> None:
         raise ConfigError(
             f"recompute_num_layers={config.recompute_num_layers} must be >= 0 or null"
         )
-    for name in ("hidden_dropout", "attention_dropout"):
-        value = getattr(config, name)
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"{name}={value!r} must be in [0, 1)")
     if config.kv_channels is None and config.hidden_size % config.num_heads:
         raise ConfigError(
             f"hidden_size={config.hidden_size} is not divisible by num_heads={config.num_heads}; "
@@ -136,7 +130,7 @@ def check_config(config: Any) -> None:
             f"num_heads={config.num_heads} (one of {divisors(config.num_heads)}), or null for "
             "multi-head attention"
         )
-    _check_rope(config.rope_theta, config.rope_scaling)
+    _check_rope(config.rope_scaling)
     if config.num_heads % g:
         raise ConfigError(
             f"num_query_groups={g} does not divide num_heads={config.num_heads}; "
@@ -149,11 +143,10 @@ def check_config(config: Any) -> None:
         )
 
 
-def _check_rope(theta: float, scaling: RopeScaling | None) -> None:
-    """``rope_theta`` > 0 and finite; ``rope_scaling``'s factors positive, ``high_freq_factor``
-    above ``low_freq_factor`` (their difference divides) and its context a positive integer."""
-    if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0 < theta < math.inf:
-        raise ConfigError(f"rope_theta={theta!r} must be a positive number (Llama 3: 500000)")
+def _check_rope(scaling: RopeScaling | None) -> None:
+    """``rope_scaling``'s factors positive, ``high_freq_factor`` above ``low_freq_factor``
+    (their difference divides) and its context a positive integer (``rope_theta`` and the
+    other floats: the config records' own construction)."""
     if scaling is None:
         return
     for name in ("factor", "low_freq_factor", "high_freq_factor"):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,6 +27,7 @@ from torch import Tensor, nn
 from lightning_sp.errors import ConfigError
 from lightning_sp.model.parts.attention import HF_ATTENTION
 from lightning_sp.model.parts.dense import HF_MLP
+from lightning_sp.model.shape import ActivationShape, AdapterShape
 from lightning_sp.parallel.init import initialize_parameter
 from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lightning_sp.parallel.lora import Kind, LoRA
@@ -176,12 +179,30 @@ def check_lora(config: LoRAConfig, model: GPTConfig) -> list[str]:
     target names a linear of ``model``'s layers (a one-layer model on the ``meta`` device
     answers). Returns the adapted linears' paths under a layer."""
     from lightning_sp.model.gpt import GPT
+    from lightning_sp.model.recompute import NO_RECOMPUTE
     from lightning_sp.parallel.state import ParallelState
 
     config.validate()
-    one = dataclasses.replace(model, num_layers=1, recompute="none", sequence_parallel=False)
+    one = dataclasses.replace(model, num_layers=1, recompute=NO_RECOMPUTE, sequence_parallel=False)
     layer = GPT(one, ParallelState.single(), device="meta").layers[0]
     return resolve_targets(list(config.target_modules), list(adaptable_linears(layer)))
+
+
+def adapter_shape(config: LoRAConfig, model: GPTConfig) -> AdapterShape:
+    """The record the memory formulas read for ``config``'s adapters on ``model``'s layers
+    (``ActivationShape.lora``; checked as :func:`check_lora` checks)."""
+    targets = frozenset(check_lora(config, model))
+    return AdapterShape(config.r, targets, config.lora_dropout > 0)
+
+
+def with_adapters(
+    shape: ActivationShape, config: LoRAConfig | None, model: GPTConfig
+) -> ActivationShape:
+    """``shape`` with ``config``'s adapters (``shape`` itself for ``config=None``: a full
+    fine-tune)."""
+    if config is None:
+        return shape
+    return dataclasses.replace(shape, lora=adapter_shape(config, model))
 
 
 def _require_input_grad(module: nn.Module, inputs: object, output: Tensor) -> Tensor:
@@ -228,3 +249,22 @@ def apply_lora(model: GPT, config: LoRAConfig) -> list[str]:
 def lora_parameters(model: nn.Module) -> dict[str, Tensor]:
     """The adapters' parameters of ``model`` by name (what a LoRA run trains and saves)."""
     return {n: p for n, p in model.named_parameters() if getattr(p, "lora", False)}
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside: every linear of ``model`` runs without its LoRA adapter, i.e. the frozen base
+    (``peft``'s ``disable_adapter()``): a DPO reference with no second copy of the weights.
+    The adapters are detached from their linears and put back on exit, untouched."""
+    held = [
+        (linear, linear.lora)
+        for linear in model.modules()
+        if isinstance(linear, ColumnParallelLinear | RowParallelLinear) and linear.lora is not None
+    ]
+    for linear, _ in held:
+        linear.lora = None
+    try:
+        yield
+    finally:
+        for linear, adapter in held:
+            linear.lora = adapter

@@ -94,7 +94,9 @@ class _ColumnParallelFn(torch.autograd.Function):
               ``norm``, the norm is recomputed from x (with a graph) and back-propagated.
     saves:    x as given (the local shard under sequence parallelism, the norm's *input* with
               ``norm``), the norm's weight and bias, and the weights; with adapters their
-              low-rank activation ``[s, b, Σr]`` and dropout masks.
+              low-rank activation ``[s, b, Σr]`` and dropout masks. A frozen linear (no weight
+              needing a gradient) without adapters and without ``norm`` keeps no ``x``, as
+              autograd's own linear does: its input gradient needs only ``W``.
     """
 
     @staticmethod
@@ -135,7 +137,14 @@ class _ColumnParallelFn(torch.autograd.Function):
             blocks = column_b_blocks(adapters, [w.shape[0] for w in weights], adapted[0].scaling)
             out = out + torch.matmul(low, interleave(blocks, groups).t())
             saved = [low, *masks]
-        ctx.save_for_backward(x, norm_weight, norm_bias, *saved, *weights)
+        first = 9  # the index of the first weight among forward's inputs
+        needs_x = (
+            norm is not None
+            or adapters is not None
+            or any(ctx.needs_input_grad[first + 2 * i] for i in range(len(weights)))
+        )  # a frozen linear without adapters needs only W for the input gradient
+        kept = x if needs_x else None
+        ctx.save_for_backward(kept, norm_weight, norm_bias, *saved, *weights)
         return out
 
     @staticmethod

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.config_checks import check_model_layout
-from lightning_sp.parallel.config import ParallelConfig, resolve_sequence_parallel
+from lightning_sp.model.recompute import RecomputePolicy
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.pipeline import check_pipeline
 
 DEFAULT_DEVICE_BYTES = 80e9
@@ -30,7 +31,7 @@ class Layout(ParallelConfig):
 
     config: GPTConfig
     """The model; its ``recompute`` is as configured (``auto`` included) and its
-    ``sequence_parallel`` is the layout's."""
+    ``sequence_parallel`` is the run's (the one home of that setting)."""
 
     micro_batch_size: int = 1
     """b, samples per micro-batch."""
@@ -57,15 +58,9 @@ class Layout(ParallelConfig):
     source: str = "<layout>"
     """Where the layout was read from, for messages."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        sp = resolve_sequence_parallel(self.sequence_parallel, self.config.sequence_parallel)
-        object.__setattr__(self, "sequence_parallel", sp)  # frozen: decided once, here
-
     @property
-    def recompute(self) -> str | list[str]:
-        """The recompute policy as configured (``auto`` included; a list of modules is kept as
-        given)."""
+    def recompute(self) -> RecomputePolicy:
+        """The recompute policy as configured (``auto`` included)."""
         return self.config.recompute
 
     @property
@@ -119,7 +114,7 @@ class Layout(ParallelConfig):
         """The context-parallel sizes ``fit`` accepts for this sequence, t and SP setting
         (:func:`lightning_sp.training.checks.check_context_sequence`): 1, and each ``c`` with
         ``2c`` dividing ``s`` (with SP at ``t > 1``, ``lcm(2c, c·t)``)."""
-        s, sp, t = self.config.seq_length, bool(self.sequence_parallel), self.tensor_parallel_size
+        s, sp, t = self.config.seq_length, self.config.sequence_parallel, self.tensor_parallel_size
 
         def divisor(c: int) -> int:
             return ParallelConfig(tensor_parallel_size=t, context_parallel_size=c).sequence_divisor(
@@ -136,9 +131,9 @@ class Layout(ParallelConfig):
     def with_policy(
         self,
         sequence_parallel: bool,
-        recompute: str,
+        recompute: str | RecomputePolicy,
         recompute_num_layers: int | None = None,
-        recompute_rest: str | None = None,
+        recompute_rest: str | RecomputePolicy | None = None,
     ) -> GPTConfig:
         """The model config for one ``(sequence_parallel, recompute)`` combination; with
         ``recompute_num_layers``, the other layers run ``recompute_rest`` (``None``: as
@@ -147,9 +142,9 @@ class Layout(ParallelConfig):
         return dataclasses.replace(
             self.config,
             sequence_parallel=sequence_parallel,
-            recompute=recompute,
+            recompute=RecomputePolicy.parse(recompute),
             recompute_num_layers=recompute_num_layers,
-            recompute_rest=rest,
+            recompute_rest=RecomputePolicy.parse(rest, "recompute_rest", rest=True),
         )
 
 

@@ -61,6 +61,8 @@ from lightning_sp.training.checks import (
     check_vocabulary,
     vocabulary_identity,
 )
+from lightning_sp.training.dpo import PreferenceSteps, check_dpo
+from lightning_sp.training.preference import DPOConfig
 from lightning_sp.training.protocol import Batched, BucketsGradients
 
 _DEFAULT_MODEL = GPTConfig()
@@ -74,7 +76,7 @@ class GPTModule(LightningModule):
 
     Args:
         config: The model (``lightning_sp.GPTConfig``). Its ``sequence_parallel`` is the
-            run's; the strategy's ``sequence_parallel``, if given, must agree.
+            run's, and the one place it is set.
         optimizer: AdamW and learning-rate schedule settings.
         init_from: A local Hugging Face directory of a GPT-2 or Llama model (``config.json``
             + ``model.safetensors``, or shards with ``model.safetensors.index.json``) to start
@@ -95,6 +97,10 @@ class GPTModule(LightningModule):
         lora: Train LoRA adapters (``peft``'s settings: :class:`~lightning_sp.model.lora.
             LoRAConfig`) on the linears it names, the base frozen (no gradients, no optimizer
             state, no weight-gradient GEMMs), in any layout; ``None``: train every weight.
+        dpo: Train on preference pairs with Direct Preference Optimization (TRL's losses and
+            metrics, the reference as :class:`~lightning_sp.training.preference.DPOConfig`
+            says: :mod:`lightning_sp.training.dpo`); the data must be preference data.
+            ``None``: next-token training.
     """
 
     def __init__(
@@ -105,9 +111,11 @@ class GPTModule(LightningModule):
         compile_layers: bool = False,
         generation: GenerationConfig = _DEFAULT_GENERATION,
         lora: LoRAConfig | None = None,
+        dpo: DPOConfig | None = None,
         compile_options: CompileOptions = _DEFAULT_COMPILE,
     ) -> None:
         super().__init__()
+        self.dpo = dataclasses.replace(dpo) if dpo is not None else None
         self.lora = dataclasses.replace(lora) if lora is not None else None
         self.compile_layers = compile_layers
         self.compile_options = dataclasses.replace(compile_options)
@@ -123,6 +131,10 @@ class GPTModule(LightningModule):
         self.generation.validate()
         if self.lora is not None:
             check_lora(self.lora, self.config)
+        self._preference: PreferenceSteps | None = None  # a DPO run's steps
+        if self.dpo is not None:
+            check_dpo(self.dpo, self.config, self.lora is not None)
+            self._preference = PreferenceSteps(self.dpo, self.lora is not None)
         self._save_hyperparameters()
         self.pipeline: Pipeline | None = None  # this rank's model chunks (one when p = 1)
         self._parallel: tuple[ParallelState, ParallelConfig] | None = None  # pushed by megatron_sp
@@ -136,11 +148,12 @@ class GPTModule(LightningModule):
         run (``recompute: auto`` appears resolved once ``configure_model`` has resolved it)."""
         self.save_hyperparameters(
             {
-                "config": dataclasses.asdict(self.config),
+                "config": self.config.values(),
                 "optimizer": dataclasses.asdict(self.optimizer_config),
                 "init_from": self.init_from,
                 "compile_layers": self.compile_layers,
                 "lora": dataclasses.asdict(self.lora) if self.lora is not None else None,
+                "dpo": dataclasses.asdict(self.dpo) if self.dpo is not None else None,
                 "compile_options": dataclasses.asdict(self.compile_options),
             }
         )
@@ -153,11 +166,6 @@ class GPTModule(LightningModule):
     supports_context_parallel = True
     """The strategy may run this module with ``context_parallel_size > 1`` (each CP rank
     keeps its chunks of every batch)."""
-
-    @property
-    def sequence_parallel(self) -> bool:
-        """``config.sequence_parallel`` (the ``ParallelModule`` protocol)."""
-        return self.config.sequence_parallel
 
     def setup_parallel(self, state: ParallelState, config: ParallelConfig) -> None:
         """Receive this rank's state and the run's layout from the strategy (the
@@ -186,7 +194,7 @@ class GPTModule(LightningModule):
         """The layout the strategy pushed, else one process (every size 1)."""
         if self._parallel is not None:
             return self._parallel[1]
-        return ParallelConfig(sequence_parallel=self.config.sequence_parallel)
+        return ParallelConfig()
 
     @property
     def chunks(self) -> list[GPT]:
@@ -202,7 +210,7 @@ class GPTModule(LightningModule):
         check_model_layout(config, layout)  # the one check of the model against the layout
         if self.compile_layers and self.compile_options.backend == "inductor":
             check_compile(state)
-        if config.recompute == "auto":  # the planner's fastest recomputation that fits
+        if config.recompute.auto:  # the planner's fastest recomputation that fits
             from lightning_sp.planner.estimate import auto_recompute_config
 
             per_step = self._batch_size() or layout.num_microbatches
@@ -236,6 +244,8 @@ class GPTModule(LightningModule):
             rank_zero_warn(COMPILED_MEMORY_WARNING)
             for chunk in self.pipeline.chunks:
                 compile_layers(chunk.layers, self.compile_options)
+        if self._preference is not None:
+            self._preference.configure(config, self.pipeline, self.init_from)
 
     def _batch_size(self) -> int | None:
         """Samples per step per data-parallel rank, if the data module states it."""
@@ -266,14 +276,18 @@ class GPTModule(LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        if self._preference is not None:  # DPO: the step's mean over pairs
+            if self._token_mean is None or batch_idx % self.trainer.accumulate_grad_batches == 0:
+                self._token_mean = TokenMean(self.parallel_state)  # a new step
+            model, mean = self.stage_model(), self._token_mean
+            return self._preference.training_step(model, batch, mean, self._zero_grad)
         loss = self._loss(batch, train=True)
         if "loss_mask" in batch:  # logged with the step's token mean (on_before_optimizer_step)
             if self._token_mean is None or batch_idx % self.trainer.accumulate_grad_batches == 0:
                 self._token_mean = TokenMean(self.parallel_state)  # a new step
             self._token_mean.add(labels_of(batch), loss)
             return loss
-        # not prog_bar: Lightning would read it to a number every step (a host-device sync on
-        # a GPU); lightning_sp.ProgressBar reads it on its refresh steps only
+        # not prog_bar (a host read every step): lightning_sp.ProgressBar reads it when it refreshes
         self.log("train/loss", replica_mean(loss, self.parallel_state))
         return loss
 
@@ -299,6 +313,12 @@ class GPTModule(LightningModule):
         if not self.stage_model().runs_backward:
             super().backward(loss, *args, **kwargs)
 
+    def _zero_grad(self) -> None:
+        """Zero the gradients now (before a pipeline schedule runs backward in a step)."""
+        optimizer = self.optimizers()
+        assert not isinstance(optimizer, list)  # configure_optimizers returns one
+        optimizer.zero_grad()
+
     @override
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Optimizer) -> None:
         """Lightning zeroes gradients between ``training_step`` and ``backward``; under
@@ -318,6 +338,9 @@ class GPTModule(LightningModule):
         model = self.stage_model()
         for name, value in step_metrics(model, model.state, self.config).items():
             self.log(f"train/{name}", value.float())
+        if self._preference is not None:  # TRL's names: train/rewards/chosen, ...
+            for name, mean in self._preference.step_metrics(model.state).items():
+                self.log(f"train/{name}", mean)
         if self._token_mean is None:
             return
         accumulation = 1 if model.runs_backward else self.trainer.accumulate_grad_batches
@@ -327,6 +350,8 @@ class GPTModule(LightningModule):
 
     @override
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        if self._preference is not None:
+            return self._preference.validation_step(self.stage_model(), batch)
         loss = self._loss(batch, train=False)
         if "loss_mask" not in batch:
             self.val_loss.update(loss)
@@ -354,6 +379,10 @@ class GPTModule(LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
+        if self._preference is not None:  # val/loss and TRL's names: val/rewards/accuracies, ...
+            for name, mean in self._preference.validation_metrics(self.parallel_state).items():
+                self.log(f"val/{name}", mean, prog_bar=name in ("loss", "rewards/accuracies"))
+            return
         loss = self.val_loss.compute()
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True)
@@ -400,6 +429,13 @@ class GPTModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rng_streams"] = self.stage_model().rng_state_dict()
         checkpoint["vocabulary"] = self._vocabulary_identity()
+
+    @override
+    def on_fit_start(self) -> None:
+        """A mixture of experts routing force-balanced (a measurement switch) is not trained:
+        one line (the CLI refuses it before launch)."""
+        if self.config.moe is not None:
+            self.config.moe.check_trainable()
 
     @override
     def on_train_start(self) -> None:

@@ -43,7 +43,7 @@ these terms are exact to the byte at t = 1, 2 (SP) and e = 1, 2, 4
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -60,6 +60,7 @@ from lightning_sp.model.parts.base import (
     Gemm,
     MemoryOp,
     Part,
+    PartLinear,
     StepTotals,
     Terms,
     activation_op,
@@ -116,7 +117,7 @@ class MoEFeedForward(Part):
         return MoE(
             c.hidden_size, self.config, ctx.state, sequence_parallel=c.sequence_parallel,
             init_std=c.init_std, output_init_std=c.output_init_std,
-            recompute_act="mlp_act" in ctx.active, **ctx.kwargs,
+            recompute_act=ctx.recomputes("mlp_act"), **ctx.kwargs,
         )  # fmt: skip
 
     def step_totals(self) -> StepTotals:
@@ -166,8 +167,8 @@ class MoEFeedForward(Part):
         rows = -(-cfg.top_k * mine * x.e * x.etp // cfg.num_experts)  # per expert (fullest's)
         gemms = [
             Gemm("router", mine, cfg.num_experts, h),
-            Gemm("expert_gate_up", rows, 2 * f, h, batch=local),
-            Gemm("expert_down", rows, h, f, batch=local),
+            Gemm("expert_gate_up", rows, 2 * f, h, batch=local, routed=True),
+            Gemm("expert_down", rows, h, f, batch=local, routed=True),
         ]
         if cfg.num_shared_experts:
             fs = cfg.shared_ffn_size // x.t
@@ -179,6 +180,23 @@ class MoEFeedForward(Part):
 
     def input_gemms(self) -> tuple[str, ...]:
         return ("shared_gate_up",) if self.config.num_shared_experts else ()
+
+    def linears(self, x: ActivationShape) -> tuple[PartLinear, ...]:
+        """Its linears, none of which takes a LoRA adapter: frozen with the base, the router
+        and the shared experts' input projections keep no ``moe_input``, the experts no
+        ``expert_input`` nor ``expert_down_input``, the shared experts' down projection no
+        ``shared_down_input`` (what stays: the activations' inputs, the router's outputs,
+        the indices and the combine)."""
+        cfg, h, f = self.config, x.h, self.config.expert_ffn_size
+        rows = [
+            PartLinear("router", "column", h, cfg.num_experts, "moe_input"),
+            PartLinear("experts.gate_up", "column", h, 2 * f, "expert_input"),
+            PartLinear("experts.down", "row", f, h, "expert_down_input"),
+        ]
+        if cfg.num_shared_experts:
+            fs = cfg.shared_ffn_size
+            rows.append(PartLinear("shared.fc2", "row", fs, h, "shared_down_input"))
+        return tuple(rows)
 
     def memory_ops(self, x: ActivationShape) -> list[MemoryOp]:
         """The layer's memory-bound kernels on one rank at balance, ``N = k·T_local`` rows
@@ -214,9 +232,12 @@ class MoEFeedForward(Part):
         dispatch = 2 * rows * passes + regroup
         combine = 2 * rows * passes + 3 * rows + a * mine * x.h + regroup
         ops = [
-            activation_op("expert_act", n * x.etp * cfg.expert_ffn_size, 2, x.etp),
-            MemoryOp("expert_dispatch", dispatch, dispatch),
-            MemoryOp("expert_combine", combine, combine),
+            replace(
+                activation_op("expert_act", n * x.etp * cfg.expert_ffn_size, 2, x.etp),
+                routed=True,
+            ),
+            MemoryOp("expert_dispatch", dispatch, dispatch, routed=True),
+            MemoryOp("expert_combine", combine, combine, routed=True),
         ]
         if cfg.num_shared_experts:
             ops.append(activation_op("shared_act", tokens(x) * cfg.shared_ffn_size, 2, x.t))
