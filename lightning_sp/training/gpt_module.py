@@ -50,7 +50,12 @@ from lightning_sp.parallel.grads import clip_grad_norm_
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.pipeline.token_mean import TokenMean, counted_tokens
-from lightning_sp.training.batches import labels_of, replica_mean, step_inputs
+from lightning_sp.training.batches import (
+    labels_of,
+    replica_mean,
+    scale_auxiliary_losses_to_token_mean,
+    step_inputs,
+)
 from lightning_sp.training.checks import (
     COMPILED_MEMORY_WARNING,
     check_compile,
@@ -281,10 +286,16 @@ class GPTModule(LightningModule):
                 self._token_mean = TokenMean(self.parallel_state)  # a new step
             model, mean = self.stage_model(), self._token_mean
             return self._preference.training_step(model, batch, mean, self._zero_grad)
+        masked = "loss_mask" in batch  # logged with the step's token mean
+        if masked and (
+            self._token_mean is None or batch_idx % self.trainer.accumulate_grad_batches == 0
+        ):
+            self._token_mean = TokenMean(self.parallel_state)  # a new step
+            accumulate = self.trainer.accumulate_grad_batches
+            scale_auxiliary_losses_to_token_mean(self.stage_model(), labels_of(batch), accumulate)
         loss = self._loss(batch, train=True)
-        if "loss_mask" in batch:  # logged with the step's token mean (on_before_optimizer_step)
-            if self._token_mean is None or batch_idx % self.trainer.accumulate_grad_batches == 0:
-                self._token_mean = TokenMean(self.parallel_state)  # a new step
+        if masked:
+            assert self._token_mean is not None
             self._token_mean.add(labels_of(batch), loss)
             return loss
         # not prog_bar (a host read every step): lightning_sp.ProgressBar reads it when it refreshes
