@@ -273,7 +273,10 @@ def test_search_175b_on_1024_gpus_ranks_the_papers_layout_high(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``estimate --search`` for GPT-3 175B on 1024 A100s (global batch 1024): a ranked table
-    of layouts that fit; the best row with the paper's t=8, p=8, m=3, b=1 is in the top 5."""
+    of layouts that fit; the best row with the paper's t=8, p=8, m=3, b=1 is in the top 1%
+    (rank 143 of 15984), 5.4% behind the first. (It was 4th until the data-parallel
+    reduction of a group with several ranks in a node was priced through all their network
+    adapters: layouts at t < 8, c = 2 now lead, docs/planner.md.)"""
     from lightning_sp.planner.search import search
 
     layout = read_layout(
@@ -292,7 +295,9 @@ def test_search_175b_on_1024_gpus_ranks_the_papers_layout_high(
         for i, x in enumerate(found.ranked, 1)
         if x.key()[:5] == (8, 8, 3, 1, 1)  # t, p, m, c, b
     )
-    assert paper <= 5, paper
+    assert paper <= len(found.ranked) // 100, paper
+    behind = found.ranked[paper - 1].row.iteration_seconds / times[0] - 1
+    assert 0 < behind < 0.06, f"the paper's layout {behind:.1%} behind the first"
     args = ["--config", CONFIGS["gpt175b"], "--trainer.num_nodes", "128"]
     assert main([*args, "--model.config.attention", "math", "--search", "true", "--top", "5"]) == 0
     table = capsys.readouterr().out

@@ -36,6 +36,7 @@ from typing_extensions import override
 from lightning_sp.data.prompts import Codec
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
+from lightning_sp.model.compile import CompileOptions, check_compile_options, compile_layers
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.model.generate import GenerationConfig, generate
@@ -60,11 +61,14 @@ from lightning_sp.training.checks import (
     check_vocabulary,
     vocabulary_identity,
 )
+from lightning_sp.training.dpo import PreferenceSteps, check_dpo
+from lightning_sp.training.preference import DPOConfig
 from lightning_sp.training.protocol import Batched, BucketsGradients
 
 _DEFAULT_MODEL = GPTConfig()
 _DEFAULT_OPTIMIZER = OptimizerConfig()
 _DEFAULT_GENERATION = GenerationConfig()
+_DEFAULT_COMPILE = CompileOptions()
 
 
 class GPTModule(LightningModule):
@@ -86,10 +90,17 @@ class GPTModule(LightningModule):
             are the partitioner's choice, not the policy's (configs/tiny.yaml: 36.0 sbh
             measured vs 32.0 eager), so the formulas and the planner no longer describe them
             (warned once); the activation monitor measures them.
+        compile_options: How ``compile_layers`` compiles (backend, mode, ``fullgraph``,
+            ``dynamic``: :class:`~lightning_sp.model.compile.CompileOptions`); set only with
+            ``compile_layers=True``, checked against the model and the device before any step.
         generation: How ``predict`` continues each prompt (:meth:`predict_step`).
         lora: Train LoRA adapters (``peft``'s settings: :class:`~lightning_sp.model.lora.
             LoRAConfig`) on the linears it names, the base frozen (no gradients, no optimizer
             state, no weight-gradient GEMMs), in any layout; ``None``: train every weight.
+        dpo: Train on preference pairs with Direct Preference Optimization (TRL's losses and
+            metrics, the reference as :class:`~lightning_sp.training.preference.DPOConfig`
+            says: :mod:`lightning_sp.training.dpo`); the data must be preference data.
+            ``None``: next-token training.
     """
 
     def __init__(
@@ -100,10 +111,15 @@ class GPTModule(LightningModule):
         compile_layers: bool = False,
         generation: GenerationConfig = _DEFAULT_GENERATION,
         lora: LoRAConfig | None = None,
+        dpo: DPOConfig | None = None,
+        compile_options: CompileOptions = _DEFAULT_COMPILE,
     ) -> None:
         super().__init__()
+        self.dpo = dataclasses.replace(dpo) if dpo is not None else None
         self.lora = dataclasses.replace(lora) if lora is not None else None
         self.compile_layers = compile_layers
+        self.compile_options = dataclasses.replace(compile_options)
+        self.compile_options.validate(compile_layers)
         self.config = dataclasses.replace(config)
         self.optimizer_config = dataclasses.replace(optimizer)
         self.generation = dataclasses.replace(generation)
@@ -115,6 +131,10 @@ class GPTModule(LightningModule):
         self.generation.validate()
         if self.lora is not None:
             check_lora(self.lora, self.config)
+        self._preference: PreferenceSteps | None = None  # a DPO run's steps
+        if self.dpo is not None:
+            check_dpo(self.dpo, self.config, self.lora is not None)
+            self._preference = PreferenceSteps(self.dpo, self.lora is not None)
         self._save_hyperparameters()
         self.pipeline: Pipeline | None = None  # this rank's model chunks (one when p = 1)
         self._parallel: tuple[ParallelState, ParallelConfig] | None = None  # pushed by megatron_sp
@@ -133,6 +153,8 @@ class GPTModule(LightningModule):
                 "init_from": self.init_from,
                 "compile_layers": self.compile_layers,
                 "lora": dataclasses.asdict(self.lora) if self.lora is not None else None,
+                "dpo": dataclasses.asdict(self.dpo) if self.dpo is not None else None,
+                "compile_options": dataclasses.asdict(self.compile_options),
             }
         )
 
@@ -186,7 +208,7 @@ class GPTModule(LightningModule):
         config, state, layout = self.config, self.parallel_state, self.parallel_config
         check_data(getattr(self._trainer, "datamodule", None), config)
         check_model_layout(config, layout)  # the one check of the model against the layout
-        if self.compile_layers:
+        if self.compile_layers and self.compile_options.backend == "inductor":
             check_compile(state)
         if config.recompute.auto:  # the planner's fastest recomputation that fits
             from lightning_sp.planner.estimate import auto_recompute_config
@@ -199,6 +221,8 @@ class GPTModule(LightningModule):
             # the policy that runs (the loggers write hparams after configure_model)
             self.config = config
             self._save_hyperparameters()
+        if self.compile_layers:  # recompute resolved: what the layers will run
+            check_compile_options(self.compile_options, config, state.device)
         if state.pipeline_parallel_size > 1:
             trainer = self._trainer
             accumulate = trainer.accumulate_grad_batches if trainer is not None else None
@@ -219,8 +243,9 @@ class GPTModule(LightningModule):
         if self.compile_layers:
             rank_zero_warn(COMPILED_MEMORY_WARNING)
             for chunk in self.pipeline.chunks:
-                for layer in chunk.layers:
-                    layer.compile()
+                compile_layers(chunk.layers, self.compile_options)
+        if self._preference is not None:
+            self._preference.configure(config, self.pipeline, self.init_from)
 
     def _batch_size(self) -> int | None:
         """Samples per step per data-parallel rank, if the data module states it."""
@@ -251,13 +276,19 @@ class GPTModule(LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        if self._preference is not None:  # DPO: the step's mean over pairs
+            if self._token_mean is None or batch_idx % self.trainer.accumulate_grad_batches == 0:
+                self._token_mean = TokenMean(self.parallel_state)  # a new step
+            model, mean = self.stage_model(), self._token_mean
+            return self._preference.training_step(model, batch, mean, self._zero_grad)
         loss = self._loss(batch, train=True)
         if "loss_mask" in batch:  # logged with the step's token mean (on_before_optimizer_step)
             if self._token_mean is None or batch_idx % self.trainer.accumulate_grad_batches == 0:
                 self._token_mean = TokenMean(self.parallel_state)  # a new step
             self._token_mean.add(labels_of(batch), loss)
             return loss
-        self.log("train/loss", replica_mean(loss, self.parallel_state), prog_bar=True)
+        # not prog_bar (a host read every step): lightning_sp.ProgressBar reads it when it refreshes
+        self.log("train/loss", replica_mean(loss, self.parallel_state))
         return loss
 
     @override
@@ -282,6 +313,12 @@ class GPTModule(LightningModule):
         if not self.stage_model().runs_backward:
             super().backward(loss, *args, **kwargs)
 
+    def _zero_grad(self) -> None:
+        """Zero the gradients now (before a pipeline schedule runs backward in a step)."""
+        optimizer = self.optimizers()
+        assert not isinstance(optimizer, list)  # configure_optimizers returns one
+        optimizer.zero_grad()
+
     @override
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Optimizer) -> None:
         """Lightning zeroes gradients between ``training_step`` and ``backward``; under
@@ -301,15 +338,20 @@ class GPTModule(LightningModule):
         model = self.stage_model()
         for name, value in step_metrics(model, model.state, self.config).items():
             self.log(f"train/{name}", value.float())
+        if self._preference is not None:  # TRL's names: train/rewards/chosen, ...
+            for name, mean in self._preference.step_metrics(model.state).items():
+                self.log(f"train/{name}", mean)
         if self._token_mean is None:
             return
         accumulation = 1 if model.runs_backward else self.trainer.accumulate_grad_batches
         loss = self._token_mean.finish(model, accumulation)
         self._token_mean = None
-        self.log("train/loss", loss.float(), prog_bar=True)
+        self.log("train/loss", loss.float())  # not prog_bar: see training_step
 
     @override
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        if self._preference is not None:
+            return self._preference.validation_step(self.stage_model(), batch)
         loss = self._loss(batch, train=False)
         if "loss_mask" not in batch:
             self.val_loss.update(loss)
@@ -337,6 +379,10 @@ class GPTModule(LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
+        if self._preference is not None:  # val/loss and TRL's names: val/rewards/accuracies, ...
+            for name, mean in self._preference.validation_metrics(self.parallel_state).items():
+                self.log(f"val/{name}", mean, prog_bar=name in ("loss", "rewards/accuracies"))
+            return
         loss = self.val_loss.compute()
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True)

@@ -432,6 +432,34 @@ MUTATIONS = (
         ("tests/test_moe_state.py", "-k", "hold_router_biases"),
         r"expert_bias",
     ),
+    # -- issue 44: the fit step's host reads, FP8's agreed scales ------------------------------
+    Mutation(
+        "loss_on_the_bar_every_step",
+        "train/loss logged with prog_bar=True again: Lightning reads it to a number at the end "
+        "of every step (a host-device synchronisation per step on a GPU)",
+        (
+            (
+                "lightning_sp/training/gpt_module.py",
+                'self.log("train/loss", replica_mean(loss, self.parallel_state))',
+                'self.log("train/loss", replica_mean(loss, self.parallel_state), prog_bar=True)',
+            ),
+        ),
+        ("tests/test_host_reads.py", "-k", "None"),
+        r"step \d+: 2 host reads",
+    ),
+    Mutation(
+        "fp8_amax_not_agreed",
+        "FP8 under TP: each rank scales by its own shard's amax (no MAX all-reduce over the group)",
+        (
+            (
+                "lightning_sp/parallel/fp8.py",
+                "    if spans and group_size(group) > 1:\n",
+                "    if False:\n",
+            ),
+        ),
+        ("tests/test_fp8.py", "-k", "equal_torchao"),
+        r"tensorwise \S+: \S+ of the largest value > 0.0001",
+    ),
 )
 
 
