@@ -91,7 +91,7 @@ def format_reference(cost: ReferenceCost) -> str:
             "DPO reference precomputed: no weights, no forward per step (one pass before training)"
         )
     return (
-        f"DPO reference {cost.kind}: forward {cost.forward_flops / 1e12:.1f} TFLOP per iteration "
-        f"(all GPUs), {cost.seconds:.3f} s per iteration, weights "
-        f"{cost.weight_bytes / 1e9:.2f} GB per GPU"
+        f"DPO reference {cost.kind}: forward {cost.forward_flops / 1e12:.4g} TFLOP per "
+        f"iteration (all GPUs), {cost.seconds:.4g} s per iteration, weights "
+        f"{cost.weight_bytes / 1e9:.4g} GB per GPU"
     )
