@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
-QWEN3 = dict(
+QWEN3: dict[str, Any] = dict(
     vocab_size=257,            # the byte-level tokenizer: 256 bytes + end of document
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     head_dim=24,               # Qwen3's head dimension, not h/a = 16

@@ -54,7 +54,9 @@ def stated_keys(parser: ArgumentParser, args: Any, prefix: str) -> set[str]:
 def _plain(value: Any) -> Any:
     """A record as the namespace jsonargparse gives for it; any other value as it is."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return Namespace(**{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)})
+        return Namespace(
+            **{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        )
     return value
 
 

@@ -41,7 +41,7 @@ from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
 from lightning_sp.model.hooks import after_optimizer_step, scale_auxiliary_losses, step_metrics
-from lightning_sp.model.lora import LoRAConfig, apply_lora, check_lora
+from lightning_sp.model.lora import LoRAConfig
 from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
 from lightning_sp.parallel.config import ParallelConfig
@@ -49,6 +49,12 @@ from lightning_sp.parallel.grads import clip_grad_norm_
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.pipeline.token_mean import TokenMean, counted_tokens
+from lightning_sp.training.adapters import (
+    adapter_settings,
+    attach_adapters,
+    base_record,
+    check_base,
+)
 from lightning_sp.training.batches import labels_of, replica_mean, step_inputs
 from lightning_sp.training.checks import (
     COMPILED_MEMORY_WARNING,
@@ -90,6 +96,9 @@ class GPTModule(LightningModule):
         lora: Train LoRA adapters (``peft``'s settings: :class:`~lightning_sp.model.lora.
             LoRAConfig`) on the linears it names, the base frozen (no gradients, no optimizer
             state, no weight-gradient GEMMs), in any layout; ``None``: train every weight.
+        adapter_from: A PEFT adapter directory to start the adapters from (its settings when
+            ``lora`` is None), trained on ``init_from``
+            (:mod:`~lightning_sp.training.adapters`); read into any layout.
     """
 
     def __init__(
@@ -100,6 +109,7 @@ class GPTModule(LightningModule):
         compile_layers: bool = False,
         generation: GenerationConfig = _DEFAULT_GENERATION,
         lora: LoRAConfig | None = None,
+        adapter_from: str | None = None,
     ) -> None:
         super().__init__()
         self.lora = dataclasses.replace(lora) if lora is not None else None
@@ -113,8 +123,8 @@ class GPTModule(LightningModule):
         if init_from is not None:
             check_hf_directory(init_from, self.config)
         self.generation.validate()
-        if self.lora is not None:
-            check_lora(self.lora, self.config)
+        self.adapter_from = adapter_from
+        self.lora = adapter_settings(self.lora, adapter_from, init_from, self.config)
         self._save_hyperparameters()
         self.pipeline: Pipeline | None = None  # this rank's model chunks (one when p = 1)
         self._parallel: tuple[ParallelState, ParallelConfig] | None = None  # pushed by megatron_sp
@@ -133,6 +143,7 @@ class GPTModule(LightningModule):
                 "init_from": self.init_from,
                 "compile_layers": self.compile_layers,
                 "lora": dataclasses.asdict(self.lora) if self.lora is not None else None,
+                "adapter_from": self.adapter_from,
             }
         )
 
@@ -218,9 +229,8 @@ class GPTModule(LightningModule):
             timeout=state.timeout,
         )
         self._load_init_from()
-        if self.lora is not None:  # after the base weights: adapters start from peft's init
-            for chunk in self.pipeline.chunks:
-                apply_lora(chunk, self.lora)
+        if self.lora is not None:  # after the base weights: peft's init, or adapter_from's
+            attach_adapters(self.pipeline.chunks, self.lora, self.adapter_from, config)
         if self.compile_layers:
             rank_zero_warn(COMPILED_MEMORY_WARNING)
             for chunk in self.pipeline.chunks:
@@ -388,6 +398,8 @@ class GPTModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rng_streams"] = self.stage_model().rng_state_dict()
         checkpoint["vocabulary"] = self._vocabulary_identity()
+        if self.lora is not None:  # which base the adapters train on (checked on resume)
+            checkpoint["lora_base"] = base_record(self.init_from)
 
     @override
     def on_fit_start(self) -> None:
@@ -420,6 +432,7 @@ class GPTModule(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._resumed_optimizer = checkpoint.get("hyper_parameters", {}).get("optimizer", {})
         check_vocabulary(checkpoint.get("vocabulary", {}), self._vocabulary_identity())
+        check_base(checkpoint.get("lora_base"), self.init_from)
         weights = checkpoint.get("state_dict", {})
         for key in [k for k in weights if k.startswith("gpt.")]:  # saved before the one holder
             weights["pipeline.chunks.0." + key[len("gpt.") :]] = weights.pop(key)
