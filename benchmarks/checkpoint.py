@@ -42,7 +42,7 @@ def _rank(rank: int, world_size: int, rounds: int, every: int, folder: str) -> d
     optimizer = build_adamw(model, 1e-4, 0.1, (0.9, 0.95), 1e-8)
     tokens = torch.randint(0, 257, (8, 257), generator=torch.Generator().manual_seed(0))
     savers = {"async": Checkpointer(async_save=True), "sync": Checkpointer()}
-    meta = Meta(0, ParallelConfig(tensor_parallel_size=2, sequence_parallel=True), {})
+    meta = Meta(0, ParallelConfig(tensor_parallel_size=2), config.values())
 
     def step() -> None:
         optimizer.zero_grad()

@@ -224,7 +224,6 @@ STRATEGY_CASES = [  # (strategy arguments, the field named in the one line)
     ({"timeout": 0}, "timeout=0 must be a positive number"),
     ({"nonfinite": "ignore"}, "nonfinite='ignore' is not one of stop, skip"),
     ({"max_skipped_steps": -1}, "max_skipped_steps=-1 must be a non-negative integer"),
-    ({"sequence_parallel": "yes"}, "sequence_parallel='yes' must be true, false or null"),
 ]  # fmt: skip
 
 
@@ -236,22 +235,21 @@ def test_strategy_arguments(args: dict, message: str) -> None:
     _raises(re.escape(message), MegatronSPStrategy, **args)  # the constructor says the same
 
 
-def test_sequence_parallel_is_set_in_one_place() -> None:
-    """The strategy's ``sequence_parallel`` left unset takes the model's; given, it must agree:
-    a conflict is one line, never a silent override."""
-    from lightning_sp.parallel.config import ParallelConfig
+@pytest.mark.parametrize("value", [True, False, None, "yes"])
+def test_sequence_parallel_is_set_in_one_place(value: object) -> None:
+    """Sequence parallelism is the model config's (``model.config.sequence_parallel``): the
+    strategy argument it once also was is refused, whatever its value, in one line saying
+    where it moved (the constructor, the checks ``cli.py`` runs and the CLI's parser alike:
+    tests/test_cli.py)."""
+    import dataclasses
 
-    assert ParallelConfig().with_sequence_parallel(True).sequence_parallel is True
-    assert (
-        ParallelConfig(sequence_parallel=False).with_sequence_parallel(False).sequence_parallel
-        is False
+    message = (
+        "trainer.strategy.init_args.sequence_parallel is no longer a strategy argument: it "
+        "moved to model.config.sequence_parallel; set it there"
     )
-    _raises(
-        r"^trainer.strategy.sequence_parallel=True conflicts with "
-        r"model.config.sequence_parallel=False;",
-        ParallelConfig(sequence_parallel=True).with_sequence_parallel,
-        False,
-    )
+    _raises(f"^{re.escape(message)}$", validation.check_strategy_args, sequence_parallel=value)
+    _raises(f"^{re.escape(message)}$", MegatronSPStrategy, sequence_parallel=value)
+    assert "sequence_parallel" not in {f.name for f in dataclasses.fields(ParallelConfig)}
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "16-true"])

@@ -192,7 +192,6 @@ def check_fit_config(config: Any, subcommand: str | None = None) -> None:
         devices = device_count(trainer.devices, trainer.accelerator)
         if devices > 0:
             layout = layout.for_world_size(devices * int(trainer.num_nodes or 1))
-            layout = layout.with_sequence_parallel(model_config.sequence_parallel)
     check_model_layout(model_config, layout)  # the one check of the model against the layout
     check_optimizer(config.model.optimizer)
     ckpt_path = getattr(config, "ckpt_path", None)

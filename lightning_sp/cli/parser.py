@@ -24,6 +24,8 @@ from typing_extensions import override
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.model.recompute import RecomputePolicy
+from lightning_sp.training.checks import MOVED_STRATEGY_ARGS, moved_strategy_arg
+from lightning_sp.training.strategy import MegatronSPStrategy
 
 
 def _policy(value: object) -> object:
@@ -89,6 +91,8 @@ def unknown_class_key(message: str) -> str | None:
     module, _, name = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
+        if key in MOVED_STRATEGY_ARGS and issubclass(cls, MegatronSPStrategy):
+            return moved_strategy_arg(key)  # it lives elsewhere now: say where
         valid = [
             p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")
         ]

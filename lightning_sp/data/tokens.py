@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 
 from lightning_sp.data.chat import flags_to_sample
 from lightning_sp.data.documents import DocumentOptions, annotate
+from lightning_sp.data.preference import with_sequences
 
 
 class TokenSplit:
@@ -37,6 +38,9 @@ class TokenSplit:
         self.num_documents = int(index["documents"])
         flags = index.get("flags")  # chat SFT: one uint8 per token (lightning_sp.data.chat)
         self.flags_file = os.path.join(self.directory, flags) if flags else None
+        self.preference = bool(index.get("preference"))
+        """Preference pairs (:mod:`lightning_sp.data.preference`): samples carry
+        ``sequences``."""
         self._maps: list[np.memmap] | None = None
         self._flags: np.memmap | None = None
 
@@ -125,7 +129,8 @@ class PackedSamples(Dataset):
             width = self.seq_length + 1
             start = (int(i) - int(self.offsets[k])) * width
             flags = torch.from_numpy(self.streams[k].read_flags(start, width))
-            return flags_to_sample(row, flags)
+            sample = flags_to_sample(row, flags)
+            return with_sequences(sample) if self.streams[k].preference else sample
         if self.documents is not None:
             assert self.eod_id is not None
             return annotate(row, self.eod_id, self.documents)

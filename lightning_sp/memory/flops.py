@@ -29,6 +29,8 @@ from lightning_sp.model.cores import ATTENTION_BACKENDS
 from lightning_sp.model.recompute import active_modules
 
 __all__ = [
+    "attention_core_flops_per_iteration",
+    "causal_half_model_flops_per_iteration",
     "forward_flops_per_iteration",
     "hardware_flops_per_iteration",
     "layer_forward_flops",
@@ -80,6 +82,27 @@ def model_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> floa
     shorter.
     """
     return 3.0 * forward_flops_per_iteration(config, global_batch_size)
+
+
+def attention_core_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> float:
+    """The model FLOPs of the attention cores in one iteration (forward + backward, 3x the
+    forward): ``QKᵀ`` and ``probs·V`` over every query-key pair, ``4·B·s²·a·d`` per layer
+    forward (the parts' GEMMs tagged ``core_attn``), as :func:`model_flops_per_iteration`
+    counts them: whole, causal or not."""
+    _check_batch(global_batch_size)
+    shape = config.activation_shape(micro_batch_size=global_batch_size)
+    core = sum(g.flops for g in config.block().gemms(shape) if g.tag == "core_attn")
+    return 3.0 * config.num_layers * core
+
+
+def causal_half_model_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> float:
+    """Model FLOPs counted the way Megatron-LM (since 2025) and MaxText count them: causal
+    attention's cores at half (the pairs a causal mask keeps), the rest as
+    :func:`model_flops_per_iteration` counts it (whole attention, torchtitan's convention,
+    this project's and Megatron-Core's until 2025). For GPT, ``72BsLh²(1 + s/(12h) +
+    v/(12hL))`` against ``72BsLh²(1 + s/(6h) + v/(12hL))``."""
+    whole = model_flops_per_iteration(config, global_batch_size)
+    return whole - 0.5 * attention_core_flops_per_iteration(config, global_batch_size)
 
 
 def hardware_flops_per_iteration(

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -247,3 +249,22 @@ def apply_lora(model: GPT, config: LoRAConfig) -> list[str]:
 def lora_parameters(model: nn.Module) -> dict[str, Tensor]:
     """The adapters' parameters of ``model`` by name (what a LoRA run trains and saves)."""
     return {n: p for n, p in model.named_parameters() if getattr(p, "lora", False)}
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside: every linear of ``model`` runs without its LoRA adapter, i.e. the frozen base
+    (``peft``'s ``disable_adapter()``): a DPO reference with no second copy of the weights.
+    The adapters are detached from their linears and put back on exit, untouched."""
+    held = [
+        (linear, linear.lora)
+        for linear in model.modules()
+        if isinstance(linear, ColumnParallelLinear | RowParallelLinear) and linear.lora is not None
+    ]
+    for linear, _ in held:
+        linear.lora = None
+    try:
+        yield
+    finally:
+        for linear, adapter in held:
+            linear.lora = adapter

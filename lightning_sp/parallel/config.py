@@ -62,12 +62,6 @@ class ParallelConfig:
     """d = world size / (t·c·p): replicas of the model. The strategy's arguments leave it 1
     until the world size is known (:meth:`for_world_size`, at setup)."""
 
-    sequence_parallel: bool | None = None
-    """Shard LayerNorm/dropout activations along the sequence over the tensor-parallel group
-    (paper §4.2.2). ``None``: not decided here, the module's model decides
-    (``GPTModule``: ``model.config.sequence_parallel``); the strategy resolves it at setup, so
-    a running layout, the planner's and a checkpoint's always hold a bool."""
-
     num_microbatches: int = 1
     """Micro-batches per optimizer step under the pipeline schedule (each data-parallel
     rank's batch is split into this many); 1 without pipeline parallelism."""
@@ -143,13 +137,6 @@ class ParallelConfig:
             )
         return dataclasses.replace(self, data_parallel_size=d)
 
-    def with_sequence_parallel(self, model_value: bool) -> ParallelConfig:
-        """The layout with sequence parallelism decided: the model's ``model_value`` when this
-        layout leaves it open, else this layout's, which must agree (:class:`ConfigError`)."""
-        return dataclasses.replace(
-            self, sequence_parallel=resolve_sequence_parallel(self.sequence_parallel, model_value)
-        )
-
     def sequence_divisor(self, sequence_parallel: bool) -> int:
         """What every sequence length must be a multiple of on this layout (torchtitan's
         ``seq_len_divisor``): under context parallelism (``c > 1``) each sequence is cut into
@@ -184,28 +171,17 @@ class ParallelConfig:
         )
 
     def same_shards(self, other: ParallelConfig) -> bool:
-        """Whether every rank holds the same shard and dropout streams under ``other`` (t, p,
-        m, c, d and SP equal): a checkpoint's RNG streams are restored only then. Micro-batches
-        and the optimizer's sharding change neither."""
+        """Whether every rank holds the same shard under ``other`` (t, p, m, c, d, e and etp
+        equal): a checkpoint's RNG streams are restored only then, and only if the model's
+        sequence parallelism is also the same (the checkpointer compares that: it is the
+        model config's, ``model.config.sequence_parallel``). Micro-batches and the
+        optimizer's sharding change neither."""
         return _shard_fields(self) == _shard_fields(other)
 
 
-def resolve_sequence_parallel(strategy_value: bool | None, model_value: bool) -> bool:
-    """Sequence parallelism is set in one place: the strategy's ``sequence_parallel`` when it
-    is given must equal the model config's (:class:`ConfigError`, one line, if not); left
-    ``None`` the model's value holds."""
-    if strategy_value is None or strategy_value == model_value:
-        return model_value
-    raise ConfigError(
-        f"trainer.strategy.sequence_parallel={strategy_value} conflicts with "
-        f"model.config.sequence_parallel={model_value}; set it in one place "
-        "(model.config.sequence_parallel) and leave the strategy's unset"
-    )
-
-
-def _shard_fields(config: ParallelConfig) -> tuple[int | bool | None, ...]:
+def _shard_fields(config: ParallelConfig) -> tuple[int, ...]:
     return (
         config.tensor_parallel_size, config.pipeline_parallel_size,
         config.virtual_pipeline_size, config.context_parallel_size, config.data_parallel_size,
-        config.expert_parallel_size, config.expert_tensor_parallel_size, config.sequence_parallel,
+        config.expert_parallel_size, config.expert_tensor_parallel_size,
     )  # fmt: skip

@@ -157,7 +157,7 @@ def _choose(
     state_bytes: int,
     cluster: Cluster,
 ) -> RecomputeChoice:
-    """The fastest recomputation that fits, for the layout's sequence-parallel setting: each
+    """The fastest recomputation that fits, for the model's sequence-parallel setting: each
     policy of :data:`LADDER`, and for each policy below ``full`` the split with ``full`` on
     the fewest layers of a chunk that fits; the row of a chosen split is appended to
     ``result.rows``. Nothing fits: ``full`` on every layer."""
@@ -215,8 +215,8 @@ def no_gain_notes(result: Estimate) -> list[str]:
 
 
 def configured_sp(layout: Layout) -> bool:
-    """The sequence-parallel setting of the configured rows: the layout's, except that where
-    SP cannot split each rank's ``s/c`` tokens over t (``fit`` refuses that layout:
+    """The sequence-parallel setting of the configured rows: the model config's, except that
+    where SP cannot split each rank's ``s/c`` tokens over t (``fit`` refuses that layout:
     :meth:`Layout.splits_sequence`) the configured layout is shown without SP, marked so
     by the report."""
     return bool(layout.config.sequence_parallel) and layout.splits_sequence()
@@ -257,8 +257,8 @@ def resolve_recompute(
     model state + first-stage activations fit ``device_bytes`` (see :func:`estimate`;
     ``fits`` is False when even full recompute of every layer does not).
 
-    ``config.recompute`` is ignored. ``parallel.sequence_parallel`` must agree with
-    ``config.sequence_parallel`` (``None``: the config's). ``measure``: trace under fake
+    ``config.recompute`` is ignored; sequence parallelism is ``config.sequence_parallel``
+    (the one place it is set). ``measure``: trace under fake
     tensors (``None``: when ``torch.distributed`` is not yet initialised in this process,
     since the fake world cannot coexist with a real one; otherwise the formulas, which the
     measurement matches within 0.01%). Deterministic, so every rank resolves the same choice.

@@ -17,7 +17,7 @@ from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.model.recompute import RecomputePolicy
-from lightning_sp.parallel.config import ParallelConfig, resolve_sequence_parallel
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.pipeline import check_pipeline
 
 DEFAULT_DEVICE_BYTES = 80e9
@@ -31,7 +31,7 @@ class Layout(ParallelConfig):
 
     config: GPTConfig
     """The model; its ``recompute`` is as configured (``auto`` included) and its
-    ``sequence_parallel`` is the layout's."""
+    ``sequence_parallel`` is the run's (the one home of that setting)."""
 
     micro_batch_size: int = 1
     """b, samples per micro-batch."""
@@ -57,11 +57,6 @@ class Layout(ParallelConfig):
 
     source: str = "<layout>"
     """Where the layout was read from, for messages."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        sp = resolve_sequence_parallel(self.sequence_parallel, self.config.sequence_parallel)
-        object.__setattr__(self, "sequence_parallel", sp)  # frozen: decided once, here
 
     @property
     def recompute(self) -> RecomputePolicy:
@@ -119,7 +114,7 @@ class Layout(ParallelConfig):
         """The context-parallel sizes ``fit`` accepts for this sequence, t and SP setting
         (:func:`lightning_sp.training.checks.check_context_sequence`): 1, and each ``c`` with
         ``2c`` dividing ``s`` (with SP at ``t > 1``, ``lcm(2c, c·t)``)."""
-        s, sp, t = self.config.seq_length, bool(self.sequence_parallel), self.tensor_parallel_size
+        s, sp, t = self.config.seq_length, self.config.sequence_parallel, self.tensor_parallel_size
 
         def divisor(c: int) -> int:
             return ParallelConfig(tensor_parallel_size=t, context_parallel_size=c).sequence_divisor(

@@ -42,6 +42,7 @@ from lightning_sp.model.parts.base import ACT, MASK, Collective, CollectiveKind,
 __all__ = [
     "ACT",
     "CP_CORE",
+    "CROSS_ENTROPY_BYTES",
     "MASK",
     "Collective",
     "CollectiveKind",
@@ -57,6 +58,11 @@ __all__ = [
     "layer_gemms",
     "layer_memory_ops",
 ]
+
+
+CROSS_ENTROPY_BYTES = (38, 22)
+"""Bytes per logit the vocab-parallel cross entropy moves, forward and backward
+(:func:`head_memory_ops`)."""
 
 
 def layer_gemms(
@@ -128,15 +134,18 @@ def head_memory_ops(
     config: GPTConfig, t: int, b: int, sequence_parallel: bool, c: int = 1
 ) -> list[MemoryOp]:
     """The final LayerNorm (4 / 6 bytes per ``sbh`` element, ``/t`` under SP) and the
-    vocab-parallel cross entropy on ``s·b·v/t`` logits: forward reads the bf16 logits and
-    makes fp32 passes (cast, max, exp, sum, normalise: 2 + 4·5 = 22 bytes), backward reads
-    the fp32 softmax and writes the bf16 gradient (4 + 4 + 2 = 10 bytes); ``s/c`` tokens."""
+    vocab-parallel cross entropy on ``s·b·v/t`` logits, each pass of
+    :class:`lightning_sp.parallel.vocab` counted with what it reads and writes: forward the
+    fp32 cast of the bf16 logits (2 + 4), the max (4), the shift (4 + 4), the exp (4 + 4),
+    the sum (4) and the normalisation in place (4 + 4), 38 bytes; backward the softmax's
+    clone (4 + 4), the scale by the loss gradient in place (4 + 4) and the cast back to bf16
+    (4 + 2), 22 bytes; ``s/c`` tokens."""
     s, h = config.seq_length // c, config.hidden_size
     outside = s * b * h / (t if sequence_parallel else 1)
     logits = s * b * config.padded_vocab_size(t) / t  # s: this rank's s/c
     return [
         MemoryOp("final_layernorm", 4 * outside, 6 * outside),
-        MemoryOp("cross_entropy", 22 * logits, 10 * logits),
+        MemoryOp("cross_entropy", CROSS_ENTROPY_BYTES[0] * logits, CROSS_ENTROPY_BYTES[1] * logits),
     ]
 
 

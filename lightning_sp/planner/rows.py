@@ -136,5 +136,7 @@ def estimate_row(
         tokens_per_second=time.tokens_per_second,
         model_tflops_per_gpu=time.model_tflops_per_gpu,
         mfu=time.mfu,
+        model_tflops_per_gpu_causal_half=time.model_tflops_per_gpu_causal_half,
+        mfu_causal_half=time.mfu_causal_half,
         hfu=time.hfu,
     )

@@ -169,9 +169,7 @@ def search(
             rows += 1
             if row.fits:
                 chosen = dataclasses.replace(
-                    layout,
-                    sequence_parallel=row.sequence_parallel,
-                    config=layout.with_policy(row.sequence_parallel, row.recompute),
+                    layout, config=layout.with_policy(row.sequence_parallel, row.recompute)
                 )
                 ranked.append(Candidate(chosen, c, row))
     ranked.sort(key=lambda x: x.row.iteration_seconds)
@@ -197,9 +195,10 @@ def format_search(result: SearchResult, top: int) -> str:
         f"{'acc':>4} "
         f"{'SP':<3} "
         f"{'recompute':<9} {'dist-opt':<8} {'memory GB':>9} {'step s':>8} {'tokens/s':>10} "
-        f"{'MFU':>6} {'HFU':>6}",
+        f"{'MFU':>6} {'HFU':>6} {'vs 1st':>7}",
     ]
     key = base_key(base)
+    first = result.ranked[0].row.iteration_seconds if result.ranked else 1.0
     for i, x in enumerate(result.ranked[:top], 1):
         lay, row = x.layout, x.row
         mark = " *" if x.key() == key else ""
@@ -213,10 +212,19 @@ def format_search(result: SearchResult, top: int) -> str:
             f"{'on' if row.sequence_parallel else 'off':<3} {row.recompute:<9} "
             f"{'yes' if lay.distributed_optimizer else 'no':<8} "
             f"{row.total_bytes / 1e9:>9.2f} {row.iteration_seconds:>8.3f} "
-            f"{row.tokens_per_second:>10.0f} {row.mfu:>6.1%} {row.hfu:>6.1%}{mark}"
+            f"{row.tokens_per_second:>10.0f} {row.mfu:>6.1%} {row.hfu:>6.1%} "
+            f"{row.iteration_seconds / first - 1:>+7.1%}{mark}"
         )
     rank = result.rank_of(key)
     where = f"rank {rank}" if rank is not None else "does not fit (or is not a searched layout)"
+    if len(result.ranked) > 1:
+        shown = result.ranked[: max(2, top)]
+        second, last = (x.row.iteration_seconds / first - 1 for x in (shown[1], shown[-1]))
+        lines.append(
+            f"(vs 1st: the predicted step over the first's; the first two are {second:.1%} "
+            f"apart, the first {len(shown)} within {last:.1%}: a margin below the model's error "
+            "on published runs, docs/planner.md, is no predicted win)"
+        )
     lines.append(
         f"(* the configured layout: t={key[0]} p={key[1]} m={key[2]} c={key[3]} b={key[4]} "
         f"e={key[8]} SP {'on' if key[5] else 'off'} {key[6]}: {where})"

@@ -49,12 +49,7 @@ from lightning_sp.parallel.grads import clip_grad_norm_
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.pipeline.token_mean import TokenMean, counted_tokens
-from lightning_sp.training.adapters import (
-    adapter_settings,
-    attach_adapters,
-    base_record,
-    check_base,
-)
+from lightning_sp.training import adapters
 from lightning_sp.training.batches import labels_of, replica_mean, step_inputs
 from lightning_sp.training.checks import (
     COMPILED_MEMORY_WARNING,
@@ -66,6 +61,8 @@ from lightning_sp.training.checks import (
     check_vocabulary,
     vocabulary_identity,
 )
+from lightning_sp.training.dpo import PreferenceSteps, check_dpo
+from lightning_sp.training.preference import DPOConfig
 from lightning_sp.training.protocol import Batched, BucketsGradients
 
 _DEFAULT_MODEL = GPTConfig()
@@ -78,7 +75,7 @@ class GPTModule(LightningModule):
 
     Args:
         config: The model (``lightning_sp.GPTConfig``). Its ``sequence_parallel`` is the
-            run's; the strategy's ``sequence_parallel``, if given, must agree.
+            run's, and the one place it is set.
         optimizer: AdamW and learning-rate schedule settings.
         init_from: A local Hugging Face directory of a GPT-2 or Llama model (``config.json``
             + ``model.safetensors``, or shards with ``model.safetensors.index.json``) to start
@@ -96,9 +93,12 @@ class GPTModule(LightningModule):
         lora: Train LoRA adapters (``peft``'s settings: :class:`~lightning_sp.model.lora.
             LoRAConfig`) on the linears it names, the base frozen (no gradients, no optimizer
             state, no weight-gradient GEMMs), in any layout; ``None``: train every weight.
-        adapter_from: A PEFT adapter directory to start the adapters from (its settings when
-            ``lora`` is None), trained on ``init_from``
-            (:mod:`~lightning_sp.training.adapters`); read into any layout.
+        adapter_from: A PEFT adapter directory (trained on ``init_from``) the adapters start
+            from, in any layout; ``lora`` None: its settings (:mod:`.adapters`).
+        dpo: Train on preference pairs with Direct Preference Optimization (TRL's losses and
+            metrics, the reference as :class:`~lightning_sp.training.preference.DPOConfig`
+            says: :mod:`lightning_sp.training.dpo`); the data must be preference data.
+            ``None``: next-token training.
     """
 
     def __init__(
@@ -110,8 +110,10 @@ class GPTModule(LightningModule):
         generation: GenerationConfig = _DEFAULT_GENERATION,
         lora: LoRAConfig | None = None,
         adapter_from: str | None = None,
+        dpo: DPOConfig | None = None,
     ) -> None:
         super().__init__()
+        self.dpo = dataclasses.replace(dpo) if dpo is not None else None
         self.lora = dataclasses.replace(lora) if lora is not None else None
         self.compile_layers = compile_layers
         self.config = dataclasses.replace(config)
@@ -124,7 +126,11 @@ class GPTModule(LightningModule):
             check_hf_directory(init_from, self.config)
         self.generation.validate()
         self.adapter_from = adapter_from
-        self.lora = adapter_settings(self.lora, adapter_from, init_from, self.config)
+        self.lora = adapters.adapter_settings(self.lora, adapter_from, init_from, self.config)
+        self._preference: PreferenceSteps | None = None  # a DPO run's steps
+        if self.dpo is not None:
+            check_dpo(self.dpo, self.config, self.lora is not None)
+            self._preference = PreferenceSteps(self.dpo, self.lora is not None)
         self._save_hyperparameters()
         self.pipeline: Pipeline | None = None  # this rank's model chunks (one when p = 1)
         self._parallel: tuple[ParallelState, ParallelConfig] | None = None  # pushed by megatron_sp
@@ -144,6 +150,7 @@ class GPTModule(LightningModule):
                 "compile_layers": self.compile_layers,
                 "lora": dataclasses.asdict(self.lora) if self.lora is not None else None,
                 "adapter_from": self.adapter_from,
+                "dpo": dataclasses.asdict(self.dpo) if self.dpo is not None else None,
             }
         )
 
@@ -155,11 +162,6 @@ class GPTModule(LightningModule):
     supports_context_parallel = True
     """The strategy may run this module with ``context_parallel_size > 1`` (each CP rank
     keeps its chunks of every batch)."""
-
-    @property
-    def sequence_parallel(self) -> bool:
-        """``config.sequence_parallel`` (the ``ParallelModule`` protocol)."""
-        return self.config.sequence_parallel
 
     def setup_parallel(self, state: ParallelState, config: ParallelConfig) -> None:
         """Receive this rank's state and the run's layout from the strategy (the
@@ -188,7 +190,7 @@ class GPTModule(LightningModule):
         """The layout the strategy pushed, else one process (every size 1)."""
         if self._parallel is not None:
             return self._parallel[1]
-        return ParallelConfig(sequence_parallel=self.config.sequence_parallel)
+        return ParallelConfig()
 
     @property
     def chunks(self) -> list[GPT]:
@@ -230,12 +232,14 @@ class GPTModule(LightningModule):
         )
         self._load_init_from()
         if self.lora is not None:  # after the base weights: peft's init, or adapter_from's
-            attach_adapters(self.pipeline.chunks, self.lora, self.adapter_from, config)
+            adapters.attach_adapters(self.pipeline.chunks, self.lora, self.adapter_from, config)
         if self.compile_layers:
             rank_zero_warn(COMPILED_MEMORY_WARNING)
             for chunk in self.pipeline.chunks:
                 for layer in chunk.layers:
                     layer.compile()
+        if self._preference is not None:
+            self._preference.configure(config, self.pipeline, self.init_from)
 
     def _batch_size(self) -> int | None:
         """Samples per step per data-parallel rank, if the data module states it."""
@@ -266,6 +270,11 @@ class GPTModule(LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        if self._preference is not None:  # DPO: the step's mean over pairs
+            if self._token_mean is None or batch_idx % self.trainer.accumulate_grad_batches == 0:
+                self._token_mean = TokenMean(self.parallel_state)  # a new step
+            model, mean = self.stage_model(), self._token_mean
+            return self._preference.training_step(model, batch, mean, self._zero_grad)
         loss = self._loss(batch, train=True)
         if "loss_mask" in batch:  # logged with the step's token mean (on_before_optimizer_step)
             if self._token_mean is None or batch_idx % self.trainer.accumulate_grad_batches == 0:
@@ -297,6 +306,12 @@ class GPTModule(LightningModule):
         if not self.stage_model().runs_backward:
             super().backward(loss, *args, **kwargs)
 
+    def _zero_grad(self) -> None:
+        """Zero the gradients now (before a pipeline schedule runs backward in a step)."""
+        optimizer = self.optimizers()
+        assert not isinstance(optimizer, list)  # configure_optimizers returns one
+        optimizer.zero_grad()
+
     @override
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Optimizer) -> None:
         """Lightning zeroes gradients between ``training_step`` and ``backward``; under
@@ -316,6 +331,9 @@ class GPTModule(LightningModule):
         model = self.stage_model()
         for name, value in step_metrics(model, model.state, self.config).items():
             self.log(f"train/{name}", value.float())
+        if self._preference is not None:  # TRL's names: train/rewards/chosen, ...
+            for name, mean in self._preference.step_metrics(model.state).items():
+                self.log(f"train/{name}", mean)
         if self._token_mean is None:
             return
         accumulation = 1 if model.runs_backward else self.trainer.accumulate_grad_batches
@@ -325,6 +343,8 @@ class GPTModule(LightningModule):
 
     @override
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        if self._preference is not None:
+            return self._preference.validation_step(self.stage_model(), batch)
         loss = self._loss(batch, train=False)
         if "loss_mask" not in batch:
             self.val_loss.update(loss)
@@ -352,6 +372,10 @@ class GPTModule(LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
+        if self._preference is not None:  # val/loss and TRL's names: val/rewards/accuracies, ...
+            for name, mean in self._preference.validation_metrics(self.parallel_state).items():
+                self.log(f"val/{name}", mean, prog_bar=name in ("loss", "rewards/accuracies"))
+            return
         loss = self.val_loss.compute()
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True)
@@ -399,7 +423,7 @@ class GPTModule(LightningModule):
         checkpoint["rng_streams"] = self.stage_model().rng_state_dict()
         checkpoint["vocabulary"] = self._vocabulary_identity()
         if self.lora is not None:  # which base the adapters train on (checked on resume)
-            checkpoint["lora_base"] = base_record(self.init_from)
+            checkpoint["lora_base"] = adapters.base_record(self.init_from)
 
     @override
     def on_fit_start(self) -> None:
@@ -432,7 +456,7 @@ class GPTModule(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._resumed_optimizer = checkpoint.get("hyper_parameters", {}).get("optimizer", {})
         check_vocabulary(checkpoint.get("vocabulary", {}), self._vocabulary_identity())
-        check_base(checkpoint.get("lora_base"), self.init_from)
+        adapters.check_base(checkpoint.get("lora_base"), self.init_from)
         weights = checkpoint.get("state_dict", {})
         for key in [k for k in weights if k.startswith("gpt.")]:  # saved before the one holder
             weights["pipeline.chunks.0." + key[len("gpt.") :]] = weights.pop(key)

@@ -43,7 +43,7 @@ these terms are exact to the byte at t = 1, 2 (SP) and e = 1, 2, 4
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -167,8 +167,8 @@ class MoEFeedForward(Part):
         rows = -(-cfg.top_k * mine * x.e * x.etp // cfg.num_experts)  # per expert (fullest's)
         gemms = [
             Gemm("router", mine, cfg.num_experts, h),
-            Gemm("expert_gate_up", rows, 2 * f, h, batch=local),
-            Gemm("expert_down", rows, h, f, batch=local),
+            Gemm("expert_gate_up", rows, 2 * f, h, batch=local, routed=True),
+            Gemm("expert_down", rows, h, f, batch=local, routed=True),
         ]
         if cfg.num_shared_experts:
             fs = cfg.shared_ffn_size // x.t
@@ -232,9 +232,12 @@ class MoEFeedForward(Part):
         dispatch = 2 * rows * passes + regroup
         combine = 2 * rows * passes + 3 * rows + a * mine * x.h + regroup
         ops = [
-            activation_op("expert_act", n * x.etp * cfg.expert_ffn_size, 2, x.etp),
-            MemoryOp("expert_dispatch", dispatch, dispatch),
-            MemoryOp("expert_combine", combine, combine),
+            replace(
+                activation_op("expert_act", n * x.etp * cfg.expert_ffn_size, 2, x.etp),
+                routed=True,
+            ),
+            MemoryOp("expert_dispatch", dispatch, dispatch, routed=True),
+            MemoryOp("expert_combine", combine, combine, routed=True),
         ]
         if cfg.num_shared_experts:
             ops.append(activation_op("shared_act", tokens(x) * cfg.shared_ffn_size, 2, x.t))

@@ -135,6 +135,10 @@ class Gemm:
     batch: int = 1
     tag: str = ""
     """The recompute module that replays it (``core_attn`` for the attention core)."""
+    routed: bool = False
+    """Whether it runs on the tokens routed to this rank (a mixture of experts' experts): its
+    rows follow the tokens the rank receives, which an imbalanced router sets above the mean
+    the shape states (the step-time model's ``expert_load_imbalance``)."""
 
     @property
     def flops(self) -> float:
@@ -157,6 +161,8 @@ class MemoryOp:
     """The recompute module that replays it."""
     replay_bytes: float | None = None
     """Bytes its replay moves (``None``: ``forward_bytes``)."""
+    routed: bool = False
+    """Whether it moves the tokens routed to this rank (as :attr:`Gemm.routed`)."""
 
     @property
     def replayed(self) -> float:
