@@ -35,6 +35,8 @@ from lightning_sp.model.lora import LoRAConfig, lora_parameters
 from hf_models import full_logits, relative, tokens
 from test_trainer import data, trainer
 
+pytestmark = pytest.mark.slow  # Lightning runs (a fit, a resume on each base)
+
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
