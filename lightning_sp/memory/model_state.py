@@ -64,6 +64,14 @@ def layer_parameter_count(
     return config.block().parameters(shape)
 
 
+def _layer_expert_parameters(config: GPTConfig, t: int, etp: int) -> int:
+    """The routed experts' parameters of one layer on a tensor-parallel rank (all ``E`` of
+    them, ``f_e/t`` wide under expert tensor parallelism ``etp = t``); 0 for a dense layer."""
+    return config.block().expert_parameters(
+        config.activation_shape(t, expert_tensor_parallel_size=etp)
+    )
+
+
 def stage_parameter_count(
     config: GPTConfig,
     tensor_parallel_size: int = 1,
@@ -85,8 +93,7 @@ def stage_parameter_count(
     h = config.hidden_size
     layer = layer_parameter_count(h, t, config=config, expert_tensor_parallel_size=etp)
     if e > 1:  # a rank of an EP group holds E/e of each layer's routed experts
-        shape = config.activation_shape(t, expert_tensor_parallel_size=etp)
-        experts = config.block().expert_parameters(shape)
+        experts = _layer_expert_parameters(config, t, etp)
         layer -= experts - experts // e
     count = config.num_layers // p * layer
     vocab = config.padded_vocab_size(t) // t * h
@@ -126,11 +133,8 @@ def expert_parameters_per_rank(
     """Of :func:`parameters_per_rank`, the routed experts' (``L/p`` layers' ``1/e`` of them,
     ``f_e/t`` wide under expert tensor parallelism): the distributed optimizer shards their
     state over the ``d·c/e`` ranks holding them."""
-    shape = config.activation_shape(
-        tensor_parallel_size, expert_tensor_parallel_size=expert_tensor_parallel_size
-    )
-    experts = config.block().expert_parameters(shape) // expert_parallel_size
-    return config.num_layers // pipeline_parallel_size * experts
+    experts = _layer_expert_parameters(config, tensor_parallel_size, expert_tensor_parallel_size)
+    return config.num_layers // pipeline_parallel_size * (experts // expert_parallel_size)
 
 
 def model_parameter_count(config: GPTConfig) -> int:
