@@ -1,4 +1,5 @@
-"""The fit loop against the bare step: ``python -m benchmarks.fit_overhead [--smoke] [--out DIR]``.
+"""The fit loop against the bare step, and compiled against eager layers, on the CPU:
+``python -m benchmarks.fit_overhead [--smoke] [--rounds N] [--only fit,compile] [--out DIR]``.
 
 One process, one CPU rank (``t = 1``), fp32, the same GPT on the same batches. Three steps:
 
@@ -8,7 +9,7 @@ One process, one CPU rank (``t = 1``), fp32, the same GPT on the same batches. T
   and :class:`~lightning_sp.MFUMonitor`, ``log_every_n_steps: 10``, no checkpoints, no
   validation: Lightning's loop and hooks, data loading, the strategy's gradient finalisation,
   the non-finite guard, clipping, logging, the monitors and the bar;
-* **bare**: the plain loop of :mod:`benchmarks._gpu_fit` on a second copy of the model (same
+* **bare**: the plain loop of :func:`benchmarks._fit.plain_step` on a second copy of the model (same
   seed, so the same weights): forward, backward, ``optimizer.step()`` (the same
   :func:`~lightning_sp.optim.adamw.configure_adamw`), scheduler step, ``zero_grad``, on the
   batch the fit step just received;
@@ -35,6 +36,15 @@ Then a **profile** (``cProfile``) of a few fit steps, split into the step's part
 backward, gradient finalisation, the guard, clipping, the optimizer update, the callbacks,
 logging, data loading, and the rest (Lightning's loop and hooks). Its seconds are inflated by
 the profiler (Python-heavy parts most); only the shares are reported.
+
+The ``compile`` section (only when named; ``compile_cpu.md``/``.json``): one process, ``t = 1``,
+fp32, forward + backward of the same seeded GPT, each transformer layer eager or compiled with
+inductor (:func:`lightning_sp.model.compile.compile_layers`, default options), per recompute
+policy and dropout. Rounds are interleaved (eager step, compiled step, ...) after the compiled
+model's warm-up (its compilation is timed apart); the ratio compiled / eager is the median over
+rounds of the per-round ratios with a 95% bootstrap interval (:mod:`benchmarks._stats`), and
+other processes' share of the CPUs over the rounds is recorded (:mod:`benchmarks._cpu`).
+Below 1: compiling pays.
 """
 
 from __future__ import annotations
