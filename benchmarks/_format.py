@@ -5,7 +5,9 @@ tables (where we win and lose, and why) lives in ``docs/benchmarks.md``, not in 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,18 @@ def out_dir(out: Path | None, smoke: bool) -> Path:
     if out is not None:
         return out
     return RESULTS / "smoke" if smoke else RESULTS
+
+
+def stamp() -> dict[str, Any]:
+    """When and on what a benchmark ran, for its JSON's ``meta``: UTC date, torch's version and
+    the load average at the start."""
+    import torch
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "loadavg": " / ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
 
 
 def command(module: str, argv: list[str] | None) -> str:

@@ -1,4 +1,5 @@
-"""The fit loop against the bare step: ``python -m benchmarks.fit_overhead [--smoke] [--out DIR]``.
+"""The fit loop against the bare step, and compiled against eager layers, on the CPU:
+``python -m benchmarks.fit_overhead [--smoke] [--rounds N] [--only fit,compile] [--out DIR]``.
 
 One process, one CPU rank (``t = 1``), fp32, the same GPT on the same batches. Three steps:
 
@@ -8,7 +9,7 @@ One process, one CPU rank (``t = 1``), fp32, the same GPT on the same batches. T
   and :class:`~lightning_sp.MFUMonitor`, ``log_every_n_steps: 10``, no checkpoints, no
   validation: Lightning's loop and hooks, data loading, the strategy's gradient finalisation,
   the non-finite guard, clipping, logging, the monitors and the bar;
-* **bare**: the plain loop of :mod:`benchmarks._gpu_fit` on a second copy of the model (same
+* **bare**: the plain loop of :func:`benchmarks._fit.plain_step` on a second copy of the model (same
   seed, so the same weights): forward, backward, ``optimizer.step()`` (the same
   :func:`~lightning_sp.optim.adamw.configure_adamw`), scheduler step, ``zero_grad``, on the
   batch the fit step just received;
@@ -35,17 +36,24 @@ Then a **profile** (``cProfile``) of a few fit steps, split into the step's part
 backward, gradient finalisation, the guard, clipping, the optimizer update, the callbacks,
 logging, data loading, and the rest (Lightning's loop and hooks). Its seconds are inflated by
 the profiler (Python-heavy parts most); only the shares are reported.
+
+The ``compile`` section (only when named; ``compile_cpu.md``/``.json``): one process, ``t = 1``,
+fp32, forward + backward of the same seeded GPT, each transformer layer eager or compiled with
+inductor (:func:`lightning_sp.model.compile.compile_layers`, default options), per recompute
+policy and dropout. Rounds are interleaved (eager step, compiled step, ...) after the compiled
+model's warm-up (its compilation is timed apart); the ratio compiled / eager is the median over
+rounds of the per-round ratios with a 95% bootstrap interval (:mod:`benchmarks._stats`), and
+other processes' share of the CPUs over the rounds is recorded (:mod:`benchmarks._cpu`).
+Below 1: compiling pays.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import cProfile
 import dataclasses
-import datetime
+import functools
 import os
-import pstats
 import statistics
 import tempfile
 import time
@@ -56,27 +64,29 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from benchmarks import _cpu
-from benchmarks._format import add_out_argument, ci, command, out_dir, table, write
-from benchmarks._stats import median_ci
+from benchmarks import _cpu, _format
+from benchmarks._fit import Shape, fit_argv, plain_step, profile_parts
+from benchmarks._format import ci, table
+from benchmarks._stats import interleaved, median_ci, ratio_ci
 from lightning_sp.data import TextDataModule
-from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.compile import CompileOptions, compile_layers
+from lightning_sp.model.gpt import GPT
 from lightning_sp.model.recompute import RecomputePolicy
-from lightning_sp.optim.adamw import configure_adamw
+from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.host_reads import HostReads
 from lightning_sp.training.gpt_module import GPTModule
 
 
 @dataclasses.dataclass(frozen=True)
-class FitShape:
+class FitShape(Shape):
     """The GPT and run measured (small, so that the loop's own time shows beside the model's)."""
 
     s: int = 128
-    b: int = 4
     h: int = 128
     layers: int = 2
     heads: int = 4
     vocab: int = 257
+    b: int = 4
     recompute: str = "selective"
     warmup: int = 5
     """Fit steps before the timed rounds (compilation of nothing, caches, the monitors' first
@@ -89,84 +99,16 @@ class FitShape:
     """Fit steps under ``cProfile`` (after the counted ones)."""
     max_documents: int = 60
 
-    def config(self) -> GPTConfig:
-        return GPTConfig(
-            vocab_size=self.vocab, seq_length=self.s, hidden_size=self.h,
-            num_layers=self.layers, num_heads=self.heads,
-            recompute=RecomputePolicy.parse(self.recompute),
-            hidden_dropout=0.0, attention_dropout=0.0,
-        )  # fmt: skip
-
 
 FULL = FitShape()
 SMOKE = FitShape(s=32, b=2, h=32, layers=1, heads=2, warmup=2, rounds=4, profiled_steps=2)
 
 
-# -- the profile's parts -----------------------------------------------------------------------
-
-PARTS: dict[str, tuple[str, ...]] = {
-    "forward": ("training_step",),
-    "backward": ("backward",),
-    "gradient finalisation": ("finalize_grads",),
-    "non-finite guard": ("check",),
-    "clipping": ("configure_gradient_clipping",),
-    "routing metrics / token mean": ("on_before_optimizer_step",),
-    "data loading": ("__next__",),
-    "logging": ("log", "on_batch_end", "update_train_step_metrics"),
-}
-"""Each part: function names whose cumulative time it is, matched with the file below."""
-
-_FILES: dict[str, tuple[str, ...]] = {
-    "forward": ("lightning_sp/training/gpt_module.py",),
-    "backward": ("lightning_sp/training/gpt_module.py",),
-    "gradient finalisation": ("lightning_sp/pipeline/stages.py", "lightning_sp/parallel/grads.py"),
-    "non-finite guard": ("lightning_sp/runtime/guard.py",),
-    "clipping": ("lightning_sp/training/gpt_module.py",),
-    "routing metrics / token mean": ("lightning_sp/training/gpt_module.py",),
-    "data loading": ("lightning/pytorch/loops/fetchers.py",),
-    "logging": ("lightning/pytorch/core/module.py", "logger_connector/logger_connector.py"),
-}
-"""Where each part's functions live (path fragments, ``/``-separated)."""
-_CALLBACKS = ("lightning_sp/callbacks/", "lightning/pytorch/callbacks/progress/")
-
-
-def _in_callbacks(filename: str) -> bool:
-    return any(c in filename.replace(os.sep, "/") for c in _CALLBACKS)
-
-
-def profile_parts(profile: cProfile.Profile, steps: int, wall: float) -> dict[str, float]:
-    """Seconds per step of each part of :data:`PARTS`, the optimizer update (the optimizer's
-    ``step`` less the closure it runs: Lightning's hooks before the step and clipping), the
-    callbacks' hooks, and the rest of the whole step (``wall`` seconds over ``steps`` profiled
-    steps)."""
-    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
-    cumulative: dict[tuple[str, str], float] = collections.defaultdict(float)
-    callbacks = 0.0
-    for (filename, _line, name), (_cc, _nc, _tt, ct, callers) in stats.items():
-        path = filename.replace(os.sep, "/")
-        cumulative[(path, name)] += ct
-        # a callback's hook, counted once: not again where another of these hooks called it
-        hook = any(c in path for c in _CALLBACKS) and name.startswith("on_")
-        if hook and not any(_in_callbacks(caller[0]) for caller in callers):
-            callbacks += ct
-
-    def seconds(fragment: str, name: str) -> float:
-        return sum(v for (path, n), v in cumulative.items() if n == name and fragment in path)
-
-    parts = {
-        part: sum(seconds(f, n) for f in _FILES[part] for n in names)
-        for part, names in PARTS.items()
-    }
-    parts["optimizer update"] = seconds("lightning_sp/optim/adamw.py", "step") - seconds(
-        "lightning/pytorch/plugins/precision/precision.py", "_wrap_closure"
-    )
-    parts["callbacks"] = callbacks
-    parts["rest (Lightning's loop and hooks)"] = wall - sum(parts.values())
-    parts["step"] = wall
-    return {k: v / steps for k, v in parts.items()}
-
-
 # -- the run -----------------------------------------------------------------------------------
+
+
+_SKIP = ("fit_overhead.py", "_fit.py")
+"""The benchmark's own frames, skipped when naming where a host read comes from."""
 
 
 class Rounds(Callback):
@@ -236,11 +178,11 @@ class Rounds(Callback):
                 seconds.append(time.perf_counter() - start)
             self._mark = _cpu.sample()
         elif phase == "counted":
-            reads = HostReads(skip=("fit_overhead.py",))
+            reads = HostReads(skip=_SKIP)
             with reads:
                 self.bare(batch)
             self.bare_reads.append(reads)
-            self._mode = HostReads(skip=("fit_overhead.py",))
+            self._mode = HostReads(skip=_SKIP)
             self._mode.__enter__()
         elif phase == "profiled":
             self._profiling = True
@@ -252,64 +194,23 @@ class Rounds(Callback):
         self._close()
 
 
-def _bare_model(shape: FitShape, total: int) -> tuple[Callable[[Any], None], Callable[[Any], None]]:
-    """The bare step and forward + backward, each on its own copy of the seeded model."""
-    steps = []
-    for with_optimizer in (True, False):
-        module = GPTModule(shape.config())
-        module.configure_model()  # one process, the same seeded weights as the fit's
-        (gpt,) = module.chunks
-        configured = configure_adamw(gpt, module.optimizer_config, total)
-        optimizer, schedule = configured["optimizer"], configured["lr_scheduler"]
-        scheduler = schedule["scheduler"] if isinstance(schedule, dict) else schedule
-
-        def step(
-            batch: Any,
-            gpt: Any = gpt,
-            optimizer: Any = optimizer,
-            scheduler: Any = scheduler,
-            with_optimizer: bool = with_optimizer,
-        ) -> None:
-            gpt(batch["input_ids"], batch["labels"]).backward()
-            if with_optimizer:
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            else:
-                gpt.zero_grad(set_to_none=True)
-
-        steps.append(step)
-    return steps[0], steps[1]
-
-
-def _trainer_args(shape: FitShape, total: int) -> list[str]:
-    return [
-        f"--model.config.vocab_size={shape.vocab}", f"--model.config.seq_length={shape.s}",
-        f"--model.config.hidden_size={shape.h}", f"--model.config.num_layers={shape.layers}",
-        f"--model.config.num_heads={shape.heads}", f"--model.config.recompute={shape.recompute}",
-        "--model.config.hidden_dropout=0.0", "--model.config.attention_dropout=0.0",
-        f"--data.batch_size={shape.b}", f"--data.max_documents={shape.max_documents}",
-        "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.strategy=megatron_sp",
-        "--trainer.precision=32-true", f"--trainer.max_steps={total}",
-        "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0",
-        "--trainer.enable_checkpointing=false", "--trainer.log_every_n_steps=10",
-        "--trainer.gradient_clip_val=1.0",
-        "--trainer.callbacks+=lightning_sp.ActivationMemoryMonitor",
-        "--trainer.callbacks+=lightning_sp.MFUMonitor",
-    ]  # fmt: skip
-
-
 def measure(shape: FitShape) -> dict[str, Any]:
     """Run the fit with :class:`Rounds` inside it; everything measured."""
     from lightning_sp.cli.fit import GPTCLI
 
     total = shape.warmup + shape.rounds + shape.counted_steps + shape.profiled_steps
-    bare, fwd_bwd = _bare_model(shape, total)
+    config = shape.config(recompute=RecomputePolicy.parse(shape.recompute), hidden_dropout=0.0,
+                          attention_dropout=0.0)  # fmt: skip
+    cpu, fp32 = torch.device("cpu"), torch.float32  # each its own copy of the seeded model
+    bare = plain_step(config, total, cpu, fp32)
+    fwd_bwd = plain_step(config, total, cpu, fp32, optimizer_step=False)
+    args = fit_argv(shape, shape.recompute, 0.0, "cpu", "32-true", total)
+    args += [f"--data.max_documents={shape.max_documents}", "--trainer.gradient_clip_val=1.0"]
     cwd = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:  # the CLI's logs go here
         os.chdir(tmp)
         try:
-            cli = GPTCLI(GPTModule, TextDataModule, args=_trainer_args(shape, total), run=False)
+            cli = GPTCLI(GPTModule, TextDataModule, args=args, run=False)
             rounds = Rounds(shape, bare, fwd_bwd)
             cli.trainer.callbacks.insert(0, rounds)  # type: ignore[attr-defined]
             started = time.perf_counter()
@@ -393,30 +294,123 @@ def _markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.fit_overhead", description=__doc__)
-    parser.add_argument("--smoke", action="store_true", help="tiny shape, a few rounds (seconds)")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 40)")
-    add_out_argument(parser)
-    args = parser.parse_args(argv)
-    shape = SMOKE if args.smoke else FULL
-    if args.rounds is not None:
-        shape = dataclasses.replace(shape, rounds=args.rounds)
-    measured = measure(shape)
-    result = {
-        "meta": {
-            "command": command("benchmarks.fit_overhead", argv),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__,
-            "loadavg": " / ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "cpus": os.cpu_count(),
-            "shape": dataclasses.asdict(shape),
-            "smoke": args.smoke,
-        },
-        "measured": measured,
+# -- compiled vs eager layers -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileShape(Shape):
+    """The GPT of the ``compile`` section and its rounds."""
+
+    s: int = 256
+    h: int = 256
+    layers: int = 4
+    heads: int = 8
+    vocab: int = 257
+    b: int = 4
+    policies: tuple[str, ...] = ("none", "selective")
+    dropouts: tuple[float, ...] = (0.0,)
+    warmup: int = 2
+    rounds: int = 12
+
+
+COMPILE_FULL = CompileShape()
+COMPILE_SMOKE = CompileShape(s=32, h=32, layers=1, heads=2, b=2, policies=("none",), warmup=1,
+                             rounds=3)  # fmt: skip
+
+
+def compile_case(shape: CompileShape, recompute: str, dropout: float) -> dict[str, Any]:
+    """One (policy, dropout): the compiled model's first step, then interleaved rounds."""
+    config = shape.config(recompute=RecomputePolicy.parse(recompute), hidden_dropout=dropout,
+                          attention_dropout=dropout)  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, shape.vocab, (shape.b, shape.s + 1), generator=generator)
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    models = {name: GPT(config, ParallelState.single()) for name in ("eager", "compiled")}
+    compile_layers(models["compiled"].layers, CompileOptions())
+
+    def step(model: GPT) -> None:
+        model(ids, labels).backward()
+        model.zero_grad(set_to_none=True)
+
+    first = time.perf_counter()
+    step(models["compiled"])  # compiles forward and backward
+    first = time.perf_counter() - first
+    steps = {name: functools.partial(step, model) for name, model in models.items()}
+    interleaved(steps, 0, shape.warmup)
+    before = _cpu.sample()
+    times = interleaved(steps, 0, shape.rounds)
+    return {
+        "recompute": recompute,
+        "dropout": dropout,
+        "first_compiled_step_seconds": first,
+        "eager_seconds": statistics.median(times["eager"]),
+        "compiled_seconds": statistics.median(times["compiled"]),
+        "compiled_over_eager": ratio_ci(times["compiled"], times["eager"]),
+        "foreign_share": _cpu.foreign_share(before, _cpu.sample()),
     }
-    write(out_dir(args.out, args.smoke), "fit_overhead", result, _markdown(result))
-    return result
+
+
+def _compile_markdown(result: dict[str, Any]) -> str:
+    header = ["recompute", "dropout", "compiled / eager (95% CI)", "eager s", "compiled s",
+              "first compiled step s", "others' CPU share"]  # fmt: skip
+    rows = [
+        [
+            c["recompute"],
+            c["dropout"],
+            ci(c["compiled_over_eager"]),
+            f"{c['eager_seconds']:.3f}",
+            f"{c['compiled_seconds']:.3f}",
+            f"{c['first_compiled_step_seconds']:.1f}",
+            f"{100 * c['foreign_share']:.0f}%",
+        ]
+        for c in result["cases"]
+    ]
+    s, loadavg = result["meta"]["shape"], result["meta"]["loadavg"]
+    return (
+        f"Compiled (inductor, per layer) vs eager forward + backward, one CPU process, fp32, "
+        f"GPT s={s['s']} h={s['h']} L={s['layers']} a={s['heads']} v={s['vocab']} b={s['b']}, "
+        f"{s['rounds']} interleaved rounds; load average at start {loadavg}.\n\n"
+        + table(header, rows)
+    )
+
+
+SECTIONS = ("fit", "compile")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the sections; ``{"meta": ..., "measured": ... (fit), "cases": ... (compile)}``."""
+    parser = _format.parser(__doc__, "tiny shapes, a few rounds (seconds)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (40; compile 12)")
+    parser.add_argument("--only", type=lambda v: v.split(","), default=["fit"],
+                        help=f"some of {','.join(SECTIONS)} (default: fit)")  # fmt: skip
+    args = parser.parse_args(argv)
+    if unknown := sorted(set(args.only) - set(SECTIONS)):
+        parser.error(f"--only: unknown {', '.join(unknown)}; valid: {', '.join(SECTIONS)}")
+    meta = {
+        "command": _format.command("benchmarks.fit_overhead", argv),
+        **_format.stamp(),
+        "cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "smoke": args.smoke,
+    }
+    out, found = _format.out_dir(args.out, args.smoke), {}  # fmt: skip
+    for section, shape in (("fit", SMOKE if args.smoke else FULL),
+                           ("compile", COMPILE_SMOKE if args.smoke else COMPILE_FULL)):  # fmt: skip
+        if section not in args.only:
+            continue
+        if args.rounds is not None:
+            shape = dataclasses.replace(shape, rounds=args.rounds)
+        result: dict[str, Any] = {"meta": {**meta, "shape": dataclasses.asdict(shape)}}
+        if isinstance(shape, FitShape):
+            result["measured"] = measure(shape)
+            _format.write(out, "fit_overhead", result, _markdown(result))
+        else:
+            assert isinstance(shape, CompileShape)
+            result["cases"] = [compile_case(shape, p, d) for p in shape.policies
+                               for d in shape.dropouts]  # fmt: skip
+            _format.write(out, "compile_cpu", result, _compile_markdown(result))
+        found.update(result)
+    return found
 
 
 if __name__ == "__main__":

@@ -14,27 +14,25 @@ synchronisations; per variant the median seconds, and its ratio to bf16 eager as
 the per-round ratios with a 95% bootstrap interval (:mod:`benchmarks._stats`). Each FP8 variant's
 output is checked against torchao's of the same recipe (relative to the largest value).
 
-Without CUDA it refuses (exit 2); ``--device cpu --smoke`` runs every variant with torchao's
+The command is :mod:`benchmarks.gpu`'s ``fp8`` section (its options): without CUDA it refuses
+(exit 2); ``--device cpu --smoke`` runs every variant with torchao's
 emulated GEMMs at a tiny shape to check the plumbing (its numbers mean nothing).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
 import functools
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from benchmarks._format import add_out_argument, ci, command, out_dir, table, write
-from benchmarks._stats import median_ci
+from benchmarks._format import ci, table
+from benchmarks._stats import interleaved, ratio_ci
 from lightning_sp.parallel.fp8 import (
     RECIPES,
     FP8Config,
@@ -90,11 +88,6 @@ def _variants(shape: MLPShape, device: torch.device, emulate: bool) -> dict[str,
     return variants
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _step(fn: Any, x: Tensor, grad: Tensor) -> Tensor:
     """Forward + backward of ``fn`` on a fresh leaf ``x``; the output."""
     out = fn(x.detach().requires_grad_(True))
@@ -103,17 +96,16 @@ def _step(fn: Any, x: Tensor, grad: Tensor) -> Tensor:
 
 
 def measure(shape: MLPShape, device: torch.device, compile_too: bool) -> dict[str, Any]:
+    """Every variant checked against torchao's of its recipe, then timed in interleaved rounds."""
     emulate = device.type != "cuda"
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(shape.tokens, 1, shape.h, generator=generator).to(device, torch.bfloat16)
     grad = torch.randn(shape.tokens, 1, shape.h, generator=generator).to(device, torch.bfloat16)
-    models = _variants(shape, device, emulate)
     steps: dict[str, Callable[[], Tensor]] = {}
-    for name, model in models.items():
+    for name, model in _variants(shape, device, emulate).items():
         for compiled in (False, True) if compile_too else (False,):
             fn = torch.compile(model) if compiled else model
             label = f"{name}{' compiled' if compiled else ''}"
-
             steps[label] = functools.partial(_step, fn, x, grad)
     outputs = {label: step() for label, step in steps.items()}  # compiles
     agreement = {}
@@ -121,26 +113,18 @@ def measure(shape: MLPShape, device: torch.device, compile_too: bool) -> dict[st
         if label.startswith("ours"):
             ref = outputs[label.replace("ours", "torchao")].float()
             agreement[label] = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-    for _ in range(shape.warmup):
-        for step in steps.values():
-            step()
-    seconds: dict[str, list[float]] = {label: [] for label in steps}
-    for _ in range(shape.rounds):
-        for label, step in steps.items():
-            _sync(device)
-            start = time.perf_counter()
-            step()
-            _sync(device)
-            seconds[label].append(time.perf_counter() - start)
-    base = seconds["bf16"]
+    sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
+    seconds = interleaved(steps, shape.warmup, shape.rounds, sync or (lambda: None))
     flops = 3 * 2 * 2 * shape.tokens * shape.h * shape.f  # two GEMMs, forward + 2 backward
     return {
+        "device_name": torch.cuda.get_device_name(device) if sync else "CPU (emulated)",
+        "shape": dataclasses.asdict(shape),
         "rows": [
             {
                 "variant": label,
                 "seconds": statistics.median(values),
                 "tflops": flops / statistics.median(values) / 1e12,
-                "over_bf16_eager": median_ci([v / b for v, b in zip(values, base, strict=True)]),
+                "over_bf16_eager": ratio_ci(values, seconds["bf16"]),
                 "max_rel_diff_vs_torchao": agreement.get(label),
             }
             for label, values in seconds.items()
@@ -148,50 +132,28 @@ def measure(shape: MLPShape, device: torch.device, compile_too: bool) -> dict[st
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.fp8_gpu", description=__doc__)
-    parser.add_argument("--smoke", action="store_true", help="tiny shape (seconds)")
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--no-compile", dest="compile", action="store_false")
-    add_out_argument(parser)
-    args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: benchmarks.fp8_gpu needs a CUDA device (for a CPU plumbing check: "
-              "--device cpu --smoke)", file=sys.stderr)  # fmt: skip
-        return 2
-    if args.device == "cpu" and not args.smoke:
-        print("error: --device cpu is a plumbing check only; add --smoke", file=sys.stderr)
-        return 2
-    device = torch.device(args.device)
-    shape = SMOKE if args.smoke else FULL
-    measured = measure(shape, device, args.compile)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (emulated)"
-    result = {
-        "meta": {
-            "command": command("benchmarks.fp8_gpu", argv),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device_name": name,
-            "torch": torch.__version__,
-            "shape": dataclasses.asdict(shape),
-            "smoke": args.smoke,
-        },
-        **measured,
-    }
+def markdown(found: dict[str, Any]) -> str:
+    """One table: per variant ms, TFLOP/s, the ratio to bf16 eager and the agreement."""
     rows = []
-    for r in measured["rows"]:
+    for r in found["rows"]:
         diff = r["max_rel_diff_vs_torchao"]
         cells = [f"{1e3 * r['seconds']:.2f}", f"{r['tflops']:.1f}", ci(r["over_bf16_eager"])]
         rows.append([r["variant"], *cells, "" if diff is None else f"{diff:.1e}"])
     header = ["variant", "ms", "TFLOP/s", "/ bf16 eager (95% CI)", "vs torchao (max rel)"]
-    note = (
-        "" if device.type == "cuda" else "**Plumbing check on CPU: the numbers mean nothing.**\n\n"
+    name, s = found["device_name"], found["shape"]
+    emulated = "emulated" in name
+    note = "**Plumbing check on CPU: the numbers mean nothing.**\n\n" if emulated else ""
+    return (
+        f"{note}FP8 MLP forward + backward on {name}: {s['tokens']} tokens, h={s['h']}, "
+        f"f={s['f']}, bf16, {s['rounds']} interleaved rounds.\n\n" + table(header, rows)
     )
-    markdown = (
-        f"{note}FP8 MLP forward + backward on {name}: {shape.tokens} tokens, h={shape.h}, "
-        f"f={shape.f}, bf16, {shape.rounds} interleaved rounds.\n\n" + table(header, rows)
-    )
-    write(out_dir(args.out, args.smoke), "fp8_gpu", result, markdown)
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.gpu --only fp8`` with these arguments (its exit status)."""
+    from benchmarks import gpu
+
+    return gpu.main(["--only", "fp8", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""(6) One GPU, one run: ``python -m benchmarks.gpu [--smoke] [--only models,fit,moe] [--out DIR]``.
+"""(6) One GPU, one run: ``python -m benchmarks.gpu [--smoke] [--only SECTIONS] [--out DIR]``.
 
 On one CUDA device (default GPT: the issue's shape, s=2048 h=2048 L=24 a=16 v=51200 b=4, bf16):
 
@@ -14,8 +14,11 @@ On one CUDA device (default GPT: the issue's shape, s=2048 h=2048 L=24 a=16 v=51
   selective``; each timed from the start of step ``warmup`` to the end of the last.
 * ``moe``: :func:`benchmarks.moe.measure_on`, the MoE layer beside a dense SwiGLU and
   transformers' block in ``--dtype`` at h=2048, E=8, f_e=4096, top-2, 16,384 tokens.
+* ``fp8`` (only when named; ``python -m benchmarks.fp8_gpu`` is the same):
+  :func:`benchmarks.fp8_gpu.measure`, the MLP's GEMMs in bf16 and FP8, ours and torchao's.
 
-Writes ``gpu.md``/``.json`` (models, fit) and ``moe_gpu_DTYPE.md``/``.json`` into ``--out``.
+Writes ``gpu.md``/``.json`` (models, fit), ``moe_gpu_DTYPE.md``/``.json`` and
+``fp8_gpu.md``/``.json`` into ``--out``.
 Without CUDA it refuses in one line (exit 2). ``--device cpu --smoke`` runs every piece on the
 CPU at tiny shapes to check the plumbing; its numbers mean nothing and its report says so.
 """
@@ -24,51 +27,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
-import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
-from typing_extensions import override
 
-from benchmarks import dtensor_gpt, moe
-from benchmarks._format import add_out_argument, command, out_dir, table, write
+from benchmarks import dtensor_gpt, fp8_gpu, moe
+from benchmarks._fit import Shape, fit_section, seconds_per_step
+from benchmarks._format import add_out_argument, command, out_dir, stamp, table, write
 from lightning_sp.callbacks.memory import ActivationMemoryMonitor
-from lightning_sp.data import TextDataModule
 from lightning_sp.memory.flops import measure_peak_flops, model_flops_per_iteration
 from lightning_sp.memory.saved import SavedTensorTracker
 from lightning_sp.model.config import RECOMPUTE_POLICIES, GPTConfig
 from lightning_sp.model.cores import ATTENTION_BACKENDS
 from lightning_sp.model.gpt import GPT
-from lightning_sp.optim.adamw import configure_adamw
 from lightning_sp.parallel.state import ParallelState
-from lightning_sp.training.gpt_module import GPTModule
 
-SECTIONS = ("models", "fit", "moe")
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """The GPT measured: ``s`` sequence, ``h`` hidden, ``layers``, ``heads``, ``vocab``, ``b``."""
-
-    s: int
-    h: int
-    layers: int
-    heads: int
-    vocab: int
-    b: int
-
-    def config(self, **fields: Any) -> GPTConfig:
-        return GPTConfig(
-            vocab_size=self.vocab, seq_length=self.s, hidden_size=self.h,
-            num_layers=self.layers, num_heads=self.heads, **fields,
-        )  # fmt: skip
+SECTIONS = ("models", "fit", "moe", "fp8")
+DEFAULT_SECTIONS = SECTIONS[:3]
+"""``fp8`` (:mod:`benchmarks.fp8_gpu`, needs torchao) runs only when named."""
 
 
 FULL = Shape(s=2048, h=2048, layers=24, heads=16, vocab=51200, b=4)
@@ -79,25 +59,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def attention_backends() -> list[str]:
     """The attention backends ``GPTConfig`` accepts (``ATTENTION_BACKENDS``)."""
     return list(ATTENTION_BACKENDS)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def seconds_per_step(
-    step: Callable[[], None], device: torch.device, warmup: int, steps: int
-) -> float:
-    """Mean seconds of ``step`` over ``steps`` calls after ``warmup`` (two syncs in all)."""
-    for _ in range(warmup):
-        step()
-    _synchronize(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    _synchronize(device)
-    return (time.perf_counter() - start) / steps
 
 
 def measure_model(
@@ -214,107 +175,6 @@ def _goals(rows: list[dict[str, Any]]) -> list[str]:
     return goals
 
 
-class StepWindow(Callback):
-    """Wall time from the start of training step ``warmup`` to the end of the last one."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-        self.start: float | None = None
-        self.end: float | None = None
-        self.steps = 0
-
-    @override
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if trainer.global_step == self.warmup and self.start is None:
-            _synchronize(pl_module.device)
-            self.start = time.perf_counter()
-
-    @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int
-    ) -> None:
-        if self.start is not None:
-            self.steps += 1
-        if trainer.global_step == trainer.max_steps:
-            _synchronize(pl_module.device)
-            self.end = time.perf_counter()
-
-
-def _fit_tokens_per_sec(shape: Shape, args: argparse.Namespace) -> float:
-    from lightning_sp.cli.fit import GPTCLI
-
-    accelerator = "gpu" if args.device == "cuda" else "cpu"
-    argv = [
-        f"--model.config.vocab_size={shape.vocab}", f"--model.config.seq_length={shape.s}",
-        f"--model.config.hidden_size={shape.h}", f"--model.config.num_layers={shape.layers}",
-        f"--model.config.num_heads={shape.heads}", "--model.config.recompute=selective",
-        f"--model.config.hidden_dropout={args.dropout}",
-        f"--model.config.attention_dropout={args.dropout}",
-        f"--data.batch_size={shape.b}", f"--trainer.accelerator={accelerator}",
-        "--trainer.devices=1", "--trainer.strategy=megatron_sp",
-        "--trainer.precision=bf16-true", f"--trainer.max_steps={args.warmup + args.steps}",
-        "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0",
-        "--trainer.enable_checkpointing=false", "--trainer.log_every_n_steps=10",
-        "--trainer.callbacks+=lightning_sp.ActivationMemoryMonitor",
-        "--trainer.callbacks+=lightning_sp.MFUMonitor",
-    ]  # fmt: skip
-    cli = GPTCLI(GPTModule, TextDataModule, args=argv, run=False)
-    window = StepWindow(args.warmup)
-    cli.trainer.callbacks.append(window)  # type: ignore[attr-defined]
-    cli.trainer.fit(cli.model, cli.datamodule)
-    assert window.start is not None and window.end is not None
-    return window.steps * shape.b * shape.s / (window.end - window.start)
-
-
-def _loop_tokens_per_sec(shape: Shape, args: argparse.Namespace) -> float:
-    device = torch.device(args.device)
-    config = shape.config(
-        recompute="selective", hidden_dropout=args.dropout, attention_dropout=args.dropout
-    )
-    module = GPTModule(config).to(device)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # as precision="bf16-true" builds it
-    try:
-        module.configure_model()
-    finally:
-        torch.set_default_dtype(default)
-    (gpt,) = module.chunks  # t = p = 1: one GPT chunk
-    optimizers = configure_adamw(gpt, module.optimizer_config, args.warmup + args.steps)
-    optimizer, schedule = optimizers["optimizer"], optimizers["lr_scheduler"]
-    scheduler = schedule["scheduler"] if isinstance(schedule, dict) else schedule
-    data = TextDataModule(seq_length=shape.s, batch_size=shape.b)
-    data.prepare_data()
-    data.setup("fit")
-    batches = iter(data.train_dataloader())
-
-    def step() -> None:
-        batch = next(batches, None)
-        assert batch is not None, "the corpus has fewer batches than the benchmark's steps"
-        ids = batch["input_ids"].to(device, non_blocking=True)
-        gpt(ids, batch["labels"].to(device, non_blocking=True)).backward()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-
-    return shape.b * shape.s / seconds_per_step(step, device, args.warmup, args.steps)
-
-
-def fit_section(shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
-    """tokens/s of ``cli.py fit`` and of the plain loop, and their ratio."""
-    cwd = os.getcwd()
-    with tempfile.TemporaryDirectory() as tmp:  # the CLI's logs and saved config go here
-        os.chdir(tmp)
-        try:
-            fit = _fit_tokens_per_sec(shape, args)
-        finally:
-            os.chdir(cwd)
-    loop = _loop_tokens_per_sec(shape, args)
-    return {"recompute": "selective", "fit_tokens_per_sec": fit, "loop_tokens_per_sec": loop,
-            "ratio": fit / loop}  # fmt: skip
-
-
 def _markdown(result: dict[str, Any]) -> str:
     meta = result["meta"]
     lines = ["## One GPU: lightning-sp vs plain PyTorch, and the Trainer path\n"]
@@ -359,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     add("--smoke", action="store_true", help="tiny shapes (seconds)")
     add("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a plumbing check (--smoke)")
     add_out_argument(parser)
-    add("--only", type=_names, default=list(SECTIONS), help=f"some of {','.join(SECTIONS)}")
+    add("--only", type=_names, default=list(DEFAULT_SECTIONS),
+        help=f"some of {','.join(SECTIONS)} (default: {','.join(DEFAULT_SECTIONS)})")  # fmt: skip
     add("--warmup", type=int, default=None, help="untimed steps (3; smoke 1)")
     add("--steps", type=int, default=None, help="timed steps (10; smoke 2)")
     add("--dropout", type=float, default=0.1, help="hidden and attention")
@@ -372,10 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := sorted(set(args.only) - set(SECTIONS)):
         parser.error(f"--only: unknown {', '.join(unknown)}; valid: {', '.join(SECTIONS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.exit(2, "error: benchmarks.gpu needs a CUDA device and torch.cuda.is_available() "
-                    "is False (for a CPU plumbing check: --device cpu --smoke)\n")  # fmt: skip
+        print("error: benchmarks.gpu needs a CUDA device and torch.cuda.is_available() is False "
+              "(for a CPU plumbing check: --device cpu --smoke)", file=sys.stderr)  # fmt: skip
+        return 2
     if args.device == "cpu" and not args.smoke:
-        parser.exit(2, "error: --device cpu is a plumbing check only; add --smoke\n")
+        print("error: --device cpu is a plumbing check only; add --smoke", file=sys.stderr)
+        return 2
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
     args.steps = args.steps if args.steps is not None else (2 if args.smoke else 10)
     device, out = torch.device(args.device), out_dir(args.out, args.smoke)
@@ -402,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         layers = moe.GPU_SMOKE if args.smoke else moe.GPU_FULL
         found = moe.measure_on(layers, device, DTYPES[args.dtype])
         write(out, f"moe_gpu_{args.dtype}", {"meta": meta, **found}, moe.markdown(found))
+    if "fp8" in args.only:
+        found = fp8_gpu.measure(fp8_gpu.SMOKE if args.smoke else fp8_gpu.FULL, device, args.compile)
+        write(out, "fp8_gpu", {"meta": {**meta, **stamp(), "smoke": args.smoke}, **found},
+              fp8_gpu.markdown(found))  # fmt: skip
     return 0
 
 

@@ -1,5 +1,5 @@
 """The one exception type for configuration mistakes, and the checks every config shares
-(a positive size, a writable directory)."""
+(a positive size, a size dividing another, a writable directory)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,16 @@ def finite_number(
 def divisors(n: int) -> list[int]:
     """The positive divisors of ``n``, for "must be one of ..." messages."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_divisible(field: str, value: int, size_name: str, size: int) -> None:
+    """:class:`ConfigError` unless ``size`` divides ``value``: one line naming the field, its
+    value, the size and the sizes that would divide it."""
+    if value % size:
+        raise ConfigError(
+            f"{field}={value} is not divisible by {size_name}={size}; "
+            f"{size_name} must be one of {divisors(value)}"
+        )
 
 
 def check_writable(field: str, directory: str) -> None:

@@ -174,6 +174,7 @@ def test_layouts_match_peft(references: dict[str, Any]) -> None:
         ("qwen3", (2, 1, 1, 1, "none")), ("qwen3", (1, 2, 1, 1, "lean")),
         ("qwen3", (1, 1, 2, 1, "selective")),
         ("mixtral", (2, 1, 1, 1, "none")), ("mixtral", (1, 1, 1, 2, "full")),
+        ("mixtral", (1, 2, 1, 1, "selective")), ("mixtral", (1, 1, 2, 1, "lean")),
     ]  # fmt: skip
     run_distributed(_worker, 2, cases, references)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lightning_sp.errors import ConfigError, divisors, positive_int
+from lightning_sp.errors import ConfigError, check_divisible, divisors, positive_int
 from lightning_sp.model.cores import check_attention
 from lightning_sp.model.ops import ROPE_TYPES, RopeScaling
 from lightning_sp.model.parts.block import FEED_FORWARDS, PLACEMENTS
@@ -34,27 +34,15 @@ def check_model_layout(config: Any, layout: ParallelConfig, *, split_sequence: b
     :class:`ConfigError`, one line: field, value, what is valid."""
     check_config(config)
     t = layout.tensor_parallel_size
-    if config.hidden_size % t:
-        raise ConfigError(
-            f"hidden_size={config.hidden_size} is not divisible by tensor_parallel_size={t}; "
-            f"tensor_parallel_size must be one of {divisors(config.hidden_size)}"
-        )
-    if config.num_heads % t:
-        raise ConfigError(
-            f"num_heads={config.num_heads} is not divisible by tensor_parallel_size={t}; "
-            f"tensor_parallel_size must be one of {divisors(config.num_heads)}"
-        )
+    check_divisible("hidden_size", config.hidden_size, "tensor_parallel_size", t)
+    check_divisible("num_heads", config.num_heads, "tensor_parallel_size", t)
     g = config.groups
     if g % t and t % g:
         raise ConfigError(
             f"num_query_groups={g} and tensor_parallel_size={t}: one must divide the other "
             f"(tensor_parallel_size one of {sorted(set(divisors(g)) | _multiples(g, t))})"
         )
-    if config.ffn_size % t:
-        raise ConfigError(
-            f"ffn_hidden_size={config.ffn_size} is not divisible by tensor_parallel_size={t}; "
-            f"tensor_parallel_size must be one of {divisors(config.ffn_size)}"
-        )
+    check_divisible("ffn_hidden_size", config.ffn_size, "tensor_parallel_size", t)
     if split_sequence:
         layout.check_sequence_length(config.seq_length, config.sequence_parallel)
     if config.feed_forward == "moe":

@@ -50,6 +50,31 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def tensor_parallel_weight(
+    full_shape: tuple[int, int],
+    dim: int,
+    state: ParallelState,
+    what: str,
+    *,
+    init_std: float,
+    replicas: int = 1,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[nn.Parameter, ShardSpec]:
+    """This rank's shard of a ``full_shape`` weight split along ``dim`` over the tensor-parallel
+    group, and where it sits: ``full_shape[dim]·replicas/t`` rows starting at ``rank // replicas``
+    such shards (``replicas`` consecutive ranks hold the same one). The weight is empty and
+    marked for initialisation (normal, ``init_std``) and resharding; a ``ValueError`` naming
+    ``what`` unless the split divides."""
+    t, rank = state.tensor_parallel_size, state.tensor_parallel_rank
+    local = divide(full_shape[dim] * replicas, t, what)
+    shard = ShardSpec(dim, rank // replicas * local, replicas)
+    shape = list(full_shape)
+    shape[dim] = local
+    weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+    return mark_parameter(weight, shard=shard, std=init_std), shard
+
+
 NormFn = Callable[[Tensor, Tensor, Tensor | None, float], Tensor]
 """``norm(x, weight, bias, eps)``, differentiable by autograd (LayerNorm, RMSNorm)."""
 
@@ -264,19 +289,21 @@ class ColumnParallelLinear(nn.Module):
         :func:`~lightning_sp.parallel.grads.finalize_grads`). Grouped-query attention with
         fewer key/value heads than ranks uses it."""
         super().__init__()
-        t, rank = state.tensor_parallel_size, state.tensor_parallel_rank
-        local = divide(out_features * replicas, t, "out_features * replicas")
-        start = rank // replicas * local
         self.group, self.sequence_parallel = state.tp_group, sequence_parallel
-        self.weight = mark_parameter(
-            nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device)),
-            shard=ShardSpec(0, start, replicas),
-            std=init_std,
+        self.weight, shard = tensor_parallel_weight(
+            (out_features, in_features),
+            0,
+            state,
+            "out_features * replicas",
+            init_std=init_std,
+            replicas=replicas,
+            dtype=dtype,
+            device=device,
         )
         self.bias = (
             mark_parameter(
-                nn.Parameter(torch.empty(local, dtype=dtype, device=device)),
-                shard=ShardSpec(0, start, replicas),
+                nn.Parameter(torch.empty(self.weight.shape[0], dtype=dtype, device=device)),
+                shard=shard,
                 init="zeros",
             )
             if bias
@@ -312,13 +339,15 @@ class RowParallelLinear(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        t, rank = state.tensor_parallel_size, state.tensor_parallel_rank
-        local = divide(in_features, t, "in_features")
         self.group, self.sequence_parallel = state.tp_group, sequence_parallel
-        self.weight = mark_parameter(
-            nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device)),
-            shard=ShardSpec(1, rank * local),
-            std=init_std,
+        self.weight, _ = tensor_parallel_weight(
+            (out_features, in_features),
+            1,
+            state,
+            "in_features",
+            init_std=init_std,
+            dtype=dtype,
+            device=device,
         )
         self.bias = (
             mark_parameter(

@@ -42,7 +42,7 @@ from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
 from lightning_sp.model.hooks import after_optimizer_step, scale_auxiliary_losses, step_metrics
-from lightning_sp.model.lora import LoRAConfig, apply_lora, check_lora
+from lightning_sp.model.lora import LoRAConfig
 from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
 from lightning_sp.parallel.config import ParallelConfig
@@ -50,6 +50,7 @@ from lightning_sp.parallel.grads import clip_grad_norm_
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.pipeline.token_mean import TokenMean, counted_tokens
+from lightning_sp.training import adapters
 from lightning_sp.training.batches import (
     labels_of,
     replica_mean,
@@ -102,6 +103,8 @@ class GPTModule(LightningModule):
         lora: Train LoRA adapters (``peft``'s settings: :class:`~lightning_sp.model.lora.
             LoRAConfig`) on the linears it names, the base frozen (no gradients, no optimizer
             state, no weight-gradient GEMMs), in any layout; ``None``: train every weight.
+        adapter_from: A PEFT adapter directory (trained on ``init_from``) the adapters start
+            from, in any layout; ``lora`` None: its settings (:mod:`.adapters`).
         dpo: Train on preference pairs with Direct Preference Optimization (TRL's losses and
             metrics, the reference as :class:`~lightning_sp.training.preference.DPOConfig`
             says: :mod:`lightning_sp.training.dpo`); the data must be preference data.
@@ -116,6 +119,7 @@ class GPTModule(LightningModule):
         compile_layers: bool = False,
         generation: GenerationConfig = _DEFAULT_GENERATION,
         lora: LoRAConfig | None = None,
+        adapter_from: str | None = None,
         dpo: DPOConfig | None = None,
         compile_options: CompileOptions = _DEFAULT_COMPILE,
     ) -> None:
@@ -134,8 +138,8 @@ class GPTModule(LightningModule):
         if init_from is not None:
             check_hf_directory(init_from, self.config)
         self.generation.validate()
-        if self.lora is not None:
-            check_lora(self.lora, self.config)
+        self.adapter_from = adapter_from
+        self.lora = adapters.adapter_settings(self.lora, adapter_from, init_from, self.config)
         self._preference: PreferenceSteps | None = None  # a DPO run's steps
         if self.dpo is not None:
             check_dpo(self.dpo, self.config, self.lora is not None)
@@ -158,6 +162,7 @@ class GPTModule(LightningModule):
                 "init_from": self.init_from,
                 "compile_layers": self.compile_layers,
                 "lora": dataclasses.asdict(self.lora) if self.lora is not None else None,
+                "adapter_from": self.adapter_from,
                 "dpo": dataclasses.asdict(self.dpo) if self.dpo is not None else None,
                 "compile_options": dataclasses.asdict(self.compile_options),
             }
@@ -242,9 +247,8 @@ class GPTModule(LightningModule):
             timeout=state.timeout,
         )
         self._load_init_from()
-        if self.lora is not None:  # after the base weights: adapters start from peft's init
-            for chunk in self.pipeline.chunks:
-                apply_lora(chunk, self.lora)
+        if self.lora is not None:  # after the base weights: peft's init, or adapter_from's
+            adapters.attach_adapters(self.pipeline.chunks, self.lora, self.adapter_from, config)
         if self.compile_layers:
             rank_zero_warn(COMPILED_MEMORY_WARNING)
             for chunk in self.pipeline.chunks:
@@ -441,6 +445,8 @@ class GPTModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rng_streams"] = self.stage_model().rng_state_dict()
         checkpoint["vocabulary"] = self._vocabulary_identity()
+        if self.lora is not None:  # which base the adapters train on (checked on resume)
+            checkpoint["lora_base"] = adapters.base_record(self.init_from)
 
     @override
     def on_fit_start(self) -> None:
@@ -473,6 +479,7 @@ class GPTModule(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._resumed_optimizer = checkpoint.get("hyper_parameters", {}).get("optimizer", {})
         check_vocabulary(checkpoint.get("vocabulary", {}), self._vocabulary_identity())
+        adapters.check_base(checkpoint.get("lora_base"), self.init_from)
         weights = checkpoint.get("state_dict", {})
         for key in [k for k in weights if k.startswith("gpt.")]:  # saved before the one holder
             weights["pipeline.chunks.0." + key[len("gpt.") :]] = weights.pop(key)

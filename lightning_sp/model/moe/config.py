@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from lightning_sp.errors import ConfigError, divisors, finite_number, positive_int
+from lightning_sp.errors import ConfigError, check_divisible, finite_number, positive_int
 from lightning_sp.parallel.config import ParallelConfig
 
 Score = Literal["softmax", "sigmoid"]
@@ -176,11 +176,7 @@ class MoEConfig(MoETraining, MoEArchitecture):
         divides ``f_e``."""
         e, t = layout.expert_parallel_size, layout.tensor_parallel_size
         t_e = layout.expert_tensor_parallel_size
-        if self.num_experts % e:
-            raise ConfigError(
-                f"moe.num_experts={self.num_experts} is not divisible by expert_parallel_size="
-                f"{e}; expert_parallel_size must be one of {divisors(self.num_experts)}"
-            )
+        check_divisible("moe.num_experts", self.num_experts, "expert_parallel_size", e)
         if t > 1 and not sequence_parallel:
             raise ConfigError(
                 f"a mixture-of-experts model at tensor_parallel_size={t} needs "
