@@ -26,6 +26,7 @@ import torch
 from lightning_sp.errors import positive_int
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.cores import ATTENTION_BACKENDS
+from lightning_sp.model.parts.block import block_of_shape
 from lightning_sp.model.recompute import active_modules
 
 __all__ = [
@@ -50,7 +51,7 @@ def layer_forward_flops(config: GPTConfig, batch_size: int) -> float:
     parts`), for GPT-2 / Llama attention ``2Bsh(a + 2g)d + 4Bs²ad + 2Bsadh`` and the MLP
     ``2Bshf`` per projection."""
     shape = config.activation_shape(micro_batch_size=batch_size)
-    return config.block().forward_flops(shape)
+    return block_of_shape(shape).forward_flops(shape)
 
 
 def forward_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> float:
@@ -91,7 +92,7 @@ def attention_core_flops_per_iteration(config: GPTConfig, global_batch_size: int
     counts them: whole, causal or not."""
     _check_batch(global_batch_size)
     shape = config.activation_shape(micro_batch_size=global_batch_size)
-    core = sum(g.flops for g in config.block().gemms(shape) if g.tag == "core_attn")
+    core = sum(g.flops for g in block_of_shape(shape).gemms(shape) if g.tag == "core_attn")
     return 3.0 * config.num_layers * core
 
 

@@ -310,6 +310,19 @@ class ParallelState:
         return self.token_groups.get((over_tp, over_cp))
 
     @property
+    def layout(self) -> ParallelConfig:
+        """This state's sizes as the layout record (what activation shapes are built from:
+        :meth:`~lightning_sp.model.config.GPTConfig.activation_shape`)."""
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            expert_parallel_size=self.expert_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+        )
+
+    @property
     def world_size(self) -> int:
         return (
             self.tensor_parallel_size
