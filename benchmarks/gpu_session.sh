@@ -10,6 +10,10 @@
 #   planner  calibrate and step-check of configs/gpu_1b.yaml (gpu_1b_cluster.yaml, step_check.json;
 #            about 3 minutes)
 #   moe      python -m benchmarks.gpu --only moe (moe_gpu_bf16.md/.json; under a minute)
+#   speed    side by side on this card: our GPT (sdpa; recompute none and selective; dropout 0) eager
+#            and compiled per layer, plain PyTorch SDPA eager and compiled, cli.py fit vs a plain
+#            loop (speed/gpu.md), then the MLP's GEMMs in bf16 and FP8 tensorwise / rowwise, ours
+#            and torchao's, eager and compiled (fp8_gpu.md; torchao among .gpu/'s wheels); ~5 min
 # Results go to $OUT (default benchmarks/results/gpu), everything printed to $OUT/session.log. Each
 # step has its own limit (SIGABRT at the limit: Python prints every thread's stack), cut to what is
 # left of $BUDGET seconds (560), so one that fails or hangs leaves the others' results.
@@ -17,7 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu}
 BUDGET=${BUDGET:-560}
-PARTS=${*:-models fit planner moe}
+PARTS=${*:-models fit planner moe speed}
 mkdir -p "$OUT"
 log="$OUT/session.log"
 [ -f .gpu/setup-on-gpu.sh ] && source .gpu/setup-on-gpu.sh >>"$log" 2>&1
@@ -45,7 +49,11 @@ for part in $PARTS; do
       step 150 "step-check" python cli.py step-check --config configs/gpu_1b.yaml \
         --cluster "$OUT/gpu_1b_cluster.yaml" --seconds 0.5 --out "$OUT/step_check.json" ;;
     moe) step 70 "moe layer, bf16" python -m benchmarks.gpu --only moe --out "$OUT" ;;
-    *) echo "unknown part $part (models, fit, planner, moe)"; exit 2 ;;
+    speed)
+      step 240 "compile + plain + fit" python -m benchmarks.gpu --only models,fit --backends sdpa \
+        --policies none,selective --dropout 0 --out "$OUT/speed" --warmup 2 --steps 6
+      step 90 "fp8 GEMMs" python -m benchmarks.fp8_gpu --out "$OUT" ;;
+    *) echo "unknown part $part (models, fit, planner, moe, speed)"; exit 2 ;;
   esac
 done
 grep -av "it/s\]" "$log" | grep -a "===\|MFU\|TFLOP\|ratio\|wrote\|rror" | tail -40

@@ -220,7 +220,6 @@ def _train_worker(
     if which == "ours":
         strategy: Any = MegatronSPStrategy(
             tensor_parallel_size=shape.t,
-            sequence_parallel=shape.sequence_parallel,
             timeout=TIMEOUT_SECONDS,
             start_method="spawn",
         )

@@ -103,11 +103,47 @@ def unknown_class_key(message: str) -> str | None:
     return f"{field} has no key {key!r}; valid: {', '.join(valid)}{hint}"
 
 
+_CLASS_VALUE = re.compile(
+    r"Parser key \"([^\"]+)\".*?class_path '[\w.]+': Parser key \"([^\"]+)\": (?:Expected a "
+    r"(.+?)\. Got value: (.*?)|Does not validate against any of the Union subtypes Subtypes: "
+    r"\[(.+?)\] .*? Given value: (.*?)) - Expected a <class 'NoneType'> Given value type"
+)
+_TYPE_NAMES = {
+    "int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string",
+    "NoneType": "null",
+}  # fmt: skip
+
+
+def _valid(expected: str) -> str:
+    """What jsonargparse's type name ``expected`` accepts, in words."""
+    literal = re.fullmatch(r"typing\.Literal\[(.*)\]", expected.strip())
+    if literal:
+        values = ", ".join(v.strip().strip("'\"") for v in literal.group(1).split(","))
+        return f"one of {values}"
+    kind = re.fullmatch(r"<class '(\w+)'>", expected.strip())
+    return _TYPE_NAMES.get(kind.group(1), kind.group(1)) if kind else expected.strip()
+
+
+def bad_class_value(message: str) -> str | None:
+    """For jsonargparse's report of a value of the wrong type inside a class-typed field (a
+    union of every subtype's error, about 500 characters: ``--model.config.moe.router_dtype
+    bf16``): one line naming the field, the value and what is valid. None for other
+    messages."""
+    found = _CLASS_VALUE.search(message)
+    if found is None:
+        return None
+    field, key, expected, value, union, union_value = found.groups()
+    if expected is not None:
+        return f"{field}.{key}={value!r} must be {_valid(expected)}"
+    kinds = re.findall(r"typing\.Literal\[[^\]]*\]|<class '\w+'>", union)
+    return f"{field}.{key}={union_value!r} must be {' or '.join(map(_valid, kinds))}"
+
+
 def one_line(message: str, keys: list[str], prog: str) -> str:
     """``message`` on one line, with the closest of ``keys`` to the unknown option it names
     (``difflib.get_close_matches``), and where to find every option."""
     line = " ".join(message.split())
-    known = unknown_class_key(line)
+    known = unknown_class_key(line) or bad_class_value(line)
     if known is not None:
         return known
     key = unknown_key(line)

@@ -18,17 +18,18 @@ olmo2      ``attention_bias``; query/key norms over the projections (``q_norm [a
 The tensors are named by the parts themselves (``HF_NORMS``, ``HF_ATTENTION``, ``HF_MLP`` in
 ``model/parts/``), from the config's layer: the tensors a model of the config has.
 
-A family is composed of the public conventions here: the fields every Llama-style family has
-(:func:`decoder_fields`), an attention convention (its bias key :data:`ATTENTION_BIAS`, its
-``head_dim`` :data:`HEAD_DIM_FIELD` / :data:`HEAD_DIM` or :data:`NO_HEAD_DIM`, a sliding window
-it refuses, :func:`check_window`) and a feed-forward convention (the dense MLP's width
+A family is composed of the public conventions here by :func:`llama_family`: the fields every
+Llama-style family has (:func:`decoder_fields`), an attention convention (its bias key
+:data:`ATTENTION_BIAS`, its ``head_dim`` :data:`HEAD_DIM_FIELD` / :data:`HEAD_DIM` or
+:data:`NO_HEAD_DIM`, a sliding window it refuses, :func:`check_window`, in Mistral's or Qwen's
+keys, :class:`Window`) and a feed-forward convention (the dense MLP's width
 :data:`DENSE_WIDTH`; a mixture of experts brings its own: :mod:`lightning_sp.interop.hf_moe`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning_sp.errors import ConfigError
@@ -139,6 +140,21 @@ def check_window(hf: Mapping[str, Any], config: GPTConfig, where: str) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """A family's sliding-window convention: a ``sliding_window`` key, refused when shorter
+    than the sequence (:func:`check_window`) and written null, and the ``options`` that go
+    with it."""
+
+    options: tuple[Option, ...] = ()
+
+
+MISTRAL_WINDOW = Window()
+"""Mistral's (and Mixtral's): the ``sliding_window`` key alone."""
+QWEN_WINDOW = Window((Option.constant("use_sliding_window", False),))
+"""Qwen's: ``sliding_window`` and ``use_sliding_window``, which must be off."""
+
+
 DENSE_WIDTH = ConfigField("ffn_hidden_size", "intermediate_size", value=lambda c: c.ffn_size)
 """The dense feed-forward's convention: its width f is ``intermediate_size``."""
 
@@ -198,12 +214,6 @@ def dropout_keys(config: GPTConfig) -> dict[str, Any]:
     return {"attention_dropout": config.attention_dropout}
 
 
-def windowless_keys(config: GPTConfig) -> dict[str, Any]:
-    """The written-only keys of a family that has a ``sliding_window`` key
-    (:func:`check_window`): the dropout, and no window (full causal attention)."""
-    return {**dropout_keys(config), "sliding_window": None}
-
-
 # -- weights ------------------------------------------------------------------------------------
 
 NAMES = HFNames(
@@ -220,80 +230,95 @@ tensors in the ``llama`` convention (OLMo 2's post-norms and the query/key norms
 
 # -- the families ---------------------------------------------------------------------------------
 
-LLAMA = HFModelType(
+
+def llama_family(
+    *,
+    model_type: str,
+    hf_class: str,
+    title: str,
+    fields: tuple[ConfigField, ...],
+    head_dim: bool,
+    window: Window | None = None,
+    options: tuple[Option, ...] = (),
+    extra: Callable[[GPTConfig], dict[str, Any]] = dropout_keys,
+    architecture: str | None = None,
+    names: HFNames = NAMES,
+) -> HFModelType:
+    """A Llama-style family composed of the conventions above: its ``fields``
+    (:func:`decoder_fields` and its own); its ``head_dim`` convention (a key of its own read
+    into ``kv_channels``, :data:`HEAD_DIM_FIELD` and :data:`HEAD_DIM`; else h/a only,
+    :data:`NO_HEAD_DIM`); its sliding-window convention ``window`` (:data:`MISTRAL_WINDOW`,
+    :data:`QWEN_WINDOW`; None: no window key); its further ``options``; the keys it only
+    writes, ``extra`` (default: the attention's dropout); the architecture it reads into
+    (default: ``model_type``) and its naming scheme ``names``."""
+
+    def written(config: GPTConfig) -> dict[str, Any]:
+        keys = extra(config)
+        return keys if window is None else {**keys, "sliding_window": None}
+
+    return HFModelType(
+        model_type=model_type,
+        hf_class=hf_class,
+        architecture=architecture or model_type,
+        config=ConfigTable(
+            title=title,
+            fields=(*fields, HEAD_DIM_FIELD) if head_dim else fields,
+            options=(
+                HEAD_DIM if head_dim else NO_HEAD_DIM,
+                *(() if window is None else window.options),
+                *options,
+            ),
+            extra=written,
+            checks=() if window is None else (check_window,),
+        ),
+        names=names,
+    )
+
+
+LLAMA = llama_family(
     model_type="llama",
     hf_class="LlamaForCausalLM",
-    architecture="llama",
-    config=ConfigTable(
-        title="Llama",
-        fields=(*decoder_fields(ATTENTION_BIAS, _PRE), _MLP_BIAS, HEAD_DIM_FIELD),
-        options=(HEAD_DIM, Option.constant("pretraining_tp", 1)),
-        extra=dropout_keys,
-    ),
-    names=NAMES,
+    title="Llama",
+    fields=(*decoder_fields(ATTENTION_BIAS, _PRE), _MLP_BIAS),
+    head_dim=True,
+    options=(Option.constant("pretraining_tp", 1),),
 )
 
-MISTRAL = HFModelType(
+MISTRAL = llama_family(
     model_type="mistral",
     hf_class="MistralForCausalLM",
-    architecture="mistral",
-    config=ConfigTable(
-        title="Mistral",
-        fields=(
-            *decoder_fields(NO_BIAS, _PRE),
-            HEAD_DIM_FIELD,
-        ),
-        options=(HEAD_DIM,),
-        extra=windowless_keys,
-        checks=(check_window,),
-    ),
-    names=NAMES,
+    title="Mistral",
+    fields=decoder_fields(NO_BIAS, _PRE),
+    head_dim=True,
+    window=MISTRAL_WINDOW,
 )
 
-QWEN2 = HFModelType(
+QWEN2 = llama_family(
     model_type="qwen2",
     hf_class="Qwen2ForCausalLM",
-    architecture="qwen2",
-    config=ConfigTable(
-        title="Qwen2",
-        fields=decoder_fields(
-            ConfigField("bias", default=["qkv"], value=lambda c: c.bias_value()), _PRE
-        ),
-        options=(NO_HEAD_DIM, Option.constant("use_sliding_window", False)),
-        extra=windowless_keys,
-        checks=(check_window,),
+    title="Qwen2",
+    fields=decoder_fields(
+        ConfigField("bias", default=["qkv"], value=lambda c: c.bias_value()), _PRE
     ),
-    names=NAMES,
+    head_dim=False,
+    window=QWEN_WINDOW,
 )
 
-QWEN3 = HFModelType(
+QWEN3 = llama_family(
     model_type="qwen3",
     hf_class="Qwen3ForCausalLM",
-    architecture="qwen3",
-    config=ConfigTable(
-        title="Qwen3",
-        fields=(
-            *decoder_fields(ATTENTION_BIAS, {"qk_norm": "head", "norm_placement": "pre"}),
-            HEAD_DIM_FIELD,
-        ),
-        options=(HEAD_DIM, Option.constant("use_sliding_window", False)),
-        extra=windowless_keys,
-        checks=(check_window,),
-    ),
-    names=NAMES,
+    title="Qwen3",
+    fields=decoder_fields(ATTENTION_BIAS, {"qk_norm": "head", "norm_placement": "pre"}),
+    head_dim=True,
+    window=QWEN_WINDOW,
 )
 
-OLMO2 = HFModelType(
+OLMO2 = llama_family(
     model_type="olmo2",
     hf_class="Olmo2ForCausalLM",
-    architecture="olmo2",
-    config=ConfigTable(
-        title="OLMo 2",
-        fields=decoder_fields(ATTENTION_BIAS, {"qk_norm": "projection", "norm_placement": "post"}),
-        options=(NO_HEAD_DIM,),
-        extra=dropout_keys,
-    ),
-    names=NAMES,
+    title="OLMo 2",
+    fields=decoder_fields(ATTENTION_BIAS, {"qk_norm": "projection", "norm_placement": "post"}),
+    head_dim=False,
 )
 
 LLAMA_STYLE = (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2)

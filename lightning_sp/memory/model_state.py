@@ -63,8 +63,20 @@ def layer_parameter_count(
     """
     if config is None:
         config = GPTConfig(hidden_size=h, num_heads=h, ffn_hidden_size=ffn_hidden_size)
-    shape = config.activation_shape(layout)
+    shape = _layer_shape(config, layout)
     return block_of_shape(shape).parameters(shape)
+
+
+def _layer_shape(config: GPTConfig, layout: ParallelConfig | None) -> ActivationShape:
+    """The shape the parameter counts read (t and the expert tensor parallel size of
+    ``layout``; None: one rank), built once per count."""
+    return config.activation_shape(layout)
+
+
+def _layer_expert_parameters(shape: ActivationShape) -> int:
+    """The routed experts' parameters of one layer on a tensor-parallel rank (all ``E`` of
+    them, ``f_e/t`` wide under expert tensor parallelism ``etp = t``); 0 for a dense layer."""
+    return block_of_shape(shape).expert_parameters(shape)
 
 
 def stage_parameter_count(
@@ -80,17 +92,16 @@ def stage_parameter_count(
     size ``e``, and ``1/t`` more under expert tensor parallelism.
     """
     layout = ParallelConfig() if layout is None else layout
-    return _stage_count(config, layout, config.activation_shape(layout), stage)
+    return _stage_count(config, layout, _layer_shape(config, layout), stage)
 
 
 def _stage_count(
     config: GPTConfig, layout: ParallelConfig, shape: ActivationShape, stage: int
 ) -> int:
     t, p, e = layout.tensor_parallel_size, layout.pipeline_parallel_size, shape.e
-    h, block = config.hidden_size, block_of_shape(shape)
-    layer = block.parameters(shape)
+    h, layer = config.hidden_size, block_of_shape(shape).parameters(shape)
     if e > 1:  # a rank of an EP group holds E/e of each layer's routed experts
-        experts = block.expert_parameters(shape)
+        experts = _layer_expert_parameters(shape)
         layer -= experts - experts // e
     count = config.num_layers // p * layer
     vocab = config.padded_vocab_size(t) // t * h
@@ -108,7 +119,7 @@ def parameters_per_rank(config: GPTConfig, layout: ParallelConfig | None = None)
     positions, ``L/p`` layers; with ``p = 1`` also the final LayerNorm); routed experts ``1/e``
     of them (and ``1/t`` of their width under expert tensor parallelism)."""
     layout = ParallelConfig() if layout is None else layout
-    shape, p = config.activation_shape(layout), layout.pipeline_parallel_size
+    shape, p = _layer_shape(config, layout), layout.pipeline_parallel_size
     return max(_stage_count(config, layout, shape, stage) for stage in {0, p - 1})
 
 
@@ -117,9 +128,12 @@ def expert_parameters_per_rank(config: GPTConfig, layout: ParallelConfig | None 
     ``f_e/t`` wide under expert tensor parallelism): the distributed optimizer shards their
     state over the ``d·c/e`` ranks holding them."""
     layout = ParallelConfig() if layout is None else layout
-    shape = config.activation_shape(layout)
-    experts = block_of_shape(shape).expert_parameters(shape) // shape.e
-    return config.num_layers // layout.pipeline_parallel_size * experts
+    experts = _layer_expert_parameters(_layer_shape(config, layout))
+    return (
+        config.num_layers
+        // layout.pipeline_parallel_size
+        * (experts // layout.expert_parallel_size)
+    )
 
 
 def model_parameter_count(config: GPTConfig) -> int:
@@ -131,7 +145,7 @@ def model_parameter_count(config: GPTConfig) -> int:
 def model_active_parameter_count(config: GPTConfig) -> int:
     """Parameters one token uses: :func:`model_parameter_count` less, per layer, the routed
     experts it is not sent to (all of them for a dense model)."""
-    x = config.activation_shape()
+    x = _layer_shape(config, None)
     block = block_of_shape(x)
     unused = block.expert_parameters(x) - block.active_expert_parameters(x)
     return model_parameter_count(config) - config.num_layers * unused

@@ -8,8 +8,9 @@ chunks, any module holding them) and call it:
 * :class:`AuxiliaryLosses`: a module whose forward adds terms to the training objective
   through its output's backward (an MoE layer's load-balancing losses). The loop sets their
   scale to the main loss's (``1 / micro-batches per step``): :func:`scale_auxiliary_losses`.
-  :func:`has_auxiliary_losses` says whether a model has any (a step that rescales every
-  gradient afterwards, a token mean over loss masks, would rescale them too);
+  :func:`has_auxiliary_losses` says whether a model has any, :func:`auxiliary_losses_on`
+  whether they reach this run's gradient (a step that rescales every gradient afterwards, a
+  token mean over loss masks, scales them up front to cancel it);
 * :class:`AfterOptimizerStep`: state moved once after every optimizer step from what the
   step's forwards counted (an MoE router's auxiliary-loss-free bias):
   :func:`after_optimizer_step`, collective over the ranks of a stage;
@@ -44,6 +45,9 @@ class AuxiliaryLosses(Protocol):
     def set_auxiliary_loss_scale(self, scale: float) -> None:
         """Multiply the auxiliary losses' gradient by ``scale`` from the next forward on."""
 
+    def adds_auxiliary_losses(self) -> bool:
+        """Whether its settings add any auxiliary loss to the gradient (a coefficient > 0)."""
+
 
 @runtime_checkable
 class AfterOptimizerStep(Protocol):
@@ -70,8 +74,15 @@ def _modules(module: nn.Module, kind: type) -> list[nn.Module]:
 
 
 def has_auxiliary_losses(module: nn.Module) -> bool:
-    """Whether ``module`` holds a module whose auxiliary losses join the loss's gradient."""
+    """Whether ``module`` holds a module whose auxiliary losses can join the loss's gradient
+    (whatever their coefficients)."""
     return bool(_modules(module, AuxiliaryLosses))
+
+
+def auxiliary_losses_on(module: nn.Module) -> bool:
+    """Whether some module of ``module`` adds auxiliary losses to this run's gradient (its
+    settings give them a coefficient > 0)."""
+    return any(m.adds_auxiliary_losses() for m in _modules(module, AuxiliaryLosses))  # type: ignore[operator]
 
 
 def scale_auxiliary_losses(module: nn.Module, scale: float) -> None:

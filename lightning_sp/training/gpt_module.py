@@ -36,6 +36,7 @@ from typing_extensions import override
 from lightning_sp.data.prompts import Codec
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
+from lightning_sp.model.compile import CompileOptions, check_compile_options, compile_layers
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.model.generate import GenerationConfig, generate
@@ -49,7 +50,12 @@ from lightning_sp.parallel.grads import clip_grad_norm_
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.pipeline.token_mean import TokenMean, counted_tokens
-from lightning_sp.training.batches import labels_of, replica_mean, step_inputs
+from lightning_sp.training.batches import (
+    labels_of,
+    replica_mean,
+    scale_auxiliary_losses_to_token_mean,
+    step_inputs,
+)
 from lightning_sp.training.checks import (
     COMPILED_MEMORY_WARNING,
     check_compile,
@@ -67,6 +73,7 @@ from lightning_sp.training.protocol import Batched, BucketsGradients
 _DEFAULT_MODEL = GPTConfig()
 _DEFAULT_OPTIMIZER = OptimizerConfig()
 _DEFAULT_GENERATION = GenerationConfig()
+_DEFAULT_COMPILE = CompileOptions()
 
 
 class GPTModule(LightningModule):
@@ -88,6 +95,9 @@ class GPTModule(LightningModule):
             are the partitioner's choice, not the policy's (configs/tiny.yaml: 36.0 sbh
             measured vs 32.0 eager), so the formulas and the planner no longer describe them
             (warned once); the activation monitor measures them.
+        compile_options: How ``compile_layers`` compiles (backend, mode, ``fullgraph``,
+            ``dynamic``: :class:`~lightning_sp.model.compile.CompileOptions`); set only with
+            ``compile_layers=True``, checked against the model and the device before any step.
         generation: How ``predict`` continues each prompt (:meth:`predict_step`).
         lora: Train LoRA adapters (``peft``'s settings: :class:`~lightning_sp.model.lora.
             LoRAConfig`) on the linears it names, the base frozen (no gradients, no optimizer
@@ -107,11 +117,14 @@ class GPTModule(LightningModule):
         generation: GenerationConfig = _DEFAULT_GENERATION,
         lora: LoRAConfig | None = None,
         dpo: DPOConfig | None = None,
+        compile_options: CompileOptions = _DEFAULT_COMPILE,
     ) -> None:
         super().__init__()
         self.dpo = dataclasses.replace(dpo) if dpo is not None else None
         self.lora = dataclasses.replace(lora) if lora is not None else None
         self.compile_layers = compile_layers
+        self.compile_options = dataclasses.replace(compile_options)
+        self.compile_options.validate(compile_layers)
         self.config = dataclasses.replace(config)
         self.optimizer_config = dataclasses.replace(optimizer)
         self.generation = dataclasses.replace(generation)
@@ -146,6 +159,7 @@ class GPTModule(LightningModule):
                 "compile_layers": self.compile_layers,
                 "lora": dataclasses.asdict(self.lora) if self.lora is not None else None,
                 "dpo": dataclasses.asdict(self.dpo) if self.dpo is not None else None,
+                "compile_options": dataclasses.asdict(self.compile_options),
             }
         )
 
@@ -199,7 +213,7 @@ class GPTModule(LightningModule):
         config, state, layout = self.config, self.parallel_state, self.parallel_config
         check_data(getattr(self._trainer, "datamodule", None), config)
         check_model_layout(config, layout)  # the one check of the model against the layout
-        if self.compile_layers:
+        if self.compile_layers and self.compile_options.backend == "inductor":
             check_compile(state)
         if config.recompute.auto:  # the planner's fastest recomputation that fits
             from lightning_sp.planner.estimate import auto_recompute_config
@@ -212,6 +226,8 @@ class GPTModule(LightningModule):
             # the policy that runs (the loggers write hparams after configure_model)
             self.config = config
             self._save_hyperparameters()
+        if self.compile_layers:  # recompute resolved: what the layers will run
+            check_compile_options(self.compile_options, config, state.device)
         if state.pipeline_parallel_size > 1:
             trainer = self._trainer
             accumulate = trainer.accumulate_grad_batches if trainer is not None else None
@@ -232,8 +248,7 @@ class GPTModule(LightningModule):
         if self.compile_layers:
             rank_zero_warn(COMPILED_MEMORY_WARNING)
             for chunk in self.pipeline.chunks:
-                for layer in chunk.layers:
-                    layer.compile()
+                compile_layers(chunk.layers, self.compile_options)
         if self._preference is not None:
             self._preference.configure(config, self.pipeline, self.init_from)
 
@@ -271,13 +286,20 @@ class GPTModule(LightningModule):
                 self._token_mean = TokenMean(self.parallel_state)  # a new step
             model, mean = self.stage_model(), self._token_mean
             return self._preference.training_step(model, batch, mean, self._zero_grad)
+        masked = "loss_mask" in batch  # logged with the step's token mean
+        if masked and (
+            self._token_mean is None or batch_idx % self.trainer.accumulate_grad_batches == 0
+        ):
+            self._token_mean = TokenMean(self.parallel_state)  # a new step
+            accumulate = self.trainer.accumulate_grad_batches
+            scale_auxiliary_losses_to_token_mean(self.stage_model(), labels_of(batch), accumulate)
         loss = self._loss(batch, train=True)
-        if "loss_mask" in batch:  # logged with the step's token mean (on_before_optimizer_step)
-            if self._token_mean is None or batch_idx % self.trainer.accumulate_grad_batches == 0:
-                self._token_mean = TokenMean(self.parallel_state)  # a new step
+        if masked:
+            assert self._token_mean is not None
             self._token_mean.add(labels_of(batch), loss)
             return loss
-        self.log("train/loss", replica_mean(loss, self.parallel_state), prog_bar=True)
+        # not prog_bar (a host read every step): lightning_sp.ProgressBar reads it when it refreshes
+        self.log("train/loss", replica_mean(loss, self.parallel_state))
         return loss
 
     @override
@@ -335,7 +357,7 @@ class GPTModule(LightningModule):
         accumulation = 1 if model.runs_backward else self.trainer.accumulate_grad_batches
         loss = self._token_mean.finish(model, accumulation)
         self._token_mean = None
-        self.log("train/loss", loss.float(), prog_bar=True)
+        self.log("train/loss", loss.float())  # not prog_bar: see training_step
 
     @override
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:

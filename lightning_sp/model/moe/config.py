@@ -38,7 +38,8 @@ class MoEArchitecture:
 
     normalize_top_k: bool = True
     """Divide the ``k`` chosen scores by their sum (Mixtral: yes; Qwen3-MoE:
-    ``norm_topk_prob``; OLMoE: no); sigmoid scores are always renormalised here."""
+    ``norm_topk_prob``; OLMoE: no), sigmoid scores alike (DeepSeek-V3: yes; ``false``: each
+    choice weighs its own sigmoid score)."""
 
     num_shared_experts: int = 0
     """Shared experts every token passes through besides its routed ones (DeepSeek), as one

@@ -134,7 +134,7 @@ class MoEFeedForward(Part):
         cfg, e, r = self.config, x.activation_bytes, self.router_bytes(x)
         t = x.s * x.b  # tokens of the whole layer before any split
         k, n, f = cfg.top_k, cfg.top_k * x.s * x.b, cfg.expert_ffn_size
-        chosen = r * t * (k + 1) if cfg.normalize_top_k or cfg.score == "sigmoid" else 0.0
+        chosen = r * t * (k + 1) if cfg.normalize_top_k else 0.0
         indices = 2 * INDEX * n * (2 if x.e > 1 else 1)  # EP: the regroup and its inverse
         # expert TP: each TP rank runs its f_e/t slice on the TP group's gathered rows
         gathered, inner = (REPLICATED, INSIDE) if x.etp > 1 else (OUTSIDE, OUTSIDE)
