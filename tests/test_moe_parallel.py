@@ -294,7 +294,7 @@ def _expert_tensor_parallel_checkpoint(root: Path) -> None:
     finalize_grads(model, state, optimizer.grad_buffer)  # type: ignore[attr-defined]
     optimizer.step()
     layout = ParallelConfig(tensor_parallel_size=2, expert_tensor_parallel_size=2,
-                            sequence_parallel=True, distributed_optimizer=True)  # fmt: skip
+                            distributed_optimizer=True)  # fmt: skip
     meta = Meta(1, layout, dataclasses.asdict(config))
     Checkpointer().save(root / "etp2", model, [optimizer], meta=meta,
                         lightning_state={"global_step": 1}, rng=("rng.none", None))  # fmt: skip

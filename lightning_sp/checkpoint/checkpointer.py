@@ -293,7 +293,8 @@ class Checkpointer:
         try:
             chunks = gpt_chunks(module)
             if chunks:
-                check_architecture(metadata, meta, chunks[0].config)
+                lora = getattr(module, "lora", None)  # a LoRA run's adapters are saved too
+                check_architecture(metadata, meta, chunks[0].config, lora)
             check_shapes(metadata, global_shapes(module), meta, model_config)
         except ConfigError as exc:
             error = str(exc)

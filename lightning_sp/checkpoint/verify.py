@@ -84,18 +84,16 @@ def saved_config(meta: Meta) -> Any:
     return GPTConfig.from_values({k: v for k, v in meta.model.items() if k in known})
 
 
-def check_architecture(metadata: Metadata, meta: Meta, config: Any) -> None:
+def check_architecture(metadata: Metadata, meta: Meta, config: Any, lora: Any = None) -> None:
     """The model ``config`` (a ``GPTConfig``) is the architecture the checkpoint was trained
     with: its :attr:`~lightning_sp.model.config.GPTConfig.architecture` record equal, whole
     (the MoE shape included), and every tensor the checkpoint holds a parameter or persistent
     buffer of this model. Else one :class:`ConfigError` line naming each differing field
     (``moe.top_k`` for an MoE one) with both values (or the tensor this model lacks). The run
-    settings (:class:`~lightning_sp.model.run_settings.RunSettings`) may differ."""
-    import torch
+    settings (:class:`~lightning_sp.model.run_settings.RunSettings`) may differ. ``lora`` (a
+    ``LoRAConfig``): the model carries those adapters (a LoRA run's checkpoint holds them)."""
 
     from lightning_sp.checkpoint.shards import buffer_entries, global_shapes
-    from lightning_sp.model.gpt import GPT
-    from lightning_sp.parallel.state import ParallelState
 
     if meta.model:
         differ = [
@@ -108,8 +106,7 @@ def check_architecture(metadata: Metadata, meta: Meta, config: Any) -> None:
             raise ConfigError(
                 f"{'; '.join(differ)}: another architecture; load it with the checkpoint's values"
             )
-    with torch.device("meta"):
-        model = GPT(_for_shapes(config), ParallelState.single("meta"), device="meta")
+    model = _shapes_model(config, lora)
     shapes = global_shapes(model) | dict(buffer_entries(model))
     for key, entry in metadata.state_dict_metadata.items():
         tensor = key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
@@ -118,6 +115,22 @@ def check_architecture(metadata: Metadata, meta: Meta, config: Any) -> None:
                 f"the checkpoint holds {key}, which this model lacks; load it into the model "
                 "it was trained with"
             )
+
+
+def _shapes_model(config: Any, lora: Any) -> Any:
+    """A model of ``config`` on the ``meta`` device (its tensors' names and shapes), with
+    ``lora``'s adapters when given."""
+    import torch
+
+    from lightning_sp.model.gpt import GPT
+    from lightning_sp.model.lora import apply_lora
+    from lightning_sp.parallel.state import ParallelState
+
+    with torch.device("meta"):
+        model = GPT(_for_shapes(config), ParallelState.single("meta"), device="meta")
+    if lora is not None:
+        apply_lora(model, lora)
+    return model
 
 
 def _for_shapes(config: Any) -> Any:
@@ -175,17 +188,13 @@ def read_full(path: Path) -> dict[str, Any]:
     return state
 
 
-def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
+def check_checkpoint(ckpt_path: str, model_config: Any, lora: Any = None) -> None:
     """The checkpoint exists, is intact, was trained with this model's architecture
-    (:func:`check_architecture`), and its tensors have this model's shapes."""
-    import torch
-
+    (:func:`check_architecture`; ``lora``: with those adapters), and its tensors have this
+    model's shapes."""
     from lightning_sp.checkpoint.shards import global_shapes
-    from lightning_sp.model.gpt import GPT
-    from lightning_sp.parallel.state import ParallelState
 
     meta, metadata = verify(Path(ckpt_path))
-    check_architecture(metadata, meta, model_config)
-    with torch.device("meta"):
-        model = GPT(_for_shapes(model_config), ParallelState.single("meta"), device="meta")
+    check_architecture(metadata, meta, model_config, lora)
+    model = _shapes_model(model_config, lora)
     check_shapes(metadata, global_shapes(model), meta, model_config.values())

@@ -156,6 +156,18 @@ def check_predict_layout(subcommand: str | None, args: dict[str, Any]) -> None:
             )
 
 
+def _lora(model: Any) -> Any:
+    """The adapters of a parsed ``model`` section: ``model.lora`` as the record, else those of
+    ``model.adapter_from``'s directory; None for a full fine-tune."""
+    from lightning_sp.interop.peft import read_adapter_config
+    from lightning_sp.model.lora import LoRAConfig
+
+    lora, adapter_from = getattr(model, "lora", None), getattr(model, "adapter_from", None)
+    if lora is None:
+        return read_adapter_config(adapter_from) if adapter_from is not None else None
+    return lora if isinstance(lora, LoRAConfig) else LoRAConfig(**dict(vars(lora)))
+
+
 def check_fit_config(config: Any, subcommand: str | None = None) -> None:
     """Every check that needs only a parsed ``fit`` / ``validate`` / ``test`` / ``predict``
     config (a jsonargparse Namespace): strategy arguments, precision, layout against the
@@ -184,4 +196,4 @@ def check_fit_config(config: Any, subcommand: str | None = None) -> None:
     check_optimizer(config.model.optimizer)
     ckpt_path = getattr(config, "ckpt_path", None)
     if ckpt_path and ckpt_path not in ("last", "hpc", "best", "registry"):
-        check_checkpoint(ckpt_path, model_config)
+        check_checkpoint(ckpt_path, model_config, _lora(config.model))  # its adapters too

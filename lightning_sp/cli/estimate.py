@@ -28,6 +28,7 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from typing_extensions import override
 
 from lightning_sp.cli.fit import GPTCLI
+from lightning_sp.cli.init_from import complete_from_directory
 from lightning_sp.data import TextDataModule
 from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.config import GPTConfig
@@ -228,6 +229,7 @@ class FitLayoutCLI(LightningCLI):
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self.config = parser.parse_args(args)  # args: the words after ``estimate``
+        complete_from_directory(parser, args, self.config)  # sizes left to model.init_from
 
     @override
     def instantiate_classes(self) -> None:

@@ -11,6 +11,7 @@ naming scheme (:meth:`~lightning_sp.interop.hf_tables.HFModelType.weights`):
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -166,6 +167,33 @@ def check_adapter_base(directory: str | Path, init_from: str | Path | None) -> N
         )
 
 
+FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK = 1024, 1 << 16
+"""A weights file larger than ``FINGERPRINT_BLOCKS · FINGERPRINT_BLOCK`` bytes (64 MiB) is
+fingerprinted by that many blocks at evenly spaced offsets; a smaller one whole."""
+
+
+def base_fingerprint(directory: str | Path) -> str:
+    """SHA-256 (hex) naming a base model directory's content: its ``config.json`` and, for each
+    ``*.safetensors`` file (by name), its size and bytes (every byte up to 64 MiB; beyond,
+    :data:`FINGERPRINT_BLOCKS` blocks of 64 KiB evenly spaced, header included: any two
+    trainings of one architecture differ in nearly every weight, so in the blocks too). What
+    an adapter run records of its base and checks on resume."""
+    path = Path(directory)
+    sha = hashlib.sha256((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        sha.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as handle:
+            if size <= FINGERPRINT_BLOCKS * FINGERPRINT_BLOCK:
+                sha.update(handle.read())
+                continue
+            step = (size - FINGERPRINT_BLOCK) // (FINGERPRINT_BLOCKS - 1)
+            for index in range(FINGERPRINT_BLOCKS):
+                handle.seek(index * step)
+                sha.update(handle.read(FINGERPRINT_BLOCK))
+    return sha.hexdigest()
+
+
 @torch.no_grad()
 def load_adapter(model: nn.Module, directory: str | Path, config: GPTConfig) -> int:
     """Set every adapter shard of ``model`` (one rank's GPT chunk, adapted) to its slice of
@@ -218,6 +246,7 @@ __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
     "adapter_config",
+    "base_fingerprint",
     "check_adapter_base",
     "load_adapter",
     "merged_tensors",

@@ -1,8 +1,9 @@
 """The checkpoint hooks of :class:`~lightning_sp.training.gpt_module.GPTModule`: what a
 checkpoint records besides the weights and optimizer state (the model chunks' RNG streams, the
-vocabulary's identity), what loading one restores or upgrades (keys saved before the one
-holder, one GPT's streams), and the start of a fit (a resumed run trains with this run's
-optimizer settings; the auxiliary losses scaled as Lightning scales the loss).
+vocabulary's identity, a LoRA run's base), what loading one restores, checks or upgrades (the
+base, keys saved before the one holder, one GPT's streams), and the start of a fit (a resumed
+run trains with this run's optimizer settings; the auxiliary losses scaled as Lightning scales
+the loss).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from typing_extensions import override
 
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.hooks import scale_auxiliary_losses
+from lightning_sp.model.lora import LoRAConfig
 from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig
 from lightning_sp.pipeline import Pipeline
+from lightning_sp.training import adapters
 from lightning_sp.training.checks import check_vocabulary, vocabulary_identity
 
 
@@ -29,6 +32,8 @@ class CheckpointHooks(LightningModule):
     optimizer_config: OptimizerConfig
     _configured: list[dict[str, Any]] | None
     _resumed_optimizer: dict[str, Any] | None
+    lora: LoRAConfig | None
+    init_from: str | None
 
     def stage_model(self) -> Pipeline:
         """This rank's model chunks (``GPTModule.stage_model``)."""
@@ -42,6 +47,8 @@ class CheckpointHooks(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rng_streams"] = self.stage_model().rng_state_dict()
         checkpoint["vocabulary"] = self._vocabulary_identity()
+        if self.lora is not None:  # which base the adapters train on (checked on resume)
+            checkpoint["lora_base"] = adapters.base_record(self.init_from)
 
     @override
     def on_fit_start(self) -> None:
@@ -74,6 +81,7 @@ class CheckpointHooks(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._resumed_optimizer = checkpoint.get("hyper_parameters", {}).get("optimizer", {})
         check_vocabulary(checkpoint.get("vocabulary", {}), self._vocabulary_identity())
+        adapters.check_base(checkpoint.get("lora_base"), self.init_from)
         weights = checkpoint.get("state_dict", {})
         for key in [k for k in weights if k.startswith("gpt.")]:  # saved before the one holder
             weights["pipeline.chunks.0." + key[len("gpt.") :]] = weights.pop(key)

@@ -41,7 +41,7 @@ from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
 from lightning_sp.model.hooks import after_optimizer_step, step_metrics
-from lightning_sp.model.lora import LoRAConfig, apply_lora, check_lora
+from lightning_sp.model.lora import LoRAConfig
 from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
 from lightning_sp.parallel.config import ParallelConfig
@@ -49,6 +49,7 @@ from lightning_sp.parallel.grads import clip_grad_norm_
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.pipeline.token_mean import TokenMean, counted_tokens
+from lightning_sp.training import adapters
 from lightning_sp.training.batches import (
     labels_of,
     replica_mean,
@@ -100,6 +101,8 @@ class GPTModule(CheckpointHooks):
         lora: Train LoRA adapters (``peft``'s settings: :class:`~lightning_sp.model.lora.
             LoRAConfig`) on the linears it names, the base frozen (no gradients, no optimizer
             state, no weight-gradient GEMMs), in any layout; ``None``: train every weight.
+        adapter_from: A PEFT adapter directory (trained on ``init_from``) the adapters start
+            from, in any layout; ``lora`` None: its settings (:mod:`.adapters`).
         dpo: Train on preference pairs with Direct Preference Optimization (TRL's losses and
             metrics, the reference as :class:`~lightning_sp.training.preference.DPOConfig`
             says: :mod:`lightning_sp.training.dpo`); the data must be preference data.
@@ -114,6 +117,7 @@ class GPTModule(CheckpointHooks):
         compile_layers: bool = False,
         generation: GenerationConfig = _DEFAULT_GENERATION,
         lora: LoRAConfig | None = None,
+        adapter_from: str | None = None,
         dpo: DPOConfig | None = None,
         compile_options: CompileOptions = _DEFAULT_COMPILE,
     ) -> None:
@@ -132,8 +136,8 @@ class GPTModule(CheckpointHooks):
         if init_from is not None:
             check_hf_directory(init_from, self.config)
         self.generation.validate()
-        if self.lora is not None:
-            check_lora(self.lora, self.config)
+        self.adapter_from = adapter_from
+        self.lora = adapters.adapter_settings(self.lora, adapter_from, init_from, self.config)
         self._preference: PreferenceSteps | None = None  # a DPO run's steps
         if self.dpo is not None:
             check_dpo(self.dpo, self.config, self.lora is not None)
@@ -156,6 +160,7 @@ class GPTModule(CheckpointHooks):
                 "init_from": self.init_from,
                 "compile_layers": self.compile_layers,
                 "lora": dataclasses.asdict(self.lora) if self.lora is not None else None,
+                "adapter_from": self.adapter_from,
                 "dpo": dataclasses.asdict(self.dpo) if self.dpo is not None else None,
                 "compile_options": dataclasses.asdict(self.compile_options),
             }
@@ -240,9 +245,8 @@ class GPTModule(CheckpointHooks):
             timeout=state.timeout,
         )
         self._load_init_from()
-        if self.lora is not None:  # after the base weights: adapters start from peft's init
-            for chunk in self.pipeline.chunks:
-                apply_lora(chunk, self.lora)
+        if self.lora is not None:  # after the base weights: peft's init, or adapter_from's
+            adapters.attach_adapters(self.pipeline.chunks, self.lora, self.adapter_from, config)
         if self.compile_layers:
             rank_zero_warn(COMPILED_MEMORY_WARNING)
             for chunk in self.pipeline.chunks:
