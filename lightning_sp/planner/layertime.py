@@ -198,10 +198,7 @@ def _layer_time(shape: ActivationShape, cluster: Cluster) -> LayerTime:
     wgrad = {name: gemm_seconds(cluster, w) for name, (_, w) in grads.items()}
     core_tags = ("core_attn", CP_CORE)
     core = [name for name, g in gemms.items() if g.tag in core_tags]
-    # the memory kernels and replays priced as at e = etp = 1 (the EP regroups and expert
-    # tensor parallelism's gathered rows, which the part states, are not priced yet)
-    unsplit = dataclasses.replace(shape, e=1, etp=1)
-    ops = [_busiest_op(op, skew) for op in layer_memory_ops(unsplit)]
+    ops = [_busiest_op(op, skew) for op in layer_memory_ops(shape)]
     core_memory = [op for op in ops if op.tag in core_tags]
     attn_fwd, attn_bwd = _core_seconds(shape, cluster, gemms, (secs, dgrad, wgrad), core_memory)
     others = [op for op in ops if op.tag not in core_tags]
@@ -248,7 +245,7 @@ def _layer_time(shape: ActivationShape, cluster: Cluster) -> LayerTime:
         "cp": 2 * exchange,  # the all-gather again and the reduce-scatter of dK/dV
         "ep": 2 * experts,  # the combine's and the dispatch's adjoints
     }
-    return LayerTime(forward, backward, _replays(unsplit, cluster, gemms, secs, ops))
+    return LayerTime(forward, backward, _replays(shape, cluster, gemms, secs, ops))
 
 
 def _busiest(gemm: Gemm, skew: float) -> Gemm:
