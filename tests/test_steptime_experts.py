@@ -207,8 +207,8 @@ def test_mixtral_8x7b_against_megatron_core() -> None:
     2.57 s (11% short) until the data-parallel all-reduce over the 16 ranks of two nodes was
     priced through the 8 adapters of each node (0.15 s -> 0.07 s exposed) and the cross
     entropy by the bytes its passes move (2.52 s, 13.3%), then the layer's memory kernels were
-    priced on the shape's own expert layout (the EP regroups the part states; 2.54 s). The row with the run's own distributed optimizer
-    and overlaps is tests/test_published.py's."""
+    priced on the shape's own expert layout (the EP regroups the part states; 2.54 s). The
+    row with the run's own distributed optimizer and overlaps is tests/test_published.py's."""
     layout = read_estimate_args(["--config", MIXTRAL, *MCORE_LAYOUT]).layout
     t, p, m = (
         layout.tensor_parallel_size,
