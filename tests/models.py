@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.grads import (
@@ -39,6 +41,31 @@ def check_layout(world_size: int, t: int, p: int, c: int = 1) -> int:
         tensor_parallel_size=t, pipeline_parallel_size=p, context_parallel_size=c
     )
     return layout.for_world_size(world_size).data_parallel_size
+
+
+def layout_at(t: int = 1, *, p: int = 1, c: int = 1, e: int = 1, etp: int = 1) -> ParallelConfig:
+    """The layout record of these sizes (what shapes and per-rank counts are built from)."""
+    return ParallelConfig(
+        tensor_parallel_size=t, pipeline_parallel_size=p, context_parallel_size=c,
+        expert_parallel_size=e, expert_tensor_parallel_size=etp,
+    )  # fmt: skip
+
+
+def shape_at(
+    config: GPTConfig,
+    t: int = 1,
+    b: int = 1,
+    c: int = 1,
+    e: int = 1,
+    etp: int = 1,
+    *,
+    sequence_parallel: bool | None = None,
+) -> ActivationShape:
+    """``config``'s activation shape at ``t, b, c, e, etp`` (``sequence_parallel``: the
+    config's, or this)."""
+    if sequence_parallel is not None:
+        config = dataclasses.replace(config, sequence_parallel=sequence_parallel)
+    return config.activation_shape(layout_at(t, c=c, e=e, etp=etp), b)
 
 
 def small_config(**overrides: object) -> GPTConfig:

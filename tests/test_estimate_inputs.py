@@ -27,6 +27,7 @@ from lightning_sp.planner.search import search
 from lightning_sp.planner.steptime import step_time
 
 from cli_runs import CLI, ROOT, error_lines, run
+from models import layout_at
 
 LLAMA8B = os.path.join(ROOT, "configs", "llama3_8b.yaml")
 STRATEGY = "--trainer.strategy.init_args"
@@ -60,7 +61,7 @@ def test_accumulation_runs_k_micro_batches_and_reduces_once() -> None:
     t1, tk, tw = (step_time(x, H100_80GB) for x in (one, acc, wide))
     assert tk.parts["pipeline"] == pytest.approx(4 * t1.parts["pipeline"], rel=1e-12)
     assert tk.parts["bubble"] == 0.0
-    reduce = all_reduce_seconds(H100_80GB, 4 * parameters_per_rank(SMALL, 8, 1), 16, False)
+    reduce = all_reduce_seconds(H100_80GB, 4 * parameters_per_rank(SMALL, layout_at(8)), 16, False)
     backward = SMALL.num_layers * sum(tk.layer.backward.values())  # one micro-batch, no recompute
     assert tk.parts["dp_exposed"] == pytest.approx(max(0.0, reduce - backward), rel=1e-12)
     assert tk.parts["dp_exposed"] == t1.parts["dp_exposed"] > 0  # once per step, not k times

@@ -27,7 +27,7 @@ from lightning_sp.model.lora import LoRAConfig, apply_lora, with_adapters
 from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.testing.spawn import run_distributed
 
-from models import context_shards
+from models import context_shards, layout_at
 
 S, B, H, A, LAYERS, R = 64, 2, 64, 4, 2, 4
 SB = S * B
@@ -111,7 +111,7 @@ def measured(ranks: int, cp: bool) -> list[dict[str, list[int]]]:
 
 def _check(row: str, t: int, c: int) -> None:
     config, lora = _config(row, t > 1)
-    shape = with_adapters(config.activation_shape(t, B, context_parallel_size=c), lora, config)
+    shape = with_adapters(config.activation_shape(layout_at(t, c=c), B), lora, config)
     recompute = config.recompute
     expected = activation_bytes_per_layer(shape, recompute)
     expected += layernorm_stats_bytes_per_layer(shape, recompute)
@@ -146,7 +146,7 @@ def test_adapters_cost_what_the_docs_say() -> None:
     v, gate, up), ``sb(a·d + f)/t`` row masks (proj, fc2); and a frozen MLP without adapters
     keeps neither its input nor fc2's."""
     config, lora = _config("llama-none-all_dropout", True)
-    base = config.activation_shape(2, B)
+    base = config.activation_shape(layout_at(2), B)
     adapted = with_adapters(base, lora, config)
     extra = activation_bytes_per_layer(adapted) - activation_bytes_per_layer(base)
     assert extra == 7 * 2 * SB * R + 5 * SB * H + SB * (H + 176) / 2, extra

@@ -20,6 +20,8 @@ from lightning_sp.parallel.state import ParallelState
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.lora import adapter_parameters_per_rank, lora_estimate
 
+from models import layout_at
+
 LLAMA = GPTConfig.of(
     "llama", vocab_size=512, seq_length=256, hidden_size=256, num_layers=4, num_heads=8,
     num_query_groups=2, ffn_hidden_size=704, recompute="selective",
@@ -33,7 +35,7 @@ def test_adapter_parameters_are_the_built_models(targets: list[str]) -> None:
     model = GPT(LLAMA, ParallelState.single(), dtype=torch.bfloat16, device="meta")
     apply_lora(model, lora)
     built = sum(p.numel() for p in lora_parameters(model).values())
-    assert adapter_parameters_per_rank(LLAMA, lora, 1) == built, targets
+    assert adapter_parameters_per_rank(LLAMA, lora, layout_at(1)) == built, targets
 
 
 def test_adapter_parameters_split_as_the_layers_at_t2() -> None:
@@ -42,7 +44,7 @@ def test_adapter_parameters_split_as_the_layers_at_t2() -> None:
     r, h, d, f = 8, 256, 32, 704
     per_layer = (r * h + r * 8 * d // 2) + 2 * (r * h + r * 2 * d // 2) + (r * 8 * d // 2 + r * h)
     per_layer += 2 * (r * h + r * f // 2) + (r * f // 2 + r * h)
-    assert adapter_parameters_per_rank(LLAMA, LORA, 2, 2) == 2 * per_layer
+    assert adapter_parameters_per_rank(LLAMA, LORA, layout_at(2, p=2)) == 2 * per_layer
 
 
 def _layout(tmp_path, *extra: str):
@@ -74,12 +76,12 @@ def test_lora_prices_frozen_base_and_adapters(tmp_path) -> None:
     full, adapted = result.full, result.adapted
     assert full.model_state_bytes == row.model_state_bytes, "full fine-tune: the table's state"
     assert full.iteration_seconds == pytest.approx(row.iteration_seconds), "the table's step"
-    adapters = adapter_parameters_per_rank(layout.config, lora, 2)
+    adapters = adapter_parameters_per_rank(layout.config, lora, layout_at(2))
     assert adapted.trainable_parameters == adapters
     assert adapted.model_state_bytes == adapters * 18 + full.trainable_parameters * 2, (
         "frozen base: 2 bytes a weight; adapters: 18 (mixed-precision Adam)"
     )
-    shape = layout.config.activation_shape(2, 2)
+    shape = layout.config.activation_shape(layout_at(2), 2)
     expected = activation_bytes_per_layer(with_adapters(shape, lora, layout.config), "selective")
     assert adapted.activation_bytes_per_layer == expected
     assert full.activation_bytes_per_layer == activation_bytes_per_layer(shape, "selective")

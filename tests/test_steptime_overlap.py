@@ -29,6 +29,8 @@ from lightning_sp.planner.layout import Layout
 from lightning_sp.planner.ops import head_memory_ops, layer_gemms, layer_memory_ops
 from lightning_sp.planner.steptime import layer_time, step_time
 
+from models import layout_at, shape_at
+
 NVLINK = H100_80GB.nvlink_bandwidth * H100_80GB.nvlink_efficiency
 NETWORK = H100_80GB.network_bandwidth * H100_80GB.network_efficiency
 GPT = GPTConfig(
@@ -70,7 +72,7 @@ def test_distributed_optimizer_reduction_by_hand() -> None:
     forward with ``param_gather_overlap``."""
     layout = Layout(config=GPT, tensor_parallel_size=2, data_parallel_size=16,
                     accumulate_grad_batches=4, distributed_optimizer=True)  # fmt: skip
-    params = parameters_per_rank(GPT, 2, 1)
+    params = parameters_per_rank(GPT, layout_at(2))
     reduce = spread_gather_seconds(H100_80GB, 4 * params, 16, 4)
     gather = spread_gather_seconds(H100_80GB, 2 * params, 16, 4)
     plain = step_time(layout, H100_80GB)
@@ -92,7 +94,7 @@ def test_tensor_parallel_overlap_by_hand() -> None:
     (re-gather beside dgrad, reduce-scatter beside wgrad) stay as they were."""
     t, b = 4, 2
     unit = gather_seconds(H100_80GB, 2 * 1024 * b * 1024, t, True)
-    gemms = {g.name: g for g in layer_gemms(GPT, t, b)}
+    gemms = {g.name: g for g in layer_gemms(shape_at(GPT, t, b))}
     fwd = {n: gemm_seconds(H100_80GB, g) for n, g in gemms.items()}
     from lightning_sp.planner.ops import backward_gemms
 
@@ -102,7 +104,7 @@ def test_tensor_parallel_overlap_by_hand() -> None:
     def beside(g: float) -> float:
         return max(0.0, unit - g) + min(unit, g) / t
 
-    plain, over = (layer_time(GPT, t, b, c) for c in (H100_80GB, OVERLAPPED))
+    plain, over = (layer_time(shape_at(GPT, t, b), c) for c in (H100_80GB, OVERLAPPED))
     assert plain.forward["tp"] == pytest.approx(4 * unit)
     assert over.forward["tp"] == pytest.approx(
         sum(beside(fwd[n]) for n in ("qkv", "projection", "fc1", "fc2"))
@@ -143,8 +145,8 @@ def test_imbalanced_router_slows_the_busiest_rank() -> None:
     kernels move 1.5x the bytes and the all-to-all 1.5x as long; attention, the router and
     the norms are untouched; model FLOPs (MFU's numerator) do not change."""
     skew = dataclasses.replace(H100_80GB, execution=Execution(expert_load_imbalance=1.5))
-    even, busy = (layer_time(MOE, 1, 1, c, 1, 8) for c in (H100_80GB, skew))
-    gemms = {g.name: g for g in layer_gemms(MOE, 1, 1, 1, 8)}
+    even, busy = (layer_time(shape_at(MOE, 1, 1, e=8), c) for c in (H100_80GB, skew))
+    gemms = {g.name: g for g in layer_gemms(shape_at(MOE, 1, 1, e=8))}
     routed = [g for g in gemms.values() if g.routed]
     assert {g.name for g in routed} == {"expert_gate_up", "expert_down"}
     extra = sum(
@@ -153,7 +155,7 @@ def test_imbalanced_router_slows_the_busiest_rank() -> None:
         for g in routed
     )
     assert busy.forward["gemm"] - even.forward["gemm"] == pytest.approx(extra, rel=1e-9)
-    ops = layer_memory_ops(MOE, 1, 1, False)
+    ops = layer_memory_ops(shape_at(MOE, 1, 1, sequence_parallel=False))
     routed_bytes = sum(op.forward_bytes for op in ops if op.routed)
     assert {op.name for op in ops if op.routed} == {
         "expert_act", "expert_dispatch", "expert_combine",

@@ -26,7 +26,9 @@ import torch
 from lightning_sp.errors import positive_int
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.cores import ATTENTION_BACKENDS
+from lightning_sp.model.parts.block import block_of_shape
 from lightning_sp.model.recompute import active_modules
+from lightning_sp.model.shape import ActivationShape
 
 __all__ = [
     "attention_core_flops_per_iteration",
@@ -44,13 +46,18 @@ def _check_batch(global_batch_size: int) -> None:
     positive_int("global_batch_size", global_batch_size)
 
 
+def _batch_shape(config: GPTConfig, batch: int) -> ActivationShape:
+    """The layer's shape for ``batch`` whole sequences on one rank, the FLOP counts' unit."""
+    return config.activation_shape(micro_batch_size=batch)
+
+
 def layer_forward_flops(config: GPTConfig, batch_size: int) -> float:
     """Matmul FLOPs of one layer's forward for ``batch_size`` sequences of
     ``config.seq_length`` tokens: the sum over the layer's parts (:mod:`lightning_sp.model.
     parts`), for GPT-2 / Llama attention ``2Bsh(a + 2g)d + 4Bs²ad + 2Bsadh`` and the MLP
     ``2Bshf`` per projection."""
-    shape = config.activation_shape(micro_batch_size=batch_size)
-    return config.block().forward_flops(shape)
+    shape = _batch_shape(config, batch_size)
+    return block_of_shape(shape).forward_flops(shape)
 
 
 def forward_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> float:
@@ -90,8 +97,8 @@ def attention_core_flops_per_iteration(config: GPTConfig, global_batch_size: int
     forward (the parts' GEMMs tagged ``core_attn``), as :func:`model_flops_per_iteration`
     counts them: whole, causal or not."""
     _check_batch(global_batch_size)
-    shape = config.activation_shape(micro_batch_size=global_batch_size)
-    core = sum(g.flops for g in config.block().gemms(shape) if g.tag == "core_attn")
+    shape = _batch_shape(config, global_batch_size)
+    core = sum(g.flops for g in block_of_shape(shape).gemms(shape) if g.tag == "core_attn")
     return 3.0 * config.num_layers * core
 
 
@@ -141,7 +148,7 @@ def hardware_flops_per_iteration(
       backward recomputation and of ``full``'s replay.
     """
     model = model_flops_per_iteration(config, global_batch_size)
-    shape = config.activation_shape(micro_batch_size=global_batch_size)
+    shape = _batch_shape(config, global_batch_size)
     layer = layer_forward_flops(config, global_batch_size)
     backend = ATTENTION_BACKENDS[config.attention].backward_redone_flops(shape)
     extra = 0.0

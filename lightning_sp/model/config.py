@@ -25,6 +25,7 @@ from lightning_sp.model.parts.block import Block, block_of
 from lightning_sp.model.recompute import POLICIES, RecomputePolicy
 from lightning_sp.model.run_settings import RunSettings
 from lightning_sp.model.shape import ActivationShape
+from lightning_sp.parallel.config import ParallelConfig
 
 RECOMPUTE_POLICIES = POLICIES
 """The named policies: the presets ``none``, ``selective``, ``lean`` and ``full``."""
@@ -124,28 +125,27 @@ class GPTConfig(RunSettings, Architecture):
 
     def activation_shape(
         self,
-        tensor_parallel_size: int = 1,
+        layout: ParallelConfig | None = None,
         micro_batch_size: int = 1,
         *,
         seq_length: int | None = None,
         activation_bytes: float = 2,
         mask_bytes: float = 1,
-        context_parallel_size: int = 1,
-        expert_parallel_size: int = 1,
-        expert_tensor_parallel_size: int = 1,
         documents: bool = False,
     ) -> ActivationShape:
-        """The shape of this config's layers at tensor-parallel size ``t``, micro-batch ``b``,
-        context-parallel size ``c``, expert-parallel size ``e`` and expert-tensor-parallel size
-        (``seq_length`` overrides the config's, for shorter inputs; it is the whole sequence,
-        of which a rank holds ``s/c`` under CP); ``documents``: attention masked by packed
-        documents (``data.document_mask``)."""
+        """The shape of this config's layers laid out as ``layout`` (its t, c, e and expert
+        tensor parallel size; None: one rank) at micro-batch ``b`` (``seq_length`` overrides
+        the config's, for shorter inputs; it is the whole sequence, of which a rank holds
+        ``s/c`` under CP); ``documents``: attention masked by packed documents
+        (``data.document_mask``). Built once per (model, layout, micro-batch) and passed
+        whole; its ``block`` is this config's parts."""
+        layout = ParallelConfig() if layout is None else layout
         return ActivationShape(
             s=seq_length or self.seq_length,
             b=micro_batch_size,
             h=self.hidden_size,
             a=self.num_heads,
-            t=tensor_parallel_size,
+            t=layout.tensor_parallel_size,
             f=self.ffn_hidden_size or 0,
             sequence_parallel=self.sequence_parallel,
             attention=self.attention,
@@ -156,12 +156,12 @@ class GPTConfig(RunSettings, Architecture):
             g=0 if self.groups == self.num_heads else self.groups,
             activation=self.activation,
             norm=self.normalization,
-            c=context_parallel_size,
+            c=layout.context_parallel_size,
             d=self.kv_channels or 0,
             documents=documents,
-            e=expert_parallel_size,
+            e=layout.expert_parallel_size,
             block=self.block(),
-            etp=expert_tensor_parallel_size,
+            etp=layout.expert_tensor_parallel_size,
         )
 
     @property

@@ -101,11 +101,16 @@ class ParallelState:
     _subgroups: dict[int, dist.ProcessGroup | None] = field(
         default_factory=dict, compare=False, repr=False
     )
+    _layout: ParallelConfig | None = field(default=None, compare=False, repr=False)
+    """The layout record this state was built from (:meth:`from_config`, :meth:`single`)."""
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> ParallelState:
         """The state of a lone process: every size is one, no process group is needed."""
-        return cls(1, 1, 1, 0, 0, 0, None, None, None, torch.device(device), None)
+        return cls(
+            1, 1, 1, 0, 0, 0, None, None, None, torch.device(device), None,
+            _layout=ParallelConfig(),
+        )  # fmt: skip
 
     @classmethod
     def from_process_group(
@@ -246,6 +251,7 @@ class ParallelState:
             expert_tensor_parallel_size=expert_tensor_parallel_size,
             token_groups=token_groups,
             timeout=timeout,
+            _layout=config,
         )
 
     @property
@@ -308,6 +314,22 @@ class ParallelState:
         over_tp = sequence_parallel and self.tensor_parallel_size > 1
         over_cp = self.context_parallel_size > 1
         return self.token_groups.get((over_tp, over_cp))
+
+    @property
+    def layout(self) -> ParallelConfig:
+        """The layout record this state was built from (what activation shapes are built
+        from: :meth:`~lightning_sp.model.config.GPTConfig.activation_shape`), passed on
+        unchecked; a state built by hand (tests) states its sizes as one."""
+        if self._layout is not None:
+            return self._layout
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            expert_parallel_size=self.expert_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+        )
 
     @property
     def world_size(self) -> int:

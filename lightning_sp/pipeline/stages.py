@@ -31,9 +31,9 @@ whole batch, exactly as one process computing the batch at once would.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, cast, overload
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ from lightning_sp.model.hooks import scale_auxiliary_losses
 from lightning_sp.parallel import grads as grad_utils
 from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.state import DEFAULT_TIMEOUT, ParallelState
+from lightning_sp.pipeline.chunks import Chunks, Objective, StageModule
 from lightning_sp.pipeline.split import (
     ScheduleName,
     check_batch,
@@ -55,50 +56,6 @@ from lightning_sp.pipeline.split import (
 )
 
 _Schedule = Schedule1F1B | ScheduleInterleaved1F1B
-
-Objective = Callable[[GPT, Tensor, Tensor], Tensor]
-"""What the last stage computes instead of :meth:`GPT.loss`: ``(last chunk, hidden state
-[s/t or s, b, h], target [b, s, ...]) -> a tensor``, one call per micro-batch in order; the
-target is the step's ``labels`` argument split into micro-batches along dim 0 (any trailing
-dims: a preference loss's slots and rows, :mod:`lightning_sp.training.preference`). In a
-training step the result is the micro-batch's loss (backward runs on it, undivided); in
-:meth:`Pipeline.outputs` any tensor, returned per micro-batch."""
-
-
-# -- stage modules --------------------------------------------------------------------------------
-
-
-class _Stage(nn.Module):
-    """What ``PipelineStage`` runs for one chunk: ids ``[b, s]`` (first virtual stage) or the
-    hidden state ``[s/t or s, b, h]`` in, the hidden state out. The last stage's head and loss
-    run in the schedule's loss function (:meth:`GPT.loss`), where the labels are."""
-
-    def __init__(self, chunk: GPT) -> None:
-        super().__init__()
-        self.chunk = chunk
-
-    def forward(
-        self, x: Tensor, documents: Tensor | None = None, positions: Tensor | None = None
-    ) -> Tensor:
-        if self.chunk.has_embedding:
-            x = self.chunk.embed(x, positions=positions)  # [b, s] -> [s/t or s, b, h]
-        return self.chunk.forward_layers(x, documents, positions)  # [s/t or s, b, h]
-
-
-class Chunks(nn.ModuleList):
-    """A rank's model chunks: an ``nn.ModuleList`` of :class:`GPT` (typed as such)."""
-
-    @overload
-    def __getitem__(self, index: slice) -> Chunks: ...
-
-    @overload
-    def __getitem__(self, index: int) -> GPT: ...
-
-    def __getitem__(self, index: int | slice) -> GPT | Chunks:
-        return cast("GPT | Chunks", super().__getitem__(index))  # it holds GPTs only
-
-    def __iter__(self) -> Iterator[GPT]:
-        return (self[i] for i in range(len(self)))
 
 
 class Pipeline(nn.Module):
@@ -156,7 +113,7 @@ class Pipeline(nn.Module):
             # 0's, and the global norm counts the original only
             self.chunks[-1].word_embeddings.weight.pipeline_copy = True  # type: ignore[attr-defined]
         # plain lists, so the chunks are registered once (under ``chunks``)
-        self._stage_modules = [_Stage(chunk) for chunk in self.chunks]
+        self._stage_modules = [StageModule(chunk) for chunk in self.chunks]
         self._schedules: dict[tuple[int, int, torch.dtype], _Schedule] = {}
         self._embedding_group = self._make_embedding_group(timeout)
         self._reduction: Reduction = "mean"  # of the step running (train_step, eval_step)

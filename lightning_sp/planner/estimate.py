@@ -94,10 +94,9 @@ def estimate(
     layout.validate()
     hardware = load_cluster(cluster)
     cfg, t = layout.config, layout.tensor_parallel_size
-    p, e = layout.pipeline_parallel_size, layout.expert_parallel_size
-    etp = layout.expert_tensor_parallel_size
-    n_params = parameters_per_rank(cfg, t, p, e, etp)
-    experts = expert_parameters_per_rank(cfg, t, p, e, etp)  # sharded over d·c/e, the rest d·c
+    e = layout.expert_parallel_size
+    n_params = parameters_per_rank(cfg, layout)
+    experts = expert_parameters_per_rank(cfg, layout)  # sharded over d·c/e, the rest d·c
     shards, zero = optimizer_shards(layout), layout.distributed_optimizer
     state_bytes = round(
         model_state_bytes(n_params - experts, precision, shards, zero)

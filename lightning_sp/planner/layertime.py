@@ -54,14 +54,14 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.cores import ATTENTION_BACKENDS
+from lightning_sp.model.parts.block import block_of_shape
 from lightning_sp.model.recompute import (
-    NO_RECOMPUTE,
     RECOMPUTE_MODULES,
     RecomputePolicy,
     active_modules,
 )
+from lightning_sp.model.shape import ActivationShape
 from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.kernels import (
     all_to_all_seconds,
@@ -117,32 +117,24 @@ class LayerTime:
         )
 
 
-_LAYER_TIMES: dict[tuple[str, int, int, Cluster, int, int, int], LayerTime] = {}
-"""Memo of :func:`layer_time` by ``(repr(config without its recompute fields), t, b,
-cluster, c, e, etp)``: a search asks for the same layer under many layouts."""
+_LAYER_TIMES: dict[tuple[ActivationShape, str, Cluster], LayerTime] = {}
+"""Memo of :func:`layer_time` by ``(shape, repr(shape's block), cluster)``: a search asks for
+the same layer under many layouts (the recompute policy does not enter it)."""
 
 
-def layer_time(
-    config: GPTConfig, t: int, b: int, cluster: Cluster, c: int = 1, e: int = 1, etp: int = 1
-) -> LayerTime:
-    """The parts of one layer of ``config`` (its ``sequence_parallel`` and ``attention``) at
-    tensor-parallel size ``t``, micro-batch ``b``, context-parallel size ``c``,
-    expert-parallel size ``e`` and expert tensor parallel size ``etp`` on ``cluster``
-    (memoised; the recompute fields do not enter it)."""
-    plain = dataclasses.replace(
-        config, recompute=NO_RECOMPUTE, recompute_num_layers=None, recompute_rest=NO_RECOMPUTE
-    )
-    key = (repr(plain), t, b, cluster, c, e, etp)
+def layer_time(shape: ActivationShape, cluster: Cluster) -> LayerTime:
+    """The parts of one layer of ``shape`` (a model laid out at a micro-batch, its
+    ``sequence_parallel`` and ``attention`` included: :meth:`GPTConfig.activation_shape`) on
+    ``cluster`` (memoised)."""
+    key = (shape, repr(block_of_shape(shape)), cluster)
     if key not in _LAYER_TIMES:
         if len(_LAYER_TIMES) > 4096:
             _LAYER_TIMES.clear()
-        _LAYER_TIMES[key] = _layer_time(plain, t, b, cluster, c, e, etp)
+        _LAYER_TIMES[key] = _layer_time(shape, cluster)
     return _LAYER_TIMES[key]
 
 
-def expert_exchange_seconds(
-    config: GPTConfig, t: int, b: int, cluster: Cluster, c: int, e: int, etp: int = 1
-) -> float:
+def expert_exchange_seconds(shape: ActivationShape, cluster: Cluster) -> float:
     """One all-to-all of the ``k·s·b/(c·t)`` rows (SP) a rank dispatches to experts, at
     balanced routing, over the ``e`` ranks of its EP group: ``1/e`` of them stay, the shares
     of the other members of its node go over NVLink and those of members on other nodes over
@@ -150,35 +142,35 @@ def expert_exchange_seconds(
     :meth:`~lightning_sp.planner.cluster.Cluster.members_in_node`;
     :func:`~lightning_sp.planner.kernels.all_to_all_seconds`); 0 for ``e = 1`` or a dense
     layer. The combine moves as many rows back."""
-    shape = config.activation_shape(t, b, context_parallel_size=c, expert_tensor_parallel_size=etp)
-    nbytes = config.block().dispatch_bytes(shape)
+    nbytes = block_of_shape(shape).dispatch_bytes(shape)
+    e = shape.e
     if e == 1 or not nbytes:
         return 0.0
-    return all_to_all_seconds(cluster, nbytes, e, cluster.members_in_node(t, e))
+    return all_to_all_seconds(cluster, nbytes, e, cluster.members_in_node(shape.t, e))
 
 
-def cp_exchange_seconds(config: GPTConfig, t: int, b: int, cluster: Cluster, c: int) -> float:
+def cp_exchange_seconds(shape: ActivationShape, cluster: Cluster) -> float:
     """One all-gather (or reduce-scatter) of this TP rank's K and V over the CP group: the
     gathered ``[2, b, g'/t, s, d]`` tensor, ``g' = max(g, t)``, over ``c`` ranks (NVLink when
     the ``t·c`` ranks of a TP x CP block share a node)."""
-    kv_heads = max(config.groups, t) // t
-    nbytes = ACT * 2 * b * kv_heads * config.seq_length * config.head_dim
+    t, c = shape.t, shape.c
+    nbytes = ACT * 2 * shape.b * (shape.kv_heads // t) * shape.s * shape.head_dim
     return gather_seconds(cluster, nbytes, c, cluster.within_node(t * c))
 
 
 def _core_seconds(
-    config: GPTConfig,
+    shape: ActivationShape,
     cluster: Cluster,
     gemms: dict[str, Gemm],
     secs: tuple[dict[str, float], dict[str, float], dict[str, float]],
     core_memory: list[MemoryOp],
-    c: int,
 ) -> tuple[float, float]:
     """``(forward, backward)`` of the attention core; under CP the backward includes the CP
     core's replay of its forward."""
     fwd_secs, dgrad, wgrad = secs
+    c = shape.c
     core = [name for name, g in gemms.items() if g.tag in ("core_attn", CP_CORE)]
-    if ATTENTION_BACKENDS[config.attention].keeps_scores:  # math: GEMMs, softmax / dropout
+    if ATTENTION_BACKENDS[shape.attention].keeps_scores:  # math: GEMMs, softmax / dropout
         forward = sum(fwd_secs[n] for n in core) + sum(
             memory_seconds(cluster, op.forward_bytes) for op in core_memory
         )
@@ -190,17 +182,15 @@ def _core_seconds(
         forward, backward = flash_attention_seconds(cluster, scores.m, scores.k, scores.batch)
     else:  # the CP chunks: fused kernels under a mask, every pair computed
         scores = gemms[core[0]]
-        pairs = attention_pairs(config.seq_length, c)
+        pairs = attention_pairs(shape.s, c)
         forward, backward = masked_attention_seconds(cluster, pairs, scores.k, scores.batch)
     return forward, backward + (forward if c > 1 else 0.0)
 
 
-def _layer_time(
-    config: GPTConfig, t: int, b: int, cluster: Cluster, c: int, e: int = 1, etp: int = 1
-) -> LayerTime:
-    sp = config.sequence_parallel
+def _layer_time(shape: ActivationShape, cluster: Cluster) -> LayerTime:
+    t, c, sp, block = shape.t, shape.c, shape.sequence_parallel, block_of_shape(shape)
     skew = cluster.execution.expert_load_imbalance  # the busiest EP rank's routed tokens
-    gemms = {g.name: g for g in layer_gemms(config, t, b, c, e, etp)}
+    gemms = {g.name: g for g in layer_gemms(shape)}
     timed = {name: _busiest(g, skew) for name, g in gemms.items()}
     grads = {name: backward_gemms(g) for name, g in timed.items()}
     secs = {name: gemm_seconds(cluster, g) for name, g in timed.items()}
@@ -208,26 +198,23 @@ def _layer_time(
     wgrad = {name: gemm_seconds(cluster, w) for name, (_, w) in grads.items()}
     core_tags = ("core_attn", CP_CORE)
     core = [name for name, g in gemms.items() if g.tag in core_tags]
-    ops = [_busiest_op(op, skew) for op in layer_memory_ops(config, t, b, sp, c)]
+    ops = [_busiest_op(op, skew) for op in layer_memory_ops(shape)]
     core_memory = [op for op in ops if op.tag in core_tags]
-    attn_fwd, attn_bwd = _core_seconds(config, cluster, gemms, (secs, dgrad, wgrad), core_memory, c)
+    attn_fwd, attn_bwd = _core_seconds(shape, cluster, gemms, (secs, dgrad, wgrad), core_memory)
     others = [op for op in ops if op.tag not in core_tags]
     dense = [name for name in gemms if name not in core]
     unit = gather_seconds(
-        cluster,
-        ACT * config.seq_length // c * b * config.hidden_size,
-        t,
-        cluster.within_node(t),
+        cluster, ACT * shape.s // c * shape.b * shape.h, t, cluster.within_node(t)
     )
-    exchange = cp_exchange_seconds(config, t, b, cluster, c) if c > 1 else 0.0
-    experts = skew * expert_exchange_seconds(config, t, b, cluster, c, e, etp)
+    exchange = cp_exchange_seconds(shape, cluster) if c > 1 else 0.0
+    experts = skew * expert_exchange_seconds(shape, cluster)
     # the input linears of attention and of the MLP (fc1, or SwiGLU's gate and up run as one)
-    inputs = config.block().input_gemms()
+    inputs = block.input_gemms()
     in_dgrad = [sum(dgrad[n] for n in names) for names in inputs]
     in_wgrad = [sum(wgrad[n] for n in names) for names in inputs]
     if sp:  # all-gather before qkv/fc1, reduce-scatter after projection/fc2
         # beside the GEMM each feeds or drains (exposed unless the stack pipelines them)
-        outputs = _output_gemms(config, t, b, c, e, etp, inputs)
+        outputs = _output_gemms(shape, inputs)
         run = cluster.execution
         fed = [sum(secs[n] for n in names) for names in (*inputs, *outputs)]
         drained = [sum(dgrad[n] for n in names) for names in outputs]  # the gradient's gather
@@ -239,7 +226,7 @@ def _layer_time(
     else:  # all-reduce after projection/fc2; backward's before qkv/fc1 overlap wgrad
         tp_fwd = 4 * unit
         tp_bwd = sum(max(0.0, 2 * unit - wg) for wg in in_wgrad)
-    for col in layer_collectives(config, t, b, c, etp):  # a part's own (exposed)
+    for col in layer_collectives(shape):  # a part's own (exposed)
         one = collective_seconds(cluster, col, t, cluster.within_node(t))
         tp_fwd, tp_bwd = tp_fwd + col.forward * one, tp_bwd + col.backward * one
     forward = {
@@ -258,7 +245,7 @@ def _layer_time(
         "cp": 2 * exchange,  # the all-gather again and the reduce-scatter of dK/dV
         "ep": 2 * experts,  # the combine's and the dispatch's adjoints
     }
-    return LayerTime(forward, backward, _replays(config, t, b, cluster, gemms, secs, ops, c))
+    return LayerTime(forward, backward, _replays(shape, cluster, gemms, secs, ops))
 
 
 def _busiest(gemm: Gemm, skew: float) -> Gemm:
@@ -281,42 +268,30 @@ def _busiest_op(op: MemoryOp, skew: float) -> MemoryOp:
 
 
 def _output_gemms(
-    config: GPTConfig,
-    t: int,
-    b: int,
-    c: int,
-    e: int,
-    etp: int,
-    inputs: tuple[tuple[str, ...], ...],
+    shape: ActivationShape, inputs: tuple[tuple[str, ...], ...]
 ) -> tuple[tuple[str, ...], ...]:
     """Per sublayer, the mixer's GEMMs that are neither its inputs nor the attention core:
     the row-parallel output (projection, fc2) whose result the reduce-scatter takes."""
-    shape = config.activation_shape(
-        t, b, context_parallel_size=c, expert_parallel_size=e, expert_tensor_parallel_size=etp
-    )
     core_tags = ("core_attn", CP_CORE)
     return tuple(
         tuple(
             g.name for g in sub.mixer.gemms(shape) if g.name not in names and g.tag not in core_tags
         )
-        for sub, names in zip(config.block().sublayers, inputs, strict=True)
+        for sub, names in zip(block_of_shape(shape).sublayers, inputs, strict=True)
     )
 
 
 def _replays(
-    config: GPTConfig,
-    t: int,
-    b: int,
+    shape: ActivationShape,
     cluster: Cluster,
     gemms: dict[str, Gemm],
     secs: dict[str, float],
     ops: list[MemoryOp],
-    c: int = 1,
 ) -> dict[str, float]:
     """Seconds each recompute module's replay takes: its tagged memory kernels, and its tagged
     GEMMs scaled to the FLOPs its descriptor redoes (per rank: ``/(t·c)``). Under CP
     ``core_attn`` replays nothing (the model leaves the CP core, which replays itself, alone)."""
-    shape = config.activation_shape(t, b, context_parallel_size=c)
+    t, c = shape.t, shape.c
     replays = {}
     for name, module in RECOMPUTE_MODULES.items():
         if c > 1 and module.needs_scores:

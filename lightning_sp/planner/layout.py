@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.model.recompute import RecomputePolicy
+from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.pipeline import check_pipeline
 
@@ -57,6 +59,21 @@ class Layout(ParallelConfig):
 
     source: str = "<layout>"
     """Where the layout was read from, for messages."""
+
+    @cached_property
+    def shape(self) -> ActivationShape:
+        """The model's activation shape on one rank of this layout at ``micro_batch_size``
+        (document-masked with ``document_mask``), built once and passed whole to the formulas
+        and the step time (:meth:`GPTConfig.activation_shape`)."""
+        return self.config.activation_shape(
+            self, self.micro_batch_size, documents=self.document_mask
+        )
+
+    def shape_of(self, config: GPTConfig) -> ActivationShape:
+        """:attr:`shape` for ``config``, one of :meth:`with_policy`'s rows (a row differs from
+        the layout's model only in its sequence parallelism and recompute, and the shape
+        holds the first)."""
+        return dataclasses.replace(self.shape, sequence_parallel=config.sequence_parallel)
 
     @property
     def recompute(self) -> RecomputePolicy:

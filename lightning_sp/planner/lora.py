@@ -50,8 +50,10 @@ from lightning_sp.memory.model_state import (
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.lora import LoRAConfig, with_adapters
 from lightning_sp.model.parts.base import Gemm
+from lightning_sp.model.parts.block import block_of_shape
 from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.model.shape import ActivationShape
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.cluster import Cluster, load_cluster
 from lightning_sp.planner.kernels import (
     all_reduce_seconds,
@@ -101,13 +103,16 @@ class LoRAEstimate:
     recompute: RecomputePolicy
 
 
-def adapter_parameters_per_rank(config: GPTConfig, lora: LoRAConfig, t: int, p: int = 1) -> int:
-    """Adapter parameters on the fullest rank: per adapted linear ``r·k + r·n/t`` (column) or
-    ``r·k/t + r·n`` (row), for ``L/p`` layers."""
-    shape = with_adapters(config.activation_shape(t), lora, config)
+def adapter_parameters_per_rank(
+    config: GPTConfig, lora: LoRAConfig, layout: ParallelConfig | None = None
+) -> int:
+    """Adapter parameters on the fullest rank of ``layout`` (None: one rank): per adapted
+    linear ``r·k + r·n/t`` (column) or ``r·k/t + r·n`` (row), for ``L/p`` layers."""
+    layout = ParallelConfig() if layout is None else layout
+    shape = with_adapters(config.activation_shape(layout), lora, config)
     assert shape.lora is not None
-    r, per_layer = lora.r, 0
-    for sub in config.block().sublayers:
+    r, t, per_layer = lora.r, shape.t, 0
+    for sub in block_of_shape(shape).sublayers:
         for lin in sub.mixer.linears(shape):
             if f"{sub.name}.{lin.name}" in shape.lora.targets:
                 k, n = (
@@ -116,7 +121,7 @@ def adapter_parameters_per_rank(config: GPTConfig, lora: LoRAConfig, t: int, p: 
                     else (lin.width // t, lin.outputs)
                 )
                 per_layer += r * (k + n)
-    return config.num_layers // p * per_layer
+    return config.num_layers // layout.pipeline_parallel_size * per_layer
 
 
 def _adapter_gemms(shape: ActivationShape, config: GPTConfig, rows: int) -> list[Gemm]:
@@ -124,7 +129,7 @@ def _adapter_gemms(shape: ActivationShape, config: GPTConfig, rows: int) -> list
     whole sequence's: column adapters read the gathered input, row ones their shard)."""
     assert shape.lora is not None
     r, t, out = shape.lora.r, shape.t, []
-    for sub in config.block().sublayers:
+    for sub in block_of_shape(shape).sublayers:
         for lin in sub.mixer.linears(shape):
             if f"{sub.name}.{lin.name}" not in shape.lora.targets:
                 continue
@@ -158,7 +163,7 @@ def _layer_saving(
 ) -> float:
     """Seconds one layer's backward saves per micro-batch with its base frozen, less what the
     adapters' GEMMs add (see the module docstring)."""
-    block = config.block()
+    block = block_of_shape(shape)
     wgrad = {
         g.name: gemm_seconds(cluster, backward_gemms(g)[1]) for g in block.gemms(shape) if not g.tag
     }
@@ -189,22 +194,18 @@ def lora_estimate(
         layout.virtual_pipeline_size,
     )
     n, d = layout.microbatches_per_step, layout.data_parallel_size
-    params = parameters_per_rank(config, t, p, layout.expert_parallel_size)
-    adapters = adapter_parameters_per_rank(config, lora, t, p)
+    params = parameters_per_rank(config, layout)
+    adapters = adapter_parameters_per_rank(config, lora, layout)
     shards, zero = optimizer_shards(layout), layout.distributed_optimizer
     full_acts = formula_activations(layout, config)
-    base_shape = config.activation_shape(
-        t, layout.micro_batch_size, context_parallel_size=layout.context_parallel_size,
-        expert_parallel_size=layout.expert_parallel_size, documents=layout.document_mask,
-    )  # fmt: skip
-    shape = with_adapters(base_shape, lora, config)
+    shape = with_adapters(layout.shape_of(config), lora, config)
     lora_per_layer = activation_bytes_per_layer(shape, recompute)
     lora_acts = dataclasses.replace(full_acts, per_layer=lora_per_layer)
     layers = [full_acts.per_layer] * layout.layers_per_chunk
     adapted_layers = [lora_per_layer] * layout.layers_per_chunk
 
     e = layout.expert_parallel_size
-    experts = expert_parameters_per_rank(config, t, p, e)  # sharded over d·c/e, as estimate's
+    experts = expert_parameters_per_rank(config, layout)  # sharded over d·c/e, as estimate's
     full_state = model_state_bytes(params - experts, precision, shards, zero)
     full_state += model_state_bytes(experts, precision, shards // e, zero)
     lora_state = model_state_bytes(adapters, precision, shards, zero)

@@ -33,11 +33,11 @@ whatever the recompute policy (``core_attn`` does not act under CP).
 
 from __future__ import annotations
 
-import dataclasses
-
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.parts.attention import CP_CORE, attention_pairs, cp_key_lengths
 from lightning_sp.model.parts.base import ACT, MASK, Collective, CollectiveKind, Gemm, MemoryOp
+from lightning_sp.model.parts.block import block_of_shape
+from lightning_sp.model.shape import ActivationShape
 
 __all__ = [
     "ACT",
@@ -65,11 +65,10 @@ CROSS_ENTROPY_BYTES = (38, 22)
 (:func:`head_memory_ops`)."""
 
 
-def layer_gemms(
-    config: GPTConfig, t: int, b: int, c: int = 1, e: int = 1, etp: int = 1
-) -> list[Gemm]:
-    """The forward GEMMs of one transformer layer on one of ``t`` tensor-parallel ranks for a
-    micro-batch of ``b`` sequences: the sum over the layer's parts (:meth:`~lightning_sp.model.
+def layer_gemms(shape: ActivationShape) -> list[Gemm]:
+    """The forward GEMMs of one transformer layer of ``shape`` (a model laid out at
+    micro-batch ``b``: :meth:`~lightning_sp.model.config.GPTConfig.activation_shape`) on one
+    of its ``t`` tensor-parallel ranks: the sum over the layer's parts (:meth:`~lightning_sp.model.
     parts.block.Block.gemms`). For GPT-2 / Llama: QKV ``h -> (a + 2g')d`` (``g' = max(g, t)``
     key/value heads, replicas counted), scores ``QKᵀ`` and ``probs·V`` per query head
     (``b·a/t``), projection, the MLP's input projections ``h -> f`` (one, or SwiGLU's gate and
@@ -80,18 +79,13 @@ def layer_gemms(
     of the rows each receives (:meth:`~lightning_sp.model.moe.part.MoEFeedForward.gemms`);
     ``etp``: the expert tensor parallel size (its GEMMs ``f_e/t`` wide over the TP group's
     gathered rows)."""
-    shape = config.activation_shape(
-        t, b, context_parallel_size=c, expert_parallel_size=e, expert_tensor_parallel_size=etp
-    )
-    return config.block().gemms(shape)
+    return block_of_shape(shape).gemms(shape)
 
 
-def layer_memory_ops(
-    config: GPTConfig, t: int, b: int, sequence_parallel: bool, c: int = 1
-) -> list[MemoryOp]:
-    """The memory-bound kernels of one layer on one rank (Megatron's fused kernels), the sum
-    over the layer's parts (:meth:`~lightning_sp.model.parts.block.Block.memory_ops`), bytes per
-    element read + written:
+def layer_memory_ops(shape: ActivationShape) -> list[MemoryOp]:
+    """The memory-bound kernels of one layer of ``shape`` on one rank (Megatron's fused
+    kernels), the sum over the layer's parts (:meth:`~lightning_sp.model.parts.block.Block.
+    memory_ops`), bytes per element read + written:
 
     * outside the tensor-parallel region (``sbh`` elements, ``/t`` under sequence
       parallelism): the norms (forward read 2 + write 2; backward read input and gradient,
@@ -108,19 +102,14 @@ def layer_memory_ops(
     Under context parallelism every ``s`` is the rank's ``s/c`` and the softmax and dropout
     run on :func:`attention_pairs` per head, tagged :data:`CP_CORE`.
     """
-    shape = config.activation_shape(t, b, context_parallel_size=c)
-    shape = dataclasses.replace(shape, sequence_parallel=sequence_parallel)
-    return config.block().memory_ops(shape)
+    return block_of_shape(shape).memory_ops(shape)
 
 
-def layer_collectives(
-    config: GPTConfig, t: int, b: int, c: int = 1, etp: int = 1
-) -> list[Collective]:
-    """The TP collectives the layer's parts run on one rank besides the layer's own f / g (the
-    sum over its parts, :meth:`~lightning_sp.model.parts.block.Block.collectives`) at
-    context-parallel size ``c`` and expert tensor parallel size ``etp``."""
-    shape = config.activation_shape(t, b, context_parallel_size=c, expert_tensor_parallel_size=etp)
-    return config.block().collectives(shape)
+def layer_collectives(shape: ActivationShape) -> list[Collective]:
+    """The TP collectives the layer's parts run on one rank of ``shape`` besides the layer's
+    own f / g (the sum over its parts, :meth:`~lightning_sp.model.parts.block.Block.
+    collectives`; under expert tensor parallelism, the experts' gather and reduce-scatter)."""
+    return block_of_shape(shape).collectives(shape)
 
 
 def head_gemms(config: GPTConfig, t: int, b: int, c: int = 1) -> list[Gemm]:

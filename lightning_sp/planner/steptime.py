@@ -165,9 +165,7 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
     n, b, d = layout.microbatches_per_step, layout.micro_batch_size, layout.data_parallel_size
     c = layout.context_parallel_size
     sp, s, h = cfg.sequence_parallel, cfg.seq_length // c, cfg.hidden_size  # s: this rank's
-    layer = layer_time(
-        cfg, t, b, cluster, c, layout.expert_parallel_size, layout.expert_tensor_parallel_size
-    )
+    layer = layer_time(layout.shape_of(cfg), cluster)
     chunk = layout.layers_per_chunk
     policies = Counter(cfg.layer_recompute(i) for i in range(chunk))
     per_chunk = sum(k * layer.seconds(policy, cfg.attention) for policy, k in policies.items())
@@ -209,8 +207,8 @@ def step_time(layout: Layout, cluster: Cluster, config: GPTConfig | None = None)
     pipeline = n * slowest + bubble
     # data parallelism, tied embedding, optimizer
     e = layout.expert_parallel_size
-    params = parameters_per_rank(cfg, t, p, e)
-    experts = expert_parameters_per_rank(cfg, t, p, e)  # over the d·c/e ranks holding them
+    params = parameters_per_rank(cfg, layout)
+    experts = expert_parameters_per_rank(cfg, layout)  # over the d·c/e ranks holding them
     groups = ((params - experts, d * c), (experts, d * c // e))  # (parameters, ranks)
     dp_exposed = 0.0
     if d * c > 1:  # gradients summed over dp x cp (the ranks of one TP / PP position)

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.cluster import A100_80GB, SELENE, Cluster
 from lightning_sp.planner.layertime import layer_time
 
@@ -61,7 +62,8 @@ def predicted_ms(cluster: Cluster, row: LayerMeasurement) -> tuple[float, float]
     """``(forward, backward)`` milliseconds the step-time model gives ``row`` on ``cluster``
     (backward includes the recompute the row's policy replays)."""
     config = dataclasses.replace(TABLE4_CONFIG, sequence_parallel=row.sequence_parallel)
-    layer = layer_time(config, TABLE4_TENSOR_PARALLEL, TABLE4_MICRO_BATCH, cluster)
+    layout = ParallelConfig(tensor_parallel_size=TABLE4_TENSOR_PARALLEL)
+    layer = layer_time(config.activation_shape(layout, TABLE4_MICRO_BATCH), cluster)
     forward = sum(layer.forward.values())
     backward = sum(layer.backward.values()) + layer.recompute_seconds(row.recompute, "math")
     return forward * 1e3, backward * 1e3

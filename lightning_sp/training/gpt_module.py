@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
@@ -41,7 +40,7 @@ from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
-from lightning_sp.model.hooks import after_optimizer_step, scale_auxiliary_losses, step_metrics
+from lightning_sp.model.hooks import after_optimizer_step, step_metrics
 from lightning_sp.model.lora import LoRAConfig
 from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
@@ -57,6 +56,7 @@ from lightning_sp.training.batches import (
     scale_auxiliary_losses_to_token_mean,
     step_inputs,
 )
+from lightning_sp.training.checkpoint_hooks import CheckpointHooks
 from lightning_sp.training.checks import (
     COMPILED_MEMORY_WARNING,
     check_compile,
@@ -64,8 +64,6 @@ from lightning_sp.training.checks import (
     check_optimizer,
     check_pipeline_batch,
     check_predict,
-    check_vocabulary,
-    vocabulary_identity,
 )
 from lightning_sp.training.dpo import PreferenceSteps, check_dpo
 from lightning_sp.training.preference import DPOConfig
@@ -77,7 +75,7 @@ _DEFAULT_GENERATION = GenerationConfig()
 _DEFAULT_COMPILE = CompileOptions()
 
 
-class GPTModule(LightningModule):
+class GPTModule(CheckpointHooks):
     """Trains a GPT shard: next-token loss, AdamW, validation loss and perplexity.
 
     Args:
@@ -434,57 +432,3 @@ class GPTModule(LightningModule):
         sharded = buffer is not None and buffer.distributed
         norm = clip_grad_norm_(self.parameters(), gradient_clip_val, self.parallel_state, sharded)
         self.log("train/grad_norm", norm, prog_bar=False)
-
-    # -- checkpoints -------------------------------------------------------------------------
-
-    def _vocabulary_identity(self) -> dict[str, Any]:
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
-        return vocabulary_identity(self.config.vocab_size, datamodule)
-
-    @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["rng_streams"] = self.stage_model().rng_state_dict()
-        checkpoint["vocabulary"] = self._vocabulary_identity()
-        if self.lora is not None:  # which base the adapters train on (checked on resume)
-            checkpoint["lora_base"] = adapters.base_record(self.init_from)
-
-    @override
-    def on_fit_start(self) -> None:
-        """A mixture of experts routing force-balanced (a measurement switch) is not trained:
-        one line (the CLI refuses it before launch)."""
-        if self.config.moe is not None:
-            self.config.moe.check_trainable()
-
-    @override
-    def on_train_start(self) -> None:
-        """A resumed run trains with this run's optimizer settings (restored from the
-        checkpoint just before): :mod:`lightning_sp.optim.resume`; one line if they differ
-        from the checkpoint's. Lightning divides each accumulated batch's loss by
-        ``accumulate_grad_batches``: the auxiliary losses (an MoE layer's load-balancing
-        terms) are scaled alike (:func:`~lightning_sp.model.hooks.scale_auxiliary_losses`)."""
-        pipeline = self.stage_model()
-        accumulate = self.trainer.accumulate_grad_batches
-        scale_auxiliary_losses(pipeline, 1 / (pipeline.num_microbatches * accumulate))
-        if self._resumed_optimizer is None or self._configured is None:
-            return
-        scheduler = self.lr_schedulers()
-        for optimizer in self.trainer.optimizers:
-            resume.apply_settings(optimizer, scheduler, self._configured)
-        changes = resume.changed_settings(self._resumed_optimizer, self.optimizer_config)
-        if changes:
-            rank_zero_info(resume.notice(changes, self.trainer.global_step))
-        self._resumed_optimizer = None
-
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._resumed_optimizer = checkpoint.get("hyper_parameters", {}).get("optimizer", {})
-        check_vocabulary(checkpoint.get("vocabulary", {}), self._vocabulary_identity())
-        adapters.check_base(checkpoint.get("lora_base"), self.init_from)
-        weights = checkpoint.get("state_dict", {})
-        for key in [k for k in weights if k.startswith("gpt.")]:  # saved before the one holder
-            weights["pipeline.chunks.0." + key[len("gpt.") :]] = weights.pop(key)
-        streams = checkpoint.get("rng_streams")
-        if streams is not None and "replicated" in streams:  # one GPT's streams: chunk 0
-            streams = {"0": streams}
-        if streams is not None:
-            self.stage_model().load_rng_state_dict(streams)

@@ -479,7 +479,7 @@ MUTATIONS = (
         "the auxiliary losses' gradient is not divided by Lightning's accumulate_grad_batches",
         (
             (
-                "lightning_sp/training/gpt_module.py",
+                "lightning_sp/training/checkpoint_hooks.py",
                 "1 / (pipeline.num_microbatches * accumulate)",
                 "1 / pipeline.num_microbatches",
             ),
