@@ -73,13 +73,12 @@ def reference_cost(
         layout.virtual_pipeline_size,
     )
     b, c, n = layout.micro_batch_size, layout.context_parallel_size, layout.microbatches_per_step
-    e = layout.expert_parallel_size
-    layer = sum(layer_time(config, t, b, hardware, c, e).forward.values())
+    layer = sum(layer_time(layout.shape_of(config), hardware).forward.values())
     logits = gemm_seconds(hardware, head_gemms(config, t, b, c)[0])
     seconds = (n + (p - 1) / m) * config.num_layers / p * layer + n * logits
     weights = 0.0
     if kind == "copy":
-        weights = parameters_per_rank(config, t, p, e) * precision.param_bytes
+        weights = parameters_per_rank(config, layout) * precision.param_bytes
     flops = forward_flops_per_iteration(config, layout.global_batch_size)
     return ReferenceCost(kind, flops, weights, seconds)
 
