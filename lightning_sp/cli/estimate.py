@@ -35,6 +35,7 @@ from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.lora import LoRAConfig
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.cluster import load_cluster
+from lightning_sp.planner.dpo import format_reference, reference_cost
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.layout import Layout, PlannerOptions, parse_bytes
 from lightning_sp.planner.lora import format_lora, lora_estimate
@@ -221,6 +222,10 @@ class FitLayoutCLI(LightningCLI):
     """``model.lora``: the run trains adapters on a frozen base (priced next to its full
     fine-tune, :mod:`lightning_sp.planner.lora`)."""
 
+    reference: str | None = None
+    """``model.dpo``'s reference kind, resolved (``copy``, ``adapters``, ``precomputed``;
+    priced by :mod:`lightning_sp.planner.dpo`); ``None``: not a DPO run."""
+
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         super().add_arguments_to_parser(parser)
@@ -266,6 +271,8 @@ class FitLayoutCLI(LightningCLI):
         )
         self.options = planner_options(parsed)
         self.lora = getattr(built.model, "lora", None)
+        dpo = getattr(built.model, "dpo", None)
+        self.reference = dpo.resolved_reference(self.lora is not None) if dpo else None
 
 
 class EstimateCLI(FitLayoutCLI, GPTCLI):
@@ -313,6 +320,9 @@ def main(read: Callable[[list[str]], FitLayoutCLI], argv: list[str]) -> int:
         lora = getattr(parsed, "lora", None)
         if lora is not None:
             print(format_lora(lora_estimate(parsed.layout, lora, cluster)))
+        reference = getattr(parsed, "reference", None)
+        if reference is not None:
+            print(format_reference(reference_cost(parsed.layout, reference, cluster)))
     if options.plot:
         plot_ladder(result, options.plot)
         if options.format == "table":

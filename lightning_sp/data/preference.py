@@ -273,6 +273,21 @@ def prepare_preference(
     return meta
 
 
+REFERENCE = "reference_logps"
+"""The sample field of precomputed reference log-probabilities ``[K]`` (float64)."""
+REFERENCE_FILE = "reference_logps.npy"
+"""A prepared split's file of them, ``[samples, K]``, beside its tokens."""
+
+
+def store_reference(directory: str, values: np.ndarray) -> None:
+    """Write a prepared split's reference log-probabilities ``[samples, K]`` (float64) into
+    ``directory`` (the split's), atomically (a crash leaves the previous file or none)."""
+    path = os.path.join(directory, REFERENCE_FILE)
+    partial = path + ".partial.npy"
+    np.save(partial, np.asarray(values, dtype=np.float64))
+    os.replace(partial, path)
+
+
 def _mark_preference(split: str) -> None:
     """Record in a split's ``index.json`` that its samples carry ``sequences``."""
     path = os.path.join(split, "index.json")
@@ -283,4 +298,7 @@ def _mark_preference(split: str) -> None:
         json.dump(index, f, indent=1)
 
 
-__all__ = ["fit_pair", "prepare_preference", "render_pair", "split_row", "with_sequences"]
+__all__ = [
+    "REFERENCE", "REFERENCE_FILE", "fit_pair", "prepare_preference", "render_pair", "split_row",
+    "store_reference", "with_sequences",
+]  # fmt: skip

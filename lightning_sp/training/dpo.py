@@ -13,8 +13,12 @@ module's own.
   (seeded initialisation or ``init_from``) built in the same layout, held outside the module
   (no optimizer state, not in checkpoints: a resumed run rebuilds it from the same start);
   it costs a second set of weights and one forward per batch;
-* ``precomputed``: the batch carries ``reference_logps`` ``[B, K]`` (computed once before
-  training, TRL's ``precompute_ref_log_probs``): no reference weights or forward in the step.
+* ``precomputed``: the batch carries ``reference_logps`` ``[B, K]`` (TRL's
+  ``precompute_ref_log_probs``): no reference weights or forward in the step. Before training,
+  :meth:`PreferenceSteps.precompute` runs the starting policy (adapters off) once over every
+  prepared sample of the data module and stores the log-probabilities beside the prepared
+  tokens (:func:`~lightning_sp.data.preference.store_reference`); the samples then carry them.
+  One process only for now (a parallel layout is refused in one line).
 
 Each reference forward runs in eval mode (no dropout, so the dropout streams the policy draws
 from are untouched) and gives ``[B, K]`` on the last pipeline stage.
@@ -28,7 +32,10 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from torch.utils.data import default_collate
 
+from lightning_sp.data.preference import REFERENCE, store_reference
+from lightning_sp.data.tokens import PackedSamples
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import load_hf_weights
 from lightning_sp.model.documents import Packing
@@ -57,8 +64,6 @@ if TYPE_CHECKING:
 
 SEQUENCES = "sequences"
 """The batch field of each label's sequence slot in its row (``-1``: no answer token)."""
-REFERENCE = "reference_logps"
-"""The batch field of precomputed reference log-probabilities ``[B, K]``."""
 
 
 def check_dpo(config: DPOConfig, model: GPTConfig, lora: bool) -> None:
@@ -111,10 +116,53 @@ class PreferenceSteps:
         self.copy: list[Pipeline] = []  # the frozen copy (a list: not a submodule)
         self.train_sums, self.val_sums = PairSums(), PairSums()
 
-    def configure(self, config: GPTConfig, policy: Pipeline, init_from: str | None) -> None:
-        """Build the frozen copy (``copy``), as the policy was built before training."""
+    def configure(
+        self, config: GPTConfig, policy: Pipeline, init_from: str | None, data: object = None
+    ) -> None:
+        """Build the frozen copy (``copy``), as the policy was built before training; or
+        (``precomputed``) store the reference log-probabilities of ``data``'s samples."""
         if self.kind == "copy" and not self.copy:
             self.use_copy(reference_copy(config, policy, init_from))
+        if self.kind == "precomputed" and data is not None:  # in the loaders' batch size
+            self.precompute(policy, data, int(getattr(data, "batch_size", 8)))
+
+    def precompute(self, policy: Pipeline, data: object, batch_size: int = 8) -> None:
+        """Run the starting ``policy`` (adapters off, eval mode, no graph) once over every
+        sample of ``data``'s prepared training and validation splits (a
+        :class:`~lightning_sp.data.TextDataModule` with preference data, set up) and store
+        each split's ``[samples, K]`` log-probabilities with its prepared tokens."""
+        state = policy.state
+        if state.world_size > 1:
+            raise ConfigError(
+                f"dpo.reference='precomputed' computes the reference in one process, not "
+                f"{state.world_size} ranks; use 'copy' or 'adapters', or one device"
+            )
+        found = [getattr(data, "train_dataset", None), getattr(data, "val_dataset", None)]
+        datasets = [d for d in found if isinstance(d, PackedSamples)]
+        if len(datasets) < 2 or not all(s.preference for d in datasets for s in d.streams):
+            raise ConfigError(
+                "dpo.reference='precomputed' needs the prepared preference data "
+                "(data.preference: true); use 'copy' or 'adapters'"
+            )
+        step = batch_size * policy.num_microbatches
+        for dataset in datasets:
+            for k, stream in enumerate(dataset.streams):
+                start, stop = int(dataset.offsets[k]), int(dataset.offsets[k + 1])
+                rows: list[Tensor] = []
+                for first in range(start, stop, step):
+                    index = [min(i, stop - 1) for i in range(first, first + step)]  # padded
+                    batch = default_collate([dataset[i] for i in index])
+                    batch.pop(REFERENCE, None)
+                    targets, ids, target, packing = self._inputs(batch, state)
+                    with adapters_disabled(policy), _evaluating(policy), torch.no_grad():
+                        out = policy.outputs(ids, target, packing, SequenceLogps(targets.num_slots))
+                    rows += list(torch.cat(out)[: stop - first].double())
+                width = max((len(r) for r in rows), default=0)
+                table = torch.zeros(len(rows), width, dtype=torch.float64)
+                for j, row in enumerate(rows):
+                    table[j, : len(row)] = row
+                store_reference(stream.directory, table.numpy())
+                stream._reference = None  # read the new file
 
     def use_copy(self, reference: Pipeline) -> None:
         """Take ``reference`` (frozen, in the policy's layout) as the ``copy`` reference."""

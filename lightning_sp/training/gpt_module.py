@@ -252,7 +252,8 @@ class GPTModule(CheckpointHooks):
             for chunk in self.pipeline.chunks:
                 compile_layers(chunk.layers, self.compile_options)
         if self._preference is not None:
-            self._preference.configure(config, self.pipeline, self.init_from)
+            data = getattr(self._trainer, "datamodule", None)
+            self._preference.configure(config, self.pipeline, self.init_from, data)
 
     def _batch_size(self) -> int | None:
         """Samples per step per data-parallel rank, if the data module states it."""
