@@ -45,6 +45,7 @@ import lightning_sp  # noqa: F401  (registers the "megatron_sp" strategy)
 from lightning_sp.checkpoint import CheckpointSaveError
 from lightning_sp.errors import ConfigError
 from lightning_sp.runtime import shutdown
+from lightning_sp.runtime.agree import LocalError
 from lightning_sp.runtime.guard import NonFiniteError
 
 EXIT_CONFIG, EXIT_NONFINITE, EXIT_CHECKPOINT = 2, 3, 4
@@ -130,11 +131,14 @@ def _rank() -> int:
     return local + node  # non-zero on every rank but the first, which is all that matters here
 
 
-def fail(message: str, code: int) -> None:
+def fail(message: str, code: int, alone: bool = False) -> None:
     """Print ``message`` once (rank 0) and exit with ``code``. Other ranks wait a moment so that
     Lightning's launcher, which kills the job when a child exits, lets rank 0 print first; rank
     0 then waits for its child ranks (killing those still running after a grace), so that none
-    outlives it.
+    outlives it. ``alone``: only this rank has the error
+    (:class:`~lightning_sp.runtime.agree.LocalError`): a child rank hands it to rank 0, which
+    prints it on finding this rank ended (:func:`lightning_sp.runtime.shutdown.report`), or
+    prints it itself where no launcher collects it.
 
     With a process group still alive the exit skips the interpreter's teardown (``os._exit``
     after flushing): there, the group's C++ threads can abort the process ("terminate called
@@ -145,6 +149,8 @@ def fail(message: str, code: int) -> None:
         print(f"error: {message}", file=sys.stderr)
         shutdown.end_children()
     else:
+        if alone and not shutdown.report(message):
+            print(f"error: {message}", file=sys.stderr)
         time.sleep(2)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         sys.stdout.flush()
@@ -186,7 +192,7 @@ def run() -> None:
     try:
         main()
     except ConfigError as error:  # a bad config: one line, no traceback
-        fail(str(error), EXIT_CONFIG)
+        fail(str(error), EXIT_CONFIG, alone=isinstance(error, LocalError))
     except NonFiniteError as error:
         fail(str(error), EXIT_NONFINITE)
     except CheckpointSaveError as error:  # a full disk, say: every rank has the same line
