@@ -122,6 +122,13 @@ def test_bad_input_is_one_line_before_any_work(tmp_path: Path) -> None:
     _refused(tmp_path, r"row 1: the conversation is \d+ tokens, longer than seq_length \+ 1 = 49",
              [long, *rows], overflow="refuse")  # fmt: skip
     _refused(tmp_path, "overflow='drop' is invalid", overflow="drop")
+    latin1 = tmp_path / "latin1.jsonl"  # issue 40: a 32-line traceback before
+    latin1.write_bytes(b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", '
+                       b'"completion": "b"}\n')  # fmt: skip
+    with pytest.raises(ConfigError, match=rf"^{latin1}:2: not UTF-8 text \(byte 0xe9: invalid "
+                       r"continuation byte\); save the file as UTF-8$"):  # fmt: skip
+        prepare_chat([str(latin1)], str(chat_tokenizer(tmp_path / "tok")), str(tmp_path / "o"),
+                     S, log=lambda _: None)  # fmt: skip
 
 
 def test_data_module_and_generate_refuse_bad_chat_settings(tmp_path: Path) -> None:

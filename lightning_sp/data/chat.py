@@ -125,8 +125,16 @@ def read_rows(path: str) -> list[dict[str, Any]]:
         import pyarrow.parquet as pq
 
         return list(pq.read_table(path).to_pylist())
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw[: error.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}:{line}: not UTF-8 text (byte {raw[error.start]:#04x}: {error.reason}); "
+            "save the file as UTF-8"
+        ) from None
     if path.endswith(".json") and text.lstrip().startswith("["):
         rows = json.loads(text)
     else:
