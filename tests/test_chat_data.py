@@ -297,3 +297,21 @@ def test_a_step_with_no_loss_token_is_refused_before_the_optimizer(tmp_path: Pat
     moved = [k for k, v in module.state_dict().items() if k in before and not
              torch.equal(v, before[k])]  # fmt: skip
     assert before and not moved, f"the optimizer stepped on a step with no loss token: {moved}"
+
+
+def test_chat_sft_without_transformers_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40: chat SFT imports transformers, an optional extra; on an install without it
+    the data module ended in an ImportError traceback. Now one line naming the extra."""
+    tokenizer_dir = chat_tokenizer(tmp_path)
+    rows = jsonl(tmp_path / "chat.jsonl", conversations(4))
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)
+    with pytest.raises(ConfigError) as error:
+        TextDataModule(paths=str(rows), chat_template_dir=str(tokenizer_dir),
+                       prepared_dir=str(tmp_path / "p"), seq_length=S)  # fmt: skip
+    assert str(error.value) == (
+        "chat SFT (data.chat_template_dir) renders conversations with a Hugging Face chat "
+        "template, which needs the package 'transformers': install the chat extra, pip install "
+        "'lightning-sp[chat]' (transformers, jinja2)"
+    )

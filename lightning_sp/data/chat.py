@@ -55,6 +55,21 @@ _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 Overflow = Literal["truncate", "refuse"]
 
 
+def _auto_tokenizer() -> Any:
+    """``transformers.AutoTokenizer``, or one line saying what to install: chat SFT needs the
+    ``chat`` extra (transformers and Jinja, which render chat templates)."""
+    try:
+        import jinja2  # noqa: F401  (apply_chat_template renders with it)
+        from transformers import AutoTokenizer
+    except ImportError as error:
+        raise ConfigError(
+            f"chat SFT (data.chat_template_dir) renders conversations with a Hugging Face chat "
+            f"template, which needs the package {error.name or 'transformers'!r}: install the "
+            "chat extra, pip install 'lightning-sp[chat]' (transformers, jinja2)"
+        ) from None
+    return AutoTokenizer
+
+
 def load_chat_tokenizer(directory: str, assistant_only_loss: bool) -> Any:
     """The tokenizer of a local Hugging Face directory, checked for what chat SFT needs: a
     chat template, and with ``assistant_only_loss`` its generation markers (one line each)."""
@@ -65,9 +80,7 @@ def load_chat_tokenizer(directory: str, assistant_only_loss: bool) -> Any:
             f"tokenizer={directory!r} is not a Hugging Face tokenizer directory (no "
             "tokenizer.json); give the model's local directory"
         )
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    tokenizer = _auto_tokenizer().from_pretrained(directory, local_files_only=True)
     template = tokenizer.chat_template
     if not template:
         raise ConfigError(
