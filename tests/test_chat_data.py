@@ -35,6 +35,16 @@ def test_first_fit_places_every_item_once() -> None:
     assert bins == [[0, 2, 4], [1], [3, 6], [5]]  # each into the first bin with room
 
 
+def test_first_fit_fills_a_bin_exactly() -> None:
+    """Issue 40: first-fit with ``<`` for ``<=`` went unnoticed (no test filled a bin
+    exactly): an item whose length equals a bin's room goes into that bin."""
+    bins = first_fit([6, 4, 10, 3, 7], 10)
+    assert bins == [[0, 1], [2], [3, 4]], (
+        f"first_fit([6, 4, 10, 3, 7], 10) = {bins}: an item that fills a bin's room exactly "
+        "was put in a new bin"
+    )
+
+
 def test_assistant_mask_equals_transformers_and_packing_is_exact(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
