@@ -9,6 +9,9 @@ downloaded): ``data/sft_tiny/``
 * ``chat.jsonl``: 2000 conversations (``messages``; some ``prompt`` / ``completion``) of small
   arithmetic questions and answers.
 
+Everything is seeded: two runs write the same bytes (the same base model), so the demo's
+figures reproduce and runs of different layouts start from one model.
+
     python examples/sft_tiny_setup.py && python cli.py fit --config configs/llama_sft_tiny.yaml
 """
 
@@ -45,6 +48,7 @@ def conversation(rng: random.Random) -> dict:
 
 
 def main(root: Path = Path("data/sft_tiny")) -> None:
+    import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -74,6 +78,7 @@ def main(root: Path = Path("data/sft_tiny")) -> None:
         rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
+    torch.manual_seed(0)  # the same base model on every run: figures and layouts compare
     LlamaForCausalLM(LlamaConfig(**fields)).save_pretrained(str(root / "base"))
     print(f"wrote {root}/chat.jsonl ({len(rows)} conversations), {root}/tokenizer, {root}/base")
 

@@ -35,6 +35,16 @@ def test_first_fit_places_every_item_once() -> None:
     assert bins == [[0, 2, 4], [1], [3, 6], [5]]  # each into the first bin with room
 
 
+def test_first_fit_fills_a_bin_exactly() -> None:
+    """Issue 40: first-fit with ``<`` for ``<=`` went unnoticed (no test filled a bin
+    exactly): an item whose length equals a bin's room goes into that bin."""
+    bins = first_fit([6, 4, 10, 3, 7], 10)
+    assert bins == [[0, 1], [2], [3, 4]], (
+        f"first_fit([6, 4, 10, 3, 7], 10) = {bins}: an item that fills a bin's room exactly "
+        "was put in a new bin"
+    )
+
+
 def test_assistant_mask_equals_transformers_and_packing_is_exact(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -122,6 +132,13 @@ def test_bad_input_is_one_line_before_any_work(tmp_path: Path) -> None:
     _refused(tmp_path, r"row 1: the conversation is \d+ tokens, longer than seq_length \+ 1 = 49",
              [long, *rows], overflow="refuse")  # fmt: skip
     _refused(tmp_path, "overflow='drop' is invalid", overflow="drop")
+    latin1 = tmp_path / "latin1.jsonl"  # issue 40: a 32-line traceback before
+    latin1.write_bytes(b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", '
+                       b'"completion": "b"}\n')  # fmt: skip
+    with pytest.raises(ConfigError, match=rf"^{latin1}:2: not UTF-8 text \(byte 0xe9: invalid "
+                       r"continuation byte\); save the file as UTF-8$"):  # fmt: skip
+        prepare_chat([str(latin1)], str(chat_tokenizer(tmp_path / "tok")), str(tmp_path / "o"),
+                     S, log=lambda _: None)  # fmt: skip
 
 
 def test_data_module_and_generate_refuse_bad_chat_settings(tmp_path: Path) -> None:
@@ -212,3 +229,103 @@ def test_generate_chat_stops_at_the_templates_end_of_turn(tmp_path: Path) -> Non
     answer = generate(model, prompt, plain, eos_id=hf.eos_token_id)
     assert answer[0] == end and len(answer) == plain.max_new_tokens  # went on past it
     assert generate(model, prompt, chat, eos_id=hf.eos_token_id) == []
+
+
+def test_conversations_without_an_answer_are_dropped_and_a_corpus_of_them_refused(
+    tmp_path: Path,
+) -> None:
+    """Issue 40: rows of user turns only were prepared ('prepared 200 conversations') and
+    trained at loss 0. A conversation with no loss token (no assistant turn, or one that
+    ``overflow: truncate`` cut off whole) trains nothing: it is dropped with one notice, and a
+    corpus of nothing else is refused in one line; every packed sample left holds a loss
+    token."""
+    users = [{"messages": [{"role": "user", "content": f"the fox {i}"}]} for i in range(6)]
+    _refused(tmp_path, r"bad.jsonl: none of its 6 conversation\(s\) has an assistant token to "
+             r"train on, so a run would train on nothing", users)  # fmt: skip
+    long = {"prompt": " ".join(["fox"] * 80), "completion": "dog"}  # answer past s + 1
+    _refused(tmp_path, r"none of its 1 conversation\(s\) has an assistant token to train on "
+             r"\(1 lost every answer to truncation at seq_length \+ 1 = 49\)",
+             [long], val_fraction=0)  # fmt: skip
+
+    tokenizer_dir = chat_tokenizer(tmp_path / "tok")
+    rows = conversations(8)
+    source = jsonl(tmp_path / "mixed.jsonl", [*rows[:4], users[0], long, *rows[4:], users[1]])
+    notices: list[str] = []
+    out = tmp_path / "mixed"
+    meta = prepare_chat([str(source)], str(tokenizer_dir), str(out), S, log=notices.append)
+    assert meta["chat"]["conversations"] == 8, meta["chat"]
+    assert meta["chat"]["dropped_without_answer"] == 3, meta["chat"]
+    assert any(
+        "dropped 3 of 11 conversations without an answer token to train on (2 as written, 1 "
+        "cut off by truncation" in n
+        for n in notices
+    ), notices
+    data = TextDataModule(prepared_dir=str(out), seq_length=S, batch_size=1,
+                          tokenizer=str(tokenizer_dir / "tokenizer.json"))  # fmt: skip
+    for i, sample in enumerate(_samples(data)):
+        assert sample["loss_mask"].any(), f"packed sample {i} has no loss token"
+
+
+def test_a_step_with_no_loss_token_is_refused_before_the_optimizer(tmp_path: Path) -> None:
+    """Issue 40: a step whose global batch has no counted label (a chat corpus prepared
+    before answerless conversations were dropped: here its assistant bits cleared) ran at loss
+    0 while AdamW's weight decay still moved the weights. It is refused in one line before the
+    optimizer steps: the weights are the initial ones."""
+    import lightning as L
+    import numpy as np
+
+    from lightning_sp import GPTModule, OptimizerConfig
+    from lightning_sp.data.chat import ASSISTANT, FLAGS_FILE
+
+    from models import tiny_config
+
+    tokenizer_dir = chat_tokenizer(tmp_path)
+    out = tmp_path / "p"
+    source = jsonl(tmp_path / "chat.jsonl", conversations(8))
+    prepare_chat([str(source)], str(tokenizer_dir), str(out), S, val_fraction=0,
+                 log=lambda _: None)  # fmt: skip
+    flags = np.fromfile(out / "train" / FLAGS_FILE, dtype=np.uint8)
+    (flags & ~np.uint8(ASSISTANT)).astype(np.uint8).tofile(out / "train" / FLAGS_FILE)
+    data = TextDataModule(prepared_dir=str(out), seq_length=S, batch_size=2, val_fraction=0,
+                          tokenizer=str(tokenizer_dir / "tokenizer.json"))  # fmt: skip
+    module = GPTModule(tiny_config("llama", vocab_size=data.vocab_size, seq_length=S),
+                       OptimizerConfig(lr=1e-2, weight_decay=0.1, warmup_steps=0))  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    before: dict[str, torch.Tensor] = {}
+
+    class Snapshot(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            before.update({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
+
+    trainer.callbacks.append(Snapshot())
+    with pytest.raises(
+        ConfigError,
+        match=r"^step 0: no label of the global batch counts in "
+        r"the loss .*the run stops rather than step the optimizer",
+    ) as error:
+        trainer.fit(module, datamodule=data)  # fmt: skip
+    assert "\n" not in str(error.value)
+    moved = [k for k, v in module.state_dict().items() if k in before and not
+             torch.equal(v, before[k])]  # fmt: skip
+    assert before and not moved, f"the optimizer stepped on a step with no loss token: {moved}"
+
+
+def test_chat_sft_without_transformers_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40: chat SFT imports transformers, an optional extra; on an install without it
+    the data module ended in an ImportError traceback. Now one line naming the extra."""
+    tokenizer_dir = chat_tokenizer(tmp_path)
+    rows = jsonl(tmp_path / "chat.jsonl", conversations(4))
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)
+    with pytest.raises(ConfigError) as error:
+        TextDataModule(paths=str(rows), chat_template_dir=str(tokenizer_dir),
+                       prepared_dir=str(tmp_path / "p"), seq_length=S)  # fmt: skip
+    assert str(error.value) == (
+        "chat SFT (data.chat_template_dir) renders conversations with a Hugging Face chat "
+        "template, which needs the package 'transformers': install the chat extra, pip install "
+        "'lightning-sp[chat]' (transformers, jinja2)"
+    )

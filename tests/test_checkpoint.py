@@ -262,21 +262,30 @@ def test_kill_during_save_leaves_last_at_the_previous_checkpoint(
     assert result.returncode != 0, result.stderr[-2000:]
     killed = re.search(r"fault injection: kill -9 of rank \d at \w+, time ([\d.]+)", result.stderr)
     assert killed, result.stderr[-2000:]
-    assert result.ended - float(killed.group(1)) < 60  # every rank has exited by then
+    assert result.ended - float(killed.group(1)) < 60, (  # every rank has exited by then
+        f"the job ended {result.ended - float(killed.group(1)):.0f} s after the kill"
+    )
     last = tmp_path / "checkpoints" / "last.ckpt"
-    assert read_full(last)["lightning"]["global_step"] == 2
+    step = read_full(last)["lightning"]["global_step"]
+    assert step == 2, f"last.ckpt holds step {step} after a kill during its rewrite, not step 2"
     want = _tensors(straight / "checkpoints" / "step2.ckpt")
     got = _tensors(last)
-    assert want.keys() == got.keys()
-    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert want.keys() == got.keys(), f"last.ckpt's tensors differ: {want.keys() ^ got.keys()}"
+    assert all(torch.equal(want[k], got[k]) for k in want), (
+        "last.ckpt holds other tensors than the straight run's step 2: "
+        f"{[k for k in want if not torch.equal(want[k], got[k])][:5]} (a mix of saves)"
+    )
     names = {p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.startswith(".")}
-    assert names <= {"step2.ckpt", "step4.ckpt", "last.ckpt"}
+    assert names <= {"step2.ckpt", "step4.ckpt", "last.ckpt"}, f"left behind: {sorted(names)}"
     if point == "before-rename":  # one resume is enough to show the rest follows
         resumed = cli(tmp_path, "--trainer.max_steps", "4", "--ckpt_path", str(last))
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         mine, theirs = losses(tmp_path), losses(straight)
         for step in (2, 3):
-            assert mine[step] == pytest.approx(theirs[step], rel=1e-6), step
+            assert mine[step] == pytest.approx(theirs[step], rel=1e-6), (
+                f"step {step}: the resumed run's loss {mine[step]} is not the straight run's "
+                f"{theirs[step]}: last.ckpt does not continue the run"
+            )
 
 
 @pytest.mark.parametrize(

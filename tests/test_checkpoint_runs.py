@@ -87,9 +87,12 @@ def test_a_resume_from_the_newest_last_continues_in_place(tmp_path: Path, corpus
     fit = _runs(tmp_path, corpus, save_last=True)
 
     fit("a", 2)
-    assert fit("a2", 3, folder / "last.ckpt") == []
-    assert _names(folder) == ["last.ckpt", "step=3.ckpt"]  # step2 rotated out as before
-    assert _step(folder / "last.ckpt") == 3
+    assert fit("a2", 3, folder / "last.ckpt") == [], "the resume from last.ckpt warned"
+    names = _names(folder)
+    assert names == ["last.ckpt", "step=3.ckpt"], (  # step2 rotated out as before
+        f"after the resume: {names}; last.ckpt does not continue in place"
+    )
+    assert _step(folder / "last.ckpt") == 3, "last.ckpt is not the resumed run's step 3"
 
 
 @pytest.mark.slow

@@ -161,3 +161,60 @@ def test_logs_go_under_the_default_root_dir(tmp_path: Path) -> None:
     assert all(d.is_relative_to(tmp_path / "root") for d in dirs.values()), dirs
     cli = GPTCLI(GPTModule, TextDataModule, run=False, args=[*base, "--trainer.logger", "false"])
     assert not cli.trainer.loggers  # type: ignore[attr-defined]
+
+
+TEN = ["fit", "validate", "test", "predict", "estimate", "prepare", "generate", "export",
+       "calibrate", "step-check"]  # fmt: skip
+
+
+def test_every_command_is_listed_and_a_wrong_one_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40: ``lightning-sp``, ``lightning-sp --help`` and ``lightning-sp fitt`` listed
+    only Lightning's four commands; ``lightning-sp generate`` printed a usage named ``cli.py``.
+    Now the help lists all ten, a missing or unknown command is one line listing them, and
+    generate's parse errors are one line under the name the user ran."""
+    from lightning_sp import ConfigError
+    from lightning_sp.cli.main import main
+
+    monkeypatch.setattr("sys.argv", ["/venv/bin/lightning-sp"])
+    main(["--help"])
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()
+              if line.startswith("  ")]  # fmt: skip
+    assert listed == TEN, f"--help lists {listed}"
+    valid = ", ".join(TEN)
+    with pytest.raises(ConfigError) as error:
+        main([])
+    assert str(error.value) == f"give a command: {valid} (lightning-sp --help describes each)"
+    with pytest.raises(ConfigError) as error:
+        main(["fitt"])
+    assert str(error.value) == (
+        f"unknown command 'fitt' (did you mean 'fit'?); valid: {valid} (lightning-sp --help "
+        "describes each)"
+    )
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--ckpt_path", "x"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: the following arguments are required: --prompt (lightning-sp generate --help "
+        "lists every option)"
+    ]
+
+
+@pytest.mark.slow
+def test_pre_launch_errors_of_estimate_prepare_generate_are_one_line(tmp_path: Path) -> None:
+    """Issue 40: their pre-launch errors came after Lightning's "Seed set to" line (and for
+    generate its device banner from a Trainer the command never used): 2 and 5 lines where
+    fit's are 1. Now the whole output is the one error line."""
+    cases = [
+        (["estimate", "--model.config.num_heads", "7"],
+         "error: hidden_size=256 is not divisible by num_heads=7"),
+        (["prepare", "--data.paths", "/nope/x.txt"], "error: paths='/nope/x.txt' matches no file"),
+        (["generate", "--ckpt_path", str(tmp_path), "--prompt", "x"],
+         f"error: ckpt_path={str(tmp_path)!r} is not a complete checkpoint"),
+    ]  # fmt: skip
+    for args, start in cases:
+        result = run([CLI, args[0], "--config", TINY, *args[1:]], tmp_path)
+        lines = (result.stdout + result.stderr).splitlines()
+        assert result.returncode == 2 and len(lines) == 1, (args[0], lines)
+        assert lines[0].startswith(start), lines

@@ -177,3 +177,114 @@ def test_cli_prepare_reads_the_fit_config_and_overrides(tmp_path: Path) -> None:
         bad.stderr
     )
     assert not (tmp_path / "never").exists()
+
+
+def _prepared_bytes(tmp_path: Path) -> Path:
+    """A byte-level corpus (vocabulary 257, uint16 shards) prepared into ``tmp_path/p``."""
+    out, _ = _run(tmp_path, _source(str(text_files(tmp_path / "src", n=6, words=40))),
+                  tokenizer_info(None), name="p")  # fmt: skip
+    return out
+
+
+def test_a_token_id_outside_the_vocabulary_is_named_where_it_is_read(tmp_path: Path) -> None:
+    """Issue 40: ids above the vocabulary written into ``train/00000.bin`` trained at a
+    plausible loss (the vocabulary-parallel embedding and loss drop ids outside every rank's
+    range). Reading the sample now raises one line naming the shard, the id and its offset, in
+    the main process and through a DataLoader worker alike."""
+    import torch
+
+    from lightning_sp.data import TextDataModule
+    from lightning_sp.data.tokens import CorruptShardError
+
+    out = _prepared_bytes(tmp_path)
+    shard = out / "train" / "00000.bin"
+    ids = np.memmap(shard, dtype=np.uint16, mode="r+")
+    ids[70] = 300  # in sample 70 // 17 = 4 at seq_length 16
+    ids.flush()
+    del ids
+    data = TextDataModule(prepared_dir=str(out), seq_length=16, batch_size=1)
+    data.setup("fit")  # opening reads no token
+    assert data.train_dataset is not None
+    data.train_dataset[3]  # a whole sample before it
+    expected = (
+        rf"^{shard}: token id 300 \(first bad id at token 70 of the shard\) is outside the "
+        r"tokenizer's vocabulary of 257 ids; the prepared corpus is damaged: prepare it again$"
+    )
+    with pytest.raises(CorruptShardError, match=expected):
+        data.train_dataset[4]
+    loader = torch.utils.data.DataLoader(data.train_dataset, sampler=[4], num_workers=1)
+    with pytest.raises(CorruptShardError, match=expected):
+        next(iter(loader))
+
+
+def test_damaged_prepared_files_are_one_line_at_open(tmp_path: Path) -> None:
+    """Issue 40: a cut ``.bin`` failed at the first batch (101 lines), a deleted one at open
+    (105), a cut ``index.json`` in 67 lines. Each is one line naming the file when the data
+    module is built (before any rank starts under the command line), without reading a
+    token."""
+    from lightning_sp.data import TextDataModule
+
+    out = _prepared_bytes(tmp_path)
+    whole = {p: p.read_bytes() for p in (out / "train").iterdir()}
+    shard, index = out / "train" / "00000.bin", out / "train" / "index.json"
+    tokens = json.loads(index.read_text())["shards"][0]["tokens"]
+    cases = [
+        (lambda: shard.write_bytes(whole[shard][:-6]),
+         rf"^{shard} holds {2 * tokens - 6} bytes, index.json says {tokens} tokens of 2 "
+         rf"byte\(s\) = {2 * tokens} bytes \(cut or overwritten\); the prepared corpus is "
+         r"damaged: prepare it again$"),
+        (lambda: shard.unlink(),
+         rf"^{shard} is missing \({tokens} tokens by index.json\); the prepared corpus is "
+         r"damaged"),
+        (lambda: index.write_bytes(whole[index][:40]),
+         rf"^{index} is not a prepared split's index \(JSONDecodeError: .*\); the prepared "
+         r"corpus is damaged: prepare it again$"),
+        (lambda: index.unlink(), rf"^{index} cannot be read \(No such file or directory\)"),
+    ]  # fmt: skip
+    for damage, match in cases:
+        for path, content in whole.items():
+            path.write_bytes(content)
+        damage()
+        with pytest.raises(ConfigError, match=match) as error:
+            TextDataModule(prepared_dir=str(out), seq_length=16, batch_size=1)
+        assert "\n" not in str(error.value), str(error.value)
+
+
+@pytest.mark.slow
+def test_a_corrupt_sample_only_rank_1_reads_ends_the_run_with_its_line(tmp_path: Path) -> None:
+    """``cli.py fit`` on 2 data-parallel ranks, a token id outside the vocabulary in the first
+    sample rank 1 reads (and in none rank 0 reads): exit 2 and one line, printed by rank 0,
+    naming the shard, the id and rank 1 (before: rc 0 and a plausible loss)."""
+    from lightning_sp.data import TextDataModule
+    from lightning_sp.data.order import SampleOrder
+    from lightning_sp.data.sampler import ResumableSampler
+
+    from cli_runs import SMALL, TINY, error_lines, run
+
+    seq, batch = 64, 4
+    data = TextDataModule(paths=str(text_files(tmp_path / "src", n=12, words=60)),
+                          prepared_dir=str(tmp_path / "p"), seq_length=seq, batch_size=batch,
+                          val_fraction=0.1)  # fmt: skip
+    data.prepare_corpus(log=lambda _: None)
+    data.setup("fit")
+    assert data.train_dataset is not None
+    order = SampleOrder(data.train_dataset.counts, None, data.seed)
+    first = [list(ResumableSampler(data.train_dataset, order, 2, r))[:batch] for r in (0, 1)]
+    sample = first[1][0]
+    assert sample not in first[0]
+    ids = np.memmap(tmp_path / "p" / "train" / "00000.bin", dtype=np.uint16, mode="r+")
+    ids[sample * (seq + 1) + 5] = 999
+    ids.flush()
+    del ids
+    args = [str(ROOT / "cli.py"), "fit", "--config", TINY, *SMALL,
+            "--data.prepared_dir", str(tmp_path / "p"), "--data.max_documents", "null",
+            "--trainer.strategy.init_args.tensor_parallel_size", "1",
+            "--model.config.sequence_parallel", "false", "--trainer.max_steps", "2",
+            "--trainer.callbacks", "null", "--trainer.default_root_dir", str(tmp_path)]  # fmt: skip
+    done = run(args, tmp_path, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = error_lines(done.stderr)
+    shard = tmp_path / "p" / "train" / "00000.bin"
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert errors[0].startswith(f"error: {shard}: token id 999 (first bad id at token "), errors
+    assert "prepare it again (found by rank 1)" in errors[0], errors[0]

@@ -136,6 +136,18 @@ def test_jsonl_row_without_the_field_names_file_and_line(tmp_path: Path) -> None
                     paths=str(nested))  # fmt: skip
 
 
+def test_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path: Path) -> None:
+    """Issue 40: a Latin-1 byte in a JSONL text field ended prepare in a 61-line traceback at
+    tokenizing; now one line naming the file and line, before any token is written."""
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"text": "one"}\n\n{"text": "caf\xe9"}\n')
+    message = _one_line_error(r"text_field='text'", tmp_path, paths=str(path))
+    assert message.startswith(
+        f"text_field='text': {path} line 3 is not UTF-8 text (byte 0xe9 at 3: unexpected "
+        "end of data); save the file as UTF-8"
+    ), message
+
+
 def test_missing_paths_and_empty_corpus(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"paths='/nope/\*\.txt' matches no file"):
         TextDataModule(paths="/nope/*.txt")

@@ -108,7 +108,10 @@ def _check(state: ParallelState, sequence_parallel: bool, grid: list) -> list[st
         ref_logits, ref_losses, counted = alone(reference, ids, labels, documents)
         model = GPT(config, state, dtype=torch.float64)
         positions = positions_in_documents(documents)
-        local_ids, local_labels, local_positions = context_shards(state, ids, labels, positions)
+        local_ids, local_labels = context_shards(state, ids, labels)
+        # the product's path: this CP rank's positions as the training step cuts them
+        packing = Packing.of_batch({"documents": documents, "positions": positions}, state)
+        local_positions = packing.positions
         # per token: logits and losses, this rank's tokens and vocabulary shard
         with torch.no_grad():
             x = model.embed(local_ids, positions=local_positions)
@@ -128,7 +131,7 @@ def _check(state: ParallelState, sequence_parallel: bool, grid: list) -> list[st
         assert err <= RTOL, f"{what}: per-token loss relative error {err:.2e}"
         # the loss and every gradient shard of the packed batch
         model.zero_grad(set_to_none=True)
-        loss = model(local_ids, local_labels, Packing(documents, local_positions))
+        loss = model(local_ids, local_labels, packing)
         loss.backward()
         allreduce_sequence_parallel_grads(model, state)
         allreduce_replicated_grads(model, state)
@@ -155,9 +158,11 @@ def _check_pipeline(state: ParallelState, grid: list) -> list[str]:
         _, ref_losses, counted = alone(reference, ids, labels, documents)
         pipe = Pipeline(config, state, num_microbatches=2, dtype=torch.float64)
         positions = positions_in_documents(documents)
-        local_ids, local_labels, local_positions = context_shards(state, ids, labels, positions)
+        local_ids, local_labels = context_shards(state, ids, labels)
+        batch = {"documents": documents, "positions": positions, "loss_mask": labels >= 0}
+        packing = Packing.of_batch(batch, state)  # the training step's: positions cut, "sum"
         mean = TokenMean(state)
-        total = pipe.train_step(local_ids, local_labels, Packing(documents, local_positions, "sum"))
+        total = pipe.train_step(local_ids, local_labels, packing)
         mean.add(labels, total)
         pipe.finalize_grads()
         loss = mean.finish(pipe)
@@ -176,6 +181,33 @@ def test_document_helpers() -> None:
     assert documents.tolist() == [[0, 0, 1, 1, 1, 2, 3]] and documents.dtype == torch.int32
     assert positions_in_documents(documents).tolist() == [[0, 1, 0, 1, 2, 0, 0]]
     assert document_id_bytes(1, 8192) == 32768  # vs 64 MiB for one s x s boolean
+
+
+def test_packing_of_batch_cuts_the_load_balanced_chunks() -> None:
+    """Issue 40: ``Packing.of_batch`` (the training step's path) cutting the positions into
+    contiguous pieces under context parallelism went unnoticed (the tests cut them with their
+    own helper). CP rank r holds chunks r and 2c - 1 - r of 2c; the expected positions are
+    written by hand."""
+    from types import SimpleNamespace
+
+    expected = {
+        2: [[100, 101, 106, 107], [102, 103, 104, 105]],  # s = 8: chunks of 2
+        4: [[100, 101, 114, 115], [102, 103, 112, 113], [104, 105, 110, 111],
+            [106, 107, 108, 109]],  # s = 16
+    }  # fmt: skip
+    for c, ranks in expected.items():
+        positions = torch.arange(100, 100 + 4 * c).repeat(2, 1)  # [B = 2, s]
+        for r, want in enumerate(ranks):
+            state = SimpleNamespace(context_parallel_size=c, context_parallel_rank=r)
+            got = Packing.of_batch({"positions": positions}, state)  # type: ignore[arg-type]
+            assert got.positions is not None and got.positions.tolist() == [want, want], (
+                f"c={c} CP rank {r}: Packing.of_batch gives positions "
+                f"{None if got.positions is None else got.positions[0].tolist()}, the "
+                f"load-balanced chunks {r} and {2 * c - 1 - r} hold {want} (cut contiguously?)"
+            )
+            assert got.reduction == "mean", f"no loss mask: reduction {got.reduction!r}"
+    masked = Packing.of_batch({"loss_mask": torch.ones(1, 4)}, state)  # type: ignore[arg-type]
+    assert masked.reduction == "sum", f"a loss mask: reduction {masked.reduction!r}, not 'sum'"
 
 
 def test_packed_documents_one_process_quick() -> None:

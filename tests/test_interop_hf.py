@@ -326,6 +326,69 @@ def test_llama_mismatches_fail_with_one_line(tmp_path: Path, llama: tuple[Path, 
         assert message in _one_line(error), edit
 
 
+def _with_tensors(directory: Path, out: Path, extra: dict[str, torch.Tensor]) -> Path:
+    """``directory``'s model (sharded or not) as one ``model.safetensors`` in ``out``, plus
+    the ``extra`` tensors."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+    out.mkdir()
+    (out / "config.json").write_text((directory / "config.json").read_text())
+    save_file({**tensors, **extra}, str(out / "model.safetensors"))
+    return out
+
+
+def test_directories_transformers_reads_otherwise_fail_with_one_line(
+    tmp_path: Path, gpt2: tuple[Path, Path], llama: tuple[Path, Path]
+) -> None:
+    """Issue 40: a tensor the config has no place for (an extra layer, an unused bias) was
+    dropped without a word, where transformers warns; a config.json with both
+    ``rope_parameters`` and a legacy ``rope_scaling`` was read as no scaling, where
+    transformers applies the legacy one. Each is refused in one line naming the tensor or the
+    keys; the buffers transformers drops silently (GPT-2's ``attn.bias`` mask) still load."""
+    extra_layer = _with_tensors(gpt2[0], tmp_path / "extra_layer",
+                                {"h.2.ln_1.weight": torch.ones(64)})  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        GPTModule(our_config(), init_from=str(extra_layer))
+    assert (
+        f"init_from={str(extra_layer)!r}: the weights hold tensor 'h.2.ln_1.weight', which "
+        "config.json has no place for (transformers would drop it with a warning)"
+    ) in _one_line(error)
+    bias = _with_tensors(llama[0], tmp_path / "bias",
+                         {"model.layers.0.self_attn.q_proj.bias": torch.zeros(32)})  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        GPTModule(llama_config(), init_from=str(bias))
+    assert "tensor 'model.layers.0.self_attn.q_proj.bias', which config.json has no place" in (
+        _one_line(error)
+    )
+    single = GPT(our_config(), ParallelState.single())
+    with pytest.raises(ConfigError) as error:  # the loader itself, not only the module's check
+        load_hf_weights(single, extra_layer)
+    assert "tensor 'h.2.ln_1.weight'" in _one_line(error)
+    mask = _with_tensors(gpt2[0], tmp_path / "mask", {"h.0.attn.bias": torch.ones(1, 1, 4, 4)})
+    GPTModule(our_config(), init_from=str(mask))  # transformers drops it without a word
+    assert load_hf_weights(single, mask) == load_hf_weights(single, gpt2[0])
+
+    hf = json.loads((llama[0] / "config.json").read_text())
+    both = _with_tensors(llama[0], tmp_path / "both", {})
+    (both / "config.json").write_text(json.dumps({
+        **hf, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+    }))  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        read_hf_config(both)
+    assert _one_line(error).startswith(
+        f"init_from={str(both)!r}: config.json has both rope_parameters={{'rope_type': "
+        "'default', 'rope_theta': 500000.0} and the legacy rope_scaling={'rope_type': "
+        "'linear', 'factor': 2.0}; transformers applies rope_scaling and drops "
+        "rope_parameters: keep one of the two keys"
+    )
+
+
 def test_export_picks_the_model_type_that_holds_the_config() -> None:
     from lightning_sp.interop.hf_types import GPT2, LLAMA, model_type_for
 

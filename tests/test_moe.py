@@ -129,18 +129,31 @@ def test_capacity_drops_by_weight_and_counts() -> None:
     torch.manual_seed(3)
     x = torch.randn(12, 1, H, dtype=torch.float64)
     routed = moe.router(x.reshape(12, H), None)
-    assert routed.keep is not None and routed.dropped == 24 - int(routed.keep.sum()) == 12
+    assert routed.keep is not None and routed.dropped == 24 - int(routed.keep.sum()) == 12, (
+        f"capacity 0.5: {routed.dropped} choices dropped, {24 - int(routed.keep.sum())} not kept"
+        " of 24; each expert keeps 3, so 12 are dropped"
+    )
     for expert in range(E):
         chosen = routed.experts == expert
         kept_w = routed.weights[chosen & routed.keep]
         dropped_w = routed.weights[chosen & ~routed.keep]
-        assert len(kept_w) == min(3, int(chosen.sum()))
+        assert len(kept_w) == min(3, int(chosen.sum())), (
+            f"expert {expert} kept {len(kept_w)} of its {int(chosen.sum())} choices; its "
+            "capacity is 3"
+        )
         if len(dropped_w):
-            assert kept_w.min() >= dropped_w.max()
+            assert kept_w.min() >= dropped_w.max(), (
+                f"expert {expert} kept a choice of weight {float(kept_w.min()):.4f} and dropped "
+                f"one of {float(dropped_w.max()):.4f}: capacity does not keep the highest weights"
+            )
     out = moe(x)
     gone = ~routed.keep.any(dim=1)
-    assert torch.equal(out.reshape(12, H)[gone], torch.zeros_like(out.reshape(12, H)[gone]))
-    assert float(moe.metrics["dropped"]) == 12
+    assert torch.equal(out.reshape(12, H)[gone], torch.zeros_like(out.reshape(12, H)[gone])), (
+        "a token whose every choice was dropped got a non-zero expert output"
+    )
+    assert float(moe.metrics["dropped"]) == 12, (
+        f"metrics dropped={float(moe.metrics['dropped'])}, the router dropped 12 choices"
+    )
 
 
 def test_expert_bias_moves_towards_balance_and_only_chooses() -> None:

@@ -93,8 +93,11 @@ def test_checkpoints_hold_router_biases_and_old_ones_load_them_as_zero(tmp_path:
     assert len(want) == 2 and all(b.abs().max() == MOE.bias_update_rate for b in want.values())
     _save(tmp_path / "new.ckpt", trained)
     full = read_full(tmp_path / "new.ckpt")
-    assert {k for k in full if k.endswith(BIAS)} == set(want)
-    assert not [k for k in full if "tokens_per_expert" in k]
+    assert {k for k in full if k.endswith(BIAS)} == set(want), (
+        f"the checkpoint holds router biases {sorted(k for k in full if k.endswith(BIAS))}, the "
+        f"model {sorted(want)}: persistent buffers are not saved"
+    )
+    assert not [k for k in full if "tokens_per_expert" in k], "pending counts were saved"
     check_checkpoint(str(tmp_path / "new.ckpt"), trained.config)  # before launch: accepted
     fresh = _model()
     assert _load(tmp_path / "new.ckpt", fresh)["missing_buffers"] == []

@@ -76,3 +76,30 @@ def test_sft_from_imported_llama_lowers_held_out_loss_and_exports(tmp_path: Path
     assert generated.shape[1] > prompt["input_ids"].shape[1]
     print(f"held-out assistant-token loss {before:.4f} -> {after:.4f}")
     print("answer:", tokenizer.decode(generated[0, prompt["input_ids"].shape[1] :]))
+
+
+def test_the_sft_demo_setup_writes_the_same_bytes_twice(tmp_path: Path) -> None:
+    """Issue 40: ``examples/sft_tiny_setup.py`` drew a different random base model on every
+    run, so the demo's figures could not be reproduced and two runs meant to compare layouts
+    started from different models. Two runs now write the same bytes, file for file."""
+    import hashlib
+    import importlib.util
+
+    from cli_runs import ROOT
+
+    spec = importlib.util.spec_from_file_location(
+        "sft_tiny_setup", ROOT / "examples" / "sft_tiny_setup.py"
+    )
+    assert spec is not None and spec.loader is not None
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)
+    digests = []
+    for run in ("a", "b"):
+        torch.manual_seed(hash(run) % 1000)  # whatever the caller's global RNG holds
+        setup.main(tmp_path / run)
+        files = sorted(p for p in (tmp_path / run).rglob("*") if p.is_file())
+        digests.append({str(p.relative_to(tmp_path / run)): hashlib.sha256(p.read_bytes())
+                        .hexdigest() for p in files})  # fmt: skip
+    assert "base/model.safetensors" in digests[0]
+    differ = [name for name in digests[0] if digests[0][name] != digests[1].get(name)]
+    assert digests[0].keys() == digests[1].keys() and not differ, f"differ: {differ}"

@@ -145,3 +145,34 @@ def test_a_sigterm_repeated_at_once_is_the_same_stop(shutdown_handlers: None) ->
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(1)  # the handler runs between bytecodes
     assert stop.value.code == 143 and shutdown.interrupted()
+
+
+@pytest.mark.slow  # a subprocess (7 s here)
+def test_a_bad_input_one_child_rank_found_alone_is_printed_by_rank_0(
+    tmp_path: Path, shutdown_handlers: None
+) -> None:
+    """Issue 40: a rank that finds a bad input alone in mid-step (a corrupt sample it read:
+    ``LocalError``) exited with code 2 without a word, and rank 0 said only "rank 1 (pid N)
+    exited with code 2". The child now leaves its line for rank 0, which prints it in place
+    of the exit code: one line, the cause, the rank."""
+    import subprocess
+    import sys
+
+    from lightning_sp.runtime import shutdown
+
+    code = (
+        "from lightning_sp.cli.main import fail\n"
+        "from lightning_sp.data.tokens import CorruptShardError as E\n"
+        "fail(str(E('train/00000.bin: token id 300 is outside the vocabulary')), 2, alone=True)"
+    )
+    env = {**os.environ, shutdown.REPORTS_ENV: str(tmp_path), "LOCAL_RANK": "1",
+           "LIGHTNING_SP_LAZY": "1"}  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    _, stderr = child.communicate(timeout=120)
+    assert child.returncode == 2 and not stderr.strip(), stderr  # rank 0 prints it
+    os.environ[shutdown.REPORTS_ENV] = str(tmp_path)
+    shutdown._state.update(children=[child], first_child_rank=1, dead=None)
+    assert shutdown.find_dead_rank(wait=1) == (
+        2, "train/00000.bin: token id 300 is outside the vocabulary (found by rank 1)"
+    ), "rank 0 does not print the line the child rank left"  # fmt: skip

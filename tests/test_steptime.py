@@ -202,17 +202,33 @@ def test_iteration_without_pipeline_by_hand() -> None:
     layers = 8 * st.layer.seconds("selective", "math")
     params = parameters_per_rank(SMALL, layout_at(2))
     optimizer = memory_seconds(A100, 38 * params)
-    assert st.parts["optimizer"] == pytest.approx(optimizer)
-    assert st.parts["bubble"] == st.parts["p2p"] == st.parts["dp_exposed"] == 0.0
+    assert st.parts["optimizer"] == pytest.approx(optimizer), (
+        f"optimizer {st.parts['optimizer']:.3e} s, 38 B x {params} parameters through HBM is "
+        f"{optimizer:.3e} s"
+    )
+    assert st.parts["bubble"] == st.parts["p2p"] == st.parts["dp_exposed"] == 0.0, (
+        f"p = 1, d = 1 has no bubble, p2p or data-parallel time: {st.parts}"
+    )
     head_and_embedding = st.parts["pipeline"] / 3 - layers
-    assert 0 < head_and_embedding < layers / 8  # less than a layer here
-    assert st.iteration_seconds == pytest.approx(st.parts["pipeline"] + optimizer)
+    assert 0 < head_and_embedding < layers / 8, (  # less than a layer here
+        f"a micro-batch's embedding + head take {head_and_embedding:.3e} s beside its 8 layers' "
+        f"{layers:.3e} s: the pipeline part is not n x (layers + embedding + head)"
+    )
+    assert st.iteration_seconds == pytest.approx(st.parts["pipeline"] + optimizer), (
+        f"iteration {st.iteration_seconds:.3e} s is not pipeline + optimizer: {st.parts}"
+    )
     gpus, batch = 2, 6
     model = model_flops_per_iteration(layout.config, batch)
     hardware = hardware_flops_per_iteration(layout.config, batch)
-    assert st.mfu == pytest.approx(model / (st.iteration_seconds * gpus * 312e12))
-    assert st.hfu == pytest.approx(hardware / (st.iteration_seconds * gpus * 312e12))
-    assert st.tokens_per_second == pytest.approx(batch * 512 / st.iteration_seconds)
+    assert st.mfu == pytest.approx(model / (st.iteration_seconds * gpus * 312e12)), (
+        f"MFU {st.mfu:.4f} is not the model FLOPs over the iteration at 2 x 312 TFLOP/s"
+    )
+    assert st.hfu == pytest.approx(hardware / (st.iteration_seconds * gpus * 312e12)), (
+        f"HFU {st.hfu:.4f} is not the hardware FLOPs over the iteration at 2 x 312 TFLOP/s"
+    )
+    assert st.tokens_per_second == pytest.approx(batch * 512 / st.iteration_seconds), (
+        f"{st.tokens_per_second:.1f} tokens/s is not 6 x 512 tokens per iteration"
+    )
 
 
 def test_more_chunks_less_bubble() -> None:

@@ -3,12 +3,12 @@ cluster YAML that ``estimate --cluster`` reads (:mod:`lightning_sp.planner.calib
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 import yaml
 
+from lightning_sp.cli.parser import OneLineArgumentParser
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.planner.calibrate import SMOKE_CONFIG, calibrate
 from lightning_sp.planner.cluster import PRESETS, load_cluster
@@ -22,7 +22,7 @@ def _sizes(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     """``lightning-sp calibrate``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="lightning-sp calibrate", description=DESCRIPTION)
+    parser = OneLineArgumentParser("calibrate", description=DESCRIPTION)
     parser.add_argument("--config", help="a fit config whose model.config is measured")
     parser.add_argument("--base", default="a100-80gb", choices=sorted(PRESETS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -27,7 +27,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from typing_extensions import override
 
-from lightning_sp.cli.fit import GPTCLI
+from lightning_sp.cli.fit import GPTCLI, Unseeded
 from lightning_sp.cli.init_from import complete_from_directory
 from lightning_sp.data import TextDataModule
 from lightning_sp.errors import ConfigError, divisors, positive_int
@@ -275,7 +275,7 @@ class FitLayoutCLI(LightningCLI):
         self.reference = dpo.resolved_reference(self.lora is not None) if dpo else None
 
 
-class EstimateCLI(FitLayoutCLI, GPTCLI):
+class EstimateCLI(Unseeded, FitLayoutCLI, GPTCLI):
     """``estimate``: ``fit``'s parser plus the planner's options; builds no Trainer."""
 
 

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_sp.checkpoint import verify
 from lightning_sp.checkpoint.verify import check_architecture, saved_config
+from lightning_sp.cli.parser import OneLineArgumentParser
 from lightning_sp.data import BYTE_EOS_ID, EOS_TOKENS
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf_export import save_hf
@@ -282,9 +283,9 @@ def _flag(value: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    """``cli.py export``'s entry point."""
-    parser = argparse.ArgumentParser(
-        prog="cli.py export",
+    """``lightning-sp export``'s entry point."""
+    parser = OneLineArgumentParser(
+        "export",
         description="Write a checkpoint (any layout) as a Hugging Face directory that "
         "transformers.AutoModelForCausalLM.from_pretrained loads (GPT2LMHeadModel or "
         "LlamaForCausalLM, by the model's architecture).",

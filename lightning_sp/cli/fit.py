@@ -88,3 +88,14 @@ class GPTCLI(LightningCLI):
             return
         bar = Namespace(class_path="lightning_sp.ProgressBar", init_args=Namespace())
         trainer["callbacks"] = [*callbacks, bar]
+
+
+class Unseeded(LightningCLI):
+    """Mix in before a ``LightningCLI`` subclass for the commands that train nothing
+    (``prepare``, ``estimate``, ``generate``): no ``seed_everything`` (its "Seed set to" line
+    would come before a one-line error; their own seeds are ``data.seed`` and ``--seed``)."""
+
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        self.config["seed_everything"] = False

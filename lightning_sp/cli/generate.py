@@ -21,9 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from typing_extensions import override
 
 from lightning_sp.checkpoint.verify import check_checkpoint
 from lightning_sp.cli.checks import check_generate_layout
+from lightning_sp.cli.fit import Unseeded
+from lightning_sp.cli.parser import OneLineArgumentParser
 from lightning_sp.data import TextDataModule
 from lightning_sp.data.chat import chat_stop_ids, load_chat_tokenizer
 from lightning_sp.errors import ConfigError, positive_int
@@ -35,10 +38,10 @@ from lightning_sp.training.strategy import MegatronSPStrategy
 
 def _parser() -> argparse.ArgumentParser:
     defaults = GenerationConfig()
-    parser = argparse.ArgumentParser(
-        prog="cli.py generate",
+    parser = OneLineArgumentParser(
+        "generate",
         description="Continue a prompt with a trained checkpoint. Other options (--config, "
-        "--model.*, --data.*, --trainer.*) are read as by `cli.py fit`.",
+        "--model.*, --data.*, --trainer.*) are read as by `fit`.",
     )
     parser.add_argument("--ckpt_path", required=True, help="checkpoint saved by fit")
     parser.add_argument("--prompt", required=True, help="text to continue")
@@ -109,9 +112,18 @@ def main(argv: list[str], cli_class: Any) -> int:
     )
     generation.validate()
     t = positive_int("tensor_parallel_size", args.tensor_parallel_size)
+
+    class Reader(Unseeded, cli_class):
+        """The config's model and data; no seed, no Trainer (this command builds its own,
+        after its checks: no banner before a one-line error)."""
+
+        @override
+        def instantiate_trainer(self, **kwargs: Any) -> Any:
+            return None
+
     with warnings.catch_warnings():  # args is sys.argv minus the generate options, as intended
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        cli = cli_class(GPTModule, TextDataModule, args=rest, run=False, save_config_callback=None)
+        cli = Reader(GPTModule, TextDataModule, args=rest, run=False, save_config_callback=None)
     module, data = cli.model, cli.datamodule
     module.generation = generation
     # one new token cannot be split along the sequence: the same weights, built without SP

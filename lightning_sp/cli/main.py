@@ -33,6 +33,7 @@ without the text field) is agreed by every rank and printed once
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 import time
@@ -43,8 +44,10 @@ from jsonargparse import set_parsing_settings
 
 import lightning_sp  # noqa: F401  (registers the "megatron_sp" strategy)
 from lightning_sp.checkpoint import CheckpointSaveError
+from lightning_sp.cli.parser import program
 from lightning_sp.errors import ConfigError
 from lightning_sp.runtime import shutdown
+from lightning_sp.runtime.agree import LocalError
 from lightning_sp.runtime.guard import NonFiniteError
 
 EXIT_CONFIG, EXIT_NONFINITE, EXIT_CHECKPOINT = 2, 3, 4
@@ -99,8 +102,52 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "calibrate": _calibrate,
     "step-check": _step_check,
 }
-"""The commands besides Lightning's own (``fit``, ``validate``, ``test``, ``predict``), each
+"""The commands besides Lightning's own (:data:`LIGHTNING_COMMANDS`), each
 ``fn(args after the command) -> exit status``; imported on use."""
+
+
+LIGHTNING_COMMANDS = {
+    "fit": "train (LightningCLI: --config YAML, --trainer.* --model.* --data.*)",
+    "validate": "the validation loss of a checkpoint (fit's options, --ckpt_path)",
+    "test": "the test loss of a checkpoint (fit's options, --ckpt_path)",
+    "predict": "continue data.prompts with a checkpoint, as JSON lines",
+}
+"""Lightning's own commands (``LightningCLI``'s subcommands), with what each does."""
+
+DESCRIPTIONS = {
+    **LIGHTNING_COMMANDS,
+    "estimate": "activation memory, model state and step time of fit's config (no GPU needed)",
+    "prepare": "tokenize the config's corpus once into data.prepared_dir",
+    "generate": "continue a prompt with a checkpoint (--ckpt_path, --prompt)",
+    "export": "write a checkpoint as a Hugging Face directory (--ckpt_path, --output)",
+    "calibrate": "measure this device's kernels into a cluster YAML for estimate --cluster",
+    "step-check": "the step-time model's prediction against a measured step on this device",
+}
+"""Every command, in the order ``--help`` lists them."""
+
+
+def overview() -> str:
+    """What ``lightning-sp --help`` prints: every command and what it does."""
+    name = program()
+    width = max(map(len, DESCRIPTIONS))
+    lines = [f"usage: {name} <command> [options]", "", "commands:"]
+    lines += [f"  {command:<{width}}  {what}" for command, what in DESCRIPTIONS.items()]
+    lines += ["", f"{name} <command> --help lists a command's options."]
+    return "\n".join(lines)
+
+
+def _no_such_command(args: list[str]) -> str | None:
+    """The one-line error for a command line without a known command, else None (options
+    before the command, such as ``--config``, go to LightningCLI as before)."""
+    valid = ", ".join(DESCRIPTIONS)
+    where = f"({program()} --help describes each)"
+    if not args:
+        return f"give a command: {valid} {where}"
+    if args[0].startswith("-") or args[0] in DESCRIPTIONS:
+        return None
+    close = difflib.get_close_matches(args[0], list(DESCRIPTIONS), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown command {args[0]!r}{hint}; valid: {valid} {where}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,6 +155,12 @@ def main(argv: list[str] | None = None) -> None:
     # the config dataclasses document each field in a docstring under it: show those in --help
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] in (["-h"], ["--help"]):
+        print(overview())
+        return
+    unknown = _no_such_command(args)
+    if unknown is not None:
+        raise ConfigError(unknown)
     if args and args[0] in COMMANDS:
         code = COMMANDS[args[0]](args[1:])
         if code:
@@ -130,11 +183,14 @@ def _rank() -> int:
     return local + node  # non-zero on every rank but the first, which is all that matters here
 
 
-def fail(message: str, code: int) -> None:
+def fail(message: str, code: int, alone: bool = False) -> None:
     """Print ``message`` once (rank 0) and exit with ``code``. Other ranks wait a moment so that
     Lightning's launcher, which kills the job when a child exits, lets rank 0 print first; rank
     0 then waits for its child ranks (killing those still running after a grace), so that none
-    outlives it.
+    outlives it. ``alone``: only this rank has the error
+    (:class:`~lightning_sp.runtime.agree.LocalError`): a child rank hands it to rank 0, which
+    prints it on finding this rank ended (:func:`lightning_sp.runtime.shutdown.report`), or
+    prints it itself where no launcher collects it.
 
     With a process group still alive the exit skips the interpreter's teardown (``os._exit``
     after flushing): there, the group's C++ threads can abort the process ("terminate called
@@ -145,6 +201,8 @@ def fail(message: str, code: int) -> None:
         print(f"error: {message}", file=sys.stderr)
         shutdown.end_children()
     else:
+        if alone and not shutdown.report(message):
+            print(f"error: {message}", file=sys.stderr)
         time.sleep(2)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         sys.stdout.flush()
@@ -186,7 +244,7 @@ def run() -> None:
     try:
         main()
     except ConfigError as error:  # a bad config: one line, no traceback
-        fail(str(error), EXIT_CONFIG)
+        fail(str(error), EXIT_CONFIG, alone=isinstance(error, LocalError))
     except NonFiniteError as error:
         fail(str(error), EXIT_NONFINITE)
     except CheckpointSaveError as error:  # a full disk, say: every rank has the same line

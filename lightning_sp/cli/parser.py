@@ -14,9 +14,10 @@ import argparse
 import difflib
 import importlib
 import inspect
+import os
 import re
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from jsonargparse.typing import register_type
 from lightning.pytorch.cli import LightningArgumentParser
@@ -156,6 +157,28 @@ def one_line(message: str, keys: list[str], prog: str) -> str:
         if close:
             line += f"; did you mean {close[0]!r}?"
     return f"{line} ({prog} --help lists every option)"
+
+
+def program() -> str:
+    """How the command line was invoked, for usage lines and hints: ``lightning-sp``,
+    ``python -m lightning_sp`` or ``cli.py``."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "lightning-sp"
+    return "python -m lightning_sp" if name == "__main__.py" else name
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """``argparse`` for the commands that are not Lightning's (``generate``, ``export``,
+    ``calibrate``, ``step-check``): named as the user ran it (:func:`program`), and a parse
+    error is one line and exit code 2 (no usage dump)."""
+
+    def __init__(self, command: str, **kwargs: Any) -> None:
+        super().__init__(prog=f"{program()} {command}", **kwargs)
+
+    @override
+    def error(self, message: str) -> NoReturn:
+        line = " ".join(message.split())
+        print(f"error: {line} ({self.prog} --help lists every option)", file=sys.stderr)
+        sys.exit(2)
 
 
 class OneLineErrorParser(LightningArgumentParser):

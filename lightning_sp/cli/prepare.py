@@ -7,11 +7,11 @@ import warnings
 
 from typing_extensions import override
 
-from lightning_sp.cli.fit import GPTCLI
+from lightning_sp.cli.fit import GPTCLI, Unseeded
 from lightning_sp.data import TextDataModule
 
 
-class PrepareCLI(GPTCLI):
+class PrepareCLI(Unseeded, GPTCLI):
     """``cli.py prepare``: the ``fit`` parser (same config file, same ``--data.*`` overrides);
     only the data section is built, and its corpus is prepared. No trainer, no model."""
 

@@ -3,12 +3,12 @@ backward of a one-device layout, per recompute policy (:mod:`lightning_sp.planne
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 import yaml
 
+from lightning_sp.cli.parser import OneLineArgumentParser
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.planner.calibrate import SMOKE_CONFIG
 from lightning_sp.planner.cluster import load_cluster
@@ -19,7 +19,7 @@ DESCRIPTION = "Predicted against measured step time on the device at hand."
 
 def main(argv: list[str] | None = None) -> int:
     """``lightning-sp step-check``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="lightning-sp step-check", description=DESCRIPTION)
+    parser = OneLineArgumentParser("step-check", description=DESCRIPTION)
     parser.add_argument("--config", help="a fit config whose model.config is run")
     parser.add_argument("--cluster", default="a100-80gb", help="a preset or a cluster YAML")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

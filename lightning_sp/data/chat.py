@@ -15,7 +15,10 @@ mark the assistant content with ``{% generation %} ... {% endgeneration %}`` (or
 Packing: first-fit over the conversations in order (each goes into the first bin with room,
 else a new one); a bin is filled up with the end-of-document token (a document of its own, no
 loss). A conversation longer than ``seq_length + 1`` is truncated to it (counted in one notice)
-or refused (``overflow="refuse"``).
+or refused (``overflow="refuse"``). A conversation with no label that counts (no assistant
+token after its first token, as written or once truncated) would train nothing: it is dropped
+and counted in one notice, and a corpus of nothing else is refused (one line), so every packed
+sample holds at least one loss token.
 
 Layout (the prepared format of :mod:`lightning_sp.data.prepare`, read by the same
 :class:`~lightning_sp.data.tokens.TokenSplit`): each split's token stream is the bins back to
@@ -52,6 +55,21 @@ _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 Overflow = Literal["truncate", "refuse"]
 
 
+def _auto_tokenizer() -> Any:
+    """``transformers.AutoTokenizer``, or one line saying what to install: chat SFT needs the
+    ``chat`` extra (transformers and Jinja, which render chat templates)."""
+    try:
+        import jinja2  # noqa: F401  (apply_chat_template renders with it)
+        from transformers import AutoTokenizer
+    except ImportError as error:
+        raise ConfigError(
+            f"chat SFT (data.chat_template_dir) renders conversations with a Hugging Face chat "
+            f"template, which needs the package {error.name or 'transformers'!r}: install the "
+            "chat extra, pip install 'lightning-sp[chat]' (transformers, jinja2)"
+        ) from None
+    return AutoTokenizer
+
+
 def load_chat_tokenizer(directory: str, assistant_only_loss: bool) -> Any:
     """The tokenizer of a local Hugging Face directory, checked for what chat SFT needs: a
     chat template, and with ``assistant_only_loss`` its generation markers (one line each)."""
@@ -62,9 +80,7 @@ def load_chat_tokenizer(directory: str, assistant_only_loss: bool) -> Any:
             f"tokenizer={directory!r} is not a Hugging Face tokenizer directory (no "
             "tokenizer.json); give the model's local directory"
         )
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    tokenizer = _auto_tokenizer().from_pretrained(directory, local_files_only=True)
     template = tokenizer.chat_template
     if not template:
         raise ConfigError(
@@ -122,8 +138,16 @@ def read_rows(path: str) -> list[dict[str, Any]]:
         import pyarrow.parquet as pq
 
         return list(pq.read_table(path).to_pylist())
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        where = raw[: error.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}:{where}: not UTF-8 text (byte {raw[error.start]:#04x}: {error.reason}); "
+            "save the file as UTF-8"
+        ) from None
     if path.endswith(".json") and text.lstrip().startswith("["):
         rows = json.loads(text)
     else:
@@ -184,6 +208,46 @@ def render(
     ids = list(out["input_ids"])
     mask = list(out["assistant_masks"]) if assistant_only_loss else [1] * len(ids)
     return ids, mask
+
+
+def loss_tokens(mask: list[int]) -> int:
+    """How many labels of one conversation count in the loss, given its per-token mask
+    (:func:`render`): token ``j + 1`` is the label of token ``j``, so the first token is
+    nobody's label (:func:`flags_to_sample`)."""
+    return sum(1 for m in mask[1:] if m)
+
+
+def _check_answers(
+    paths: list[str],
+    rows: int,
+    unanswered: list[int],
+    width: int,
+    assistant_only_loss: bool,
+    log: Callable[[str], None],
+) -> None:
+    """Refuse a corpus with no loss token at all (one line); else say how many
+    conversations were dropped for having none (``unanswered``: as written, and cut off by
+    ``overflow: truncate``): they would train nothing (a packed bin of them alone, a step of
+    such bins, a step on nothing)."""
+    written, cut = unanswered
+    files = paths[0] if len(paths) == 1 else f"{paths[0]} (and {len(paths) - 1} more files)"
+    if not rows:
+        raise ConfigError(f"{files} holds no conversation; give chat rows")
+    if written + cut == rows:
+        which = "assistant token" if assistant_only_loss else "label"
+        lost = f" ({cut} lost every answer to truncation at seq_length + 1 = {width})"
+        fixes = ["give rows with assistant answers"]
+        fixes += ["raise seq_length"] if cut else []
+        fixes += ["set assistant_only_loss=false"] if assistant_only_loss else []
+        raise ConfigError(
+            f"{files}: none of its {rows} conversation(s) has an {which} to train on"
+            f"{lost if cut else ''}, so a run would train on nothing; {', or '.join(fixes)}"
+        )
+    if written or cut:
+        log(
+            f"dropped {written + cut} of {rows} conversations without an answer token to train "
+            f"on ({written} as written, {cut} cut off by truncation at seq_length + 1 = {width})"
+        )
 
 
 def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -263,20 +327,31 @@ def prepare_chat(
     info = tokenizer_info(os.path.join(tokenizer_dir, "tokenizer.json"))
     width = seq_length + 1
     rendered: list[tuple[list[int], list[int]]] = []
-    truncated = 0
+    truncated = rows = 0
+    unanswered = [0, 0]  # conversations without a loss token: as written, cut off by truncation
     for path in paths:
         for number, row in enumerate(read_rows(path), 1):
             where = f"{path} row {number}"
             ids, mask = render(tokenizer, conversation(row, where), assistant_only_loss, where)
-            if len(ids) > width:
+            rows += 1
+            cut = len(ids) > width
+            if cut:
                 if overflow == "refuse":
                     raise ConfigError(
                         f"{where}: the conversation is {len(ids)} tokens, longer than "
                         f"seq_length + 1 = {width}; raise seq_length or set "
                         "overflow='truncate'"
                     )
-                ids, mask, truncated = ids[:width], mask[:width], truncated + 1
+                truncated += 1
+                if not loss_tokens(mask[:width]) and loss_tokens(mask):
+                    unanswered[1] += 1  # truncation cut off every answer token
+                    continue
+                ids, mask = ids[:width], mask[:width]
+            if not loss_tokens(mask):  # it trains nothing: dropped, counted below
+                unanswered[0] += 1
+                continue
             rendered.append((ids, mask))
+    _check_answers(paths, rows, unanswered, width, assistant_only_loss, log)
     if len(rendered) < 2 and val_fraction > 0:
         raise ConfigError(
             f"val_fraction={val_fraction} needs at least 2 conversations, {paths} hold "
@@ -322,6 +397,7 @@ def prepare_chat(
                 "overflow": overflow,
                 "truncated": truncated,
                 "conversations": len(rendered),
+                "dropped_without_answer": sum(unanswered),
                 "identity": identity,
             },
             "splits": counts,
@@ -348,6 +424,7 @@ __all__ = [
     "first_fit",
     "flags_to_sample",
     "load_chat_tokenizer",
+    "loss_tokens",
     "prepare_chat",
     "read_rows",
     "render",

@@ -4,7 +4,9 @@ to prepare into a given directory or into a cache directory keyed by what it hol
 
 :func:`resolve_corpus` picks the first that applies (in that order) and checks it before any
 work: a source's paths resolve to at least one entry, an already-prepared directory matches
-the tokenizer (:func:`~lightning_sp.data.prepare.check_prepared`). It reads no text.
+the tokenizer (:func:`~lightning_sp.data.prepare.check_prepared`) and its split files are
+whole (:class:`~lightning_sp.data.tokens.TokenSplit`: index readable, file sizes as counted).
+It reads no text.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import sysconfig
 from dataclasses import dataclass
 
 from lightning_sp.data.blend import parse_blend
-from lightning_sp.data.prepare import check_prepared, read_metadata
+from lightning_sp.data.prepare import SPLITS, check_prepared, read_metadata
 from lightning_sp.data.sources import Source, resolve_paths, stdlib_python_files
 from lightning_sp.data.tokenizer import TokenizerInfo
+from lightning_sp.data.tokens import TokenSplit
 from lightning_sp.errors import ConfigError
 
 
@@ -92,4 +95,6 @@ def resolve_corpus(
         return Corpus([directory], source)
     for directory in corpus.directories:  # already prepared: it must match the tokenizer
         check_prepared(directory, info)
+        for split in SPLITS:  # and its files be whole (sizes only: nothing is read)
+            TokenSplit(directory, split)
     return corpus

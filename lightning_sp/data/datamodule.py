@@ -309,7 +309,8 @@ class TextDataModule(pl.LightningDataModule):
                     "that seq_length or prepare again"
                 )
         self.num_tokens = sum(int(m["tokens"]) for m in metas)
-        train = [TokenSplit(d, "train") for d in self.directories]
+        vocab = self.info.vocab_size  # every read checks its ids against it
+        train = [TokenSplit(d, "train", vocab) for d in self.directories]
         width = self.seq_length + 1
         for directory, split in zip(self.directories, train, strict=True):
             if split.num_tokens < width:
@@ -320,7 +321,7 @@ class TextDataModule(pl.LightningDataModule):
                 )
         eod = self.info.eos_id
         self.train_dataset = PackedSamples(train, self.seq_length, self.documents, eod)
-        self.val_dataset = PackedSamples([TokenSplit(d, "val") for d in self.directories],
+        self.val_dataset = PackedSamples([TokenSplit(d, "val", vocab) for d in self.directories],
                                          self.seq_length, self.documents, eod)  # fmt: skip
         replicas = self._replicas()[0]
         epoch = len(SampleOrder(self.train_dataset.counts, self.weights, self.seed))

@@ -195,11 +195,37 @@ def _check_text_field(ds: datasets.Dataset, where: str, path: str, kind: str, fi
             f"text_field={field!r}: {where} {place} holds {kind_of}, not a string; each "
             "document's text must be a string"
         )
+    invalid = _first_invalid_utf8(column)
+    if invalid is not None:
+        row, reason = invalid
+        place = f"line {_row_to_line(path, row)}" if kind == "json" else f"row {row}"
+        raise ConfigError(
+            f"text_field={field!r}: {where} {place} is not UTF-8 text ({reason}); save the "
+            "file as UTF-8"
+        )
     nulls = pc.is_null(column)
     if pc.any(nulls).as_py():
         row = int(pc.index(nulls, True).as_py())
         place = f"line {_row_to_line(path, row)}" if kind == "json" else f"row {row}"
         raise ConfigError(f"text_field={field!r}: {where} {place} has no such field; {hint}")
+
+
+def _first_invalid_utf8(column: pa.ChunkedArray) -> tuple[int, str] | None:
+    """``(row, reason)`` of the first value of a string ``column`` that is not valid UTF-8
+    (Arrow's JSON and CSV readers let such bytes through), else None."""
+    base = 0
+    for chunk in column.chunks:
+        try:
+            chunk.validate(full=True)
+        except pa.ArrowInvalid:
+            for row, value in enumerate(chunk.cast(pa.binary()).to_pylist()):
+                try:
+                    (value or b"").decode("utf-8")
+                except UnicodeDecodeError as error:
+                    byte = value[error.start]
+                    return base + row, f"byte {byte:#04x} at {error.start}: {error.reason}"
+        base += len(chunk)
+    return None
 
 
 def _first_non_text(column: pa.ChunkedArray) -> tuple[int, str]:

@@ -17,27 +17,56 @@ from torch.utils.data import Dataset
 from lightning_sp.data.chat import flags_to_sample
 from lightning_sp.data.documents import DocumentOptions, annotate
 from lightning_sp.data.preference import REFERENCE, REFERENCE_FILE, with_sequences
+from lightning_sp.errors import ConfigError
+from lightning_sp.runtime.agree import LocalError
+
+
+class CorruptShardError(LocalError):
+    """A prepared shard holds a token id outside the vocabulary (one line naming the shard).
+    Found by the rank that reads the sample (:class:`~lightning_sp.runtime.agree.LocalError`);
+    re-raised from a DataLoader worker, which rebuilds it from the worker's traceback text,
+    it keeps its own line."""
+
+    def __init__(self, message: str) -> None:
+        marker = f"{type(self).__name__}: "
+        if "Traceback" in message and marker in message:  # DataLoader's re-raise
+            message = message.rsplit(marker, 1)[1].strip().splitlines()[0]
+        super().__init__(message)
 
 
 class TokenSplit:
     """One split (``train`` / ``val``) of a prepared directory as a token stream.
 
+    Opening it checks, without reading a token, that ``index.json`` is readable and that every
+    shard file (and the chat flags file) holds exactly the tokens the index counts: a cut,
+    missing or unreadable file is one ``ConfigError`` line naming it. With ``vocab_size``,
+    every read checks its ids against the vocabulary (one max per shard piece read; a
+    sample's ``s + 1`` tokens): an id outside it is :class:`CorruptShardError`, naming the
+    shard and the token's offset in it (the vocabulary-parallel embedding and loss would drop
+    such an id without a word).
+
     Args:
         directory: The prepared directory.
         split: ``train`` or ``val``.
+        vocab_size: The tokenizer's vocabulary (ids ``0 .. vocab_size - 1``); None: unchecked.
     """
 
-    def __init__(self, directory: str, split: str) -> None:
+    def __init__(self, directory: str, split: str, vocab_size: int | None = None) -> None:
         self.directory = os.path.join(directory, split)
-        with open(os.path.join(self.directory, "index.json"), encoding="utf-8") as f:
-            index = json.load(f)
+        self.vocab_size = vocab_size
+        index = _read_index(self.directory)
         self.dtype = np.dtype(index["dtype"])
         self.files = [os.path.join(self.directory, s["file"]) for s in index["shards"]]
-        self.ends = np.cumsum([s["tokens"] for s in index["shards"]], dtype=np.int64)
+        counts = [int(s["tokens"]) for s in index["shards"]]
+        self.ends = np.cumsum(counts, dtype=np.int64)
         self.num_tokens = int(self.ends[-1]) if len(self.ends) else 0
         self.num_documents = int(index["documents"])
         flags = index.get("flags")  # chat SFT: one uint8 per token (lightning_sp.data.chat)
         self.flags_file = os.path.join(self.directory, flags) if flags else None
+        for file, count in zip(self.files, counts, strict=True):
+            _check_size(file, count, self.dtype.itemsize)
+        if self.flags_file is not None:
+            _check_size(self.flags_file, self.num_tokens, 1)
         self.preference = bool(index.get("preference"))
         """Preference pairs (:mod:`lightning_sp.data.preference`): samples carry
         ``sequences``."""
@@ -77,10 +106,20 @@ class TokenSplit:
             base = int(self.ends[shard - 1]) if shard else 0
             offset = start + done - base
             piece = self._shard(shard)[offset : offset + count - done]
+            if self.vocab_size is not None and piece.size and int(piece.max()) >= self.vocab_size:
+                self._out_of_vocabulary(shard, offset, piece)
             out[done : done + piece.size] = piece
             done += piece.size
             shard += 1
         return out
+
+    def _out_of_vocabulary(self, shard: int, offset: int, piece: np.ndarray) -> None:
+        where = offset + int(np.argmax(piece >= self.vocab_size))
+        raise CorruptShardError(
+            f"{self.files[shard]}: token id {int(piece.max())} (first bad id at token {where} "
+            f"of the shard) is outside the tokenizer's vocabulary of {self.vocab_size} ids; "
+            "the prepared corpus is damaged: prepare it again"
+        )
 
     def read_flags(self, start: int, count: int) -> np.ndarray:
         """Flags ``[start, start + count)`` (uint8, a copy) of a chat split."""
@@ -89,6 +128,44 @@ class TokenSplit:
         if self._flags is None:
             self._flags = np.memmap(self.flags_file, dtype=np.uint8, mode="r")
         return np.array(self._flags[start : start + count])
+
+
+def _read_index(directory: str) -> dict[str, Any]:
+    """A split's ``index.json``, checked to hold what :class:`TokenSplit` reads (one line
+    naming the file otherwise)."""
+    path = os.path.join(directory, "index.json")
+    again = "the prepared corpus is damaged: prepare it again"
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+        shards = index["shards"]
+        for shard in shards:
+            if not isinstance(shard["file"], str) or int(shard["tokens"]) < 0:
+                raise ValueError(f"shard {shard!r}")
+        np.dtype(index["dtype"])
+        int(index["documents"])
+    except OSError as error:
+        raise ConfigError(f"{path} cannot be read ({error.strerror}); {again}") from None
+    except (ValueError, KeyError, TypeError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ConfigError(
+            f"{path} is not a prepared split's index ({type(error).__name__}: {reason}); {again}"
+        ) from None
+    return dict(index)
+
+
+def _check_size(path: str, tokens: int, itemsize: int) -> None:
+    """``path`` exists and holds ``tokens`` items of ``itemsize`` bytes (one line if not)."""
+    again = "the prepared corpus is damaged: prepare it again"
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        raise ConfigError(f"{path} is missing ({tokens} tokens by index.json); {again}") from None
+    if size != tokens * itemsize:
+        raise ConfigError(
+            f"{path} holds {size} bytes, index.json says {tokens} tokens of {itemsize} byte(s) "
+            f"= {tokens * itemsize} bytes (cut or overwritten); {again}"
+        )
 
 
 class PackedSamples(Dataset):

@@ -21,6 +21,10 @@ things differ between the two:
   padded rows are dropped on export and zero on import (no token id reaches them, and they
   never receive probability).
 
+A tensor the files hold that the model of ``config.json`` has no place for is refused in one
+line, as a mismatch (transformers would warn and drop it); so is a ``config.json`` with both
+``rope_parameters`` and the legacy ``rope_scaling`` (:func:`read_config_json`).
+
 Import (:func:`load_hf_weights`) fills each parameter of a :class:`GPT` shard from the slice
 its :class:`~lightning_sp.parallel.init.ShardSpec` names (``replicas`` included: a rank
 holding a key/value group shared with other ranks reads that group), reading only that slice
@@ -34,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +64,12 @@ from lightning_sp.model.parts.weights import ExpertWeightMap, WeightMap
 from lightning_sp.model.recompute import NO_RECOMPUTE
 from lightning_sp.parallel.init import ExpertSlice
 from lightning_sp.parallel.state import ParallelState
+
+IGNORED = re.compile(r"(^|\.)h\.\d+\.attn\.bias$|rotary_emb\.inv_freq$")
+"""Tensors older files hold that transformers drops without a word (its
+``_keys_to_ignore_on_load_unexpected``): GPT-2's causal-mask buffer ``h.N.attn.bias``, a
+rotary table ``rotary_emb.inv_freq``; any other tensor the model has no place for is refused
+(:meth:`HFWeights.check_unused`)."""
 
 
 @dataclass(frozen=True)
@@ -260,6 +271,26 @@ class HFWeights:
                     f"needs {list(tensor.shape)}; the files do not belong together"
                 )
 
+    def check_unused(self) -> None:
+        """Raise :class:`ConfigError` (one line naming the tensor) if the files hold a tensor
+        the model of ``config.json`` has no place for, where transformers would warn and drop
+        it (an extra layer, an unused ``*.bias``): the files and the config do not describe
+        one model. Not counted: the buffers transformers drops without a word
+        (:data:`IGNORED`), and a tied model's ``lm_head.weight`` (the embedding is the output
+        layer, in transformers too)."""
+        config = self._config()
+        used = {self._key(name) for name in self.layout()}
+        for key in self._keys:
+            if key in used or IGNORED.search(key):
+                continue
+            if config.tie_embeddings and key.removeprefix("model.") == "lm_head.weight":
+                continue
+            raise ConfigError(
+                f"{self.where}: the weights hold tensor {key!r}, which {CONFIG_FILE} has no "
+                "place for (transformers would drop it with a warning); the files do not "
+                "belong together, or the model has parts this GPT does not compute"
+            )
+
     def read(self, name: str, index: list[Tensor]) -> Tensor:
         """``tensor[index[0]][:, index[1]]...`` of tensor ``name``, reading only those
         elements: every dim but one must be a contiguous range; the one may be any list of
@@ -292,6 +323,7 @@ def check_hf_directory(directory: str | Path, config: GPTConfig, field: str = "i
     with HFWeights(directory, field) as weights:
         weights.check_config(config)
         weights.check()
+        weights.check_unused()
 
 
 @torch.no_grad()
@@ -303,6 +335,7 @@ def load_hf_weights(model: GPT, directory: str | Path, field: str = "init_from")
     elements = 0
     with HFWeights(directory, field) as weights:
         weights.check_config(config)
+        weights.check_unused()
         layout = weights.layout()
         parts = {part.ours: (tensor, part) for tensor in layout.values() for part in tensor.parts}
         experts: dict[str, list[tuple[HFTensor, Part]]] = {}

@@ -131,7 +131,9 @@ class ConfigTable:
 def read_config_json(directory: str | Path, field: str = "init_from") -> dict[str, Any]:
     """The ``config.json`` of a local Hugging Face directory (``field`` names the option that
     gave it in error messages). :class:`ConfigError` when the directory or its ``config.json``
-    is missing or unreadable."""
+    is missing or unreadable, or holds both ``rope_parameters`` and a legacy ``rope_scaling``
+    (transformers 5 applies the legacy one in place of the other: one of them would be
+    read differently)."""
     path = Path(directory)
     where = f"{field}={str(directory)!r}"
     advice = "give a local Hugging Face model directory (as written by save_pretrained)"
@@ -146,6 +148,12 @@ def read_config_json(directory: str | Path, field: str = "init_from") -> dict[st
         raise ConfigError(f"{where}: {CONFIG_FILE} is not readable JSON ({reason})") from None
     if not isinstance(hf, dict):
         raise ConfigError(f"{where}: {CONFIG_FILE} is not a JSON object")
+    if hf.get("rope_scaling") and hf.get("rope_parameters"):  # which one holds is unclear
+        raise ConfigError(
+            f"{where}: {CONFIG_FILE} has both rope_parameters={hf['rope_parameters']!r} and the "
+            f"legacy rope_scaling={hf['rope_scaling']!r}; transformers applies rope_scaling "
+            "and drops rope_parameters: keep one of the two keys"
+        )
     return hf
 
 

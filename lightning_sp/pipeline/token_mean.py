@@ -63,6 +63,8 @@ class TokenMean:
         """Counted tokens of this replica's batches so far in the step."""
         self.loss_sum = 0.0
         """Their summed loss (float, summed in float64)."""
+        self.finished_tokens: int | None = None
+        """The global count ``N`` of the last :meth:`finish` (None before one)."""
 
     def add(self, labels: Tensor, loss_sum: Tensor | float) -> None:
         """One batch: ``labels`` ``[B, s]`` (this replica's whole batch, before any context
@@ -98,6 +100,7 @@ class TokenMean:
             totals = totals.cpu()
         loss_sum, tokens = totals.tolist()
         self.reset()
+        self.finished_tokens = int(tokens)
         d = self.state.data_parallel_size
         factor = d * accumulation / tokens if tokens > 0 else 0.0
         for param in module.parameters():

@@ -10,7 +10,8 @@ their tracebacks after the one useful line.
 default process group (the strategy's, with its timeout), whether the block raised
 :class:`~lightning_sp.errors.ConfigError` and with which message. If any rank did, every rank
 raises the same ``ConfigError`` (the lowest failing rank's message) at the same point; ``cli.py``
-prints it once (rank 0) and every rank exits with code 2, quietly on the others.
+prints it once (rank 0) and every rank exits with code 2, quietly on the others. An error
+one rank finds alone in the middle of a step is a :class:`LocalError`, reported by that rank.
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from lightning_sp.errors import ConfigError
+
+
+class LocalError(ConfigError):
+    """A bad input one rank finds alone after launch, where no collective can agree on it in
+    time (a corrupt sample that rank read, while its peers wait in the step's collectives).
+    That rank reports it: printed by rank 0 in place of "rank N exited with code 2" (a child
+    of the subprocess launcher hands it over with
+    :func:`lightning_sp.runtime.shutdown.report`), or by the rank itself where no launcher
+    collects it (torchrun); see ``lightning_sp.cli.main.fail``."""
 
 
 def agree_on_error(error: ConfigError | None) -> None:

@@ -21,15 +21,20 @@ its child ranks (:class:`RankWatcher`, in place of Lightning's observer, which n
 and kills the launcher with ``SIGKILL``). When one ends with a non-zero code while this
 process is not itself stopping, rank 0 prints one line naming it (rank, pid, signal or exit
 code), kills the other ranks and exits with that code (128 + the signal's number for a
-signal) once its own main thread has failed, or after a short grace.
+signal) once its own main thread has failed, or after a short grace. A rank that ends on a bad
+input it found alone (:class:`~lightning_sp.runtime.agree.LocalError`, exit code 2) leaves
+its one line for rank 0 (:func:`report`), which prints it in place of the exit code.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from types import FrameType
@@ -134,7 +139,39 @@ def find_dead_rank(wait: float = 5.0) -> tuple[int, str] | None:
 
 def _describe_child(index: int, child: subprocess.Popen, returncode: int) -> tuple[int, str]:
     code, words = describe_exit(returncode)
-    return code, f"rank {_state['first_child_rank'] + index} (pid {child.pid}) {words}"
+    rank = _state["first_child_rank"] + index
+    reported = _reported(child.pid)
+    if reported is not None:  # the rank's own line (a bad input it found alone)
+        return code, f"{reported} (found by rank {rank})"
+    return code, f"rank {rank} (pid {child.pid}) {words}"
+
+
+REPORTS_ENV = "LIGHTNING_SP_REPORTS"
+"""The directory where the launcher's child ranks leave their one-line errors for rank 0
+(set by :class:`WatchedLauncher` for its children)."""
+
+
+def report(message: str) -> bool:
+    """Hand this child rank's one-line error to rank 0, which prints it when it finds this
+    rank ended, in place of "rank N exited with code 2". False where nobody collects it (rank
+    0 itself, torchrun's ranks): the caller prints it."""
+    directory = os.environ.get(REPORTS_ENV)
+    if not directory or not os.path.isdir(directory):
+        return False
+    path = os.path.join(directory, str(os.getpid()))
+    with open(f"{path}.tmp", "w", encoding="utf-8") as f:
+        f.write(message)
+    os.replace(f"{path}.tmp", path)  # whole, or not there
+    return True
+
+
+def _reported(pid: int) -> str | None:
+    directory = os.environ.get(REPORTS_ENV)
+    try:
+        with open(os.path.join(directory or "", str(pid)), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def set_training(active: bool) -> None:
@@ -263,6 +300,9 @@ class WatchedLauncher(_SubprocessScriptLauncher):
             num_devices=self.num_processes, num_nodes=self.num_nodes
         )
         if not self.cluster_environment.creates_processes_externally:
+            reports = tempfile.mkdtemp(prefix="lightning_sp_reports_")
+            atexit.register(shutil.rmtree, reports, ignore_errors=True)
+            os.environ[REPORTS_ENV] = reports  # the children inherit it
             self._call_children_scripts()
             _state["children"] = self.procs
             _state["first_child_rank"] = (

@@ -348,7 +348,9 @@ class GPTModule(CheckpointHooks):
         logged as ``train/<name>`` (``train/moe/*``).
         With loss masks: divide the step's gradients (summed over its counted tokens) by
         the global count and log ``train/loss``, the global token mean
-        (:meth:`TokenMean.finish`). Runs after the gradients are finalised, before clipping."""
+        (:meth:`TokenMean.finish`); a step whose global count is 0 is refused (one line, every
+        rank) before the optimizer steps. Runs after the gradients are finalised, before
+        clipping."""
         model = self.stage_model()
         for name, value in step_metrics(model, model.state, self.config).items():
             self.log(f"train/{name}", value.float())
@@ -359,7 +361,15 @@ class GPTModule(CheckpointHooks):
             return
         accumulation = 1 if model.runs_backward else self.trainer.accumulate_grad_batches
         loss = self._token_mean.finish(model, accumulation)
-        self._token_mean = None
+        tokens, self._token_mean = self._token_mean.finished_tokens, None
+        if not tokens:  # the same global count on every rank: every rank raises this line
+            raise ConfigError(
+                f"step {self.trainer.global_step}: no label of the global batch counts in the "
+                "loss (every token masked: chat rows without an assistant answer, or only "
+                "end-of-document tokens under eod_mask_loss); the run stops rather than step "
+                "the optimizer on nothing: prepare the chat corpus again (conversations "
+                "without an answer are dropped)"
+            )
         self.log("train/loss", loss.float())  # not prog_bar: see training_step
 
     @override
