@@ -20,18 +20,30 @@ os.environ["XDG_CACHE_HOME"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 
-@pytest.fixture(autouse=True)
-def _process_state_restored() -> Iterator[None]:
-    """Each test leaves the process as it found it: an in-process Trainer run leaves Lightning's
-    launcher variables (WORLD_SIZE, LOCAL_RANK, MASTER_PORT, ...) in ``os.environ`` and its
-    default process group initialised, which a later Trainer would take for an external
-    launcher of world size 1 and a later fake-tensor measurement for a live group."""
+def _restored() -> Iterator[None]:
     before = dict(os.environ)
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(before)
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored() -> Iterator[None]:
+    """Each test leaves the process as it found it: an in-process Trainer run leaves Lightning's
+    launcher variables (WORLD_SIZE, LOCAL_RANK, MASTER_PORT, ...) in ``os.environ`` and its
+    default process group initialised, which a later Trainer would take for an external
+    launcher of world size 1 and a later fake-tensor measurement for a live group."""
+    yield from _restored()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_state_restored() -> Iterator[None]:
+    """The same for a module's fixtures: a module-scoped fixture that runs a Trainer does so
+    before any test's snapshot, so without this its MASTER_PORT outlived the module and every
+    later launch in the session rendezvoused on that port (EADDRINUSE while it was held)."""
+    yield from _restored()
 
 
 @pytest.fixture
