@@ -257,7 +257,8 @@ def test_conversations_without_an_answer_are_dropped_and_a_corpus_of_them_refuse
     assert meta["chat"]["dropped_without_answer"] == 3, meta["chat"]
     assert any(
         "dropped 3 of 11 conversations without an answer token to train on (2 as written, 1 "
-        "cut off by truncation" in n for n in notices
+        "cut off by truncation" in n
+        for n in notices
     ), notices
     data = TextDataModule(prepared_dir=str(out), seq_length=S, batch_size=1,
                           tokenizer=str(tokenizer_dir / "tokenizer.json"))  # fmt: skip
@@ -300,8 +301,11 @@ def test_a_step_with_no_loss_token_is_refused_before_the_optimizer(tmp_path: Pat
             before.update({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
 
     trainer.callbacks.append(Snapshot())
-    with pytest.raises(ConfigError, match=r"^step 0: no label of the global batch counts in "
-                       r"the loss .*the run stops rather than step the optimizer") as error:
+    with pytest.raises(
+        ConfigError,
+        match=r"^step 0: no label of the global batch counts in "
+        r"the loss .*the run stops rather than step the optimizer",
+    ) as error:
         trainer.fit(module, datamodule=data)  # fmt: skip
     assert "\n" not in str(error.value)
     moved = [k for k, v in module.state_dict().items() if k in before and not

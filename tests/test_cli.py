@@ -168,9 +168,8 @@ def test_every_command_is_listed_and_a_wrong_one_is_one_line(
     only Lightning's four commands; ``lightning-sp generate`` printed a usage named ``cli.py``.
     Now the help lists all ten, a missing or unknown command is one line listing them, and
     generate's parse errors are one line under the name the user ran."""
-    from lightning_sp.cli.main import main
-
     from lightning_sp import ConfigError
+    from lightning_sp.cli.main import main
 
     monkeypatch.setattr("sys.argv", ["/venv/bin/lightning-sp"])
     main(["--help"])

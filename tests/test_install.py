@@ -19,12 +19,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 import venv
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -94,8 +94,8 @@ def _install(tmp_path: Path, extras: tuple[str, ...] = ()) -> Path:
          "--no-build-isolation", target],
         capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PIP_NO_INDEX": "1"},
     )  # fmt: skip
-    assert installed.returncode == 0, f"pip install with the declared dependencies failed:\n" + (
-        installed.stderr[-3000:]
+    assert installed.returncode == 0, (
+        "pip install with the declared dependencies failed:\n" + (installed.stderr[-3000:])
     )
     return env_dir
 

@@ -27,9 +27,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_sp.cli.parser import OneLineArgumentParser
 from lightning_sp.checkpoint import verify
 from lightning_sp.checkpoint.verify import check_architecture, saved_config
+from lightning_sp.cli.parser import OneLineArgumentParser
 from lightning_sp.data import BYTE_EOS_ID, EOS_TOKENS
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf_export import save_hf

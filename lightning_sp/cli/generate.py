@@ -112,7 +112,8 @@ def main(argv: list[str], cli_class: Any) -> int:
     )
     generation.validate()
     t = positive_int("tensor_parallel_size", args.tensor_parallel_size)
-    class Reader(Unseeded, cli_class):  # type: ignore[valid-type,misc]
+
+    class Reader(Unseeded, cli_class):
         """The config's model and data; no seed, no Trainer (this command builds its own,
         after its checks: no banner before a one-line error)."""
 

@@ -64,7 +64,6 @@ from lightning_sp.model.parts.weights import ExpertWeightMap, WeightMap
 from lightning_sp.parallel.init import ExpertSlice
 from lightning_sp.parallel.state import ParallelState
 
-
 IGNORED = re.compile(r"(^|\.)h\.\d+\.attn\.bias$|rotary_emb\.inv_freq$")
 """Tensors older files hold that transformers drops without a word (its
 ``_keys_to_ignore_on_load_unexpected``): GPT-2's causal-mask buffer ``h.N.attn.bias``, a
