@@ -141,8 +141,9 @@ def _worker(rank: int, world_size: int, names: list[str]) -> None:
 
 def test_moe_layouts_match_single_process_quick() -> None:
     """Two ranks, e = 2 over d = 2, t = 2 + SP (experts whole, and split over TP), and e = 2
-    over c = 2: top-2 with both auxiliary losses, and capacity."""
-    run_distributed(_worker, 2, ["top2", "capacity"])
+    over c = 2: top-2 with both auxiliary losses, capacity, and the sigmoid router with the
+    auxiliary-loss-free bias (its update sums the loads over data x context: issue 40)."""
+    run_distributed(_worker, 2, ["top2", "capacity", "sigmoid_bias"])
 
 
 @pytest.mark.slow
