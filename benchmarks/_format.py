@@ -5,7 +5,9 @@ tables (where we win and lose, and why) lives in ``docs/benchmarks.md``, not in 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -67,11 +69,45 @@ def add_out_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def parser(
+    doc: str, smoke: str = "tiny shapes, seconds; its numbers mean nothing"
+) -> argparse.ArgumentParser:
+    """A benchmark's command line: ``doc``'s first line as its description, ``--smoke``
+    (``smoke`` its help) and ``--out`` (:func:`add_out_argument`)."""
+    result = argparse.ArgumentParser(description=doc.splitlines()[0])
+    result.add_argument("--smoke", action="store_true", help=smoke)
+    add_out_argument(result)
+    return result
+
+
+def save(
+    args: argparse.Namespace, argv: list[str] | None, name: str, result: dict[str, Any],
+    markdown: str, **meta: Any,
+) -> None:  # fmt: skip
+    """What ``python -m benchmarks.NAME`` (``argv``: its arguments) measured:
+    :func:`write` ``{"meta": {"command": ..., **meta}, **result}`` and ``markdown`` as ``NAME``
+    into :func:`out_dir` of ``args.out`` and ``args.smoke``."""
+    meta = {"command": command(f"benchmarks.{name}", argv), **meta}
+    write(out_dir(args.out, args.smoke), name, {"meta": meta, **result}, markdown)
+
+
 def out_dir(out: Path | None, smoke: bool) -> Path:
     """``out`` if given, else :data:`RESULTS` (``RESULTS/smoke`` for a smoke run)."""
     if out is not None:
         return out
     return RESULTS / "smoke" if smoke else RESULTS
+
+
+def stamp() -> dict[str, Any]:
+    """When and on what a benchmark ran, for its JSON's ``meta``: UTC date, torch's version and
+    the load average at the start."""
+    import torch
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "loadavg": " / ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
 
 
 def command(module: str, argv: list[str] | None) -> str:

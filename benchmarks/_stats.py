@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 RESAMPLES = 2000
 LEVEL = 0.95
@@ -43,3 +44,29 @@ def ratio_of_medians_ci(
     ]
     ratio = statistics.median(numerator) / statistics.median(denominator)
     return (ratio, *_interval(estimates, level))
+
+
+def interleaved(
+    steps: Mapping[str, Callable[[], object]], warmup: int, rounds: int,
+    sync: Callable[[], None] = lambda: None,
+) -> dict[str, list[float]]:  # fmt: skip
+    """Seconds of each step per round: ``warmup`` untimed rounds, then ``rounds`` rounds each
+    running every step once in order, each timed between two ``sync()`` calls (so that a drift
+    of the machine's speed hits every step of a round alike)."""
+    seconds: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(warmup + rounds):
+        for name, step in steps.items():
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            if r >= warmup:
+                seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def ratio_ci(
+    numerator: Sequence[float], denominator: Sequence[float]
+) -> tuple[float, float, float]:
+    """:func:`median_ci` of the per-round ratios ``numerator[i] / denominator[i]``."""
+    return median_ci([n / d for n, d in zip(numerator, denominator, strict=True)])

@@ -32,6 +32,7 @@ from benchmarks import dtensor_gpt
 from benchmarks._format import fixed, table
 from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
 from lightning_sp.memory.formulas import activation_bytes_per_layer
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.testing.spawn import run_distributed
 
@@ -83,7 +84,7 @@ def _config(shape: BytesShape, sp: bool, policy: str) -> GPTConfig:
     return GPTConfig(
         vocab_size=shape.vocab, seq_length=shape.s, hidden_size=shape.h,
         num_layers=shape.layers, num_heads=shape.a, hidden_dropout=0.1,
-        attention_dropout=0.1, sequence_parallel=sp, recompute=policy,
+        attention_dropout=0.1, sequence_parallel=sp, recompute=RecomputePolicy.parse(policy),
     )  # fmt: skip
 
 
@@ -187,17 +188,10 @@ def markdown(section: dict[str, Any]) -> str:
         "DTensor + native_dropout", "DTensor / ours",
     ]  # fmt: skip
     rows = [
-        [
-            r["t"],
-            "on" if r["sequence_parallel"] else "off",
-            r["recompute"],
-            fixed(r["paper_sbh"]),
-            fixed(r["ours_sbh"], 4),
-            fixed(r["ours_vs_paper"], 4),
-            fixed(r["dtensor_sbh"], 4),
-            fixed(r["dtensor_native_dropout_sbh"], 4),
-            fixed(r["dtensor_vs_ours"], 3),
-        ]
+        [r["t"], "on" if r["sequence_parallel"] else "off", r["recompute"], fixed(r["paper_sbh"]),
+         *(fixed(r[k], 4) for k in ("ours_sbh", "ours_vs_paper", "dtensor_sbh",
+                                    "dtensor_native_dropout_sbh")),
+         fixed(r["dtensor_vs_ours"], 3)]
         for r in section["rows"]
-    ]
+    ]  # fmt: skip
     return table(header, rows)

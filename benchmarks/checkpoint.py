@@ -12,7 +12,6 @@ training does.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
@@ -20,10 +19,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks._format import add_out_argument, ci, command, out_dir, table, write
+from benchmarks._format import ci, parser, save, table
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.checkpoint import Checkpointer, Meta
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.optim.adamw import build_adamw
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.grads import finalize_grads
@@ -35,13 +35,14 @@ SCHEDULES = ("none", "async", "sync")
 def _rank(rank: int, world_size: int, rounds: int, every: int, folder: str) -> dict:
     config = GPTConfig(vocab_size=257, seq_length=256, hidden_size=256, num_layers=4,
                        num_heads=8, hidden_dropout=0.0, attention_dropout=0.0,
-                       sequence_parallel=True, recompute="selective")  # fmt: skip
+                       sequence_parallel=True,
+                       recompute=RecomputePolicy.parse("selective"))  # fmt: skip
     state = ParallelState.from_process_group(2)
     model = GPT(config, state)
     optimizer = build_adamw(model, 1e-4, 0.1, (0.9, 0.95), 1e-8)
     tokens = torch.randint(0, 257, (8, 257), generator=torch.Generator().manual_seed(0))
     savers = {"async": Checkpointer(async_save=True), "sync": Checkpointer()}
-    meta = Meta(0, ParallelConfig(tensor_parallel_size=2, sequence_parallel=True), {})
+    meta = Meta(0, ParallelConfig(tensor_parallel_size=2), config.values())
 
     def step() -> None:
         optimizer.zero_grad()
@@ -69,37 +70,21 @@ def _rank(rank: int, world_size: int, rounds: int, every: int, folder: str) -> d
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--every", type=int, default=5, help="steps between checkpoints")
-    parser.add_argument("--smoke", action="store_true", help="2 rounds of 2 steps")
-    add_out_argument(parser)
-    args = parser.parse_args(argv)
+    parse = parser(__doc__, smoke="2 rounds of 2 steps")
+    parse.add_argument("--rounds", type=int, default=6)
+    parse.add_argument("--every", type=int, default=5, help="steps between checkpoints")
+    args = parse.parse_args(argv)
     if args.smoke:
         args.rounds, args.every = 2, 2
     with tempfile.TemporaryDirectory() as folder:
         times = run_distributed(_rank, 2, args.rounds, args.every, folder, threads=1)[0]
     base = times["none"]
-    ratios = {}
-    for name in ("async", "sync"):
-        ratios[name] = ratio_of_medians_ci(times[name], base)
-    meta = {
-        "command": command("benchmarks.checkpoint", argv),
-        "every": args.every,
-        "rounds": len(base),
-    }
+    ratios = {name: ratio_of_medians_ci(times[name], base) for name in ("async", "sync")}
     rows = [[f"{name} save every {args.every} steps", ci(list(r))] for name, r in ratios.items()]
-    result = {
-        "meta": meta,
-        "ratio_over_none": {k: list(v) for k, v in ratios.items()},
-        "samples": times,
-    }
-    write(
-        out_dir(args.out, args.smoke),
-        "checkpoint",
-        result,
-        table(["schedule", "round time / no checkpoints [95% CI]"], rows),
-    )
+    result = {"ratio_over_none": {k: list(v) for k, v in ratios.items()}, "samples": times}
+    markdown = table(["schedule", "round time / no checkpoints [95% CI]"], rows)
+    save(args, argv, "checkpoint", result, markdown, every=args.every,
+         rounds=len(base))  # fmt: skip
 
 
 if __name__ == "__main__":

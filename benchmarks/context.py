@@ -17,16 +17,16 @@ ratio of step times, the token counts being equal), and each median.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from benchmarks._format import add_out_argument, ci, command, fixed, out_dir, table, write
+from benchmarks._format import ci, fixed, parser, save, table
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.model.recompute import NO_RECOMPUTE
 from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.grads import average_data_parallel_grads, sum_context_parallel_grads
 from lightning_sp.testing.spawn import run_distributed
@@ -38,7 +38,7 @@ def _config(seq_length: int, hidden: int) -> GPTConfig:
     return GPTConfig(
         vocab_size=257, seq_length=seq_length, hidden_size=hidden, num_layers=4,
         num_heads=8, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=False,
-        recompute="none", attention="math",
+        recompute=NO_RECOMPUTE, attention="math",
     )  # fmt: skip
 
 
@@ -79,13 +79,11 @@ def _rank(rank: int, world_size: int, rounds: int, seq_length: int, hidden: int)
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Run, print the ratio and write ``context.json`` + ``context.md``; returns ``{"ratio",
     "low", "high", "c1_ms", "c2_ms"}``."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--seq-length", type=int, default=1024)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--smoke", action="store_true", help="2 rounds of s=64, hidden 64")
-    add_out_argument(parser)
-    args = parser.parse_args(argv)
+    parse = parser(__doc__, smoke="2 rounds of s=64, hidden 64")
+    parse.add_argument("--rounds", type=int, default=20)
+    parse.add_argument("--seq-length", type=int, default=1024)
+    parse.add_argument("--hidden", type=int, default=256)
+    args = parse.parse_args(argv)
     if args.smoke:
         args.rounds, args.seq_length, args.hidden = 2, 64, 64
     result = run_distributed(_rank, 2, args.rounds, args.seq_length, args.hidden, threads=1)[0]
@@ -98,23 +96,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "c1_ms": statistics.median(c1) * 1e3,
         "c2_ms": statistics.median(c2) * 1e3,
     }
-    meta = {
-        "command": command("benchmarks.context", argv),
-        "rounds": len(c1),
-        "seq_length": args.seq_length,
-        "hidden": args.hidden,
-    }
     rows = [
         ["c=1 (d=2), median step ms", fixed(out["c1_ms"], 1)],
         ["c=2, median step ms", fixed(out["c2_ms"], 1)],
         ["time per token c=2 / c=1 [95% CI]", ci([ratio, lo, hi])],
     ]
-    write(
-        out_dir(args.out, args.smoke),
-        "context",
-        {"meta": meta, **out, "samples": {"c1": c1, "c2": c2}},
-        table(["measure", "value"], rows),
-    )
+    result = {**out, "samples": {"c1": c1, "c2": c2}}
+    save(args, argv, "context", result, table(["measure", "value"], rows),
+         rounds=len(c1), seq_length=args.seq_length, hidden=args.hidden)  # fmt: skip
     return out
 
 

@@ -19,7 +19,6 @@ Wall-clock figures on a shared machine are noisy; the ratios are the result. Res
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -36,7 +35,7 @@ import lightning as L
 import numpy as np
 from lightning.pytorch.callbacks import Callback
 
-from benchmarks._format import add_out_argument, command, fixed, out_dir, table, write
+from benchmarks._format import fixed, parser, save, table
 from lightning_sp import GPTConfig, GPTModule, MegatronSPStrategy, OptimizerConfig
 from lightning_sp.data import (
     PrepareSettings,
@@ -189,24 +188,17 @@ def prepare_throughput(work: Path, documents: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--large-tokens", type=float, default=1e9)
-    parser.add_argument("--small-tokens", type=float, default=1e6)
-    parser.add_argument("--documents", type=int, default=300, help="prepare: stdlib files")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes; numbers mean nothing")
-    add_out_argument(parser)
-    args = parser.parse_args(argv)
+    parse = parser(__doc__, smoke="tiny sizes; numbers mean nothing")
+    parse.add_argument("--large-tokens", type=float, default=1e9)
+    parse.add_argument("--small-tokens", type=float, default=1e6)
+    parse.add_argument("--documents", type=int, default=300, help="prepare: stdlib files")
+    args = parse.parse_args(argv)
     if args.smoke:
         args.large_tokens, args.small_tokens, args.documents = 2e5, 1e5, 20
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
-        result = {
-            "startup": startup(Path(tmp) / "s", int(args.small_tokens), int(args.large_tokens)),
-            "prepare": prepare_throughput(Path(tmp), args.documents),
-            "smoke": args.smoke,
-            "command": command("benchmarks.data", argv),
-        }
-    s, p = result["startup"], result["prepare"]
+        s = startup(Path(tmp) / "s", int(args.small_tokens), int(args.large_tokens))
+        p = prepare_throughput(Path(tmp), args.documents)
     m = s["median"]
     rows = [
         [label, fixed(s[f"ratio_{key}"], 3), fixed(m["large"][key] / scale, 3),
@@ -223,14 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         fixed(p["num_proc_2"]["tokens_per_second"], 0),
         fixed(p["num_proc_1"]["tokens_per_second"], 0),
     ])  # fmt: skip
-    write(
-        out_dir(args.out, args.smoke),
-        "data",
-        result,
-        table(
-            ["measure", "large / small (prepare: num_proc 2 / 1)", "large (2)", "small (1)"], rows
-        ),
-    )
+    header = ["measure", "large / small (prepare: num_proc 2 / 1)", "large (2)", "small (1)"]
+    save(args, argv, "data", {"startup": s, "prepare": p}, table(header, rows), smoke=args.smoke)
     return 0
 
 

@@ -39,15 +39,6 @@ from torch.utils.checkpoint import checkpoint
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.parallel.layers import interleave
 
-__all__ = [
-    "DTensorGPT",
-    "DTensorLayer",
-    "dropout",
-    "layer_plan",
-    "load_from_lightning_sp",
-    "parallelize",
-]
-
 
 def dropout(x: Tensor, p: float, training: bool, native: bool = False) -> Tensor:
     """``F.dropout`` (on CPU it saves a noise tensor of ``x``'s dtype for backward), or with
@@ -72,7 +63,9 @@ def attention_core(
 
 
 class Attention(nn.Module):
-    """Self-attention: ``qkv`` (column parallel) -> core -> ``proj`` (row parallel).
+    """Self-attention: ``qkv`` (column parallel) -> core -> ``proj`` (row parallel). The core is
+    :func:`attention_core`, or ``F.scaled_dot_product_attention`` where ``config.attention`` is
+    ``"sdpa"`` (the plain GPT of :mod:`benchmarks.gpu`).
 
     Heads are inferred from the local QKV width, so the same code runs whole or sharded.
     """
@@ -84,11 +77,17 @@ class Attention(nn.Module):
         self.dropout_p = config.attention_dropout
         self.native_dropout = native_dropout
         self.selective = selective
+        self.sdpa = config.attention == "sdpa"
         self.qkv = nn.Linear(h, 3 * h)
         self.proj = nn.Linear(h, h)
 
-    def _core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return attention_core(q, k, v, self.dropout_p, self.training, self.native_dropout)
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, heads: int) -> Tensor:
+        if not self.sdpa:
+            return attention_core(q, k, v, self.dropout_p, self.training, self.native_dropout)
+        n, s, d = q.shape  # [b·a, s, d] -> [b, a, s, d] (what the fused kernels take)
+        q, k, v = (x.view(n // heads, heads, s, d) for x in (q, k, v))
+        p = self.dropout_p if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).view(n, s, d)
 
     def forward(self, x: Tensor) -> Tensor:
         qkv = self.qkv(x)  # [s, b, 3h/t], a local tensor after ColwiseParallel
@@ -100,9 +99,9 @@ class Attention(nn.Module):
             for y in qkv.split(self.head_dim, dim=-1)
         )
         if self.selective and self.training and torch.is_grad_enabled():
-            context = checkpoint(self._core, q, k, v, use_reentrant=False)
+            context = checkpoint(self._core, q, k, v, heads, use_reentrant=False)
         else:
-            context = self._core(q, k, v)
+            context = self._core(q, k, v, heads)
         context = context.transpose(0, 1).reshape(s, b, heads * self.head_dim)
         return self.proj(context)
 

@@ -19,10 +19,11 @@ The paper: selective recomputation redoes the attention core, ``4bs²h`` FLOPs, 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -32,6 +33,7 @@ from benchmarks.throughput import ThroughputShape, model_config
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.memory.fake import fake_world
 from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.testing.spawn import run_distributed
 
 POLICIES: tuple[str, ...] = ("none", "selective", "full")
@@ -49,35 +51,37 @@ def _fake_parameters(module: nn.Module) -> None:
             mod._parameters[name] = fake
 
 
+def _count(gpt: GPT, forward: Callable[[], Tensor]) -> tuple[int, int]:
+    """``(forward, backward)`` FLOPs of ``forward()`` (built under ``FakeTensorMode``, on
+    ``gpt``'s parameters made fake) and of the backward of its output."""
+    with FakeTensorMode():
+        _fake_parameters(gpt)
+        gpt.train()
+        with FlopCounterMode(display=False) as counted_forward:
+            out = forward()
+        with FlopCounterMode(display=False) as counted_backward:
+            out.backward(torch.ones_like(out))
+    return counted_forward.get_total_flops(), counted_backward.get_total_flops()
+
+
 def _count_layer(config: GPTConfig, state: ParallelState, b: int) -> tuple[int, int]:
     """``(forward, backward)`` FLOPs of one layer's shard on this rank."""
     gpt = GPT(config, state, dtype=torch.float32, device="meta")
-    layer = gpt.layers[0]
     t = state.tensor_parallel_size
     rows = config.seq_length // t if config.sequence_parallel else config.seq_length
-    with FakeTensorMode():
-        _fake_parameters(gpt)
-        layer.train()
-        x = torch.empty(rows, b, config.hidden_size, requires_grad=True)
-        with FlopCounterMode(display=False) as forward:
-            out = layer(x)
-        with FlopCounterMode(display=False) as backward:
-            out.backward(torch.ones_like(out))
-    return forward.get_total_flops(), backward.get_total_flops()
+    shape = (rows, b, config.hidden_size)
+    return _count(gpt, lambda: gpt.layers[0](torch.empty(shape, requires_grad=True)))
 
 
 def _count_model(config: GPTConfig, b: int) -> tuple[int, int]:
     """``(forward, backward)`` FLOPs of one iteration of the whole model (t = 1)."""
     gpt = GPT(config, ParallelState.single(), dtype=torch.float32, device="meta")
-    with FakeTensorMode():
-        _fake_parameters(gpt)
-        gpt.train()
+
+    def forward() -> Tensor:
         ids = torch.zeros(b, config.seq_length, dtype=torch.long)
-        with FlopCounterMode(display=False) as forward:
-            loss = gpt(ids, ids)
-        with FlopCounterMode(display=False) as backward:
-            loss.backward()
-    return forward.get_total_flops(), backward.get_total_flops()
+        return gpt(ids, ids)
+
+    return _count(gpt, forward)
 
 
 def _layer_rows(shape: LayerShape, t: int, sp: bool) -> list[dict[str, Any]]:
@@ -119,7 +123,9 @@ def _count_all(rank: int, world_size: int, layer: LayerShape, model: ThroughputS
     layer_rows = _layer_rows(layer, 1, False) + _layer_rows(layer, layer.t, True)
     iteration = []
     for policy in POLICIES:
-        config = dataclasses.replace(model_config(model), recompute=policy, sequence_parallel=False)
+        config = dataclasses.replace(
+            model_config(model), recompute=RecomputePolicy.parse(policy), sequence_parallel=False
+        )
         forward, backward = _count_model(config, model.b)
         counted = forward + backward
         hardware = hardware_flops_per_iteration(config, model.b)

@@ -12,14 +12,13 @@ positions, so the ratio grows with the generated length.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 from typing import Any
 
 import torch
 
-from benchmarks._format import add_out_argument, ci, command, fixed, out_dir, table, write
+from benchmarks._format import ci, fixed, parser, save, table
 from benchmarks._stats import median_ci, ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.model.generate import GenerationConfig, generate
@@ -82,10 +81,7 @@ def measure(shape: GenerateShape) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, seconds")
-    add_out_argument(parser)
-    args = parser.parse_args(argv)
+    args = parser(__doc__).parse_args(argv)
     torch.set_num_threads(1)
     result = measure(SMOKE if args.smoke else FULL)
     rates, x = result["tokens_per_sec"], result["cache_speedup"]
@@ -94,13 +90,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ["tokens/s, full forward per token", fixed(rates["no_cache"], 1)],
         ["cache / full forward [95% CI]", ci([x["ratio"], x["low"], x["high"]], 2)],
     ]
-    meta = {"command": command("benchmarks.generate", argv)}
-    write(
-        out_dir(args.out, args.smoke),
-        "generate",
-        {"meta": meta, **result},
-        table(["measure", "value"], rows),
-    )
+    save(args, argv, "generate", result, table(["measure", "value"], rows))
     return result
 
 

@@ -3,12 +3,17 @@
 #   bash ../shared/gpu/prepare.sh      # here, once: the wheels the GPU image lacks, into .gpu/
 #   bash benchmarks/gpu_session.sh fit planner moe    # there, from the project root, .gpu/ carried
 # PARTs (default: all, in this order; about 14 minutes on an H200, so a 10-minute call takes a few):
-#   models   python -m benchmarks.gpu: our GPT per attention x recompute, eager and compiled, and
-#            plain PyTorch (gpu.md/.json; about 7 minutes: every 1.2B model is drawn on the CPU, ~18 s)
+#   models   python -m benchmarks.gpu --only models,fit: our GPT per attention x recompute, eager and
+#            compiled, plain PyTorch, and cli.py fit's path vs a plain loop (gpu.md/.json; about 7
+#            minutes: every 1.2B model is drawn on the CPU, ~18 s)
 #   fit      python cli.py fit --config configs/gpu_1b.yaml, 30 steps (about 2 minutes)
 #   planner  calibrate and step-check of configs/gpu_1b.yaml (gpu_1b_cluster.yaml, step_check.json;
 #            about 3 minutes)
-#   moe      python -m benchmarks.moe_gpu (moe_gpu_bf16.md/.json; under a minute)
+#   moe      python -m benchmarks.gpu --only moe (moe_gpu_bf16.md/.json; under a minute)
+#   speed    side by side on this card: our GPT (sdpa; recompute none and selective; dropout 0) eager
+#            and compiled per layer, plain PyTorch SDPA eager and compiled, cli.py fit vs a plain
+#            loop (speed/gpu.md), then the MLP's GEMMs in bf16 and FP8 tensorwise / rowwise, ours
+#            and torchao's, eager and compiled (fp8_gpu.md; torchao among .gpu/'s wheels); ~5 min
 # Results go to $OUT (default benchmarks/results/gpu), everything printed to $OUT/session.log. Each
 # step has its own limit (SIGABRT at the limit: Python prints every thread's stack), cut to what is
 # left of $BUDGET seconds (560), so one that fails or hangs leaves the others' results.
@@ -16,7 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu}
 BUDGET=${BUDGET:-560}
-PARTS=${*:-models fit planner moe}
+PARTS=${*:-models fit planner moe speed}
 mkdir -p "$OUT"
 log="$OUT/session.log"
 [ -f .gpu/setup-on-gpu.sh ] && source .gpu/setup-on-gpu.sh >>"$log" 2>&1
@@ -34,7 +39,8 @@ step() {  # step SECONDS NAME COMMAND...
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$log"
 for part in $PARTS; do
   case $part in
-    models) step 450 "benchmarks.gpu" python -m benchmarks.gpu --out "$OUT" --warmup 2 --steps 6 ;;
+    models) step 450 "benchmarks.gpu" python -m benchmarks.gpu --only models,fit --out "$OUT" \
+      --warmup 2 --steps 6 ;;
     fit) step 150 "fit gpu_1b" python cli.py fit --config configs/gpu_1b.yaml --trainer.max_steps 30 \
       --trainer.val_check_interval 30 --trainer.default_root_dir /tmp/fit_1b ;;
     planner)
@@ -42,8 +48,12 @@ for part in $PARTS; do
         --seconds 0.05 --out "$OUT/gpu_1b_cluster.yaml"
       step 150 "step-check" python cli.py step-check --config configs/gpu_1b.yaml \
         --cluster "$OUT/gpu_1b_cluster.yaml" --seconds 0.5 --out "$OUT/step_check.json" ;;
-    moe) step 70 "moe layer, bf16" python -m benchmarks.moe_gpu --out "$OUT" ;;
-    *) echo "unknown part $part (models, fit, planner, moe)"; exit 2 ;;
+    moe) step 70 "moe layer, bf16" python -m benchmarks.gpu --only moe --out "$OUT" ;;
+    speed)
+      step 240 "compile + plain + fit" python -m benchmarks.gpu --only models,fit --backends sdpa \
+        --policies none,selective --dropout 0 --out "$OUT/speed" --warmup 2 --steps 6
+      step 90 "fp8 GEMMs" python -m benchmarks.fp8_gpu --out "$OUT" ;;
+    *) echo "unknown part $part (models, fit, planner, moe, speed)"; exit 2 ;;
   esac
 done
 grep -av "it/s\]" "$log" | grep -a "===\|MFU\|TFLOP\|ratio\|wrote\|rror" | tail -40

@@ -44,6 +44,7 @@ from benchmarks import _cpu, dtensor_gpt
 from benchmarks._format import ci, fixed, pct_ci, table
 from benchmarks._stats import median_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.testing.spawn import run_distributed
 
 POLICIES = ("none", "selective", "full")
@@ -89,7 +90,7 @@ def layer_config(
         vocab_size=128 * shape.t, seq_length=s or shape.s, hidden_size=shape.h, num_layers=1,
         num_heads=shape.a, hidden_dropout=0.1,
         attention_dropout=0.1 if s is None else 0.0, sequence_parallel=sp,
-        recompute=policy, attention=attention,
+        recompute=RecomputePolicy.parse(policy), attention=attention,
     )  # fmt: skip
 
 
@@ -202,20 +203,15 @@ def run(shape: LayerShape) -> dict[str, Any]:
     the layers compared ran seconds apart (ours and DTensor back to back). The rounds used
     are the clean ones, or the ``repeats`` least disturbed.
     """
-    measured = run_distributed(_worker, shape.t, shape, start_method="fork")[
-        0
-    ]  # times: the slower rank's
+    measured = run_distributed(_worker, shape.t, shape, start_method="fork")[0]  # slower rank's
     rounds = sorted(measured["rounds"], key=_round_share)
     clean = [r for r in rounds if _round_share(r) < _cpu.CLEAN_SHARE]
     used = clean if len(clean) >= shape.repeats else rounds[: shape.repeats]
 
-    def total(round_: dict[str, list[float]], impl: str, sp: bool, policy: str) -> float:
-        fwd, bwd, _ = round_[_key(impl, sp, policy)]
-        return fwd + bwd
-
-    def median_ratio(a: tuple[str, bool, str], b: tuple[str, bool, str]) -> list[float]:
-        """``[median, low, high]`` of the per-round ratios ``a / b`` (95% bootstrap CI)."""
-        return list(median_ci([total(r, *a) / total(r, *b) for r in used]))
+    def ratio(a: str, b: str) -> list[float]:
+        """``[median, low, high]`` of the per-round ratios of forward + backward of the cases
+        ``a / b`` (95% bootstrap CI)."""
+        return list(median_ci([sum(r[a][:2]) / sum(r[b][:2]) for r in used]))
 
     rows: list[dict[str, Any]] = []
     for impl in IMPLEMENTATIONS:
@@ -227,28 +223,21 @@ def run(shape: LayerShape) -> dict[str, Any]:
                     "forward_seconds": statistics.median(r[key][0] for r in used),
                     "backward_seconds": statistics.median(r[key][1] for r in used),
                     "total_seconds": statistics.median(sum(r[key][:2]) for r in used),
-                    "overhead_vs_none": median_ratio((impl, sp, policy), (impl, sp, "none")),
-                    "overhead_vs_baseline": median_ratio(
-                        (impl, sp, policy), (impl, False, "none")
-                    ),
+                    "overhead_vs_none": ratio(key, _key(impl, sp, "none")),
+                    "overhead_vs_baseline": ratio(key, _key(impl, False, "none")),
                     "samples": [r[key] for r in measured["rounds"]],
                 }  # fmt: skip
                 if impl == "ours":
-                    row["dtensor_over_ours"] = median_ratio(
-                        ("dtensor", sp, policy), (impl, sp, policy)
-                    )
+                    row["dtensor_over_ours"] = ratio(_key("dtensor", sp, policy), key)
                 rows.append(row)
-
-    def extra_ratio(a: str, b: str) -> list[float]:
-        return list(median_ci([sum(r[f"extra:{a}"][:2]) / sum(r[f"extra:{b}"][:2]) for r in used]))
 
     extra = {
         name: statistics.median(sum(r[f"extra:{name}"][:2]) for r in used) for name in EXTRA_CASES
     }
     s, h = shape.s, shape.h
     return {
-        "lean_over_selective_sp": extra_ratio("lean", "selective"),
-        "sdpa_over_math_sp_none": extra_ratio("attention_sdpa", "attention_math"),
+        "lean_over_selective_sp": ratio("extra:lean", "extra:selective"),
+        "sdpa_over_math_sp_none": ratio("extra:attention_sdpa", "extra:attention_math"),
         "extra_total_seconds": extra,
         "shape": dataclasses.asdict(shape),
         "dtype": "float32",

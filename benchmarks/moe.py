@@ -5,7 +5,7 @@ weights: ``python -m benchmarks.moe`` (``--smoke`` for a seconds-long plumbing r
 One process, one intra-op thread, fp32, ``T`` tokens of width ``h`` routed top-``k`` over ``E``
 SwiGLU experts of width ``f_e`` (softmax scores, renormalised top-k: Mixtral's router):
 
-* ``moe``: :class:`~lightning_sp.model.moe.MoE` (router, dispatch, grouped-GEMM experts,
+* ``moe``: :class:`~lightning_sp.model.moe.layer.MoE` (router, dispatch, grouped-GEMM experts,
   combine; no auxiliary loss in the gradient, as transformers' block has none);
 * ``dense``: the dense :class:`~lightning_sp.model.parts.dense.MLP`, SwiGLU of width
   ``f = k·f_e``: the experts' active matmul FLOPs (``6·T·h·k·f_e`` forward); the MoE layer adds
@@ -23,26 +23,27 @@ of the CPUs other processes took (:mod:`benchmarks._cpu`); the medians use the r
 which). Each run is timed twice: wall clock, and this process's CPU time (one thread: the time
 it computed, which other processes sharing the cores do not stretch, though they still share
 caches and memory bandwidth); on a busy machine the CPU-time ratios are the steadier ones.
-Targets (issue 34): ``moe / dense`` within 1.3 and ``moe / hf`` below 1.
+Targets (issue 34): ``moe / dense`` within 1.3 and ``moe / hf`` below 1. The same layers, rounds
+and ratios on a GPU (:func:`measure_on`, bf16 at h=2048): ``python -m benchmarks.gpu --only moe``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from benchmarks import _cpu
-from benchmarks._format import add_out_argument, ci, command, fixed, out_dir, table, write
+from benchmarks._format import ci, fixed, parser, save, table
 from benchmarks._stats import median_ci
 from lightning_sp import GPTConfig, ParallelState
-from lightning_sp.model.moe import MoE
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.model.moe.layer import MoE
 from lightning_sp.model.parts.dense import MLP
 from lightning_sp.parallel.init import initialize_parameter
 
@@ -68,6 +69,13 @@ FULL = MoEShape(hidden_size=512, num_experts=8, top_k=2, expert_ffn_size=1024, t
                 rounds=20, warmup=2)  # fmt: skip
 SMOKE = MoEShape(hidden_size=32, num_experts=4, top_k=2, expert_ffn_size=64, tokens=64,
                  rounds=2, warmup=1)  # fmt: skip
+GPU_FULL = MoEShape(hidden_size=2048, num_experts=8, top_k=2, expert_ffn_size=4096,
+                    tokens=16384, rounds=20, warmup=3)  # fmt: skip
+GPU_SMOKE = MoEShape(hidden_size=64, num_experts=4, top_k=2, expert_ffn_size=128, tokens=256,
+                     rounds=2, warmup=1)  # fmt: skip
+"""The shapes of :func:`measure_on` (``python -m benchmarks.gpu --only moe``)."""
+REL_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
+"""Relative Frobenius error allowed between our layer and transformers' in :func:`measure_on`."""
 
 
 def _initialise(module: nn.Module, seed: int) -> None:
@@ -120,45 +128,76 @@ def step(layer: nn.Module, x: Tensor, grad: Tensor, hf: bool) -> tuple[Tensor, T
     return out.detach(), leaf.grad
 
 
-def check_agreement(layers: dict[str, nn.Module], x: Tensor, grad: Tensor) -> None:
-    """Our layer's output and input gradient equal each transformers block's (fp32
-    tolerance), on the timed input; raises AssertionError otherwise."""
+def check_agreement(
+    layers: dict[str, nn.Module], x: Tensor, grad: Tensor, rel_tol: float | None = None
+) -> dict[str, float]:
+    """Our layer's output and input gradient against each transformers block's, on the timed
+    input: their relative (Frobenius) errors, or AssertionError when they disagree: beyond fp32
+    tolerance (``RTOL``, ``ATOL``), or with ``rel_tol`` a relative error at or above it."""
     ours = step(layers["moe"], x, grad, hf=False)
+    errors = {}
     for name in ("hf", "hf_eager"):
         theirs = step(layers[name], x, grad, hf=True)
-        for what, a, b in zip(("output", "input gradient"), ours, theirs, strict=True):
+        for what, a, b in zip(("output", "input_grad"), ours, theirs, strict=True):
+            error = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            errors[f"{name}_{what}"] = error
             try:
-                torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
-            except AssertionError as error:
-                raise AssertionError(f"moe and {name} disagree on the {what}: {error}") from None
+                if rel_tol is None:
+                    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+                else:
+                    assert error < rel_tol, f"relative error {error:.3g}"
+            except AssertionError as exc:
+                raise AssertionError(f"moe and {name} disagree on the {what}: {exc}") from None
+    return errors
 
 
-def measure(shape: MoEShape) -> dict[str, Any]:
-    """Seconds per token of each implementation (every round), the per-round ratios and their
-    medians with 95% intervals."""
-    torch.manual_seed(0)
-    layers = build(shape)
-    x = torch.randn(shape.tokens, 1, shape.hidden_size)  # [T, b=1, h]
-    grad = torch.randn_like(x)
-    check_agreement(layers, x, grad)
-    clocks = {"wall": time.perf_counter, "cpu": time.process_time}
+def time_rounds(
+    layers: dict[str, nn.Module], x: Tensor, grad: Tensor, shape: MoEShape,
+    clocks: dict[str, Callable[[], float]], sync: Callable[[], None] = lambda: None,
+) -> tuple[dict[str, dict[str, list[float]]], list[float]]:  # fmt: skip
+    """``warmup + rounds`` rounds, each running every layer once (forward and backward) in an
+    order rotated round by round, ``sync()`` before and after each: the seconds per token of
+    each layer per clock after the warm-up, ``{clock: {layer: [per round]}}``, and per round the
+    share of the CPUs other processes took (:mod:`benchmarks._cpu`)."""
     seconds: dict[str, dict[str, list[float]]] = {
-        c: {name: [] for name in IMPLEMENTATIONS} for c in clocks
+        c: {n: [] for n in IMPLEMENTATIONS} for c in clocks
     }
     shares: list[float] = []
     for r in range(shape.warmup + shape.rounds):
-        order = IMPLEMENTATIONS[r % 4 :] + IMPLEMENTATIONS[: r % 4]
         before = _cpu.sample()
         times: dict[tuple[str, str], float] = {}
-        for name in order:
+        for name in IMPLEMENTATIONS[r % 4 :] + IMPLEMENTATIONS[: r % 4]:
+            sync()
             start = {c: clock() for c, clock in clocks.items()}
             step(layers[name], x, grad, hf=name.startswith("hf"))
+            sync()
             for c, clock in clocks.items():
                 times[c, name] = (clock() - start[c]) / shape.tokens
         if r >= shape.warmup:
             shares.append(_cpu.foreign_share(before, _cpu.sample()))
             for (c, name), value in times.items():
                 seconds[c][name].append(value)
+    return seconds, shares
+
+
+def _inputs(
+    shape: MoEShape, device: torch.device, dtype: torch.dtype
+) -> tuple[dict[str, nn.Module], Tensor, Tensor]:
+    """The four layers (seed 0) on ``device`` in ``dtype``, the input ``[T, b=1, h]`` and the
+    output gradient."""
+    torch.manual_seed(0)
+    layers = {name: layer.to(device, dtype) for name, layer in build(shape).items()}
+    x = torch.randn(shape.tokens, 1, shape.hidden_size, device=device, dtype=dtype)
+    return layers, x, torch.randn_like(x)
+
+
+def measure(shape: MoEShape) -> dict[str, Any]:
+    """Seconds per token of each implementation (every round), the per-round ratios and their
+    medians with 95% intervals."""
+    layers, x, grad = _inputs(shape, torch.device("cpu"), torch.float32)
+    check_agreement(layers, x, grad)
+    clocks = {"wall": time.perf_counter, "cpu": time.process_time}
+    seconds, shares = time_rounds(layers, x, grad, shape, clocks)
     clean = [i for i, share in enumerate(shares) if share < _cpu.CLEAN_SHARE]
     used = clean if 2 * len(clean) >= len(shares) else list(range(len(shares)))
     return {
@@ -171,6 +210,28 @@ def measure(shape: MoEShape) -> dict[str, Any]:
         **{f"ratios_{c}": ratios(seconds[c], used) for c in clocks},
         "samples": seconds,
         "targets": {"moe_over_dense": 1.3, "moe_over_hf": 1.0},
+    }
+
+
+def measure_on(shape: MoEShape, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The GPU run (:mod:`benchmarks.gpu`): the four layers on ``device`` in ``dtype``, checked
+    to agree within :data:`REL_TOL`, then timed by the wall clock between two
+    device synchronisations around each step, all rounds used: µs per token of each layer
+    (medians) and our layer over each (median ratio, 95% CI)."""
+    layers, x, grad = _inputs(shape, device, dtype)
+    errors = check_agreement(layers, x, grad, REL_TOL[dtype])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    seconds = time_rounds(layers, x, grad, shape, {"wall": time.perf_counter}, sync)[0]["wall"]
+    rounds = list(range(shape.rounds))
+    return {
+        "shape": dataclasses.asdict(shape),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype),
+        "torch": torch.__version__,
+        "relative_errors": errors,
+        "us_per_token": medians(seconds, rounds),
+        "ratios": ratios(seconds, rounds),
+        "samples": seconds,
     }
 
 
@@ -188,34 +249,37 @@ def ratios(seconds: dict[str, list[float]], used: list[int]) -> dict[str, list[f
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """One table: µs per token of each layer (wall clock and CPU time), and our layer over
-    each with its interval."""
+    """One table: µs per token of each layer, and our layer over each with its interval, per
+    clock the result holds (``us_per_token_wall`` and ``_cpu`` from :func:`measure`;
+    ``us_per_token``, one clock, from :func:`measure_on`, with a line naming the device)."""
     labels = {
         "moe": "ours: MoE (grouped GEMM)",
         "dense": "dense SwiGLU, f = k·f_e",
         "hf": "transformers MixtralSparseMoeBlock (grouped_mm)",
         "hf_eager": "transformers MixtralSparseMoeBlock (eager loop)",
     }
-    clocks = ("wall", "cpu")
+    clocks = [key.removeprefix("us_per_token") for key in result if key.startswith("us_per_")]
     rows = [
         [labels[n]]
-        + [fixed(result[f"us_per_token_{c}"][n], 2) for c in clocks]
-        + ["" if n == "moe" else ci(result[f"ratios_{c}"][f"moe_over_{n}"]) for c in clocks]
+        + [fixed(result[f"us_per_token{c}"][n], 3) for c in clocks]
+        + ["" if n == "moe" else ci(result[f"ratios{c}"][f"moe_over_{n}"]) for c in clocks]
         for n in IMPLEMENTATIONS
     ]
-    header = ["layer", "fwd+bwd µs / token (wall)", "(CPU)", "ours / it, wall [95% CI]", "CPU"]
-    return table(header, rows)
+    names = [c.replace("_", ", ") for c in clocks]
+    header = ["layer", *(f"fwd+bwd µs / token{c}" for c in names)]
+    header += [f"ours / it{c} [95% CI]" for c in names]
+    if "device" not in result:
+        return table(header, rows)
+    return f"{result['device']}, {result['dtype']}, torch {result['torch']}\n\n" + table(
+        header, rows
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, seconds")
-    add_out_argument(parser)
-    args = parser.parse_args(argv)
+    args = parser(__doc__).parse_args(argv)
     torch.set_num_threads(1)
     result = measure(SMOKE if args.smoke else FULL)
-    meta = {"command": command("benchmarks.moe", argv)}
-    write(out_dir(args.out, args.smoke), "moe", {"meta": meta, **result}, markdown(result))
+    save(args, argv, "moe", result, markdown(result))
     return result
 
 

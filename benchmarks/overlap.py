@@ -12,16 +12,16 @@ non-overlapped run spends in :meth:`GradBuffer.finish` (all of its reduction).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from benchmarks._format import add_out_argument, ci, command, fixed, out_dir, table, write
+from benchmarks._format import ci, fixed, parser, save, table
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.model.recompute import NO_RECOMPUTE
 from lightning_sp.optim.adamw import build_adamw
 from lightning_sp.parallel.buffer import GradBufferConfig
 from lightning_sp.parallel.grads import finalize_grads
@@ -33,20 +33,14 @@ MODES = ("overlap", "after")
 def _rank(rank: int, world_size: int, rounds: int, hidden: int, bucket: int) -> dict:
     config = GPTConfig(vocab_size=257, seq_length=128, hidden_size=hidden, num_layers=4,
                        num_heads=8, hidden_dropout=0.0, attention_dropout=0.0,
-                       sequence_parallel=False, recompute="none")  # fmt: skip
+                       sequence_parallel=False, recompute=NO_RECOMPUTE)  # fmt: skip
     state = ParallelState.from_process_group()
     models = {name: GPT(config, state) for name in MODES}
     optimizers = {
-        name: build_adamw(
-            models[name],
-            1e-4,
-            0.1,
-            (0.9, 0.95),
-            1e-8,
-            GradBufferConfig(bucket, overlap=name == "overlap"),
-        )
+        name: build_adamw(models[name], 1e-4, 0.1, (0.9, 0.95), 1e-8,
+                          GradBufferConfig(bucket, overlap=name == "overlap"))
         for name in MODES
-    }
+    }  # fmt: skip
     tokens = torch.randint(0, 257, (4, 129), generator=torch.Generator().manual_seed(rank))
     times: dict[str, list[float]] = {name: [] for name in MODES}
     comm: list[float] = []
@@ -72,25 +66,17 @@ def _rank(rank: int, world_size: int, rounds: int, hidden: int, bucket: int) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--bucket", type=int, default=1_000_000, help="elements per bucket")
-    parser.add_argument("--smoke", action="store_true", help="3 rounds of a hidden-128 model")
-    add_out_argument(parser)
-    args = parser.parse_args(argv)
+    parse = parser(__doc__, smoke="3 rounds of a hidden-128 model")
+    parse.add_argument("--rounds", type=int, default=20)
+    parse.add_argument("--hidden", type=int, default=512)
+    parse.add_argument("--bucket", type=int, default=1_000_000, help="elements per bucket")
+    args = parse.parse_args(argv)
     if args.smoke:
         args.rounds, args.hidden, args.bucket = 3, 128, 50_000
     result = run_distributed(_rank, 2, args.rounds, args.hidden, args.bucket)[0]
     on, off, comm = result["times"]["overlap"], result["times"]["after"], result["comm"]
     ratio, lo, hi = ratio_of_medians_ci(on, off)
     t_on, t_off, c = statistics.median(on), statistics.median(off), statistics.median(comm)
-    meta = {
-        "command": command("benchmarks.overlap", argv),
-        "rounds": len(on),
-        "hidden": args.hidden,
-        "buckets": result["buckets"],
-    }
     summary = {
         "ratio": [ratio, lo, hi],
         "overlap_ms": t_on * 1e3,
@@ -105,12 +91,9 @@ def main(argv: list[str] | None = None) -> None:
         ["step overlapped / after [95% CI]", ci([ratio, lo, hi])],
         ["share of the reduction hidden", fixed((t_off - t_on) / c)],
     ]
-    write(
-        out_dir(args.out, args.smoke),
-        "overlap",
-        {"meta": meta, **summary, "samples": result},
-        table(["measure", "value"], rows),
-    )
+    save(args, argv, "overlap", {**summary, "samples": result},
+         table(["measure", "value"], rows), rounds=len(on), hidden=args.hidden,
+         buckets=result["buckets"])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -37,25 +37,31 @@ import torch
 from benchmarks import _cpu, activation_bytes, flops, layer_time, throughput
 from benchmarks._format import add_out_argument, command, out_dir, write
 
-SECTIONS = ("activation_bytes", "layer_time", "flops", "throughput")
+SECTIONS = {"activation_bytes": activation_bytes, "layer_time": layer_time, "flops": flops,
+            "throughput": throughput}  # fmt: skip
+"""The sections, in the order they run: each module's ``run`` measures, its ``markdown`` is the
+table."""
 
 
-def _cpu_name() -> str:
+def _read(path: str, prefix: str) -> str | None:
+    """The rest of the first line of ``path`` that starts with ``prefix`` (None if none)."""
     try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+        with open(path) as fh:
+            return next((line[len(prefix) :] for line in fh if line.startswith(prefix)), None)
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return None
 
 
-def _memory_gb() -> float:
+def _machine() -> dict[str, Any]:
+    """The CPU's name, its cores, the memory, the platform and the load average now."""
+    cpu = (_read("/proc/cpuinfo", "model name") or "").partition(":")[2].strip()
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError):
-        return 0.0
+        memory = 0.0
+    cpu = cpu or platform.processor() or platform.machine()
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": memory,
+            "platform": platform.platform(), "loadavg_start": _loadavg()}  # fmt: skip
 
 
 def _loadavg() -> str:
@@ -68,11 +74,8 @@ def _loadavg() -> str:
 def _cpu_seconds() -> tuple[float, float]:
     """``(busy CPU seconds of the whole machine, CPU seconds of this process and its reaped
     children)`` so far; their difference over a section is what other processes used."""
-    own = 0.0
-    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-        usage = resource.getrusage(who)
-        own += usage.ru_utime + usage.ru_stime
-    return _cpu.machine_busy_seconds(), own
+    usages = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return _cpu.machine_busy_seconds(), sum(u.ru_utime + u.ru_stime for u in usages)
 
 
 def wait_until_idle(max_seconds: float, window: float = 5.0) -> float:
@@ -90,25 +93,24 @@ def wait_until_idle(max_seconds: float, window: float = 5.0) -> float:
 
 
 def _run_sections(
-    only: list[str], shapes: dict[str, Any], smoke: bool, cache: str
+    only: list[str], smoke: bool, cache: str
 ) -> tuple[dict[str, Any], dict[str, float], dict[str, float]]:
     """Run the selected sections in order: ``(results, seconds, other processes' CPU share)``
     per section."""
+    layer = layer_time.SMOKE if smoke else layer_time.FULL
+    model = throughput.SMOKE if smoke else throughput.FULL
     jobs: dict[str, Callable[[], dict[str, Any]]] = {
-        "activation_bytes": lambda: activation_bytes.run(shapes["bytes"]),
-        "layer_time": lambda: layer_time.run(shapes["layer"]),
-        "flops": lambda: flops.run(shapes["layer"], shapes["throughput"]),
-        "throughput": lambda: throughput.run(
-            shapes["throughput"], cache, peak_rounds=1 if smoke else 4
+        "activation_bytes": lambda: activation_bytes.run(
+            activation_bytes.SMOKE if smoke else activation_bytes.FULL
         ),
+        "layer_time": lambda: layer_time.run(layer),
+        "flops": lambda: flops.run(layer, model),
+        "throughput": lambda: throughput.run(model, cache, peak_rounds=1 if smoke else 4),
     }
     results: dict[str, Any] = {}
     seconds: dict[str, float] = {}
     foreign_share: dict[str, float] = {}
-    cores = os.cpu_count() or 1
-    for name in SECTIONS:
-        if name not in only:
-            continue
+    for name in [name for name in SECTIONS if name in only]:
         print(f"[benchmarks] {name} ...", file=sys.stderr, flush=True)
         t0 = time.time()
         busy0, own0 = _cpu_seconds()
@@ -116,7 +118,7 @@ def _run_sections(
         busy1, own1 = _cpu_seconds()
         seconds[name] = time.time() - t0
         foreign = max(0.0, (busy1 - busy0) - (own1 - own0))
-        foreign_share[name] = foreign / (seconds[name] * cores)
+        foreign_share[name] = foreign / (seconds[name] * (os.cpu_count() or 1))
         print(f"[benchmarks] {name} done in {seconds[name]:.1f} s", file=sys.stderr, flush=True)
     return results, seconds, foreign_share
 
@@ -149,21 +151,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"--only: unknown section(s) {', '.join(unknown)}; valid: {', '.join(SECTIONS)}"
         )
     warnings.filterwarnings("ignore")
-    smoke = args.smoke
-    out = out_dir(args.out, smoke)
-    shapes = {
-        "bytes": activation_bytes.SMOKE if smoke else activation_bytes.FULL,
-        "layer": layer_time.SMOKE if smoke else layer_time.FULL,
-        "throughput": throughput.SMOKE if smoke else throughput.FULL,
-    }
     waited = wait_until_idle(args.wait_idle) if args.wait_idle > 0 else 0.0
     started = time.time()
-    loadavg_start = _loadavg()
+    machine = _machine()
     with tempfile.TemporaryDirectory(prefix="benchmarks-data-") as cache:  # tokenized corpus
-        results, section_seconds, foreign_share = _run_sections(only, shapes, smoke, cache)
+        results, section_seconds, foreign_share = _run_sections(only, args.smoke, cache)
     meta = {
         "command": command("benchmarks.run", argv),
-        "smoke": smoke,
+        "smoke": args.smoke,
         "started": datetime.datetime.fromtimestamp(started)
         .astimezone()
         .isoformat(timespec="seconds"),
@@ -174,23 +169,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "lightning": lightning.__version__,
         "python": platform.python_version(),
-        "machine": {
-            "cpu": _cpu_name(),
-            "cores": os.cpu_count(),
-            "memory_gb": _memory_gb(),
-            "platform": platform.platform(),
-            "loadavg_start": loadavg_start,
-            "loadavg_end": _loadavg(),
-        },
+        "machine": {**machine, "loadavg_end": _loadavg()},
     }
-    tables = {
-        "activation_bytes": activation_bytes.markdown,
-        "layer_time": layer_time.markdown,
-        "flops": flops.markdown,
-        "throughput": throughput.markdown,
-    }
+    out = out_dir(args.out, args.smoke)
     for name, result in results.items():
-        write(out, name, {"meta": meta, **result}, tables[name](result))
+        write(out, name, {"meta": meta, **result}, SECTIONS[name].markdown(result))
     print(f"[benchmarks] wrote {', '.join(results)} (.json, .md) to {out}", file=sys.stderr)
     return {"meta": meta, **results}
 

@@ -65,6 +65,7 @@ from lightning_sp.memory.flops import (
     measure_peak_flops,
     model_flops_per_iteration,
 )
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.optim.adamw import configure_adamw
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.spawn import run_distributed
@@ -107,7 +108,7 @@ def model_config(shape: ThroughputShape) -> GPTConfig:
         vocab_size=shape.vocab, seq_length=shape.s, hidden_size=shape.h,
         num_layers=shape.layers, num_heads=shape.a, hidden_dropout=0.1,
         attention_dropout=0.1, sequence_parallel=shape.sequence_parallel,
-        recompute=shape.recompute,
+        recompute=RecomputePolicy.parse(shape.recompute),
     )  # fmt: skip
 
 
@@ -219,7 +220,6 @@ def _train_worker(
     if which == "ours":
         strategy: Any = MegatronSPStrategy(
             tensor_parallel_size=shape.t,
-            sequence_parallel=shape.sequence_parallel,
             timeout=TIMEOUT_SECONDS,
             start_method="spawn",
         )

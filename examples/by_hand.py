@@ -10,12 +10,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.parallel.grads import finalize_grads
 
 dist.init_process_group("gloo")  # "nccl" on GPUs
 state = ParallelState.from_process_group(tensor_parallel_size=2)
 config = GPTConfig(vocab_size=512, seq_length=256, hidden_size=256, num_layers=2, num_heads=8,
-                   sequence_parallel=True, recompute="selective")  # fmt: skip
+                   sequence_parallel=True,
+                   recompute=RecomputePolicy.parse("selective"))  # fmt: skip
 model = GPT(config, state, dtype=torch.bfloat16)  # this rank's shard only
 tokens = torch.randint(0, 512, (2, 257), generator=torch.Generator().manual_seed(0))
 with SavedTensorTracker.for_model(model) as tracker:

@@ -129,7 +129,8 @@ class CustomMLPModule(LightningModule):
 
     @property
     def sequence_parallel(self) -> bool:
-        """Whether the shard is sequence parallel under ``megatron_sp``."""
+        """Whether the shard is sequence parallel under ``megatron_sp`` (this module's own
+        setting, as ``GPTModule``'s is ``model.config.sequence_parallel``)."""
         return self._sequence_parallel
 
     def setup_parallel(self, state: ParallelState, config: ParallelConfig) -> None:
@@ -141,7 +142,7 @@ class CustomMLPModule(LightningModule):
         if self.mlp is not None:
             return
         if self._parallel is not None:  # under megatron_sp
-            state, sp = self._parallel[0], bool(self._parallel[1].sequence_parallel)
+            state, sp = self._parallel[0], self._sequence_parallel
         else:
             state, sp = ParallelState.single(self.device), False
         dtype = torch.get_default_dtype()

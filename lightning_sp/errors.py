@@ -1,10 +1,12 @@
 """The one exception type for configuration mistakes, and the checks every config shares
-(a positive size, a writable directory)."""
+(a positive size, a size dividing another, a writable directory)."""
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
+from collections.abc import Callable
 
 
 class ConfigError(ValueError):
@@ -23,9 +25,31 @@ def positive_int(name: str, value: object) -> int:
     return value
 
 
+def finite_number(
+    name: str, value: object, valid: str, in_range: Callable[[float], bool] = lambda v: True
+) -> float:
+    """``value`` if it is a finite real number (``True``/``False`` are not) for which
+    ``in_range`` holds; else :class:`ConfigError` naming ``name``, the value and ``valid``
+    (the range in words: ``"in [0, 1)"``, ``"a finite number >= 0"``)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or not in_range(value):  # type: ignore[arg-type]
+        raise ConfigError(f"{name}={value!r} must be {valid}")
+    return float(value)  # type: ignore[arg-type]
+
+
 def divisors(n: int) -> list[int]:
     """The positive divisors of ``n``, for "must be one of ..." messages."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_divisible(field: str, value: int, size_name: str, size: int) -> None:
+    """:class:`ConfigError` unless ``size`` divides ``value``: one line naming the field, its
+    value, the size and the sizes that would divide it."""
+    if value % size:
+        raise ConfigError(
+            f"{field}={value} is not divisible by {size_name}={size}; "
+            f"{size_name} must be one of {divisors(value)}"
+        )
 
 
 def check_writable(field: str, directory: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -9,6 +10,8 @@ import torch
 from torch import nn
 
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.model.shape import ActivationShape
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.grads import (
     finalize_grads,
@@ -28,6 +31,41 @@ def tiny_config(architecture: str = "gpt2", **overrides: object) -> GPTConfig:
         fields.update(num_query_groups=2, ffn_hidden_size=48)
     fields.update(overrides)
     return GPTConfig.of(architecture, **fields)
+
+
+def check_layout(world_size: int, t: int, p: int, c: int = 1) -> int:
+    """The data-parallel size of ``(t, p, c)`` on ``world_size`` ranks: the layout record
+    built (its sizes checked) and completed for the world (:meth:`ParallelConfig.
+    for_world_size`, the one check of a layout against a world)."""
+    layout = ParallelConfig(
+        tensor_parallel_size=t, pipeline_parallel_size=p, context_parallel_size=c
+    )
+    return layout.for_world_size(world_size).data_parallel_size
+
+
+def layout_at(t: int = 1, *, p: int = 1, c: int = 1, e: int = 1, etp: int = 1) -> ParallelConfig:
+    """The layout record of these sizes (what shapes and per-rank counts are built from)."""
+    return ParallelConfig(
+        tensor_parallel_size=t, pipeline_parallel_size=p, context_parallel_size=c,
+        expert_parallel_size=e, expert_tensor_parallel_size=etp,
+    )  # fmt: skip
+
+
+def shape_at(
+    config: GPTConfig,
+    t: int = 1,
+    b: int = 1,
+    c: int = 1,
+    e: int = 1,
+    etp: int = 1,
+    *,
+    sequence_parallel: bool | None = None,
+) -> ActivationShape:
+    """``config``'s activation shape at ``t, b, c, e, etp`` (``sequence_parallel``: the
+    config's, or this)."""
+    if sequence_parallel is not None:
+        config = dataclasses.replace(config, sequence_parallel=sequence_parallel)
+    return config.activation_shape(layout_at(t, c=c, e=e, etp=etp), b)
 
 
 def small_config(**overrides: object) -> GPTConfig:
@@ -237,7 +275,7 @@ def feed_forward_terms() -> set[str]:
     (GPT-2 and Llama) and the mixture of experts' (with a shared expert), which the recompute
     modules may name."""
     from lightning_sp.memory.formulas import layer_saved_terms
-    from lightning_sp.model.moe_config import MoEConfig
+    from lightning_sp.model.moe.config import MoEConfig
 
     moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=16, num_shared_experts=1)
     configs = (

@@ -31,6 +31,8 @@ from lightning_sp.memory.formulas import (
 )
 from lightning_sp.testing.spawn import run_distributed
 
+from models import layout_at
+
 S, B, H, A, LAYERS = 256, 2, 256, 8, 2
 SBH = S * B * H
 ROW_SETTINGS = {  # row -> (sequence_parallel, recompute, attention); Table 2's rows first
@@ -131,7 +133,7 @@ CASES = [
 @pytest.mark.parametrize(("t", "row"), CASES, ids=[f"t{t}-{row}" for t, row in CASES])
 def test_bytes_per_layer_equal_the_formula(t: int, row: str) -> None:
     recompute = ROW_SETTINGS[row][1]
-    shape = _config(*ROW_SETTINGS[row]).activation_shape(t, B)
+    shape = _config(*ROW_SETTINGS[row]).activation_shape(layout_at(t), B)
     expected = activation_bytes_per_layer(shape, recompute)
     if row in TABLE2:
         assert expected == table2_bytes_per_layer(row, S, B, H, A, t)
@@ -151,7 +153,7 @@ def test_mixed_layers_each_equal_their_formula(t: int, row: str) -> None:
     """Full on the first layer, ``recompute_rest`` on the other: each layer holds its own
     policy's formula (the full layer its input only, 2sbh/t with SP)."""
     config = _mixed_config(row)
-    shape = config.activation_shape(t, B)
+    shape = config.activation_shape(layout_at(t), B)
     policies = [config.layer_recompute(i).name for i in range(LAYERS)]
     assert policies == ["full", MIXED_ROWS[row][1]]
     for rank, results in enumerate(measured(t)):
@@ -187,5 +189,5 @@ def test_sdpa_dropout_on_cpu_falls_back_and_says_so() -> None:
         with SavedTensorTracker.for_model(model) as tracker:
             model(ids, ids)
     assert any("falls back to its math path" in str(w.message) for w in caught)
-    fused = activation_bytes_per_layer(config.activation_shape(1, B), "none")
+    fused = activation_bytes_per_layer(config.activation_shape(layout_at(1), B), "none")
     assert tracker.report.bytes_of("layers.0") > fused + 2 * A * S * S * B  # s x s stored

@@ -222,20 +222,22 @@ def test_moe_benchmark_smoke(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_moe_gpu_benchmark_plumbing_on_cpu(tmp_path: Path) -> None:
-    """``python -m benchmarks.moe_gpu --device cpu --smoke``: the GPU twin's four layers ran in
-    bf16 and in fp32, each ratio lies in its interval; its agreement check (relative error)
-    fails on a transformers block whose weights differ from ours."""
-    from benchmarks import moe, moe_gpu
+    """``python -m benchmarks.gpu --only moe --device cpu --smoke``: the GPU run's four MoE
+    layers ran in bf16 and in fp32, each ratio lies in its interval; its agreement check
+    (relative error) fails on a transformers block whose weights differ from ours."""
+    from benchmarks import gpu, moe
 
     for dtype in ("bf16", "fp32"):
-        out = moe_gpu.main(["--device", "cpu", "--smoke", "--dtype", dtype, "--out", str(tmp_path)])
+        args = ["--only", "moe", "--device", "cpu", "--smoke", "--dtype", dtype]
+        gpu.main([*args, "--out", str(tmp_path)])
         assert (tmp_path / f"moe_gpu_{dtype}.json").is_file()
+        out = json.loads((tmp_path / f"moe_gpu_{dtype}.json").read_text())
         assert set(out["ratios"]) == {f"moe_over_{n}" for n in moe.IMPLEMENTATIONS[1:]}
         for ratio, low, high in out["ratios"].values():
             assert 0 < low <= ratio <= high
-    layers = moe.build(moe_gpu.SMOKE)
-    x = torch.randn(moe_gpu.SMOKE.tokens, 1, moe_gpu.SMOKE.hidden_size)
+    layers = moe.build(moe.GPU_SMOKE)
+    x = torch.randn(moe.GPU_SMOKE.tokens, 1, moe.GPU_SMOKE.hidden_size)
     with torch.no_grad():
         layers["hf"].experts.down_proj.mul_(2.0)  # type: ignore[operator]
     with pytest.raises(AssertionError, match="moe and hf disagree on the output"):
-        moe_gpu._check(layers, x, torch.randn_like(x), torch.float32)
+        moe.check_agreement(layers, x, torch.randn_like(x), moe.REL_TOL[torch.float32])

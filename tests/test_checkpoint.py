@@ -67,7 +67,6 @@ class Run:
             pipeline_parallel_size=s.pipeline_parallel_size,
             virtual_pipeline_size=self.m,
             data_parallel_size=s.data_parallel_size,
-            sequence_parallel=self.sp,
         )
 
     def step(self, step: int) -> float:
@@ -491,3 +490,49 @@ def test_loader_with_a_stateful_sampler_is_resumable_for_lightning() -> None:
     stateful.load_state_dict({"position": 5})
     assert stateful.sampler.position == 5 and stateful.state_dict() == {"position": 5}
     assert not isinstance(resumable_loader(plain), _Stateful)
+
+
+def test_rng_streams_come_back_only_under_the_same_sequence_parallelism(tmp_path: Path) -> None:
+    """Sequence parallelism is the model config's (``model.config.sequence_parallel``), not
+    the layout's, so ``Checkpointer.load`` compares it itself: a checkpoint saved with SP on
+    restores its dropout streams (an SP rank draws its s/t tokens' dropout from the sharded
+    stream) into SP on, and resumed with SP off on the same layout it loads the weights but
+    not the streams. So it is for a ``meta.json`` written while the layout also recorded
+    ``sequence_parallel`` (the key is skipped)."""
+    import json
+
+    from lightning_sp.checkpoint.format import META_FILE
+
+    saved = tiny_config(sequence_parallel=True)
+    model = GPT(saved, ParallelState.single())
+    model.rng.sharded.manual_seed(1234)  # a stream unlike a fresh model's
+    path, key = tmp_path / "last.ckpt", "rng.pp0.dp0.tp0"
+    streams = {"streams": model.rng.state_dict(), "torch": torch.get_rng_state()}
+    Checkpointer().save(path, model, [], meta=Meta(1, ParallelConfig(), saved.values()),
+                        lightning_state={"global_step": 1}, rng=(key, streams))  # fmt: skip
+    meta_file = path.resolve() / META_FILE
+    for written in ("now", "with the layout's sequence_parallel"):
+        if written != "now":
+            data = json.loads(meta_file.read_text())
+            data["layout"]["sequence_parallel"] = True  # as files of the former format hold
+            meta_file.write_text(json.dumps(data))
+        for sp in (True, False):
+            config = tiny_config(sequence_parallel=sp)
+            resumed = GPT(config, ParallelState.single())
+            back = Checkpointer().load(path, resumed, [], layout=ParallelConfig(),
+                                       model_config=config.values(), rng_name=key)  # fmt: skip
+            for (name, mine), theirs in zip(
+                resumed.named_parameters(), model.parameters(), strict=True
+            ):
+                assert torch.equal(mine, theirs), f"{written}, SP={sp}: {name} did not load"
+            if sp:
+                restored = back["rng_streams"]["streams"]["sharded"]
+                assert torch.equal(restored, streams["streams"]["sharded"]), (
+                    f"{written}: saved and resumed with SP on, the sharded stream is not the "
+                    "saved one"
+                )
+            else:
+                assert back["rng_streams"] is None, (
+                    f"{written}: saved with SP on, resumed with SP off: the SP-sharded dropout "
+                    "streams were restored"
+                )

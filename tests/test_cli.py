@@ -42,7 +42,7 @@ def test_fit_tiny_pipeline_config(tmp_path: Path) -> None:
     checkpoint = tmp_path / "checkpoints" / "tiny_pp" / "last.ckpt"
     assert json.loads((checkpoint / "meta.json").read_text())["layout"] == {
         "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "data_parallel_size": 1,
-        "context_parallel_size": 1, "virtual_pipeline_size": 2, "sequence_parallel": True,
+        "context_parallel_size": 1, "virtual_pipeline_size": 2,
         "num_microbatches": 4, "distributed_optimizer": False, "expert_parallel_size": 1,
         "expert_tensor_parallel_size": 1,
     }  # fmt: skip
@@ -77,6 +77,11 @@ def test_help_documents_every_option(tmp_path: Path) -> None:
             "batch_size=100000 is larger than",
         ),
         (["--model.config.attention", "flash"], "attention='flash' is not an attention backend"),
+        (
+            ["--trainer.strategy.init_args.sequence_parallel", "true"],
+            "trainer.strategy.init_args.sequence_parallel is no longer a strategy argument: it "
+            "moved to model.config.sequence_parallel",
+        ),
         (["--model.config.recompute", "[core_attn, gelu]"], "'gelu' is not a recompute module"),
         (
             ["--model.config.recompute_rest", "full"],
@@ -93,6 +98,7 @@ def test_help_documents_every_option(tmp_path: Path) -> None:
         "ckpt",
         "batch-after-launch",
         "attention",
+        "moved-strategy-arg",
         "recompute-module",
         "recompute-rest",
     ],

@@ -10,10 +10,11 @@ import torch
 from lightning_sp import GPT, ConfigError, GPTConfig, MegatronSPStrategy, ParallelState
 from lightning_sp.data import TextDataModule
 from lightning_sp.errors import positive_int
-from lightning_sp.parallel.state import check_layout
+from lightning_sp.model.config_checks import check_model_layout
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.pipeline import check_batch
 
-from models import tiny_config
+from models import check_layout, tiny_config
 
 
 def _state(t: int) -> ParallelState:
@@ -31,7 +32,10 @@ def _raises(match: str, fn, *args, **kwargs) -> str:
 def test_heads_not_divisible_by_tp() -> None:
     config = tiny_config(hidden_size=96, num_heads=6)
     message = _raises(
-        r"num_heads=6 is not divisible by tensor_parallel_size=4", GPT, config, _state(4)
+        r"num_heads=6 is not divisible by tensor_parallel_size=4",
+        check_model_layout,
+        config,
+        ParallelConfig(tensor_parallel_size=4),
     )
     assert "[1, 2, 3, 6]" in message
 
@@ -39,7 +43,10 @@ def test_heads_not_divisible_by_tp() -> None:
 def test_hidden_not_divisible_by_tp() -> None:
     config = tiny_config(hidden_size=100, num_heads=4)
     message = _raises(
-        r"hidden_size=100 is not divisible by tensor_parallel_size=8", GPT, config, _state(8)
+        r"hidden_size=100 is not divisible by tensor_parallel_size=8",
+        check_model_layout,
+        config,
+        ParallelConfig(tensor_parallel_size=8),
     )
     assert "[1, 2, 4, 5, 10, 20, 25, 50, 100]" in message
 
@@ -53,18 +60,21 @@ def test_hidden_not_divisible_by_heads() -> None:
 def test_sequence_not_divisible_by_tp_under_sequence_parallel() -> None:
     config = tiny_config(seq_length=18, sequence_parallel=True)
     message = _raises(
-        r"seq_length=18 is not divisible by tensor_parallel_size=4", GPT, config, _state(4)
+        r"seq_length=18 is not divisible by tensor_parallel_size=4",
+        check_model_layout,
+        config,
+        ParallelConfig(tensor_parallel_size=4),
     )
     assert "sequence_parallel=False" in message
     GPT(tiny_config(seq_length=18, sequence_parallel=False), _state(1))  # fine without SP
 
 
 def test_unknown_recompute_policy() -> None:
-    message = _raises(r"recompute='partial'", GPT, tiny_config(recompute="partial"), _state(1))
+    message = _raises(r"recompute='partial'", tiny_config, recompute="partial")
     assert "none, selective, lean, full" in message
     message = _raises(
         r"recompute=\['core_attn', 'gelu'\]: 'gelu' is not a recompute module",
-        GPT, tiny_config(recompute=["core_attn", "gelu"]), _state(1),
+        tiny_config, recompute=["core_attn", "gelu"],
     )  # fmt: skip
     assert "core_attn, layernorm, mlp_act, residual_mask" in message
     assert "\n" not in message
@@ -79,7 +89,8 @@ def test_recompute_module_lists_build_the_layers_they_name() -> None:
     model = GPT(tiny_config(recompute=["mlp_act", "layernorm"]), _state(1))
     layer = model.layers[0]
     assert layer.recompute == "layernorm+mlp_act"
-    assert (layer.recompute_norm, layer.recompute_act, layer.regenerate_masks) == (
+    policy, backend = layer.recompute, layer.attention_backend
+    assert tuple(policy.acts(m, backend) for m in ("layernorm", "mlp_act", "residual_mask")) == (
         True,
         True,
         False,
@@ -97,7 +108,7 @@ def test_world_size_not_divisible_by_model_parallel_size() -> None:
 def test_non_positive_sizes() -> None:
     _raises(r"tensor_parallel_size=0 must be a positive integer", check_layout, 4, 0, 1)
     _raises(r"num_layers=0 must be a positive integer", GPTConfig(num_layers=0).validate)
-    _raises(r"hidden_dropout=1.0 must be in \[0, 1\)", GPTConfig(hidden_dropout=1.0).validate)
+    _raises(r"hidden_dropout=1.0 must be in \[0, 1\)", GPTConfig, hidden_dropout=1.0)
 
 
 @pytest.mark.parametrize("value", [True, False, 0, -1, 2.0, "2", None])
@@ -160,7 +171,8 @@ def test_recompute_rest_builds_the_layers_beyond_recompute_num_layers(
     model = GPT(config, _state(1))
     assert [layer.recompute for layer in model.layers] == ["full", name, name]
     assert [layer.attention.recompute_core for layer in model.layers] == [False, core, core]
-    assert [layer.regenerate_masks for layer in model.layers] == [False, masks, masks]
+    regenerated = [layer.recompute.acts("residual_mask", "math") for layer in model.layers]
+    assert regenerated == [False, masks, masks]
 
 
 def test_recompute_rest_is_ignored_without_a_split() -> None:
@@ -186,10 +198,11 @@ REST_CASES = [
 
 @pytest.mark.parametrize(("rest", "message"), REST_CASES)
 def test_bad_recompute_rest(rest: object, message: str) -> None:
+    fields = {"recompute": "full", "recompute_num_layers": 1, "recompute_rest": rest}
+    _raises(re.escape(message), tiny_config, **fields)  # parsed once, when the config is built
     config = tiny_config(recompute="full", recompute_num_layers=1)
-    config.recompute_rest = rest  # type: ignore[assignment]
-    _raises(re.escape(message), GPT, config, _state(1))
-    _raises(re.escape(message), config.validate)
+    with pytest.raises(ConfigError, match=re.escape(message)):  # and whenever it is set
+        config.recompute_rest = rest
 
 
 # -- the README's table of bad inputs: each check in-process, through the function cli.py runs
@@ -211,7 +224,6 @@ STRATEGY_CASES = [  # (strategy arguments, the field named in the one line)
     ({"timeout": 0}, "timeout=0 must be a positive number"),
     ({"nonfinite": "ignore"}, "nonfinite='ignore' is not one of stop, skip"),
     ({"max_skipped_steps": -1}, "max_skipped_steps=-1 must be a non-negative integer"),
-    ({"sequence_parallel": "yes"}, "sequence_parallel='yes' must be true, false or null"),
 ]  # fmt: skip
 
 
@@ -223,22 +235,21 @@ def test_strategy_arguments(args: dict, message: str) -> None:
     _raises(re.escape(message), MegatronSPStrategy, **args)  # the constructor says the same
 
 
-def test_sequence_parallel_is_set_in_one_place() -> None:
-    """The strategy's ``sequence_parallel`` left unset takes the model's; given, it must agree:
-    a conflict is one line, never a silent override."""
-    from lightning_sp.parallel.config import ParallelConfig
+@pytest.mark.parametrize("value", [True, False, None, "yes"])
+def test_sequence_parallel_is_set_in_one_place(value: object) -> None:
+    """Sequence parallelism is the model config's (``model.config.sequence_parallel``): the
+    strategy argument it once also was is refused, whatever its value, in one line saying
+    where it moved (the constructor, the checks ``cli.py`` runs and the CLI's parser alike:
+    tests/test_cli.py)."""
+    import dataclasses
 
-    assert ParallelConfig().with_sequence_parallel(True).sequence_parallel is True
-    assert (
-        ParallelConfig(sequence_parallel=False).with_sequence_parallel(False).sequence_parallel
-        is False
+    message = (
+        "trainer.strategy.init_args.sequence_parallel is no longer a strategy argument: it "
+        "moved to model.config.sequence_parallel; set it there"
     )
-    _raises(
-        r"^trainer.strategy.sequence_parallel=True conflicts with "
-        r"model.config.sequence_parallel=False;",
-        ParallelConfig(sequence_parallel=True).with_sequence_parallel,
-        False,
-    )
+    _raises(f"^{re.escape(message)}$", validation.check_strategy_args, sequence_parallel=value)
+    _raises(f"^{re.escape(message)}$", MegatronSPStrategy, sequence_parallel=value)
+    assert "sequence_parallel" not in {f.name for f in dataclasses.fields(ParallelConfig)}
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "16-true"])
@@ -339,3 +350,57 @@ def test_checkpoint_of_another_model_names_both_values(saved) -> None:
 def test_unknown_activation() -> None:
     _raises(r"activation='relu' is not an activation; valid: gelu, gelu_tanh",
             tiny_config(activation="relu").validate)  # fmt: skip
+
+
+# -- every float setting checked finite and in range when the config is built (issue 40, 3-4)
+
+from lightning_sp.model.moe.config import MoEConfig  # noqa: E402
+
+FLOAT_CASES = [
+    ({"hidden_dropout": float("nan")}, "hidden_dropout=nan must be in [0, 1)"),
+    ({"attention_dropout": -0.1}, "attention_dropout=-0.1 must be in [0, 1)"),
+    ({"init_std": float("inf")}, "init_std=inf must be a finite number >= 0"),
+    ({"layernorm_eps": 0.0}, "layernorm_eps=0.0 must be a finite number > 0"),
+    ({"rope_theta": float("inf")}, "rope_theta=inf must be a positive number (Llama 3: 500000)"),
+    ({"moe": {"aux_loss_coef": float("nan")}},
+     "moe.aux_loss_coef=nan must be a finite number >= 0"),
+    ({"moe": {"z_loss_coef": -1.0}}, "moe.z_loss_coef=-1.0 must be a finite number >= 0"),
+    ({"moe": {"bias_update_rate": float("inf")}},
+     "moe.bias_update_rate=inf must be a finite number >= 0"),
+    ({"moe": {"capacity_factor": float("nan")}},
+     "moe.capacity_factor=nan must be > 0 and finite (or null: dropless)"),
+    ({"moe": {"shared_expert_ffn_size": 64}}, "moe.shared_expert_ffn_size=64 is given with "
+     "moe.num_shared_experts=0; set num_shared_experts >= 1 or leave it null"),
+    ({"moe": {"num_shared_experts": 1, "shared_expert_ffn_size": -8}},
+     "moe.shared_expert_ffn_size=-8 must be a positive integer"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "message"), FLOAT_CASES, ids=[str(f) for f, _ in FLOAT_CASES])
+def test_float_settings_are_checked_when_built(fields: dict, message: str) -> None:
+    """A NaN ``aux_loss_coef`` trained as if it were 0 (the router builds the loss's graph only
+    for a coefficient > 0, and ``nan > 0`` is false); now every float setting is refused when
+    the config is built, from a YAML mapping (``from_values``) as from Python."""
+    assert _raises(re.escape(message), GPTConfig.from_values, fields) == message
+    if "moe" in fields:
+        assert _raises(re.escape(message), MoEConfig, **fields["moe"]) == message
+
+
+def test_force_balanced_is_refused_in_fit(tmp_path) -> None:
+    """``moe.force_balanced`` routes for measurements only: ``fit`` refuses it before launch,
+    and so does a module fitted from Python (``GPTModule.on_fit_start``)."""
+    from lightning_sp import GPTModule
+    from lightning_sp.cli import main as cli
+
+    from cli_runs import ROOT
+
+    message = _raises(
+        r"^moe.force_balanced=True routes every token to fixed experts", cli.main,
+        ["fit", "--config", str(ROOT / "configs" / "moe_tiny.yaml"),
+         "--model.config.moe.force_balanced", "true", "--trainer.default_root_dir", str(tmp_path)],
+    )  # fmt: skip
+    assert message.endswith("fit with force_balanced: false")
+    module = GPTModule(
+        GPTConfig.of("llama", moe=MoEConfig(force_balanced=True), feed_forward="moe")
+    )
+    _raises(r"^moe.force_balanced=True", module.on_fit_start)

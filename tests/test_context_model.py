@@ -36,6 +36,7 @@ from models import (
     assert_matches_reference,
     batch,
     context_shards,
+    layout_at,
     loss_and_grads,
     reference_model,
     relative_error,
@@ -146,7 +147,7 @@ def _memory_worker(rank: int, world_size: int) -> dict[str, tuple[list[int], flo
         with SavedTensorTracker.for_model(model) as tracker:
             loss = model(local, local)
         loss.backward()  # the saved tensors were real: backward runs on them
-        shape = config.activation_shape(t, B, context_parallel_size=2)
+        shape = config.activation_shape(layout_at(t, c=2), B)
         expected = activation_bytes_per_layer(shape, config.recompute)
         expected += layernorm_stats_bytes_per_layer(shape, config.recompute)
         if config.attention_dropout > 0 and config.recompute != "full":
@@ -173,8 +174,8 @@ def test_formula_divides_by_c_and_drops_the_core_scores() -> None:
             "gpt2", seq_length=S, hidden_size=H, num_heads=A, hidden_dropout=0.1,
             attention_dropout=0.1, attention=attention, sequence_parallel=True,
         )  # fmt: skip
-        one = config.activation_shape(2, B)
-        two = config.activation_shape(2, B, context_parallel_size=2)
+        one = config.activation_shape(layout_at(2), B)
+        two = config.activation_shape(layout_at(2, c=2), B)
         assert (two.c, two.s) == (2, S)
         dropped = {
             term for m in active_modules(parse_recompute(preset), attention) for term in m.drops
@@ -253,7 +254,8 @@ def test_layout_and_sequence_errors_name_the_values() -> None:
     from dataclasses import replace
 
     from lightning_sp.errors import ConfigError
-    from lightning_sp.parallel.state import check_layout
+
+    from models import check_layout
 
     assert check_layout(8, 2, 1, 2) == 2
     with pytest.raises(ConfigError, match=r"context_parallel_size = 2 \* 1 \* 4 = 8; t \* p \* c"):

@@ -37,7 +37,7 @@ from lightning_sp.memory.flops import model_flops_per_iteration
 from lightning_sp.memory.formulas import activation_bytes_per_layer
 from lightning_sp.parallel.config import ParallelConfig
 
-from models import relative_error, tiny_config
+from models import layout_at, relative_error, tiny_config
 
 RTOL = 1e-9
 """Float64 over three AdamW steps: one process and the CP layouts differ by the order of
@@ -172,7 +172,7 @@ def test_llama_context_with_tensor_or_pipeline_parallel_equals_one_process_and_m
 
     # rank 0's monitors: the formula of a c = 2, t = 2 rank holding s/c of the batch's s tokens
     config = net.config
-    shape = config.activation_shape(2, GLOBAL_BATCH, activation_bytes=8, context_parallel_size=2)
+    shape = config.activation_shape(layout_at(2, c=2), GLOBAL_BATCH, activation_bytes=8)
     formula = activation_bytes_per_layer(shape, config.layer_recompute(0))
     assert set(cp["memory/activation_bytes_per_layer_formula"].values()) == {formula}
     ratios = cp["memory/activation_bytes_ratio"].values()

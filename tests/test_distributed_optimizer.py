@@ -63,10 +63,7 @@ class Run:
     def _layout(self) -> ParallelConfig:
         s = self.state
         t = s.tensor_parallel_size
-        return ParallelConfig(
-            tensor_parallel_size=t, data_parallel_size=s.data_parallel_size,
-            sequence_parallel=t > 1,
-        )  # fmt: skip
+        return ParallelConfig(tensor_parallel_size=t, data_parallel_size=s.data_parallel_size)
 
     def save(self, path: Path) -> None:
         s = self.state

@@ -35,6 +35,8 @@ from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.layout import Layout
 from lightning_sp.testing.spawn import run_distributed
 
+from models import layout_at
+
 LENGTHS = ([100, 60, 96], [256])  # documents per sequence: one row packed, one whole
 GRID = list(
     itertools.product(("gpt2", "llama"), ("math", "sdpa"), ("none", "selective", "lean", "full"))
@@ -68,13 +70,13 @@ def _measure(state: ParallelState, grid: list, sequence_parallel: bool) -> list[
         with SavedTensorTracker.for_model(model) as tracker:
             loss = model(local_ids, local_ids, Packing(documents, local))
         loss.backward()
-        shape = config.activation_shape(t, B, context_parallel_size=c, documents=True)
+        shape = config.activation_shape(layout_at(t, c=c), B, documents=True)
         expected = activation_bytes_per_layer(shape, recompute)
         expected += layernorm_stats_bytes_per_layer(shape, recompute)
         if c > 1 and config.attention_dropout > 0 and recompute != "full":  # stated apart
             expected += CONTEXT_GENERATOR_STATE_BYTES["cpu"]
         causal = activation_bytes_per_layer(
-            config.activation_shape(t, B, context_parallel_size=c), recompute
+            config.activation_shape(layout_at(t, c=c), B), recompute
         )
         what = f"{architecture} {attention} {recompute} t={t} c={c} sp={sequence_parallel}"
         for layer in range(config.num_layers):
@@ -138,7 +140,7 @@ def test_micro_batch_ids_positions_and_rope_tables() -> None:
     samples = [annotate(row, 0, options) for _ in range(B)]
     batch = {k: torch.stack([x[k] for x in samples]) for k in samples[0]}
     config = _config(False, "none", "sdpa", "llama")  # run on 8 of its 256 positions
-    shape = config.activation_shape(1, B, seq_length=8, documents=True)
+    shape = config.activation_shape(layout_at(1), B, seq_length=8, documents=True)
     bytes_ = packed_bytes(shape, document_mask=True, reset_position_ids=True, rotary=True)
     carried = batch["documents"].nbytes + batch["positions"].nbytes
     assert bytes_.ids == carried == 12 * B * 8
@@ -172,7 +174,7 @@ def test_estimate_and_monitor_count_the_document_mask() -> None:
         rows[mask] = estimate(layout).row(False, "none")
     assert rows[True].activation_bytes_per_layer == real
     assert rows[True].activation_bytes_per_layer - rows[False].activation_bytes_per_layer == 2 * SBH
-    shape = config.activation_shape(1, B, documents=True)
+    shape = config.activation_shape(layout_at(1), B, documents=True)
     extra = packed_bytes(shape, document_mask=True, reset_position_ids=True, rotary=True)
     first = rows[True].first_stage_activation_bytes - rows[False].first_stage_activation_bytes
     assert first == 2 * SBH * config.num_layers + extra.ids + extra.tables

@@ -27,6 +27,7 @@ from lightning_sp.planner.search import search
 from lightning_sp.planner.steptime import step_time
 
 from cli_runs import CLI, ROOT, error_lines, run
+from models import layout_at
 
 LLAMA8B = os.path.join(ROOT, "configs", "llama3_8b.yaml")
 STRATEGY = "--trainer.strategy.init_args"
@@ -46,20 +47,21 @@ def main(argv: list[str]) -> int:
 
 
 def test_accumulation_runs_k_micro_batches_and_reduces_once() -> None:
-    """p = 1, d = 16 (two nodes), b = 1 with k = 4 accumulated micro-batches: the global
-    batch is b·k·d, the pipeline part k times one micro-batch's forward + backward (no
-    bubble), the gradient reduction once per step (what outlasts the last micro-batch's
-    backward), the optimizer once; tokens/s and MFU from that global batch. Beside it, b = 4
-    without accumulation (the same global batch): one larger micro-batch, whose longer
-    backward hides more of the reduction."""
-    one = Layout(config=SMALL, data_parallel_size=16, micro_batch_size=1)
+    """p = 1, t = 8, d = 16 (16 nodes: each data-parallel group has one rank per node, so its
+    reduction crosses the network through one adapter), b = 1 with k = 4 accumulated
+    micro-batches: the global batch is b·k·d, the pipeline part k times one micro-batch's
+    forward + backward (no bubble), the gradient reduction once per step (what outlasts the
+    last micro-batch's backward), the optimizer once; tokens/s and MFU from that global
+    batch. Beside it, b = 4 without accumulation (the same global batch): one larger
+    micro-batch, whose longer backward hides more of the reduction."""
+    one = Layout(config=SMALL, tensor_parallel_size=8, data_parallel_size=16, micro_batch_size=1)
     acc = dataclasses.replace(one, accumulate_grad_batches=4)
     wide = dataclasses.replace(one, micro_batch_size=4)
     assert (one.global_batch_size, acc.global_batch_size, wide.global_batch_size) == (16, 64, 64)
     t1, tk, tw = (step_time(x, H100_80GB) for x in (one, acc, wide))
     assert tk.parts["pipeline"] == pytest.approx(4 * t1.parts["pipeline"], rel=1e-12)
     assert tk.parts["bubble"] == 0.0
-    reduce = all_reduce_seconds(H100_80GB, 4 * parameters_per_rank(SMALL, 1, 1), 16, False)
+    reduce = all_reduce_seconds(H100_80GB, 4 * parameters_per_rank(SMALL, layout_at(8)), 16, False)
     backward = SMALL.num_layers * sum(tk.layer.backward.values())  # one micro-batch, no recompute
     assert tk.parts["dp_exposed"] == pytest.approx(max(0.0, reduce - backward), rel=1e-12)
     assert tk.parts["dp_exposed"] == t1.parts["dp_exposed"] > 0  # once per step, not k times
@@ -70,7 +72,8 @@ def test_accumulation_runs_k_micro_batches_and_reduces_once() -> None:
     assert tk.tokens_per_second == pytest.approx(64 * 1024 / tk.iteration_seconds, rel=1e-12)
     flops = model_flops_per_iteration(SMALL, 64)
     assert tk.mfu == pytest.approx(
-        flops / (tk.iteration_seconds * 16 * H100_80GB.peak_flops), rel=1e-12
+        flops / (tk.iteration_seconds * 128 * H100_80GB.peak_flops),
+        rel=1e-12,  # t·d GPUs
     )
     # the wider micro-batch's backward is 4x as long: more of the one reduction is hidden
     assert tw.parts["dp_exposed"] < tk.parts["dp_exposed"]

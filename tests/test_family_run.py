@@ -16,7 +16,9 @@ from test_hf_export import assert_held_out_loss, fit_and_export
 from test_interop_moe import float64_reference
 
 from lightning_sp import GPTConfig, GPTModule, OptimizerConfig
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.config_checks import check_model_layout
+from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.parallel.config import ParallelConfig
 
 from cli_runs import ROOT
 from hf_models import SEQ, transformers
@@ -30,7 +32,7 @@ def qwen3_tiny(**overrides: object) -> GPTConfig:
 
 def test_qwen3_tiny_config_is_a_qwen3() -> None:
     config = qwen3_tiny()
-    config.validate(2)
+    check_model_layout(config, ParallelConfig(tensor_parallel_size=2))
     assert (config.qk_norm, config.head_dim, config.hf_model_type) == ("head", 48, "qwen3")
 
 

@@ -180,7 +180,7 @@ def test_predict_and_cli_generate_from_a_checkpoint(tmp_path: Path) -> None:
     module = GPTModule(GPTConfig(**CONFIG), generation=generation)  # type: ignore[arg-type]
     prompts = TextDataModule(paths=str(corpus), seq_length=32, prompts=["def ", "return"])
     writer = TextPredictionWriter(str(tmp_path / "out"))
-    predictor = _trainer(strategy=MegatronSPStrategy(sequence_parallel=False), callbacks=[writer],
+    predictor = _trainer(strategy=MegatronSPStrategy(), callbacks=[writer],
                          enable_checkpointing=False)  # fmt: skip
     predicted = predictor.predict(module, prompts, ckpt_path=str(ckpt))
     assert predicted is not None and [p["prompt"] for p in predicted] == ["def ", "return"]

@@ -274,7 +274,7 @@ def _predict(module: GPTModule, data: TextDataModule, ckpt: Path) -> list[int]:
     predicted = L.Trainer(
         accelerator="cpu",
         devices=1,
-        strategy=MegatronSPStrategy(sequence_parallel=False),
+        strategy=MegatronSPStrategy(),
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -89,6 +89,29 @@ def test_no_import_runs_up_the_layers() -> None:
     assert not upward, "imports that run up the layers:\n" + "\n".join(upward)
 
 
+LOOP = ("training", "pipeline", "checkpoint", "callbacks")
+"""The folders that drive a model: they reach a part's modules only through the generic module
+hooks (``model/hooks.py``), never by importing the part."""
+
+
+def _part_imports(graph: dict[str, set[str]], part: str) -> list[str]:
+    """The imports of ``part`` (a folder under ``model``) by a module of :data:`LOOP`."""
+    return [
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if module.split(".")[0] in LOOP
+        for target in sorted(targets)
+        if target == part or target.startswith(f"{part}.")
+    ]
+
+
+def test_the_loop_imports_nothing_from_the_moe_folder() -> None:
+    found = _part_imports(_graph(), "model.moe")
+    assert not found, "training/pipeline/checkpoint/callbacks import the MoE folder:\n" + "\n".join(
+        found
+    )
+
+
 def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
     """The strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -134,6 +157,10 @@ def test_the_checker_sees_an_upward_import_and_a_circle() -> None:
     graph = {"parallel.a": {"training.b"}, "training.b": {"parallel.a"}, "model.c": set()}
     assert _circles(graph) == [{"parallel.a", "training.b"}]
     assert _layer("training.b") > _layer("parallel.a")
+    assert _part_imports({"training.x": {"model.moe.layer"}}, "model.moe") == [
+        "training.x imports model.moe.layer"
+    ]
     real = _graph()
     assert "parallel.state" in real["training.strategy"]  # the reader sees real imports
     assert "planner.layout" in real["planner.estimate"]
+    assert "model.moe.layer" in real["model.moe.part"]

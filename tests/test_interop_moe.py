@@ -29,7 +29,7 @@ from lightning_sp import GPT
 from lightning_sp.interop.hf import hf_layout, load_hf_weights, read_hf_config
 from lightning_sp.interop.hf_export import save_hf
 from lightning_sp.interop.hf_types import hf_model_type
-from lightning_sp.model.moe import MoE
+from lightning_sp.model.moe.layer import MoE
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.spawn import run_distributed
 

@@ -14,6 +14,8 @@ import torch
 
 from lightning_sp import GPT, ParallelState
 from lightning_sp.errors import ConfigError
+from lightning_sp.model.config_checks import check_model_layout
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.testing.spawn import run_distributed
 
 from models import (
@@ -100,8 +102,12 @@ def test_llama_layouts_match_single_process_float64(world_size: int) -> None:
 def test_kv_groups_and_tensor_parallel_size_must_divide_one_another() -> None:
     # past the head checks (t = 6 divides a = 12, h = 48); g = 4 and t divide neither way
     with pytest.raises(ConfigError, match=r"num_query_groups=4 and tensor_parallel_size=6"):
-        tiny_config("llama", num_heads=12, hidden_size=48, num_query_groups=4).validate(6)
+        check_model_layout(
+            tiny_config("llama", num_heads=12, hidden_size=48, num_query_groups=4),
+            ParallelConfig(tensor_parallel_size=6),
+        )
     with pytest.raises(ConfigError, match=r"num_query_groups=3 does not divide num_heads=8"):
-        _config(3).validate(1)
-    _config(2).validate(4)  # fewer groups than ranks: replicated, allowed
-    _config(8).validate(4)
+        _config(3).validate()
+    # fewer groups than ranks: replicated, allowed
+    check_model_layout(_config(2), ParallelConfig(tensor_parallel_size=4))
+    check_model_layout(_config(8), ParallelConfig(tensor_parallel_size=4))

@@ -38,7 +38,7 @@ from lightning_sp.model.recompute import PRESETS, RECOMPUTE_MODULES
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.config import ParallelConfig
 
-from models import feed_forward_terms, small_config
+from models import feed_forward_terms, layout_at, small_config
 
 S, B, H, A, T = 2048, 1, 12288, 96, 8
 SBH = S * B * H
@@ -70,7 +70,7 @@ def test_table2_row_names_and_shape_record() -> None:
     # the record from a GPTConfig carries every field the formulas read
     config = GPTConfig(vocab_size=51200, seq_length=S, hidden_size=H, num_layers=96,
                        num_heads=A, sequence_parallel=True)  # fmt: skip
-    assert config.activation_shape(T, B) == shape
+    assert config.activation_shape(layout_at(T), B) == shape
 
 
 def test_generalised_to_dtype_mask_size_and_ffn_width() -> None:
@@ -227,7 +227,7 @@ def test_fake_measurement_matches_formula_at_t4(
     got = measure_activations(
         config, ParallelConfig(tensor_parallel_size=t), micro_batch_size=b, layers=2
     )
-    shape = config.activation_shape(t, b)
+    shape = config.activation_shape(layout_at(t), b)
     if attention == "sdpa":  # traced as the fused kernel, i.e. without the CPU dropout fallback
         shape = dataclasses.replace(shape, attention_dropout=False)
     expected = activation_bytes_per_layer(shape, recompute)
@@ -251,7 +251,7 @@ def test_fake_measurement_of_a_full_k_model_follows_each_layer(rest: str) -> Non
     got = measure_activations(
         config, ParallelConfig(tensor_parallel_size=t), micro_batch_size=b, layers=2
     )
-    shape = config.activation_shape(t, b)
+    shape = config.activation_shape(layout_at(t), b)
     expected = [
         activation_bytes_per_layer(shape, policy) + layernorm_stats_bytes_per_layer(shape, policy)
         for policy in ("full", rest)
@@ -302,7 +302,7 @@ def test_fake_measurement_matches_formula_under_cp(
         micro_batch_size=b,
         layers=2,
     )
-    shape = config.activation_shape(t, b, context_parallel_size=c)
+    shape = config.activation_shape(layout_at(t, c=c), b)
     if attention == "sdpa":  # traced without attention dropout (see measure_activations)
         shape = dataclasses.replace(shape, attention_dropout=False)
     expected = activation_bytes_per_layer(shape, recompute)
@@ -310,5 +310,5 @@ def test_fake_measurement_matches_formula_under_cp(
     if shape.attention_dropout and recompute != "full":
         expected += CONTEXT_GENERATOR_STATE_BYTES["cpu"]
     assert got.per_layer_bytes == [expected] * 2
-    one = activation_bytes_per_layer(config.activation_shape(t, b), recompute)
+    one = activation_bytes_per_layer(config.activation_shape(layout_at(t), b), recompute)
     assert activation_bytes_per_layer(shape, recompute) <= one / c  # the core's scores go

@@ -21,7 +21,7 @@ from lightning_sp.memory.model_state import (
     stage_parameter_count,
 )
 
-from models import small_config
+from models import layout_at, small_config
 
 
 def test_model_state_bytes_per_parameter() -> None:
@@ -46,8 +46,8 @@ def test_parameter_count_of_gpt3_175b() -> None:
     assert model_parameter_count(config) == L * (12 * h * h + 13 * h) + (51200 + 2048) * h + 2 * h
     assert model_parameter_count(config) == pytest.approx(175e9, rel=0.01)
     # t=8, p=8: the first stage holds 12 layers' shards, the embedding shard and the positions
-    first = 12 * layer_parameter_count(h, 8) + 51200 // 8 * h + 2048 * h
-    assert parameters_per_rank(config, 8, 8) == first
+    first = 12 * layer_parameter_count(h, layout_at(8)) + 51200 // 8 * h + 2048 * h
+    assert parameters_per_rank(config, layout_at(8, p=8)) == first
 
 
 def _count(model: torch.nn.Module) -> int:
@@ -64,6 +64,8 @@ def test_parameter_count_matches_real_gpt_shards() -> None:
         state = ParallelState.from_process_group(2, 2, device="cpu")
         for stage, layers in ((0, range(0, 2)), (1, range(2, 4))):
             shard = GPT(config, state, layer_range=layers, device="meta")
-            assert _count(shard) == stage_parameter_count(config, 2, 2, stage), stage
-        assert parameters_per_rank(config, 2, 2) == stage_parameter_count(config, 2, 2, 0)
+            assert _count(shard) == stage_parameter_count(config, layout_at(2, p=2), stage), stage
+        assert parameters_per_rank(config, layout_at(2, p=2)) == stage_parameter_count(
+            config, layout_at(2, p=2), 0
+        )
     assert not dist.is_initialized()

@@ -5,15 +5,18 @@ one line."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
 import torch
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.model.experts import grouped_available, grouped_linear
-from lightning_sp.model.moe import MoE
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.model.moe.experts import grouped_available, grouped_linear
+from lightning_sp.model.moe.layer import MoE
+from lightning_sp.model.moe.router import Router
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.state import ParallelState
 
 transformers = pytest.importorskip("transformers")
@@ -40,7 +43,7 @@ def test_grouped_gemm_equals_loop(dtype: torch.dtype) -> None:
     results = []
     for grouped in (True, False):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        from lightning_sp.model.experts import _GroupedLinear
+        from lightning_sp.model.moe.experts import _GroupedLinear
 
         y = _GroupedLinear.apply(xi, wi, counts, grouped)
         y.backward(g)
@@ -175,6 +178,60 @@ def test_expert_bias_moves_towards_balance_and_only_chooses() -> None:
     assert torch.allclose(routed.weights, torch.ones_like(routed.weights))  # top-1 renormalised
 
 
+def _router(**fields: Any) -> Router:
+    """A float64 router over 4 experts whose logits are the token's own 4 values (``weight``
+    the identity), so the expected weights below are written by hand."""
+    config = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=F, score="sigmoid",
+                       router_dtype="fp64", **fields)  # fmt: skip
+    router = Router(4, config, sequence_parallel=False, init_std=0.02, dtype=torch.float64)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(4, dtype=torch.float64))
+    return router
+
+
+# logits ln 9, ln 3, 0, -ln 3: sigmoid scores 0.9, 0.75, 0.5, 0.25
+SIGMOID_LOGITS = torch.tensor([[math.log(9), math.log(3), 0.0, -math.log(3)]], dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "normalize,expected", [(False, [0.9, 0.75]), (True, [0.9 / 1.65, 0.75 / 1.65])]
+)
+def test_sigmoid_top2_weights_by_hand(normalize: bool, expected: list[float]) -> None:
+    """Sigmoid scores 0.9, 0.75, 0.5, 0.25, top-2: experts 0 and 1, weighing their own scores
+    0.9 and 0.75 with ``normalize_top_k: false`` (DeepSeek's ``norm_topk_prob`` off), or
+    0.9/1.65 and 0.75/1.65 renormalised."""
+    routed = _router(normalize_top_k=normalize)(SIGMOID_LOGITS, None)
+    assert routed.experts.tolist() == [[0, 1]]
+    got = routed.weights[0].tolist()
+    if not normalize:
+        assert got != pytest.approx([0.9 / 1.65, 0.75 / 1.65]), (
+            f"sigmoid router with normalize_top_k=false renormalised its top-k weights: {got}"
+        )
+    assert got == pytest.approx(expected, abs=1e-15), f"normalize_top_k={normalize}: {got}"
+
+
+@pytest.mark.parametrize(
+    "normalize,expected", [(False, [0.9, 0.25]), (True, [0.9 / 1.15, 0.25 / 1.15])]
+)
+def test_expert_bias_chooses_but_does_not_weigh_top2(
+    normalize: bool, expected: list[float]
+) -> None:
+    """Scores 0.9, 0.75, 0.5, 0.25 with the bias 0, 0, 0.3, 0.6: the biased scores 0.9, 0.75,
+    0.8, 0.85 choose experts 0 and 3 (the bias changed the second choice), which weigh their
+    *unbiased* scores 0.9 and 0.25 (renormalised: 0.9/1.15, 0.25/1.15); the bias leaking into
+    the weights would give 0.9 and 0.85 (0.9/1.75, 0.85/1.75)."""
+    router = _router(normalize_top_k=normalize, expert_bias=True)
+    assert router.expert_bias is not None
+    router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.3, 0.6]))
+    routed = router(SIGMOID_LOGITS, None)
+    assert sorted(routed.experts[0].tolist()) == [0, 3], routed.experts
+    order = routed.experts[0].argsort()
+    got = routed.weights[0][order].tolist()
+    leaked = [0.9, 0.85] if not normalize else [0.9 / 1.75, 0.85 / 1.75]
+    assert got != pytest.approx(leaked), f"the expert bias leaks into the combine weights: {got}"
+    assert got == pytest.approx(expected, abs=1e-15), f"normalize_top_k={normalize}: {got}"
+
+
 @pytest.mark.parametrize(
     "fields,layout,message",
     [
@@ -187,12 +244,14 @@ def test_expert_bias_moves_towards_balance_and_only_chooses() -> None:
 )
 def test_bad_settings_one_line(fields: dict, layout: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
-        MoEConfig(**fields).check_layout(**{"expert_parallel_size": 1, **layout})
+        MoEConfig(**fields).check_layout(ParallelConfig(**layout), sequence_parallel=False)
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
 def test_expert_parallel_size_must_divide_data_context_ranks() -> None:
-    from lightning_sp.parallel.state import check_expert_layout
+    def check_expert_layout(data_context_ranks: int, e: int) -> int:
+        layout = ParallelConfig(expert_parallel_size=e).for_world_size(data_context_ranks)
+        return layout.expert_data_parallel_size
 
     with pytest.raises(ConfigError, match="expert_parallel_size=4 does not divide") as info:
         check_expert_layout(6, 4)

@@ -10,14 +10,16 @@ import pytest
 import torch
 
 from lightning_sp.memory.saved import SavedTensorTracker
-from lightning_sp.model.moe import MoE
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.model.moe.layer import MoE
+from lightning_sp.model.moe.part import MoEFeedForward
 from lightning_sp.model.parts.base import INSIDE, OUTSIDE
-from lightning_sp.model.parts.moe import MoEFeedForward
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.spawn import run_distributed
+
+from models import layout_at, shape_at
 
 S, B, H = 32, 2, 64
 CONFIG = MoEConfig(num_experts=8, top_k=2, expert_ffn_size=32, num_shared_experts=1,
@@ -106,7 +108,7 @@ def test_fake_measurement_of_an_moe_model_equals_its_formula(t: int, etp: int) -
     )  # fmt: skip
     layout = ParallelConfig(tensor_parallel_size=t, expert_tensor_parallel_size=etp)
     measured = measure_activations(config, layout, micro_batch_size=2, layers=1)
-    shape = config.activation_shape(t, 2, expert_tensor_parallel_size=etp)
+    shape = config.activation_shape(layout_at(t, etp=etp), 2)
     expected = activation_bytes_per_layer(shape, "none") + layernorm_stats_bytes_per_layer(
         shape, "none"
     )
@@ -132,8 +134,10 @@ def test_mixtral_8x7b_parameters_total_active_and_per_rank() -> None:
     config = GPTConfig(**{**fields, "moe": MoEConfig(**fields["moe"])})
     assert model_parameter_count(config) == 46_702_792_704
     assert model_active_parameter_count(config) == 12_879_925_248
-    assert parameters_per_rank(config, 2, 4, 8) == 1_642_926_080
-    assert parameters_per_rank(config, 2, 4, 1) > 7 * parameters_per_rank(config, 2, 4, 8)
+    assert parameters_per_rank(config, layout_at(2, p=4, e=8)) == 1_642_926_080
+    assert parameters_per_rank(config, layout_at(2, p=4, e=1)) > 7 * parameters_per_rank(
+        config, layout_at(2, p=4, e=8)
+    )
 
 
 def test_qwen3_30b_a3b_parameters_total_and_active() -> None:
@@ -171,13 +175,13 @@ def test_step_time_prices_the_expert_all_to_alls() -> None:
         moe=MoEConfig(num_experts=8, top_k=2, expert_ffn_size=14336), attention="sdpa",
     )  # fmt: skip
     cluster = load_cluster("h100-80gb")
-    layer = layer_time(config, 2, 1, cluster, 1, 8)
+    layer = layer_time(shape_at(config, 2, 1, e=8), cluster)
     rows = 2 * 2 * 4096 // 2 * 4096  # bytes: bf16, k = 2, s·b/t tokens, h
     expected = all_to_all_seconds(cluster, rows, 8, 4)
     assert layer.forward["ep"] == layer.backward["ep"] == 2 * expected > 0
-    assert layer_time(config, 2, 1, cluster, 1, 1).forward["ep"] == 0
+    assert layer_time(shape_at(config, 2, 1, e=1), cluster).forward["ep"] == 0
     dense = dataclasses.replace(config, feed_forward="dense", moe=None)
-    assert layer_time(dense, 2, 1, cluster, 1, 8).forward["ep"] == 0
+    assert layer_time(shape_at(dense, 2, 1, e=8), cluster).forward["ep"] == 0
     layout = Layout(tensor_parallel_size=2, pipeline_parallel_size=4, data_parallel_size=8,
                     expert_parallel_size=8, num_microbatches=16, config=config)  # fmt: skip
     assert step_time(layout, cluster).parts["ep"] == 16 * 8 * 4 * expected
@@ -228,8 +232,8 @@ def test_estimate_shards_expert_optimizer_state_over_the_expert_data_group() -> 
     layout = Layout(data_parallel_size=8, expert_parallel_size=4, distributed_optimizer=True,
                     config=config)  # fmt: skip
     total, experts = (
-        parameters_per_rank(config, 1, 1, 4),
-        expert_parameters_per_rank(config, 1, 1, 4),
+        parameters_per_rank(config, layout_at(1, p=1, e=4)),
+        expert_parameters_per_rank(config, layout_at(1, p=1, e=4)),
     )
     assert experts == 4 * 8 * 3 * 64 * 32 // 4
     expected = (total - experts) * (6 + 12 / 8) + experts * (6 + 12 / 2)
@@ -261,18 +265,24 @@ def test_expert_tensor_parallel_size_reaches_the_estimate() -> None:
     assert cfg.moe is not None
     h, f_e, e = cfg.hidden_size, cfg.moe.expert_ffn_size, layout.expert_parallel_size
     half = cfg.num_layers // 4 * (cfg.moe.num_experts // e) * 3 * h * f_e // 2
-    assert parameters_per_rank(cfg, 2, 4, e, 2) == parameters_per_rank(cfg, 2, 4, e) - half
+    assert (
+        parameters_per_rank(cfg, layout_at(2, p=4, e=e, etp=2))
+        == parameters_per_rank(cfg, layout_at(2, p=4, e=e)) - half
+    )
     before, after = (estimate(x, measure=False) for x in (base, layout))
     assert after.parameters_per_rank == before.parameters_per_rank - half
     drop = before.rows[0].model_state_bytes - after.rows[0].model_state_bytes
     assert drop == 18 * half  # replicated mixed-precision Adam: 18 bytes per parameter
-    gemms = {g.name: g for g in layer_gemms(cfg, 2, 1, 1, etp=2)}
-    whole = {g.name: g for g in layer_gemms(cfg, 2, 1, 1)}
+    gemms = {g.name: g for g in layer_gemms(shape_at(cfg, 2, 1, etp=2))}
+    whole = {g.name: g for g in layer_gemms(shape_at(cfg, 2, 1))}
     assert gemms["expert_gate_up"].n == whole["expert_gate_up"].n // 2 == f_e
     assert gemms["expert_down"].k == f_e // 2
     assert gemms["expert_gate_up"].m == 2 * whole["expert_gate_up"].m  # all s tokens, not s/t
     cluster = load_cluster("h100-80gb")
-    one, split = layer_time(cfg, 2, 1, cluster, 1, e), layer_time(cfg, 2, 1, cluster, 1, e, 2)
+    one, split = (
+        layer_time(shape_at(cfg, 2, 1, e=e), cluster),
+        layer_time(shape_at(cfg, 2, 1, e=e, etp=2), cluster),
+    )
     unit = (split.forward["tp"] - one.forward["tp"]) / 2
     assert unit > 0 and split.backward["tp"] - one.backward["tp"] == 2 * unit
     with pytest.raises(ConfigError) as info:

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from lightning_sp import GPT, GPTConfig
-from lightning_sp.model.moe import MoE
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.model.moe.layer import MoE
 from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.grads import finalize_grads, global_grad_norm
 from lightning_sp.parallel.init import local_slice
@@ -141,8 +141,8 @@ def _worker(rank: int, world_size: int, names: list[str]) -> None:
 
 def test_moe_layouts_match_single_process_quick() -> None:
     """Two ranks, e = 2 over d = 2, t = 2 + SP (experts whole, and split over TP), and e = 2
-    over c = 2: top-2 with both auxiliary losses, capacity, and the sigmoid router with the
-    auxiliary-loss-free bias (its update sums the loads over data x context: issue 40)."""
+    over c = 2: top-2 with both auxiliary losses, capacity, and sigmoid scores with the
+    auxiliary-loss-free bias (its update's load summed over data x context)."""
     run_distributed(_worker, 2, ["top2", "capacity", "sigmoid_bias"])
 
 
@@ -294,7 +294,7 @@ def _expert_tensor_parallel_checkpoint(root: Path) -> None:
     finalize_grads(model, state, optimizer.grad_buffer)  # type: ignore[attr-defined]
     optimizer.step()
     layout = ParallelConfig(tensor_parallel_size=2, expert_tensor_parallel_size=2,
-                            sequence_parallel=True, distributed_optimizer=True)  # fmt: skip
+                            distributed_optimizer=True)  # fmt: skip
     meta = Meta(1, layout, dataclasses.asdict(config))
     Checkpointer().save(root / "etp2", model, [optimizer], meta=meta,
                         lightning_state={"global_step": 1}, rng=("rng.none", None))  # fmt: skip

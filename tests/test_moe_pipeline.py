@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from lightning_sp import GPT
-from lightning_sp.model.moe import MoE
-from lightning_sp.model.moe_config import MoEConfig
-from lightning_sp.model.moe_metrics import step_metrics
+from lightning_sp.model.hooks import step_metrics
+from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.model.moe.layer import MoE
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.testing.spawn import run_distributed

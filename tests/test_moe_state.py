@@ -28,8 +28,8 @@ from test_moe_trainer import moe_module
 from lightning_sp import GPT, GPTModule, ParallelState
 from lightning_sp.checkpoint import Checkpointer, Meta, read_full
 from lightning_sp.checkpoint.verify import check_checkpoint
-from lightning_sp.model.moe import MoE
-from lightning_sp.model.moe_metrics import step_metrics
+from lightning_sp.model.hooks import step_metrics
+from lightning_sp.model.moe.layer import MoE
 from lightning_sp.parallel.config import ParallelConfig
 
 from models import batch, loss_and_grads, relative_error, tiny_config
@@ -250,7 +250,7 @@ def test_expert_bias_stays_fp32_under_a_bf16_module() -> None:
     where fp32 arithmetic puts them. A bf16 bias does not (its spacing at 0.25 is 2^-9 ~ 2e-3:
     each +1e-3 rounds up to 2^-9 until 0.5, where it is below half the spacing 2^-8 and
     rounds away: it stalls at 0.5 instead of 0.55)."""
-    from lightning_sp.model.router import Router
+    from lightning_sp.model.moe.router import Router
 
     config = dataclasses.replace(MOE, bias_update_rate=1e-3)
     router = Router(8, config, sequence_parallel=False, init_std=0.02)

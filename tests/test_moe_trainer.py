@@ -26,7 +26,7 @@ from test_context_trainer import STEPS, assert_same_steps, assert_same_tensors, 
 
 from lightning_sp import GPTModule
 from lightning_sp.checkpoint import read_full
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
 
 from models import relative_error
 

@@ -27,6 +27,8 @@ from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
 from lightning_sp.memory.formulas import activation_bytes_per_layer, layernorm_stats_bytes_per_layer
 from lightning_sp.testing.spawn import run_distributed
 
+from models import layout_at
+
 S, B, H, A, LAYERS = 256, 2, 256, 8, 2
 SBH = S * B * H
 FAMILIES = {"qwen2": {}, "qwen3": {"kv_channels": 48}, "olmo2": {}}
@@ -79,7 +81,7 @@ CASES = [(t, row) for t in (1, 2, 4) for row in ROWS]
 @pytest.mark.parametrize(("t", "row"), CASES, ids=[f"t{t}-{row}" for t, row in CASES])
 def test_part_bytes_per_layer_equal_the_formula(t: int, row: str) -> None:
     config = _config(row, t)
-    shape = config.activation_shape(t, B)
+    shape = config.activation_shape(layout_at(t), B)
     expected = activation_bytes_per_layer(shape, config.recompute)
     stats = layernorm_stats_bytes_per_layer(shape, config.recompute)
     for rank, results in enumerate(measured(t)):

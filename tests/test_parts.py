@@ -37,9 +37,11 @@ from models import (
     assert_policies_agree,
     batch,
     context_shards,
+    layout_at,
     loss_and_grads,
     reference_model,
     relative_error,
+    shape_at,
     tiny_config,
     two_steps,
 )
@@ -173,7 +175,7 @@ def test_olmo2_query_key_norm_all_reduces_are_what_the_step_time_prices() -> Non
     are the part's declared collectives (:func:`layer_collectives`, which the step-time model
     prices) on every layer: as many calls, as many bytes, in forward and in backward."""
     config = part_config("olmo2", sequence_parallel=True)
-    [stats] = layer_collectives(config, 2, batch(config)[0].shape[0])
+    [stats] = layer_collectives(shape_at(config, 2, batch(config)[0].shape[0]))
     for calls in run_distributed(_qk_norm_reduce_worker, 2):
         for phase, count in (("forward", stats.forward), ("backward", stats.backward)):
             sizes = [n for p, n in calls if p == phase]
@@ -196,7 +198,7 @@ def test_gpt2_and_llama_layers_are_attention_then_mlp_pre_norm() -> None:
 def test_the_layer_is_the_sum_of_its_parts(case: str) -> None:
     """Terms, GEMMs, parameters and FLOPs of the layer are the parts' (and the residuals')."""
     config = part_config(case)
-    shape = config.activation_shape(2, 2)
+    shape = config.activation_shape(layout_at(2), 2)
     block = config.block()
     terms: dict[str, Any] = {}
     for sub in block.sublayers:
@@ -209,11 +211,11 @@ def test_the_layer_is_the_sum_of_its_parts(case: str) -> None:
     assert layer_saved_terms(shape) == {k: terms[k] for k in layer_saved_terms(shape)}
     assert set(layer_saved_terms(shape)) == set(terms)
     gemms = [g for p in block.parts for g in p.gemms(shape)]
-    assert layer_gemms(config, 2, 2) == gemms
+    assert layer_gemms(shape_at(config, 2, 2)) == gemms
     counted = sum(p.numel() for n, p in GPT(config, ParallelState.single(), device="meta")
                   .named_parameters() if n.startswith("layers.0."))  # fmt: skip
     assert layer_parameter_count(config.hidden_size, config=config) == counted
-    one = config.activation_shape(1, 3)
+    one = config.activation_shape(layout_at(1), 3)
     assert layer_forward_flops(config, 3) == sum(p.forward_flops(one) for p in block.parts)
 
 

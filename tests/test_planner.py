@@ -31,6 +31,7 @@ from lightning_sp.memory.formulas import (
     figure7_percentages,
     table2_bytes_per_layer,
 )
+from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.estimate import estimate, resolve_recompute
 from lightning_sp.planner.layout import Layout, parse_bytes
@@ -85,13 +86,13 @@ def test_configs_are_table3(name: str) -> None:
     assert layout.world_size == gpus
     assert (layout.global_batch_size, layout.micro_batch_size) == (global_batch, micro)
     assert (cfg.seq_length, cfg.vocab_size) == (2048, 51200)
-    assert layout.sequence_parallel and layout.recompute == "none"
+    assert layout.config.sequence_parallel and layout.recompute == "none"
     assert cfg.attention == "sdpa"  # so none holds what selective holds with math attention
     # a real fit config: the keys the model, strategy and data module take
     raw = _raw(name)
     assert raw["trainer"]["strategy"]["class_path"] == "lightning_sp.MegatronSPStrategy"
     assert raw["trainer"]["precision"] == "bf16-true"
-    GPTConfig(**raw["model"]["config"]).validate(t)
+    check_model_layout(GPTConfig(**raw["model"]["config"]), ParallelConfig(tensor_parallel_size=t))
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -272,7 +273,10 @@ def test_search_175b_on_1024_gpus_ranks_the_papers_layout_high(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``estimate --search`` for GPT-3 175B on 1024 A100s (global batch 1024): a ranked table
-    of layouts that fit; the best row with the paper's t=8, p=8, m=3, b=1 is in the top 5."""
+    of layouts that fit; the best row with the paper's t=8, p=8, m=3, b=1 is in the top 1%
+    (rank 143 of 15984), 5.4% behind the first. (It was 4th until the data-parallel
+    reduction of a group with several ranks in a node was priced through all their network
+    adapters: layouts at t < 8, c = 2 now lead, docs/planner.md.)"""
     from lightning_sp.planner.search import search
 
     layout = read_layout(
@@ -291,7 +295,9 @@ def test_search_175b_on_1024_gpus_ranks_the_papers_layout_high(
         for i, x in enumerate(found.ranked, 1)
         if x.key()[:5] == (8, 8, 3, 1, 1)  # t, p, m, c, b
     )
-    assert paper <= 5, paper
+    assert paper <= len(found.ranked) // 100, paper
+    behind = found.ranked[paper - 1].row.iteration_seconds / times[0] - 1
+    assert 0 < behind < 0.06, f"the paper's layout {behind:.1%} behind the first"
     args = ["--config", CONFIGS["gpt175b"], "--trainer.num_nodes", "128"]
     assert main([*args, "--model.config.attention", "math", "--search", "true", "--top", "5"]) == 0
     table = capsys.readouterr().out
@@ -354,10 +360,6 @@ BAD = [  # (fit overrides of gpt175b.yaml, fragments the one-line message must c
         ["num_microbatches=4", "pipeline_parallel_size=8"],
     ),
     ([f"{STRATEGY}.virtual_pipeline_size", "0"], ["virtual_pipeline_size=0", "positive"]),
-    (
-        [f"{STRATEGY}.sequence_parallel", "false"],
-        ["trainer.strategy.sequence_parallel=False", "model.config.sequence_parallel=True"],
-    ),
     (["--trainer.devices", "auto"], ["trainer.devices='auto'"]),
     (["--layers", "0"], ["--layers=0", "positive"]),
     (["--device_memory", "lots"], ["--device_memory='lots'", "80GiB"]),
@@ -378,13 +380,14 @@ def test_config_errors_are_one_line(overrides: list[str], fragments: list[str]) 
 
 @pytest.mark.parametrize(
     "overrides",
-    [["--model.config.hiden_size", "1"]],
-    ids=["unknown-field"],
+    [["--model.config.hiden_size", "1"], [f"{STRATEGY}.sequence_parallel", "false"]],
+    ids=["unknown-field", "moved-to-model-config"],
 )
 def test_the_fit_parser_rejects_what_fit_rejects(
     overrides: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Types and field names are ``fit``'s parser's to check: it names the key and exits 2."""
+    """Types and field names are ``fit``'s parser's to check: it names the key and exits 2
+    (a strategy argument that moved, ``sequence_parallel``, with where it lives now)."""
     with pytest.raises(SystemExit) as info:
         main(["--config", CONFIGS["gpt175b"], *overrides])
     assert info.value.code == 2
@@ -410,7 +413,7 @@ def test_fit_overrides_change_the_estimate(capsys: pytest.CaptureFixture[str]) -
         2 * first.first_stage_activation_bytes, rel=1e-9
     )
     tp_only = read_layout("gpt175b", "--model.config.sequence_parallel", "false")
-    assert not tp_only.sequence_parallel and base.sequence_parallel
+    assert not tp_only.config.sequence_parallel and base.config.sequence_parallel
     tp_rows = estimate(tp_only, measure=False)
     assert [(r.sequence_parallel, r.recompute) for r in tp_rows.rows if r.selected] == [
         (False, "none")

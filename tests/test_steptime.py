@@ -43,6 +43,7 @@ from lightning_sp.planner.ops import Gemm, backward_gemms, layer_collectives, la
 from lightning_sp.planner.steptime import layer_time, step_time
 
 from cli_runs import ROOT
+from models import layout_at, shape_at
 
 A100 = A100_80GB
 # a small GPT: s=512, h=1024, a=16, L=8, v=1000 (padded 1024 at t <= 8)
@@ -78,7 +79,7 @@ def test_layer_gemms_are_the_flops_module_count() -> None:
     )  # fmt: skip
     for config in (SMALL, dataclasses.replace(SMALL, ffn_hidden_size=3000), llama):
         for t in (1, 2, 4):
-            per_rank = sum(g.flops for g in layer_gemms(config, t, b=3))
+            per_rank = sum(g.flops for g in layer_gemms(shape_at(config, t, 3)))
             logits = 2 * 3 * config.seq_length * config.hidden_size * config.vocab_size
             whole = (forward_flops_per_iteration(config, 3) - logits) / config.num_layers
             assert per_rank * t == pytest.approx(whole, rel=1e-12)
@@ -119,9 +120,9 @@ def test_layer_tp_terms_by_hand() -> None:
     t, b = 4, 2
     unit = gather_seconds(A100, 2 * 512 * b * 1024, t, True)
     for sp in (False, True):
-        lt = layer_time(dataclasses.replace(SMALL, sequence_parallel=sp), t, b, A100)
+        lt = layer_time(shape_at(dataclasses.replace(SMALL, sequence_parallel=sp), t, b), A100)
         assert lt.forward["tp"] == pytest.approx(4 * unit)
-        gemms = {g.name: g for g in layer_gemms(SMALL, t, b)}
+        gemms = {g.name: g for g in layer_gemms(shape_at(SMALL, t, b))}
         dgrad = {n: gemm_seconds(A100, backward_gemms(gemms[n])[0]) for n in ("qkv", "fc1")}
         wgrad = {n: gemm_seconds(A100, backward_gemms(gemms[n])[1]) for n in ("qkv", "fc1")}
         if sp:
@@ -129,7 +130,7 @@ def test_layer_tp_terms_by_hand() -> None:
         else:
             want = sum(max(0, 2 * unit - wgrad[n]) for n in wgrad)
         assert lt.backward["tp"] == pytest.approx(want)
-    alone = layer_time(SMALL, 1, b, A100)
+    alone = layer_time(shape_at(SMALL, 1, b), A100)
     assert alone.forward["tp"] == alone.backward["tp"] == 0.0
 
 
@@ -144,15 +145,18 @@ def test_olmo2_query_key_norm_all_reduces_priced() -> None:
     per_head = dataclasses.replace(olmo2, qk_norm="head")  # Qwen3's: whole heads, no reduce
     reduce = all_reduce_seconds(A100, 4 * s * b, t, True)
     for norm in ("projection", "head"):
-        plain = layer_time(dataclasses.replace(olmo2, qk_norm=None), t, b, A100)
-        lt = layer_time(olmo2 if norm == "projection" else per_head, t, b, A100)
+        plain = layer_time(shape_at(dataclasses.replace(olmo2, qk_norm=None), t, b), A100)
+        lt = layer_time(shape_at(olmo2 if norm == "projection" else per_head, t, b), A100)
         extra = 2 * reduce if norm == "projection" else 0.0
         assert lt.forward["tp"] - plain.forward["tp"] == pytest.approx(extra, abs=1e-15)
         assert lt.backward["tp"] - plain.backward["tp"] == pytest.approx(extra, abs=1e-15)
-    [stats] = layer_collectives(olmo2, t, b)
+    [stats] = layer_collectives(shape_at(olmo2, t, b))
     assert (stats.nbytes, stats.forward, stats.backward) == (4 * s * b, 2, 2)
-    assert layer_collectives(olmo2, 1, b) == [] and layer_collectives(per_head, t, b) == []
-    alone = layer_time(olmo2, 1, b, A100)
+    assert (
+        layer_collectives(shape_at(olmo2, 1, b)) == []
+        and layer_collectives(shape_at(per_head, t, b)) == []
+    )
+    alone = layer_time(shape_at(olmo2, 1, b), A100)
     assert alone.forward["tp"] == alone.backward["tp"] == 0.0
 
 
@@ -160,7 +164,7 @@ def test_more_tensor_parallelism_more_tp_time() -> None:
     """TP communication per layer grows with t (the same message, (t-1)/t of it per GPU),
     and jumps once the group leaves the node (t = 16 on nodes of 8)."""
     config = dataclasses.replace(SMALL, sequence_parallel=True)
-    times = [layer_time(config, t, 2, A100) for t in (2, 4, 8, 16)]
+    times = [layer_time(shape_at(config, t, 2), A100) for t in (2, 4, 8, 16)]
     tp = [x.forward["tp"] + x.backward["tp"] for x in times]
     assert tp == sorted(tp) and len(set(tp)) == 4
     assert tp[3] > 5 * tp[2]  # InfiniBand: 20 GB/s against NVLink's 235
@@ -171,18 +175,18 @@ def test_recompute_replays_by_hand() -> None:
     the FLOPs its descriptor redoes are exactly the core's two GEMMs; under sdpa it does not
     act; ``layernorm`` replays two LayerNorm forwards (4 bytes per element)."""
     t, b = 2, 2
-    lt = layer_time(SMALL, t, b, A100)
+    lt = layer_time(shape_at(SMALL, t, b), A100)
     assert lt.recompute_seconds("full", "math") == pytest.approx(sum(lt.forward.values()))
     assert lt.recompute_seconds("selective", "math") == pytest.approx(lt.forward["attention"])
     assert lt.recompute_seconds("none", "math") == 0.0
-    shape = SMALL.activation_shape(t, b)
-    core = [g for g in layer_gemms(SMALL, t, b) if g.tag == "core_attn"]
+    shape = SMALL.activation_shape(layout_at(t), b)
+    core = [g for g in layer_gemms(shape_at(SMALL, t, b)) if g.tag == "core_attn"]
     assert RECOMPUTE_MODULES["core_attn"].redone_flops(shape) / t == sum(g.flops for g in core)
     sbh = 512 * b * 1024
     assert lt.replays["layernorm"] == pytest.approx(memory_seconds(A100, 2 * 4 * sbh))
     lean = lt.recompute_seconds("lean", "math")
     assert lean == pytest.approx(sum(lt.replays.values()))
-    sdpa = layer_time(dataclasses.replace(SMALL, attention="sdpa"), t, b, A100)
+    sdpa = layer_time(shape_at(dataclasses.replace(SMALL, attention="sdpa"), t, b), A100)
     assert sdpa.recompute_seconds("selective", "sdpa") == 0.0
     assert sdpa.forward["attention"] < lt.forward["attention"]  # no s x s through HBM
 
@@ -196,7 +200,7 @@ def test_iteration_without_pipeline_by_hand() -> None:
     layout = small(t=2, n=3, b=2, recompute="selective")
     st = step_time(layout, A100)
     layers = 8 * st.layer.seconds("selective", "math")
-    params = parameters_per_rank(SMALL, 2, 1)
+    params = parameters_per_rank(SMALL, layout_at(2))
     optimizer = memory_seconds(A100, 38 * params)
     assert st.parts["optimizer"] == pytest.approx(optimizer), (
         f"optimizer {st.parts['optimizer']:.3e} s, 38 B x {params} parameters through HBM is "
@@ -251,7 +255,7 @@ def test_data_parallel_reduction_overlaps_the_last_backward() -> None:
     for zero in (False, True):
         layout = dataclasses.replace(small(t=2, d=4, n=2), distributed_optimizer=zero)
         st = step_time(layout, A100)
-        params = parameters_per_rank(SMALL, 2, 1)
+        params = parameters_per_rank(SMALL, layout_at(2))
         if zero:
             reduce = gather_seconds(A100, 4 * params, 4, True)
             gather = gather_seconds(A100, 2 * params, 4, True)

@@ -240,25 +240,6 @@ def test_trainer_step_with_accumulation_is_the_global_token_mean(tmp_path: Path)
         assert err <= RTOL, f"{name}: gradient relative error {err:.2e}"
 
 
-def test_loss_mask_with_experts_is_refused_in_one_line() -> None:
-    """The step's token mean rescales every gradient once the step's count is known, the MoE
-    auxiliary losses' share with it: a masked batch on an MoE model is one line, not a silently
-    mis-weighted load-balancing loss."""
-    from lightning_sp import ConfigError
-    from lightning_sp.model.moe_config import MoEConfig
-
-    moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=32)
-    module = GPTModule(tiny_config("llama", feed_forward="moe", moe=moe))
-    module.configure_model()
-    ids = torch.randint(0, 64, (2, 16))
-    batch = {"input_ids": ids, "labels": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool)}
-    with pytest.raises(ConfigError, match=r"^a per-token loss mask .* mixture-of-experts model "
-                       r"is not supported yet; train it without loss masks$"):  # fmt: skip
-        module._loss(batch, train=False)
-    del batch["loss_mask"]
-    assert torch.isfinite(module._loss(batch, train=False))  # without a mask it trains
-
-
 class _SaveStep(Callback):
     """In each spawned rank: this rank's gradients after the step (by global name) and the
     step's loss in float64 (the returned sum over the batch's counted tokens divided by their

@@ -238,12 +238,12 @@ class ActivationMemoryMonitor(Callback):
         """Table 2 for this model, averaged over ``gpt``'s layers (see ``_record``)."""
         config, state = gpt.config, gpt.state
         shape = config.activation_shape(  # s: the whole sequence; a CP rank holds s/c of it
-            state.tensor_parallel_size, b, seq_length=s,
+            state.layout,
+            b,
+            seq_length=s,
+            documents=self._documents,
             activation_bytes=next(gpt.parameters()).element_size(),
-            context_parallel_size=state.context_parallel_size, documents=self._documents,
-            expert_parallel_size=state.expert_parallel_size,
-            expert_tensor_parallel_size=state.expert_tensor_parallel_size,
-        )  # fmt: skip
+        )
         return sum(
             activation_bytes_per_layer(shape, config.layer_recompute(i))
             for i in range(len(gpt.layers))

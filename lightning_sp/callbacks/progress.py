@@ -7,7 +7,9 @@ collects from every callback that has it.
 
 Reading logged tensors for display synchronises host and device (``.item()``), so the items
 are refreshed on logging steps only (every trainer ``log_every_n_steps``) and at the end of
-validation; between them the bar shows the last values.
+validation; between them the bar shows the last values. Lightning converts every metric logged
+with ``prog_bar=True`` at the end of *every* step, so ``GPTModule`` logs ``train/loss`` without
+it and this bar reads it (:data:`PULLED`) from ``trainer.callback_metrics`` on its refresh steps.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ SHOWN: dict[str, Shown] = {
     "train/grad_norm": Shown("|g|", "{:.2f}".format),
 }
 """Metrics logged with ``prog_bar=True`` that the bar renames; others pass through as logged."""
+
+PULLED = ("train/loss",)
+"""Metrics logged without ``prog_bar`` (so that no step reads them to the host) that the bar
+shows anyway, read from ``trainer.callback_metrics`` when it refreshes."""
 
 
 def si_format(value: float) -> str:
@@ -72,7 +78,12 @@ class ProgressBar(TQDMProgressBar):
             return self._items
         self._refreshed_step = trainer.global_step if trainer.training else None
         items: dict[str, Any] = {}
-        for name, value in super().get_metrics(trainer, pl_module).items():
+        metrics = super().get_metrics(trainer, pl_module)
+        logged = trainer.callback_metrics
+        for name in PULLED:
+            if name not in metrics and name in logged:
+                metrics[name] = float(logged[name])
+        for name, value in metrics.items():
             shown = SHOWN.get(name)
             if shown is not None and isinstance(value, int | float):
                 items[shown.label] = shown.format(value)

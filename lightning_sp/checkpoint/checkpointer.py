@@ -273,7 +273,9 @@ class Checkpointer:
     ) -> dict[str, Any]:
         """Load weights, persistent buffers and optimizer state in place into ``module`` and
         ``optimizers`` (any layout) and return Lightning's state, with this rank's ``rng``
-        state when the layout is the one that saved it, and under ``missing_buffers`` the keys
+        state when the layout is the one that saved it (:meth:`ParallelConfig.same_shards`)
+        and so is the model's ``sequence_parallel`` (``model_config``'s against the
+        recorded model's), and under ``missing_buffers`` the keys
         of the module's buffers the checkpoint lacks (saved before checkpoints held buffers;
         set to zero). Errors are one :class:`ConfigError`, the same on every rank."""
         error = None
@@ -291,7 +293,8 @@ class Checkpointer:
         try:
             chunks = gpt_chunks(module)
             if chunks:
-                check_architecture(metadata, meta, chunks[0].config)
+                lora = getattr(module, "lora", None)  # a LoRA run's adapters are saved too
+                check_architecture(metadata, meta, chunks[0].config, lora)
             check_shapes(metadata, global_shapes(module), meta, model_config)
         except ConfigError as exc:
             error = str(exc)
@@ -305,8 +308,10 @@ class Checkpointer:
         }
         state["lightning"] = None
         state["optim.param_groups"] = None
-        same_layout = meta.layout.same_shards(layout)
-        if same_layout and rng_name in stored:
+        # the dropout streams are per shard: the same layout and the same sequence parallelism
+        # (the model config's: an SP rank's sharded stream draws for s/t tokens, not s)
+        same_sp = meta.model.get("sequence_parallel") == model_config.get("sequence_parallel")
+        if meta.layout.same_shards(layout) and same_sp and rng_name in stored:
             state[rng_name] = None
         dcp.load(state, storage_reader=FileSystemReader(data), planner=GlobalLoadPlanner(shards))
         missing = [k for k, _ in buffer_entries(module) if k not in stored]

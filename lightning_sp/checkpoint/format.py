@@ -16,6 +16,9 @@ FORMAT = "lightning_sp.dcp"
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 DCP_METADATA = ".metadata"
+FORMER_LAYOUT_FIELDS = ("sequence_parallel",)
+"""Keys a ``meta.json`` layout may hold that the layout no longer has (sequence parallelism
+is the model config's, recorded in ``model``); read and skipped."""
 
 
 @dataclass
@@ -25,8 +28,11 @@ class Meta:
     step: int
     layout: ParallelConfig
     """The run's layout (files written before micro-batches and the distributed optimizer
-    were recorded read with their defaults)."""
+    were recorded read with their defaults; the ``sequence_parallel`` of files written while
+    the layout also held it is skipped: :data:`FORMER_LAYOUT_FIELDS`)."""
     model: dict[str, Any]
+    """The model config (:meth:`~lightning_sp.model.config.GPTConfig.values`; ``{}`` for a
+    module without a GPT), its ``sequence_parallel`` included."""
     format: str = FORMAT
     version: int = FORMAT_VERSION
     checksums: dict[str, int] = field(default_factory=dict)
@@ -38,7 +44,8 @@ class Meta:
     @classmethod
     def read(cls, path: Path) -> Meta:
         data = json.loads((path / META_FILE).read_text())
-        return cls(**dict(data, layout=ParallelConfig(**data["layout"])))
+        layout = {k: v for k, v in data["layout"].items() if k not in FORMER_LAYOUT_FIELDS}
+        return cls(**dict(data, layout=ParallelConfig(**layout)))
 
 
 def rng_key(

@@ -84,36 +84,29 @@ def saved_config(meta: Meta) -> Any:
     return GPTConfig.from_values({k: v for k, v in meta.model.items() if k in known})
 
 
-def check_architecture(metadata: Metadata, meta: Meta, config: Any) -> None:
+def check_architecture(metadata: Metadata, meta: Meta, config: Any, lora: Any = None) -> None:
     """The model ``config`` (a ``GPTConfig``) is the architecture the checkpoint was trained
-    with: every field of :func:`~lightning_sp.model.config.architecture` equal, and every
-    tensor the checkpoint holds a parameter or persistent buffer of this model. Else one
-    :class:`ConfigError` line naming each differing field with both values (or the tensor
-    this model lacks). Fields that may change on resume
-    (:data:`~lightning_sp.model.config.RESUMABLE_FIELDS`) are not compared."""
-    import torch
+    with: its :attr:`~lightning_sp.model.config.GPTConfig.architecture` record equal, whole
+    (the MoE shape included), and every tensor the checkpoint holds a parameter or persistent
+    buffer of this model. Else one :class:`ConfigError` line naming each differing field
+    (``moe.top_k`` for an MoE one) with both values (or the tensor this model lacks). The run
+    settings (:class:`~lightning_sp.model.run_settings.RunSettings`) may differ. ``lora`` (a
+    ``LoRAConfig``): the model carries those adapters (a LoRA run's checkpoint holds them)."""
 
     from lightning_sp.checkpoint.shards import buffer_entries, global_shapes
-    from lightning_sp.model.config import architecture
-    from lightning_sp.model.gpt import GPT
-    from lightning_sp.parallel.state import ParallelState
 
     if meta.model:
-        mine, saved = architecture(config), architecture(saved_config(meta))
         differ = [
-            f"model.config.{name}={mine[name]!r} but the checkpoint was trained with "
-            f"{name}={saved.get(name)!r}"
-            for name in mine
-            if mine[name] != saved.get(name)
+            f"model.config.{name}={mine!r} but the checkpoint was trained with {name}={theirs!r}"
+            for name, mine, theirs in config.architecture.differences(
+                saved_config(meta).architecture
+            )
         ]
         if differ:
             raise ConfigError(
                 f"{'; '.join(differ)}: another architecture; load it with the checkpoint's values"
             )
-    if config.recompute == "auto":  # resolved per device at run time; weights do not depend on it
-        config = dataclasses.replace(config, recompute="none")
-    with torch.device("meta"):
-        model = GPT(config, ParallelState.single("meta"), device="meta")
+    model = _shapes_model(config, lora)
     shapes = global_shapes(model) | dict(buffer_entries(model))
     for key, entry in metadata.state_dict_metadata.items():
         tensor = key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
@@ -122,6 +115,31 @@ def check_architecture(metadata: Metadata, meta: Meta, config: Any) -> None:
                 f"the checkpoint holds {key}, which this model lacks; load it into the model "
                 "it was trained with"
             )
+
+
+def _shapes_model(config: Any, lora: Any) -> Any:
+    """A model of ``config`` on the ``meta`` device (its tensors' names and shapes), with
+    ``lora``'s adapters when given."""
+    import torch
+
+    from lightning_sp.model.gpt import GPT
+    from lightning_sp.model.lora import apply_lora
+    from lightning_sp.parallel.state import ParallelState
+
+    with torch.device("meta"):
+        model = GPT(_for_shapes(config), ParallelState.single("meta"), device="meta")
+    if lora is not None:
+        apply_lora(model, lora)
+    return model
+
+
+def _for_shapes(config: Any) -> Any:
+    """``config`` as a model built only for its tensors' names and shapes runs it: without
+    recomputation (a policy never changes a shape; ``auto`` is resolved per device at run
+    time)."""
+    from lightning_sp.model.recompute import NO_RECOMPUTE
+
+    return dataclasses.replace(config, recompute=NO_RECOMPUTE)
 
 
 def check_shapes(
@@ -170,20 +188,13 @@ def read_full(path: Path) -> dict[str, Any]:
     return state
 
 
-def check_checkpoint(ckpt_path: str, model_config: Any) -> None:
+def check_checkpoint(ckpt_path: str, model_config: Any, lora: Any = None) -> None:
     """The checkpoint exists, is intact, was trained with this model's architecture
-    (:func:`check_architecture`), and its tensors have this model's shapes."""
-    import torch
-
+    (:func:`check_architecture`; ``lora``: with those adapters), and its tensors have this
+    model's shapes."""
     from lightning_sp.checkpoint.shards import global_shapes
-    from lightning_sp.model.gpt import GPT
-    from lightning_sp.parallel.state import ParallelState
 
     meta, metadata = verify(Path(ckpt_path))
-    check_architecture(metadata, meta, model_config)
-    config = model_config
-    if config.recompute == "auto":  # resolved per device at run time; shapes do not depend on it
-        config = dataclasses.replace(config, recompute="none")
-    with torch.device("meta"):
-        model = GPT(config, ParallelState.single("meta"), device="meta")
-    check_shapes(metadata, global_shapes(model), meta, dataclasses.asdict(model_config))
+    check_architecture(metadata, meta, model_config, lora)
+    model = _shapes_model(model_config, lora)
+    check_shapes(metadata, global_shapes(model), meta, model_config.values())

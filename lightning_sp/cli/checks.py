@@ -122,11 +122,14 @@ def check_generate_layout(config: Any, t: int) -> None:
     key/value groups), before any rank starts."""
     import dataclasses
 
+    from lightning_sp.model.config_checks import check_model_layout
+    from lightning_sp.parallel.config import ParallelConfig
+
     config = dataclasses.replace(config, sequence_parallel=False)
 
     def fits(size: int) -> bool:
         try:
-            config.validate(size)
+            check_model_layout(config, ParallelConfig(tensor_parallel_size=size))
         except ConfigError:
             return False
         return True
@@ -153,6 +156,18 @@ def check_predict_layout(subcommand: str | None, args: dict[str, Any]) -> None:
             )
 
 
+def _lora(model: Any) -> Any:
+    """The adapters of a parsed ``model`` section: ``model.lora`` as the record, else those of
+    ``model.adapter_from``'s directory; None for a full fine-tune."""
+    from lightning_sp.interop.peft import read_adapter_config
+    from lightning_sp.model.lora import LoRAConfig
+
+    lora, adapter_from = getattr(model, "lora", None), getattr(model, "adapter_from", None)
+    if lora is None:
+        return read_adapter_config(adapter_from) if adapter_from is not None else None
+    return lora if isinstance(lora, LoRAConfig) else LoRAConfig(**dict(vars(lora)))
+
+
 def check_fit_config(config: Any, subcommand: str | None = None) -> None:
     """Every check that needs only a parsed ``fit`` / ``validate`` / ``test`` / ``predict``
     config (a jsonargparse Namespace): strategy arguments, precision, layout against the
@@ -161,11 +176,15 @@ def check_fit_config(config: Any, subcommand: str | None = None) -> None:
     architecture and shapes)."""
     from lightning_sp.checkpoint.verify import check_checkpoint
     from lightning_sp.model.config import GPTConfig
+    from lightning_sp.model.config_checks import check_model_layout
+    from lightning_sp.parallel.config import ParallelConfig
 
     trainer = config.trainer
     args = _strategy_init_args(trainer.strategy)
     model_config = GPTConfig.from_values(config.model.config)  # nested mappings as records
-    model_config.validate(1)
+    layout = ParallelConfig()  # another strategy: data parallelism, the whole model per rank
+    if subcommand in (None, "fit") and model_config.moe is not None:
+        model_config.moe.check_trainable()
     if args is not None:
         layout = check_strategy_args(**args)
         check_precision(trainer.precision)
@@ -173,14 +192,8 @@ def check_fit_config(config: Any, subcommand: str | None = None) -> None:
         devices = device_count(trainer.devices, trainer.accelerator)
         if devices > 0:
             layout = layout.for_world_size(devices * int(trainer.num_nodes or 1))
-            layout = layout.with_sequence_parallel(model_config.sequence_parallel)
-            model_config.validate(
-                layout.tensor_parallel_size,
-                layout.expert_parallel_size,
-                layout.expert_tensor_parallel_size,
-            )
-            layout.check_sequence_length(model_config.seq_length, model_config.sequence_parallel)
+    check_model_layout(model_config, layout)  # the one check of the model against the layout
     check_optimizer(config.model.optimizer)
     ckpt_path = getattr(config, "ckpt_path", None)
     if ckpt_path and ckpt_path not in ("last", "hpc", "best", "registry"):
-        check_checkpoint(ckpt_path, model_config)
+        check_checkpoint(ckpt_path, model_config, _lora(config.model))  # its adapters too

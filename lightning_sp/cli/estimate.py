@@ -28,14 +28,17 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from typing_extensions import override
 
 from lightning_sp.cli.fit import GPTCLI, Unseeded
+from lightning_sp.cli.init_from import complete_from_directory
 from lightning_sp.data import TextDataModule
 from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.lora import LoRAConfig
 from lightning_sp.parallel.config import ParallelConfig
-from lightning_sp.parallel.state import check_layout
 from lightning_sp.planner.cluster import load_cluster
+from lightning_sp.planner.dpo import format_reference, reference_cost
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.layout import Layout, PlannerOptions, parse_bytes
+from lightning_sp.planner.lora import format_lora, lora_estimate
 from lightning_sp.planner.report import (
     _candidate_json,
     check_plot_path,
@@ -172,28 +175,22 @@ def layout_from_fit(
             "integer (micro-batches accumulated per optimizer step)"
         )
     accumulate = positive_int("trainer.accumulate_grad_batches", accumulate_grad_batches)
-    parallel = strategy_layout(strategy)
-    t, p, c, n = (
-        parallel.tensor_parallel_size,
-        parallel.pipeline_parallel_size,
-        parallel.context_parallel_size,
-        parallel.num_microbatches,
-    )
-    world = gpus_per_node * nodes
+    world, parallel = gpus_per_node * nodes, strategy_layout(strategy)
     try:
-        d = check_layout(world, t, p, c)
+        parallel = parallel.for_world_size(world)
     except ConfigError as exc:
         raise ConfigError(
             f"trainer.devices={gpus_per_node} x trainer.num_nodes={nodes} = {world} GPUs must "
             f"be t * c * p * d: {exc}"
         ) from None
+    n = parallel.num_microbatches
     if batch % n:
         raise ConfigError(
             f"data.batch_size={batch} is not divisible by num_microbatches={n} (micro-batch = "
             f"batch_size / num_microbatches); num_microbatches must be one of {divisors(batch)}"
         )
     layout = Layout(
-        **dataclasses.asdict(parallel) | {"data_parallel_size": d},
+        **dataclasses.asdict(parallel),
         config=model_config,
         micro_batch_size=batch // n,
         accumulate_grad_batches=accumulate,
@@ -221,6 +218,14 @@ class FitLayoutCLI(LightningCLI):
     options: PlannerOptions
     """The planner's own options."""
 
+    lora: LoRAConfig | None = None
+    """``model.lora``: the run trains adapters on a frozen base (priced next to its full
+    fine-tune, :mod:`lightning_sp.planner.lora`)."""
+
+    reference: str | None = None
+    """``model.dpo``'s reference kind, resolved (``copy``, ``adapters``, ``precomputed``;
+    priced by :mod:`lightning_sp.planner.dpo`); ``None``: not a DPO run."""
+
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         super().add_arguments_to_parser(parser)
@@ -229,6 +234,7 @@ class FitLayoutCLI(LightningCLI):
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         self.config = parser.parse_args(args)  # args: the words after ``estimate``
+        complete_from_directory(parser, args, self.config)  # sizes left to model.init_from
 
     @override
     def instantiate_classes(self) -> None:
@@ -264,6 +270,9 @@ class FitLayoutCLI(LightningCLI):
             reset_position_ids=bool(data.get("reset_position_ids")) or chat,
         )
         self.options = planner_options(parsed)
+        self.lora = getattr(built.model, "lora", None)
+        dpo = getattr(built.model, "dpo", None)
+        self.reference = dpo.resolved_reference(self.lora is not None) if dpo else None
 
 
 class EstimateCLI(Unseeded, FitLayoutCLI, GPTCLI):
@@ -308,6 +317,12 @@ def main(read: Callable[[list[str]], FitLayoutCLI], argv: list[str]) -> int:
             print(result.choice.describe(), file=sys.stderr)
     else:
         print(format_table(result))
+        lora = getattr(parsed, "lora", None)
+        if lora is not None:
+            print(format_lora(lora_estimate(parsed.layout, lora, cluster)))
+        reference = getattr(parsed, "reference", None)
+        if reference is not None:
+            print(format_reference(reference_cost(parsed.layout, reference, cluster)))
     if options.plot:
         plot_ladder(result, options.plot)
         if options.format == "table":

@@ -1,6 +1,10 @@
 """``python cli.py export --ckpt_path CKPT --output DIR``: a checkpoint of any layout as a
 Hugging Face directory of the model type that holds its architecture (GPT-2 or Llama,
-:func:`lightning_sp.interop.hf_types.model_type_for`).
+:func:`lightning_sp.interop.hf_types.model_type_for`). A checkpoint of a LoRA run
+(``model.lora``) exports its adapters as a PEFT adapter directory (``--adapter DIR``:
+``adapter_config.json`` + ``adapter_model.safetensors``, :mod:`lightning_sp.interop.peft`;
+``base_model_name_or_path`` is the run's ``init_from``) and/or, with ``--output DIR``, the
+merged model (each adapted weight ``W + s·B A``) as a plain Hugging Face directory.
 
 This module only *reads* the checkpoint (a ``megatron_sp`` DCP directory,
 :mod:`lightning_sp.checkpoint`, whose keys are global parameter names; or a
@@ -33,14 +37,16 @@ from lightning_sp.cli.parser import OneLineArgumentParser
 from lightning_sp.data import BYTE_EOS_ID, EOS_TOKENS
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf_export import save_hf
+from lightning_sp.interop.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, merged_tensors, save_adapter
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.lora import LoRAConfig
+from lightning_sp.model.recompute import NO_RECOMPUTE
 
 
 def _config(fields: dict[str, Any]) -> GPTConfig:
-    config = GPTConfig.from_values(fields)
-    if config.recompute == "auto":  # recompute does not change the weights
-        config = dataclasses.replace(config, recompute="none")
-    return config
+    """The checkpoint's config, as export builds it: without recomputation (which does not
+    change the weights; ``auto`` is resolved per device at run time)."""
+    return dataclasses.replace(GPTConfig.from_values(fields), recompute=NO_RECOMPUTE)
 
 
 @dataclasses.dataclass
@@ -53,6 +59,14 @@ class CheckpointModel:
     config: GPTConfig
     keys: dict[str, Any]  # "model.<global name>" -> DCP storage metadata (directory only)
     vocabulary: dict[str, Any]
+    hyper_parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The module's hyper-parameters (``lora``, ``init_from``)."""
+
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """The run's adapter settings (None: a full fine-tune)."""
+        fields = self.hyper_parameters.get("lora")
+        return LoRAConfig(**fields) if fields else None
 
 
 def _dcp_read(state: dict[str, Any], path: Path) -> None:
@@ -71,32 +85,44 @@ def open_checkpoint(path: str | Path) -> CheckpointModel:
         fields = saved.get("hyper_parameters", {}).get("config")
         if fields is None:
             raise ConfigError(f"ckpt_path={str(path)!r} holds no GPTModule hyper-parameters")
-        return CheckpointModel(path, _config(fields), {}, saved.get("vocabulary", {}))
+        hyper = saved.get("hyper_parameters", {})
+        return CheckpointModel(path, _config(fields), {}, saved.get("vocabulary", {}), hyper)
     meta, metadata = verify(path)  # one line if missing, incomplete or corrupt
-    config = _config(dataclasses.asdict(saved_config(meta)))
-    check_architecture(metadata, meta, config)  # a tensor this model lacks: one line
+    config = _config(saved_config(meta).values())
     data = path.resolve()
-    lightning: dict[str, Any] = {"lightning": None}  # Lightning's state: the vocabulary record
+    lightning: dict[str, Any] = {"lightning": None}  # Lightning's state: vocabulary, hparams
     _dcp_read(lightning, data)
+    state = lightning.get("lightning") or {}
+    vocabulary, hyper = state.get("vocabulary", {}), dict(state.get("hyper_parameters", {}))
+    lora = hyper.get("lora")
+    # a tensor this model (with the run's adapters) lacks: one line
+    check_architecture(metadata, meta, config, LoRAConfig(**lora) if lora else None)
     keys = {
         k: v
         for k, v in metadata.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
     }
-    vocabulary = (lightning.get("lightning") or {}).get("vocabulary", {})
-    return CheckpointModel(data, config, keys, vocabulary)
+    return CheckpointModel(data, config, keys, vocabulary, hyper)
 
 
-def iter_full_tensors(ckpt: CheckpointModel) -> Iterator[tuple[str, Tensor]]:
-    """``(global name, full tensor)`` for every parameter, one tensor read at a time (DCP
-    assembles it from whichever ranks' shards hold its pieces)."""
+def _adapter(name: str) -> bool:
+    return ".lora." in name
+
+
+def iter_full_tensors(
+    ckpt: CheckpointModel, select: Callable[[str], bool] = lambda name: True
+) -> Iterator[tuple[str, Tensor]]:
+    """``(global name, full tensor)`` for every parameter whose name ``select`` accepts, one
+    tensor read at a time (DCP assembles it from whichever ranks' shards hold its pieces)."""
     if ckpt.path.is_file():
         state = torch.load(ckpt.path, map_location="cpu", weights_only=False, mmap=True)
         for key, tensor in state["state_dict"].items():
-            if key.startswith("gpt."):
+            if key.startswith("gpt.") and select(key.removeprefix("gpt.")):
                 yield key.removeprefix("gpt."), tensor
         return
     for key, entry in ckpt.keys.items():
+        if not select(key.removeprefix("model.")):
+            continue
         tensor = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
         _dcp_read({key: tensor}, ckpt.path)
         yield key.removeprefix("model."), tensor
@@ -175,6 +201,48 @@ def umask_modes(paths: list[Path]) -> None:
         path.chmod(0o666 & ~umask)
 
 
+def merged_full_tensors(ckpt: CheckpointModel) -> Iterator[tuple[str, Tensor]]:
+    """The model's full tensors, each adapted weight merged with its adapter (``W + s·B A``,
+    :func:`~lightning_sp.interop.peft.merged_tensors`); a full fine-tune's as they are."""
+    lora = ckpt.lora
+    if lora is None:
+        yield from iter_full_tensors(ckpt)
+        return
+    adapters = dict(iter_full_tensors(ckpt, _adapter))  # r columns or rows each: small
+    for name, tensor in iter_full_tensors(ckpt, lambda name: not _adapter(name)):
+        linear = name.removesuffix(".weight")
+        if f"{linear}.lora.A" not in adapters:
+            yield name, tensor
+            continue
+        pair = {f"{linear}.lora.{w}": adapters[f"{linear}.lora.{w}"] for w in ("A", "B")}
+        yield name, merged_tensors({name: tensor}, pair, lora)[name]
+
+
+def export_adapter(ckpt: CheckpointModel, adapter: str | Path, overwrite: bool) -> Path:
+    """Write the adapters of ``ckpt`` (a LoRA run's) as a PEFT adapter directory at
+    ``adapter`` (new or empty unless ``overwrite``, which replaces its adapter files);
+    ``base_model_name_or_path``: the run's ``init_from``. One line for a checkpoint of a full
+    fine-tune."""
+    lora = ckpt.lora
+    if lora is None:
+        raise ConfigError(
+            f"ckpt_path={str(ckpt.path)!r} is a full fine-tune (no model.lora): it has no "
+            "adapters; export it with --output DIR"
+        )
+    directory = Path(adapter)
+    if directory.is_dir() and any(directory.iterdir()) and not overwrite:
+        raise ConfigError(
+            f"adapter={str(directory)!r} is not empty; give a new or empty directory, or "
+            "--overwrite true to replace the adapter files in it"
+        )
+    base = ckpt.hyper_parameters.get("init_from")
+    if base is not None and Path(base).is_dir():  # as given to the run: relative to here
+        base = str(Path(base).resolve())
+    path = save_adapter(ckpt.config, lora, iter_full_tensors(ckpt, _adapter), directory, base)
+    umask_modes([path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS])
+    return path
+
+
 def export_checkpoint(
     ckpt_path: str | Path,
     output: str | Path,
@@ -183,10 +251,11 @@ def export_checkpoint(
     log: Callable[[str], object] = print,
 ) -> Path:
     """Write the checkpoint at ``ckpt_path`` (any layout) as a Hugging Face directory at
-    ``output``, with the run's tokenizer files when it used a ``tokenizer.json`` (or
-    ``tokenizer``, which must be the same file). ``output`` must be new or empty unless
-    ``overwrite``, which first removes the previous model's files (:func:`clear_output`;
-    ``log`` gets one line naming them). Files get the user's umask."""
+    ``output`` (a LoRA run's merged: :func:`merged_full_tensors`), with the run's tokenizer
+    files when it used a ``tokenizer.json`` (or ``tokenizer``, which must be the same file).
+    ``output`` must be new or empty unless ``overwrite``, which first removes the previous
+    model's files (:func:`clear_output`; ``log`` gets one line naming them). Files get the
+    user's umask."""
     ckpt = open_checkpoint(ckpt_path)
     tokenizer_file, eos_token, eos_id = _tokenizer(ckpt, tokenizer)
     directory = Path(output)
@@ -195,7 +264,7 @@ def export_checkpoint(
         log(f"removed the previous model's files from {directory}: {', '.join(removed)}")
     path = save_hf(
         ckpt.config,
-        iter_full_tensors(ckpt),
+        merged_full_tensors(ckpt),
         directory,
         eos_token_id=eos_id,
         tokenizer_file=tokenizer_file,
@@ -222,7 +291,18 @@ def main(argv: list[str]) -> int:
         "LlamaForCausalLM, by the model's architecture).",
     )
     parser.add_argument("--ckpt_path", required=True, help="checkpoint directory or .ckpt file")
-    parser.add_argument("--output", required=True, help="directory to write")
+    parser.add_argument(
+        "--output",
+        default=None,
+        help="directory to write the model to (a LoRA run's merged: each adapted weight W + s·B A)",
+    )
+    parser.add_argument(
+        "--adapter",
+        default=None,
+        help="a LoRA run's adapters: the PEFT adapter directory to write (adapter_config.json "
+        "+ adapter_model.safetensors; peft.PeftModel.from_pretrained and model.adapter_from "
+        "read it)",
+    )
     parser.add_argument(
         "--tokenizer",
         default=None,
@@ -237,6 +317,12 @@ def main(argv: list[str]) -> int:
         "files stay. false (default): refuse a non-empty directory",
     )
     args = parser.parse_args(argv)
-    path = export_checkpoint(args.ckpt_path, args.output, args.tokenizer, args.overwrite)
-    print(f"wrote {path}")
+    if args.output is None and args.adapter is None:
+        raise ConfigError("export writes --output DIR (the model) and/or --adapter DIR; give one")
+    if args.adapter is not None:
+        adapter = export_adapter(open_checkpoint(args.ckpt_path), args.adapter, args.overwrite)
+        print(f"wrote {adapter}")
+    if args.output is not None:
+        path = export_checkpoint(args.ckpt_path, args.output, args.tokenizer, args.overwrite)
+        print(f"wrote {path}")
     return 0

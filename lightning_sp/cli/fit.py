@@ -12,6 +12,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from lightning_sp.cli.checks import check_before_launch, check_fit_config
+from lightning_sp.cli.init_from import complete_from_directory
 from lightning_sp.cli.parser import OneLineErrorParser
 
 LIGHTNING_MODEL_CHECKPOINT = (
@@ -53,10 +54,12 @@ class GPTCLI(LightningCLI):
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        """Parse, then check the config of ``fit`` / ``validate`` / ``test`` / ``predict``
-        before launch (one-line errors), before Lightning seeds (its "Seed set to" notice
-        follows the checks, so that a bad config prints one line only)."""
+        """Parse, take the architecture ``model.config`` leaves out from ``model.init_from``
+        (:mod:`lightning_sp.cli.init_from`), then check the config of ``fit`` / ``validate`` /
+        ``test`` / ``predict`` before launch (one-line errors), before Lightning seeds (its
+        "Seed set to" notice follows the checks, so that a bad config prints one line only)."""
         super().parse_arguments(parser, args)
+        complete_from_directory(parser, args, self.config)
         subcommand = self.config.get("subcommand")
         if subcommand is not None:
             check_fit_config(self.config[subcommand], subcommand)

@@ -19,8 +19,33 @@ import re
 import sys
 from typing import Any, NoReturn
 
+from jsonargparse.typing import register_type
 from lightning.pytorch.cli import LightningArgumentParser
 from typing_extensions import override
+
+from lightning_sp.errors import ConfigError
+from lightning_sp.model.recompute import RecomputePolicy
+from lightning_sp.training.checks import MOVED_STRATEGY_ARGS, moved_strategy_arg
+from lightning_sp.training.strategy import MegatronSPStrategy
+
+
+def _policy(value: object) -> object:
+    """A config file's ``recompute`` as the policy it names; a value that names none is kept
+    as given, for the config's own construction to refuse in one line (jsonargparse would
+    wrap the error in several)."""
+    try:
+        return RecomputePolicy.parse(value)
+    except ConfigError:
+        return value
+
+
+register_type(
+    RecomputePolicy,
+    serializer=lambda p: p.value if isinstance(p, RecomputePolicy) else p,
+    deserializer=_policy,
+)
+"""``model.config.recompute`` / ``recompute_rest`` are written as a preset or a list of modules
+(their YAML spelling) and parsed once, into the policy the config holds."""
 
 _UNKNOWN = (
     re.compile(r"does not accept option '([^']+)'"),
@@ -67,6 +92,8 @@ def unknown_class_key(message: str) -> str | None:
     module, _, name = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
+        if key in MOVED_STRATEGY_ARGS and issubclass(cls, MegatronSPStrategy):
+            return moved_strategy_arg(key)  # it lives elsewhere now: say where
         valid = [
             p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")
         ]
@@ -77,11 +104,47 @@ def unknown_class_key(message: str) -> str | None:
     return f"{field} has no key {key!r}; valid: {', '.join(valid)}{hint}"
 
 
+_CLASS_VALUE = re.compile(
+    r"Parser key \"([^\"]+)\".*?class_path '[\w.]+': Parser key \"([^\"]+)\": (?:Expected a "
+    r"(.+?)\. Got value: (.*?)|Does not validate against any of the Union subtypes Subtypes: "
+    r"\[(.+?)\] .*? Given value: (.*?)) - Expected a <class 'NoneType'> Given value type"
+)
+_TYPE_NAMES = {
+    "int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string",
+    "NoneType": "null",
+}  # fmt: skip
+
+
+def _valid(expected: str) -> str:
+    """What jsonargparse's type name ``expected`` accepts, in words."""
+    literal = re.fullmatch(r"typing\.Literal\[(.*)\]", expected.strip())
+    if literal:
+        values = ", ".join(v.strip().strip("'\"") for v in literal.group(1).split(","))
+        return f"one of {values}"
+    kind = re.fullmatch(r"<class '(\w+)'>", expected.strip())
+    return _TYPE_NAMES.get(kind.group(1), kind.group(1)) if kind else expected.strip()
+
+
+def bad_class_value(message: str) -> str | None:
+    """For jsonargparse's report of a value of the wrong type inside a class-typed field (a
+    union of every subtype's error, about 500 characters: ``--model.config.moe.router_dtype
+    bf16``): one line naming the field, the value and what is valid. None for other
+    messages."""
+    found = _CLASS_VALUE.search(message)
+    if found is None:
+        return None
+    field, key, expected, value, union, union_value = found.groups()
+    if expected is not None:
+        return f"{field}.{key}={value!r} must be {_valid(expected)}"
+    kinds = re.findall(r"typing\.Literal\[[^\]]*\]|<class '\w+'>", union)
+    return f"{field}.{key}={union_value!r} must be {' or '.join(map(_valid, kinds))}"
+
+
 def one_line(message: str, keys: list[str], prog: str) -> str:
     """``message`` on one line, with the closest of ``keys`` to the unknown option it names
     (``difflib.get_close_matches``), and where to find every option."""
     line = " ".join(message.split())
-    known = unknown_class_key(line)
+    known = unknown_class_key(line) or bad_class_value(line)
     if known is not None:
         return known
     key = unknown_key(line)

@@ -143,9 +143,9 @@ def read_rows(path: str) -> list[dict[str, Any]]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        bad_line = raw[: error.start].count(b"\n") + 1
+        where = raw[: error.start].count(b"\n") + 1
         raise ConfigError(
-            f"{path}:{bad_line}: not UTF-8 text (byte {raw[error.start]:#04x}: {error.reason}); "
+            f"{path}:{where}: not UTF-8 text (byte {raw[error.start]:#04x}: {error.reason}); "
             "save the file as UTF-8"
         ) from None
     if path.endswith(".json") and text.lstrip().startswith("["):

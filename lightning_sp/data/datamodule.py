@@ -13,6 +13,7 @@ from lightning_sp.data.chat import load_chat_tokenizer, prepare_chat
 from lightning_sp.data.corpus import resolve_corpus
 from lightning_sp.data.documents import DocumentOptions
 from lightning_sp.data.order import SampleOrder
+from lightning_sp.data.preference import prepare_preference
 from lightning_sp.data.prepare import (
     PrepareSettings,
     check_prepared,
@@ -88,7 +89,11 @@ class TextDataModule(pl.LightningDataModule):
         assistant_only_loss: Chat SFT: loss on the assistant tokens only (the template's
             generation markers); false trains on every token.
         overflow: Chat SFT: a conversation longer than ``seq_length + 1`` tokens is
-            ``truncate``-d (counted in one notice) or ``refuse``-d.
+            ``truncate``-d (counted in one notice) or ``refuse``-d; preference data: a pair.
+        preference: ``paths`` are preference rows (``prompt``/``chosen``/``rejected``, text or
+            messages, TRL's formats) for DPO (``model.dpo``), tokenized with
+            ``chat_template_dir``'s tokenizer, each pair two documents of one sample, loss on
+            the answers (:mod:`lightning_sp.data.preference`).
     """
 
     def __init__(
@@ -114,8 +119,15 @@ class TextDataModule(pl.LightningDataModule):
         chat_template_dir: str | None = None,
         assistant_only_loss: bool = True,
         overflow: str = "truncate",
+        preference: bool = False,
     ) -> None:
         super().__init__()
+        self.preference = preference
+        if preference and chat_template_dir is None:
+            raise ConfigError(
+                "preference=true needs chat_template_dir: the local Hugging Face tokenizer "
+                "directory the pairs are tokenized (and chat rows rendered) with"
+            )
         self.chat_template_dir = chat_template_dir
         self.assistant_only_loss, self.overflow = assistant_only_loss, overflow
         if chat_template_dir is not None:
@@ -126,7 +138,8 @@ class TextDataModule(pl.LightningDataModule):
                 )
             if overflow not in ("truncate", "refuse"):
                 raise ConfigError(f"overflow={overflow!r} is invalid; valid: 'truncate', 'refuse'")
-            load_chat_tokenizer(chat_template_dir, assistant_only_loss)  # one line, now
+            if not preference:
+                load_chat_tokenizer(chat_template_dir, assistant_only_loss)  # one line, now
             tokenizer = tokenizer or os.path.join(chat_template_dir, "tokenizer.json")
         self.documents = DocumentOptions(document_mask, reset_position_ids, eod_mask_loss)
         if paths is not None and dataset_name is not None:
@@ -240,9 +253,17 @@ class TextDataModule(pl.LightningDataModule):
         assert self.chat_template_dir is not None
         settings = (self.assistant_only_loss, self.overflow, self.val_fraction, self.seed)
         identity = [source.fingerprint(), self.info.digest, self.seq_length, *settings]
+        identity += ["preference"] if self.preference else []
         existing = read_metadata(self.directories[0]) or {}
         if existing.get("chat", {}).get("identity") == identity:
             log(f"already prepared, nothing to do: {self.directories[0]}")
+            return
+        if self.preference:
+            prepare_preference(
+                list(source.entries), self.chat_template_dir, self.directories[0],
+                self.seq_length, self.overflow,  # type: ignore[arg-type]
+                self.val_fraction, self.seed, log=log, identity=identity,
+            )  # fmt: skip
             return
         prepare_chat(
             list(source.entries), self.chat_template_dir, self.directories[0], self.seq_length,

@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 
 from lightning_sp.data.chat import flags_to_sample
 from lightning_sp.data.documents import DocumentOptions, annotate
+from lightning_sp.data.preference import REFERENCE, REFERENCE_FILE, with_sequences
 from lightning_sp.errors import ConfigError
 from lightning_sp.runtime.agree import LocalError
 
@@ -66,11 +67,28 @@ class TokenSplit:
             _check_size(file, count, self.dtype.itemsize)
         if self.flags_file is not None:
             _check_size(self.flags_file, self.num_tokens, 1)
+        self.preference = bool(index.get("preference"))
+        """Preference pairs (:mod:`lightning_sp.data.preference`): samples carry
+        ``sequences``."""
+        self.reference_file = os.path.join(self.directory, REFERENCE_FILE)
+        """Preference pairs: each sample's reference log-probabilities ``[samples, K]``
+        (float64, ``.npy``), once :func:`~lightning_sp.data.preference.store_reference` wrote
+        them (``dpo.reference: precomputed``)."""
         self._maps: list[np.memmap] | None = None
         self._flags: np.memmap | None = None
+        self._reference: np.ndarray | None = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_maps": None, "_flags": None}  # workers map the files
+    def __getstate__(self) -> dict[str, Any]:  # workers map the files
+        return {**self.__dict__, "_maps": None, "_flags": None, "_reference": None}
+
+    def reference_row(self, j: int) -> np.ndarray | None:
+        """Sample ``j``'s stored reference log-probabilities ``[K]`` (a copy), ``None`` if
+        none were stored."""
+        if self._reference is None:
+            if not os.path.exists(self.reference_file):
+                return None
+            self._reference = np.load(self.reference_file, mmap_mode="r")
+        return np.array(self._reference[j])
 
     def _shard(self, i: int) -> np.memmap:
         if self._maps is None:
@@ -202,7 +220,13 @@ class PackedSamples(Dataset):
             width = self.seq_length + 1
             start = (int(i) - int(self.offsets[k])) * width
             flags = torch.from_numpy(self.streams[k].read_flags(start, width))
-            return flags_to_sample(row, flags)
+            sample = flags_to_sample(row, flags)
+            if not self.streams[k].preference:
+                return sample
+            reference = self.streams[k].reference_row(int(i) - int(self.offsets[k]))
+            if reference is not None:  # [K], dpo.reference: precomputed
+                sample = {**sample, REFERENCE: torch.from_numpy(reference)}
+            return with_sequences(sample)
         if self.documents is not None:
             assert self.eod_id is not None
             return annotate(row, self.eod_id, self.documents)

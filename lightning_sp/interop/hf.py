@@ -61,6 +61,7 @@ from lightning_sp.interop.hf_types import HFModelType, hf_model_type
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
 from lightning_sp.model.parts.weights import ExpertWeightMap, WeightMap
+from lightning_sp.model.recompute import NO_RECOMPUTE
 from lightning_sp.parallel.init import ExpertSlice
 from lightning_sp.parallel.state import ParallelState
 
@@ -118,7 +119,7 @@ def _mapping(
 def full_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     """Our global parameter names and full shapes, vocabulary padding removed (a one-process
     model of ``config`` built on the ``meta`` device: nothing is allocated)."""
-    meta_config = dataclasses.replace(config, recompute="none", sequence_parallel=False)
+    meta_config = dataclasses.replace(config, recompute=NO_RECOMPUTE, sequence_parallel=False)
     model = GPT(meta_config, ParallelState.single(), device="meta")
     shapes = {}
     for name, param in model.named_parameters():
@@ -142,18 +143,15 @@ def hf_layout(
     table = {w.ours: w for w in model_type.weights(config)}
     for name, shape in full_shapes(config).items():
         mapping, layer = _mapping(table, name, model_type.title)
-        if isinstance(mapping, ExpertWeightMap) and fused:  # [E, n, k] as ours
-            hf_name = mapping.fused.format(i=layer)
-            layout[hf_name] = HFTensor(hf_name, shape, (Part(name, 0, shape),), False)
-            continue
+        if fused:  # the row as the in-memory model names it (a fused expert tensor: plain)
+            mapping = mapping.in_memory_form() or mapping
         if isinstance(mapping, ExpertWeightMap):  # [E, n, k]: per expert, n split in pieces
-            rows = shape[1] // len(mapping.hf)
-            for expert, (j, piece) in itertools.product(range(shape[0]), enumerate(mapping.hf)):
-                hf_name = piece.format(i=layer, e=expert)
-                part = Part(name, j * rows, (rows, *shape[2:]), expert)
-                layout[hf_name] = HFTensor(hf_name, part.shape, (part,), False)
+            for hf_name, expert, offset, piece in mapping.pieces(shape, layer):
+                layout[hf_name] = HFTensor(
+                    hf_name, piece, (Part(name, offset, piece, expert),), False
+                )
             continue
-        hf_name = (mapping.in_memory if fused and mapping.in_memory else mapping.hf).format(i=layer)
+        hf_name = mapping.hf.format(i=layer)
         grouped.setdefault(hf_name, []).append((name, shape))
         transposed[hf_name] = mapping.transpose
     for hf_name, members in grouped.items():
@@ -241,12 +239,12 @@ class HFWeights:
         return next((k for k in (name, short) if k in self._keys), None)
 
     @property
-    def fused_experts(self) -> bool:
-        """Whether the files hold fused ``[E, n, k]`` expert tensors (transformers' in-memory
-        names) rather than the Hub's per-expert ones (found at layer 0)."""
-        rows = self.model_type.weights(self._config())
-        experts = [w for w in rows if isinstance(w, ExpertWeightMap)]
-        return any(self._key(row.fused.format(i=0)) is not None for row in experts)
+    def in_memory_names(self) -> bool:
+        """Whether the files hold transformers' in-memory names where they differ from the
+        Hub's (its ``state_dict`` saved as is: fused ``[E, n, k]`` expert tensors), found at
+        layer 0."""
+        forms = (row.in_memory_form() for row in self.model_type.weights(self._config()))
+        return any(self._key(f.hf.format(i=0)) is not None for f in forms if f is not None)
 
     def _config(self) -> GPTConfig:
         return GPTConfig.of(self.model_type.architecture, **self.config_fields())
@@ -254,7 +252,7 @@ class HFWeights:
     def layout(self) -> dict[str, HFTensor]:
         """The tensors ``config.json`` implies (:func:`hf_layout` of its model, whose
         ``seq_length`` is the whole position table), in the files' form."""
-        return hf_layout(self.model_type, self._config(), self.fused_experts)
+        return hf_layout(self.model_type, self._config(), self.in_memory_names)
 
     def check(self) -> None:
         """Raise :class:`ConfigError` unless every tensor ``config.json`` implies is in the

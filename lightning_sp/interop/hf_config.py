@@ -14,6 +14,7 @@ A model type can hold a config exactly when the config survives writing and read
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -163,33 +164,90 @@ def config_fields(table: ConfigTable, hf: Mapping[str, Any], where: str) -> dict
     return {f.ours: f.ours_from(hf, where) for f in table.fields if not f.written_only}
 
 
-def check_config(table: ConfigTable, hf: Mapping[str, Any], config: GPTConfig, where: str) -> None:
-    """Raise :class:`ConfigError` (one line naming our field, or the option) unless ``config``
-    is the model whose ``config.json`` is ``hf``. ``where`` names the model in messages."""
-    for f in table.fields:
-        if f.written_only or not f.checked:
-            continue
-        needed, value = f.ours_from(hf, where), f.of(config)
-        theirs = f"{f.hf}={f.raw(hf)!r}" if f.hf is not None else f"its {f.ours}={needed!r}"
-        if f.at_most:
-            if not isinstance(needed, int) or value > needed:
-                raise ConfigError(
-                    f"{f.ours}={value!r} exceeds {theirs} of {where}; use {f.ours} <= {needed}"
-                )
-        elif value != needed:
-            raise ConfigError(
-                f"{f.ours}={value!r} does not match {theirs} of {where}; "
-                f"set {f.ours}: {_yaml(needed)}"
+@dataclass(frozen=True)
+class Mismatch:
+    """One reason a model type does not hold a config: our field, the one-line message, and for
+    a record field (``moe``) each of its fields that differs, with our value."""
+
+    field: str
+    message: str
+    differs: tuple[tuple[str, Any], ...] = ()
+
+
+def _record_differences(value: Any, needed: Any) -> list[tuple[str, Any, Any]]:
+    """``(field, ours, theirs)`` for each field in which two records of one dataclass differ."""
+    if not (dataclasses.is_dataclass(value) and type(value) is type(needed)):
+        return []
+    return [
+        (f.name, getattr(value, f.name), getattr(needed, f.name))
+        for f in dataclasses.fields(value)
+        if getattr(value, f.name) != getattr(needed, f.name)
+    ]
+
+
+def _field_mismatch(
+    f: ConfigField, hf: Mapping[str, Any], config: GPTConfig, where: str
+) -> Mismatch | None:
+    needed, value = f.ours_from(hf, where), f.of(config)
+    shown = _yaml(needed) if dataclasses.is_dataclass(needed) else repr(needed)
+    theirs = f"{f.hf}={f.raw(hf)!r}" if f.hf is not None else f"its {f.ours}={shown}"
+    if f.at_most:
+        if not isinstance(needed, int) or value > needed:
+            return Mismatch(
+                f.ours, f"{f.ours}={value!r} exceeds {theirs} of {where}; use {f.ours} <= {needed}"
             )
+        return None
+    if value == needed:
+        return None
+    differences = _record_differences(value, needed)
+    if differences:  # a record (moe): the fields that differ, in YAML
+        ours = ", ".join(f"{f.ours}.{name}={a!r}" for name, a, _ in differences)
+        theirs = ", ".join(f"{f.ours}.{name}={b!r}" for name, _, b in differences)
+        want = ", ".join(f"{name}: {_yaml(b)}" for name, _, b in differences)
+        return Mismatch(
+            f.ours,
+            f"{ours} does not match {theirs} of {where}; set {f.ours}: {{{want}}}",
+            tuple((name, a) for name, a, _ in differences),
+        )
+    return Mismatch(
+        f.ours,
+        f"{f.ours}={value!r} does not match {theirs} of {where}; set {f.ours}: {_yaml(needed)}",
+    )
+
+
+def mismatches(
+    table: ConfigTable, hf: Mapping[str, Any], config: GPTConfig, where: str
+) -> list[Mismatch]:
+    """Every reason ``config`` is not the model whose ``config.json`` is ``hf``, in the table's
+    order (empty: it is). ``where`` names the model in messages."""
+    found = []
+    for f in table.fields:
+        if not f.written_only and f.checked:
+            mismatch = _field_mismatch(f, hf, config, where)
+            if mismatch is not None:
+                found.append(mismatch)
     for option in table.options:
         computed = option.ours(config) if option.ours is not None else option.computes(hf)
         given = hf.get(option.hf, computed)
         if given is not None and given != computed:
-            raise ConfigError(
-                f"{where} sets {option.hf}={given!r}; this GPT computes {option.hf}={computed!r}"
-            )
+            found.append(Mismatch(
+                option.hf,
+                f"{where} sets {option.hf}={given!r}; this GPT computes {option.hf}={computed!r}",
+            ))  # fmt: skip
     for check in table.checks:
-        check(hf, config, where)
+        try:
+            check(hf, config, where)
+        except ConfigError as error:
+            found.append(Mismatch("", str(error)))
+    return found
+
+
+def check_config(table: ConfigTable, hf: Mapping[str, Any], config: GPTConfig, where: str) -> None:
+    """Raise :class:`ConfigError` (one line naming our field, or the option) unless ``config``
+    is the model whose ``config.json`` is ``hf``. ``where`` names the model in messages."""
+    found = mismatches(table, hf, config, where)
+    if found:
+        raise ConfigError(found[0].message)
 
 
 def write_config(table: ConfigTable, config: GPTConfig) -> dict[str, Any]:
@@ -204,14 +262,20 @@ def write_config(table: ConfigTable, config: GPTConfig) -> dict[str, Any]:
     return hf
 
 
-def fits(table: ConfigTable, config: GPTConfig) -> str | None:
-    """``None`` if the model type holds ``config`` exactly (written and read back, it checks),
-    else the one-line reason."""
+def fit_mismatches(table: ConfigTable, config: GPTConfig) -> list[Mismatch]:
+    """Why the model type does not hold ``config`` exactly (written and read back, it
+    checks): empty if it does."""
     try:
-        check_config(table, write_config(table, config), config, f"a {table.title} model")
-    except ConfigError as error:
-        return str(error)
-    return None
+        hf = write_config(table, config)
+    except ConfigError as error:  # a value with no config.json spelling
+        return [Mismatch(str(error).split("=", 1)[0], str(error))]
+    return mismatches(table, hf, config, f"a {table.title} model")
+
+
+def fits(table: ConfigTable, config: GPTConfig) -> str | None:
+    """``None`` if the model type holds ``config`` exactly, else the first reason."""
+    found = fit_mismatches(table, config)
+    return found[0].message if found else None
 
 
 def _yaml(value: Any) -> str:
@@ -220,4 +284,12 @@ def _yaml(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # its non-defaults
+        default = type(value)()
+        items = [
+            f"{f.name}: {_yaml(getattr(value, f.name))}"
+            for f in dataclasses.fields(value)
+            if getattr(value, f.name) != getattr(default, f.name)
+        ]
+        return "{" + ", ".join(items) + "}"
     return str(value)

@@ -17,12 +17,19 @@ olmo2      ``attention_bias``; query/key norms over the projections (``q_norm [a
 
 The tensors are named by the parts themselves (``HF_NORMS``, ``HF_ATTENTION``, ``HF_MLP`` in
 ``model/parts/``), from the config's layer: the tensors a model of the config has.
+
+A family is composed of the public conventions here by :func:`llama_family`: the fields every
+Llama-style family has (:func:`decoder_fields`), an attention convention (its bias key
+:data:`ATTENTION_BIAS`, its ``head_dim`` :data:`HEAD_DIM_FIELD` / :data:`HEAD_DIM` or
+:data:`NO_HEAD_DIM`, a sliding window it refuses, :func:`check_window`, in Mistral's or Qwen's
+keys, :class:`Window`) and a feed-forward convention (the dense MLP's width
+:data:`DENSE_WIDTH`; a mixture of experts brings its own: :mod:`lightning_sp.interop.hf_moe`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning_sp.errors import ConfigError
@@ -112,17 +119,18 @@ def _read_head_dim(hf: Mapping[str, Any]) -> int | None:
     return None if d in (None, hf["hidden_size"] // hf["num_attention_heads"]) else d
 
 
-_HEAD_DIM_FIELD = ConfigField("kv_channels", "head_dim", read=_read_head_dim, checked=False)
-"""``head_dim`` read into ``kv_channels`` (checked by :data:`_HEAD_DIM`)."""
-_HEAD_DIM = Option("head_dim", lambda hf: hf.get("head_dim"), ours=lambda c: c.head_dim)
+HEAD_DIM_FIELD = ConfigField("kv_channels", "head_dim", read=_read_head_dim, checked=False)
+"""``head_dim`` read into ``kv_channels`` (checked by :data:`HEAD_DIM`)."""
+HEAD_DIM = Option("head_dim", lambda hf: hf.get("head_dim"), ours=lambda c: c.head_dim)
 """``head_dim`` against ours (``kv_channels`` or h/a), written as ours."""
-_NO_HEAD_DIM = Option("head_dim", lambda hf: hf["hidden_size"] // hf["num_attention_heads"])
+NO_HEAD_DIM = Option("head_dim", lambda hf: hf["hidden_size"] // hf["num_attention_heads"])
 """A family with no ``head_dim`` of its own: h/a only."""
 
 
-def _check_window(hf: Mapping[str, Any], config: GPTConfig, where: str) -> None:
+def check_window(hf: Mapping[str, Any], config: GPTConfig, where: str) -> None:
     """A sliding window this GPT computes: none, or one at least as long as the sequence (the
-    whole causal attention); Qwen's ``use_sliding_window`` must be off."""
+    whole causal attention); Qwen's ``use_sliding_window`` must be off (a
+    :attr:`~lightning_sp.interop.hf_config.ConfigTable.checks` entry)."""
     window = hf.get("sliding_window")
     if hf.get("use_sliding_window", True) and window is not None and window < config.seq_length:
         raise ConfigError(
@@ -132,9 +140,35 @@ def _check_window(hf: Mapping[str, Any], config: GPTConfig, where: str) -> None:
         )
 
 
-def _fields(bias: ConfigField, fixed: Mapping[str, Any]) -> tuple[ConfigField, ...]:
-    """The fields every Llama-style family has, its bias field and the values it fixes (a
-    dense feed-forward unless ``fixed`` says otherwise)."""
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """A family's sliding-window convention: a ``sliding_window`` key, refused when shorter
+    than the sequence (:func:`check_window`) and written null, and the ``options`` that go
+    with it."""
+
+    options: tuple[Option, ...] = ()
+
+
+MISTRAL_WINDOW = Window()
+"""Mistral's (and Mixtral's): the ``sliding_window`` key alone."""
+QWEN_WINDOW = Window((Option.constant("use_sliding_window", False),))
+"""Qwen's: ``sliding_window`` and ``use_sliding_window``, which must be off."""
+
+
+DENSE_WIDTH = ConfigField("ffn_hidden_size", "intermediate_size", value=lambda c: c.ffn_size)
+"""The dense feed-forward's convention: its width f is ``intermediate_size``."""
+
+
+def decoder_fields(
+    bias: ConfigField,
+    fixed: Mapping[str, Any],
+    feed_forward: tuple[ConfigField, ...] = (DENSE_WIDTH,),
+) -> tuple[ConfigField, ...]:
+    """The fields every Llama-style family has (sizes, norms, positions, tied embeddings),
+    with the family's bias field ``bias``, the values it fixes ``fixed`` (a dense
+    feed-forward unless ``fixed`` says otherwise) and its feed-forward convention's fields
+    ``feed_forward`` in the width's place (default :data:`DENSE_WIDTH`; a mixture of experts
+    passes none here and adds its own)."""
     fixed = {"feed_forward": "dense", **fixed}
     return (
         ConfigField("vocab_size", "vocab_size"),
@@ -147,7 +181,7 @@ def _fields(bias: ConfigField, fixed: Mapping[str, Any]) -> tuple[ConfigField, .
             value=lambda c: c.groups,
             read=lambda hf: hf.get("num_key_value_heads") or hf.get("num_attention_heads"),
         ),
-        ConfigField("ffn_hidden_size", "intermediate_size", value=lambda c: c.ffn_size),
+        *feed_forward,
         ConfigField("seq_length", "max_position_embeddings", value=_positions, at_most=True),
         ConfigField("layernorm_eps", "rms_norm_eps", default=1e-6),
         ConfigField("activation", "hidden_act", choices={"silu": "swiglu"}),
@@ -161,15 +195,22 @@ def _fields(bias: ConfigField, fixed: Mapping[str, Any]) -> tuple[ConfigField, .
     )
 
 
-_ATTENTION_BIAS = ConfigField(
+ATTENTION_BIAS = ConfigField(
     "bias", "attention_bias", read=_read_bias, value=lambda c: c.bias_value(),
     write=lambda c: c.has_bias("qkv"),
 )  # fmt: skip
+"""The ``attention_bias`` convention: Q, K, V and O biased together (and ``mlp_bias`` read
+into the same ``bias``); written from ours."""
 _MLP_BIAS = ConfigField("bias", "mlp_bias", write=lambda c: c.has_bias("fc1"), written_only=True)
 _PRE = {"qk_norm": None, "norm_placement": "pre"}
 
 
-def _dropout(config: GPTConfig) -> dict[str, Any]:
+NO_BIAS = ConfigField("bias", default=False, value=lambda c: c.bias_value())
+"""The convention of a family with no bias keys (Mistral's, Mixtral's): no biases."""
+
+
+def dropout_keys(config: GPTConfig) -> dict[str, Any]:
+    """The keys a Llama-style ``config.json`` writes only: the attention's dropout."""
     return {"attention_dropout": config.attention_dropout}
 
 
@@ -189,78 +230,95 @@ tensors in the ``llama`` convention (OLMo 2's post-norms and the query/key norms
 
 # -- the families ---------------------------------------------------------------------------------
 
-LLAMA = HFModelType(
+
+def llama_family(
+    *,
+    model_type: str,
+    hf_class: str,
+    title: str,
+    fields: tuple[ConfigField, ...],
+    head_dim: bool,
+    window: Window | None = None,
+    options: tuple[Option, ...] = (),
+    extra: Callable[[GPTConfig], dict[str, Any]] = dropout_keys,
+    architecture: str | None = None,
+    names: HFNames = NAMES,
+) -> HFModelType:
+    """A Llama-style family composed of the conventions above: its ``fields``
+    (:func:`decoder_fields` and its own); its ``head_dim`` convention (a key of its own read
+    into ``kv_channels``, :data:`HEAD_DIM_FIELD` and :data:`HEAD_DIM`; else h/a only,
+    :data:`NO_HEAD_DIM`); its sliding-window convention ``window`` (:data:`MISTRAL_WINDOW`,
+    :data:`QWEN_WINDOW`; None: no window key); its further ``options``; the keys it only
+    writes, ``extra`` (default: the attention's dropout); the architecture it reads into
+    (default: ``model_type``) and its naming scheme ``names``."""
+
+    def written(config: GPTConfig) -> dict[str, Any]:
+        keys = extra(config)
+        return keys if window is None else {**keys, "sliding_window": None}
+
+    return HFModelType(
+        model_type=model_type,
+        hf_class=hf_class,
+        architecture=architecture or model_type,
+        config=ConfigTable(
+            title=title,
+            fields=(*fields, HEAD_DIM_FIELD) if head_dim else fields,
+            options=(
+                HEAD_DIM if head_dim else NO_HEAD_DIM,
+                *(() if window is None else window.options),
+                *options,
+            ),
+            extra=written,
+            checks=() if window is None else (check_window,),
+        ),
+        names=names,
+    )
+
+
+LLAMA = llama_family(
     model_type="llama",
     hf_class="LlamaForCausalLM",
-    architecture="llama",
-    config=ConfigTable(
-        title="Llama",
-        fields=(*_fields(_ATTENTION_BIAS, _PRE), _MLP_BIAS, _HEAD_DIM_FIELD),
-        options=(_HEAD_DIM, Option.constant("pretraining_tp", 1)),
-        extra=_dropout,
-    ),
-    names=NAMES,
+    title="Llama",
+    fields=(*decoder_fields(ATTENTION_BIAS, _PRE), _MLP_BIAS),
+    head_dim=True,
+    options=(Option.constant("pretraining_tp", 1),),
 )
 
-MISTRAL = HFModelType(
+MISTRAL = llama_family(
     model_type="mistral",
     hf_class="MistralForCausalLM",
-    architecture="mistral",
-    config=ConfigTable(
-        title="Mistral",
-        fields=(
-            *_fields(ConfigField("bias", default=False, value=lambda c: c.bias_value()), _PRE),
-            _HEAD_DIM_FIELD,
-        ),
-        options=(_HEAD_DIM,),
-        extra=lambda c: {**_dropout(c), "sliding_window": None},
-        checks=(_check_window,),
-    ),
-    names=NAMES,
+    title="Mistral",
+    fields=decoder_fields(NO_BIAS, _PRE),
+    head_dim=True,
+    window=MISTRAL_WINDOW,
 )
 
-QWEN2 = HFModelType(
+QWEN2 = llama_family(
     model_type="qwen2",
     hf_class="Qwen2ForCausalLM",
-    architecture="qwen2",
-    config=ConfigTable(
-        title="Qwen2",
-        fields=_fields(ConfigField("bias", default=["qkv"], value=lambda c: c.bias_value()), _PRE),
-        options=(_NO_HEAD_DIM, Option.constant("use_sliding_window", False)),
-        extra=lambda c: {**_dropout(c), "sliding_window": None},
-        checks=(_check_window,),
+    title="Qwen2",
+    fields=decoder_fields(
+        ConfigField("bias", default=["qkv"], value=lambda c: c.bias_value()), _PRE
     ),
-    names=NAMES,
+    head_dim=False,
+    window=QWEN_WINDOW,
 )
 
-QWEN3 = HFModelType(
+QWEN3 = llama_family(
     model_type="qwen3",
     hf_class="Qwen3ForCausalLM",
-    architecture="qwen3",
-    config=ConfigTable(
-        title="Qwen3",
-        fields=(
-            *_fields(_ATTENTION_BIAS, {"qk_norm": "head", "norm_placement": "pre"}),
-            _HEAD_DIM_FIELD,
-        ),
-        options=(_HEAD_DIM, Option.constant("use_sliding_window", False)),
-        extra=lambda c: {**_dropout(c), "sliding_window": None},
-        checks=(_check_window,),
-    ),
-    names=NAMES,
+    title="Qwen3",
+    fields=decoder_fields(ATTENTION_BIAS, {"qk_norm": "head", "norm_placement": "pre"}),
+    head_dim=True,
+    window=QWEN_WINDOW,
 )
 
-OLMO2 = HFModelType(
+OLMO2 = llama_family(
     model_type="olmo2",
     hf_class="Olmo2ForCausalLM",
-    architecture="olmo2",
-    config=ConfigTable(
-        title="OLMo 2",
-        fields=_fields(_ATTENTION_BIAS, {"qk_norm": "projection", "norm_placement": "post"}),
-        options=(_NO_HEAD_DIM,),
-        extra=_dropout,
-    ),
-    names=NAMES,
+    title="OLMo 2",
+    fields=decoder_fields(ATTENTION_BIAS, {"qk_norm": "projection", "norm_placement": "post"}),
+    head_dim=False,
 )
 
 LLAMA_STYLE = (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2)

@@ -18,7 +18,7 @@ olmoe       OLMo 2's query/key norms over the projections, norms before the subl
 The Hub stores one tensor per expert (``...experts.{e}.w1.weight``), which transformers 5 also
 writes: our stacked ``experts.gate_up [E, 2f_e, h]`` and ``experts.down [E, h, f_e]`` are
 :class:`~lightning_sp.model.parts.weights.ExpertWeightMap` rows, named by the MoE part
-(``HF_MOE`` in ``model/parts/moe.py``: ``mixtral``, and ``llama`` for Qwen3-MoE and OLMoE).
+(``HF_MOE`` in ``model/moe/part.py``: ``mixtral``, and ``llama`` for Qwen3-MoE and OLMoE).
 A file of transformers' in-memory names (its ``state_dict`` saved as is: fused
 ``mlp.experts.gate_up_proj`` and ``down_proj``, Mixtral's router as ``mlp.gate``) is read too;
 export writes the Hub's form.
@@ -30,155 +30,122 @@ auxiliary coefficient is written as ``router_aux_loss_coef``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option
+from lightning_sp.interop.hf_config import ConfigField, Option
 from lightning_sp.interop.hf_llama import (
-    _ATTENTION_BIAS,
-    _HEAD_DIM,
-    _HEAD_DIM_FIELD,
-    _NO_HEAD_DIM,
+    ATTENTION_BIAS,
+    MISTRAL_WINDOW,
     NAMES,
-    _check_window,
-    _dropout,
-    _fields,
+    NO_BIAS,
+    QWEN_WINDOW,
+    decoder_fields,
+    dropout_keys,
+    llama_family,
 )
-from lightning_sp.interop.hf_tables import HFModelType
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
 
 
-def moe_structure(moe: MoEConfig | None) -> MoEConfig | None:
-    """What of an MoE config a checkpoint fixes (experts, top-k, width, scores, shared
-    experts, the choice bias); the training-only settings back at their defaults."""
-    if moe is None:
-        return None
-    return dataclasses.replace(
-        moe,
-        aux_loss_coef=0.0,
-        z_loss_coef=0.0,
-        capacity_factor=None,
-        force_balanced=False,
-        bias_update_rate=MoEConfig.bias_update_rate,
-        router_dtype="fp32",
-    )
+@dataclasses.dataclass(frozen=True)
+class MoEKeys:
+    """A family's ``config.json`` keys of our ``moe``: the expert count ``experts``
+    (``num_local_experts`` or ``num_experts``; either is read), ``num_experts_per_tok``, the
+    expert width ``width`` and the renormalisation key ``normalize`` (``norm_topk_prob``;
+    None: the family always renormalises the top-k, and writes no key)."""
 
+    experts: str
+    width: str
+    normalize: str | None
 
-def _moe_field(width: str, normalize: Callable[[Mapping[str, Any]], bool]) -> ConfigField:
-    """Our ``moe`` from ``num_local_experts`` / ``num_experts``, ``num_experts_per_tok`` and
-    the expert width key ``width``; compared by :func:`moe_structure`."""
+    def field(self) -> ConfigField:
+        """Our ``moe`` read from these keys; compared as the MoE shape (:attr:`MoEConfig.
+        architecture`; the training settings, no part of a checkpoint, at their defaults on
+        both sides)."""
 
-    def read(hf: Mapping[str, Any]) -> MoEConfig:
-        return MoEConfig(
-            num_experts=hf.get("num_local_experts") or hf["num_experts"],
-            top_k=hf["num_experts_per_tok"],
-            expert_ffn_size=hf[width],
-            normalize_top_k=normalize(hf),
-        )
+        def read(hf: Mapping[str, Any]) -> MoEConfig:
+            return MoEConfig(
+                num_experts=hf.get("num_local_experts") or hf["num_experts"],
+                top_k=hf["num_experts_per_tok"],
+                expert_ffn_size=hf[self.width],
+                normalize_top_k=self.normalize is None or bool(hf.get(self.normalize)),
+            )
 
-    return ConfigField("moe", read=read, value=lambda c: moe_structure(c.moe))
+        def shape(config: GPTConfig) -> MoEConfig | None:
+            moe = config.moe
+            return None if moe is None else MoEConfig(**dataclasses.asdict(moe.architecture))
 
+        return ConfigField("moe", read=read, value=shape)
 
-def _moe_keys(experts_key: str, width: str, normalize_key: str | None) -> Callable:
-    """The ``config.json`` keys of our ``moe`` (and the dropouts)."""
-
-    def extra(config: GPTConfig) -> dict[str, Any]:
+    def written(self, config: GPTConfig) -> dict[str, Any]:
+        """The keys of ``config``'s ``moe`` (and the dropouts), as export writes them."""
         moe = config.moe or MoEConfig()
         keys = {
-            **_dropout(config),
-            experts_key: moe.num_experts,
+            **dropout_keys(config),
+            self.experts: moe.num_experts,
             "num_experts_per_tok": moe.top_k,
-            width: moe.expert_ffn_size,
+            self.width: moe.expert_ffn_size,
             "router_aux_loss_coef": moe.aux_loss_coef,
             "output_router_logits": moe.aux_loss_coef > 0,
         }
-        if normalize_key is not None:
-            keys[normalize_key] = moe.normalize_top_k
+        if self.normalize is not None:
+            keys[self.normalize] = moe.normalize_top_k
         return keys
 
-    return extra
 
-
-def _no_ffn(fields: tuple[ConfigField, ...]) -> tuple[ConfigField, ...]:
-    """The Llama-style fields less the dense MLP's width (``intermediate_size`` is the
-    experts' in Mixtral and OLMoE, unused in an all-sparse Qwen3-MoE)."""
-    return tuple(f for f in fields if f.ours != "ffn_hidden_size")
+def _sparse_fields(
+    bias: ConfigField, qk_norm: str | None, keys: MoEKeys
+) -> tuple[ConfigField, ...]:
+    """The Llama-style fields of an all-sparse family: no dense width (``intermediate_size``
+    is the experts' in Mixtral and OLMoE, unused in Qwen3-MoE), the ``moe`` feed-forward in
+    ``keys``, norms before the sublayers, ``qk_norm``."""
+    fixed = {"feed_forward": "moe", "norm_placement": "pre", "qk_norm": qk_norm}
+    return (*decoder_fields(bias, fixed, feed_forward=()), keys.field())
 
 
 MIXTRAL_NAMES = dataclasses.replace(NAMES, feed_forward="mixtral")
 """Mixtral's naming: the Llama-style one with the MoE part's ``mixtral`` names
 (``block_sparse_moe.gate``, ``block_sparse_moe.experts.{e}.w1`` ...)."""
 
+_MIXTRAL_KEYS = MoEKeys("num_local_experts", "intermediate_size", None)
+_QWEN3_MOE_KEYS = MoEKeys("num_experts", "moe_intermediate_size", "norm_topk_prob")
+_OLMOE_KEYS = MoEKeys("num_experts", "intermediate_size", "norm_topk_prob")
 
-_MOE = {"feed_forward": "moe", "norm_placement": "pre"}
-
-MIXTRAL = HFModelType(
+MIXTRAL = llama_family(
     model_type="mixtral",
     hf_class="MixtralForCausalLM",
+    title="Mixtral",
+    fields=_sparse_fields(NO_BIAS, None, _MIXTRAL_KEYS),
+    head_dim=True,
+    window=MISTRAL_WINDOW,
+    options=(Option.constant("router_jitter_noise", 0.0),),
+    extra=_MIXTRAL_KEYS.written,
     architecture="mistral",
-    config=ConfigTable(
-        title="Mixtral",
-        fields=(
-            *_no_ffn(
-                _fields(
-                    ConfigField("bias", default=False, value=lambda c: c.bias_value()),
-                    {**_MOE, "qk_norm": None},
-                )
-            ),
-            _HEAD_DIM_FIELD,
-            _moe_field("intermediate_size", lambda hf: True),
-        ),
-        options=(_HEAD_DIM, Option.constant("router_jitter_noise", 0.0)),
-        extra=lambda c: {
-            **_moe_keys("num_local_experts", "intermediate_size", None)(c),
-            "sliding_window": None,
-        },
-        checks=(_check_window,),
-    ),
     names=MIXTRAL_NAMES,
 )
 
-QWEN3_MOE = HFModelType(
+QWEN3_MOE = llama_family(
     model_type="qwen3_moe",
     hf_class="Qwen3MoeForCausalLM",
+    title="Qwen3-MoE",
+    fields=_sparse_fields(ATTENTION_BIAS, "head", _QWEN3_MOE_KEYS),
+    head_dim=True,
+    window=QWEN_WINDOW,
+    options=(Option.constant("decoder_sparse_step", 1), Option.constant("mlp_only_layers", [])),
+    extra=_QWEN3_MOE_KEYS.written,
     architecture="qwen3",
-    config=ConfigTable(
-        title="Qwen3-MoE",
-        fields=(
-            *_no_ffn(_fields(_ATTENTION_BIAS, {**_MOE, "qk_norm": "head"})),
-            _HEAD_DIM_FIELD,
-            _moe_field("moe_intermediate_size", lambda hf: bool(hf.get("norm_topk_prob"))),
-        ),
-        options=(
-            _HEAD_DIM,
-            Option.constant("use_sliding_window", False),
-            Option.constant("decoder_sparse_step", 1),
-            Option.constant("mlp_only_layers", []),
-        ),
-        extra=lambda c: {
-            **_moe_keys("num_experts", "moe_intermediate_size", "norm_topk_prob")(c),
-            "sliding_window": None,
-        },
-        checks=(_check_window,),
-    ),
-    names=NAMES,
 )
 
-OLMOE = HFModelType(
+OLMOE = llama_family(
     model_type="olmoe",
     hf_class="OlmoeForCausalLM",
+    title="OLMoE",
+    fields=_sparse_fields(ATTENTION_BIAS, "projection", _OLMOE_KEYS),
+    head_dim=False,
+    options=(Option.constant("clip_qkv", None),),
+    extra=_OLMOE_KEYS.written,
     architecture="llama",
-    config=ConfigTable(
-        title="OLMoE",
-        fields=(
-            *_no_ffn(_fields(_ATTENTION_BIAS, {**_MOE, "qk_norm": "projection"})),
-            _moe_field("intermediate_size", lambda hf: bool(hf.get("norm_topk_prob"))),
-        ),
-        options=(_NO_HEAD_DIM, Option.constant("clip_qkv", None)),
-        extra=_moe_keys("num_experts", "intermediate_size", "norm_topk_prob"),
-    ),
-    names=NAMES,
 )
 
 MOE_TYPES = (MIXTRAL, QWEN3_MOE, OLMOE)

@@ -20,7 +20,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.interop.hf_config import ConfigField, ConfigTable, Option, fits
+from lightning_sp.interop.hf_config import (
+    ConfigField,
+    ConfigTable,
+    Mismatch,
+    Option,
+    fit_mismatches,
+)
 from lightning_sp.interop.hf_llama import LLAMA, LLAMA_STYLE, MISTRAL, OLMO2, QWEN2, QWEN3
 from lightning_sp.interop.hf_moe import MOE_TYPES
 from lightning_sp.interop.hf_tables import HFModelType
@@ -131,15 +137,46 @@ def hf_model_type(hf: Mapping[str, Any], where: str) -> HFModelType:
 
 def model_type_for(config: GPTConfig) -> HFModelType:
     """The Hugging Face model type that holds ``config`` exactly: ``config.hf_model_type`` if
-    set, else the first that fits; :class:`ConfigError` naming each type's first mismatch if
-    none does."""
-    reasons = []
+    set, else the first that fits; :class:`ConfigError` (one line) if none does:
+    :func:`none_holds`."""
     candidates = list(HF_MODEL_TYPES.values())
     if config.hf_model_type is not None:
         candidates = [hf_model_type({"model_type": config.hf_model_type}, "hf_model_type")]
+    found = []
     for model_type in candidates:
-        reason = fits(model_type.config, config)
-        if reason is None:
+        reasons = fit_mismatches(model_type.config, config)
+        if not reasons:
             return model_type
-        reasons.append(f"{model_type.model_type}: {reason}")
-    raise ConfigError("no Hugging Face model type holds this config (" + "; ".join(reasons) + ")")
+        found.append((model_type, reasons))
+    raise ConfigError(none_holds(found, config))
+
+
+def _holds_part(model_type: HFModelType, config: GPTConfig) -> bool:
+    """Whether the model type's layers have ``config``'s feed-forward part (its fixed
+    ``feed_forward``)."""
+    return all(
+        f.of(config) == f.raw({}) for f in model_type.config.fields if f.ours == "feed_forward"
+    )
+
+
+def none_holds(found: list[tuple[HFModelType, list[Mismatch]]], config: GPTConfig) -> str:
+    """The one line for ``config`` that no model type holds, from each type's mismatches.
+    Only the types with the config's feed-forward part count when some have it; where they
+    all differ in the same fields of one record (``moe``: a sigmoid router, the choice bias),
+    those fields are what no family holds; else each type's first mismatch."""
+    same_part = [(t, reasons) for t, reasons in found if _holds_part(t, config)]
+    if same_part and len(same_part) < len(found):
+        found = same_part
+        first = found[0][1]
+        for field in dict.fromkeys(r.field for r in first):
+            held = [{d for r in reasons if r.field == field for d in r.differs}
+                    for _, reasons in found]  # fmt: skip
+            common = set.intersection(*held)
+            if common:
+                order = [d for r in first if r.field == field for d in r.differs]
+                what = ", ".join(f"{field}.{name}={value!r}" for name, value in order
+                                 if (name, value) in common)  # fmt: skip
+                names = ", ".join(t.model_type for t, _ in found)
+                return f"no Hugging Face family we export holds {what} ({names} do not)"
+    reasons = "; ".join(f"{t.model_type}: {r[0].message}" for t, r in found)
+    return f"no Hugging Face model type holds this config ({reasons})"

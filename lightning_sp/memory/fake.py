@@ -158,21 +158,14 @@ def measure_activations(
     :func:`fake_world`): costs no activation memory and no weight initialisation; needs
     ``torch.distributed`` not to be initialised in this process.
     """
-    t, p = layout.tensor_parallel_size, layout.pipeline_parallel_size
-    c = layout.context_parallel_size
     if not 1 <= layers <= config.num_layers:
         raise ConfigError(f"layers={layers} must be between 1 and num_layers={config.num_layers}")
-    etp = layout.expert_tensor_parallel_size
-    config.validate(t, 1, etp)
     config = config.for_measurement()  # balanced routing, read from no fake tensor
     if config.attention == "sdpa":
         # traced as the fused kernel: on CPU, SDPA with dropout leaves it for a math fallback
         # that stores s x s scores, which the GPUs the plan is for do not (their flash /
         # memory-efficient kernels draw dropout inside and store the same tensors as without)
         config = replace(config, attention_dropout=0.0)
-    with fake_world(t * c * p * layout.data_parallel_size):
-        state = ParallelState.from_process_group(
-            t, p, device="cpu", context_parallel_size=c, expert_tensor_parallel_size=etp,
-            expert_parallel_size=layout.expert_parallel_size,  # the EP regroup's indices
-        )  # fmt: skip
+    with fake_world(layout.world_size):  # e: the EP regroup's indices
+        state = ParallelState.from_config(layout, device="cpu")
         return _trace(config, state, micro_batch_size, layers, head, dtype)

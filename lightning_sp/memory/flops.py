@@ -26,9 +26,13 @@ import torch
 from lightning_sp.errors import positive_int
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.cores import ATTENTION_BACKENDS
-from lightning_sp.model.recompute import active_modules, parse_recompute
+from lightning_sp.model.parts.block import block_of_shape
+from lightning_sp.model.recompute import active_modules
+from lightning_sp.model.shape import ActivationShape
 
 __all__ = [
+    "attention_core_flops_per_iteration",
+    "causal_half_model_flops_per_iteration",
     "forward_flops_per_iteration",
     "hardware_flops_per_iteration",
     "layer_forward_flops",
@@ -42,13 +46,18 @@ def _check_batch(global_batch_size: int) -> None:
     positive_int("global_batch_size", global_batch_size)
 
 
+def _batch_shape(config: GPTConfig, batch: int) -> ActivationShape:
+    """The layer's shape for ``batch`` whole sequences on one rank, the FLOP counts' unit."""
+    return config.activation_shape(micro_batch_size=batch)
+
+
 def layer_forward_flops(config: GPTConfig, batch_size: int) -> float:
     """Matmul FLOPs of one layer's forward for ``batch_size`` sequences of
     ``config.seq_length`` tokens: the sum over the layer's parts (:mod:`lightning_sp.model.
     parts`), for GPT-2 / Llama attention ``2Bsh(a + 2g)d + 4Bs²ad + 2Bsadh`` and the MLP
     ``2Bshf`` per projection."""
-    shape = config.activation_shape(micro_batch_size=batch_size)
-    return config.block().forward_flops(shape)
+    shape = _batch_shape(config, batch_size)
+    return block_of_shape(shape).forward_flops(shape)
 
 
 def forward_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> float:
@@ -80,6 +89,27 @@ def model_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> floa
     shorter.
     """
     return 3.0 * forward_flops_per_iteration(config, global_batch_size)
+
+
+def attention_core_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> float:
+    """The model FLOPs of the attention cores in one iteration (forward + backward, 3x the
+    forward): ``QKᵀ`` and ``probs·V`` over every query-key pair, ``4·B·s²·a·d`` per layer
+    forward (the parts' GEMMs tagged ``core_attn``), as :func:`model_flops_per_iteration`
+    counts them: whole, causal or not."""
+    _check_batch(global_batch_size)
+    shape = _batch_shape(config, global_batch_size)
+    core = sum(g.flops for g in block_of_shape(shape).gemms(shape) if g.tag == "core_attn")
+    return 3.0 * config.num_layers * core
+
+
+def causal_half_model_flops_per_iteration(config: GPTConfig, global_batch_size: int) -> float:
+    """Model FLOPs counted the way Megatron-LM (since 2025) and MaxText count them: causal
+    attention's cores at half (the pairs a causal mask keeps), the rest as
+    :func:`model_flops_per_iteration` counts it (whole attention, torchtitan's convention,
+    this project's and Megatron-Core's until 2025). For GPT, ``72BsLh²(1 + s/(12h) +
+    v/(12hL))`` against ``72BsLh²(1 + s/(6h) + v/(12hL))``."""
+    whole = model_flops_per_iteration(config, global_batch_size)
+    return whole - 0.5 * attention_core_flops_per_iteration(config, global_batch_size)
 
 
 def hardware_flops_per_iteration(
@@ -118,7 +148,7 @@ def hardware_flops_per_iteration(
       backward recomputation and of ``full``'s replay.
     """
     model = model_flops_per_iteration(config, global_batch_size)
-    shape = config.activation_shape(micro_batch_size=global_batch_size)
+    shape = _batch_shape(config, global_batch_size)
     layer = layer_forward_flops(config, global_batch_size)
     backend = ATTENTION_BACKENDS[config.attention].backward_redone_flops(shape)
     extra = 0.0
@@ -128,12 +158,11 @@ def hardware_flops_per_iteration(
         cp_core = 4.0 * global_batch_size * config.seq_length**2 * config.num_heads
         cp_core *= config.head_dim  # QKᵀ and probs·V again: 4Bs²·ad (4Bs²h when a·d = h)
     for index in range(config.num_layers):
-        policy = config.layer_recompute(index % chunk)  # ConfigError for auto or unknown
-        modules = parse_recompute(policy)
-        if modules == "full":
+        policy = config.layer_recompute(index % chunk)  # ConfigError for auto
+        if policy.full:
             extra += layer + backend + cp_core
         else:
-            active = active_modules(modules, config.attention)
+            active = active_modules(policy.modules, config.attention)
             if cp_core:  # core_attn leaves the CP core alone; the core replays itself
                 active = tuple(m for m in active if not m.needs_scores)
             extra += sum(m.redone_flops(shape) for m in active) + backend + cp_core

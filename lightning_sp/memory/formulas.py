@@ -28,7 +28,7 @@ from __future__ import annotations
 from lightning_sp.errors import ConfigError
 from lightning_sp.model.parts.base import INSIDE, OUTSIDE, REPLICATED
 from lightning_sp.model.parts.block import block_of_shape
-from lightning_sp.model.recompute import active_modules, parse_recompute
+from lightning_sp.model.recompute import RecomputePolicy, active_modules
 from lightning_sp.model.shape import ActivationShape
 
 ACTIVATION_BYTES = 2
@@ -146,12 +146,10 @@ def activation_bytes_per_layer(shape: ActivationShape, recompute: object = "none
     With the defaults (2-byte activations, 1-byte masks, MLP width 4h, dropout on, ``math``)
     this is Table 2 exactly, e.g. ``34sbh/t`` for TP+SP+selective, ``20sbh/t`` for TP+SP+lean.
     """
-    policy = parse_recompute(recompute)
-    if policy == "auto":
-        raise ConfigError("recompute='auto' has no bytes until the planner resolves it")
-    if policy == "full":
+    policy = RecomputePolicy.parse(recompute).check_resolved()
+    if policy.full:
         return _per_rank(shape, shape.activation_bytes * shape.sbh, OUTSIDE)
-    dropped = {term for m in active_modules(policy, shape.attention) for term in m.drops}
+    dropped = {term for m in active_modules(policy.modules, shape.attention) for term in m.drops}
     return sum(
         _per_rank(shape, nbytes, region)
         for name, (nbytes, region) in layer_saved_terms(shape).items()
@@ -165,10 +163,10 @@ def layernorm_stats_bytes_per_layer(shape: ActivationShape, recompute: object = 
     divided by t under sequence parallelism. None under ``full`` or with the ``layernorm``
     module, which recompute the norms whole. The measured bytes per layer are
     :func:`activation_bytes_per_layer` plus this, exactly."""
-    policy = parse_recompute(recompute)
-    if policy == "full":
+    policy = RecomputePolicy.parse(recompute)
+    if policy.full:
         return 0.0
-    stats = block_of_shape(shape).stats_terms(shape, norms_recomputed="layernorm" in policy)
+    stats = block_of_shape(shape).stats_terms(shape, norms_recomputed="layernorm" in policy.modules)
     return sum(_per_rank(shape, nbytes, region) for nbytes, region in stats.values())
 
 

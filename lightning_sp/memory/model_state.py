@@ -11,7 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.parts.block import block_of_shape
+from lightning_sp.model.shape import ActivationShape
 from lightning_sp.model.spec import NORMS, POSITIONS
+from lightning_sp.parallel.config import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -43,36 +46,44 @@ MIXED_PRECISION_ADAM = ModelStatePrecision()
 
 def layer_parameter_count(
     h: int,
-    t: int = 1,
+    layout: ParallelConfig | None = None,
     ffn_hidden_size: int | None = None,
     config: GPTConfig | None = None,
-    expert_tensor_parallel_size: int = 1,
 ) -> int:
-    """Parameters of one transformer layer on one tensor-parallel rank: the sum over the
-    layer's parts (:meth:`~lightning_sp.model.parts.block.Block.parameters`); ``config`` gives
-    the architecture (default: GPT's, with ``h`` and ``ffn_hidden_size``).
+    """Parameters of one transformer layer on one tensor-parallel rank of ``layout`` (None:
+    one rank): the sum over the layer's parts (:meth:`~lightning_sp.model.parts.block.Block.
+    parameters`); ``config`` gives the architecture (default: GPT's, with ``h`` and
+    ``ffn_hidden_size``).
 
     Split by t: the attention and MLP weights (and their column-parallel biases); key/value
     heads replicated when there are fewer groups than ranks (``g' = max(g, t)``). Replicated:
     the row-parallel biases and both norms. For GPT at ``f = 4h, t = 1`` this is
-    ``12h² + 13h``. Routed experts count ``f_e/t`` of their width under expert tensor
-    parallelism (``expert_tensor_parallel_size = t``).
+    ``12h² + 13h``. Routed experts count ``f_e/t`` of their width under the layout's expert
+    tensor parallelism.
     """
     if config is None:
         config = GPTConfig(hidden_size=h, num_heads=h, ffn_hidden_size=ffn_hidden_size)
-    shape = config.activation_shape(t, expert_tensor_parallel_size=expert_tensor_parallel_size)
-    return config.block().parameters(shape)
+    shape = _layer_shape(config, layout)
+    return block_of_shape(shape).parameters(shape)
+
+
+def _layer_shape(config: GPTConfig, layout: ParallelConfig | None) -> ActivationShape:
+    """The shape the parameter counts read (t and the expert tensor parallel size of
+    ``layout``; None: one rank), built once per count."""
+    return config.activation_shape(layout)
+
+
+def _layer_expert_parameters(shape: ActivationShape) -> int:
+    """The routed experts' parameters of one layer on a tensor-parallel rank (all ``E`` of
+    them, ``f_e/t`` wide under expert tensor parallelism ``etp = t``); 0 for a dense layer."""
+    return block_of_shape(shape).expert_parameters(shape)
 
 
 def stage_parameter_count(
-    config: GPTConfig,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    stage: int = 0,
-    expert_parallel_size: int = 1,
-    expert_tensor_parallel_size: int = 1,
+    config: GPTConfig, layout: ParallelConfig | None = None, stage: int = 0
 ) -> int:
-    """Parameters on one rank of pipeline stage ``stage`` (tensor-parallel shards counted once).
+    """Parameters on one rank of pipeline stage ``stage`` of ``layout`` (None: one rank;
+    tensor-parallel shards counted once).
 
     A stage holds ``L/p`` layers; the first also the word embedding (``v_pad/t × h``, the
     padded vocabulary) and the learned positions if any (``s × h``, replicated); the last the
@@ -80,13 +91,17 @@ def stage_parameter_count(
     the final norm. A mixture-of-experts layer's routed experts count ``1/e`` at expert-parallel
     size ``e``, and ``1/t`` more under expert tensor parallelism.
     """
-    t, p, e = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
-    etp = expert_tensor_parallel_size
-    h = config.hidden_size
-    layer = layer_parameter_count(h, t, config=config, expert_tensor_parallel_size=etp)
+    layout = ParallelConfig() if layout is None else layout
+    return _stage_count(config, layout, _layer_shape(config, layout), stage)
+
+
+def _stage_count(
+    config: GPTConfig, layout: ParallelConfig, shape: ActivationShape, stage: int
+) -> int:
+    t, p, e = layout.tensor_parallel_size, layout.pipeline_parallel_size, shape.e
+    h, layer = config.hidden_size, block_of_shape(shape).parameters(shape)
     if e > 1:  # a rank of an EP group holds E/e of each layer's routed experts
-        shape = config.activation_shape(t, expert_tensor_parallel_size=etp)
-        experts = config.block().expert_parameters(shape)
+        experts = _layer_expert_parameters(shape)
         layer -= experts - experts // e
     count = config.num_layers // p * layer
     vocab = config.padded_vocab_size(t) // t * h
@@ -99,50 +114,39 @@ def stage_parameter_count(
     return count
 
 
-def parameters_per_rank(
-    config: GPTConfig,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    expert_parallel_size: int = 1,
-    expert_tensor_parallel_size: int = 1,
-) -> int:
-    """The most parameters any rank holds (the first stage: embedding, positions, ``L/p``
-    layers; with ``p = 1`` also the final LayerNorm); routed experts ``1/e`` of them (and
-    ``1/t`` of their width under expert tensor parallelism)."""
-    p, e, etp = pipeline_parallel_size, expert_parallel_size, expert_tensor_parallel_size
-    return max(
-        stage_parameter_count(config, tensor_parallel_size, p, stage, e, etp)
-        for stage in {0, p - 1}
-    )
+def parameters_per_rank(config: GPTConfig, layout: ParallelConfig | None = None) -> int:
+    """The most parameters any rank of ``layout`` holds (the first stage: embedding,
+    positions, ``L/p`` layers; with ``p = 1`` also the final LayerNorm); routed experts ``1/e``
+    of them (and ``1/t`` of their width under expert tensor parallelism)."""
+    layout = ParallelConfig() if layout is None else layout
+    shape, p = _layer_shape(config, layout), layout.pipeline_parallel_size
+    return max(_stage_count(config, layout, shape, stage) for stage in {0, p - 1})
 
 
-def expert_parameters_per_rank(
-    config: GPTConfig,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    expert_parallel_size: int = 1,
-    expert_tensor_parallel_size: int = 1,
-) -> int:
+def expert_parameters_per_rank(config: GPTConfig, layout: ParallelConfig | None = None) -> int:
     """Of :func:`parameters_per_rank`, the routed experts' (``L/p`` layers' ``1/e`` of them,
     ``f_e/t`` wide under expert tensor parallelism): the distributed optimizer shards their
     state over the ``d·c/e`` ranks holding them."""
-    shape = config.activation_shape(
-        tensor_parallel_size, expert_tensor_parallel_size=expert_tensor_parallel_size
+    layout = ParallelConfig() if layout is None else layout
+    experts = _layer_expert_parameters(_layer_shape(config, layout))
+    return (
+        config.num_layers
+        // layout.pipeline_parallel_size
+        * (experts // layout.expert_parallel_size)
     )
-    experts = config.block().expert_parameters(shape) // expert_parallel_size
-    return config.num_layers // pipeline_parallel_size * experts
 
 
 def model_parameter_count(config: GPTConfig) -> int:
     """Parameters of the whole model (the embedding once if tied, vocabulary padded as at
     t = 1)."""
-    return stage_parameter_count(config, 1, 1, 0)
+    return stage_parameter_count(config)
 
 
 def model_active_parameter_count(config: GPTConfig) -> int:
     """Parameters one token uses: :func:`model_parameter_count` less, per layer, the routed
     experts it is not sent to (all of them for a dense model)."""
-    block, x = config.block(), config.activation_shape(1)
+    x = _layer_shape(config, None)
+    block = block_of_shape(x)
     unused = block.expert_parameters(x) - block.active_expert_parameters(x)
     return model_parameter_count(config) - config.num_layers * unused
 

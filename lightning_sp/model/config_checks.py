@@ -1,39 +1,60 @@
-"""The checks of a :class:`~lightning_sp.model.config.GPTConfig`: every field in its range and
-the layout's sizes dividing what they split, each failure one :class:`ConfigError` line naming
-the field, the value and what is valid (:meth:`GPTConfig.validate` runs them)."""
+"""The checks of a :class:`~lightning_sp.model.config.GPTConfig`: every field in its range
+(:func:`check_config`, which :meth:`GPTConfig.validate` runs) and, in the one function
+:func:`check_model_layout`, the model against a layout (the layout's sizes dividing what they
+split), each failure one :class:`ConfigError` line naming the field, the value and what is
+valid. The model and its MoE layer are built trusting them; the recompute policies and the
+float settings are checked when the config is built."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from lightning_sp.errors import ConfigError, divisors, positive_int
+from lightning_sp.errors import ConfigError, check_divisible, divisors, positive_int
 from lightning_sp.model.cores import check_attention
 from lightning_sp.model.ops import ROPE_TYPES, RopeScaling
 from lightning_sp.model.parts.block import FEED_FORWARDS, PLACEMENTS
 from lightning_sp.model.qk_norm import QK_NORMS
-from lightning_sp.model.recompute import parse_recompute, parse_rest
 from lightning_sp.model.spec import ACTIVATIONS, NORMS, POSITIONS
+from lightning_sp.parallel.config import ParallelConfig
 
 BIAS_PROJECTIONS = ("qkv", "proj", "fc1", "fc2")
 """The projections ``GPTConfig.bias`` may name."""
 
 
-def check_config(
-    config: Any,
-    tensor_parallel_size: int = 1,
-    expert_parallel_size: int = 1,
-    expert_tensor_parallel_size: int = 1,
-) -> None:
+def check_model_layout(config: Any, layout: ParallelConfig, *, split_sequence: bool = True) -> None:
+    """The one check of a model against a layout, run before launch (the command line's
+    :func:`~lightning_sp.cli.checks.check_fit_config`, ``GPTModule`` when the strategy pushes
+    the layout) and in the planner's estimate: ``config``'s fields (:func:`check_config`),
+    then what its ``t`` tensor-parallel ranks split (hidden size, heads, key/value groups, MLP
+    width), the sequence by :meth:`ParallelConfig.sequence_divisor` under the model's sequence
+    parallelism (``split_sequence``; the planner, which shows a layout whose SP cannot split
+    the sequence without it, checks ``2c`` itself) and the mixture-of-experts part against the
+    expert sizes (:meth:`~lightning_sp.model.moe.config.MoEConfig.check_layout`).
+    :class:`ConfigError`, one line: field, value, what is valid."""
+    check_config(config)
+    t = layout.tensor_parallel_size
+    check_divisible("hidden_size", config.hidden_size, "tensor_parallel_size", t)
+    check_divisible("num_heads", config.num_heads, "tensor_parallel_size", t)
+    g = config.groups
+    if g % t and t % g:
+        raise ConfigError(
+            f"num_query_groups={g} and tensor_parallel_size={t}: one must divide the other "
+            f"(tensor_parallel_size one of {sorted(set(divisors(g)) | _multiples(g, t))})"
+        )
+    check_divisible("ffn_hidden_size", config.ffn_size, "tensor_parallel_size", t)
+    if split_sequence:
+        layout.check_sequence_length(config.seq_length, config.sequence_parallel)
+    if config.feed_forward == "moe":
+        config.moe.check_layout(layout, config.sequence_parallel)
+
+
+def check_config(config: Any) -> None:
     """Raise :class:`ConfigError` (one line: field, value, what is valid) on a bad ``config``
-    (a :class:`~lightning_sp.model.config.GPTConfig`, which imports this module),
-    or one that ``t`` tensor-parallel (and ``e`` expert-parallel, ``t_e``
-    expert-tensor-parallel) ranks cannot share."""
-    t = tensor_parallel_size
+    (a :class:`~lightning_sp.model.config.GPTConfig`, which imports this module): its fields
+    alone, whatever the layout (:func:`check_model_layout` adds the layout)."""
     for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_heads"):
         positive_int(name, getattr(config, name))
-    parse_recompute(config.recompute)
-    parse_rest(config.recompute_rest)
     check_attention(config.attention)
     for name, registry, what in (
         ("activation", ACTIVATIONS, "an activation"),
@@ -57,9 +78,6 @@ def check_config(
                 f"feed_forward='moe' runs SwiGLU experts; activation={config.activation!r} "
                 "must be 'swiglu'"
             )
-        config.moe.check_layout(
-            expert_parallel_size, t, config.sequence_parallel, expert_tensor_parallel_size
-        )
     if not isinstance(config.bias, bool):
         unknown = [p for p in config.bias if p not in BIAS_PROJECTIONS]
         if unknown:
@@ -88,24 +106,10 @@ def check_config(
         raise ConfigError(
             f"recompute_num_layers={config.recompute_num_layers} must be >= 0 or null"
         )
-    for name in ("hidden_dropout", "attention_dropout"):
-        value = getattr(config, name)
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"{name}={value!r} must be in [0, 1)")
     if config.kv_channels is None and config.hidden_size % config.num_heads:
         raise ConfigError(
             f"hidden_size={config.hidden_size} is not divisible by num_heads={config.num_heads}; "
             f"num_heads must be one of {divisors(config.hidden_size)}"
-        )
-    if config.hidden_size % t:
-        raise ConfigError(
-            f"hidden_size={config.hidden_size} is not divisible by tensor_parallel_size={t}; "
-            f"tensor_parallel_size must be one of {divisors(config.hidden_size)}"
-        )
-    if config.num_heads % t:
-        raise ConfigError(
-            f"num_heads={config.num_heads} is not divisible by tensor_parallel_size={t}; "
-            f"tensor_parallel_size must be one of {divisors(config.num_heads)}"
         )
     g = config.groups
     if not isinstance(g, int) or isinstance(g, bool) or g < 1:
@@ -114,40 +118,23 @@ def check_config(
             f"num_heads={config.num_heads} (one of {divisors(config.num_heads)}), or null for "
             "multi-head attention"
         )
-    _check_rope(config.rope_theta, config.rope_scaling)
+    _check_rope(config.rope_scaling)
     if config.num_heads % g:
         raise ConfigError(
             f"num_query_groups={g} does not divide num_heads={config.num_heads}; "
             f"num_query_groups must be one of {divisors(config.num_heads)}"
-        )
-    if g % t and t % g:
-        raise ConfigError(
-            f"num_query_groups={g} and tensor_parallel_size={t}: one must divide the other "
-            f"(tensor_parallel_size one of {sorted(set(divisors(g)) | _multiples(g, t))})"
         )
     if config.position_embedding == "rope" and config.head_dim % 2:
         raise ConfigError(
             f"position_embedding='rope' needs an even head dimension; kv_channels or "
             f"hidden_size/num_heads = {config.head_dim}"
         )
-    if config.ffn_size % t:
-        raise ConfigError(
-            f"ffn_hidden_size={config.ffn_size} is not divisible by tensor_parallel_size={t}; "
-            f"tensor_parallel_size must be one of {divisors(config.ffn_size)}"
-        )
-    if config.sequence_parallel and config.seq_length % t:
-        raise ConfigError(
-            f"seq_length={config.seq_length} is not divisible by tensor_parallel_size={t} "
-            f"with sequence_parallel=True; use a seq_length that is a multiple of {t} "
-            "or sequence_parallel=False"
-        )
 
 
-def _check_rope(theta: float, scaling: RopeScaling | None) -> None:
-    """``rope_theta`` > 0 and finite; ``rope_scaling``'s factors positive, ``high_freq_factor``
-    above ``low_freq_factor`` (their difference divides) and its context a positive integer."""
-    if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0 < theta < math.inf:
-        raise ConfigError(f"rope_theta={theta!r} must be a positive number (Llama 3: 500000)")
+def _check_rope(scaling: RopeScaling | None) -> None:
+    """``rope_scaling``'s factors positive, ``high_freq_factor`` above ``low_freq_factor``
+    (their difference divides) and its context a positive integer (``rope_theta`` and the
+    other floats: the config records' own construction)."""
     if scaling is None:
         return
     for name in ("factor", "low_freq_factor", "high_freq_factor"):

@@ -29,8 +29,8 @@ from lightning_sp.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     column_parallel_linear,
-    weight_grad,
 )
+from lightning_sp.parallel.lora import LoRA, adapter_tensors, row_backward, row_forward
 
 
 def fused_column_linear(
@@ -57,6 +57,7 @@ def fused_column_linear(
         norm_bias=norm.bias if norm is not None else None,
         eps=norm.eps if norm is not None else 0.0,
         groups=groups,
+        adapters=[linear.lora for linear in linears],
     )
 
 
@@ -84,48 +85,65 @@ def activate(z: Tensor, kind: ActivationKind) -> Tensor:
 
 
 class _ActMatmul(torch.autograd.Function):
-    """``act(z) Wᵀ`` (a row-parallel partial product); saves ``z``, not ``act(z)``."""
+    """``act(z) Wᵀ`` (a row-parallel partial product, with its LoRA adapter's when it has
+    one: :func:`~lightning_sp.parallel.lora.row_forward`); saves ``z``, not ``act(z)`` (and the
+    adapter's low-rank activation and mask); no weight-gradient GEMM for a frozen ``W``."""
 
     @staticmethod
-    def forward(ctx: Any, z: Tensor, weight: Tensor, kind: ActivationKind) -> Tensor:
-        ctx.kind = kind
-        ctx.save_for_backward(z, weight)
-        return torch.matmul(kind.forward(z), weight.t())
+    def forward(
+        ctx: Any, z: Tensor, weight: Tensor, kind: ActivationKind, adapter: LoRA | None,
+        *pair: Tensor,
+    ) -> Tensor:  # fmt: skip
+        ctx.kind, ctx.adapter = kind, adapter
+        out, lora = row_forward(kind.forward(z), weight, adapter)
+        ctx.save_for_backward(z, weight, *lora)
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
-        z, weight = ctx.saved_tensors
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        z, weight, *lora = ctx.saved_tensors
         kind: ActivationKind = ctx.kind
-        grad_w = weight_grad(grad, kind.forward(z))
-        grad_z = kind.backward(torch.matmul(grad, weight), z)
-        return grad_z, grad_w, None
+        grad_y, grad_w, grad_a, grad_b = row_backward(
+            grad, kind.forward(z), weight, ctx.needs_input_grad[1], ctx.adapter, *lora
+        )
+        grad_z = kind.backward(grad_y, z)
+        return grad_z, grad_w, None, None, *((grad_a, grad_b) if lora else ())
 
 
 def act_row_linear(z: Tensor, linear: RowParallelLinear, kind: ActivationKind) -> Tensor:
     """``linear(act(z))`` storing ``z`` instead of ``act(z)``: ``[s, b, f/t]`` (gated: ``[s, b,
     2f/t]``) ``-> [s/t or s, b, h]``."""
-    return linear.reduce(_ActMatmul.apply(z, linear.weight, kind))
+    adapter = linear.lora
+    return linear.reduce(
+        _ActMatmul.apply(z, linear.weight, kind, adapter, *adapter_tensors(adapter))
+    )
 
 
 class _HeadsMatmul(torch.autograd.Function):
     """The attention core's ``[B, r, s, d]`` context (``B = b·g/t``) times ``Wᵀ`` as
-    ``[s, b, h/t] @ Wᵀ``; saves the context tensor as given (its merged ``[s, b, h/t]`` view is
-    a free view when the tensor is laid out ``[s, B, r, d]``, as SDPA's output is for
-    ``r = 1``, else a transient copy)."""
+    ``[s, b, h/t] @ Wᵀ`` (with the LoRA adapter's partial product when it has one); saves the
+    context tensor as given (its merged ``[s, b, h/t]`` view is a free view when the tensor is
+    laid out ``[s, B, r, d]``, as SDPA's output is for ``r = 1``, else a transient copy), and the
+    adapter's low-rank activation and mask; no weight-gradient GEMM for a frozen ``W``."""
 
     @staticmethod
-    def forward(ctx: Any, heads: Tensor, weight: Tensor, b: int) -> Tensor:
-        ctx.b = b
-        ctx.save_for_backward(heads, weight)
-        return torch.matmul(_merge(heads, b), weight.t())
+    def forward(
+        ctx: Any, heads: Tensor, weight: Tensor, b: int, adapter: LoRA | None, *pair: Tensor
+    ) -> Tensor:
+        ctx.b, ctx.adapter = b, adapter
+        out, lora = row_forward(_merge(heads, b), weight, adapter)
+        ctx.save_for_backward(heads, weight, *lora)
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
-        heads, weight = ctx.saved_tensors
-        grad_w = weight_grad(grad, _merge(heads, ctx.b))
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        heads, weight, *lora = ctx.saved_tensors
+        grad_x, grad_w, grad_a, grad_b = row_backward(
+            grad, _merge(heads, ctx.b), weight, ctx.needs_input_grad[1], ctx.adapter, *lora
+        )
         n, r, s, d = heads.shape
-        grad_heads = torch.matmul(grad, weight).view(s, n, r, d).permute(1, 2, 0, 3)
-        return grad_heads, grad_w, None
+        grad_heads = grad_x.view(s, n, r, d).permute(1, 2, 0, 3)
+        return grad_heads, grad_w, None, None, *((grad_a, grad_b) if lora else ())
 
 
 def _merge(heads: Tensor, b: int) -> Tensor:
@@ -137,4 +155,7 @@ def _merge(heads: Tensor, b: int) -> Tensor:
 def heads_row_linear(heads: Tensor, linear: RowParallelLinear, b: int) -> Tensor:
     """``linear`` applied to the attention core's context ``[B, r, s, d]`` (heads merged to
     ``[s, b, h/t]``), storing that context itself: ``-> [s/t or s, b, h]``."""
-    return linear.reduce(_HeadsMatmul.apply(heads, linear.weight, b))
+    adapter = linear.lora
+    return linear.reduce(
+        _HeadsMatmul.apply(heads, linear.weight, b, adapter, *adapter_tensors(adapter))
+    )

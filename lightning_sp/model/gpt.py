@@ -35,14 +35,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_sp.errors import ConfigError
 from lightning_sp.model.attention import Attention, Rotary, token_positions
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.documents import Packing, Reduction
 from lightning_sp.model.parts.base import BuildContext
 from lightning_sp.model.parts.dense import MLP
 from lightning_sp.model.parts.norm import Norm
-from lightning_sp.model.recompute import RecomputePolicy, recompute
+from lightning_sp.model.recompute import NO_RECOMPUTE, RecomputePolicy, recompute
 from lightning_sp.model.spec import POSITIONS
 from lightning_sp.parallel.comm import f_bar
 from lightning_sp.parallel.context import context_token_mean
@@ -78,17 +77,11 @@ class TransformerLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_number = layer_number
-        self.recompute = recompute.name
-        """This layer's policy by name: a preset, ``full``, or its modules joined by ``+``."""
-        self.full_recompute = recompute.full
-        active = recompute.active(config.attention)
-        self.recompute_norm = "layernorm" in active
-        self.recompute_act = "mlp_act" in active
-        """Whether the feed-forward's activation is recomputed in its output's backward (the
-        part reads ``mlp_act`` from the active modules itself)."""
-        self.regenerate_masks = "residual_mask" in active
+        self.recompute = recompute
+        """This layer's policy (its parts query it through their build context)."""
+        self.attention_backend = config.attention
         self.block = config.block()
-        ctx = BuildContext(config, state, rng, active, rotary, kwargs)
+        ctx = BuildContext(config, state, rng, recompute, rotary, kwargs)
         for sub in self.block.sublayers:
             self.add_module(sub.norm.name, sub.norm.build(ctx))
             self.add_module(sub.name, sub.mixer.build(ctx))
@@ -100,7 +93,7 @@ class TransformerLayer(nn.Module):
     def _drop(self, x: Tensor) -> Tensor:
         return dropout(
             x, self.dropout_p, self.residual_generator, self.training,
-            regenerate=self.regenerate_masks,
+            regenerate=self.recompute.acts("residual_mask", self.attention_backend),
         )  # fmt: skip
 
     def _forward(
@@ -112,7 +105,7 @@ class TransformerLayer(nn.Module):
             kw = sequence if sub.mixer.reads_sequence else {}  # attention's, not a per-token FFN's
             if sub.placement == "post":  # the norm on the branch's output
                 y = norm(mixer(x, **kw))
-            elif self.recompute_norm:  # the norm inside the mixer's input linears
+            elif self.recompute.acts("layernorm", self.attention_backend):  # in the input linears
                 y = mixer(x, norm, **kw)
             else:
                 y = mixer(norm(x), **kw)
@@ -123,7 +116,7 @@ class TransformerLayer(nn.Module):
         self, x: Tensor, documents: Tensor | None = None, positions: Tensor | None = None
     ) -> Tensor:
         """``documents``, ``positions``: see :meth:`GPT.forward`."""
-        if self.full_recompute and self.training and torch.is_grad_enabled():
+        if self.recompute.full and self.training and torch.is_grad_enabled():
             fn = partial(self._forward, documents=documents, positions=positions)
             return recompute(fn, self.rng, x)
         return self._forward(x, documents, positions)
@@ -155,12 +148,8 @@ class GPT(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        config.validate(state.tensor_parallel_size)
-        if config.recompute == "auto":
-            raise ConfigError(
-                "recompute='auto' must be resolved before the model is built "
-                "(lightning_sp.planner.estimate.resolve_recompute; GPTModule does it)"
-            )
+        config.validate()  # its fields; the layout was checked against it before launch
+        config.recompute.check_resolved()
         self.config, self.state = config, state
         self.layer_range = layer_range if layer_range is not None else range(config.num_layers)
         self.has_embedding = self.layer_range.start == 0
@@ -207,7 +196,7 @@ class GPT(nn.Module):
             for n in self.layer_range
         )
         if self.has_head:
-            ctx = BuildContext(config, state, self.rng, frozenset(), None, kwargs)
+            ctx = BuildContext(config, state, self.rng, NO_RECOMPUTE, None, kwargs)
             self.final_norm = Norm(config.normalization, "final_norm").build(ctx)
         self.reset_parameters()
 

@@ -5,8 +5,9 @@ A *recompute module* is one descriptor in :data:`RECOMPUTE_MODULES`: what it wra
 the layer's saved tensors it drops (terms of
 :func:`lightning_sp.memory.formulas.layer_saved_terms`), and the forward FLOPs it redoes. The
 model, the memory formulas, the FLOPs count, the planner and the callbacks all read these
-descriptors; none switches on a policy string. ``GPTConfig.recompute`` is a list of module
-names or a preset (:data:`PRESETS`, plus ``full`` and ``auto``).
+descriptors; none switches on a policy string. ``GPTConfig.recompute`` holds a
+:class:`RecomputePolicy`, parsed once from a list of module names or a preset
+(:data:`PRESETS`, plus ``full`` and ``auto``) when the config is built.
 
 How each module is realised (``lightning_sp.model``):
 
@@ -34,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import torch
 from torch import Tensor
@@ -103,39 +104,128 @@ PRESETS: dict[str, tuple[str, ...]] = {
 }
 """Named module sets. ``lean`` with TP+SP stores ``(34 - 4 - 8 - 2)sbh/t = 20sbh/t``."""
 
-FULL, AUTO = "full", "auto"
+FULL = "full"
 POLICIES = (*PRESETS, FULL)
 """Concrete policies a layer can run under (``auto`` is resolved by the planner)."""
 
 LayerRecompute = tuple[str, ...] | Literal["full"]
-"""A parsed policy: ``"full"`` or a tuple of module names in registry order."""
+"""A parsed policy in the older tuple form: ``"full"`` or a tuple of module names in registry
+order (:func:`parse_recompute`)."""
+
+RecomputeValue = Union[str, Sequence[str], "RecomputePolicy"]
+"""What a config file or a caller may give: a preset, ``full``, ``auto``, a module, a list of
+modules, their names joined by ``+``, or a parsed :class:`RecomputePolicy`."""
 
 
-def parse_recompute(
-    value: object, field: str = "recompute", *, whole: bool = True
-) -> LayerRecompute | Literal["auto"]:
-    """``value`` (a preset name, ``full``, ``auto``, a module name, a list of module names,
-    their names joined by ``+``, or a :class:`RecomputePolicy`) as ``"full"``, ``"auto"`` or
-    the module tuple in registry order; :class:`ConfigError` (one line naming ``field``) if it
-    is none of these, or with ``whole=False`` if it is ``full`` or ``auto`` (what
-    ``recompute_rest`` may not be)."""
-    if isinstance(value, RecomputePolicy):  # parsed already
-        return "full" if value.full else value.modules
-    names = (*POLICIES, AUTO) if whole else tuple(PRESETS)
+class RecomputePolicy(str):
+    """What a layer (or, as configured, a model) recomputes, parsed once from a
+    :data:`RecomputeValue` (``RecomputePolicy("lean")``, :meth:`parse`): the whole layer
+    (``full``), a set of recompute modules (``modules``, in registry order; ``()`` recomputes
+    nothing), or, as configured only, ``auto`` (the planner's choice, resolved when the model
+    is configured: :meth:`check_resolved`).
+
+    The policy *is* its name, a string (``full``, ``auto``, the preset its modules equal, or
+    its modules joined by ``+``), so that a config holding it compares, hashes and is written
+    (JSON, ``dataclasses.asdict``) as that spelling, which :meth:`parse` reads back. Layers,
+    the memory formulas, the FLOPs count and the step-time model query its fields, never the
+    string."""
+
+    full: bool
+    """Recompute the whole layer from its input in backward."""
+    modules: tuple[str, ...]
+    """The recompute modules that act (names of :data:`RECOMPUTE_MODULES`); empty with
+    ``full`` or ``auto``."""
+    auto: bool
+    """Not yet a policy: the least recomputation that fits, which the planner resolves
+    (:func:`lightning_sp.planner.estimate.auto_recompute_config`)."""
+
+    def __new__(
+        cls, value: object = "none", field: str = "recompute", *, rest: bool = False
+    ) -> RecomputePolicy:
+        """``value`` as a policy; :class:`ConfigError` (one line naming ``field``) if it is
+        none, or with ``rest`` if it is ``full`` or ``auto`` (what ``recompute_rest`` may not
+        be)."""
+        if isinstance(value, RecomputePolicy) and not (rest and (value.full or value.auto)):
+            return value
+        full, modules, auto = _parse(value, field, rest)
+        name = FULL if full else "auto" if auto else _modules_name(modules)
+        policy = super().__new__(cls, name)
+        for attribute, given in (("full", full), ("modules", modules), ("auto", auto)):
+            object.__setattr__(policy, attribute, given)
+        return policy
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"RecomputePolicy is immutable; {name} cannot be set")
+
+    def __getnewargs__(self) -> tuple[str]:
+        return (str(self),)  # copies and pickles parse the name again
+
+    @classmethod
+    def parse(
+        cls, value: object, field: str = "recompute", *, rest: bool = False
+    ) -> RecomputePolicy:
+        """``value`` as a policy (the constructor; a policy is returned as it is)."""
+        return cls(value, field, rest=rest)
+
+    @property
+    def name(self) -> str:
+        """``full``, ``auto``, the preset the modules equal, or the modules joined by ``+``."""
+        return str(self)
+
+    @property
+    def value(self) -> str | list[str]:
+        """The YAML spelling (what checkpoints and ``hparams.yaml`` record): :attr:`name`, or
+        the list of modules where no preset equals them."""
+        return list(self.modules) if "+" in self else str(self)
+
+    def check_resolved(self, field: str = "recompute") -> RecomputePolicy:
+        """This policy, unless it is ``auto``: :class:`ConfigError` (one line) then."""
+        if self.auto:
+            raise ConfigError(
+                f"{field}={self.name!r} must be resolved before layers are built "
+                "(lightning_sp.planner.estimate.resolve_recompute; GPTModule does it)"
+            )
+        return self
+
+    def active(self, attention: str) -> frozenset[str]:
+        """The names of its modules that act under the ``attention`` backend."""
+        return frozenset(m.name for m in active_modules(self.modules, attention))
+
+    def acts(self, module: str, attention: str) -> bool:
+        """Whether the recompute module ``module`` acts in a layer under this policy and the
+        ``attention`` backend (``core_attn`` does not where no ``s x s`` tensor is kept)."""
+        return module in self.active(attention)
+
+    def __repr__(self) -> str:
+        return f"RecomputePolicy({str(self)!r})"
+
+
+def _modules_name(modules: tuple[str, ...]) -> str:
+    """The preset ``modules`` equal, else the modules joined by ``+``."""
+    for name, preset in PRESETS.items():
+        if preset == modules:
+            return name
+    return "+".join(modules)
+
+
+def _parse(value: object, field: str, rest: bool) -> tuple[bool, tuple[str, ...], bool]:
+    """``(full, modules, auto)`` of ``value`` (see :class:`RecomputePolicy`)."""
+    names = tuple(PRESETS) if rest else (*POLICIES, "auto")
     valid = f"valid: {', '.join(names)} or a list of {', '.join(RECOMPUTE_MODULES)}"
     if isinstance(value, str):
-        if value in (FULL, AUTO):
-            if whole:
-                return value  # type: ignore[return-value]
+        value = str(value)
+        if value in (FULL, "auto"):
+            if not rest:
+                return value == FULL, (), value == "auto"
             raise ConfigError(
-                f"{field}={value!r} cannot be what the layers beyond recompute_num_layers run; "
-                f"{valid}"
+                f"{field}={value!r} cannot be what the layers beyond recompute_num_layers "
+                f"run; {valid}"
             )
         if value in PRESETS:
-            return PRESETS[value]
+            return False, PRESETS[value], False
         if "+" not in value and value not in RECOMPUTE_MODULES:
             raise ConfigError(f"{field}={value!r} is not a recompute policy; {valid}")
-        value = value.split("+")  # one module, or the form policy_name gives a module set
+        value = value.split("+")  # one module, or the name of a module set
     if not isinstance(value, list | tuple):
         raise ConfigError(f"{field}={value!r} is not a recompute policy; {valid}")
     for name in value:
@@ -146,63 +236,37 @@ def parse_recompute(
             )
     if len(set(value)) != len(value):
         raise ConfigError(f"{field}={list(value)!r} names a module twice")
-    return tuple(name for name in RECOMPUTE_MODULES if name in value)
+    return False, tuple(name for name in RECOMPUTE_MODULES if name in value), False
+
+
+NO_RECOMPUTE = RecomputePolicy("none")
+"""Store everything (``none``): what a model built only for its shapes or weights runs."""
+AUTO = RecomputePolicy("auto")
+"""``recompute: auto``, as configured before the planner resolves it."""
+
+
+def parse_recompute(
+    value: object, field: str = "recompute", *, whole: bool = True
+) -> LayerRecompute | Literal["auto"]:
+    """``value`` (a :data:`RecomputeValue`) as ``"full"``, ``"auto"`` or the module tuple in
+    registry order (:meth:`RecomputePolicy.parse`; ``whole=False``: not ``full`` or
+    ``auto``)."""
+    policy = RecomputePolicy.parse(value, field, rest=not whole)
+    if policy.full or policy.auto:
+        return "full" if policy.full else "auto"
+    return policy.modules
 
 
 def parse_rest(value: object, field: str = "recompute_rest") -> tuple[str, ...]:
     """``value`` as the module tuple of a policy that can run on the layers of a chunk beyond
-    ``recompute_num_layers`` (a preset or modules, as :func:`parse_recompute` reads them, but
-    not ``full`` or ``auto``); :class:`ConfigError` (one line) otherwise."""
-    parsed = parse_recompute(value, field, whole=False)
-    assert not isinstance(parsed, str)
-    return parsed
+    ``recompute_num_layers`` (:meth:`RecomputePolicy.parse` with ``rest``)."""
+    return RecomputePolicy.parse(value, field, rest=True).modules
 
 
-def policy_name(policy: str | Sequence[str] | RecomputePolicy) -> str:
-    """A short name: the preset a module set equals, else the modules joined by ``+``."""
-    parsed = parse_recompute(policy)
-    if isinstance(parsed, str):
-        return parsed
-    for name, modules in PRESETS.items():
-        if modules == parsed:
-            return name
-    return "+".join(parsed)
-
-
-@dataclass(frozen=True)
-class RecomputePolicy:
-    """What one layer recomputes, parsed once (:meth:`parse`): the whole layer (``full``) or
-    a set of recompute modules (``modules``, in registry order; ``()`` recomputes nothing).
-    Layers, the memory formulas, the FLOPs count and the step-time model take it as it is."""
-
-    full: bool = False
-    """Recompute the whole layer from its input in backward."""
-
-    modules: tuple[str, ...] = ()
-    """The recompute modules that act (names of :data:`RECOMPUTE_MODULES`); empty with
-    ``full``."""
-
-    @classmethod
-    def parse(cls, value: object, field: str = "recompute") -> RecomputePolicy:
-        """``value`` as :func:`parse_recompute` reads it; ``auto`` must have been resolved
-        (:class:`ConfigError`, one line)."""
-        parsed = parse_recompute(value, field)
-        if parsed == AUTO:
-            raise ConfigError(f"{field}='auto' must be resolved before layers are built")
-        if parsed == FULL:
-            return cls(full=True)
-        assert not isinstance(parsed, str)
-        return cls(modules=parsed)
-
-    @property
-    def name(self) -> str:
-        """``full``, the preset the modules equal, or the modules joined by ``+``
-        (:func:`policy_name`)."""
-        return policy_name(self)
-
-    def active(self, attention: str) -> frozenset[str]:
-        """The names of its modules that act under the ``attention`` backend."""
-        return frozenset(m.name for m in active_modules(self.modules, attention))
+def policy_name(policy: RecomputeValue) -> str:
+    """A short name: the preset a module set equals, else the modules joined by ``+``
+    (:attr:`RecomputePolicy.name`)."""
+    return RecomputePolicy.parse(policy).name
 
 
 def active_modules(modules: Sequence[str], attention: str) -> tuple[RecomputeModule, ...]:

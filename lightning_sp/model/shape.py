@@ -15,6 +15,20 @@ from lightning_sp.model.spec import ACTIVATIONS, NORMS, ActivationKind, NormKind
 
 
 @dataclass(frozen=True)
+class AdapterShape:
+    """LoRA adapters on a layer's linears, the base frozen (:mod:`lightning_sp.model.lora`):
+    what their saved bytes depend on (:meth:`~lightning_sp.model.parts.base.Part.
+    adapter_terms`)."""
+
+    r: int
+    """The adapters' rank."""
+    targets: frozenset[str]
+    """The adapted linears by path under a layer (``attention.query``, ``mlp.fc2``)."""
+    dropout: bool = False
+    """Whether ``lora_dropout > 0`` (each adapter then keeps a 1-byte mask of its input)."""
+
+
+@dataclass(frozen=True)
 class ActivationShape:
     """One rank's view of a layer's activations (the paper's symbols, plus element sizes)."""
 
@@ -63,6 +77,9 @@ class ActivationShape:
     """Whether attention is document-masked (block-causal over packed documents,
     ``data.document_mask``): what the backend's document path saves besides the causal one
     (:attr:`~lightning_sp.model.cores.AttentionBackend.document_copy`)."""
+    lora: AdapterShape | None = None
+    """LoRA adapters with the base frozen (None: every weight trains): adapters add their
+    low-rank activations and masks, a frozen linear without one keeps no input of its own."""
     block: object | None = field(default=None, compare=False, repr=False)
     """The layer's parts (a :class:`~lightning_sp.model.parts.block.Block`, which sits above
     this module and so is not named in the type); None: the

@@ -58,35 +58,44 @@ def all_reduce(x: Tensor, group: Group) -> Tensor:
     return out
 
 
+def _into_new(collective: Callable[..., Any], x: Tensor, rows: int, group: Group) -> Tensor:
+    """``collective(out, x, group=group)`` (tensor in, tensor out, along dim 0) into a new
+    ``out`` of ``rows`` rows: ``[rows, ...]``."""
+    out = x.new_empty((rows, *x.shape[1:]))
+    collective(out, x.contiguous(), group=group)
+    return out
+
+
+def _sequence_shards(x: Tensor, group: Group) -> int:
+    """How many slices of dim 0 ``group`` splits ``x`` into (its size); :class:`ValueError`
+    unless they are equal."""
+    world = group_size(group)
+    if world > 1 and x.shape[0] % world:
+        raise ValueError(f"dim 0 of size {x.shape[0]} is not divisible by the group size {world}")
+    return world
+
+
 def all_gather_sequence(x: Tensor, group: Group) -> Tensor:
     """Concatenate every rank's ``x`` along dim 0: ``[s/t, ...] -> [s, ...]``."""
     world = group_size(group)
     if world == 1:
         return x
-    out = x.new_empty((x.shape[0] * world, *x.shape[1:]))
-    _all_gather_single(out, x.contiguous(), group=group)
-    return out
+    return _into_new(_all_gather_single, x, x.shape[0] * world, group)
 
 
 def reduce_scatter_sequence(x: Tensor, group: Group) -> Tensor:
     """Sum over ``group`` and keep this rank's slice of dim 0: ``[s, ...] -> [s/t, ...]``."""
-    world = group_size(group)
+    world = _sequence_shards(x, group)
     if world == 1:
         return x
-    if x.shape[0] % world:
-        raise ValueError(f"dim 0 of size {x.shape[0]} is not divisible by the group size {world}")
-    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-    _reduce_scatter_single(out, x.contiguous(), group=group)
-    return out
+    return _into_new(_reduce_scatter_single, x, x.shape[0] // world, group)
 
 
 def split_sequence(x: Tensor, group: Group) -> Tensor:
     """This rank's slice of dim 0, as a new contiguous tensor: ``[s, ...] -> [s/t, ...]``."""
-    world = group_size(group)
+    world = _sequence_shards(x, group)
     if world == 1:
         return x
-    if x.shape[0] % world:
-        raise ValueError(f"dim 0 of size {x.shape[0]} is not divisible by the group size {world}")
     return x.chunk(world, dim=0)[group_rank(group)].contiguous()
 
 

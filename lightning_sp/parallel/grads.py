@@ -202,16 +202,13 @@ def global_grad_norm(
     # fp32, or fp64 for fp64 gradients (so that float64 parity tests see no fp32 rounding)
     wide = any((g := grad_of(p)) is not None and g.dtype == torch.float64 for p in params)
     dtype = torch.float64 if wide else torch.float32
-    total = torch.zeros((), dtype=dtype, device=device)
-    experts = torch.zeros((), dtype=dtype, device=device)
+    dense: list[Tensor] = []
+    expert: list[Tensor] = []
     for p in params:
         g = grad_of(p)
         if g is not None and _counted_once(p, state):
-            square = g.detach().to(dtype).pow(2).sum()
-            if is_expert(p):
-                experts += square
-            else:
-                total += square
+            (expert if is_expert(p) else dense).append(g.detach())
+    total, experts = (_sum_of_squares(grads, dtype, device) for grads in (dense, expert))
     if state.ep_group is not None and not sharded_over_dp:  # sharded: the d·c sum below
         dist.all_reduce(experts, group=state.ep_group)
     total += experts
@@ -222,6 +219,15 @@ def global_grad_norm(
     return total.sqrt()
 
 
+def _sum_of_squares(grads: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``Σ ‖g‖²`` over ``grads`` in ``dtype``, as multi-tensor kernels (one norm per tensor,
+    a handful of kernels for all of them rather than a few per parameter)."""
+    if not grads:
+        return torch.zeros((), dtype=dtype, device=device)
+    norms = torch._foreach_norm(grads, 2, dtype=dtype)
+    return torch.stack(norms).pow(2).sum()
+
+
 def clip_grad_norm_(
     params: Iterable[Tensor], max_norm: float, state: ParallelState, sharded_over_dp: bool = False
 ) -> Tensor:
@@ -229,8 +235,11 @@ def clip_grad_norm_(
     params = list(params)
     norm = global_grad_norm(params, state, sharded_over_dp)
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for p in params:
         g = grad_of(p)
         if g is not None:
-            g.mul_(coefficient.to(g.dtype))
+            by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, grads in by_dtype.items():  # one multi-tensor kernel per dtype
+        torch._foreach_mul_(grads, coefficient.to(dtype))
     return norm

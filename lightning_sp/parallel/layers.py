@@ -30,6 +30,16 @@ from lightning_sp.parallel.comm import (
     reduce_scatter_sequence,
 )
 from lightning_sp.parallel.init import ShardSpec, mark_parameter
+from lightning_sp.parallel.lora import (
+    LoRA,
+    adapter_tensors,
+    column_b_blocks,
+    column_b_grads,
+    column_backward,
+    column_low,
+    row_backward,
+    row_forward,
+)
 from lightning_sp.parallel.state import ParallelState
 
 
@@ -38,6 +48,31 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what}={numerator} is not divisible by {denominator}")
     return numerator // denominator
+
+
+def tensor_parallel_weight(
+    full_shape: tuple[int, int],
+    dim: int,
+    state: ParallelState,
+    what: str,
+    *,
+    init_std: float,
+    replicas: int = 1,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[nn.Parameter, ShardSpec]:
+    """This rank's shard of a ``full_shape`` weight split along ``dim`` over the tensor-parallel
+    group, and where it sits: ``full_shape[dim]·replicas/t`` rows starting at ``rank // replicas``
+    such shards (``replicas`` consecutive ranks hold the same one). The weight is empty and
+    marked for initialisation (normal, ``init_std``) and resharding; a ``ValueError`` naming
+    ``what`` unless the split divides."""
+    t, rank = state.tensor_parallel_size, state.tensor_parallel_rank
+    local = divide(full_shape[dim] * replicas, t, what)
+    shard = ShardSpec(dim, rank // replicas * local, replicas)
+    shape = list(full_shape)
+    shape[dim] = local
+    weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+    return mark_parameter(weight, shard=shard, std=init_std), shard
 
 
 NormFn = Callable[[Tensor, Tensor, Tensor | None, float], Tensor]
@@ -72,15 +107,21 @@ def deinterleave(whole: Tensor, sizes: Sequence[int], groups: int) -> list[Tenso
 class _ColumnParallelFn(torch.autograd.Function):
     """``y = norm(x) Wᵀ + b`` with a column (output) shard of ``W``, where ``W`` is one or more
     weights whose rows are interleaved per group (:func:`interleave`; the fused QKV's
-    ``[group][q_1 … q_r | k | v]``, SwiGLU's ``[gate | up]``), and the input saved as given.
+    ``[group][q_1 … q_r | k | v]``, SwiGLU's ``[gate | up]``), and the input saved as given;
+    with LoRA adapters (:mod:`lightning_sp.parallel.lora`), one per weight or none, plus
+    ``s · B A drop(x)`` on the same gathered input, interleaved like the weights.
 
     forward:  ``norm`` (optional) on x; sequence_parallel: gather ``[s/t, b, k] -> [s, b, k]``
               (g), then one matmul; otherwise matmul on the replicated x (f is the identity).
-    backward: grad_in = grad_y W, then reduce-scatter along s (ḡ of g) or all-reduce (f);
-              grad_W = grad_yᵀ x_full, re-gathering x_full under sequence parallelism; with
+    backward: grad_in = grad_y W (+ the adapters' share), then reduce-scatter along s (ḡ of g)
+              or all-reduce (f); grad_W = grad_yᵀ x_full (only for weights that need one: a
+              frozen base has none), re-gathering x_full under sequence parallelism; with
               ``norm``, the norm is recomputed from x (with a graph) and back-propagated.
     saves:    x as given (the local shard under sequence parallelism, the norm's *input* with
-              ``norm``), the norm's weight and bias, and the weights.
+              ``norm``), the norm's weight and bias, and the weights; with adapters their
+              low-rank activation ``[s, b, Σr]`` and dropout masks. A frozen linear (no weight
+              needing a gradient) without adapters and without ``norm`` keeps no ``x``, as
+              autograd's own linear does: its input gradient needs only ``W``.
     """
 
     @staticmethod
@@ -94,14 +135,16 @@ class _ColumnParallelFn(torch.autograd.Function):
         groups: int,
         group: Group,
         sequence_parallel: bool,
+        adapters: tuple[LoRA | None, ...] | None,
         *params: Tensor | None,
     ) -> Tensor:
-        weights = [w for w in params[0::2] if w is not None]
-        biases = list(params[1::2])
+        n = len(adapters) if adapters is not None else len(params) // 2
+        weights = [w for w in params[0 : 2 * n : 2] if w is not None]
+        biases = list(params[1 : 2 * n : 2])
         ctx.norm, ctx.eps, ctx.groups = norm, eps, groups
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
         ctx.has_bias = [b is not None for b in biases]
-        ctx.save_for_backward(x, norm_weight, norm_bias, *weights)
+        ctx.adapters = adapters
         y = (
             norm(x, norm_weight, norm_bias, eps)
             if norm is not None and norm_weight is not None
@@ -112,11 +155,30 @@ class _ColumnParallelFn(torch.autograd.Function):
         present = [b for b in biases if b is not None]
         if present:
             out = out + interleave(present, groups)
+        saved: list[Tensor | None] = []
+        if adapters is not None:
+            adapted = [a for a in adapters if a is not None]
+            low, masks = column_low(full, adapted)  # [s, b, Σr]
+            blocks = column_b_blocks(adapters, [w.shape[0] for w in weights], adapted[0].scaling)
+            out = out + torch.matmul(low, interleave(blocks, groups).t())
+            saved = [low, *masks]
+        first = 9  # the index of the first weight among forward's inputs
+        needs_x = (
+            norm is not None
+            or adapters is not None
+            or any(ctx.needs_input_grad[first + 2 * i] for i in range(len(weights)))
+        )  # a frozen linear without adapters needs only W for the input gradient
+        kept = x if needs_x else None
+        ctx.save_for_backward(kept, norm_weight, norm_bias, *saved, *weights)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, norm_weight, norm_bias, *weights = ctx.saved_tensors
+        x, norm_weight, norm_bias, *rest = ctx.saved_tensors
+        adapters: tuple[LoRA | None, ...] | None = ctx.adapters
+        adapted = [a for a in adapters if a is not None] if adapters is not None else []
+        low, masks = (rest[0], rest[1 : 1 + len(adapted)]) if adapted else (None, [])
+        weights = rest[1 + len(adapted) :] if adapted else rest
         group, sp, groups = ctx.group, ctx.sequence_parallel, ctx.groups
         leaves: list[Tensor] = []
         y = x
@@ -130,11 +192,29 @@ class _ColumnParallelFn(torch.autograd.Function):
                 bias = leaves[2] if norm_bias is not None else None
                 y = ctx.norm(leaves[0], leaves[1], bias, ctx.eps)
         weight = interleave(weights, groups)
-        grad_full = torch.matmul(grad, weight)  # [s, b, k], a partial sum per rank
-        grad_y = reduce_scatter_sequence(grad_full, group) if sp else all_reduce(grad_full, group)
-        full = all_gather_sequence(y.detach(), group) if sp else y.detach()
         sizes = [w.shape[0] for w in weights]
-        grad_ws = deinterleave(weight_grad(grad, full), sizes, groups)
+        first = 9  # the index of the first weight among forward's inputs
+        need_w = [ctx.needs_input_grad[first + 2 * i] for i in range(len(weights))]
+        full = None
+        if any(need_w) or adapted:
+            full = all_gather_sequence(y.detach(), group) if sp else y.detach()
+        grad_full = torch.matmul(grad, weight)  # [s, b, k], a partial sum per rank
+        lora_grads: list[Tensor] = []
+        if adapted:
+            assert adapters is not None and low is not None and full is not None
+            blocks = column_b_blocks(adapters, sizes, adapted[0].scaling)
+            grad_low = torch.matmul(grad, interleave(blocks, groups))  # [s, b, Σr]
+            grad_in, grad_as = column_backward(grad_low, full, adapted, masks)
+            grad_full = grad_full + grad_in
+            scaled = deinterleave(weight_grad(grad, low), sizes, groups)
+            grad_lora_bs = column_b_grads([g.mul_(adapted[0].scaling) for g in scaled], adapters)
+            lora_grads = [g for pair in zip(grad_as, grad_lora_bs, strict=True) for g in pair]
+        grad_y = reduce_scatter_sequence(grad_full, group) if sp else all_reduce(grad_full, group)
+        grad_ws: list[Tensor | None] = [None] * len(sizes)
+        if any(need_w):
+            assert full is not None
+            grad_ws = list(deinterleave(weight_grad(grad, full), sizes, groups))
+            grad_ws = [g if need else None for g, need in zip(grad_ws, need_w, strict=True)]
         grad_bs: list[Tensor | None] = [None] * len(sizes)
         if any(ctx.has_bias):  # no reduction over every token for a bias-free model
             summed = deinterleave(grad.reshape(-1, grad.shape[-1]).sum(0), sizes, groups)
@@ -147,7 +227,7 @@ class _ColumnParallelFn(torch.autograd.Function):
             grads = torch.autograd.grad(y, leaves, grad_y)
             grad_x, grad_nw = grads[0], grads[1]
             grad_nb = grads[2] if norm_bias is not None else None
-        return (grad_x, grad_nw, grad_nb, None, None, None, None, None, *params)
+        return (grad_x, grad_nw, grad_nb, None, None, None, None, None, None, *params, *lora_grads)
 
 
 def column_parallel_linear(
@@ -162,20 +242,25 @@ def column_parallel_linear(
     norm_bias: Tensor | None = None,
     eps: float = 0.0,
     groups: int = 1,
+    adapters: Sequence[LoRA | None] | None = None,
 ) -> Tensor:
     """Column-parallel linear (see :class:`_ColumnParallelFn`), optionally with several
-    weights (interleaved per ``groups``) and a norm applied first and recomputed in backward.
+    weights (interleaved per ``groups``), a norm applied first and recomputed in backward, and
+    LoRA ``adapters`` (one per weight, ``None`` for a weight without one; one scaling).
 
     ``x``: ``[s/t, b, k]`` under sequence parallelism, else ``[s, b, k]``; returns ``[s, b,
     Σn/t]``.
     """
     weights = [weight] if isinstance(weight, Tensor) else list(weight)
     biases = [bias] * len(weights) if bias is None or isinstance(bias, Tensor) else list(bias)
-    if norm is None and len(weights) == 1 and group_size(group) == 1:
+    lora = tuple(adapters) if adapters is not None and any(adapters) else None
+    if norm is None and len(weights) == 1 and group_size(group) == 1 and lora is None:
         return nn.functional.linear(x, weights[0], biases[0])
     params = [p for pair in zip(weights, biases, strict=True) for p in pair]
+    if lora is not None:
+        params += [p for a in lora if a is not None for p in adapter_tensors(a)]
     return _ColumnParallelFn.apply(
-        x, norm_weight, norm_bias, norm, eps, groups, group, sequence_parallel, *params
+        x, norm_weight, norm_bias, norm, eps, groups, group, sequence_parallel, lora, *params
     )
 
 
@@ -204,27 +289,33 @@ class ColumnParallelLinear(nn.Module):
         :func:`~lightning_sp.parallel.grads.finalize_grads`). Grouped-query attention with
         fewer key/value heads than ranks uses it."""
         super().__init__()
-        t, rank = state.tensor_parallel_size, state.tensor_parallel_rank
-        local = divide(out_features * replicas, t, "out_features * replicas")
-        start = rank // replicas * local
         self.group, self.sequence_parallel = state.tp_group, sequence_parallel
-        self.weight = mark_parameter(
-            nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device)),
-            shard=ShardSpec(0, start, replicas),
-            std=init_std,
+        self.weight, shard = tensor_parallel_weight(
+            (out_features, in_features),
+            0,
+            state,
+            "out_features * replicas",
+            init_std=init_std,
+            replicas=replicas,
+            dtype=dtype,
+            device=device,
         )
         self.bias = (
             mark_parameter(
-                nn.Parameter(torch.empty(local, dtype=dtype, device=device)),
-                shard=ShardSpec(0, start, replicas),
+                nn.Parameter(torch.empty(self.weight.shape[0], dtype=dtype, device=device)),
+                shard=shard,
                 init="zeros",
             )
             if bias
             else None
         )
+        self.lora: LoRA | None = None
+        """A LoRA adapter on this linear (:mod:`lightning_sp.parallel.lora`), if one is attached."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+        return column_parallel_linear(
+            x, self.weight, self.bias, self.group, self.sequence_parallel, adapters=[self.lora]
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -248,13 +339,15 @@ class RowParallelLinear(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        t, rank = state.tensor_parallel_size, state.tensor_parallel_rank
-        local = divide(in_features, t, "in_features")
         self.group, self.sequence_parallel = state.tp_group, sequence_parallel
-        self.weight = mark_parameter(
-            nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device)),
-            shard=ShardSpec(1, rank * local),
-            std=init_std,
+        self.weight, _ = tensor_parallel_weight(
+            (out_features, in_features),
+            1,
+            state,
+            "in_features",
+            init_std=init_std,
+            dtype=dtype,
+            device=device,
         )
         self.bias = (
             mark_parameter(
@@ -265,6 +358,9 @@ class RowParallelLinear(nn.Module):
             if bias
             else None
         )
+        self.lora: LoRA | None = None
+        """A LoRA adapter on this linear (:mod:`lightning_sp.parallel.lora`), if one is attached:
+        its partial product joins the linear's before :meth:`reduce`."""
 
     def reduce(self, partial: Tensor) -> Tensor:
         """Sum this layer's partial products over the group (ḡ or f̄) and add the replicated
@@ -274,4 +370,31 @@ class RowParallelLinear(nn.Module):
         return out + self.bias if self.bias is not None else out
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.reduce(torch.matmul(x, self.weight.t()))  # [s, b, out] partial per rank
+        if self.lora is None:
+            return self.reduce(torch.matmul(x, self.weight.t()))  # [s, b, out] partial per rank
+        return self.reduce(
+            _RowAdaptedFn.apply(x, self.weight, self.lora, *adapter_tensors(self.lora))
+        )
+
+
+class _RowAdaptedFn(torch.autograd.Function):
+    """A row-parallel linear's partial product with its LoRA adapter's,
+    ``x Wᵀ + s · B A drop(x)`` (:func:`~lightning_sp.parallel.lora.row_forward`); saves ``x``,
+    ``W``, the low-rank activation ``[s, b, r]`` and the dropout mask; no weight-gradient GEMM
+    for a frozen ``W``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, adapter: LoRA, *pair: Tensor) -> Tensor:
+        out, saved = row_forward(x, weight, adapter)
+        ctx.adapter = adapter
+        ctx.save_for_backward(x, weight, *saved)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, low, mask = ctx.saved_tensors
+        need_w = ctx.needs_input_grad[1]
+        grad_x, grad_w, grad_a, grad_b = row_backward(
+            grad, x, weight, need_w, ctx.adapter, low, mask
+        )
+        return grad_x, grad_w, None, grad_a, grad_b

@@ -30,71 +30,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_sp.errors import ConfigError, divisors, positive_int
+from lightning_sp.errors import ConfigError
+from lightning_sp.parallel.config import ParallelConfig
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
-
-
-def check_layout(
-    world_size: int,
-    tensor_parallel_size: int,
-    pipeline_parallel_size: int,
-    context_parallel_size: int = 1,
-) -> int:
-    """Validate a (t, p, c) layout against a world size and return the data-parallel size."""
-    for name, value in (
-        ("tensor_parallel_size", tensor_parallel_size),
-        ("pipeline_parallel_size", pipeline_parallel_size),
-        ("context_parallel_size", context_parallel_size),
-    ):
-        positive_int(name, value)
-    model_parallel = tensor_parallel_size * pipeline_parallel_size * context_parallel_size
-    if world_size % model_parallel:
-        what, sizes = (
-            ("tensor_parallel_size * pipeline_parallel_size", "t * p")
-            if context_parallel_size == 1
-            else (
-                "tensor_parallel_size * pipeline_parallel_size * context_parallel_size",
-                "t * p * c",
-            )
-        )
-        factors = [tensor_parallel_size, pipeline_parallel_size] + (
-            [context_parallel_size] if context_parallel_size > 1 else []
-        )
-        raise ConfigError(
-            f"world size {world_size} is not divisible by {what} = "
-            f"{' * '.join(map(str, factors))} = {model_parallel}; {sizes} must be one of "
-            f"{divisors(world_size)}"
-        )
-    return world_size // model_parallel
-
-
-def check_expert_tensor_parallel(
-    expert_tensor_parallel_size: int, tensor_parallel_size: int
-) -> None:
-    """Experts are whole on every TP rank (1) or split over the whole TP group (``t``): one
-    line (:class:`ConfigError`) for anything else."""
-    etp, t = expert_tensor_parallel_size, tensor_parallel_size
-    if etp not in (1, t) or isinstance(etp, bool):
-        valid = "1" if t == 1 else f"1 or {t}"
-        raise ConfigError(
-            f"expert_tensor_parallel_size={etp!r} must be {valid} (1: experts whole on every "
-            f"tensor-parallel rank; tensor_parallel_size={t}: each expert's f_e split over "
-            "the TP group)"
-        )
-
-
-def check_expert_layout(data_context_ranks: int, expert_parallel_size: int) -> int:
-    """Validate ``e`` against the ``d·c`` data x context ranks it folds into; return the
-    expert-data size ``d·c/e`` (:class:`ConfigError`, one line, unless ``e`` divides them)."""
-    positive_int("expert_parallel_size", expert_parallel_size)
-    if data_context_ranks % expert_parallel_size:
-        raise ConfigError(
-            f"expert_parallel_size={expert_parallel_size} does not divide the "
-            f"data_parallel_size * context_parallel_size = {data_context_ranks} ranks it folds "
-            f"into; expert_parallel_size must be one of {divisors(data_context_ranks)}"
-        )
-    return data_context_ranks // expert_parallel_size
 
 
 def _group_options(backend: str, timeout: datetime.timedelta) -> tuple[str, Any] | None:
@@ -162,11 +101,16 @@ class ParallelState:
     _subgroups: dict[int, dist.ProcessGroup | None] = field(
         default_factory=dict, compare=False, repr=False
     )
+    _layout: ParallelConfig | None = field(default=None, compare=False, repr=False)
+    """The layout record this state was built from (:meth:`from_config`, :meth:`single`)."""
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> ParallelState:
         """The state of a lone process: every size is one, no process group is needed."""
-        return cls(1, 1, 1, 0, 0, 0, None, None, None, torch.device(device), None)
+        return cls(
+            1, 1, 1, 0, 0, 0, None, None, None, torch.device(device), None,
+            _layout=ParallelConfig(),
+        )  # fmt: skip
 
     @classmethod
     def from_process_group(
@@ -179,23 +123,45 @@ class ParallelState:
         expert_parallel_size: int = 1,
         expert_tensor_parallel_size: int = 1,
     ) -> ParallelState:
-        """Build the state from the initialised default process group.
+        """Build the state of these sizes on the initialised default process group: the
+        :class:`ParallelConfig` they state, completed for the world
+        (:meth:`ParallelConfig.for_world_size`, which checks them), then
+        :meth:`from_config`. Every rank must call this with the same arguments."""
+        config = ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            context_parallel_size=context_parallel_size,
+            expert_parallel_size=expert_parallel_size,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
+        )
+        return cls.from_config(config.for_world_size(_world_size()), device=device, timeout=timeout)
 
-        Every rank must call this with the same arguments (``expert_parallel_size``: see the
-        module docstring). Sub-groups are created with
-        ``timeout`` so that a collective that never completes raises instead of hanging.
+    @classmethod
+    def from_config(
+        cls,
+        config: ParallelConfig,
+        *,
+        device: str | torch.device | None = None,
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    ) -> ParallelState:
+        """Build this rank's state from the initialised default process group and ``config``,
+        a layout completed for this world (:meth:`ParallelConfig.for_world_size`, which
+        checked it: nothing is checked again here but that its ``t·c·p·d`` is the world's).
+
+        Every rank must call this with the same ``config`` (``expert_parallel_size``: see the
+        module docstring). Sub-groups are created with ``timeout`` so that a collective that
+        never completes raises instead of hanging.
         """
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "ParallelState.from_process_group needs torch.distributed to be initialised "
-                "(torch.distributed.init_process_group); use ParallelState.single() for one process"
+        world_size = _world_size()
+        if config.world_size != world_size:
+            raise ConfigError(
+                f"the layout's t * c * p * d = {config.world_size} ranks is not the world's "
+                f"{world_size}; complete it with ParallelConfig.for_world_size({world_size})"
             )
-        world_size = dist.get_world_size()
-        t, c = tensor_parallel_size, context_parallel_size
-        dp = check_layout(world_size, t, pipeline_parallel_size, c)
-        e = expert_parallel_size
-        check_expert_layout(dp * c, e)
-        check_expert_tensor_parallel(expert_tensor_parallel_size, t)
+        t, c = config.tensor_parallel_size, config.context_parallel_size
+        pipeline_parallel_size, tensor_parallel_size = config.pipeline_parallel_size, t
+        dp, e = config.data_parallel_size, config.expert_parallel_size
+        expert_tensor_parallel_size = config.expert_tensor_parallel_size
         backend = dist.get_backend()
         if device is None:
             device = (
@@ -285,6 +251,7 @@ class ParallelState:
             expert_tensor_parallel_size=expert_tensor_parallel_size,
             token_groups=token_groups,
             timeout=timeout,
+            _layout=config,
         )
 
     @property
@@ -349,6 +316,22 @@ class ParallelState:
         return self.token_groups.get((over_tp, over_cp))
 
     @property
+    def layout(self) -> ParallelConfig:
+        """The layout record this state was built from (what activation shapes are built
+        from: :meth:`~lightning_sp.model.config.GPTConfig.activation_shape`), passed on
+        unchecked; a state built by hand (tests) states its sizes as one."""
+        if self._layout is not None:
+            return self._layout
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            expert_parallel_size=self.expert_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+        )
+
+    @property
     def world_size(self) -> int:
         return (
             self.tensor_parallel_size
@@ -364,3 +347,13 @@ class ParallelState:
             f"dp={self.data_parallel_rank}/{self.data_parallel_size}, "
             f"cp={self.context_parallel_rank}/{self.context_parallel_size}, device={self.device})"
         )
+
+
+def _world_size() -> int:
+    """The default process group's size (it must be initialised)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "ParallelState.from_config needs torch.distributed to be initialised "
+            "(torch.distributed.init_process_group); use ParallelState.single() for one process"
+        )
+    return dist.get_world_size()

@@ -16,8 +16,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_sp.parallel.comm import Group, f_bar, g_bar, group_size
-from lightning_sp.parallel.init import ShardSpec, mark_parameter
-from lightning_sp.parallel.layers import divide
+from lightning_sp.parallel.layers import tensor_parallel_weight
 from lightning_sp.parallel.state import ParallelState
 
 
@@ -41,15 +40,17 @@ class VocabParallelEmbedding(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        t, rank = state.tensor_parallel_size, state.tensor_parallel_rank
-        local = divide(padded_vocab_size, t, "padded_vocab_size")
-        self.vocab_start, self.vocab_end = rank * local, (rank + 1) * local
         self.group, self.sequence_parallel = state.tp_group, sequence_parallel
-        self.weight = mark_parameter(
-            nn.Parameter(torch.empty(local, hidden_size, dtype=dtype, device=device)),
-            shard=ShardSpec(0, self.vocab_start),
-            std=init_std,
+        self.weight, shard = tensor_parallel_weight(
+            (padded_vocab_size, hidden_size),
+            0,
+            state,
+            "padded_vocab_size",
+            init_std=init_std,
+            dtype=dtype,
+            device=device,
         )
+        self.vocab_start, self.vocab_end = shard.start, shard.start + self.weight.shape[0]
 
     def forward(self, ids: Tensor) -> Tensor:
         if group_size(self.group) == 1:

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterator
-from typing import Any, cast, overload
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,10 +43,11 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.documents import Packing, Reduction
 from lightning_sp.model.gpt import GPT
-from lightning_sp.model.moe import scale_auxiliary_losses
+from lightning_sp.model.hooks import scale_auxiliary_losses
 from lightning_sp.parallel import grads as grad_utils
 from lightning_sp.parallel.buffer import GradBuffer
 from lightning_sp.parallel.state import DEFAULT_TIMEOUT, ParallelState
+from lightning_sp.pipeline.chunks import Chunks, Objective, StageModule
 from lightning_sp.pipeline.split import (
     ScheduleName,
     check_batch,
@@ -54,42 +56,6 @@ from lightning_sp.pipeline.split import (
 )
 
 _Schedule = Schedule1F1B | ScheduleInterleaved1F1B
-
-
-# -- stage modules --------------------------------------------------------------------------------
-
-
-class _Stage(nn.Module):
-    """What ``PipelineStage`` runs for one chunk: ids ``[b, s]`` (first virtual stage) or the
-    hidden state ``[s/t or s, b, h]`` in, the hidden state out. The last stage's head and loss
-    run in the schedule's loss function (:meth:`GPT.loss`), where the labels are."""
-
-    def __init__(self, chunk: GPT) -> None:
-        super().__init__()
-        self.chunk = chunk
-
-    def forward(
-        self, x: Tensor, documents: Tensor | None = None, positions: Tensor | None = None
-    ) -> Tensor:
-        if self.chunk.has_embedding:
-            x = self.chunk.embed(x, positions=positions)  # [b, s] -> [s/t or s, b, h]
-        return self.chunk.forward_layers(x, documents, positions)  # [s/t or s, b, h]
-
-
-class Chunks(nn.ModuleList):
-    """A rank's model chunks: an ``nn.ModuleList`` of :class:`GPT` (typed as such)."""
-
-    @overload
-    def __getitem__(self, index: slice) -> Chunks: ...
-
-    @overload
-    def __getitem__(self, index: int) -> GPT: ...
-
-    def __getitem__(self, index: int | slice) -> GPT | Chunks:
-        return cast("GPT | Chunks", super().__getitem__(index))  # it holds GPTs only
-
-    def __iter__(self) -> Iterator[GPT]:
-        return (self[i] for i in range(len(self)))
 
 
 class Pipeline(nn.Module):
@@ -147,10 +113,11 @@ class Pipeline(nn.Module):
             # 0's, and the global norm counts the original only
             self.chunks[-1].word_embeddings.weight.pipeline_copy = True  # type: ignore[attr-defined]
         # plain lists, so the chunks are registered once (under ``chunks``)
-        self._stage_modules = [_Stage(chunk) for chunk in self.chunks]
+        self._stage_modules = [StageModule(chunk) for chunk in self.chunks]
         self._schedules: dict[tuple[int, int, torch.dtype], _Schedule] = {}
         self._embedding_group = self._make_embedding_group(timeout)
         self._reduction: Reduction = "mean"  # of the step running (train_step, eval_step)
+        self._objective: Objective | None = None  # replaces GPT.loss for the step running
 
     # -- layout --------------------------------------------------------------------------------
 
@@ -192,7 +159,7 @@ class Pipeline(nn.Module):
         """Validate a batch ``[B, s]``; return the micro-batch size ``B / n``."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-        if labels is not None and labels.shape != input_ids.shape:
+        if labels is not None and labels.shape[:2] != input_ids.shape:
             raise ValueError(
                 f"labels shape {tuple(labels.shape)} differs from input_ids "
                 f"{tuple(input_ids.shape)}"
@@ -205,7 +172,10 @@ class Pipeline(nn.Module):
     def _loss_fn(self, output: Tensor, target: Tensor) -> Tensor:
         """Head and loss of one micro-batch. ``reduction="mean"``: its mean divided by ``n``,
         so that summed over micro-batches this is the mean loss of the batch, and its gradients
-        those of the mean. ``"sum"``: the sum over its counted tokens, undivided."""
+        those of the mean. ``"sum"``: the sum over its counted tokens, undivided. With an
+        objective (:data:`Objective`), its result."""
+        if self._objective is not None:
+            return self._objective(self.chunks[-1], output, target)
         if self._reduction == "sum":
             return self.chunks[-1].loss(output, target, "sum")
         return self.chunks[-1].loss(output, target) / self.num_microbatches
@@ -257,16 +227,42 @@ class Pipeline(nn.Module):
         return self.schedule_name != "none"
 
     def forward(
-        self, input_ids: Tensor, labels: Tensor, packing: Packing | Reduction = "mean"
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        packing: Packing | Reduction = "mean",
+        objective: Objective | None = None,
     ) -> Tensor:
         """``p = 1`` only: the mean (or sum: ``packing.reduction``) loss of the batch with its
-        graph (the whole model is this rank's one chunk), for the caller to run backward."""
+        graph (the whole model is this rank's one chunk), for the caller to run backward;
+        with an ``objective``, its result on the whole batch (``labels``: its target)."""
         if self.runs_backward:
             raise RuntimeError("with pipeline_parallel_size > 1 the schedule runs: use train_step")
-        return self.chunks[0](input_ids, labels, packing)
+        if objective is None:
+            return self.chunks[0](input_ids, labels, packing)
+        packing = Packing.of(packing)
+        self._check_inputs(input_ids, labels)
+        chunk = self.chunks[0]
+        x = chunk.embed(input_ids, positions=packing.positions)
+        x = chunk.forward_layers(x, packing.documents, packing.positions)
+        return objective(chunk, x, labels)
+
+    @contextmanager
+    def _running(self, packing: Packing, objective: Objective | None) -> Iterator[None]:
+        """The step's reduction and objective, for the loss function; the objective is
+        forgotten after the step."""
+        self._reduction, self._objective = packing.reduction, objective
+        try:
+            yield
+        finally:
+            self._objective = None
 
     def train_step(
-        self, input_ids: Tensor, labels: Tensor, packing: Packing | Reduction = "mean"
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        packing: Packing | Reduction = "mean",
+        objective: Objective | None = None,
     ) -> Tensor:
         """Forward and backward of all ``n`` micro-batches of ``input_ids``/``labels`` ``[B, s]``.
 
@@ -280,24 +276,58 @@ class Pipeline(nn.Module):
         TokenMean` to divide by the step's global count. ``packing.documents`` (``[B, s]`` ids
         of the whole sequences) and ``packing.positions`` (``[B, s]`` of the given tokens):
         packed documents (:meth:`GPT.forward`); every stage receives its micro-batch's rows.
+        ``objective`` (:data:`Objective`): each micro-batch's loss is its result instead
+        (``labels``: its target), and the returned loss their sum.
         """
         packing = Packing.of(packing)
         self._check_inputs(input_ids, labels)
-        self._reduction = packing.reduction
         extra: dict[str, Any] = packing.sequence()
-        if self.schedule_name == "none":
-            return self._accumulate(input_ids, labels, backward=True, **extra)
-        schedule = self._schedule(input_ids)
-        losses: list[Tensor] = []
-        with torch.enable_grad():
-            schedule.step(
+        with self._running(packing, objective):
+            if self.schedule_name == "none":
+                return self._accumulate(input_ids, labels, backward=True, **extra)
+            schedule = self._schedule(input_ids)
+            losses: list[Tensor] = []
+            with torch.enable_grad():
+                schedule.step(
+                    *((input_ids,) if self.has_embedding else ()),
+                    target=labels if self.has_head else None,
+                    losses=losses,
+                    return_outputs=False,
+                    **extra,
+                )
+        return self._broadcast_loss(losses)
+
+    @torch.no_grad()
+    def outputs(
+        self, input_ids: Tensor, target: Tensor, packing: Packing | Reduction, objective: Objective
+    ) -> list[Tensor]:
+        """Forward of all micro-batches (no graph, no gradient) and ``objective``'s result
+        for each, in micro-batch order, on the last stage (an empty list on the others): a
+        reference model's per-sequence log-probabilities, a validation's sums. The caller
+        sets train/eval mode."""
+        packing = Packing.of(packing)
+        self._check_inputs(input_ids, target)
+        extra: dict[str, Any] = packing.sequence()
+        with self._running(packing, objective):
+            if self.schedule_name == "none":
+                chunk, n = self.chunks[0], self.num_microbatches
+                parts = {k: v.chunk(n) for k, v in extra.items()}
+                results = []
+                for i, (ids, part) in enumerate(
+                    zip(input_ids.chunk(n), target.chunk(n), strict=True)
+                ):
+                    micro = {k: v[i] for k, v in parts.items()}
+                    x = chunk.embed(ids, positions=micro.get("positions"))
+                    results.append(objective(chunk, chunk.forward_layers(x, **micro), part))
+                return results
+            results = []
+            self._schedule(input_ids).eval(
                 *((input_ids,) if self.has_embedding else ()),
-                target=labels if self.has_head else None,
-                losses=losses,
-                return_outputs=False,
+                target=target if self.has_head else None,
+                losses=results,
                 **extra,
             )
-        return self._broadcast_loss(losses)
+        return results if self.has_head else []
 
     @torch.no_grad()
     def eval_step(

@@ -73,6 +73,13 @@ class TokenMean:
         self.tokens += counted_tokens(labels)
         self.loss_sum += float(loss_sum.detach() if isinstance(loss_sum, Tensor) else loss_sum)
 
+    def add_count(self, count: int, loss_sum: Tensor | float) -> None:
+        """One batch whose loss is a sum over ``count`` items the caller counted (pairs, for
+        a preference loss: :mod:`lightning_sp.training.preference`); the step's loss is then
+        the mean over the items of every batch and replica."""
+        self.tokens += count
+        self.loss_sum += float(loss_sum.detach() if isinstance(loss_sum, Tensor) else loss_sum)
+
     def reset(self) -> None:
         """Forget what was added (a step that was skipped before :meth:`finish`)."""
         self.tokens, self.loss_sum = 0, 0.0

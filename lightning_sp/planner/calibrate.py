@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.ops import Gemm, backward_gemms, head_gemms, layer_gemms
 
@@ -109,7 +110,8 @@ def copy_bandwidth(device: torch.device, nbytes: int, seconds: float) -> float:
 def model_gemms(config: GPTConfig, t: int, b: int) -> list[Gemm]:
     """Every GEMM shape the step-time model asks for at (t, b): a layer's and the output
     layer's forward GEMMs and their two backward GEMMs each."""
-    forward = [*layer_gemms(config, t, b), *head_gemms(config, t, b)]
+    shape = config.activation_shape(ParallelConfig(tensor_parallel_size=t), b)
+    forward = [*layer_gemms(shape), *head_gemms(config, t, b)]
     return [g for f in forward for g in (f, *backward_gemms(f))]
 
 

@@ -41,7 +41,6 @@ import time
 
 import torch
 
-from lightning_sp.errors import ConfigError
 from lightning_sp.memory.fake import ActivationMeasurement
 from lightning_sp.memory.model_state import (
     MIXED_PRECISION_ADAM,
@@ -52,10 +51,10 @@ from lightning_sp.memory.model_state import (
     parameters_per_rank,
 )
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.recompute import AUTO, policy_name
+from lightning_sp.model.recompute import AUTO, RecomputePolicy, policy_name
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.cluster import Cluster, load_cluster
-from lightning_sp.planner.layout import DEFAULT_DEVICE_BYTES, Layout
+from lightning_sp.planner.layout import DEFAULT_DEVICE_BYTES, Layout, runs
 from lightning_sp.planner.records import (
     COMBINATIONS,
     LADDER,
@@ -95,10 +94,9 @@ def estimate(
     layout.validate()
     hardware = load_cluster(cluster)
     cfg, t = layout.config, layout.tensor_parallel_size
-    p, e = layout.pipeline_parallel_size, layout.expert_parallel_size
-    etp = layout.expert_tensor_parallel_size
-    n_params = parameters_per_rank(cfg, t, p, e, etp)
-    experts = expert_parameters_per_rank(cfg, t, p, e, etp)  # sharded over d·c/e, the rest d·c
+    e = layout.expert_parallel_size
+    n_params = parameters_per_rank(cfg, layout)
+    experts = expert_parameters_per_rank(cfg, layout)  # sharded over d·c/e, the rest d·c
     shards, zero = optimizer_shards(layout), layout.distributed_optimizer
     state_bytes = round(
         model_state_bytes(n_params - experts, precision, shards, zero)
@@ -113,9 +111,7 @@ def estimate(
         if sp and local % t:
             continue
         combo = layout.with_policy(sp, rc)
-        try:  # a combination the model cannot run (MoE at t > 1 without SP) is left out
-            combo.validate(t)
-        except ConfigError:
+        if not runs(combo, layout):  # a combination the model cannot run (MoE at t > 1, no SP)
             continue
         formula = formula_activations(layout, combo)
         got = formula
@@ -148,7 +144,7 @@ def estimate(
         seconds=time.perf_counter() - start,
         cluster=hardware.name,
     )
-    if layout.recompute == "auto":
+    if layout.recompute.auto:
         result.choice = _choose(result, acts[configured_sp(layout)], state_bytes, hardware)
     _mark_selected(result)
     return result
@@ -160,7 +156,7 @@ def _choose(
     state_bytes: int,
     cluster: Cluster,
 ) -> RecomputeChoice:
-    """The fastest recomputation that fits, for the layout's sequence-parallel setting: each
+    """The fastest recomputation that fits, for the model's sequence-parallel setting: each
     policy of :data:`LADDER`, and for each policy below ``full`` the split with ``full`` on
     the fewest layers of a chunk that fits; the row of a chosen split is appended to
     ``result.rows``. Nothing fits: ``full`` on every layer."""
@@ -191,7 +187,7 @@ def _choose(
 def _combinations(layout: Layout) -> tuple[tuple[bool, str], ...]:
     """:data:`COMBINATIONS`, plus the configured module set if it is no named policy (that of
     the layers beyond ``recompute_num_layers`` included)."""
-    if layout.recompute == AUTO:
+    if layout.recompute.auto:
         return COMBINATIONS
     config = layout.config
     names = {config.layer_recompute(i).name for i in range(layout.layers_per_chunk)}
@@ -218,8 +214,8 @@ def no_gain_notes(result: Estimate) -> list[str]:
 
 
 def configured_sp(layout: Layout) -> bool:
-    """The sequence-parallel setting of the configured rows: the layout's, except that where
-    SP cannot split each rank's ``s/c`` tokens over t (``fit`` refuses that layout:
+    """The sequence-parallel setting of the configured rows: the model config's, except that
+    where SP cannot split each rank's ``s/c`` tokens over t (``fit`` refuses that layout:
     :meth:`Layout.splits_sequence`) the configured layout is shown without SP, marked so
     by the report."""
     return bool(layout.config.sequence_parallel) and layout.splits_sequence()
@@ -260,8 +256,8 @@ def resolve_recompute(
     model state + first-stage activations fit ``device_bytes`` (see :func:`estimate`;
     ``fits`` is False when even full recompute of every layer does not).
 
-    ``config.recompute`` is ignored. ``parallel.sequence_parallel`` must agree with
-    ``config.sequence_parallel`` (``None``: the config's). ``measure``: trace under fake
+    ``config.recompute`` is ignored; sequence parallelism is ``config.sequence_parallel``
+    (the one place it is set). ``measure``: trace under fake
     tensors (``None``: when ``torch.distributed`` is not yet initialised in this process,
     since the fake world cannot coexist with a real one; otherwise the formulas, which the
     measurement matches within 0.01%). Deterministic, so every rank resolves the same choice.
@@ -272,7 +268,7 @@ def resolve_recompute(
         measure = not (dist.is_available() and dist.is_initialized())
     layout = Layout(
         **dataclasses.asdict(parallel or ParallelConfig()),
-        config=dataclasses.replace(config, recompute="auto", recompute_num_layers=None),
+        config=dataclasses.replace(config, recompute=AUTO, recompute_num_layers=None),
         micro_batch_size=micro_batch_size,
         source="the running layout",
     )
@@ -297,8 +293,8 @@ def auto_recompute_config(
     )
     resolved = dataclasses.replace(
         config,
-        recompute=choice.recompute,  # a policy of the planner's ladder
+        recompute=RecomputePolicy.parse(choice.recompute),  # a policy of the planner's ladder
         recompute_num_layers=choice.recompute_num_layers,
-        recompute_rest=choice.recompute_rest or config.recompute_rest,
+        recompute_rest=RecomputePolicy.parse(choice.recompute_rest or config.recompute_rest),
     )
     return resolved, choice

@@ -92,6 +92,26 @@ def gather_seconds(cluster: Cluster, nbytes: float, group: int, within_node: boo
     return (group - 1) / group * nbytes / cluster.link_rate(within_node)
 
 
+def spread_gather_seconds(
+    cluster: Cluster, nbytes: float, group: int, members_in_node: int
+) -> float:
+    """A ring all-gather (or reduce-scatter) whose full tensor is ``nbytes`` over ``group``
+    ranks, ``members_in_node`` of them in each node (a data-parallel group: the ranks of
+    equal TP / PP position, ``t`` apart). Every member passes ``(group-1)/group`` of the
+    tensor along the ring. Inside one node that is :func:`gather_seconds` over NVLink. Across
+    nodes NCCL runs one ring per channel and stripes the channels over the node's network
+    adapters, one per GPU ([DGXA100] / [DGXH100]): the ``members_in_node`` members' adapters
+    carry the ring's inter-node hops side by side, so the ring runs at the slower of NVLink
+    and ``members_in_node`` adapters. With one member per node this is the ring over the
+    network."""
+    if group <= 1:
+        return 0.0
+    if members_in_node >= group:
+        return gather_seconds(cluster, nbytes, group, True)
+    rate = min(cluster.link_rate(True), members_in_node * cluster.link_rate(False))
+    return (group - 1) / group * nbytes / rate
+
+
 def all_to_all_seconds(cluster: Cluster, nbytes: float, group: int, members_in_node: int) -> float:
     """An all-to-all over ``group`` ranks in which each rank sends ``1/group`` of its
     ``nbytes`` to every other rank and receives as much: to the ``members_in_node - 1`` others

@@ -10,13 +10,16 @@ from a ``fit`` command line. :class:`PlannerOptions` holds the command's own opt
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.config import GPTConfig
-from lightning_sp.parallel.config import ParallelConfig, resolve_sequence_parallel
+from lightning_sp.model.config_checks import check_model_layout
+from lightning_sp.model.recompute import RecomputePolicy
+from lightning_sp.model.shape import ActivationShape
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.pipeline import check_pipeline
 
 DEFAULT_DEVICE_BYTES = 80e9
@@ -30,7 +33,7 @@ class Layout(ParallelConfig):
 
     config: GPTConfig
     """The model; its ``recompute`` is as configured (``auto`` included) and its
-    ``sequence_parallel`` is the layout's."""
+    ``sequence_parallel`` is the run's (the one home of that setting)."""
 
     micro_batch_size: int = 1
     """b, samples per micro-batch."""
@@ -57,15 +60,24 @@ class Layout(ParallelConfig):
     source: str = "<layout>"
     """Where the layout was read from, for messages."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        sp = resolve_sequence_parallel(self.sequence_parallel, self.config.sequence_parallel)
-        object.__setattr__(self, "sequence_parallel", sp)  # frozen: decided once, here
+    @cached_property
+    def shape(self) -> ActivationShape:
+        """The model's activation shape on one rank of this layout at ``micro_batch_size``
+        (document-masked with ``document_mask``), built once and passed whole to the formulas
+        and the step time (:meth:`GPTConfig.activation_shape`)."""
+        return self.config.activation_shape(
+            self, self.micro_batch_size, documents=self.document_mask
+        )
+
+    def shape_of(self, config: GPTConfig) -> ActivationShape:
+        """:attr:`shape` for ``config``, one of :meth:`with_policy`'s rows (a row differs from
+        the layout's model only in its sequence parallelism and recompute, and the shape
+        holds the first)."""
+        return dataclasses.replace(self.shape, sequence_parallel=config.sequence_parallel)
 
     @property
-    def recompute(self) -> str | list[str]:
-        """The recompute policy as configured (``auto`` included; a list of modules is kept as
-        given)."""
+    def recompute(self) -> RecomputePolicy:
+        """The recompute policy as configured (``auto`` included)."""
         return self.config.recompute
 
     @property
@@ -90,16 +102,18 @@ class Layout(ParallelConfig):
         the sequence by 2c (causal load balancing), and, interleaved, micro-batches ≥ p."""
         positive_int("micro_batch_size", self.micro_batch_size)  # the sizes: ParallelConfig's
         k = positive_int("trainer.accumulate_grad_batches", self.accumulate_grad_batches)
-        t, p = self.tensor_parallel_size, self.pipeline_parallel_size
+        self.for_world_size(self.world_size)  # complete already: e divides its d·c ranks
+        p = self.pipeline_parallel_size
         if k > 1 and p > 1:
             raise ConfigError(
                 f"trainer.accumulate_grad_batches={k} with pipeline_parallel_size={p}; the "
                 "pipeline schedule accumulates over num_microbatches, use "
                 "accumulate_grad_batches=1"
             )
-        self.config.validate(t)
         c, s = self.context_parallel_size, self.config.seq_length
-        if c > 1 and s % (2 * c):
+        # the sequence by 2c whatever SP (a layout whose SP cannot split it is shown SP off)
+        check_model_layout(self.config, self, split_sequence=False)
+        if s % self.sequence_divisor(False):
             raise ConfigError(
                 f"context_parallel_size={c}: seq_length={s} is not divisible by 2c = {2 * c} "
                 "(causal load balancing cuts each sequence into 2c chunks); "
@@ -117,26 +131,26 @@ class Layout(ParallelConfig):
         """The context-parallel sizes ``fit`` accepts for this sequence, t and SP setting
         (:func:`lightning_sp.training.checks.check_context_sequence`): 1, and each ``c`` with
         ``2c`` dividing ``s`` (with SP at ``t > 1``, ``lcm(2c, c·t)``)."""
-        s, t = self.config.seq_length, self.tensor_parallel_size
-        sp = bool(self.sequence_parallel) and t > 1
-        return [1] + [
-            c
-            for c in divisors(s // 2)
-            if c > 1 and not s % (2 * c) and not (sp and s % math.lcm(2 * c, c * t))
-        ]
+        s, sp, t = self.config.seq_length, self.config.sequence_parallel, self.tensor_parallel_size
+
+        def divisor(c: int) -> int:
+            return ParallelConfig(tensor_parallel_size=t, context_parallel_size=c).sequence_divisor(
+                sp
+            )
+
+        return [1] + [c for c in divisors(s // 2) if c > 1 and not s % divisor(c)]
 
     def splits_sequence(self) -> bool:
         """Whether sequence parallelism, if on, can split each rank's ``s/c`` tokens over t
-        (``fit`` refuses the layout otherwise)."""
-        local = self.config.seq_length // self.context_parallel_size  # [s/c] per rank
-        return local % self.tensor_parallel_size == 0
+        (``fit`` refuses the layout otherwise: :meth:`ParallelConfig.sequence_divisor`)."""
+        return not self.config.seq_length % self.sequence_divisor(True)
 
     def with_policy(
         self,
         sequence_parallel: bool,
-        recompute: str,
+        recompute: str | RecomputePolicy,
         recompute_num_layers: int | None = None,
-        recompute_rest: str | None = None,
+        recompute_rest: str | RecomputePolicy | None = None,
     ) -> GPTConfig:
         """The model config for one ``(sequence_parallel, recompute)`` combination; with
         ``recompute_num_layers``, the other layers run ``recompute_rest`` (``None``: as
@@ -145,10 +159,21 @@ class Layout(ParallelConfig):
         return dataclasses.replace(
             self.config,
             sequence_parallel=sequence_parallel,
-            recompute=recompute,
+            recompute=RecomputePolicy.parse(recompute),
             recompute_num_layers=recompute_num_layers,
-            recompute_rest=rest,
+            recompute_rest=RecomputePolicy.parse(rest, "recompute_rest", rest=True),
         )
+
+
+def runs(config: GPTConfig, layout: ParallelConfig) -> bool:
+    """Whether ``config`` (a row's sequence parallelism and recompute) can run on ``layout``
+    (:func:`~lightning_sp.model.config_checks.check_model_layout`, the sequence aside: the
+    rows whose SP cannot split it are left out by the estimate itself)."""
+    try:
+        check_model_layout(config, layout, split_sequence=False)
+    except ConfigError:
+        return False
+    return True
 
 
 # -- the estimate command's options -------------------------------------------------------------

@@ -33,15 +33,16 @@ whatever the recompute policy (``core_attn`` does not act under CP).
 
 from __future__ import annotations
 
-import dataclasses
-
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.parts.attention import CP_CORE, attention_pairs, cp_key_lengths
 from lightning_sp.model.parts.base import ACT, MASK, Collective, CollectiveKind, Gemm, MemoryOp
+from lightning_sp.model.parts.block import block_of_shape
+from lightning_sp.model.shape import ActivationShape
 
 __all__ = [
     "ACT",
     "CP_CORE",
+    "CROSS_ENTROPY_BYTES",
     "MASK",
     "Collective",
     "CollectiveKind",
@@ -59,11 +60,15 @@ __all__ = [
 ]
 
 
-def layer_gemms(
-    config: GPTConfig, t: int, b: int, c: int = 1, e: int = 1, etp: int = 1
-) -> list[Gemm]:
-    """The forward GEMMs of one transformer layer on one of ``t`` tensor-parallel ranks for a
-    micro-batch of ``b`` sequences: the sum over the layer's parts (:meth:`~lightning_sp.model.
+CROSS_ENTROPY_BYTES = (38, 22)
+"""Bytes per logit the vocab-parallel cross entropy moves, forward and backward
+(:func:`head_memory_ops`)."""
+
+
+def layer_gemms(shape: ActivationShape) -> list[Gemm]:
+    """The forward GEMMs of one transformer layer of ``shape`` (a model laid out at
+    micro-batch ``b``: :meth:`~lightning_sp.model.config.GPTConfig.activation_shape`) on one
+    of its ``t`` tensor-parallel ranks: the sum over the layer's parts (:meth:`~lightning_sp.model.
     parts.block.Block.gemms`). For GPT-2 / Llama: QKV ``h -> (a + 2g')d`` (``g' = max(g, t)``
     key/value heads, replicas counted), scores ``QKᵀ`` and ``probs·V`` per query head
     (``b·a/t``), projection, the MLP's input projections ``h -> f`` (one, or SwiGLU's gate and
@@ -71,21 +76,16 @@ def layer_gemms(
     context parallelism ``c`` the token GEMMs have ``s·b/c`` rows and the core is one pair of
     GEMMs per local chunk (:func:`cp_key_lengths`), tagged :data:`CP_CORE`. A mixture of
     experts at expert-parallel size ``e`` runs its ``E/e`` local experts as a batch of GEMMs
-    of the rows each receives (:meth:`~lightning_sp.model.parts.moe.MoEFeedForward.gemms`);
+    of the rows each receives (:meth:`~lightning_sp.model.moe.part.MoEFeedForward.gemms`);
     ``etp``: the expert tensor parallel size (its GEMMs ``f_e/t`` wide over the TP group's
     gathered rows)."""
-    shape = config.activation_shape(
-        t, b, context_parallel_size=c, expert_parallel_size=e, expert_tensor_parallel_size=etp
-    )
-    return config.block().gemms(shape)
+    return block_of_shape(shape).gemms(shape)
 
 
-def layer_memory_ops(
-    config: GPTConfig, t: int, b: int, sequence_parallel: bool, c: int = 1
-) -> list[MemoryOp]:
-    """The memory-bound kernels of one layer on one rank (Megatron's fused kernels), the sum
-    over the layer's parts (:meth:`~lightning_sp.model.parts.block.Block.memory_ops`), bytes per
-    element read + written:
+def layer_memory_ops(shape: ActivationShape) -> list[MemoryOp]:
+    """The memory-bound kernels of one layer of ``shape`` on one rank (Megatron's fused
+    kernels), the sum over the layer's parts (:meth:`~lightning_sp.model.parts.block.Block.
+    memory_ops`), bytes per element read + written:
 
     * outside the tensor-parallel region (``sbh`` elements, ``/t`` under sequence
       parallelism): the norms (forward read 2 + write 2; backward read input and gradient,
@@ -96,25 +96,20 @@ def layer_memory_ops(
       tensors (``math``), the fused scale-mask-softmax on ``b·a·s²`` (4 / 6), its dropout
       (5 / 5) and the context permute ``[b·a, s, d] -> [s, b, h]`` on ``sbh`` (4 / 4);
     * a mixture of experts: the experts' SwiGLU on the ``k·T`` rows it computes and the
-      dispatch's and combine's row copies (:meth:`~lightning_sp.model.parts.moe.
+      dispatch's and combine's row copies (:meth:`~lightning_sp.model.moe.part.
       MoEFeedForward.memory_ops`).
 
     Under context parallelism every ``s`` is the rank's ``s/c`` and the softmax and dropout
     run on :func:`attention_pairs` per head, tagged :data:`CP_CORE`.
     """
-    shape = config.activation_shape(t, b, context_parallel_size=c)
-    shape = dataclasses.replace(shape, sequence_parallel=sequence_parallel)
-    return config.block().memory_ops(shape)
+    return block_of_shape(shape).memory_ops(shape)
 
 
-def layer_collectives(
-    config: GPTConfig, t: int, b: int, c: int = 1, etp: int = 1
-) -> list[Collective]:
-    """The TP collectives the layer's parts run on one rank besides the layer's own f / g (the
-    sum over its parts, :meth:`~lightning_sp.model.parts.block.Block.collectives`) at
-    context-parallel size ``c`` and expert tensor parallel size ``etp``."""
-    shape = config.activation_shape(t, b, context_parallel_size=c, expert_tensor_parallel_size=etp)
-    return config.block().collectives(shape)
+def layer_collectives(shape: ActivationShape) -> list[Collective]:
+    """The TP collectives the layer's parts run on one rank of ``shape`` besides the layer's
+    own f / g (the sum over its parts, :meth:`~lightning_sp.model.parts.block.Block.
+    collectives`; under expert tensor parallelism, the experts' gather and reduce-scatter)."""
+    return block_of_shape(shape).collectives(shape)
 
 
 def head_gemms(config: GPTConfig, t: int, b: int, c: int = 1) -> list[Gemm]:
@@ -128,15 +123,18 @@ def head_memory_ops(
     config: GPTConfig, t: int, b: int, sequence_parallel: bool, c: int = 1
 ) -> list[MemoryOp]:
     """The final LayerNorm (4 / 6 bytes per ``sbh`` element, ``/t`` under SP) and the
-    vocab-parallel cross entropy on ``s·b·v/t`` logits: forward reads the bf16 logits and
-    makes fp32 passes (cast, max, exp, sum, normalise: 2 + 4·5 = 22 bytes), backward reads
-    the fp32 softmax and writes the bf16 gradient (4 + 4 + 2 = 10 bytes); ``s/c`` tokens."""
+    vocab-parallel cross entropy on ``s·b·v/t`` logits, each pass of
+    :class:`lightning_sp.parallel.vocab` counted with what it reads and writes: forward the
+    fp32 cast of the bf16 logits (2 + 4), the max (4), the shift (4 + 4), the exp (4 + 4),
+    the sum (4) and the normalisation in place (4 + 4), 38 bytes; backward the softmax's
+    clone (4 + 4), the scale by the loss gradient in place (4 + 4) and the cast back to bf16
+    (4 + 2), 22 bytes; ``s/c`` tokens."""
     s, h = config.seq_length // c, config.hidden_size
     outside = s * b * h / (t if sequence_parallel else 1)
     logits = s * b * config.padded_vocab_size(t) / t  # s: this rank's s/c
     return [
         MemoryOp("final_layernorm", 4 * outside, 6 * outside),
-        MemoryOp("cross_entropy", 22 * logits, 10 * logits),
+        MemoryOp("cross_entropy", CROSS_ENTROPY_BYTES[0] * logits, CROSS_ENTROPY_BYTES[1] * logits),
     ]
 
 

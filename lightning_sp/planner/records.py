@@ -113,10 +113,19 @@ class EstimateRow:
     """Global batch x sequence length / ``iteration_seconds``."""
 
     model_tflops_per_gpu: float = 0.0
-    """Model FLOPs per second per GPU, in 10¹² (the paper's Appendix A count)."""
+    """Model FLOPs per second per GPU, in 10¹² (the paper's Appendix A count: attention
+    counted whole, as torchtitan and Megatron-Core until 2025 count it)."""
 
     mfu: float = 0.0
     """Model FLOPs utilization: ``model_tflops_per_gpu`` / the GPU's dense BF16 peak."""
+
+    model_tflops_per_gpu_causal_half: float = 0.0
+    """``model_tflops_per_gpu`` counted as Megatron-LM (since 2025) and MaxText count:
+    causal attention's cores at half (:func:`lightning_sp.memory.flops.
+    causal_half_model_flops_per_iteration`)."""
+
+    mfu_causal_half: float = 0.0
+    """``mfu`` with causal attention counted at half."""
 
     hfu: float = 0.0
     """Hardware FLOPs utilization: recomputation included."""

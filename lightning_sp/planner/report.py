@@ -11,7 +11,11 @@ from typing import Any
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.memory.formulas import FIGURE7_ROWS, TABLE2_SETTINGS, layers_in_flight
-from lightning_sp.memory.model_state import MIXED_PRECISION_ADAM, model_state_bytes
+from lightning_sp.memory.model_state import (
+    MIXED_PRECISION_ADAM,
+    model_active_parameter_count,
+    model_state_bytes,
+)
 from lightning_sp.planner.estimate import no_gain_notes
 from lightning_sp.planner.records import Estimate, EstimateRow, gigabytes
 
@@ -30,8 +34,13 @@ JSON_KEYS = (
     "model_tflops_per_gpu",
     "mfu",
     "hfu",
+    "model_tflops_per_gpu_causal_half",
+    "mfu_causal_half",
 )
-"""The keys every ``--format json`` row has first."""
+"""The keys every ``--format json`` row has first. Two FLOP conventions: ``model_tflops_per_gpu``
+and ``mfu`` count attention whole (the paper's Appendix A, torchtitan, Megatron-Core until
+2025); the ``_causal_half`` pair count causal attention's cores at half (Megatron-LM since
+2025, MaxText). ``hfu`` counts whole, recomputation included."""
 
 
 def to_json(row: EstimateRow) -> dict[str, Any]:
@@ -80,6 +89,16 @@ def _model_state_line(result: Estimate) -> str:
     )
 
 
+def _active_parameters(result: Estimate) -> str:
+    """`` (12.9B active per token)`` for a model whose tokens use fewer parameters than it has
+    (a mixture of experts: :func:`~lightning_sp.memory.model_state.model_active_parameter_count`),
+    else nothing."""
+    active = model_active_parameter_count(result.layout.config)
+    if active >= result.model_parameters:
+        return ""
+    return f" in all, {active / 1e9:.1f}B active per token"
+
+
 def format_table(result: Estimate) -> str:
     """The human-readable report: the layout, the rows, Figure 7 and the verdict."""
     layout, cfg = result.layout, result.layout.config
@@ -92,7 +111,9 @@ def format_table(result: Estimate) -> str:
     lif = layers_in_flight(cfg.num_layers, p, m, n)
     mb = 1e6
     lines = [
-        f"{layout.source}: GPT {result.model_parameters / 1e9:.1f}B parameters "
+        f"{layout.source}: GPT {result.model_parameters / 1e9:.1f}B parameters"
+        + _active_parameters(result)
+        + " "
         f"(s={cfg.seq_length} h={cfg.hidden_size} a={cfg.num_heads} L={cfg.num_layers} "
         f"v={cfg.vocab_size}, padded {cfg.padded_vocab_size(t)}), "
         f"dropout {cfg.hidden_dropout}/{cfg.attention_dropout}",
@@ -126,7 +147,7 @@ def format_table(result: Estimate) -> str:
         ("formula", "(MB)", 10), ("diff", "", 8), ("1st stage act", "(GB)", 13),
         ("model state", "(GB)", 11), ("total", "(GB)", 8), ("device", "(GB)", 8), ("fits", "", -4),
         ("step", "(s)", 8), ("tokens/s", "", 9), ("TFLOP/s", "/GPU", 7), ("MFU", "", 6),
-        ("HFU", "", 6),
+        ("HFU", "", 6), ("TFLOP/s", "½causal", 8), ("MFU", "½causal", 8),
     )  # fmt: skip
 
     def render(cells: Sequence[str]) -> str:
@@ -159,12 +180,17 @@ def format_table(result: Estimate) -> str:
                     f"{r.model_tflops_per_gpu:.1f}",
                     f"{r.mfu:.1%}",
                     f"{r.hfu:.1%}",
+                    f"{r.model_tflops_per_gpu_causal_half:.1f}",
+                    f"{r.mfu_causal_half:.1%}",
                 ]
             )
         )
     lines.append(
         "(* the configured combination, or auto's choice; MB = 10^6 B, GB = 10^9 B; step: "
-        f"predicted iteration on {result.cluster}, MFU/HFU of its dense BF16 peak)"
+        f"predicted iteration on {result.cluster}, MFU/HFU of its dense BF16 peak; TFLOP/s, "
+        "MFU and HFU count attention whole (the paper, torchtitan, Megatron-Core until 2025), "
+        "the ½causal pair counts causal attention's cores at half (Megatron-LM since 2025, "
+        "MaxText))"
     )
     lines += no_gain_notes(result)
     try:

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from lightning_sp.memory.fake import ActivationMeasurement, measure_activations
 from lightning_sp.memory.formulas import (
     activation_bytes_per_layer,
@@ -17,7 +19,6 @@ from lightning_sp.memory.formulas import (
 )
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.documents import packed_bytes
-from lightning_sp.model.shape import ActivationShape
 from lightning_sp.model.spec import POSITIONS
 from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.layout import Layout
@@ -25,23 +26,12 @@ from lightning_sp.planner.records import Activations, EstimateRow
 from lightning_sp.planner.steptime import step_time
 
 
-def _shape(layout: Layout, config: GPTConfig, documents: bool) -> ActivationShape:
-    return config.activation_shape(
-        layout.tensor_parallel_size,
-        layout.micro_batch_size,
-        context_parallel_size=layout.context_parallel_size,
-        expert_parallel_size=layout.expert_parallel_size,
-        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
-        documents=documents,
-    )
-
-
 def formula_activations(layout: Layout, config: GPTConfig) -> Activations:
     """The paper's bytes (Table 2 generalised, §4.5) for ``config`` laid out as ``layout``,
     with what packed documents add (the attention part's terms under a document mask, the
     ids, positions and per-token RoPE tables: :func:`~lightning_sp.model.documents.
     packed_bytes`)."""
-    shape = _shape(layout, config, layout.document_mask)
+    shape = layout.shape_of(config)
     packed = packed_bytes(
         shape,
         document_mask=layout.document_mask,
@@ -64,7 +54,9 @@ def document_mask_bytes_per_layer(layout: Layout, config: GPTConfig) -> float:
     if not layout.document_mask:
         return 0.0
     masked, causal = (
-        activation_bytes_per_layer(_shape(layout, config, documents), config.recompute)
+        activation_bytes_per_layer(
+            dataclasses.replace(layout.shape_of(config), documents=documents), config.recompute
+        )
         for documents in (True, False)
     )
     return masked - causal
@@ -136,5 +128,7 @@ def estimate_row(
         tokens_per_second=time.tokens_per_second,
         model_tflops_per_gpu=time.model_tflops_per_gpu,
         mfu=time.mfu,
+        model_tflops_per_gpu_causal_half=time.model_tflops_per_gpu_causal_half,
+        mfu_causal_half=time.mfu_causal_half,
         hfu=time.hfu,
     )

@@ -16,14 +16,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_sp.errors import ConfigError, divisors
-from lightning_sp.model.config import GPTConfig
-from lightning_sp.model.recompute import policy_name
+from lightning_sp.model.recompute import NO_RECOMPUTE
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.estimate import estimate
-from lightning_sp.planner.layout import Layout
+from lightning_sp.planner.layout import Layout, runs
 from lightning_sp.planner.records import EstimateRow
 
 CONTEXT_PARALLEL_SIZES: tuple[int, ...] = (1, 2, 4, 8)
@@ -89,36 +89,29 @@ class SearchResult:
 
 def base_key(layout: Layout) -> Key:
     """The :meth:`Candidate.key` of the configured layout (``auto`` stays ``auto``)."""
-    rc = layout.recompute
     return (
         layout.tensor_parallel_size, layout.pipeline_parallel_size,
         layout.virtual_pipeline_size, layout.context_parallel_size, layout.micro_batch_size,
         layout.config.sequence_parallel,
-        rc if rc == "auto" else policy_name(rc), layout.distributed_optimizer,
+        layout.recompute.name, layout.distributed_optimizer,
         layout.expert_parallel_size, layout.expert_tensor_parallel_size,
     )  # fmt: skip
-
-
-def _valid(config: GPTConfig, t: int, sequence_parallel: bool) -> bool:
-    try:
-        dataclasses.replace(config, sequence_parallel=sequence_parallel).validate(t)
-    except ConfigError:
-        return False
-    return True
 
 
 def _layouts(base: Layout, max_micro_batch: int) -> list[tuple[Layout, int]]:
     """Every valid ``(layout, c)`` of ``base``'s GPUs and global batch."""
     gpus, batch, cfg = base.world_size, base.global_batch_size, base.config
-    config = dataclasses.replace(cfg, recompute="none", recompute_num_layers=None)
+    config = dataclasses.replace(cfg, recompute=NO_RECOMPUTE, recompute_num_layers=None)
     out = []
     for c in CONTEXT_PARALLEL_SIZES:
-        if gpus % c or (c > 1 and cfg.seq_length % (2 * c)):
+        two_c = ParallelConfig(context_parallel_size=c).sequence_divisor(False)  # causal balance
+        if gpus % c or cfg.seq_length % two_c:
             continue
         for t in divisors(gpus // c):
             # sequence parallelism is a row of the estimate, checked there: t is searched if
-            # either setting is valid (an MoE model at t > 1 needs SP)
-            if not any(_valid(config, t, sp) for sp in (False, True)):
+            # either setting can run (an MoE model at t > 1 needs SP)
+            tc = ParallelConfig(tensor_parallel_size=t, context_parallel_size=c)
+            if not any(runs(replace(config, sequence_parallel=sp), tc) for sp in (False, True)):
                 continue
             for p in divisors(gpus // (c * t)):
                 d = gpus // (c * t * p)
@@ -176,9 +169,7 @@ def search(
             rows += 1
             if row.fits:
                 chosen = dataclasses.replace(
-                    layout,
-                    sequence_parallel=row.sequence_parallel,
-                    config=layout.with_policy(row.sequence_parallel, row.recompute),
+                    layout, config=layout.with_policy(row.sequence_parallel, row.recompute)
                 )
                 ranked.append(Candidate(chosen, c, row))
     ranked.sort(key=lambda x: x.row.iteration_seconds)
@@ -204,9 +195,10 @@ def format_search(result: SearchResult, top: int) -> str:
         f"{'acc':>4} "
         f"{'SP':<3} "
         f"{'recompute':<9} {'dist-opt':<8} {'memory GB':>9} {'step s':>8} {'tokens/s':>10} "
-        f"{'MFU':>6} {'HFU':>6}",
+        f"{'MFU':>6} {'HFU':>6} {'vs 1st':>7}",
     ]
     key = base_key(base)
+    first = result.ranked[0].row.iteration_seconds if result.ranked else 1.0
     for i, x in enumerate(result.ranked[:top], 1):
         lay, row = x.layout, x.row
         mark = " *" if x.key() == key else ""
@@ -220,10 +212,19 @@ def format_search(result: SearchResult, top: int) -> str:
             f"{'on' if row.sequence_parallel else 'off':<3} {row.recompute:<9} "
             f"{'yes' if lay.distributed_optimizer else 'no':<8} "
             f"{row.total_bytes / 1e9:>9.2f} {row.iteration_seconds:>8.3f} "
-            f"{row.tokens_per_second:>10.0f} {row.mfu:>6.1%} {row.hfu:>6.1%}{mark}"
+            f"{row.tokens_per_second:>10.0f} {row.mfu:>6.1%} {row.hfu:>6.1%} "
+            f"{row.iteration_seconds / first - 1:>+7.1%}{mark}"
         )
     rank = result.rank_of(key)
     where = f"rank {rank}" if rank is not None else "does not fit (or is not a searched layout)"
+    if len(result.ranked) > 1:
+        shown = result.ranked[: max(2, top)]
+        second, last = (x.row.iteration_seconds / first - 1 for x in (shown[1], shown[-1]))
+        lines.append(
+            f"(vs 1st: the predicted step over the first's; the first two are {second:.1%} "
+            f"apart, the first {len(shown)} within {last:.1%}: a margin below the model's error "
+            "on published runs, docs/planner.md, is no predicted win)"
+        )
     lines.append(
         f"(* the configured layout: t={key[0]} p={key[1]} m={key[2]} c={key[3]} b={key[4]} "
         f"e={key[8]} SP {'on' if key[5] else 'off'} {key[6]}: {where})"

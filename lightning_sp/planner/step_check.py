@@ -26,6 +26,7 @@ import torch
 
 from lightning_sp.model.config import RECOMPUTE_POLICIES, GPTConfig
 from lightning_sp.model.gpt import GPT
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.planner.calibrate import dtype_for, time_it
 from lightning_sp.planner.cluster import Cluster
@@ -62,7 +63,9 @@ def check(
     """One row per recompute policy: predicted, measured, measured / predicted."""
     rows = []
     for policy in RECOMPUTE_POLICIES:
-        policy_config = dataclasses.replace(config, recompute=policy, sequence_parallel=False)
+        policy_config = dataclasses.replace(
+            config, recompute=RecomputePolicy.parse(policy), sequence_parallel=False
+        )
         predicted = predicted_seconds(policy_config, micro_batch, cluster)
         measured = measured_seconds(policy_config, micro_batch, device, seconds)
         rows.append(

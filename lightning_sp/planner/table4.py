@@ -6,7 +6,7 @@ attention) on the A100s of Selene, under five settings (no recompute, SP, full r
 selective, SP + selective). The ``a100-80gb`` preset's GEMM efficiency is the best GEMM any
 shape reaches with 2023's cuBLAS (85.9%, [MAMF] in :mod:`lightning_sp.planner.cluster`); the
 paper's layers ran slower than that. This module finds the one ``gemm_efficiency`` under which
-the step-time model (:func:`lightning_sp.planner.steptime.layer_time`) reproduces those ten
+the step-time model (:func:`lightning_sp.planner.layertime.layer_time`) reproduces those ten
 times best (least squares of the relative errors), every other figure of the preset kept.
 
 The result is the ``selene`` preset (:data:`lightning_sp.planner.cluster.SELENE`; ``python -m
@@ -24,8 +24,9 @@ import math
 from dataclasses import dataclass
 
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.cluster import A100_80GB, SELENE, Cluster
-from lightning_sp.planner.steptime import layer_time
+from lightning_sp.planner.layertime import layer_time
 
 TABLE4_CONFIG = GPTConfig(
     vocab_size=51200, seq_length=2048, hidden_size=6144, num_layers=48, num_heads=64,
@@ -61,7 +62,8 @@ def predicted_ms(cluster: Cluster, row: LayerMeasurement) -> tuple[float, float]
     """``(forward, backward)`` milliseconds the step-time model gives ``row`` on ``cluster``
     (backward includes the recompute the row's policy replays)."""
     config = dataclasses.replace(TABLE4_CONFIG, sequence_parallel=row.sequence_parallel)
-    layer = layer_time(config, TABLE4_TENSOR_PARALLEL, TABLE4_MICRO_BATCH, cluster)
+    layout = ParallelConfig(tensor_parallel_size=TABLE4_TENSOR_PARALLEL)
+    layer = layer_time(config.activation_shape(layout, TABLE4_MICRO_BATCH), cluster)
     forward = sum(layer.forward.values())
     backward = sum(layer.backward.values()) + layer.recompute_seconds(row.recompute, "math")
     return forward * 1e3, backward * 1e3

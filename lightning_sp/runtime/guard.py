@@ -34,7 +34,9 @@ def _loss_of(result: Any) -> Tensor | None:
     return None
 
 
-def _grad_norm_finite(module: nn.Module) -> bool:
+def _grad_norm_nonfinite(module: nn.Module) -> Tensor | None:
+    """``True`` (a device tensor, not read here) where the norm of ``module``'s gradients is
+    not finite; ``None`` without gradients."""
     grads = []
     for param in module.parameters():
         grad = getattr(param, "main_grad", None)
@@ -42,9 +44,22 @@ def _grad_norm_finite(module: nn.Module) -> bool:
         if grad is not None:
             grads.append(grad)
     if not grads:
-        return True
+        return None
     norms = torch._foreach_norm(grads)
-    return bool(torch.isfinite(torch.stack([n.float() for n in norms]).norm()).item())
+    return ~torch.isfinite(torch.stack([n.float() for n in norms]).norm())
+
+
+def _nonfinite_code(loss: Tensor | None, module: nn.Module) -> int:
+    """``1·(loss not finite) + 2·(gradient norm not finite)``, read from the device once (the
+    step's one host-device synchronisation)."""
+    code: Tensor | None = None
+    if loss is not None:
+        code = (~torch.isfinite(loss.detach()).all()).to(torch.int32)
+    grad = _grad_norm_nonfinite(module)
+    if grad is not None:
+        grad = grad.to(torch.int32) * 2
+        code = grad if code is None else code + grad.to(code.device)
+    return 0 if code is None else int(code)
 
 
 class NonFiniteGuard:
@@ -64,30 +79,22 @@ class NonFiniteGuard:
         zeroed); raises :class:`NonFiniteError` to stop. ``stop_signal``: a signal this rank
         received (0: none), exchanged in the same all-gather; afterwards ``self.stop_signal``
         holds the largest any rank reported, the same on every rank."""
-        loss = _loss_of(result)
-        flags = torch.tensor(
-            [
-                loss is not None and not bool(torch.isfinite(loss.detach()).all()),
-                not _grad_norm_finite(module),
-                stop_signal,
-            ],
-            dtype=torch.int32,
-        )
+        code = _nonfinite_code(_loss_of(result), module)
+        flags = torch.tensor([code & 1, code >> 1, stop_signal], dtype=torch.int32)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world > 1:
             gathered = [torch.zeros_like(flags) for _ in range(world)]
             dist.all_gather(gathered, flags)
-            table = torch.stack(gathered)  # [rank, (loss, grad)]
+            rows = [g.tolist() for g in gathered]  # [rank][(loss, grad, signal)]
         else:
-            table = flags.unsqueeze(0)
-        self.stop_signal = int(table[:, 2].max())
-        table = table[:, :2]
-        if not bool(table.any()):
+            rows = [flags.tolist()]
+        self.stop_signal = max(row[2] for row in rows)
+        if not any(row[0] or row[1] for row in rows):
             self.skipped = 0
             return True
         parts = []
         for i, name in enumerate(("loss", "gradient norm")):
-            ranks = table[:, i].nonzero().flatten().tolist()
+            ranks = [rank for rank, row in enumerate(rows) if row[i]]
             if ranks:
                 parts.append(f"{name} (rank {', '.join(str(r) for r in ranks)})")
         where = f"non-finite {' and '.join(parts)} at step {step}"

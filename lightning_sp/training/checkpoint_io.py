@@ -11,7 +11,6 @@ key (:func:`rank_rng_key`), and come back only into the layout that saved them.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ def model_config_of(module: LightningModule) -> dict[str, Any]:
     """The model config a checkpoint records (its first GPT chunk's; ``{}`` for a module
     without one)."""
     chunks = gpt_chunks(module)
-    return dataclasses.asdict(chunks[0].config) if chunks else {}
+    return chunks[0].config.values() if chunks else {}
 
 
 def rank_rng_key(state: ParallelState) -> str:

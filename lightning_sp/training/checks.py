@@ -15,6 +15,7 @@ import importlib.util
 import math
 import os
 import shutil
+from collections.abc import Mapping
 from typing import Any
 
 from lightning_sp.errors import ConfigError
@@ -35,10 +36,34 @@ COMPILED_MEMORY_WARNING = (
 """Warned once where ``compile_layers=True`` passes :func:`check_compile`."""
 
 
+MOVED_STRATEGY_ARGS = {"sequence_parallel": "model.config.sequence_parallel"}
+"""Former ``MegatronSPStrategy`` arguments and their one home now: sequence parallelism is a
+run setting of the model config (:class:`~lightning_sp.model.run_settings.RunSettings`)."""
+
+
+def check_moved_strategy_args(args: Mapping[str, Any]) -> None:
+    """One-line :class:`ConfigError` for a strategy argument that moved
+    (:data:`MOVED_STRATEGY_ARGS`), naming where it lives now."""
+    for name in MOVED_STRATEGY_ARGS:
+        if name in args:
+            raise ConfigError(moved_strategy_arg(name))
+
+
+def moved_strategy_arg(name: str) -> str:
+    """The one line for ``trainer.strategy.init_args.<name>``, a moved argument
+    (:data:`MOVED_STRATEGY_ARGS`): where it lives now (the CLI's parser prints it too)."""
+    return (
+        f"{STRATEGY}.init_args.{name} is no longer a strategy argument: it moved to "
+        f"{MOVED_STRATEGY_ARGS[name]}; set it there"
+    )
+
+
 def check_strategy_args(**args: Any) -> ParallelConfig:
     """The values of ``MegatronSPStrategy``'s arguments (names as in its signature; an unknown
-    name is refused by the constructor, and by the CLI's parser before that), and the layout
-    record they state (its sizes checked by :class:`ParallelConfig` itself)."""
+    name is refused by the constructor, and by the CLI's parser before that; a moved one,
+    :data:`MOVED_STRATEGY_ARGS`, names its new home), and the layout record they state (its
+    sizes checked by :class:`ParallelConfig` itself)."""
+    check_moved_strategy_args(args)
     get = args.get
     layout = ParallelConfig(
         **{f.name: get(f.name, f.default) for f in dataclasses.fields(ParallelConfig)
@@ -64,11 +89,6 @@ def check_strategy_args(**args: Any) -> ParallelConfig:
         get("overlap_grad_reduce", True),
         get("distributed_optimizer", False),
     )
-    if get("sequence_parallel") not in (None, True, False):
-        raise ConfigError(
-            f"sequence_parallel={get('sequence_parallel')!r} must be true, false or null (the "
-            "model config's)"
-        )
     p, n = layout.pipeline_parallel_size, layout.num_microbatches
     if n > 1 and p == 1:
         raise ConfigError(

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
@@ -36,14 +35,13 @@ from typing_extensions import override
 from lightning_sp.data.prompts import Codec
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
+from lightning_sp.model.compile import CompileOptions, check_compile_options, compile_layers
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
-from lightning_sp.model.moe import (
-    scale_auxiliary_losses,
-    update_expert_biases,
-)
-from lightning_sp.model.moe_metrics import step_metrics
+from lightning_sp.model.hooks import after_optimizer_step, step_metrics
+from lightning_sp.model.lora import LoRAConfig
 from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
 from lightning_sp.parallel.config import ParallelConfig
@@ -51,7 +49,14 @@ from lightning_sp.parallel.grads import clip_grad_norm_
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.pipeline.token_mean import TokenMean, counted_tokens
-from lightning_sp.training.batches import labels_of, replica_mean, step_inputs
+from lightning_sp.training import adapters
+from lightning_sp.training.batches import (
+    labels_of,
+    replica_mean,
+    scale_auxiliary_losses_to_token_mean,
+    step_inputs,
+)
+from lightning_sp.training.checkpoint_hooks import CheckpointHooks
 from lightning_sp.training.checks import (
     COMPILED_MEMORY_WARNING,
     check_compile,
@@ -59,22 +64,23 @@ from lightning_sp.training.checks import (
     check_optimizer,
     check_pipeline_batch,
     check_predict,
-    check_vocabulary,
-    vocabulary_identity,
 )
+from lightning_sp.training.dpo import PreferenceSteps, check_dpo
+from lightning_sp.training.preference import DPOConfig
 from lightning_sp.training.protocol import Batched, BucketsGradients
 
 _DEFAULT_MODEL = GPTConfig()
 _DEFAULT_OPTIMIZER = OptimizerConfig()
 _DEFAULT_GENERATION = GenerationConfig()
+_DEFAULT_COMPILE = CompileOptions()
 
 
-class GPTModule(LightningModule):
+class GPTModule(CheckpointHooks):
     """Trains a GPT shard: next-token loss, AdamW, validation loss and perplexity.
 
     Args:
         config: The model (``lightning_sp.GPTConfig``). Its ``sequence_parallel`` is the
-            run's; the strategy's ``sequence_parallel``, if given, must agree.
+            run's, and the one place it is set.
         optimizer: AdamW and learning-rate schedule settings.
         init_from: A local Hugging Face directory of a GPT-2 or Llama model (``config.json``
             + ``model.safetensors``, or shards with ``model.safetensors.index.json``) to start
@@ -88,7 +94,19 @@ class GPTModule(LightningModule):
             are the partitioner's choice, not the policy's (configs/tiny.yaml: 36.0 sbh
             measured vs 32.0 eager), so the formulas and the planner no longer describe them
             (warned once); the activation monitor measures them.
+        compile_options: How ``compile_layers`` compiles (backend, mode, ``fullgraph``,
+            ``dynamic``: :class:`~lightning_sp.model.compile.CompileOptions`); set only with
+            ``compile_layers=True``, checked against the model and the device before any step.
         generation: How ``predict`` continues each prompt (:meth:`predict_step`).
+        lora: Train LoRA adapters (``peft``'s settings: :class:`~lightning_sp.model.lora.
+            LoRAConfig`) on the linears it names, the base frozen (no gradients, no optimizer
+            state, no weight-gradient GEMMs), in any layout; ``None``: train every weight.
+        adapter_from: A PEFT adapter directory (trained on ``init_from``) the adapters start
+            from, in any layout; ``lora`` None: its settings (:mod:`.adapters`).
+        dpo: Train on preference pairs with Direct Preference Optimization (TRL's losses and
+            metrics, the reference as :class:`~lightning_sp.training.preference.DPOConfig`
+            says: :mod:`lightning_sp.training.dpo`); the data must be preference data.
+            ``None``: next-token training.
     """
 
     def __init__(
@@ -98,9 +116,17 @@ class GPTModule(LightningModule):
         init_from: str | None = None,
         compile_layers: bool = False,
         generation: GenerationConfig = _DEFAULT_GENERATION,
+        lora: LoRAConfig | None = None,
+        adapter_from: str | None = None,
+        dpo: DPOConfig | None = None,
+        compile_options: CompileOptions = _DEFAULT_COMPILE,
     ) -> None:
         super().__init__()
+        self.dpo = dataclasses.replace(dpo) if dpo is not None else None
+        self.lora = dataclasses.replace(lora) if lora is not None else None
         self.compile_layers = compile_layers
+        self.compile_options = dataclasses.replace(compile_options)
+        self.compile_options.validate(compile_layers)
         self.config = dataclasses.replace(config)
         self.optimizer_config = dataclasses.replace(optimizer)
         self.generation = dataclasses.replace(generation)
@@ -110,6 +136,12 @@ class GPTModule(LightningModule):
         if init_from is not None:
             check_hf_directory(init_from, self.config)
         self.generation.validate()
+        self.adapter_from = adapter_from
+        self.lora = adapters.adapter_settings(self.lora, adapter_from, init_from, self.config)
+        self._preference: PreferenceSteps | None = None  # a DPO run's steps
+        if self.dpo is not None:
+            check_dpo(self.dpo, self.config, self.lora is not None)
+            self._preference = PreferenceSteps(self.dpo, self.lora is not None)
         self._save_hyperparameters()
         self.pipeline: Pipeline | None = None  # this rank's model chunks (one when p = 1)
         self._parallel: tuple[ParallelState, ParallelConfig] | None = None  # pushed by megatron_sp
@@ -123,10 +155,14 @@ class GPTModule(LightningModule):
         run (``recompute: auto`` appears resolved once ``configure_model`` has resolved it)."""
         self.save_hyperparameters(
             {
-                "config": dataclasses.asdict(self.config),
+                "config": self.config.values(),
                 "optimizer": dataclasses.asdict(self.optimizer_config),
                 "init_from": self.init_from,
                 "compile_layers": self.compile_layers,
+                "lora": dataclasses.asdict(self.lora) if self.lora is not None else None,
+                "adapter_from": self.adapter_from,
+                "dpo": dataclasses.asdict(self.dpo) if self.dpo is not None else None,
+                "compile_options": dataclasses.asdict(self.compile_options),
             }
         )
 
@@ -138,11 +174,6 @@ class GPTModule(LightningModule):
     supports_context_parallel = True
     """The strategy may run this module with ``context_parallel_size > 1`` (each CP rank
     keeps its chunks of every batch)."""
-
-    @property
-    def sequence_parallel(self) -> bool:
-        """``config.sequence_parallel`` (the ``ParallelModule`` protocol)."""
-        return self.config.sequence_parallel
 
     def setup_parallel(self, state: ParallelState, config: ParallelConfig) -> None:
         """Receive this rank's state and the run's layout from the strategy (the
@@ -171,7 +202,7 @@ class GPTModule(LightningModule):
         """The layout the strategy pushed, else one process (every size 1)."""
         if self._parallel is not None:
             return self._parallel[1]
-        return ParallelConfig(sequence_parallel=self.config.sequence_parallel)
+        return ParallelConfig()
 
     @property
     def chunks(self) -> list[GPT]:
@@ -184,10 +215,10 @@ class GPTModule(LightningModule):
             return
         config, state, layout = self.config, self.parallel_state, self.parallel_config
         check_data(getattr(self._trainer, "datamodule", None), config)
-        layout.check_sequence_length(config.seq_length, config.sequence_parallel)
-        if self.compile_layers:
+        check_model_layout(config, layout)  # the one check of the model against the layout
+        if self.compile_layers and self.compile_options.backend == "inductor":
             check_compile(state)
-        if config.recompute == "auto":  # the planner's fastest recomputation that fits
+        if config.recompute.auto:  # the planner's fastest recomputation that fits
             from lightning_sp.planner.estimate import auto_recompute_config
 
             per_step = self._batch_size() or layout.num_microbatches
@@ -198,6 +229,8 @@ class GPTModule(LightningModule):
             # the policy that runs (the loggers write hparams after configure_model)
             self.config = config
             self._save_hyperparameters()
+        if self.compile_layers:  # recompute resolved: what the layers will run
+            check_compile_options(self.compile_options, config, state.device)
         if state.pipeline_parallel_size > 1:
             trainer = self._trainer
             accumulate = trainer.accumulate_grad_batches if trainer is not None else None
@@ -212,11 +245,15 @@ class GPTModule(LightningModule):
             timeout=state.timeout,
         )
         self._load_init_from()
+        if self.lora is not None:  # after the base weights: peft's init, or adapter_from's
+            adapters.attach_adapters(self.pipeline.chunks, self.lora, self.adapter_from, config)
         if self.compile_layers:
             rank_zero_warn(COMPILED_MEMORY_WARNING)
             for chunk in self.pipeline.chunks:
-                for layer in chunk.layers:
-                    layer.compile()
+                compile_layers(chunk.layers, self.compile_options)
+        if self._preference is not None:
+            data = getattr(self._trainer, "datamodule", None)
+            self._preference.configure(config, self.pipeline, self.init_from, data)
 
     def _batch_size(self) -> int | None:
         """Samples per step per data-parallel rank, if the data module states it."""
@@ -247,13 +284,25 @@ class GPTModule(LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self._loss(batch, train=True)
-        if "loss_mask" in batch:  # logged with the step's token mean (on_before_optimizer_step)
+        if self._preference is not None:  # DPO: the step's mean over pairs
             if self._token_mean is None or batch_idx % self.trainer.accumulate_grad_batches == 0:
                 self._token_mean = TokenMean(self.parallel_state)  # a new step
+            model, mean = self.stage_model(), self._token_mean
+            return self._preference.training_step(model, batch, mean, self._zero_grad)
+        masked = "loss_mask" in batch  # logged with the step's token mean
+        if masked and (
+            self._token_mean is None or batch_idx % self.trainer.accumulate_grad_batches == 0
+        ):
+            self._token_mean = TokenMean(self.parallel_state)  # a new step
+            accumulate = self.trainer.accumulate_grad_batches
+            scale_auxiliary_losses_to_token_mean(self.stage_model(), labels_of(batch), accumulate)
+        loss = self._loss(batch, train=True)
+        if masked:
+            assert self._token_mean is not None
             self._token_mean.add(labels_of(batch), loss)
             return loss
-        self.log("train/loss", replica_mean(loss, self.parallel_state), prog_bar=True)
+        # not prog_bar (a host read every step): lightning_sp.ProgressBar reads it when it refreshes
+        self.log("train/loss", replica_mean(loss, self.parallel_state))
         return loss
 
     @override
@@ -264,11 +313,12 @@ class GPTModule(LightningModule):
         optimizer: Optimizer | LightningOptimizer,
         optimizer_closure: Callable[[], Any] | None = None,
     ) -> None:
-        """The step, then the MoE layers' auxiliary-loss-free bias updates: here, not in
-        ``on_train_batch_end``, which Lightning calls after the callbacks' (a checkpoint saved
-        there must hold the biases this step moved)."""
+        """The step, then the modules' state moved once per step
+        (:func:`~lightning_sp.model.hooks.after_optimizer_step`: the MoE routers'
+        auxiliary-loss-free biases): here, not in ``on_train_batch_end``, which Lightning calls
+        after the callbacks' (a checkpoint saved there must hold the state this step moved)."""
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        update_expert_biases(self.stage_model())
+        after_optimizer_step(self.stage_model())
 
     @override
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
@@ -276,6 +326,12 @@ class GPTModule(LightningModule):
         inside ``training_step`` (the hooks around backward still run)."""
         if not self.stage_model().runs_backward:
             super().backward(loss, *args, **kwargs)
+
+    def _zero_grad(self) -> None:
+        """Zero the gradients now (before a pipeline schedule runs backward in a step)."""
+        optimizer = self.optimizers()
+        assert not isinstance(optimizer, list)  # configure_optimizers returns one
+        optimizer.zero_grad()
 
     @override
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Optimizer) -> None:
@@ -287,8 +343,9 @@ class GPTModule(LightningModule):
 
     @override
     def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
-        """The step's MoE routing metrics over every micro-batch, replica and stage
-        (:func:`~lightning_sp.model.moe_metrics.step_metrics`), logged as ``train/moe/*``.
+        """The step's metrics the model's parts count over every micro-batch, replica and
+        stage (:func:`~lightning_sp.model.hooks.step_metrics`: an MoE model's routing metrics),
+        logged as ``train/<name>`` (``train/moe/*``).
         With loss masks: divide the step's gradients (summed over its counted tokens) by
         the global count and log ``train/loss``, the global token mean
         (:meth:`TokenMean.finish`); a step whose global count is 0 is refused (one line, every
@@ -297,6 +354,9 @@ class GPTModule(LightningModule):
         model = self.stage_model()
         for name, value in step_metrics(model, model.state, self.config).items():
             self.log(f"train/{name}", value.float())
+        if self._preference is not None:  # TRL's names: train/rewards/chosen, ...
+            for name, mean in self._preference.step_metrics(model.state).items():
+                self.log(f"train/{name}", mean)
         if self._token_mean is None:
             return
         accumulation = 1 if model.runs_backward else self.trainer.accumulate_grad_batches
@@ -310,10 +370,12 @@ class GPTModule(LightningModule):
                 "the optimizer on nothing: prepare the chat corpus again (conversations "
                 "without an answer are dropped)"
             )
-        self.log("train/loss", loss.float(), prog_bar=True)
+        self.log("train/loss", loss.float())  # not prog_bar: see training_step
 
     @override
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        if self._preference is not None:
+            return self._preference.validation_step(self.stage_model(), batch)
         loss = self._loss(batch, train=False)
         if "loss_mask" not in batch:
             self.val_loss.update(loss)
@@ -341,6 +403,10 @@ class GPTModule(LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
+        if self._preference is not None:  # val/loss and TRL's names: val/rewards/accuracies, ...
+            for name, mean in self._preference.validation_metrics(self.parallel_state).items():
+                self.log(f"val/{name}", mean, prog_bar=name in ("loss", "rewards/accuracies"))
+            return
         loss = self.val_loss.compute()
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True)
@@ -376,46 +442,3 @@ class GPTModule(LightningModule):
         sharded = buffer is not None and buffer.distributed
         norm = clip_grad_norm_(self.parameters(), gradient_clip_val, self.parallel_state, sharded)
         self.log("train/grad_norm", norm, prog_bar=False)
-
-    # -- checkpoints -------------------------------------------------------------------------
-
-    def _vocabulary_identity(self) -> dict[str, Any]:
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
-        return vocabulary_identity(self.config.vocab_size, datamodule)
-
-    @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["rng_streams"] = self.stage_model().rng_state_dict()
-        checkpoint["vocabulary"] = self._vocabulary_identity()
-
-    @override
-    def on_train_start(self) -> None:
-        """A resumed run trains with this run's optimizer settings (restored from the
-        checkpoint just before): :mod:`lightning_sp.optim.resume`; one line if they differ
-        from the checkpoint's. Lightning divides each accumulated batch's loss by
-        ``accumulate_grad_batches``: the MoE auxiliary losses are scaled alike."""
-        pipeline = self.stage_model()
-        accumulate = self.trainer.accumulate_grad_batches
-        scale_auxiliary_losses(pipeline, 1 / (pipeline.num_microbatches * accumulate))
-        if self._resumed_optimizer is None or self._configured is None:
-            return
-        scheduler = self.lr_schedulers()
-        for optimizer in self.trainer.optimizers:
-            resume.apply_settings(optimizer, scheduler, self._configured)
-        changes = resume.changed_settings(self._resumed_optimizer, self.optimizer_config)
-        if changes:
-            rank_zero_info(resume.notice(changes, self.trainer.global_step))
-        self._resumed_optimizer = None
-
-    @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._resumed_optimizer = checkpoint.get("hyper_parameters", {}).get("optimizer", {})
-        check_vocabulary(checkpoint.get("vocabulary", {}), self._vocabulary_identity())
-        weights = checkpoint.get("state_dict", {})
-        for key in [k for k in weights if k.startswith("gpt.")]:  # saved before the one holder
-            weights["pipeline.chunks.0." + key[len("gpt.") :]] = weights.pop(key)
-        streams = checkpoint.get("rng_streams")
-        if streams is not None and "replicated" in streams:  # one GPT's streams: chunk 0
-            streams = {"0": streams}
-        if streams is not None:
-            self.stage_model().load_rng_state_dict(streams)

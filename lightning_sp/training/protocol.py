@@ -58,16 +58,10 @@ class ParallelModule(Protocol):
 
     supports_pipeline_parallel: bool
 
-    @property
-    def sequence_parallel(self) -> bool:
-        """Whether the shard this module builds is sequence parallel (``GPTModule``:
-        ``model.config.sequence_parallel``); the strategy's ``sequence_parallel``, when given,
-        must agree."""
-        ...
-
     def setup_parallel(self, state: ParallelState, config: ParallelConfig) -> None:
-        """Receive this rank's parallel state and the run's layout (sequence parallelism
-        and the data-parallel size decided), before ``configure_model``."""
+        """Receive this rank's parallel state and the run's layout (the data-parallel size
+        decided), before ``configure_model``. Whether the shard is sequence parallel is the
+        module's own setting (``GPTModule``: ``model.config.sequence_parallel``)."""
         ...
 
     def stage_model(self) -> StageModel:

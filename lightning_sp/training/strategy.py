@@ -51,7 +51,11 @@ from lightning_sp.parallel.state import ParallelState
 from lightning_sp.runtime import shutdown
 from lightning_sp.runtime.guard import NonFiniteGuard
 from lightning_sp.training.checkpoint_io import load_lightning_checkpoint, save_lightning_checkpoint
-from lightning_sp.training.checks import check_precision, check_strategy_args
+from lightning_sp.training.checks import (
+    check_moved_strategy_args,
+    check_precision,
+    check_strategy_args,
+)
 from lightning_sp.training.processes import ProcessGroupStrategy
 from lightning_sp.training.protocol import ParallelModule, check_module, stage_model_of
 
@@ -87,10 +91,6 @@ class MegatronSPStrategy(ProcessGroupStrategy):
             tokens reach their experts by all-to-all.
         expert_tensor_parallel_size: 1 (experts whole on every TP rank) or t (each expert's
             f_e split over the TP group, gate/up column and down row parallel).
-        sequence_parallel: Shard LayerNorm/dropout activations along the sequence over the
-            tensor-parallel group (paper §4.2.2). ``None`` (default): as the module says
-            (``GPTModule``: ``model.config.sequence_parallel``); a value that differs from
-            the module's is a one-line error at setup, never a silent override.
         num_microbatches: Micro-batches per optimizer step; each step's batch (per
             data-parallel rank) is split into this many.
         virtual_pipeline_size: Model chunks per pipeline stage (m) for the interleaved
@@ -127,7 +127,6 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         context_parallel_size: int = 1,
         expert_parallel_size: int = 1,
         expert_tensor_parallel_size: int = 1,
-        sequence_parallel: bool | None = None,
         num_microbatches: int = 1,
         virtual_pipeline_size: int = 1,
         timeout: float = 600.0,
@@ -142,6 +141,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         **kwargs: Any,
     ) -> None:
         if kwargs:  # a typo: one line naming it and the valid names (this signature's)
+            check_moved_strategy_args(kwargs)  # or a setting that lives elsewhere now
             name = next(iter(kwargs))
             valid = [p for p in inspect.signature(MegatronSPStrategy).parameters if p != "kwargs"]
             raise ConfigError(
@@ -154,7 +154,6 @@ class MegatronSPStrategy(ProcessGroupStrategy):
             context_parallel_size=context_parallel_size,
             expert_parallel_size=expert_parallel_size,
             expert_tensor_parallel_size=expert_tensor_parallel_size,
-            sequence_parallel=sequence_parallel,
             num_microbatches=num_microbatches,
             virtual_pipeline_size=virtual_pipeline_size,
             timeout=timeout,
@@ -170,7 +169,7 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         super().__init__(timeout, process_group_backend, start_method)
         self.parallel_config = layout
         """The layout: as given until setup, then completed (``data_parallel_size`` from the
-        world size, ``sequence_parallel`` agreed with the module's) and pushed into the module."""
+        world size) and pushed into the module."""
         self._parallel_state: ParallelState | None = None
         self.checkpointer = Checkpointer(async_save=async_save)
         self.guard = NonFiniteGuard(nonfinite, max_skipped_steps)
@@ -207,23 +206,12 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         completed :attr:`parallel_config` into a :class:`ParallelModule` (before Lightning
         calls its ``configure_model``)."""
         module = self.lightning_module
-        config = self.parallel_config.for_world_size(self.total_processes)
+        self.parallel_config = config = self.parallel_config.for_world_size(self.total_processes)
         check_module(module, config)
         receiver = module if isinstance(module, ParallelModule) else None
-        # the module's own choice of sequence parallelism (a plain module has none)
-        model_sp = (
-            receiver.sequence_parallel if receiver is not None else bool(config.sequence_parallel)
-        )
-        self.parallel_config = config = config.with_sequence_parallel(model_sp)
         super().setup_environment()
-        self._parallel_state = state = ParallelState.from_process_group(
-            config.tensor_parallel_size,
-            config.pipeline_parallel_size,
-            device=self.root_device,
-            timeout=self.timeout,
-            context_parallel_size=config.context_parallel_size,
-            expert_parallel_size=config.expert_parallel_size,
-            expert_tensor_parallel_size=config.expert_tensor_parallel_size,
+        self._parallel_state = state = ParallelState.from_config(
+            config, device=self.root_device, timeout=self.timeout
         )
         if receiver is not None:
             receiver.setup_parallel(state, config)

@@ -550,7 +550,7 @@ MUTATIONS = (
         "data x context",
         (
             (
-                "lightning_sp/model/moe.py",
+                "lightning_sp/model/moe/layer.py",
                 "else None, state.gradient_group)",
                 "else None, state.dp_group)",
             ),
@@ -563,7 +563,7 @@ MUTATIONS = (
         "the step's routing metrics are not summed over the data-parallel replicas",
         (
             (
-                "lightning_sp/model/moe_metrics.py",
+                "lightning_sp/model/hooks.py",
                 "    for group in (state.dp_group, state.pp_group):",
                 "    for group in (state.pp_group,):",
             ),
@@ -598,6 +598,130 @@ MUTATIONS = (
         ),
         ("tests/test_grad_buffer.py", "-k", "freed_with"),
         r"outlives its last reference",
+    ),
+    # -- issue 40: MoE bugs no test caught --------------------------------------------------
+    Mutation(
+        "sigmoid_always_renormalised",
+        "a sigmoid router with normalize_top_k: false renormalises its top-k weights anyway",
+        (
+            (
+                "lightning_sp/model/moe/router.py",
+                "        if cfg.normalize_top_k:  # softmax or sigmoid alike",
+                "        if cfg.normalize_top_k or cfg.score == 'sigmoid':  # softmax or sigmoid "
+                "alike",
+            ),
+        ),
+        ("tests/test_moe.py", "-k", "by_hand or does_not_weigh"),
+        r"normalize_top_k=false renormalised its top-k weights",
+    ),
+    Mutation(
+        "expert_bias_in_combine_weights",
+        "the auxiliary-loss-free expert bias leaks into the combine weights (not only the choice)",
+        (
+            (
+                "lightning_sp/model/moe/router.py",
+                "        weights = scores.gather(1, experts)\n",
+                "        bias = 0 if self.expert_bias is None else self.expert_bias\n"
+                "        weights = (scores + bias).gather(1, experts)\n",
+            ),
+        ),
+        ("tests/test_moe.py", "-k", "does_not_weigh"),
+        r"the expert bias leaks into the combine weights",
+    ),
+    Mutation(
+        "aux_not_over_microbatches",
+        "the auxiliary losses' gradient is not divided by the pipeline's micro-batches",
+        (
+            (
+                "lightning_sp/pipeline/stages.py",
+                "scale_auxiliary_losses(self.chunks, 1 / num_microbatches)",
+                "scale_auxiliary_losses(self.chunks, 1.0)",
+            ),
+        ),
+        ("tests/test_moe_loss_scale.py", "-k", "micro_batches"),
+        r"auxiliary losses' gradient is not divided by n=2 micro-batches",
+    ),
+    Mutation(
+        "aux_not_over_accumulation",
+        "the auxiliary losses' gradient is not divided by Lightning's accumulate_grad_batches",
+        (
+            (
+                "lightning_sp/training/checkpoint_hooks.py",
+                "1 / (pipeline.num_microbatches * accumulate)",
+                "1 / pipeline.num_microbatches",
+            ),
+        ),
+        ("tests/test_moe_loss_scale.py", "-k", "accumulate_grad_batches"),
+        r"not divided by accumulate_grad_batches=2",
+    ),
+    Mutation(
+        "sft_aux_not_rescaled",
+        "with per-token loss masks the auxiliary losses are divided by the step's token count "
+        "with the loss (not rescaled to the micro-batches' mean)",
+        (
+            (
+                "lightning_sp/training/batches.py",
+                "per_micro_batch = float(count) / (",
+                "per_micro_batch = 1.0 / (",
+            ),
+        ),
+        ("tests/test_moe_loss_scale.py", "-k", "sft"),
+        r"with loss masks the auxiliary losses are not",
+    ),
+    Mutation(
+        "sft_aux_count_per_replica",
+        "with per-token loss masks the auxiliary losses are rescaled by this replica's token "
+        "count, not the global one",
+        (
+            (
+                "lightning_sp/training/batches.py",
+                "    if state.dp_group is not None:\n        torch.distributed.all_reduce(count",
+                "    if False:\n        torch.distributed.all_reduce(count",
+            ),
+        ),
+        ("tests/test_moe_loss_scale.py", "-k", "sft"),
+        r"with loss masks the auxiliary losses are not",
+    ),
+    Mutation(
+        "prelaunch_drops_expert_tp",
+        "the pre-launch check builds the layout without expert_tensor_parallel_size",
+        (
+            (
+                "lightning_sp/training/checks.py",
+                'if f.name != "data_parallel_size"}',
+                'if f.name not in ("data_parallel_size", "expert_tensor_parallel_size")}',
+            ),
+        ),
+        ("tests/test_moe_messages.py", "-k", "before_launch"),
+        r"the pre-launch check dropped expert_tensor_parallel_size",
+    ),
+    # -- issue 44: the fit step's host reads, FP8's agreed scales ------------------------------
+    Mutation(
+        "loss_on_the_bar_every_step",
+        "train/loss logged with prog_bar=True again: Lightning reads it to a number at the end "
+        "of every step (a host-device synchronisation per step on a GPU)",
+        (
+            (
+                "lightning_sp/training/gpt_module.py",
+                'self.log("train/loss", replica_mean(loss, self.parallel_state))',
+                'self.log("train/loss", replica_mean(loss, self.parallel_state), prog_bar=True)',
+            ),
+        ),
+        ("tests/test_host_reads.py", "-k", "None"),
+        r"step \d+: 2 host reads",
+    ),
+    Mutation(
+        "fp8_amax_not_agreed",
+        "FP8 under TP: each rank scales by its own shard's amax (no MAX all-reduce over the group)",
+        (
+            (
+                "lightning_sp/parallel/fp8.py",
+                "    if spans and group_size(group) > 1:\n",
+                "    if False:\n",
+            ),
+        ),
+        ("tests/test_fp8.py", "-k", "equal_torchao"),
+        r"tensorwise \S+: \S+ of the largest value > 0.0001",
     ),
 )
 

@@ -21,6 +21,7 @@ from lightning_sp.model.parts.base import (
     Gemm,
     MemoryOp,
     Part,
+    PartLinear,
     Terms,
     tokens,
 )
@@ -90,7 +91,7 @@ class SelfAttention(Part):
         from lightning_sp.model.attention import Attention
 
         return Attention(
-            ctx.config, ctx.state, ctx.rng, "core_attn" in ctx.active, ctx.rotary, **ctx.kwargs
+            ctx.config, ctx.state, ctx.rng, ctx.recomputes("core_attn"), ctx.rotary, **ctx.kwargs
         )
 
     def saved_terms(self, x: ActivationShape) -> Terms:
@@ -172,6 +173,17 @@ class SelfAttention(Part):
 
     def input_gemms(self) -> tuple[str, ...]:
         return ("qkv",)
+
+    def linears(self, x: ActivationShape) -> tuple[PartLinear, ...]:
+        """``query``, ``key``, ``value`` (column, reading ``qkv_input``) and ``proj`` (row,
+        ``a·d`` wide, keeping the core's output whatever its weight)."""
+        h, d, kv = x.h, x.head_dim, x.kv_heads
+        return (
+            PartLinear("query", "column", h, x.a * d, "qkv_input"),
+            PartLinear("key", "column", h, kv * d, "qkv_input"),
+            PartLinear("value", "column", h, kv * d, "qkv_input"),
+            PartLinear("proj", "row", x.a * d, h),
+        )
 
     def memory_ops(self, x: ActivationShape) -> list[MemoryOp]:
         """With a backend that keeps ``s x s`` tensors (``math``): the fused scale-mask-softmax

@@ -14,7 +14,10 @@ A part owns, in one place, everything the rest of the package asks about it:
 * :meth:`Part.parameters`: its parameter count on one rank (split by t, and replicated);
 * :meth:`Part.forward_flops`: its forward matmul FLOPs (all ranks together);
 * :meth:`Part.weights`: its parameters' Hugging Face tensors under a family's naming scheme
-  (:mod:`lightning_sp.model.parts.weights`).
+  (:mod:`lightning_sp.model.parts.weights`);
+* :meth:`Part.step_totals`: the per-layer sums its module counts over a training step and the
+  step metrics made of them (:class:`StepTotals`; what the training loop logs through the
+  generic module hooks, :mod:`lightning_sp.model.hooks`).
 
 Every method reads the layer's sizes from one
 :class:`~lightning_sp.model.shape.ActivationShape` (``s, b, h, a, g, d, f, t, c``, element
@@ -26,14 +29,16 @@ its parts.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_sp.model.ops import RopeScaling
 from lightning_sp.model.parts.weights import HFNames, Weight
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.random import RNGStreams
 from lightning_sp.parallel.state import ParallelState
@@ -130,6 +135,10 @@ class Gemm:
     batch: int = 1
     tag: str = ""
     """The recompute module that replays it (``core_attn`` for the attention core)."""
+    routed: bool = False
+    """Whether it runs on the tokens routed to this rank (a mixture of experts' experts): its
+    rows follow the tokens the rank receives, which an imbalanced router sets above the mean
+    the shape states (the step-time model's ``expert_load_imbalance``)."""
 
     @property
     def flops(self) -> float:
@@ -152,6 +161,8 @@ class MemoryOp:
     """The recompute module that replays it."""
     replay_bytes: float | None = None
     """Bytes its replay moves (``None``: ``forward_bytes``)."""
+    routed: bool = False
+    """Whether it moves the tokens routed to this rank (as :attr:`Gemm.routed`)."""
 
     @property
     def replayed(self) -> float:
@@ -194,17 +205,53 @@ class Collective:
 
 @dataclass(frozen=True)
 class BuildContext:
-    """What a part's module needs besides the config: the layout, the dropout streams, the
-    recompute modules active in its layer, the shared RoPE tables and the tensor factory
-    arguments (``dtype``, ``device``)."""
+    """What a part's module needs besides the config: the layout, the dropout streams, its
+    layer's recompute policy, the shared RoPE tables and the tensor factory arguments
+    (``dtype``, ``device``)."""
 
     config: LayerConfig
     state: ParallelState
     rng: RNGStreams
-    active: frozenset[str]
-    """Names of the recompute modules this layer runs (``core_attn``, ``mlp_act`` ...)."""
+    recompute: RecomputePolicy
+    """The policy its layer runs (:meth:`recomputes` asks it)."""
     rotary: Any
     kwargs: dict[str, Any]
+
+    def recomputes(self, module: str) -> bool:
+        """Whether the recompute module ``module`` (``core_attn``, ``mlp_act`` ...) acts in
+        this layer, under the config's attention backend."""
+        return self.recompute.acts(module, self.config.attention)
+
+
+@dataclass(frozen=True)
+class PartLinear:
+    """One linear of a part that may take a LoRA adapter (:mod:`lightning_sp.model.lora`):
+    its module name under the part (``query``, ``fc2``), ``column`` or ``row`` parallel, its
+    input and output widths before any TP split (``h``; a row-parallel linear's input ``f`` or
+    ``a·d``; a key's output ``g'·d``, replicas counted), and the term of the input it keeps for
+    its weight gradient (``qkv_input``, ``fc2_input``; ``""`` when it keeps its input whatever
+    the weight: the attention projection holds the core's output, which SDPA keeps too)."""
+
+    name: str
+    kind: str
+    width: int
+    outputs: int
+    input_term: str = ""
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """What a part's module counts over a training step, and the step's metrics made of it.
+
+    The module (:class:`~lightning_sp.model.hooks.CountsStepTotals`) adds ``width`` float64
+    sums per training forward; the loop places each layer's at its global layer number in a
+    ``[num_layers, width]`` table, sums the table over every data-parallel replica and
+    pipeline stage (:func:`~lightning_sp.model.hooks.step_metrics`), and ``metrics(table)``
+    turns the sums into the step's metrics by name (``moe/aux_loss`` ...; rows of layers
+    that counted nothing are zero)."""
+
+    width: int
+    metrics: Callable[[Tensor], dict[str, Tensor]]
 
 
 def tokens(x: ActivationShape) -> int:
@@ -290,7 +337,47 @@ class Part(ABC):
         (names under the layer prefix) in the family naming scheme ``names``: only the
         parameters its options give it; ``KeyError`` for a convention it has no names in."""
 
+    def linears(self, x: ActivationShape) -> tuple[PartLinear, ...]:
+        """Its linears that may take a LoRA adapter (none for most parts; an MoE layer's
+        experts take none)."""
+        return ()
+
+    def adapter_terms(self, x: ActivationShape, sub: str) -> tuple[Terms, frozenset[str]]:
+        """With LoRA (``x.lora``; ``sub``: its sublayer's module name, the prefix of the
+        adapted paths): the terms its adapters add, and those of its own :meth:`saved_terms`
+        its frozen base no longer keeps.
+
+        Each adapted linear keeps its low-rank activation ``A drop(x)``, ``e·sb·r`` on every
+        TP rank (``[s, b, r]``: the whole sequence, as the linear's gathered input or its
+        partial sum over its input shard; :data:`REPLICATED`), and with ``lora_dropout`` a
+        1-byte mask of its input: ``k·sbh`` (a column-parallel linear's gathered input,
+        replicated) or ``k·sb·w`` for a row-parallel one of input width ``w`` (inside: split
+        by t). A term holding the input of linears none of which is adapted is dropped: a
+        frozen weight needs no weight gradient, so no input (its input gradient needs only
+        ``W``)."""
+        lora = x.lora
+        if lora is None:
+            return {}, frozenset()
+        e, k, sb = x.activation_bytes, x.mask_bytes, x.s * x.b
+        linears = self.linears(x)
+        adapted = [lin for lin in linears if f"{sub}.{lin.name}" in lora.targets]
+        terms: Terms = {}
+        for lin in adapted:
+            terms[f"{sub}.{lin.name}.lora_low"] = (e * sb * lora.r, REPLICATED)
+            if lora.dropout:
+                region = REPLICATED if lin.kind == "column" else INSIDE
+                terms[f"{sub}.{lin.name}.lora_mask"] = (k * sb * lin.width, region)
+        kept = {lin.input_term for lin in adapted}
+        dropped = frozenset(lin.input_term for lin in linears if lin.input_term) - kept
+        return terms, dropped
+
     def stats_terms(self, x: ActivationShape) -> Terms:
         """Per-row statistics it saves besides :meth:`saved_terms` (a norm's mean and rstd,
         ``O(sb)``: Table 2 leaves them out), as terms; recomputing the norm drops them."""
         return {}
+
+    def step_totals(self) -> StepTotals | None:
+        """What its module counts over a training step for the step's metrics (its module
+        then implements :class:`~lightning_sp.model.hooks.CountsStepTotals`); ``None`` for
+        most parts."""
+        return None

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lightning_sp.model.moe.part import MoEFeedForward
 from lightning_sp.model.parts.attention import SelfAttention
 from lightning_sp.model.parts.base import (
     ACT,
@@ -33,7 +34,6 @@ from lightning_sp.model.parts.base import (
     outside_elements,
 )
 from lightning_sp.model.parts.dense import DenseMLP
-from lightning_sp.model.parts.moe import MoEFeedForward
 from lightning_sp.model.parts.norm import Norm
 from lightning_sp.model.parts.weights import HFNames, Weight, under
 from lightning_sp.model.shape import ActivationShape
@@ -91,10 +91,14 @@ class Block:
 
     def saved_terms(self, x: ActivationShape) -> Terms:
         """Every tensor the layer saves, outside terms first then inside ones, each in
-        sublayer order (norm, mixer, residual mask)."""
+        sublayer order (norm, mixer, residual mask); with LoRA (``x.lora``) the mixers'
+        adapter terms added and the inputs their frozen linears no longer keep left out
+        (:meth:`~lightning_sp.model.parts.base.Part.adapter_terms`)."""
         terms: Terms = {}
         for sub in self.sublayers:
             mixer = sub.mixer.saved_terms(x)
+            adapters, frozen = sub.mixer.adapter_terms(x, sub.name)  # LoRA: x.lora
+            mixer = {n: v for n, v in mixer.items() if n not in frozen} | adapters
             if sub.placement == "post" and sub.mixer.input_term in mixer:
                 mixer[f"{sub.name}_input"] = mixer.pop(sub.mixer.input_term)
             terms.update(sub.norm.saved_terms(x))

@@ -19,6 +19,7 @@ from lightning_sp.model.parts.base import (
     LayerConfig,
     MemoryOp,
     Part,
+    PartLinear,
     Terms,
     activation_op,
     tokens,
@@ -113,7 +114,7 @@ class DenseMLP(Part):
 
     def build(self, ctx: BuildContext) -> nn.Module:
         return MLP(
-            ctx.config, ctx.state, "mlp_act" in ctx.active, self.bias_in, self.bias_out,
+            ctx.config, ctx.state, ctx.recomputes("mlp_act"), self.bias_in, self.bias_out,
             **ctx.kwargs,
         )  # fmt: skip
 
@@ -134,6 +135,13 @@ class DenseMLP(Part):
 
     def input_gemms(self) -> tuple[str, ...]:
         return self.kind.inputs
+
+    def linears(self, x: ActivationShape) -> tuple[PartLinear, ...]:
+        """The input projections (column, reading ``fc1_input``) and ``fc2`` (row, ``f``
+        wide, reading ``fc2_input``)."""
+        h, f = x.h, x.ffn
+        inputs = tuple(PartLinear(n, "column", h, f, "fc1_input") for n in self.kind.inputs)
+        return (*inputs, PartLinear("fc2", "row", f, h, "fc2_input"))
 
     def memory_ops(self, x: ActivationShape) -> list[MemoryOp]:
         """The fused bias-activation on ``sbf/t`` (reading ``z``: SwiGLU reads gate and up),

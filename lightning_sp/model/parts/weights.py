@@ -42,6 +42,11 @@ class WeightMap:
     """The name transformers' in-memory model uses where it differs from ``hf`` (Mixtral's
     router: ``mlp.gate``), as a file saved from its ``state_dict`` (fused experts) holds it."""
 
+    def in_memory_form(self) -> WeightMap | None:
+        """This row as transformers' in-memory model names it, where that differs from the
+        Hub's (``None``: the same)."""
+        return WeightMap(self.ours, self.in_memory, self.transpose) if self.in_memory else None
+
 
 @dataclass(frozen=True)
 class ExpertWeightMap:
@@ -54,6 +59,23 @@ class ExpertWeightMap:
     ours: str
     hf: tuple[str, ...]
     fused: str = ""
+
+    def in_memory_form(self) -> WeightMap | None:
+        """The fused tensor, equal to ours, as a plain row (``None`` without one)."""
+        return WeightMap(self.ours, self.fused) if self.fused else None
+
+    def pieces(
+        self, shape: tuple[int, ...], layer: str
+    ) -> list[tuple[str, int, int, tuple[int, ...]]]:
+        """The Hub's tensors of layer ``layer`` holding ours of full shape ``shape`` (``[E,
+        n, k]``), expert by expert and piece by piece: ``(name, expert, first row of the
+        piece in that expert's [n, k], the tensor's shape [n / pieces, k])``."""
+        rows = shape[1] // len(self.hf)
+        return [
+            (piece.format(i=layer, e=expert), expert, j * rows, (rows, *shape[2:]))
+            for expert in range(shape[0])
+            for j, piece in enumerate(self.hf)
+        ]
 
 
 Weight = WeightMap | ExpertWeightMap
@@ -74,7 +96,7 @@ class HFNames:
     """The attention's convention (:data:`lightning_sp.model.parts.attention.HF_ATTENTION`)."""
     feed_forward: str
     """The feed-forward part's convention (``HF_MLP`` in ``parts/dense.py``, ``HF_MOE`` in
-    ``parts/moe.py``)."""
+    ``moe/part.py``)."""
     embedding: str
     """The token embedding's module (``model.embed_tokens``)."""
     final_norm: str

@@ -2,9 +2,9 @@
 group, grouped SwiGLU experts, combine, optional shared experts.
 
 ``[s/t or s, b, h]`` in and out (the residual stream's layout; sequence parallelism is required
-for ``t > 1``, :meth:`~lightning_sp.model.moe_config.MoEConfig.check_layout`). Each rank routes
+for ``t > 1``, :meth:`~lightning_sp.model.moe.config.MoEConfig.check_layout`). Each rank routes
 its own ``T = s_local·b`` tokens; the load-balancing terms are the micro-batch's
-(:mod:`lightning_sp.model.router`).
+(:mod:`lightning_sp.model.moe.router`).
 
 Under expert tensor parallelism (``t_e = t``, each expert's ``f_e`` split over the TP group)
 the order is Megatron-Core's, dispatch first: every rank routes its own sequence shard as at
@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_sp.model.experts import SWIGLU, Experts
 from lightning_sp.model.fused import act_row_linear, activate, fused_column_linear
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.model.moe.experts import SWIGLU, Experts
+from lightning_sp.model.moe.router import Router
 from lightning_sp.model.recompute import replaying
-from lightning_sp.model.router import Router
 from lightning_sp.model.spec import NormModule
 from lightning_sp.parallel.dispatch import combine, dispatch
 from lightning_sp.parallel.expert_rows import gather_rows, plan_rows, scatter_rows
@@ -104,7 +104,12 @@ class MoE(nn.Module):
     """One rank's share of an MoE layer: the router (replicated), ``E/e`` experts (this EP
     rank's block), the shared experts' TP shard. ``aux_loss_scale`` multiplies the
     load-balancing terms' gradient (set it to the main loss's scale, e.g. ``1 / micro-batches``
-    under gradient accumulation)."""
+    under gradient accumulation).
+
+    It implements the generic module hooks (:mod:`lightning_sp.model.hooks`) the training
+    loop and the pipeline call: the auxiliary losses' scale, the router bias update after each
+    optimizer step, the step's routing sums; the router's ``expert_bias`` is a persistent
+    buffer, which checkpoints save."""
 
     def __init__(
         self,
@@ -125,7 +130,6 @@ class MoE(nn.Module):
         self.recompute_act = recompute_act
         """The ``mlp_act`` recompute module: the experts' and shared experts' down projections
         save SwiGLU's input and replay it in backward."""
-        config.check_layout(e, t, sequence_parallel, t_e)
         self.config = config
         self.expert_tp_group = state.tp_group if t_e > 1 else None
         """The TP group that shares each expert's ``f_e`` under expert tensor parallelism, over
@@ -155,8 +159,8 @@ class MoE(nn.Module):
         """The last forward's micro-batch values: ``aux_loss``, ``z_loss`` (unscaled),
         ``load_imbalance`` (max over mean choices per expert) and ``dropped``."""
         self.totals: Tensor | None = None
-        """The sums of the training forwards since the last
-        :func:`~lightning_sp.model.moe_metrics.step_metrics` (:data:`TOTALS`, then the choices
+        """The sums of the training forwards since the last :meth:`take_step_totals`
+        (:data:`TOTALS`, then the choices
         per expert ``[E]``; float64; a full-recompute replay adds nothing): what the step's
         logged metrics are made of."""
 
@@ -203,31 +207,35 @@ class MoE(nn.Module):
             out = attach_loss(out, loss, self.aux_loss_scale)
         return out
 
+    # -- the generic module hooks (lightning_sp.model.hooks) ---------------------------------
+
+    def set_auxiliary_loss_scale(self, scale: float) -> None:
+        """Set :attr:`aux_loss_scale` (the hook :class:`~lightning_sp.model.hooks.
+        AuxiliaryLosses`): the load-balancing and z losses' gradient factor."""
+        self.aux_loss_scale = scale
+
+    def adds_auxiliary_losses(self) -> bool:
+        """Whether the load-balancing or z loss has a coefficient > 0 (the hook
+        :class:`~lightning_sp.model.hooks.AuxiliaryLosses`)."""
+        return bool(self.config.aux_loss_coef or self.config.z_loss_coef)
+
+    def after_optimizer_step(self) -> None:
+        """The auxiliary-loss-free bias update with ``expert_bias`` (:meth:`update_expert_bias`;
+        the hook :class:`~lightning_sp.model.hooks.AfterOptimizerStep`), else nothing."""
+        if self.config.expert_bias:
+            self.update_expert_bias()
+
+    def take_step_totals(self) -> Tensor | None:
+        """:attr:`totals`, then reset to zero (the hook :class:`~lightning_sp.model.hooks.
+        CountsStepTotals`; the part declares their width and metrics:
+        :func:`~lightning_sp.model.moe.metrics.routing_metrics`)."""
+        if self.totals is None:
+            return None
+        totals = self.totals.clone()
+        self.totals.zero_()
+        return totals
+
     def update_expert_bias(self) -> None:
         """After an optimizer step: DeepSeek-V3's bias update from the loads every rank of
         this layer counted (summed over the TP group under SP, then data x context)."""
         self.router.update_expert_bias(self.reduce_groups)
-
-
-def update_expert_biases(module: nn.Module) -> None:
-    """After an optimizer step: every MoE layer's auxiliary-loss-free bias update
-    (:meth:`MoE.update_expert_bias`; a no-op for layers without ``expert_bias``). Collective:
-    every rank of the stage calls it."""
-    for m in module.modules():
-        if isinstance(m, MoE) and m.config.expert_bias:
-            m.update_expert_bias()
-
-
-def has_auxiliary_losses(module: nn.Module) -> bool:
-    """Whether ``module`` holds a layer whose auxiliary (load-balancing) losses join the
-    loss's gradient."""
-    return any(isinstance(m, MoE) for m in module.modules())
-
-
-def scale_auxiliary_losses(module: nn.Module, scale: float) -> None:
-    """Set every MoE layer's :attr:`MoE.aux_loss_scale` to ``scale``: the factor the main loss
-    of one micro-batch carries (``1 / micro-batches per step``), so that the load-balancing
-    terms enter the step's gradient as the mean over its micro-batches, as the loss does."""
-    for m in module.modules():
-        if isinstance(m, MoE):
-            m.aux_loss_scale = scale

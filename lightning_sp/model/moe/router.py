@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.model.recompute import replaying
 from lightning_sp.parallel.comm import Group, all_gather_sequence, f_bar, group_rank, group_size
 from lightning_sp.parallel.dispatch import expert_counts
@@ -116,7 +116,7 @@ class Router(nn.Module):
             slots = torch.arange(x.shape[0] * cfg.top_k, device=x.device)
             experts = slots.remainder(cfg.num_experts).view(x.shape[0], cfg.top_k)
         weights = scores.gather(1, experts)
-        if cfg.normalize_top_k or cfg.score == "sigmoid":
+        if cfg.normalize_top_k:  # softmax or sigmoid alike (transformers' norm_topk_prob)
             weights = weights / weights.sum(dim=-1, keepdim=True)
         local_counts = expert_counts(experts, cfg.num_experts)
         if self.tokens_per_expert is not None and self.training and not replaying():

@@ -61,16 +61,21 @@ def _grouped_forward(x: Tensor, weight: Tensor, counts: list[int], grouped: bool
 
 
 def _grouped_backward(
-    grad: Tensor, x: Tensor, weight: Tensor, counts: list[int], grouped: bool
-) -> tuple[Tensor, Tensor]:
-    """The input and weight gradients of :func:`_grouped_forward`."""
+    grad: Tensor, x: Tensor | None, weight: Tensor, counts: list[int], grouped: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The input and weight gradients of :func:`_grouped_forward` (no weight gradient, and
+    no ``x`` needed, for a frozen weight: ``x=None``)."""
     grad = grad.contiguous()
     if grouped:
-        offs = _offsets(counts, x.device)
+        offs = _offsets(counts, grad.device)
         grad_x = torch._grouped_mm(grad, weight, offs=offs)
+        if x is None:
+            return grad_x, None
         grad_w = torch._grouped_mm(grad.t(), x, offs=offs)  # [E, n, k]
         return grad_x, grad_w
     grad_x = _loop(grad, weight, counts)
+    if x is None:
+        return grad_x, None
     grad_w = torch.stack(
         [g.t() @ rows for g, rows in zip(grad.split(counts), x.split(counts), strict=True)]
     )
@@ -78,16 +83,17 @@ def _grouped_backward(
 
 
 class _GroupedLinear(torch.autograd.Function):
-    """``y_i = x_i W_iᵀ`` per row group; saves ``x`` and ``W`` only."""
+    """``y_i = x_i W_iᵀ`` per row group; saves ``x`` and ``W`` only (``W`` only for a frozen
+    weight, as under LoRA: its input gradient needs no ``x``, and it gets no weight gradient)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, counts: list[int], grouped: bool) -> Tensor:
         ctx.counts, ctx.grouped = counts, grouped
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
         return _grouped_forward(x, weight, counts, grouped)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
         return (*_grouped_backward(grad, x, weight, ctx.counts, ctx.grouped), None, None)
 
@@ -103,9 +109,9 @@ class _GroupedActLinear(torch.autograd.Function):
         return _grouped_forward(SWIGLU.forward(z), weight, counts, grouped)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None, None, None]:
         z, weight = ctx.saved_tensors
-        act = SWIGLU.forward(z)
+        act = SWIGLU.forward(z) if ctx.needs_input_grad[1] else None
         grad_act, grad_w = _grouped_backward(grad, act, weight, ctx.counts, ctx.grouped)
         return SWIGLU.backward(grad_act, z), grad_w, None, None
 

@@ -1,5 +1,5 @@
 """The mixture-of-experts feed-forward part (``GPTConfig.feed_forward = "moe"``): the module is
-:class:`lightning_sp.model.moe.MoE`; here its saved bytes, GEMMs, memory-bound kernels (the
+:class:`lightning_sp.model.moe.layer.MoE`; here its saved bytes, GEMMs, memory-bound kernels (the
 experts' activation, the dispatch and combine row copies), parameters (total and active) and
 FLOPs (active), at balanced routing (each expert receives ``k·T/E`` of the ``T`` tokens'
 assignments; dropless).
@@ -43,12 +43,13 @@ these terms are exact to the byte at t = 1, 2 (SP) and e = 1, 2, 4
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
-from lightning_sp.model.moe import MoE
-from lightning_sp.model.moe_config import MoEConfig
+from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.model.moe.layer import TOTALS, MoE
+from lightning_sp.model.moe.metrics import routing_metrics
 from lightning_sp.model.parts.base import (
     INSIDE,
     OUTSIDE,
@@ -59,6 +60,8 @@ from lightning_sp.model.parts.base import (
     Gemm,
     MemoryOp,
     Part,
+    PartLinear,
+    StepTotals,
     Terms,
     activation_op,
     tokens,
@@ -114,8 +117,14 @@ class MoEFeedForward(Part):
         return MoE(
             c.hidden_size, self.config, ctx.state, sequence_parallel=c.sequence_parallel,
             init_std=c.init_std, output_init_std=c.output_init_std,
-            recompute_act="mlp_act" in ctx.active, **ctx.kwargs,
+            recompute_act=ctx.recomputes("mlp_act"), **ctx.kwargs,
         )  # fmt: skip
+
+    def step_totals(self) -> StepTotals:
+        """Each layer's routing sums (:data:`~lightning_sp.model.moe.layer.TOTALS`, then the
+        choices per expert) and the step's ``moe/*`` metrics made of them
+        (:func:`~lightning_sp.model.moe.metrics.routing_metrics`)."""
+        return StepTotals(len(TOTALS) + self.config.num_experts, routing_metrics)
 
     def router_bytes(self, x: ActivationShape) -> float:
         """Bytes per router element: fp32 4, fp64 8, else the activations'."""
@@ -125,7 +134,7 @@ class MoEFeedForward(Part):
         cfg, e, r = self.config, x.activation_bytes, self.router_bytes(x)
         t = x.s * x.b  # tokens of the whole layer before any split
         k, n, f = cfg.top_k, cfg.top_k * x.s * x.b, cfg.expert_ffn_size
-        chosen = r * t * (k + 1) if cfg.normalize_top_k or cfg.score == "sigmoid" else 0.0
+        chosen = r * t * (k + 1) if cfg.normalize_top_k else 0.0
         indices = 2 * INDEX * n * (2 if x.e > 1 else 1)  # EP: the regroup and its inverse
         # expert TP: each TP rank runs its f_e/t slice on the TP group's gathered rows
         gathered, inner = (REPLICATED, INSIDE) if x.etp > 1 else (OUTSIDE, OUTSIDE)
@@ -158,8 +167,8 @@ class MoEFeedForward(Part):
         rows = -(-cfg.top_k * mine * x.e * x.etp // cfg.num_experts)  # per expert (fullest's)
         gemms = [
             Gemm("router", mine, cfg.num_experts, h),
-            Gemm("expert_gate_up", rows, 2 * f, h, batch=local),
-            Gemm("expert_down", rows, h, f, batch=local),
+            Gemm("expert_gate_up", rows, 2 * f, h, batch=local, routed=True),
+            Gemm("expert_down", rows, h, f, batch=local, routed=True),
         ]
         if cfg.num_shared_experts:
             fs = cfg.shared_ffn_size // x.t
@@ -171,6 +180,23 @@ class MoEFeedForward(Part):
 
     def input_gemms(self) -> tuple[str, ...]:
         return ("shared_gate_up",) if self.config.num_shared_experts else ()
+
+    def linears(self, x: ActivationShape) -> tuple[PartLinear, ...]:
+        """Its linears, none of which takes a LoRA adapter: frozen with the base, the router
+        and the shared experts' input projections keep no ``moe_input``, the experts no
+        ``expert_input`` nor ``expert_down_input``, the shared experts' down projection no
+        ``shared_down_input`` (what stays: the activations' inputs, the router's outputs,
+        the indices and the combine)."""
+        cfg, h, f = self.config, x.h, self.config.expert_ffn_size
+        rows = [
+            PartLinear("router", "column", h, cfg.num_experts, "moe_input"),
+            PartLinear("experts.gate_up", "column", h, 2 * f, "expert_input"),
+            PartLinear("experts.down", "row", f, h, "expert_down_input"),
+        ]
+        if cfg.num_shared_experts:
+            fs = cfg.shared_ffn_size
+            rows.append(PartLinear("shared.fc2", "row", fs, h, "shared_down_input"))
+        return tuple(rows)
 
     def memory_ops(self, x: ActivationShape) -> list[MemoryOp]:
         """The layer's memory-bound kernels on one rank at balance, ``N = k·T_local`` rows
@@ -206,9 +232,12 @@ class MoEFeedForward(Part):
         dispatch = 2 * rows * passes + regroup
         combine = 2 * rows * passes + 3 * rows + a * mine * x.h + regroup
         ops = [
-            activation_op("expert_act", n * x.etp * cfg.expert_ffn_size, 2, x.etp),
-            MemoryOp("expert_dispatch", dispatch, dispatch),
-            MemoryOp("expert_combine", combine, combine),
+            replace(
+                activation_op("expert_act", n * x.etp * cfg.expert_ffn_size, 2, x.etp),
+                routed=True,
+            ),
+            MemoryOp("expert_dispatch", dispatch, dispatch, routed=True),
+            MemoryOp("expert_combine", combine, combine, routed=True),
         ]
         if cfg.num_shared_experts:
             ops.append(activation_op("shared_act", tokens(x) * cfg.shared_ffn_size, 2, x.t))

@@ -1,0 +1,254 @@
+"""What the fit benchmarks share (:mod:`benchmarks.gpu`'s ``fit`` section and
+:mod:`benchmarks.fit_overhead`): the GPT's shape, ``cli.py fit``'s arguments for it, a plain
+loop's step over the same ``GPTModule``, timing between device synchronisations, and the split
+of a profiled fit step into its parts."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import dataclasses
+import os
+import pstats
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from lightning_sp.data import TextDataModule
+from lightning_sp.model.config import GPTConfig
+from lightning_sp.optim.adamw import configure_adamw
+from lightning_sp.training.gpt_module import GPTModule
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The GPT measured: ``s`` sequence, ``h`` hidden, ``layers``, ``heads``, ``vocab``, ``b``."""
+
+    s: int
+    h: int
+    layers: int
+    heads: int
+    vocab: int
+    b: int
+
+    def config(self, **fields: Any) -> GPTConfig:
+        return GPTConfig(
+            vocab_size=self.vocab, seq_length=self.s, hidden_size=self.h,
+            num_layers=self.layers, num_heads=self.heads, **fields,
+        )  # fmt: skip
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds_per_step(
+    step: Callable[[], None], device: torch.device, warmup: int, steps: int
+) -> float:
+    """Mean seconds of ``step`` over ``steps`` calls after ``warmup`` (two syncs in all)."""
+    for _ in range(warmup):
+        step()
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _synchronize(device)
+    return (time.perf_counter() - start) / steps
+
+
+class StepWindow(Callback):
+    """Wall time from the start of training step ``warmup`` to the end of the last one."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.start: float | None = None
+        self.end: float | None = None
+        self.steps = 0
+
+    @override
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step == self.warmup and self.start is None:
+            _synchronize(pl_module.device)
+            self.start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        if self.start is not None:
+            self.steps += 1
+        if trainer.global_step == trainer.max_steps:
+            _synchronize(pl_module.device)
+            self.end = time.perf_counter()
+
+
+def fit_argv(
+    shape: Shape, recompute: str, dropout: float, accelerator: str, precision: str, steps: int
+) -> list[str]:
+    """``cli.py fit``'s arguments for ``shape`` on one device, no checkpoints, no validation,
+    ``log_every_n_steps: 10``, with the activation-memory and MFU monitors."""
+    return [
+        f"--model.config.vocab_size={shape.vocab}", f"--model.config.seq_length={shape.s}",
+        f"--model.config.hidden_size={shape.h}", f"--model.config.num_layers={shape.layers}",
+        f"--model.config.num_heads={shape.heads}", f"--model.config.recompute={recompute}",
+        f"--model.config.hidden_dropout={dropout}", f"--model.config.attention_dropout={dropout}",
+        f"--data.batch_size={shape.b}", f"--trainer.accelerator={accelerator}",
+        "--trainer.devices=1", "--trainer.strategy=megatron_sp",
+        f"--trainer.precision={precision}", f"--trainer.max_steps={steps}",
+        "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_checkpointing=false", "--trainer.log_every_n_steps=10",
+        "--trainer.callbacks+=lightning_sp.ActivationMemoryMonitor",
+        "--trainer.callbacks+=lightning_sp.MFUMonitor",
+    ]  # fmt: skip
+
+
+def _fit_tokens_per_sec(shape: Shape, args: argparse.Namespace) -> float:
+    from lightning_sp.cli.fit import GPTCLI
+
+    accelerator = "gpu" if args.device == "cuda" else "cpu"
+    argv = fit_argv(shape, "selective", args.dropout, accelerator, "bf16-true",
+                    args.warmup + args.steps)  # fmt: skip
+    cli = GPTCLI(GPTModule, TextDataModule, args=argv, run=False)
+    window = StepWindow(args.warmup)
+    cli.trainer.callbacks.append(window)  # type: ignore[attr-defined]
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert window.start is not None and window.end is not None
+    return window.steps * shape.b * shape.s / (window.end - window.start)
+
+
+def plain_step(
+    config: GPTConfig, total: int, device: torch.device, dtype: torch.dtype,
+    optimizer_step: bool = True,
+) -> Callable[[dict[str, torch.Tensor]], None]:  # fmt: skip
+    """A plain loop's step over a seeded ``GPTModule`` (t = p = 1) built in ``dtype`` on
+    ``device``: forward and backward of a batch, then (``optimizer_step``) the module's AdamW
+    step and schedule step (``total`` steps) and ``zero_grad``, else only ``zero_grad``."""
+    module = GPTModule(config).to(device)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # as precision="bf16-true" builds it
+    try:
+        module.configure_model()
+    finally:
+        torch.set_default_dtype(default)
+    (gpt,) = module.chunks  # t = p = 1: one GPT chunk
+    optimizers = configure_adamw(gpt, module.optimizer_config, total)
+    optimizer, schedule = optimizers["optimizer"], optimizers["lr_scheduler"]
+    scheduler = schedule["scheduler"] if isinstance(schedule, dict) else schedule
+
+    def step(batch: dict[str, torch.Tensor]) -> None:
+        ids = batch["input_ids"].to(device, non_blocking=True)
+        gpt(ids, batch["labels"].to(device, non_blocking=True)).backward()
+        if optimizer_step:
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        else:
+            gpt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _loop_tokens_per_sec(shape: Shape, args: argparse.Namespace) -> float:
+    device = torch.device(args.device)
+    config = shape.config(
+        recompute="selective", hidden_dropout=args.dropout, attention_dropout=args.dropout
+    )
+    plain = plain_step(config, args.warmup + args.steps, device, torch.bfloat16)
+    data = TextDataModule(seq_length=shape.s, batch_size=shape.b)
+    data.prepare_data()
+    data.setup("fit")
+    batches = iter(data.train_dataloader())
+
+    def step() -> None:
+        batch = next(batches, None)
+        assert batch is not None, "the corpus has fewer batches than the benchmark's steps"
+        plain(batch)
+
+    return shape.b * shape.s / seconds_per_step(step, device, args.warmup, args.steps)
+
+
+def fit_section(shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
+    """tokens/s of ``cli.py fit`` and of the plain loop, and their ratio."""
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory() as tmp:  # the CLI's logs and saved config go here
+        os.chdir(tmp)
+        try:
+            fit = _fit_tokens_per_sec(shape, args)
+        finally:
+            os.chdir(cwd)
+    loop = _loop_tokens_per_sec(shape, args)
+    return {"recompute": "selective", "fit_tokens_per_sec": fit, "loop_tokens_per_sec": loop,
+            "ratio": fit / loop}  # fmt: skip
+
+
+# -- the profile's parts -----------------------------------------------------------------------
+
+PARTS: dict[str, tuple[str, ...]] = {
+    "forward": ("training_step",),
+    "backward": ("backward",),
+    "gradient finalisation": ("finalize_grads",),
+    "non-finite guard": ("check",),
+    "clipping": ("configure_gradient_clipping",),
+    "routing metrics / token mean": ("on_before_optimizer_step",),
+    "data loading": ("__next__",),
+    "logging": ("log", "on_batch_end", "update_train_step_metrics"),
+}
+"""Each part: function names whose cumulative time it is, matched with the file below."""
+
+_FILES: dict[str, tuple[str, ...]] = {
+    "forward": ("lightning_sp/training/gpt_module.py",),
+    "backward": ("lightning_sp/training/gpt_module.py",),
+    "gradient finalisation": ("lightning_sp/pipeline/stages.py", "lightning_sp/parallel/grads.py"),
+    "non-finite guard": ("lightning_sp/runtime/guard.py",),
+    "clipping": ("lightning_sp/training/gpt_module.py",),
+    "routing metrics / token mean": ("lightning_sp/training/gpt_module.py",),
+    "data loading": ("lightning/pytorch/loops/fetchers.py",),
+    "logging": ("lightning/pytorch/core/module.py", "logger_connector/logger_connector.py"),
+}
+"""Where each part's functions live (path fragments, ``/``-separated)."""
+_CALLBACKS = ("lightning_sp/callbacks/", "lightning/pytorch/callbacks/progress/")
+
+
+def _in_callbacks(filename: str) -> bool:
+    return any(c in filename.replace(os.sep, "/") for c in _CALLBACKS)
+
+
+def profile_parts(profile: cProfile.Profile, steps: int, wall: float) -> dict[str, float]:
+    """Seconds per step of each part of :data:`PARTS`, the optimizer update (the optimizer's
+    ``step`` less the closure it runs: Lightning's hooks before the step and clipping), the
+    callbacks' hooks, and the rest of the whole step (``wall`` seconds over ``steps`` profiled
+    steps)."""
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    cumulative: dict[tuple[str, str], float] = collections.defaultdict(float)
+    callbacks = 0.0
+    for (filename, _line, name), (_cc, _nc, _tt, ct, callers) in stats.items():
+        path = filename.replace(os.sep, "/")
+        cumulative[(path, name)] += ct
+        # a callback's hook, counted once: not again where another of these hooks called it
+        hook = any(c in path for c in _CALLBACKS) and name.startswith("on_")
+        if hook and not any(_in_callbacks(caller[0]) for caller in callers):
+            callbacks += ct
+
+    def seconds(fragment: str, name: str) -> float:
+        return sum(v for (path, n), v in cumulative.items() if n == name and fragment in path)
+
+    parts = {
+        part: sum(seconds(f, n) for f in _FILES[part] for n in names)
+        for part, names in PARTS.items()
+    }
+    parts["optimizer update"] = seconds("lightning_sp/optim/adamw.py", "step") - seconds(
+        "lightning/pytorch/plugins/precision/precision.py", "_wrap_closure"
+    )
+    parts["callbacks"] = callbacks
+    parts["rest (Lightning's loop and hooks)"] = wall - sum(parts.values())
+    parts["step"] = wall
+    return {k: v / steps for k, v in parts.items()}

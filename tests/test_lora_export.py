@@ -1,0 +1,198 @@
+"""Adapters through the commands (lightning_sp.cli.export, lightning_sp.training.adapters): a
+LoRA run from a saved Qwen3 directory, checkpointed by the strategy; ``export --adapter``
+writes a PEFT directory that ``peft.PeftModel.from_pretrained`` loads to our logits, ``export
+--output`` the merged model that transformers loads to them; ``model.adapter_from`` starts a
+run from that directory (the same logits); one line each for an adapter directory on another
+base, an adapter checkpoint resumed onto another base, ``adapter_from`` without a base, a
+stated ``r`` the directory does not have, and ``--adapter`` of a full fine-tune."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hf_families import save_random_family
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from safetensors.torch import load_file, save_file
+
+from lightning_sp import GPTModule, OptimizerConfig
+from lightning_sp.checkpoint.verify import check_checkpoint
+from lightning_sp.cli.export import (
+    CheckpointModel,
+    export_adapter,
+    export_checkpoint,
+    open_checkpoint,
+)
+from lightning_sp.errors import ConfigError
+from lightning_sp.interop.hf import read_hf_config
+from lightning_sp.interop.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
+from lightning_sp.model.lora import LoRAConfig, lora_parameters
+
+from hf_models import full_logits, relative, tokens
+from test_trainer import data, trainer
+
+pytestmark = pytest.mark.slow  # Lightning runs (a fit, a resume on each base)
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+LORA = LoRAConfig(r=4, lora_alpha=8.0, target_modules=["all-linear"])
+FP32 = 2e-6
+"""Relative error of fp32 logits between two implementations of the same model (measured
+~3e-7 here)."""
+
+
+def _module(base: Path, **kwargs: object) -> GPTModule:
+    config = read_hf_config(base, seq_length=64, hidden_dropout=0.0, attention_dropout=0.0)
+    kwargs.setdefault("lora", LORA)
+    return GPTModule(config, OptimizerConfig(lr=1e-2, warmup_steps=0), init_from=str(base),
+                     **kwargs)  # type: ignore[arg-type]  # fmt: skip
+
+
+def _logits(module: GPTModule, ids: torch.Tensor) -> torch.Tensor:
+    (chunk,) = module.chunks
+    with torch.no_grad():
+        logits = full_logits([chunk], chunk.state, ids)
+    assert logits is not None
+    return logits
+
+
+class Seen(Callback):
+    """Saves the trained model's logits on ``ids`` and its adapters (full tensors, one
+    process) to ``path`` (the strategy runs the fit in a spawned process)."""
+
+    def __init__(self, ids: torch.Tensor, path: Path) -> None:
+        self.ids, self.path = ids, path
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: GPTModule) -> None:
+        (chunk,) = pl_module.chunks
+        adapters = {
+            chunk.global_name(n): p.detach().clone() for n, p in lora_parameters(chunk).items()
+        }
+        torch.save({"logits": _logits(pl_module, self.ids), "adapters": adapters}, self.path)
+
+    def seen(self) -> dict[str, object]:
+        return torch.load(self.path)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: GPTModule) -> None:
+        self.on_train_end(trainer, pl_module)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> dict[str, object]:
+    """A Qwen3 base, another base of the same architecture, a 4-step LoRA run on the first
+    with its checkpoint, and our logits after it."""
+    root = tmp_path_factory.mktemp("lora_export")
+    base, other = root / "base", root / "other"
+    save_random_family(base, "qwen3")
+    shutil.copytree(base, other)  # the same architecture, other weights
+    weights = load_file(str(other / "model.safetensors"))
+    save_file({k: v * 1.01 for k, v in weights.items()}, str(other / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    module = _module(base)
+    saving = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, every_n_train_steps=4)
+    ids, _ = tokens(batch=2, vocab=module.config.vocab_size)
+    seen = Seen(ids, root / "seen.pt")
+    trainer(root, "run", "single", max_steps=4, callbacks=[saving, seen]).fit(
+        module, data(corpus_dir)
+    )
+    return {"root": root, "base": base, "other": other, "ckpt": root / "ckpt" / "last.ckpt",
+            "ids": ids, "corpus": corpus_dir, **seen.seen()}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("corpus")
+    for i in range(4):
+        (folder / f"doc{i}.py").write_text("def add(a, b):\n    return a + b\n" * (40 + i))
+    return folder
+
+
+def test_export_adapter_loads_in_peft_with_our_logits(run: dict) -> None:
+    out = export_adapter(open_checkpoint(run["ckpt"]), run["root"] / "adapter", overwrite=False)
+    document = json.loads((out / ADAPTER_CONFIG).read_text())
+    assert document["r"] == LORA.r and document["base_model_name_or_path"] == str(run["base"])
+    saved = load_file(str(out / ADAPTER_WEIGHTS))
+    ours = run["adapters"]
+    assert len(saved) == len(ours) > 0, "the adapter file does not hold every adapter"
+    query = saved[f"{PEFT_PREFIX}model.layers.0.self_attn.q_proj.lora_B.weight"]
+    assert torch.equal(query, ours["layers.0.attention.query.lora.B"]), "exported B differs"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(run["base"], attn_implementation="sdpa")
+    model = peft.PeftModel.from_pretrained(hf, out).eval()
+    with torch.no_grad():
+        logits = model(run["ids"]).logits
+    err = relative(run["logits"], logits)
+    assert err <= FP32, f"peft with the exported adapter: logits relative error {err:.2e}"
+
+
+def test_export_output_writes_the_merged_model(run: dict) -> None:
+    out = export_checkpoint(run["ckpt"], run["root"] / "merged")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa")
+    with torch.no_grad():
+        logits = hf.eval()(run["ids"]).logits
+    err = relative(run["logits"], logits)
+    assert err <= FP32, f"merged export in transformers: logits relative error {err:.2e}"
+
+
+def test_adapter_from_continues_with_the_same_adapters(run: dict, tmp_path: Path) -> None:
+    adapter = run["root"] / "adapter_from"
+    export_adapter(open_checkpoint(run["ckpt"]), adapter, overwrite=False)
+    module = _module(run["base"], lora=None, adapter_from=str(adapter))  # settings: the dir's
+    assert module.lora is not None and module.lora.r == LORA.r
+    seen = Seen(run["ids"], tmp_path / "seen.pt")
+    L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, limit_val_batches=1, callbacks=[seen]).validate(
+        module, data(run["corpus"]), verbose=False
+    )  # fmt: skip
+    started = seen.seen()
+    assert started["adapters"].keys() == run["adapters"].keys()
+    for name, tensor in started["adapters"].items():
+        assert torch.equal(tensor, run["adapters"][name]), f"adapter_from: {name} differs"
+    err = relative(started["logits"], run["logits"])
+    assert err <= 1e-6, f"adapter_from: logits relative error {err:.2e}"
+
+
+def test_adapter_mistakes_are_one_line(run: dict, tmp_path: Path) -> None:
+    adapter = tmp_path / "adapter"
+    export_adapter(open_checkpoint(run["ckpt"]), adapter, overwrite=False)
+    cases = {
+        "another base": (dict(adapter_from=str(adapter)), run["other"], "was trained on"),
+        "no base": (dict(adapter_from=str(adapter)), None, "needs init_from"),
+        "another r": (
+            dict(adapter_from=str(adapter), lora=LoRAConfig(r=8, target_modules=["all-linear"])),
+            run["base"], "lora.r=8 differs from adapter_from",
+        ),
+    }  # fmt: skip
+    for case, (kwargs, base, message) in cases.items():
+        config = read_hf_config(run["base"], seq_length=64)
+        with pytest.raises(ConfigError) as error:
+            GPTModule(config, init_from=None if base is None else str(base), **kwargs)  # type: ignore[arg-type]
+        line = str(error.value)
+        assert message in line and "\n" not in line, f"{case}: {line}"
+    full = CheckpointModel(Path("ckpt"), read_hf_config(run["base"]), {}, {}, {})
+    with pytest.raises(ConfigError, match=r"is a full fine-tune .* has no adapters"):
+        export_adapter(full, tmp_path / "none", overwrite=False)
+
+
+def test_adapter_checkpoint_resumes_only_onto_its_base(run: dict, tmp_path: Path) -> None:
+    config = read_hf_config(run["base"], seq_length=64)
+    check_checkpoint(str(run["ckpt"]), config, LORA)  # the pre-launch check knows the adapters
+    with pytest.raises(ConfigError, match=r"lora\.[AB], which this model lacks"):
+        check_checkpoint(str(run["ckpt"]), config)  # a full fine-tune cannot resume it
+    trainer(tmp_path, "same", "single", max_steps=6).fit(  # onto its own base: resumes
+        _module(run["base"]), data(run["corpus"]), ckpt_path=str(run["ckpt"])
+    )
+    module = _module(run["other"])
+    # raised in the spawned rank, re-raised in this process with its traceback
+    with pytest.raises(Exception) as error:
+        trainer(tmp_path, "resumed", "single", max_steps=6).fit(
+            module, data(run["corpus"]), ckpt_path=str(run["ckpt"])
+        )
+    lines = [x for x in str(error.value).splitlines() if "ConfigError: " in x]
+    assert lines, str(error.value)[-2000:]
+    line = lines[-1].split("ConfigError: ", 1)[1]
+    assert "adapters were trained on the base" in line and str(run["other"]) in line, line

@@ -1,0 +1,45 @@
+"""``estimate`` of a DPO run's reference (lightning_sp.planner.dpo): a frozen copy holds the
+built model's weights, each live reference costs one forward (a third of the step's model
+FLOPs), precomputed costs nothing per step, and the command prints the line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_planner_lora import _layout
+
+from lightning_sp.cli.estimate import main as report_main
+from lightning_sp.cli.estimate import read_estimate_args
+from lightning_sp.memory.flops import model_flops_per_iteration
+from lightning_sp.model.gpt import GPT
+from lightning_sp.parallel.state import ParallelState
+from lightning_sp.planner.cluster import load_cluster
+from lightning_sp.planner.dpo import reference_cost
+from lightning_sp.planner.steptime import step_time
+
+
+def test_reference_kinds_priced(tmp_path) -> None:
+    cli = read_estimate_args(_layout(tmp_path, "--model.dpo.beta=0.1"))
+    layout = cli.layout
+    assert cli.reference == "copy", f"auto without LoRA resolves to copy: {cli.reference}"
+    copy = reference_cost(layout, "copy", "a100-80gb")
+    adapters = reference_cost(layout, "adapters", "a100-80gb")
+    stored = reference_cost(layout, "precomputed", "a100-80gb")
+    one = GPT(layout.config, ParallelState.single(), dtype=torch.bfloat16, device="meta")
+    full = sum(p.numel() for p in one.parameters())
+    # t = 2: the embedding, head and layer matrices split in two; the norms are replicated
+    assert full / 2 <= copy.weight_bytes / 2 < full, f"copy weights {copy.weight_bytes} vs {full}"
+    assert adapters.weight_bytes == 0.0, "adapters off: no second copy of the weights"
+    step = model_flops_per_iteration(layout.config, layout.global_batch_size)
+    assert copy.forward_flops == pytest.approx(step / 3), "one forward = a third of the step"
+    assert adapters.forward_flops == copy.forward_flops and adapters.seconds == copy.seconds
+    whole = step_time(layout, load_cluster("a100-80gb")).iteration_seconds
+    assert 0 < copy.seconds < whole / 2, f"a forward {copy.seconds} s of a step {whole} s"
+    assert (stored.forward_flops, stored.weight_bytes, stored.seconds) == (0.0, 0.0, 0.0)
+
+
+def test_estimate_prints_the_reference(tmp_path, capsys) -> None:
+    args = _layout(tmp_path, "--model.dpo.beta=0.1", "--cluster=a100-80gb")
+    assert report_main(read_estimate_args, args) == 0
+    out = capsys.readouterr().out
+    assert "DPO reference copy: forward" in out and "GB per GPU" in out, out[-400:]

@@ -1,0 +1,144 @@
+"""Preference data (lightning_sp.data.preference): rows tokenized as TRL 1.16's ``DPOTrainer``
+tokenizes them (its own ``_prepare_dataset`` the reference: text, conversational with a
+prompt, implicit prompt), each pair two documents of one packed sample with the loss on the
+answers, read back through ``TextDataModule(preference=True)``; truncation counted; each bad
+input refused in one line before anything is written."""
+
+from __future__ import annotations
+
+import itertools
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_sp.data import TextDataModule
+from lightning_sp.data.preference import prepare_preference
+from lightning_sp.errors import ConfigError
+
+from corpora import chat_tokenizer, jsonl
+
+S = 160
+WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight"]
+
+
+def _rows() -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for i in range(12):
+        a, b = WORDS[i % 8], WORDS[(i * 3) % 8]
+        question = f"what is {a} plus {b} ?"
+        good, bad = f"{a} plus {b} is {WORDS[(i + 1) % 8]} .", f"it is {WORDS[(i + 5) % 8]}"
+        if i % 3 == 0:  # text
+            rows.append({"prompt": question, "chosen": " " + good, "rejected": " " + bad})
+        elif i % 3 == 1:  # conversational, explicit prompt
+            rows.append({"prompt": [{"role": "user", "content": question}],
+                         "chosen": [{"role": "assistant", "content": good}],
+                         "rejected": [{"role": "assistant", "content": bad}]})  # fmt: skip
+        else:  # conversational, implicit prompt (a system turn too)
+            head = [{"role": "system", "content": "you add ."},
+                    {"role": "user", "content": question}]  # fmt: skip
+            rows.append({"chosen": [*head, {"role": "assistant", "content": good}],
+                         "rejected": [*head, {"role": "assistant", "content": bad}]})  # fmt: skip
+    return rows
+
+
+def _trl_sequences(tokenizer_dir: Path, rows: list[dict[str, Any]]) -> list[tuple]:
+    """TRL's ``DPOTrainer._prepare_dataset`` on each row: (prompt + chosen, prompt +
+    rejected, prompt length)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    host = types.SimpleNamespace(_tokenizer=tokenizer)
+    args = DPOConfig(output_dir=str(tokenizer_dir / "trl"), report_to=[], use_cpu=True)
+    out = []
+    for row in rows:  # one at a time: the formats differ from row to row
+        data = DPOTrainer._prepare_dataset(host, Dataset.from_list([row]), tokenizer, args, "x")  # type: ignore[arg-type]
+        x = data[0]
+        prompt = list(x["prompt_ids"])
+        out.append((prompt + list(x["chosen_ids"]), prompt + list(x["rejected_ids"]), len(prompt)))
+    return out
+
+
+def test_pairs_tokenized_as_trl_and_packed_as_documents(tmp_path: Path) -> None:
+    pytest.importorskip("trl")
+    tokenizer_dir = chat_tokenizer(tmp_path)
+    rows = _rows()
+    source = jsonl(tmp_path / "pairs.jsonl", rows)
+    out = tmp_path / "prepared"
+    data = TextDataModule(paths=str(source), chat_template_dir=str(tokenizer_dir),
+                          prepared_dir=str(out), seq_length=S, batch_size=1,
+                          val_fraction=0.2, preference=True)  # fmt: skip
+    data.prepare_corpus(log=lambda _: None)
+    data.setup("fit")
+    assert data.train_dataset is not None and data.val_dataset is not None
+    samples = [data.train_dataset[i] for i in range(len(data.train_dataset))]
+    samples += [data.val_dataset[i] for i in range(len(data.val_dataset))]
+    expected = {(tuple(c), tuple(r)): n for c, r, n in _trl_sequences(tokenizer_dir, rows)}
+    found = 0
+    for sample in samples:
+        tokens = torch.cat([sample["input_ids"], sample["labels"][-1:]])
+        docs = sample["documents"]
+        edge = torch.tensor([True])
+        starts = torch.cat([edge, docs[1:] != docs[:-1], edge]).nonzero().flatten().tolist()
+        documents = [tokens[a:b].tolist() for a, b in itertools.pairwise(starts)]
+        slots = sample["sequences"]
+        for j in range(0, len(documents) - 1, 2):
+            key = (tuple(documents[j]), tuple(documents[j + 1]))
+            if key not in expected:
+                continue
+            prompt = expected.pop(key)
+            for k in (j, j + 1):  # the labels of each answer token carry slot k, no others
+                a = starts[k]
+                want = torch.zeros_like(slots, dtype=torch.bool)
+                want[a + prompt - 1 : a + len(documents[k]) - 1] = True
+                assert torch.equal(slots == k, want), (
+                    f"sequence {k}: answer slots differ from TRL's"
+                )
+            found += 1
+    assert not expected and found == len(rows), f"{len(expected)} pairs not found as TRL's"
+
+
+def _refused(tmp_path: Path, rows: list, match: str, **kwargs: Any) -> None:
+    tokenizer_dir = chat_tokenizer(tmp_path)
+    source = jsonl(tmp_path / "bad.jsonl", rows)
+    out = tmp_path / "prepared"
+    with pytest.raises(ConfigError) as error:
+        prepare_preference([str(source)], str(tokenizer_dir), str(out), kwargs.pop("s", S),
+                           log=lambda _: None, **kwargs)  # fmt: skip
+    line = str(error.value)
+    assert match in line and "\n" not in line, line
+    assert not out.exists(), "something was written before the error"
+
+
+GOOD = {"prompt": "what is one plus one ?", "chosen": " two", "rejected": " three"}
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"prompt": "x", "chosen": " y"}, "row 2: no 'rejected'"),
+        ({"prompt": "x", "rejected": " y"}, "row 2: no 'chosen'"),
+        ({"prompt": "x", "chosen": "", "rejected": " y"}, "row 2: 'chosen' is empty"),
+        ({"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+          "rejected": [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]},
+         "row 2: the prompts of 'chosen' and 'rejected' differ"),
+    ],
+)  # fmt: skip
+def test_bad_rows_fail_in_one_line(tmp_path: Path, bad: dict, match: str) -> None:
+    _refused(tmp_path, [GOOD, bad], match)
+
+
+def test_long_pairs_truncated_with_one_notice_or_refused(tmp_path: Path) -> None:
+    long = {"prompt": "what is one plus one ?", "chosen": " two" * 40, "rejected": " three" * 40}
+    _refused(tmp_path, [GOOD, long], "row 2: the pair is", s=80, overflow="refuse")
+    tokenizer_dir = chat_tokenizer(tmp_path / "t")
+    source = jsonl(tmp_path / "long.jsonl", [GOOD, long, GOOD])
+    notices: list[str] = []
+    meta = prepare_preference([str(source)], str(tokenizer_dir), str(tmp_path / "p"), 80,
+                              log=notices.append)  # fmt: skip
+    assert meta["preference"]["truncated"] == 1, meta["preference"]
+    assert sum("were truncated" in n for n in notices) == 1, notices
