@@ -231,6 +231,9 @@ def test_damaged_prepared_files_are_one_line_at_open(tmp_path: Path) -> None:
     (105), a cut ``index.json`` in 67 lines. Each is one line naming the file when the data
     module is built (before any rank starts under the command line), without reading a
     token."""
+    from jsonargparse import Namespace
+
+    from lightning_sp.cli.checks import check_prepared_files
     from lightning_sp.data import TextDataModule
 
     out = _prepared_bytes(tmp_path)
@@ -257,6 +260,10 @@ def test_damaged_prepared_files_are_one_line_at_open(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=match) as error:
             TextDataModule(prepared_dir=str(out), seq_length=16, batch_size=1)
         assert "\n" not in str(error.value), str(error.value)
+        # fit's pre-launch check, before Lightning seeds (no "Seed set to" line before it)
+        with pytest.raises(ConfigError, match=match):
+            check_prepared_files(Namespace(prepared_dir=str(out), paths=None, blend=None,
+                                           dataset_name=None))  # fmt: skip
 
 
 @pytest.mark.slow
