@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -210,8 +211,16 @@ def test_a_token_id_outside_the_vocabulary_is_named_where_it_is_read(tmp_path: P
         rf"^{shard}: token id 300 \(first bad id at token 70 of the shard\) is outside the "
         r"tokenizer's vocabulary of 257 ids; the prepared corpus is damaged: prepare it again$"
     )
-    with pytest.raises(CorruptShardError, match=expected):
+    try:
         data.train_dataset[4]
+        message = None
+    except CorruptShardError as error:
+        message = str(error)
+    assert message is not None, (
+        "sample 4 holds token id 300 of a vocabulary of 257 and was read without a word (ids "
+        "not checked where read)"
+    )
+    assert re.match(expected, message), message
     loader = torch.utils.data.DataLoader(data.train_dataset, sampler=[4], num_workers=1)
     with pytest.raises(CorruptShardError, match=expected):
         next(iter(loader))
@@ -222,6 +231,9 @@ def test_damaged_prepared_files_are_one_line_at_open(tmp_path: Path) -> None:
     (105), a cut ``index.json`` in 67 lines. Each is one line naming the file when the data
     module is built (before any rank starts under the command line), without reading a
     token."""
+    from jsonargparse import Namespace
+
+    from lightning_sp.cli.checks import check_prepared_files
     from lightning_sp.data import TextDataModule
 
     out = _prepared_bytes(tmp_path)
@@ -248,6 +260,10 @@ def test_damaged_prepared_files_are_one_line_at_open(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=match) as error:
             TextDataModule(prepared_dir=str(out), seq_length=16, batch_size=1)
         assert "\n" not in str(error.value), str(error.value)
+        # fit's pre-launch check, before Lightning seeds (no "Seed set to" line before it)
+        with pytest.raises(ConfigError, match=match):
+            check_prepared_files(Namespace(prepared_dir=str(out), paths=None, blend=None,
+                                           dataset_name=None))  # fmt: skip
 
 
 @pytest.mark.slow

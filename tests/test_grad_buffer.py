@@ -226,3 +226,24 @@ def test_lightning_accumulation_turns_the_buffer_sync_off() -> None:
     model(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
     assert all(b.ready == len(b.params) for b in buffer.buckets)
     assert torch.equal(model.bias.main_grad, torch.full((4,), 4.0, dtype=torch.float64))
+
+
+def test_the_buffer_is_freed_with_its_last_reference() -> None:
+    """Issue 40, item 6: the hooks a buffer puts on its parameters live in C++, out of the
+    garbage collector's sight; holding the buffer strongly, they kept it (its state, its
+    process groups) alive until the interpreter finalized, where gloo's workers abort the
+    process. They hold it weakly: dropped, the buffer is freed while the model lives on."""
+    import gc
+    import weakref
+
+    model = torch.nn.Linear(4, 4)
+    buffer = GradBuffer(model.parameters(), ParallelState.single(), bucket_numel=8)
+    freed = weakref.ref(buffer)
+    del buffer
+    gc.collect()
+    assert freed() is None, (
+        "the gradient buffer outlives its last reference: its parameters' hooks hold it "
+        "(and its process groups) through C++"
+    )
+    model(torch.randn(2, 4)).sum().backward()  # the hooks of a freed buffer do nothing
+    assert model.weight.grad is not None, "backward failed after the buffer was freed"

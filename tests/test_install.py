@@ -31,7 +31,7 @@ from packaging.utils import canonicalize_name
 from cli_runs import ROOT, SMALL
 from corpora import chat_tokenizer, conversations, jsonl
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # pip builds a wheel, installs it
 
 
 def _declared(extras: tuple[str, ...]) -> list[metadata.Distribution]:

@@ -352,6 +352,12 @@ def test_directories_transformers_reads_otherwise_fail_with_one_line(
     keys; the buffers transformers drops silently (GPT-2's ``attn.bias`` mask) still load."""
     extra_layer = _with_tensors(gpt2[0], tmp_path / "extra_layer",
                                 {"h.2.ln_1.weight": torch.ones(64)})  # fmt: skip
+    try:
+        GPTModule(our_config(), init_from=str(extra_layer))
+    except ConfigError:
+        pass
+    else:
+        raise AssertionError("the extra tensor 'h.2.ln_1.weight' was dropped without a word")
     with pytest.raises(ConfigError) as error:
         GPTModule(our_config(), init_from=str(extra_layer))
     assert (
@@ -379,6 +385,15 @@ def test_directories_transformers_reads_otherwise_fail_with_one_line(
         **hf, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
         "rope_scaling": {"rope_type": "linear", "factor": 2.0},
     }))  # fmt: skip
+    try:
+        read_hf_config(both)
+    except ConfigError:
+        pass
+    else:
+        raise AssertionError(
+            "a config.json with both rope_parameters and a legacy rope_scaling was read (as no "
+            "scaling, where transformers applies rope_scaling)"
+        )
     with pytest.raises(ConfigError) as error:
         read_hf_config(both)
     assert _one_line(error).startswith(

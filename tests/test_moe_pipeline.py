@@ -179,7 +179,7 @@ def _metrics_worker(rank: int, world_size: int) -> list[float]:
     return errors
 
 
-@pytest.mark.slow
 def test_step_metrics_are_global_on_two_ranks() -> None:
+    """Quick tier (issue 40): the routing metrics' reductions had no quick test."""
     errors = run_distributed(_metrics_worker, 2)
     print("largest relative error of the step metrics:", max(max(e) for e in errors))

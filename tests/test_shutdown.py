@@ -161,9 +161,10 @@ def test_a_bad_input_one_child_rank_found_alone_is_printed_by_rank_0(
     from lightning_sp.runtime import shutdown
 
     code = (
-        "from lightning_sp.cli.main import fail\n"
+        "from lightning_sp.cli.main import fail, leave\n"
         "from lightning_sp.data.tokens import CorruptShardError as E\n"
-        "fail(str(E('train/00000.bin: token id 300 is outside the vocabulary')), 2, alone=True)"
+        "fail(str(E('train/00000.bin: token id 300 is outside the vocabulary')), alone=True)\n"
+        "leave(2)"
     )
     env = {**os.environ, shutdown.REPORTS_ENV: str(tmp_path), "LOCAL_RANK": "1",
            "LIGHTNING_SP_LAZY": "1"}  # fmt: skip

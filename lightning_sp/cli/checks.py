@@ -7,6 +7,7 @@ directory can be written)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from lightning_sp.data.tokenizer import tokenizer_info
@@ -48,12 +49,37 @@ def checkpoint_directories(trainer: Any) -> dict[str, str]:
 
 
 def check_before_launch(config: Any) -> None:
-    """The tokenizer fits the model; the checkpoint and log directories can be written."""
+    """The tokenizer fits the model; already-prepared data directories are whole; the
+    checkpoint and log directories can be written."""
     data, model = getattr(config, "data", None), getattr(config, "model", None)
     if data is not None and model is not None:
         check_tokenizer_fits(data, int(model.config.vocab_size))
+    if data is not None:
+        check_prepared_files(data)
     for field, directory in checkpoint_directories(config.trainer).items():
         check_writable(field, directory)
+
+
+def check_prepared_files(data: Any) -> None:
+    """The prepared directories the data module will read as they are (a blend's, or a
+    ``prepared_dir`` with no source to prepare it from) have a readable index and every
+    split file the size it counts (:class:`~lightning_sp.data.tokens.TokenSplit`: sizes only,
+    no token read): one line naming a cut, missing or unreadable file before anything starts."""
+    from lightning_sp.data.blend import parse_blend
+    from lightning_sp.data.prepare import SPLITS, read_metadata
+    from lightning_sp.data.tokens import TokenSplit
+
+    blend, prepared = data.get("blend"), data.get("prepared_dir")
+    if blend is not None:
+        directories = list(parse_blend(blend).directories)
+    elif prepared is not None and data.get("paths") is None and data.get("dataset_name") is None:
+        directories = [os.path.expanduser(prepared)]
+    else:
+        return
+    for directory in directories:
+        if read_metadata(directory) is not None:  # else the data module says what is missing
+            for split in SPLITS:
+                TokenSplit(directory, split)
 
 
 def _strategy_init_args(strategy: Any) -> dict[str, Any] | None:

@@ -37,15 +37,17 @@ import difflib
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
+from typing import NoReturn
 
-import torch.distributed
 from jsonargparse import set_parsing_settings
 
 import lightning_sp  # noqa: F401  (registers the "megatron_sp" strategy)
 from lightning_sp.checkpoint import CheckpointSaveError
 from lightning_sp.cli.parser import program
 from lightning_sp.errors import ConfigError
+from lightning_sp.parallel.release import leave
 from lightning_sp.runtime import shutdown
 from lightning_sp.runtime.agree import LocalError
 from lightning_sp.runtime.guard import NonFiniteError
@@ -170,7 +172,10 @@ def main(argv: list[str] | None = None) -> None:
     from lightning_sp.data import TextDataModule
     from lightning_sp.training.gpt_module import GPTModule
 
-    GPTCLI(GPTModule, TextDataModule, args=argv, save_config_kwargs={"overwrite": True})
+    cli = GPTCLI(GPTModule, TextDataModule, args=argv, save_config_kwargs={"overwrite": True})
+    # jsonargparse caches the class parsers, which hold this CLI (its instantiators): let go
+    # of the run's objects, so that nothing keeps the process groups alive (see leave)
+    cli.trainer = cli.model = cli.datamodule = cli.config_init = None  # type: ignore[assignment]
 
 
 def _rank() -> int:
@@ -183,19 +188,14 @@ def _rank() -> int:
     return local + node  # non-zero on every rank but the first, which is all that matters here
 
 
-def fail(message: str, code: int, alone: bool = False) -> None:
-    """Print ``message`` once (rank 0) and exit with ``code``. Other ranks wait a moment so that
-    Lightning's launcher, which kills the job when a child exits, lets rank 0 print first; rank
-    0 then waits for its child ranks (killing those still running after a grace), so that none
-    outlives it. ``alone``: only this rank has the error
+def fail(message: str, alone: bool = False) -> None:
+    """Print ``message`` once (rank 0); the caller then leaves (:func:`leave`). Other ranks
+    wait a moment so that Lightning's launcher, which kills the job when a child exits, lets
+    rank 0 print first; rank 0 then waits for its child ranks (killing those still running
+    after a grace), so that none outlives it. ``alone``: only this rank has the error
     (:class:`~lightning_sp.runtime.agree.LocalError`): a child rank hands it to rank 0, which
     prints it on finding this rank ended (:func:`lightning_sp.runtime.shutdown.report`), or
-    prints it itself where no launcher collects it.
-
-    With a process group still alive the exit skips the interpreter's teardown (``os._exit``
-    after flushing): there, the group's C++ threads can abort the process ("terminate called
-    without an active exception", SIGABRT) and turn exit code 2 into -6 (seen once in the full
-    suite's two-rank empty-corpus run)."""
+    prints it itself where no launcher collects it."""
     shutdown.stopping()  # the children's exits are ours now: the watcher says nothing
     if _rank() == 0:
         print(f"error: {message}", file=sys.stderr)
@@ -204,11 +204,6 @@ def fail(message: str, code: int, alone: bool = False) -> None:
         if alone and not shutdown.report(message):
             print(f"error: {message}", file=sys.stderr)
         time.sleep(2)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
 
 
 def ended_early() -> int | None:
@@ -235,32 +230,54 @@ def ended_early() -> int | None:
     return shutdown.exit_code(signum)
 
 
-def run() -> None:
+def _exit_status(error: SystemExit) -> int:
+    """The status Python exits with for ``error``: its code, 0 for None, else 1 after printing
+    the message (``sys.exit("message")``)."""
+    if error.code is None or isinstance(error.code, int):
+        return error.code or 0
+    print(error.code, file=sys.stderr)
+    return 1
+
+
+def run() -> NoReturn:
     """``main()`` with its outcome as an exit code: 0, 2 (bad input, one line), 3 (non-finite
     step), 4 (a checkpoint could not be written, one line), 128 + N for signal N (130 Ctrl-C,
-    143 SIGTERM; a SIGTERM during training first saves the step), or a dead rank's code
-    (named in one line)."""
+    143 SIGTERM; a SIGTERM during training first saves the step), a dead rank's code (named in
+    one line), or 1 with the traceback of an unexpected error. Every way out goes through
+    :func:`~lightning_sp.parallel.release.leave`."""
     shutdown.install()
+    code = 0
     try:
         main()
     except ConfigError as error:  # a bad config: one line, no traceback
-        fail(str(error), EXIT_CONFIG, alone=isinstance(error, LocalError))
+        fail(str(error), alone=isinstance(error, LocalError))
+        code = EXIT_CONFIG
     except NonFiniteError as error:
-        fail(str(error), EXIT_NONFINITE)
+        fail(str(error))
+        code = EXIT_NONFINITE
     except CheckpointSaveError as error:  # a full disk, say: every rank has the same line
-        fail(str(error), EXIT_CHECKPOINT)
+        fail(str(error))
+        code = EXIT_CHECKPOINT
     except BaseException as error:
-        code = ended_early()
-        if code is None and _rank() != 0:  # a peer's stop broke this rank's step: its signal
-            code = shutdown.wait_for_stop(PEER_STOP_SECONDS)  # follows; then exit quietly
+        early = ended_early()
+        if early is None and _rank() != 0:  # a peer's stop broke this rank's step: its signal
+            early = shutdown.wait_for_stop(PEER_STOP_SECONDS)  # follows; then exit quietly
         shutdown.end_children()
-        if code is None or (isinstance(error, SystemExit) and error.code == code):
-            raise
-        sys.exit(code)
-    code = ended_early()
-    if code is not None:
-        shutdown.end_children()
-        sys.exit(code)
+        if isinstance(error, SystemExit) and (early is None or error.code == early):
+            code = _exit_status(error)
+        elif early is None:  # not ours: its traceback, as Python would print it
+            traceback.print_exc()
+            code = 1
+        else:
+            code = early
+    else:
+        early = ended_early()
+        if early is not None:
+            shutdown.end_children()
+            code = early
+    # after the except clauses, so that no traceback holds the run's objects: the process
+    # groups end now, not in the interpreter's finalization, where gloo aborts the process
+    leave(code)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ gradients, and being linear they commute with the data-parallel mean.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,7 +167,17 @@ class GradBuffer:
                 for p in members:
                     self._bucket_of[id(p)] = bucket
                 start += size
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        # the hooks hold the buffer weakly: a parameter's hooks live in C++, out of the
+        # garbage collector's sight, and a strong one would keep the buffer (and its process
+        # groups) alive for good
+        on_grad = weakref.WeakMethod(self._on_grad)
+
+        def hook(param: Tensor) -> None:
+            method = on_grad()
+            if method is not None:
+                method(param)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
 
     @property
     def numel(self) -> int:

@@ -430,7 +430,174 @@ MUTATIONS = (
             ),
         ),
         ("tests/test_moe_state.py", "-k", "hold_router_biases"),
-        r"expert_bias",
+        r"persistent buffers are not saved",
+    ),
+    Mutation(
+        "chat_answerless_kept",
+        "chat SFT: conversations without an answer token are packed (they train nothing; a "
+        "corpus of them trained at loss 0)",
+        (
+            (
+                "lightning_sp/data/chat.py",
+                "            if not loss_tokens(mask):  # it trains nothing",
+                "            if False:  # it trains nothing",
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "without_an_answer"),
+        r"they were not dropped",
+    ),
+    Mutation(
+        "zero_token_step_trains",
+        "a step whose global count of loss tokens is 0 steps the optimizer (weight decay on "
+        "nothing)",
+        (
+            (
+                "lightning_sp/training/gpt_module.py",
+                "        if not tokens:  # the same global count on every rank",
+                "        if False:  # the same global count on every rank",
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "no_loss_token"),
+        r"the optimizer stepped on a step with no loss token",
+    ),
+    Mutation(
+        "shard_ids_unchecked",
+        "prepared shards: token ids are not checked against the vocabulary where read (ids "
+        "above it train silently)",
+        (
+            (
+                "lightning_sp/data/tokens.py",
+                "            if self.vocab_size is not None and piece.size and int(piece.max()) >= "
+                "self.vocab_size:",
+                "            if False:",
+            ),
+        ),
+        ("tests/test_data_prepare.py", "-k", "outside_the_vocabulary"),
+        r"was read without a word \(ids not checked where read\)",
+    ),
+    Mutation(
+        "hf_extra_tensor_ignored",
+        "Hugging Face import: a tensor the config has no place for is dropped without a word",
+        (
+            (
+                "lightning_sp/interop/hf.py",
+                "            if key in used or IGNORED.search(key):",
+                "            if True:",
+            ),
+        ),
+        ("tests/test_interop_hf.py", "-k", "otherwise_fail"),
+        r"was dropped without a word",
+    ),
+    Mutation(
+        "hf_rope_both_keys_read",
+        "Hugging Face import: a config.json with both rope_parameters and a legacy "
+        "rope_scaling is read as rope_parameters (transformers applies rope_scaling)",
+        (
+            (
+                "lightning_sp/interop/hf_config.py",
+                '    if hf.get("rope_scaling") and hf.get("rope_parameters"):',
+                "    if False:",
+            ),
+        ),
+        ("tests/test_interop_hf.py", "-k", "otherwise_fail"),
+        r"legacy rope_scaling was read",
+    ),
+    Mutation(
+        "packing_positions_contiguous",
+        "Packing.of_batch cuts the positions into contiguous pieces under context parallelism, "
+        "not the load-balanced chunks r and 2c - 1 - r",
+        (
+            (
+                "lightning_sp/model/documents.py",
+                "            positions = shard_for_context_parallel(positions, 1, c, r)",
+                "            positions = positions.chunk(c, dim=1)[r]",
+            ),
+        ),
+        ("tests/test_documents.py", "-k", "packing_of_batch"),
+        r"\(cut contiguously\?\)",
+    ),
+    Mutation(
+        "first_fit_strict",
+        "first-fit packing with < for <=: an item that fills a bin's room exactly opens a new bin",
+        (
+            (
+                "lightning_sp/data/chat.py",
+                "            if length <= free:",
+                "            if length < free:",
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "fills_a_bin_exactly"),
+        r"fills a bin's room exactly",
+    ),
+    Mutation(
+        "token_mean_per_batch",
+        "the token mean starts anew at every batch, not at the step boundary (accumulated "
+        "batches are weighted alike whatever their counts)",
+        (
+            (
+                "lightning_sp/training/gpt_module.py",
+                "            if self._token_mean is None or batch_idx % "
+                "self.trainer.accumulate_grad_batches == 0:",
+                "            if True:",
+            ),
+        ),
+        ("tests/test_token_mean.py", "-k", "accumulation"),
+        r"the step boundary is not",
+    ),
+    Mutation(
+        "expert_bias_over_dp_only",
+        "the auxiliary-loss-free bias update sums the loads over data parallelism only, not "
+        "data x context",
+        (
+            (
+                "lightning_sp/model/moe/layer.py",
+                "else None, state.gradient_group)",
+                "else None, state.dp_group)",
+            ),
+        ),
+        ("tests/test_moe_parallel.py", "-k", "layouts_match_single_process_quick"),
+        r"sigmoid_bias: bias",
+    ),
+    Mutation(
+        "step_metrics_per_replica",
+        "the step's routing metrics are not summed over the data-parallel replicas",
+        (
+            (
+                "lightning_sp/model/hooks.py",
+                "    for group in (state.dp_group, state.pp_group):",
+                "    for group in (state.pp_group,):",
+            ),
+        ),
+        ("tests/test_moe_pipeline.py", "-k", "step_metrics_are_global"),
+        r"AssertionError: .*step metrics \{",
+    ),
+    Mutation(
+        "release_skips_garbage",
+        "exit: the process groups that garbage cycles hold are not freed before the "
+        "interpreter finalizes (their gloo workers can abort the process at exit)",
+        (
+            (
+                "lightning_sp/parallel/release.py",
+                "        gc.collect()  # groups held by garbage cycles",
+                "        pass  # groups held by garbage cycles",
+            ),
+        ),
+        ("tests/test_spawn.py",),
+        r"a process group outlived destroy_process_group",
+    ),
+    Mutation(
+        "grad_buffer_hooks_strong",
+        "the gradient buffer's hooks hold it strongly: a cycle through C++ keeps it, and its "
+        "process groups, alive until the interpreter finalizes",
+        (
+            (
+                "lightning_sp/parallel/buffer.py",
+                "register_post_accumulate_grad_hook(hook)",
+                "register_post_accumulate_grad_hook(self._on_grad)",
+            ),
+        ),
+        ("tests/test_grad_buffer.py", "-k", "freed_with"),
+        r"outlives its last reference",
     ),
     # -- issue 40: MoE bugs no test caught --------------------------------------------------
     Mutation(
