@@ -8,6 +8,8 @@ every linear, ``B`` non-zero, the same values on both sides. A step is forward, 
 AdamW (``torch.optim.AdamW`` on the trainable parameters: ours through
 :func:`~lightning_sp.optim.adamw.build_adamw`, which holds the adapters only):
 
+Our GPT runs the ``sdpa`` attention backend, as transformers' model does.
+
 * ``lora``: our GPT with :func:`~lightning_sp.model.lora.apply_lora` (the base frozen: no
   weight-gradient GEMM, no gradient, no optimizer state for it);
 * ``full``: our GPT, every weight trained;
@@ -104,7 +106,7 @@ def build(shape: LoRAShape, base: Path, variant: str) -> tuple[Any, torch.optim.
     """``(model, optimizer, step)`` of one variant; ``step(ids, labels)`` runs forward, backward
     and the optimizer step and returns the loss."""
     config = read_hf_config(base, seq_length=shape.seq_length, hidden_dropout=0.0,
-                            attention_dropout=0.0)  # fmt: skip
+                            attention_dropout=0.0, attention="sdpa")  # fmt: skip
     lora = LoRAConfig(r=shape.r, lora_alpha=2.0 * shape.r, target_modules=["all-linear"])
     ours = GPT(config, ParallelState.single(), dtype=torch.float32)
     load_hf_weights(ours, base)
@@ -116,7 +118,7 @@ def build(shape: LoRAShape, base: Path, variant: str) -> tuple[Any, torch.optim.
 
         hf = transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation="sdpa")
         settings = peft.LoraConfig(
-            r=lora.r, lora_alpha=lora.lora_alpha,
+            r=lora.r, lora_alpha=int(lora.lora_alpha),
             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                             "down_proj"],
         )  # fmt: skip
@@ -129,17 +131,17 @@ def build(shape: LoRAShape, base: Path, variant: str) -> tuple[Any, torch.optim.
                 key = peft_name(linear, which, modules).replace(".weight", ".default.weight")
                 theirs[key].copy_(value)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0)
+        adamw = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0)
 
         def peft_step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             logits = model(ids).logits
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
             loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            adamw.step()
+            adamw.zero_grad(set_to_none=True)
             return loss.detach()
 
-        return model, optimizer, peft_step
+        return model, adamw, peft_step
     if variant == "full":
         ours = GPT(config, ParallelState.single(), dtype=torch.float32)
         load_hf_weights(ours, base)

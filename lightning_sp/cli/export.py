@@ -235,7 +235,12 @@ def base_full_tensors(ckpt: CheckpointModel, dtype: torch.dtype) -> Iterator[tup
         yield from iter_full_tensors(ckpt, lambda name: not _adapter(name))
         return
     base = ckpt.hyper_parameters.get("init_from")
-    check_base(ckpt.lora_base, base)  # one line: no base, or another one
+    if base is None:
+        raise ConfigError(
+            f"ckpt_path={str(ckpt.path)!r} holds adapters only and records no init_from to "
+            "merge them into; export --adapter DIR instead"
+        )
+    check_base(ckpt.lora_base, base)  # one line: another base than the run's
     model = GPT(dataclasses.replace(ckpt.config, sequence_parallel=False),
                 ParallelState.single(), dtype=dtype)  # fmt: skip
     load_hf_weights(model, base)
