@@ -85,9 +85,7 @@ def reference_cost(
     layer = sum(layer_time(layout.shape_of(config), hardware).forward.values())
     sp, s = config.sequence_parallel, config.seq_length // c  # s: this rank's tokens
     # one TP collective of the [s, b, h] activation at each end (module docstring)
-    unit = gather_seconds(
-        hardware, ACT * s * b * config.hidden_size, t, hardware.within_node(t)
-    )
+    unit = gather_seconds(hardware, ACT * s * b * config.hidden_size, t, hardware.within_node(t))
     head = gemm_seconds(hardware, head_gemms(config, t, b, c)[0]) + sum(
         memory_seconds(hardware, op.forward_bytes) for op in head_memory_ops(config, t, b, sp, c)
     )
