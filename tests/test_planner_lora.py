@@ -137,3 +137,16 @@ def test_search_ranks_the_lora_run(tmp_path, capsys: pytest.CaptureFixture[str])
     args = _layout(tmp_path, "--model.lora.r=8", "--search=true", "--cluster=a100-80gb")
     assert report_main(read_estimate_args, args) == 0
     assert "LoRA r=8 on query, value: memory and step of the LoRA run" in capsys.readouterr().out
+
+
+def test_estimate_json_keeps_lora_on_stderr(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--format json`` prints the rows as one JSON document on stdout and the LoRA run's
+    pricing on stderr (it was dropped before)."""
+    import json
+
+    args = _layout(tmp_path, "--model.lora.r=8", "--formula_only=true", "--format=json")
+    assert report_main(read_estimate_args, args) == 0
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)
+    assert isinstance(rows, list) and rows, "stdout is the rows' JSON"
+    assert "LoRA r=8 on query, value" in captured.err, f"LoRA pricing missing: {captured.err}"
