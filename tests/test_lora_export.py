@@ -278,7 +278,8 @@ def test_validate_on_an_adapter_checkpoint(run: dict, tmp_path: Path, capsys) ->
             "--model.config.hidden_dropout", "0", "--model.config.attention_dropout", "0",
             "--data.paths", str(run["corpus"]), "--data.batch_size", "4",
             "--trainer.accelerator", "cpu", "--trainer.devices", "1",
-            "--trainer.strategy", "lightning_sp.MegatronSPStrategy", "--trainer.logger", "false",
+            "--trainer.precision", "32-true", "--trainer.strategy", "megatron_sp",
+            "--trainer.logger", "false",
             "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false",
             "--trainer.default_root_dir", str(tmp_path),
             "--ckpt_path", str(run["ckpt"])]  # fmt: skip
