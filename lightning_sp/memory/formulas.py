@@ -26,7 +26,7 @@ and optimizer states (CP shards none of them); the FLOPs (each rank does ``1/c``
 from __future__ import annotations
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.model.parts.base import INSIDE, OUTSIDE, REPLICATED
+from lightning_sp.model.parts.base import EVERY_RANK, INSIDE, OUTSIDE, REPLICATED
 from lightning_sp.model.parts.block import block_of_shape
 from lightning_sp.model.recompute import RecomputePolicy, active_modules
 from lightning_sp.model.shape import ActivationShape
@@ -117,6 +117,8 @@ def layer_saved_terms(shape: ActivationShape) -> dict[str, tuple[float, str]]:
 def _per_rank(shape: ActivationShape, nbytes: float, region: str) -> float:
     """One rank's part of a whole-layer term: ``/t`` inside the TP region (and outside under
     sequence parallelism), ``/c`` everywhere (each CP rank holds ``s/c`` tokens)."""
+    if region == EVERY_RANK:
+        return nbytes
     if region == REPLICATED:
         return nbytes / shape.c
     split = region == INSIDE or shape.sequence_parallel
