@@ -26,9 +26,11 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_sp import GPT, ParallelState
+from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import load_hf_weights
+from lightning_sp.model.config_checks import check_model_layout
+from lightning_sp.model.lora import LoRAConfig, check_lora
 from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.parallel import fp8
 from lightning_sp.parallel.config import ParallelConfig
@@ -167,3 +169,53 @@ def test_gpt_fp8_at_tp2_sp_equals_one_process() -> None:
             f"rank {rank}: with every amax local t=2 still equals t=1 ({name} {error:.3g}): "
             "the comparison cannot see a missing amax agreement"
         )
+
+
+def _refusal(case: str) -> None:
+    tensorwise = FP8Config("tensorwise", emulate=True)
+    config = tiny_config("llama", fp8=tensorwise)
+    if case == "moe":
+        moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=32)
+        tiny_config("llama", feed_forward="moe", moe=moe, fp8=tensorwise).validate()
+    elif case == "context":
+        check_model_layout(config, ParallelConfig(context_parallel_size=2))
+    elif case == "replicas":
+        check_model_layout(config, ParallelConfig(tensor_parallel_size=4))
+    elif case == "float64":
+        GPT(config, ParallelState.single(), dtype=torch.float64)
+    elif case == "cpu":
+        GPT(tiny_config("llama", fp8=FP8Config("rowwise")), ParallelState.single())
+    elif case == "lora":
+        check_lora(LoRAConfig(), config)
+    elif case == "recipe":
+        tiny_config("llama", fp8=FP8Config("mxfp8", emulate=True)).validate()
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("moe", r"fp8.recipe='tensorwise' with feed_forward='moe': the grouped expert GEMMs "
+                r"have no FP8 path \(docs/fp8.md\); set fp8: null"),
+        ("context", r"fp8.recipe='tensorwise' with context_parallel_size=2: the FP8 scales are "
+                    r"not agreed"),
+        ("replicas", r"fp8.recipe='tensorwise' with num_query_groups=2 < tensor_parallel_size=4"),
+        ("float64", r"fp8.recipe='tensorwise' with float64 parameters: float8 GEMMs take bf16, "
+                    r"fp16 or fp32 inputs"),
+        ("cpu", r"fp8.recipe='rowwise' on CPU: a CPU has no FP8 GEMMs; set fp8.emulate=true"),
+        ("lora", r"lora with fp8.recipe='tensorwise': adapters on float8 linears are not "
+                 r"supported"),
+        ("recipe", r"fp8.recipe='mxfp8' is not a recipe; valid: tensorwise, rowwise"),
+    ],
+)  # fmt: skip
+def test_unsupported_fp8_runs_are_one_line(case: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{message}") as caught:
+        _refusal(case)
+    assert "\n" not in str(caught.value), f"{case}: more than one line: {caught.value}"
+
+
+def test_the_fp8_setting_round_trips_through_the_config_record() -> None:
+    """What hparams.yaml and a checkpoint's record write (``values``) reads back whole."""
+    config = tiny_config("llama", fp8=FP8Config("rowwise", emulate=True))
+    again = GPTConfig.from_values(config.values())
+    assert again.fp8 == FP8Config("rowwise", emulate=True) and again == config, again.fp8
+    assert config.architecture == tiny_config("llama").architecture, "fp8 is no architecture"
