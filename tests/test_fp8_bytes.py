@@ -32,10 +32,11 @@ pytest.importorskip("torchao")
 
 S, B, H, A, F, LAYERS = 32, 2, 64, 4, 96, 2
 SB = S * B
-ROWS = (
-    [f"llama-{p}-tensorwise" for p in ("none", "selective", "lean", "full")]
-    + ["llama-none-rowwise", "gpt2-none-tensorwise", "olmo2-none-tensorwise"]
-)
+ROWS = [f"llama-{p}-tensorwise" for p in ("none", "selective", "lean", "full")] + [
+    "llama-none-rowwise",
+    "gpt2-none-tensorwise",
+    "olmo2-none-tensorwise",
+]
 
 
 def _config(row: str, sp: bool) -> GPTConfig:
@@ -111,6 +112,7 @@ def test_fp8_bytes_are_what_the_docs_say() -> None:
     of the QKV and MLP inputs and ``sbf/t`` less for fc2's, plus three 4-byte scales; the
     paper's GPT layer (f = 4h, dropout, math) goes from ``34sbh/t + 5as²b/t`` to ``28sbh/t +
     5as²b/t + 12`` bytes; rowwise keeps what bf16 keeps."""
+
     def saved(row: str, fp8: FP8Config | None, t: int = 2) -> float:
         config = _config(row, True)
         config.fp8 = fp8

@@ -198,7 +198,9 @@ def forward_gemm(a: Any, weight: Tensor, recipe: Recipe, group: Group, layout: s
     return torch.mm(a, w)
 
 
-def input_grad_gemm(g2: Tensor, weight: Tensor, recipe: Recipe, group: Group, layout: str) -> Tensor:
+def input_grad_gemm(
+    g2: Tensor, weight: Tensor, recipe: Recipe, group: Group, layout: str
+) -> Tensor:
     """``∇y W``: ``g2`` ``[m, n]``, ``weight`` ``[n, k]`` -> ``[m, k]`` (a partial sum over
     the TP group for the column layout)."""
     from torchao.float8.float8_training_tensor import GemmInputRole

@@ -134,7 +134,9 @@ class _FP8ColumnFn(torch.autograd.Function):
         ctx.norm, ctx.eps, ctx.groups, ctx.recipe = norm, eps, groups, recipe
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
         ctx.has_bias = [b is not None for b in biases]
-        y = norm(x, norm_weight, norm_bias, eps) if norm is not None else x
+        y = x
+        if norm is not None and norm_weight is not None:
+            y = norm(x, norm_weight, norm_bias, eps)
         ctx.dtype = y.dtype
         a, kept = _gathered_input(y, recipe, group, sequence_parallel)
         outs = [forward_gemm(a, w, recipe, group, "column") for w in weights]  # [s·b, nᵢ/t]
@@ -175,8 +177,10 @@ class _FP8ColumnFn(torch.autograd.Function):
         need_w = [ctx.needs_input_grad[first + 2 * i] for i in range(len(weights))]
         grad_ws: list[Tensor | None] = [None] * len(weights)
         if any(need_w):
-            b = grad.shape[1]
-            x2, kept = _weight_grad_input(None if y is None else y.detach(), data, scale, recipe, group, sp, b, ctx.dtype)
+            given = None if y is None else y.detach()
+            x2, kept = _weight_grad_input(
+                given, data, scale, recipe, group, sp, grad.shape[1], ctx.dtype
+            )
             grad_ws = [
                 weight_grad_gemm(p, x2, kept, recipe, group, "column").to(w.dtype) if need else None
                 for p, w, need in zip(parts, weights, need_w, strict=True)
