@@ -30,11 +30,13 @@ from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import load_hf_weights
 from lightning_sp.model.config_checks import check_model_layout
+from lightning_sp.model.fused import fused_column_linear
 from lightning_sp.model.lora import LoRAConfig, check_lora
 from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.parallel import fp8
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.fp8 import FP8Config
+from lightning_sp.parallel.layers import interleave
 from lightning_sp.testing.spawn import run_distributed
 
 from hf_models import llama_config, relative, save_random_llama, tokens
@@ -219,3 +221,32 @@ def test_the_fp8_setting_round_trips_through_the_config_record() -> None:
     again = GPTConfig.from_values(config.values())
     assert again.fp8 == FP8Config("rowwise", emulate=True) and again == config, again.fp8
     assert config.architecture == tiny_config("llama").architecture, "fp8 is no architecture"
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_fused_fp8_column_linear_equals_its_linears_one_by_one(recipe: str) -> None:
+    """GPT-2's fused QKV (biases, 4 groups) in float8: the output and every gradient equal
+    each linear's own float8 forward (one weight), outputs interleaved per group."""
+    config = tiny_config("gpt2", fp8=FP8Config(recipe, emulate=True), recompute="none")
+    attention = GPT(config, ParallelState.single()).layers[0].attention
+    linears = (attention.query, attention.key, attention.value)
+    x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(0))
+    target = torch.randn(16, 2, 96, generator=torch.Generator().manual_seed(1))
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        given = x.clone().requires_grad_(True)
+        if fused:
+            out = fused_column_linear(given, linears, attention.local_groups)
+        else:
+            outs = [linear(given).reshape(32, -1).t() for linear in linears]
+            out = interleave(outs, attention.local_groups).t().reshape(16, 2, -1)
+        (out * target).sum().backward()
+        params = [p for linear in linears for p in (linear.weight, linear.bias)]
+        grads = [given.grad, *(p.grad for p in params)]
+        for p in params:
+            p.grad = None
+        return [out.detach(), *grads]
+
+    for i, (a, b) in enumerate(zip(run(True), run(False), strict=True)):
+        assert a is not None and b is not None
+        assert relative(a, b) <= 1e-6, f"{recipe}: tensor {i} of (out, x, W/b...) differs"

@@ -20,7 +20,7 @@ again in backward (the same values: the cast is deterministic).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -42,7 +42,9 @@ from lightning_sp.parallel.fp8 import (
     keeps_float8_input,
     weight_grad_gemm,
 )
-from lightning_sp.parallel.layers import NormFn, deinterleave, interleave
+
+NormFn = Callable[[Tensor, Tensor, Tensor | None, float], Tensor]
+"""``norm(x, weight, bias, eps)`` (:data:`lightning_sp.parallel.layers.NormFn`)."""
 
 
 def _gathered_input(
@@ -75,6 +77,17 @@ def _interleave_columns(outs: Sequence[Tensor], groups: int) -> Tensor:
     m = outs[0].shape[0]
     joined = torch.cat([o.reshape(m, groups, -1) for o in outs], dim=2)
     return joined.reshape(m, -1)
+
+
+def _split_columns(whole: Tensor, sizes: Sequence[int], groups: int) -> list[Tensor]:
+    """The inverse of :func:`_interleave_columns`: ``[m, Σnᵢ]`` -> ``[m, nᵢ]`` each
+    (contiguous)."""
+    if len(sizes) == 1:
+        return [whole]
+    m = whole.shape[0]
+    view = whole.reshape(m, groups, -1)
+    parts = view.split([n // groups for n in sizes], dim=2)
+    return [p.reshape(m, -1) for p in parts]
 
 
 def _weight_grad_input(
@@ -143,7 +156,7 @@ class _FP8ColumnFn(torch.autograd.Function):
         out = _interleave_columns(outs, groups)  # [s·b, Σn/t]
         present = [b for b in biases if b is not None]
         if present:
-            out = out + interleave(present, groups)
+            out = out + _interleave_columns([b[None] for b in present], groups)
         s = a.shape[0] // y.shape[1]  # the whole sequence (gathered under SP)
         data, scale = kept if kept is not None and norm is None else (None, None)
         ctx.save_for_backward(
@@ -168,7 +181,7 @@ class _FP8ColumnFn(torch.autograd.Function):
                 y = ctx.norm(leaves[0], leaves[1], bias, ctx.eps)
         sizes = [w.shape[0] for w in weights]
         g2 = grad.reshape(-1, grad.shape[-1])  # [s·b, Σn/t]
-        parts = [p.t().contiguous() for p in deinterleave(g2.t(), sizes, groups)]
+        parts = _split_columns(g2, sizes, groups)  # [s·b, nᵢ/t] each
         grad_full = input_grad_gemm(parts[0], weights[0], recipe, group, "column")
         for p, w in zip(parts[1:], weights[1:], strict=True):
             grad_full = grad_full + input_grad_gemm(p, w, recipe, group, "column")
@@ -189,7 +202,7 @@ class _FP8ColumnFn(torch.autograd.Function):
         grad_y = reduce_scatter_sequence(grad_full, group) if sp else all_reduce(grad_full, group)
         grad_bs: list[Tensor | None] = [None] * len(weights)
         if any(ctx.has_bias):
-            summed = deinterleave(g2.sum(0), sizes, groups)
+            summed = [p[0] for p in _split_columns(g2.sum(0)[None], sizes, groups)]
             grad_bs = [g if has else None for g, has in zip(summed, ctx.has_bias, strict=True)]
         params: list[Tensor | None] = []
         for w_grad, b_grad in zip(grad_ws, grad_bs, strict=True):

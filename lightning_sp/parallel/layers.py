@@ -29,6 +29,7 @@ from lightning_sp.parallel.comm import (
     group_size,
     reduce_scatter_sequence,
 )
+from lightning_sp.parallel.fp8_linears import fp8_column_linear, fp8_row_matmul
 from lightning_sp.parallel.init import ShardSpec, mark_parameter
 from lightning_sp.parallel.lora import (
     LoRA,
@@ -319,8 +320,6 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 is not None:
-            from lightning_sp.parallel.fp8_linears import fp8_column_linear  # imports this module
-
             return fp8_column_linear(
                 x, [self.weight], [self.bias], self.group, self.sequence_parallel, self.fp8
             )
@@ -384,8 +383,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 is not None:
-            from lightning_sp.parallel.fp8_linears import fp8_row_matmul  # imports this module
-
             return self.reduce(fp8_row_matmul(x, self.weight, self.fp8, self.group))
         if self.lora is None:
             return self.reduce(torch.matmul(x, self.weight.t()))  # [s, b, out] partial per rank
