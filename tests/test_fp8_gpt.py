@@ -30,6 +30,7 @@ from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import load_hf_weights
 from lightning_sp.model.config_checks import check_model_layout
+from lightning_sp.model.fp8 import check_fp8_launch
 from lightning_sp.model.fused import fused_column_linear
 from lightning_sp.model.lora import LoRAConfig, check_lora
 from lightning_sp.model.moe.config import MoEConfig
@@ -189,6 +190,12 @@ def _refusal(case: str) -> None:
         GPT(tiny_config("llama", fp8=FP8Config("rowwise")), ParallelState.single())
     elif case == "lora":
         check_lora(LoRAConfig(), config)
+    elif case == "launch_cpu":  # cli.py fit's check, before any process starts
+        check_fp8_launch(tiny_config("llama", fp8=FP8Config("rowwise")), "cpu", "bf16-true", False)
+    elif case == "launch_64":
+        check_fp8_launch(config, "cpu", "64-true", False)
+    elif case == "launch_lora":
+        check_fp8_launch(config, "gpu", "bf16-true", True)
     elif case == "recipe":
         tiny_config("llama", fp8=FP8Config("mxfp8", emulate=True)).validate()
 
@@ -207,6 +214,9 @@ def _refusal(case: str) -> None:
         ("lora", r"lora with fp8.recipe='tensorwise': adapters on float8 linears are not "
                  r"supported"),
         ("recipe", r"fp8.recipe='mxfp8' is not a recipe; valid: tensorwise, rowwise"),
+        ("launch_cpu", r"fp8.recipe='rowwise' on CPU: a CPU has no FP8 GEMMs"),
+        ("launch_64", r"fp8.recipe='tensorwise' with float64 parameters"),
+        ("launch_lora", r"lora with fp8.recipe='tensorwise'"),
     ],
 )  # fmt: skip
 def test_unsupported_fp8_runs_are_one_line(case: str, message: str) -> None:

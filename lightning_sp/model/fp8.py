@@ -89,6 +89,28 @@ def refuse_with_lora(config: Any) -> None:
         )
 
 
+def _refuse_float64(recipe: str) -> None:
+    raise ConfigError(
+        f"fp8.recipe={recipe!r} with float64 parameters: float8 GEMMs take bf16, fp16 or "
+        "fp32 inputs; set fp8: null or a lower precision"
+    )
+
+
+def check_fp8_launch(config: Any, accelerator: Any, precision: Any, lora: bool) -> None:
+    """What a ``fit`` config says of an FP8 run before launch (:class:`ConfigError`, one line):
+    LoRA beside it, ``trainer.precision`` 64, a CPU accelerator without ``fp8.emulate``. The
+    rest waits for the device (:func:`attach_fp8`)."""
+    recipe = fp8_recipe(config)
+    if recipe is None:
+        return
+    if lora:
+        refuse_with_lora(config)
+    if str(precision).startswith("64"):
+        _refuse_float64(recipe)
+    if accelerator == "cpu":
+        check_fp8(config.fp8, torch.device("cpu"))
+
+
 def attach_fp8(
     layers: Iterable[nn.Module], config: Any, device: torch.device, dtype: torch.dtype
 ) -> int:
@@ -99,10 +121,7 @@ def attach_fp8(
     if recipe is None:
         return 0
     if dtype == torch.float64:
-        raise ConfigError(
-            f"fp8.recipe={recipe!r} with float64 parameters: float8 GEMMs take bf16, fp16 or "
-            "fp32 inputs; set fp8: null or a lower precision"
-        )
+        _refuse_float64(recipe)
     check_fp8(config.fp8, device)
     built = Recipe.build(config.fp8)
     count = 0
