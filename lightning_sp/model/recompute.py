@@ -77,14 +77,14 @@ RECOMPUTE_MODULES: dict[str, RecomputeModule] = {
         RecomputeModule(
             "layernorm",
             "both norms, replayed inside the QKV / MLP input linears' backward",
-            ("qkv_input", "fc1_input", "qkv_input_scale", "fc1_input_scale"),
+            ("qkv_input", "fc1_input"),
             lambda x: 0.0,
         ),
         RecomputeModule(
             "mlp_act",
             "the MLP activation (GeLU or SwiGLU), replayed inside fc2's backward (an MoE "
             "layer's: the experts' and the shared experts', inside their down projections')",
-            ("fc2_input", "expert_down_input", "shared_down_input", "fc2_input_scale"),
+            ("fc2_input", "expert_down_input", "shared_down_input"),
             lambda x: 0.0,
         ),
         RecomputeModule(
