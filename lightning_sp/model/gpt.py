@@ -148,7 +148,6 @@ class GPT(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        config.validate()  # its fields; the layout was checked against it before launch
         config.recompute.check_resolved()
         self.config, self.state = config, state
         self.layer_range = layer_range if layer_range is not None else range(config.num_layers)
