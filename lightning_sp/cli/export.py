@@ -16,7 +16,6 @@ beyond the output.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import os
@@ -33,7 +32,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_sp.checkpoint import verify
 from lightning_sp.checkpoint.verify import check_architecture, saved_config
-from lightning_sp.cli.parser import OneLineArgumentParser
+from lightning_sp.cli.parser import OneLineArgumentParser, true_or_false
 from lightning_sp.data import BYTE_EOS_ID, EOS_TOKENS
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf_export import save_hf
@@ -274,14 +273,6 @@ def export_checkpoint(
     return path
 
 
-def _flag(value: str) -> bool:
-    if value.lower() in ("true", "1", "yes"):
-        return True
-    if value.lower() in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"{value!r} is not true or false")
-
-
 def main(argv: list[str]) -> int:
     """``lightning-sp export``'s entry point."""
     parser = OneLineArgumentParser(
@@ -310,7 +301,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--overwrite",
-        type=_flag,
+        type=true_or_false,
         default=False,
         help="true: write into a non-empty directory, first removing the files of the model "
         "there (config.json, model.safetensors*, tokenizer files; named in one line); other "
