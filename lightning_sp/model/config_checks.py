@@ -26,12 +26,13 @@ def check_model_layout(config: Any, layout: ParallelConfig, *, split_sequence: b
     """The one check of a model against a layout, run before launch (the command line's
     :func:`~lightning_sp.cli.checks.check_fit_config`, ``GPTModule`` when the strategy pushes
     the layout) and in the planner's estimate (``config``'s own fields were checked when it
-    was built, :func:`check_config`): what its ``t`` tensor-parallel ranks split (hidden size, heads, key/value groups, MLP
-    width), the sequence by :meth:`ParallelConfig.sequence_divisor` under the model's sequence
-    parallelism (``split_sequence``; the planner, which shows a layout whose SP cannot split
-    the sequence without it, checks ``2c`` itself) and the mixture-of-experts part against the
-    expert sizes (:meth:`~lightning_sp.model.moe.config.MoEConfig.check_layout`).
-    :class:`ConfigError`, one line: field, value, what is valid."""
+    was built, :func:`check_config`): what its ``t`` tensor-parallel ranks split (hidden size,
+    heads, key/value groups, MLP width), the sequence by
+    :meth:`ParallelConfig.sequence_divisor` under the model's sequence parallelism
+    (``split_sequence``; the planner, which shows a layout whose SP cannot split the sequence
+    without it, checks ``2c`` itself) and the mixture-of-experts part against the expert sizes
+    (:meth:`~lightning_sp.model.moe.config.MoEConfig.check_layout`). :class:`ConfigError`, one
+    line: field, value, what is valid."""
     t = layout.tensor_parallel_size
     check_divisible("hidden_size", config.hidden_size, "tensor_parallel_size", t)
     check_divisible("num_heads", config.num_heads, "tensor_parallel_size", t)
