@@ -52,9 +52,7 @@ def test_hidden_not_divisible_by_tp() -> None:
 
 
 def test_hidden_not_divisible_by_heads() -> None:
-    _raises(
-        r"hidden_size=32 is not divisible by num_heads=5", tiny_config, num_heads=5
-    )
+    _raises(r"hidden_size=32 is not divisible by num_heads=5", tiny_config, num_heads=5)
 
 
 def test_sequence_not_divisible_by_tp_under_sequence_parallel() -> None:
