@@ -211,6 +211,7 @@ def check_fit_config(config: Any, subcommand: str | None = None) -> None:
     from lightning_sp.checkpoint.verify import check_checkpoint
     from lightning_sp.model.config import GPTConfig
     from lightning_sp.model.config_checks import check_model_layout
+    from lightning_sp.model.fp8 import check_fp8_launch
     from lightning_sp.parallel.config import ParallelConfig
     from lightning_sp.training.batches import check_masked_accumulation
 
@@ -231,6 +232,8 @@ def check_fit_config(config: Any, subcommand: str | None = None) -> None:
         if devices > 0:
             layout = layout.for_world_size(devices * int(trainer.num_nodes or 1))
     check_model_layout(model_config, layout)  # the one check of the model against the layout
+    lora = _lora(config.model) is not None
+    check_fp8_launch(model_config, trainer.accelerator, trainer.precision, lora)
     check_optimizer(config.model.optimizer)
     ckpt_path = getattr(config, "ckpt_path", None)
     if ckpt_path and ckpt_path not in ("last", "hpc", "best", "registry"):

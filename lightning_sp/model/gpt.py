@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from lightning_sp.model.attention import Attention, Rotary, token_positions
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.documents import Packing, Reduction
+from lightning_sp.model.fp8 import attach_fp8
 from lightning_sp.model.parts.base import BuildContext
 from lightning_sp.model.parts.dense import MLP
 from lightning_sp.model.parts.norm import Norm
@@ -180,6 +181,8 @@ class GPT(nn.Module):
             TransformerLayer(ctx.for_layer(config.layer_recompute(n - start)), n)
             for n in self.layer_range
         )
+        # float8 GEMMs in the layers' linears (the embeddings and the head stay as they are)
+        attach_fp8(self.layers, config, torch.device(device), dtype or torch.get_default_dtype())
         if self.has_head:
             self.final_norm = Norm(config.normalization, "final_norm").build(ctx)
         self.reset_parameters()
