@@ -8,6 +8,9 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+import torch
+import torch.distributed as dist
+
 RESAMPLES = 2000
 LEVEL = 0.95
 
@@ -48,20 +51,29 @@ def ratio_of_medians_ci(
 
 def interleaved(
     steps: Mapping[str, Callable[[], object]], warmup: int, rounds: int,
-    sync: Callable[[], None] = lambda: None,
+    sync: Callable[[], None] = lambda: None, *, slowest_rank: bool = False,
 ) -> dict[str, list[float]]:  # fmt: skip
     """Seconds of each step per round: ``warmup`` untimed rounds, then ``rounds`` rounds each
     running every step once in order, each timed between two ``sync()`` calls (so that a drift
-    of the machine's speed hits every step of a round alike)."""
+    of the machine's speed hits every step of a round alike). ``slowest_rank`` (collective:
+    every rank of the default process group calls it): each step starts after a barrier and
+    counts the slowest rank's seconds."""
     seconds: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(warmup + rounds):
         for name, step in steps.items():
+            if slowest_rank:
+                dist.barrier()
             sync()
             start = time.perf_counter()
             step()
             sync()
+            elapsed = time.perf_counter() - start
+            if slowest_rank:
+                elapsed_max = torch.tensor([elapsed], dtype=torch.float64)
+                dist.all_reduce(elapsed_max, op=dist.ReduceOp.MAX)
+                elapsed = elapsed_max.item()
             if r >= warmup:
-                seconds[name].append(time.perf_counter() - start)
+                seconds[name].append(elapsed)
     return seconds
 
 

@@ -12,15 +12,14 @@ training does.
 
 from __future__ import annotations
 
+import functools
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from benchmarks._format import ci, parser, save, table
-from benchmarks._stats import ratio_of_medians_ci
+from benchmarks._stats import interleaved, ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.checkpoint import Checkpointer, Meta
 from lightning_sp.model.recompute import RecomputePolicy
@@ -50,21 +49,16 @@ def _rank(rank: int, world_size: int, rounds: int, every: int, folder: str) -> d
         finalize_grads(model, state)
         optimizer.step()
 
-    times: dict[str, list[float]] = {name: [] for name in SCHEDULES}
-    step()  # warm-up
-    for r in range(rounds):
-        for name in SCHEDULES:
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(every):
-                step()
-            if name != "none":
-                savers[name].save(Path(folder) / f"{name}.ckpt", model, [optimizer], meta=meta,
-                                  lightning_state={}, rng=(f"rng.{rank}", None))  # fmt: skip
-            elapsed = torch.tensor(time.perf_counter() - start)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if r > 0:  # the first round pays one-off costs (the async group, page cache)
-                times[name].append(elapsed.item())
+    def every_steps(name: str) -> None:
+        for _ in range(every):
+            step()
+        if name != "none":
+            savers[name].save(Path(folder) / f"{name}.ckpt", model, [optimizer], meta=meta,
+                              lightning_state={}, rng=(f"rng.{rank}", None))  # fmt: skip
+
+    step()  # warm-up; the first round pays one-off costs too (the async group, page cache)
+    schedules = {name: functools.partial(every_steps, name) for name in SCHEDULES}
+    times = interleaved(schedules, 1, rounds - 1, slowest_rank=True)
     savers["async"].wait()
     return times
 

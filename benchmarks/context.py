@@ -17,14 +17,13 @@ ratio of step times, the token counts being equal), and each median.
 
 from __future__ import annotations
 
+import functools
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
 from benchmarks._format import ci, fixed, parser, save, table
-from benchmarks._stats import ratio_of_medians_ci
+from benchmarks._stats import interleaved, ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.model.recompute import NO_RECOMPUTE
 from lightning_sp.parallel.context import shard_for_context_parallel
@@ -59,20 +58,16 @@ def _rank(rank: int, world_size: int, rounds: int, seq_length: int, hidden: int)
         "c2": tuple(shard_for_context_parallel(x, 1, world_size, rank) for x in (ids, labels)),
     }
     reduce = {"c1": average_data_parallel_grads, "c2": sum_context_parallel_grads}
-    times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
-    for r in range(rounds + 1):  # round 0 warms up
-        for name in LAYOUTS:
-            model, (x, y) = models[name], batches[name]
-            assert x.numel() == seq_length
-            dist.barrier()
-            start = time.perf_counter()
-            model.zero_grad(set_to_none=True)
-            model(x, y).backward()
-            reduce[name](model, states[name])
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if r > 0:
-                times[name].append(elapsed.item())
+
+    def step(name: str) -> None:
+        model, (x, y) = models[name], batches[name]
+        assert x.numel() == seq_length
+        model.zero_grad(set_to_none=True)
+        model(x, y).backward()
+        reduce[name](model, states[name])
+
+    steps = {name: functools.partial(step, name) for name in LAYOUTS}
+    times = interleaved(steps, 1, rounds, slowest_rank=True)  # round 0 warms up
     return {"times": times}
 
 

@@ -7,20 +7,21 @@ drifts). Reported: the median ratio over the rounds with a 95% bootstrap interva
 (:mod:`benchmarks._stats`), and the median seconds per 1000 tokens. The documents are seeded
 lengths between ``min_doc`` and ``max_doc`` tokens, cut to fill each sequence.
 
-    python benchmarks/documents.py                 # s=1024, 2 layers, 15 rounds
-    python benchmarks/documents.py --seq 512 --rounds 5
+    python -m benchmarks.documents                 # s=1024, 2 layers, 15 rounds
+    python -m benchmarks.documents --seq 512 --rounds 5 [--smoke] [--out DIR]
+
+Writes ``documents.json`` and ``documents.md``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import functools
 import statistics
-import time
 
 import torch
 
-from benchmarks._stats import median_ci
+from benchmarks._format import ci, fixed, parser, save, table
+from benchmarks._stats import interleaved, ratio_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.model.documents import Packing
 
@@ -38,59 +39,51 @@ def documents_of(batch: int, seq: int, min_doc: int, max_doc: int, seed: int) ->
     return torch.stack(rows)
 
 
-def step_seconds(model: GPT, ids: torch.Tensor, documents: torch.Tensor | None) -> float:
-    model.zero_grad(set_to_none=True)
-    start = time.perf_counter()
-    model(ids, ids, Packing(documents)).backward()
-    return time.perf_counter() - start
-
-
 def main(argv: list[str] | None = None) -> dict[str, object]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--min-doc", type=int, default=16)
-    parser.add_argument("--max-doc", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
+    parse = parser(__doc__, smoke="s=128, 1 layer, 2 rounds")
+    for name, default in (("seq", 1024), ("batch", 1), ("hidden", 256), ("heads", 8),
+                          ("layers", 2), ("min-doc", 16), ("max-doc", 256), ("rounds", 15),
+                          ("warmup", 2), ("threads", 1)):  # fmt: skip
+        parse.add_argument(f"--{name}", type=int, default=default)
+    args = parse.parse_args(argv)
+    if args.smoke:
+        args.seq, args.layers, args.rounds, args.warmup, args.max_doc = 128, 1, 2, 1, 64
     torch.set_num_threads(args.threads)
     ids = torch.randint(0, 1000, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     documents = documents_of(args.batch, args.seq, args.min_doc, args.max_doc, seed=1)
-    models = {}
+    steps = {}
     for attention in ("math", "sdpa"):
         config = GPTConfig.of(
             "llama", vocab_size=1000, seq_length=args.seq, hidden_size=args.hidden,
             num_layers=args.layers, num_heads=args.heads, num_query_groups=args.heads // 2,
             ffn_hidden_size=4 * args.hidden, attention=attention, recompute="none",
         )  # fmt: skip
-        models[attention] = GPT(config, ParallelState.single(), dtype=torch.float32)
-    cases = [(a, masked) for a in models for masked in (False, True)]
-    times: dict[tuple[str, bool], list[float]] = {c: [] for c in cases}
-    for round_ in range(args.warmup + args.rounds):
-        for attention, masked in cases:
-            seconds = step_seconds(models[attention], ids, documents if masked else None)
-            if round_ >= args.warmup:
-                times[(attention, masked)].append(seconds)
+        model = GPT(config, ParallelState.single(), dtype=torch.float32)
+        for masked in ("causal", "masked"):
+            packing = Packing(documents if masked == "masked" else None)
+            steps[f"{attention}_{masked}"] = functools.partial(_step, model, ids, packing)
+    times = interleaved(steps, args.warmup, args.rounds)
     tokens = args.batch * args.seq
     report: dict[str, object] = {
-        "shape": vars(args),
+        "shape": {k: v for k, v in vars(args).items() if k not in ("out", "smoke")},
         "documents_per_sequence": float(documents.amax(dim=1).float().mean() + 1),
     }
-    for attention in models:
-        ratios = [
-            m / u for m, u in zip(times[(attention, True)], times[(attention, False)], strict=True)
-        ]
-        report[f"{attention}_masked_over_causal"] = [round(x, 4) for x in median_ci(ratios)]
-        for masked in (False, True):
-            name = f"{attention}_{'masked' if masked else 'causal'}_ms_per_1k_tokens"
-            report[name] = round(1e6 * statistics.median(times[(attention, masked)]) / tokens, 3)
-    print(json.dumps(report))
+    rows = []
+    for attention in ("math", "sdpa"):
+        ratio = ratio_ci(times[f"{attention}_masked"], times[f"{attention}_causal"])
+        report[f"{attention}_masked_over_causal"] = [round(x, 4) for x in ratio]
+        rows.append([f"{attention}: masked / causal [95% CI]", ci(list(ratio))])
+        for masked in ("causal", "masked"):
+            ms = round(1e6 * statistics.median(times[f"{attention}_{masked}"]) / tokens, 3)
+            report[f"{attention}_{masked}_ms_per_1k_tokens"] = ms
+            rows.append([f"{attention} {masked}, ms per 1k tokens", fixed(ms, 3)])
+    save(args, argv, "documents", report, table(["measure", "value"], rows))
     return report
+
+
+def _step(model: GPT, ids: torch.Tensor, packing: Packing) -> None:
+    model.zero_grad(set_to_none=True)
+    model(ids, ids, packing).backward()
 
 
 if __name__ == "__main__":

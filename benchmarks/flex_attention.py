@@ -8,11 +8,12 @@ max |difference| against ``math``), fp32 compiled, whether backward runs, and th
 ratio of forward times over ``--rounds`` paired rounds with a 95% bootstrap interval.
 
     python -m benchmarks.flex_attention            # b=2, a=8, s=1024, d=64, 15 rounds
+
+Writes ``flex_attention.json`` and ``flex_attention.md`` (``--out``, ``--smoke``).
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 import warnings
@@ -21,6 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from benchmarks._format import parser, save, table
 from benchmarks._stats import median_ci
 from benchmarks.documents import documents_of
 from lightning_sp.model.cores import attention_core, sdpa_core
@@ -31,10 +33,12 @@ def _first_line(exc: Exception) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=15)
-    args = parser.parse_args(argv)
+    parse = parser(__doc__, smoke="s=128, 2 rounds")
+    parse.add_argument("--seq", type=int, default=1024)
+    parse.add_argument("--rounds", type=int, default=15)
+    args = parse.parse_args(argv)
+    if args.smoke:
+        args.seq, args.rounds = 128, 2
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     b, heads, s, d = 2, 8, args.seq, 64
@@ -102,8 +106,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     result["flex_over_sdpa_forward"] = [round(x, 3) for x in ratio]
     result["flex_ms"] = round(1e3 * statistics.median(flex_s), 1)
     result["sdpa_per_document_ms"] = round(1e3 * statistics.median(sdpa_s), 1)
-    for key, value in result.items():
-        print(f"{key}: {value}")
+    rows = [[key, value] for key, value in result.items()]
+    save(args, argv, "flex_attention", result, table(["measure", "value"], rows), seq=args.seq)
     return result
 
 

@@ -44,6 +44,7 @@ from benchmarks._stats import median_ci
 from lightning_sp import GPTConfig, ParallelState
 from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.model.moe.layer import MoE
+from lightning_sp.model.parts.base import BuildContext
 from lightning_sp.model.parts.dense import MLP
 from lightning_sp.parallel.init import initialize_parameter
 
@@ -91,12 +92,14 @@ def build(shape: MoEShape) -> dict[str, nn.Module]:
 
     h, e, k, f = shape.hidden_size, shape.num_experts, shape.top_k, shape.expert_ffn_size
     config = MoEConfig(num_experts=e, top_k=k, expert_ffn_size=f)  # softmax, renormalised
-    moe = MoE(h, config, ParallelState.single(), sequence_parallel=False, dtype=torch.float32)
-    moe.reset_parameters(0)
     dense_config = GPTConfig(vocab_size=256, seq_length=shape.tokens, hidden_size=h,
                              num_layers=1, num_heads=8, activation="swiglu",
                              ffn_hidden_size=k * f, bias=False)  # fmt: skip
-    dense = MLP(dense_config, ParallelState.single(), dtype=torch.float32)
+    moe_config = dataclasses.replace(dense_config, feed_forward="moe", moe=config)
+    single = ParallelState.single()
+    moe = MoE(BuildContext.of(moe_config, single, dtype=torch.float32), config)
+    moe.reset_parameters(0)
+    dense = MLP(BuildContext.of(dense_config, single, dtype=torch.float32))
     _initialise(dense, 0)
     layers: dict[str, nn.Module] = {"moe": moe, "dense": dense}
     for name, implementation in (("hf", "grouped_mm"), ("hf_eager", "eager")):

@@ -10,6 +10,9 @@ import torch
 from torch import nn
 
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.model.parts.base import BuildContext
+from lightning_sp.model.recompute import NO_RECOMPUTE, RecomputePolicy
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.context import shard_for_context_parallel
@@ -31,6 +34,27 @@ def tiny_config(architecture: str = "gpt2", **overrides: object) -> GPTConfig:
         fields.update(num_query_groups=2, ffn_hidden_size=48)
     fields.update(overrides)
     return GPTConfig.of(architecture, **fields)
+
+
+def moe_context(
+    moe: MoEConfig,
+    hidden_size: int,
+    state: ParallelState | None = None,
+    *,
+    sequence_parallel: bool = False,
+    recompute_act: bool = False,
+    dtype: torch.dtype | None = None,
+) -> BuildContext:
+    """The build context of an MoE layer (or its router) of ``moe`` alone, over
+    ``hidden_size``: a one-layer SwiGLU model of it on ``state`` (one rank if None), its
+    ``mlp_act`` recompute module active with ``recompute_act``."""
+    config = GPTConfig(
+        vocab_size=256, seq_length=16, hidden_size=hidden_size, num_layers=1, num_heads=1,
+        activation="swiglu", bias=False, feed_forward="moe", moe=moe,
+        sequence_parallel=sequence_parallel,
+    )  # fmt: skip
+    policy = RecomputePolicy(["mlp_act"]) if recompute_act else NO_RECOMPUTE
+    return BuildContext.of(config, state or ParallelState.single(), policy, dtype=dtype)
 
 
 def check_layout(world_size: int, t: int, p: int, c: int = 1) -> int:

@@ -52,9 +52,7 @@ def test_hidden_not_divisible_by_tp() -> None:
 
 
 def test_hidden_not_divisible_by_heads() -> None:
-    _raises(
-        r"hidden_size=32 is not divisible by num_heads=5", GPT, tiny_config(num_heads=5), _state(1)
-    )
+    _raises(r"hidden_size=32 is not divisible by num_heads=5", tiny_config, num_heads=5)
 
 
 def test_sequence_not_divisible_by_tp_under_sequence_parallel() -> None:
@@ -81,7 +79,7 @@ def test_unknown_recompute_policy() -> None:
 
 
 def test_unknown_attention_backend() -> None:
-    message = _raises(r"attention='flash' is not", GPT, tiny_config(attention="flash"), _state(1))
+    message = _raises(r"attention='flash' is not", tiny_config, attention="flash")
     assert "valid: math, sdpa" in message and "\n" not in message
 
 
@@ -107,7 +105,7 @@ def test_world_size_not_divisible_by_model_parallel_size() -> None:
 
 def test_non_positive_sizes() -> None:
     _raises(r"tensor_parallel_size=0 must be a positive integer", check_layout, 4, 0, 1)
-    _raises(r"num_layers=0 must be a positive integer", GPTConfig(num_layers=0).validate)
+    _raises(r"num_layers=0 must be a positive integer", GPTConfig, num_layers=0)
     _raises(r"hidden_dropout=1.0 must be in \[0, 1\)", GPTConfig, hidden_dropout=1.0)
 
 
@@ -116,7 +114,7 @@ def test_every_size_check_rejects_what_is_not_a_positive_int(value: object) -> N
     """One validator (``errors.positive_int``) behind every size: ``True`` is not 1."""
     message = f"={value!r} must be a positive integer"
     assert _raises(re.escape(message), positive_int, "size", value) == f"size{message}"
-    _raises(re.escape(f"num_layers{message}"), GPTConfig(num_layers=value).validate)  # type: ignore[arg-type]
+    _raises(re.escape(f"num_layers{message}"), GPTConfig, num_layers=value)
     _raises(re.escape(f"tensor_parallel_size{message}"), check_layout, 4, value, 1)
     _raises(re.escape(f"num_microbatches{message}"), check_batch, 8, value)
     _raises(re.escape(f"batch_size{message}"), TextDataModule, batch_size=value)
@@ -349,7 +347,7 @@ def test_checkpoint_of_another_model_names_both_values(saved) -> None:
 
 def test_unknown_activation() -> None:
     _raises(r"activation='relu' is not an activation; valid: gelu, gelu_tanh",
-            tiny_config(activation="relu").validate)  # fmt: skip
+            tiny_config, activation="relu")  # fmt: skip
 
 
 # -- every float setting checked finite and in range when the config is built (issue 40, 3-4)

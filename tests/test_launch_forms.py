@@ -101,7 +101,7 @@ def test_fit_fields_in_every_form_refused_before_launch(
 def test_model_values_checked(fields: dict, expected: str) -> None:
     """What ``check_fit_config`` runs before launch (``GPTConfig.validate``)."""
     with pytest.raises(ConfigError) as error:
-        tiny_config(**fields).validate()
+        tiny_config(**fields)
     assert str(error.value) == expected
 
 

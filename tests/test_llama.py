@@ -107,7 +107,7 @@ def test_kv_groups_and_tensor_parallel_size_must_divide_one_another() -> None:
             ParallelConfig(tensor_parallel_size=6),
         )
     with pytest.raises(ConfigError, match=r"num_query_groups=3 does not divide num_heads=8"):
-        _config(3).validate()
+        _config(3)
     # fewer groups than ranks: replicated, allowed
     check_model_layout(_config(2), ParallelConfig(tensor_parallel_size=4))
     check_model_layout(_config(8), ParallelConfig(tensor_parallel_size=4))

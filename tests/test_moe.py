@@ -17,7 +17,8 @@ from lightning_sp.model.moe.experts import grouped_available, grouped_linear
 from lightning_sp.model.moe.layer import MoE
 from lightning_sp.model.moe.router import Router
 from lightning_sp.parallel.config import ParallelConfig
-from lightning_sp.parallel.state import ParallelState
+
+from models import moe_context
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,7 +26,7 @@ H, F, E = 16, 24, 4
 
 
 def _moe(config: MoEConfig, dtype: torch.dtype = torch.float64, seed: int = 5) -> MoE:
-    moe = MoE(H, config, ParallelState.single(), sequence_parallel=False, dtype=dtype)
+    moe = MoE(moe_context(config, H, dtype=dtype), config)
     moe.reset_parameters(seed)
     return moe
 
@@ -183,7 +184,7 @@ def _router(**fields: Any) -> Router:
     the identity), so the expected weights below are written by hand."""
     config = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=F, score="sigmoid",
                        router_dtype="fp64", **fields)  # fmt: skip
-    router = Router(4, config, sequence_parallel=False, init_std=0.02, dtype=torch.float64)
+    router = Router(moe_context(config, 4, dtype=torch.float64), config)
     with torch.no_grad():
         router.weight.copy_(torch.eye(4, dtype=torch.float64))
     return router
@@ -267,8 +268,7 @@ def test_recompute_act_gives_the_same_gradients(dtype: torch.dtype) -> None:
                        aux_loss_coef=0.1, router_dtype="fp64")  # fmt: skip
     results = []
     for recompute_act in (False, True):
-        moe = MoE(H, config, ParallelState.single(), sequence_parallel=False,
-                  recompute_act=recompute_act, dtype=dtype)  # fmt: skip
+        moe = MoE(moe_context(config, H, recompute_act=recompute_act, dtype=dtype), config)
         moe.reset_parameters(5)
         x = torch.randn(6, 3, H, dtype=dtype, generator=torch.Generator().manual_seed(1))
         x.requires_grad_()

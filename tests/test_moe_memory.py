@@ -19,7 +19,7 @@ from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.spawn import run_distributed
 
-from models import layout_at, shape_at
+from models import layout_at, moe_context, shape_at
 
 S, B, H = 32, 2, 64
 CONFIG = MoEConfig(num_experts=8, top_k=2, expert_ffn_size=32, num_shared_experts=1,
@@ -39,8 +39,9 @@ def _formula(t: int, e: int, sp: bool, etp: int = 1) -> float:
 
 
 def _measure(state: ParallelState, sp: bool, recompute_act: bool = False) -> int:
-    moe = MoE(H, CONFIG, state, sequence_parallel=sp, recompute_act=recompute_act,
-              dtype=torch.bfloat16)  # fmt: skip
+    ctx = moe_context(CONFIG, H, state, sequence_parallel=sp, recompute_act=recompute_act,
+                      dtype=torch.bfloat16)  # fmt: skip
+    moe = MoE(ctx, CONFIG)
     moe.reset_parameters(3)
     s = S // state.tensor_parallel_size if sp else S
     x = torch.randn(s, B, H, dtype=torch.bfloat16, requires_grad=True)

@@ -29,7 +29,14 @@ from lightning_sp.parallel.init import local_slice
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.spawn import run_distributed
 
-from models import assert_matches_reference, batch, context_shards, relative_error, tiny_config
+from models import (
+    assert_matches_reference,
+    batch,
+    context_shards,
+    moe_context,
+    relative_error,
+    tiny_config,
+)
 
 S, B, H, F = 8, 2, 16, 24
 SEED = 11
@@ -70,7 +77,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _reference(config: MoEConfig, d: int) -> tuple[MoE, list[tuple], list[dict], torch.Tensor]:
     """One process over the ``d`` micro-batches: the model (gradients averaged), per micro-batch
     (output, input gradient) and metrics, and the gradient norm."""
-    moe = MoE(H, config, ParallelState.single(), sequence_parallel=False, dtype=torch.float64)
+    moe = MoE(moe_context(config, H, dtype=torch.float64), config)
     moe.reset_parameters(SEED)
     results, metrics = [], []
     for m in range(d):
@@ -98,8 +105,9 @@ def _check_layout(t: int, c: int, e: int, t_e: int, names: list[str]) -> None:
         config = CASES[name]
         case = f"t={t} c={c} e={e} etp={t_e} d={d} {name}" + " mlp_act" * recompute_act
         ref, ref_results, ref_metrics, ref_norm = _reference(config, d)
-        moe = MoE(H, config, state, sequence_parallel=sp, recompute_act=recompute_act,
-                  dtype=torch.float64)  # fmt: skip
+        ctx = moe_context(config, H, state, sequence_parallel=sp, recompute_act=recompute_act,
+                          dtype=torch.float64)  # fmt: skip
+        moe = MoE(ctx, config)
         moe.reset_parameters(SEED)
         m = state.data_parallel_rank
         x, w = _micro_batch(m)

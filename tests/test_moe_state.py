@@ -32,7 +32,7 @@ from lightning_sp.model.hooks import step_metrics
 from lightning_sp.model.moe.layer import MoE
 from lightning_sp.parallel.config import ParallelConfig
 
-from models import batch, loss_and_grads, relative_error, tiny_config
+from models import batch, loss_and_grads, moe_context, relative_error, tiny_config
 
 RTOL = 1e-10
 BIAS = "mlp.router.expert_bias"
@@ -253,7 +253,7 @@ def test_expert_bias_stays_fp32_under_a_bf16_module() -> None:
     from lightning_sp.model.moe.router import Router
 
     config = dataclasses.replace(MOE, bias_update_rate=1e-3)
-    router = Router(8, config, sequence_parallel=False, init_std=0.02)
+    router = Router(moe_context(config, 8), config)
     assert router.expert_bias is not None and router.tokens_per_expert is not None
     router.expert_bias.fill_(0.25)
     router.expert_bias[1] = 0.25 + 1e-4  # not representable in bf16

@@ -232,5 +232,5 @@ def test_bad_part_options_fail_with_one_line() -> None:
          "a RoPE scaling; valid: llama3, linear, dynamic"),
     ]:  # fmt: skip
         with pytest.raises(ConfigError) as error:
-            part_config("qwen2", **fields).validate()
+            part_config("qwen2", **fields)
         assert message in str(error.value) and "\n" not in str(error.value), fields

@@ -18,7 +18,6 @@ beyond the output.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import os
@@ -36,7 +35,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from lightning_sp.checkpoint import verify
 from lightning_sp.checkpoint.shards import parameter_shards
 from lightning_sp.checkpoint.verify import check_architecture, read_lightning, saved_config
-from lightning_sp.cli.parser import OneLineArgumentParser
+from lightning_sp.cli.parser import OneLineArgumentParser, true_or_false
 from lightning_sp.data import BYTE_EOS_ID, EOS_TOKENS
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import full_shapes, load_hf_weights
@@ -310,14 +309,6 @@ def export_checkpoint(
     return path
 
 
-def _flag(value: str) -> bool:
-    if value.lower() in ("true", "1", "yes"):
-        return True
-    if value.lower() in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"{value!r} is not true or false")
-
-
 def main(argv: list[str]) -> int:
     """``lightning-sp export``'s entry point."""
     parser = OneLineArgumentParser(
@@ -346,7 +337,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--overwrite",
-        type=_flag,
+        type=true_or_false,
         default=False,
         help="true: write into a non-empty directory, first removing the files of the model "
         "there (config.json, model.safetensors*, tokenizer files; named in one line); other "

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_sp.cli.checks import check_generate_layout, check_resume
 from lightning_sp.cli.fit import Unseeded
-from lightning_sp.cli.parser import OneLineArgumentParser
+from lightning_sp.cli.parser import OneLineArgumentParser, true_or_false
 from lightning_sp.data import TextDataModule
 from lightning_sp.data.chat import chat_stop_ids, load_chat_tokenizer
 from lightning_sp.errors import ConfigError, positive_int
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt", required=True, help="text to continue")
     parser.add_argument(
         "--chat",
-        type=_true_or_false,
+        type=true_or_false,
         default=False,
         help="true: --prompt is a user message, rendered with the chat template "
         "of data.chat_template_dir (add_generation_prompt), answered by the model up to the "
@@ -64,12 +64,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=defaults.seed,
                         help="sampling seed: the same seed gives the same text")  # fmt: skip
     return parser
-
-
-def _true_or_false(value: str) -> bool:
-    if value.lower() not in ("true", "false"):
-        raise argparse.ArgumentTypeError(f"{value!r} is not true or false")
-    return value.lower() == "true"
 
 
 def chat_prompt(data: Any, message: str) -> str:

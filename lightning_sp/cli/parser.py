@@ -166,6 +166,16 @@ def program() -> str:
     return "python -m lightning_sp" if name == "__main__.py" else name
 
 
+def true_or_false(value: str) -> bool:
+    """A command-line boolean (``true``/``1``/``yes``, ``false``/``0``/``no``, any case), the
+    ``type`` of the argparse commands' boolean options; else one line."""
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"{value!r} is not true or false")
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """``argparse`` for the commands that are not Lightning's (``generate``, ``export``,
     ``calibrate``, ``step-check``): named as the user ran it (:func:`program`), and a parse

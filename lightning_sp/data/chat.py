@@ -25,7 +25,9 @@ Layout (the prepared format of :mod:`lightning_sp.data.prepare`, read by the sam
 back, so sample ``i`` is bin ``i``; ``flags.bin`` holds one uint8 per token: bit 0 = the token
 is an assistant token (a label that counts), bit 1 = the token starts a document. A sample
 derives its ``loss_mask``, ``documents`` and ``positions`` (restarting per conversation) from
-them (:func:`flags_to_sample`): one byte per token on disk, no ``s x s`` anything.
+them (:func:`flags_to_sample`): one byte per token on disk, no ``s x s`` anything. Packing,
+the splits and the directory's publication are :mod:`lightning_sp.data.packing`'s, shared with
+preference data.
 """
 
 from __future__ import annotations
@@ -33,26 +35,27 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import uuid
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_sp.data.prepare import FORMAT, METADATA, read_metadata
+from lightning_sp.data.packing import (
+    ASSISTANT,
+    FLAGS_FILE,
+    START,
+    Document,
+    Overflow,
+    check_target,
+    first_fit,
+    prepare_packed,
+)
 from lightning_sp.data.tokenizer import tokenizer_info
 from lightning_sp.errors import ConfigError
 from lightning_sp.model.documents import positions_in_documents
 
-ASSISTANT, START = 1, 2
-"""Bits of ``flags.bin``: an assistant token (its loss counts as a label), a document start."""
-FLAGS_FILE = "flags.bin"
 _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
-
-Overflow = Literal["truncate", "refuse"]
 
 
 def _auto_tokenizer() -> Any:
@@ -250,23 +253,6 @@ def _check_answers(
         )
 
 
-def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
-    """First-fit packing: bins (lists of item indices, in order) of total length at most
-    ``capacity``; every item of length <= ``capacity`` lands in exactly one bin."""
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for item, length in enumerate(lengths):
-        for b, free in enumerate(room):
-            if length <= free:
-                bins[b].append(item)
-                room[b] -= length
-                break
-        else:
-            bins.append([item])
-            room.append(capacity - length)
-    return bins
-
-
 def flags_to_sample(row: Tensor, flags: Tensor) -> dict[str, Tensor]:
     """A packed chat sample from its ``s + 1`` tokens and flags: ``input_ids``, ``labels``,
     ``loss_mask`` (the label is an assistant token of the same conversation), ``documents``
@@ -280,24 +266,6 @@ def flags_to_sample(row: Tensor, flags: Tensor) -> dict[str, Tensor]:
         "documents": documents[:-1],
         "positions": positions_in_documents(documents[:-1]),
     }
-
-
-def _write_split(
-    directory: str, bins: list[tuple[list[int], list[int]]], dtype: np.dtype
-) -> dict[str, int]:
-    os.makedirs(directory)
-    tokens = np.array([t for ids, _ in bins for t in ids], dtype=dtype)
-    flags = np.array([f for _, fl in bins for f in fl], dtype=np.uint8)
-    tokens.tofile(os.path.join(directory, "00000.bin"))
-    flags.tofile(os.path.join(directory, FLAGS_FILE))
-    documents = int((flags & START).astype(bool).sum())
-    index = {
-        "dtype": dtype.name, "tokens": int(tokens.size), "documents": documents,
-        "shards": [{"file": "00000.bin", "tokens": int(tokens.size)}], "flags": FLAGS_FILE,
-    }  # fmt: skip
-    with open(os.path.join(directory, "index.json"), "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=1)
-    return {"tokens": int(tokens.size), "documents": documents, "samples": len(bins)}
 
 
 def prepare_chat(
@@ -315,18 +283,11 @@ def prepare_chat(
     """Render, mask, pack and write the conversations of ``paths`` (see module docstring).
     Every row is checked before anything is written; returns the metadata (``identity``,
     recorded in it, tells a caller when the directory is up to date)."""
-    if overflow not in ("truncate", "refuse"):
-        raise ConfigError(f"overflow={overflow!r} is invalid; valid: 'truncate', 'refuse'")
-    existing = read_metadata(directory)
-    if os.path.isdir(directory) and os.listdir(directory) and not (existing or {}).get("chat"):
-        raise ConfigError(
-            f"prepared_dir={directory!r} exists and is not a prepared chat corpus; give a new "
-            "or empty directory"
-        )
+    check_target(directory, overflow)
     tokenizer = load_chat_tokenizer(tokenizer_dir, assistant_only_loss)
     info = tokenizer_info(os.path.join(tokenizer_dir, "tokenizer.json"))
     width = seq_length + 1
-    rendered: list[tuple[list[int], list[int]]] = []
+    rendered: list[Document] = []
     truncated = rows = 0
     unanswered = [0, 0]  # conversations without a loss token: as written, cut off by truncation
     for path in paths:
@@ -359,67 +320,26 @@ def prepare_chat(
         )
     if truncated:
         log(f"{truncated} conversation(s) longer than seq_length + 1 = {width} were truncated")
-    order = np.random.default_rng(seed).permutation(len(rendered))
-    n_val = (
-        min(len(rendered) - 1, max(1, round(val_fraction * len(rendered))))
-        if val_fraction > 0
-        else 0
-    )
-    splits = {"train": sorted(order[n_val:].tolist()), "val": sorted(order[:n_val].tolist())}
-    tmp = f"{directory}.tmp-{uuid.uuid4().hex[:8]}"
-    counts = {}
-    try:
-        for split, members in splits.items():
-            items = [rendered[i] for i in members]
-            packed = []
-            for members_of_bin in first_fit([len(ids) for ids, _ in items], width):
-                ids, flags = [], []
-                for i in members_of_bin:
-                    conv_ids, conv_mask = items[i]
-                    ids += conv_ids
-                    flags += [ASSISTANT * m for m in conv_mask]
-                    flags[len(ids) - len(conv_ids)] |= START
-                if len(ids) < width:  # the rest: one padding document, no loss
-                    start = len(ids)
-                    ids += [info.eos_id] * (width - start)
-                    flags += [0] * (width - start)
-                    flags[start] = START
-                packed.append((ids, flags))
-            counts[split] = _write_split(os.path.join(tmp, split), packed, info.dtype())
-        meta = {
-            "format": FORMAT,
-            "tokenizer": {**info.__dict__, "id": info.id},
-            "dtype": info.dtype().name,
-            "chat": {
-                "tokenizer_dir": os.path.abspath(tokenizer_dir),
-                "seq_length": seq_length,
-                "assistant_only_loss": assistant_only_loss,
-                "overflow": overflow,
-                "truncated": truncated,
-                "conversations": len(rendered),
-                "dropped_without_answer": sum(unanswered),
-                "identity": identity,
-            },
-            "splits": counts,
-            "tokens": sum(c["tokens"] for c in counts.values()),
-            "documents": len(rendered),
-        }
-        with open(os.path.join(tmp, METADATA), "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1)
-        if os.path.isdir(directory):
-            shutil.rmtree(directory)
-        os.rename(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log(
-        f"prepared {len(rendered)} conversations into {counts['train']['samples']} + "
-        f"{counts['val']['samples']} packed samples of {width} tokens -> {directory}"
-    )
-    return meta
+    return prepare_packed(
+        directory, [[conv] for conv in rendered], info=info, width=width,
+        val_fraction=val_fraction, seed=seed, what=f"{len(rendered)} conversations", log=log,
+        fields={"chat": {
+            "tokenizer_dir": os.path.abspath(tokenizer_dir),
+            "seq_length": seq_length,
+            "assistant_only_loss": assistant_only_loss,
+            "overflow": overflow,
+            "truncated": truncated,
+            "conversations": len(rendered),
+            "dropped_without_answer": sum(unanswered),
+            "identity": identity,
+        }},
+    )  # fmt: skip
 
 
 __all__ = [
+    "ASSISTANT",
+    "FLAGS_FILE",
+    "START",
     "conversation",
     "first_fit",
     "flags_to_sample",

@@ -25,10 +25,7 @@ Refused in one line naming the row, before anything is written: a row without ``
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -36,8 +33,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_sp.data.chat import ASSISTANT, START, Overflow, _write_split, first_fit, read_rows
-from lightning_sp.data.prepare import FORMAT, METADATA, read_metadata
+from lightning_sp.data.chat import read_rows
+from lightning_sp.data.packing import Overflow, check_target, prepare_packed
 from lightning_sp.data.tokenizer import tokenizer_info
 from lightning_sp.errors import ConfigError
 
@@ -183,14 +180,7 @@ def prepare_preference(
     is checked before anything is written; returns the metadata."""
     from transformers import AutoTokenizer
 
-    if overflow not in ("truncate", "refuse"):
-        raise ConfigError(f"overflow={overflow!r} is invalid; valid: 'truncate', 'refuse'")
-    existing = read_metadata(directory)
-    if os.path.isdir(directory) and os.listdir(directory) and not (existing or {}).get("chat"):
-        raise ConfigError(
-            f"prepared_dir={directory!r} exists and is not a prepared chat corpus; give a new "
-            "or empty directory"
-        )
+    check_target(directory, overflow)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     info = tokenizer_info(os.path.join(tokenizer_dir, "tokenizer.json"))
     width = seq_length + 1
@@ -221,56 +211,16 @@ def prepare_preference(
         )
     if truncated:
         log(f"{truncated} pair(s) longer than seq_length + 1 = {width} were truncated")
-    order = np.random.default_rng(seed).permutation(len(pairs))
-    n_val = min(len(pairs) - 1, max(1, round(val_fraction * len(pairs)))) if val_fraction else 0
-    splits = {"train": sorted(order[n_val:].tolist()), "val": sorted(order[:n_val].tolist())}
-    tmp = f"{directory}.tmp-{uuid.uuid4().hex[:8]}"
-    counts = {}
-    try:
-        for split, members in splits.items():
-            items = [pairs[i] for i in members]
-            lengths = [len(c) + len(r) for (c, _), (r, _) in items]
-            packed = []
-            for members_of_bin in first_fit(lengths, width):
-                ids: list[int] = []
-                flags: list[int] = []
-                for i in members_of_bin:
-                    for seq, mask in items[i]:  # chosen, then rejected: slots 2j, 2j + 1
-                        flags += [ASSISTANT * m for m in mask]
-                        flags[len(ids)] |= START
-                        ids += seq
-                start = len(ids)
-                ids += [info.eos_id] * (width - start)  # one padding document, no loss
-                flags += [0] * (width - start)
-                if start < width:
-                    flags[start] = START
-                packed.append((ids, flags))
-            counts[split] = _write_split(os.path.join(tmp, split), packed, info.dtype())
-            _mark_preference(os.path.join(tmp, split))
-        meta = {
-            "format": FORMAT,
-            "tokenizer": {**info.__dict__, "id": info.id},
-            "dtype": info.dtype().name,
+    return prepare_packed(
+        directory, [list(pair) for pair in pairs], info=info, width=width,
+        val_fraction=val_fraction, seed=seed, what=f"{len(pairs)} pairs", log=log,
+        index_fields={"preference": True},  # its samples carry ``sequences``
+        fields={
             "chat": {"tokenizer_dir": os.path.abspath(tokenizer_dir), "seq_length": seq_length,
                      "overflow": overflow, "truncated": truncated, "identity": identity},
             "preference": {"pairs": len(pairs), "truncated": truncated},
-            "splits": counts,
-            "tokens": sum(c["tokens"] for c in counts.values()),
-            "documents": 2 * len(pairs),
-        }  # fmt: skip
-        with open(os.path.join(tmp, METADATA), "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1)
-        if os.path.isdir(directory):
-            shutil.rmtree(directory)
-        os.rename(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log(
-        f"prepared {len(pairs)} pairs into {counts['train']['samples']} + "
-        f"{counts['val']['samples']} packed samples of {width} tokens -> {directory}"
-    )
-    return meta
+        },
+    )  # fmt: skip
 
 
 REFERENCE = "reference_logps"
@@ -286,16 +236,6 @@ def store_reference(directory: str, values: np.ndarray) -> None:
     partial = path + ".partial.npy"
     np.save(partial, np.asarray(values, dtype=np.float64))
     os.replace(partial, path)
-
-
-def _mark_preference(split: str) -> None:
-    """Record in a split's ``index.json`` that its samples carry ``sequences``."""
-    path = os.path.join(split, "index.json")
-    with open(path, encoding="utf-8") as f:
-        index = json.load(f)
-    index["preference"] = True
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=1)
 
 
 __all__ = [

@@ -44,15 +44,22 @@ class _AttributedHooks:
 
     ``modules`` maps names to modules; while one runs forward, :meth:`_owner` is its name (the
     innermost one), else ``"<untracked>"``. Storages of ``exclude`` (parameters, buffers) are
-    not activations. Subclasses provide ``_pack`` and ``_unpack``.
+    not activations. Subclasses provide ``_pack``, ``_unpack`` and their counters
+    (:meth:`_start`).
     """
 
-    def __init__(self, modules: dict[str, nn.Module] | None, exclude: Iterable[Tensor]) -> None:
+    def __init__(
+        self, modules: dict[str, nn.Module] | None = None, exclude: Iterable[Tensor] = ()
+    ) -> None:
         self._excluded = {_storage_key(t) for t in exclude}
         self._stack: list[str] = []
         self._modules = modules or {}
         self._handles: list[Any] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._start()
+
+    def _start(self) -> None:
+        """Set up the subclass's counters (at construction)."""
 
     def _pack(self, t: Tensor) -> Any:
         raise NotImplementedError
@@ -93,12 +100,7 @@ class SavedTensorTracker(_AttributedHooks):
     ``exclude`` lists tensors (parameters, buffers) whose storages are not activations.
     """
 
-    def __init__(
-        self,
-        modules: dict[str, nn.Module] | None = None,
-        exclude: Iterable[Tensor] = (),
-    ) -> None:
-        super().__init__(modules, exclude)
+    def _start(self) -> None:
         self.report = ActivationReport()
         self._seen: set[int] = set()
 
@@ -177,12 +179,7 @@ class LiveActivationTracker(_AttributedHooks):
     context exits keep being followed until they are released.
     """
 
-    def __init__(
-        self,
-        modules: dict[str, nn.Module] | None = None,
-        exclude: Iterable[Tensor] = (),
-    ) -> None:
-        super().__init__(modules, exclude)
+    def _start(self) -> None:
         self.live_bytes = 0
         self.peak_bytes = 0
         self.peak_per_module: dict[str, int] = {}

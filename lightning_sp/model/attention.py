@@ -38,14 +38,13 @@ from torch._subclasses.fake_tensor import is_fake
 from lightning_sp.model.cores import ATTENTION_BACKENDS, CoreFn
 from lightning_sp.model.fused import fused_column_linear, heads_row_linear
 from lightning_sp.model.ops import rope_inverse_frequencies, rope_tables, rotate_half
-from lightning_sp.model.parts.base import LayerConfig
+from lightning_sp.model.parts.base import BuildContext, LayerConfig
 from lightning_sp.model.qk_norm import QKNorm
 from lightning_sp.model.recompute import recompute
 from lightning_sp.model.spec import NORMS, POSITIONS, NormModule
 from lightning_sp.parallel.context import load_balanced_positions
 from lightning_sp.parallel.context_attention import context_parallel_attention
 from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from lightning_sp.parallel.random import RNGStreams
 from lightning_sp.parallel.state import ParallelState
 
 
@@ -173,16 +172,11 @@ class Attention(nn.Module):
     ``heads`` (Q, K, V at given positions), ``output`` (the projection of a context).
     """
 
-    def __init__(
-        self,
-        config: LayerConfig,
-        state: ParallelState,
-        rng: RNGStreams,
-        recompute_core: bool,
-        rotary: Rotary | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, ctx: BuildContext) -> None:
+        """Built from ``ctx`` whole: its config's sizes, its layout, its dropout streams, its
+        layer's ``core_attn`` recompute module and the model's RoPE tables."""
         super().__init__()
+        config, state, kwargs = ctx.config, ctx.state, ctx.kwargs
         t = state.tensor_parallel_size
         a, g, d, h = config.num_heads, config.groups, config.head_dim, config.hidden_size
         sp = config.sequence_parallel
@@ -198,10 +192,10 @@ class Attention(nn.Module):
         self.state = state
         # the CP core recomputes itself in backward: core_attn would redo it twice
         cp = state.context_parallel_size > 1
-        self.recompute_core = recompute_core and self.backend.keeps_scores and not cp
-        self.rng = rng
+        self.recompute_core = ctx.recomputes("core_attn") and self.backend.keeps_scores and not cp
+        self.rng = ctx.rng
         self.norm_kind = NORMS[config.normalization]
-        self.rotary = rotary if not POSITIONS[config.position_embedding].learned else None
+        self.rotary = ctx.rotary if not POSITIONS[config.position_embedding].learned else None
         common: dict[str, Any] = {
             "sequence_parallel": sp, "bias": config.has_bias("qkv"), "init_std": config.init_std,
             **kwargs,

@@ -52,8 +52,14 @@ class GPTConfig(RunSettings, Architecture):
     dtype, bias update rate); unused otherwise."""
 
     def __post_init__(self) -> None:
+        """Every field checked once, when the config is built (its float settings, then
+        :func:`~lightning_sp.model.config_checks.check_config`): a built config is valid, and
+        nothing downstream checks it again. :class:`ConfigError`, one line: field, value,
+        what is valid. The one check against a layout is
+        :func:`~lightning_sp.model.config_checks.check_model_layout`."""
         Architecture.__post_init__(self)
         RunSettings.__post_init__(self)
+        check_config(self)
 
     @property
     def architecture(self) -> "Architecture":
@@ -187,12 +193,6 @@ class GPTConfig(RunSettings, Architecture):
         """The vocabulary rounded up to a multiple of ``make_vocab_size_divisible_by * t``."""
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
         return -(-self.vocab_size // multiple) * multiple
-
-    def validate(self) -> None:
-        """Raise :class:`ConfigError` (one line: field, value, what is valid) on a bad field,
-        whatever the layout (:func:`~lightning_sp.model.config_checks.check_config`); the one
-        check against a layout is :func:`~lightning_sp.model.config_checks.check_model_layout`."""
-        check_config(self)
 
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {

@@ -1,5 +1,5 @@
 """The checks of a :class:`~lightning_sp.model.config.GPTConfig`: every field in its range
-(:func:`check_config`, which :meth:`GPTConfig.validate` runs) and, in the one function
+(:func:`check_config`, which the config's construction runs) and, in the one function
 :func:`check_model_layout`, the model against a layout (the layout's sizes dividing what they
 split), each failure one :class:`ConfigError` line naming the field, the value and what is
 valid. The model and its MoE layer are built trusting them; the recompute policies and the
@@ -26,14 +26,14 @@ BIAS_PROJECTIONS = ("qkv", "proj", "fc1", "fc2")
 def check_model_layout(config: Any, layout: ParallelConfig, *, split_sequence: bool = True) -> None:
     """The one check of a model against a layout, run before launch (the command line's
     :func:`~lightning_sp.cli.checks.check_fit_config`, ``GPTModule`` when the strategy pushes
-    the layout) and in the planner's estimate: ``config``'s fields (:func:`check_config`),
-    then what its ``t`` tensor-parallel ranks split (hidden size, heads, key/value groups, MLP
-    width), the sequence by :meth:`ParallelConfig.sequence_divisor` under the model's sequence
-    parallelism (``split_sequence``; the planner, which shows a layout whose SP cannot split
-    the sequence without it, checks ``2c`` itself) and the mixture-of-experts part against the
-    expert sizes (:meth:`~lightning_sp.model.moe.config.MoEConfig.check_layout`).
-    :class:`ConfigError`, one line: field, value, what is valid."""
-    check_config(config)
+    the layout) and in the planner's estimate (``config``'s own fields were checked when it
+    was built, :func:`check_config`): what its ``t`` tensor-parallel ranks split (hidden size,
+    heads, key/value groups, MLP width), the sequence by
+    :meth:`ParallelConfig.sequence_divisor` under the model's sequence parallelism
+    (``split_sequence``; the planner, which shows a layout whose SP cannot split the sequence
+    without it, checks ``2c`` itself) and the mixture-of-experts part against the expert sizes
+    (:meth:`~lightning_sp.model.moe.config.MoEConfig.check_layout`). :class:`ConfigError`, one
+    line: field, value, what is valid."""
     t = layout.tensor_parallel_size
     check_divisible("hidden_size", config.hidden_size, "tensor_parallel_size", t)
     check_divisible("num_heads", config.num_heads, "tensor_parallel_size", t)
@@ -53,8 +53,8 @@ def check_model_layout(config: Any, layout: ParallelConfig, *, split_sequence: b
 
 def check_config(config: Any) -> None:
     """Raise :class:`ConfigError` (one line: field, value, what is valid) on a bad ``config``
-    (a :class:`~lightning_sp.model.config.GPTConfig`, which imports this module): its fields
-    alone, whatever the layout (:func:`check_model_layout` adds the layout)."""
+    (a :class:`~lightning_sp.model.config.GPTConfig`, whose construction runs it once): its
+    fields alone, whatever the layout (:func:`check_model_layout` adds the layout)."""
     for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_heads"):
         positive_int(name, getattr(config, name))
     check_attention(config.attention)

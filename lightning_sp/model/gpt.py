@@ -30,7 +30,7 @@ two masks; ``full`` keeps the layer input only.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -42,7 +42,7 @@ from lightning_sp.model.fp8 import attach_fp8
 from lightning_sp.model.parts.base import BuildContext
 from lightning_sp.model.parts.dense import MLP
 from lightning_sp.model.parts.norm import Norm
-from lightning_sp.model.recompute import NO_RECOMPUTE, RecomputePolicy, recompute
+from lightning_sp.model.recompute import NO_RECOMPUTE, recompute
 from lightning_sp.model.spec import POSITIONS
 from lightning_sp.parallel.comm import f_bar
 from lightning_sp.parallel.context import context_token_mean
@@ -66,23 +66,16 @@ class TransformerLayer(nn.Module):
     ``[s/t, b, h]`` under sequence parallelism, else ``[s, b, h]``, in and out.
     """
 
-    def __init__(
-        self,
-        config: GPTConfig,
-        state: ParallelState,
-        rng: RNGStreams,
-        layer_number: int,
-        recompute: RecomputePolicy,
-        rotary: Rotary | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, ctx: BuildContext, layer_number: int) -> None:
+        """Built from ``ctx`` whole (its config is a :class:`GPTConfig`; its policy, this
+        layer's), as global layer ``layer_number``."""
         super().__init__()
+        config, rng = cast(GPTConfig, ctx.config), ctx.rng
         self.layer_number = layer_number
-        self.recompute = recompute
+        self.recompute = ctx.recompute
         """This layer's policy (its parts query it through their build context)."""
         self.attention_backend = config.attention
         self.block = config.block()
-        ctx = BuildContext(config, state, rng, recompute, rotary, kwargs)
         for sub in self.block.sublayers:
             self.add_module(sub.norm.name, sub.norm.build(ctx))
             self.add_module(sub.name, sub.mixer.build(ctx))
@@ -149,7 +142,6 @@ class GPT(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        config.validate()  # its fields; the layout was checked against it before launch
         config.recompute.check_resolved()
         self.config, self.state = config, state
         self.layer_range = layer_range if layer_range is not None else range(config.num_layers)
@@ -184,22 +176,14 @@ class GPT(nn.Module):
             mark_parameter(self.position_embeddings, std=config.init_std, sequence_parallel=sp)
         self.rotary = None if self.learned_positions else Rotary(config)
         start = self.layer_range.start
+        ctx = BuildContext(config, state, self.rng, NO_RECOMPUTE, self.rotary, kwargs)
         self.layers = nn.ModuleList(
-            TransformerLayer(
-                config,
-                state,
-                self.rng,
-                n,
-                config.layer_recompute(n - start),
-                self.rotary,
-                **kwargs,
-            )
+            TransformerLayer(ctx.for_layer(config.layer_recompute(n - start)), n)
             for n in self.layer_range
         )
         # float8 GEMMs in the layers' linears (the embeddings and the head stay as they are)
         attach_fp8(self.layers, config, torch.device(device), dtype or torch.get_default_dtype())
         if self.has_head:
-            ctx = BuildContext(config, state, self.rng, NO_RECOMPUTE, None, kwargs)
             self.final_norm = Norm(config.normalization, "final_norm").build(ctx)
         self.reset_parameters()
 

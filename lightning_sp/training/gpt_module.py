@@ -130,7 +130,6 @@ class GPTModule(CheckpointHooks):
         self.config = dataclasses.replace(config)
         self.optimizer_config = dataclasses.replace(optimizer)
         self.generation = dataclasses.replace(generation)
-        self.config.validate()
         check_optimizer(self.optimizer_config)
         self.init_from = init_from
         if init_from is not None:

@@ -521,7 +521,7 @@ MUTATIONS = (
         "first-fit packing with < for <=: an item that fills a bin's room exactly opens a new bin",
         (
             (
-                "lightning_sp/data/chat.py",
+                "lightning_sp/data/packing.py",
                 "            if length <= free:",
                 "            if length < free:",
             ),

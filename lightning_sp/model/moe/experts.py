@@ -28,6 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sp.model.fused import activate
+from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.model.parts.base import BuildContext
 from lightning_sp.model.spec import ACTIVATIONS
 from lightning_sp.parallel.init import ExpertSlice, mark_parameter
 
@@ -128,29 +130,23 @@ class Experts(nn.Module):
     expert tensor parallelism of size ``t_e``, this rank ``r_e``): rows ``[N, h]`` grouped by
     local expert (``counts`` rows each) -> ``[N, h]`` (partial sums over the ``t_e`` ranks)."""
 
-    def __init__(
-        self,
-        hidden_size: int,
-        ffn_size: int,
-        num_local: int,
-        first_expert: int,
-        *,
-        tensor_parallel: bool,
-        init_std: float,
-        output_init_std: float,
-        expert_tensor_parallel_size: int = 1,
-        expert_tensor_parallel_rank: int = 0,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
+    def __init__(self, ctx: BuildContext, config: MoEConfig) -> None:
+        """This rank's experts of ``config`` as ``ctx``'s layout places them: ``E/e`` of them
+        (the EP rank's block), ``f_e/t_e`` wide under expert tensor parallelism."""
         super().__init__()
-        t_e, r_e = expert_tensor_parallel_size, expert_tensor_parallel_rank
-        h, f = hidden_size, ffn_size // t_e
+        state, c = ctx.state, ctx.config
+        t_e = state.expert_tensor_parallel_size
+        r_e = state.tensor_parallel_rank if t_e > 1 else 0
+        num_local = config.num_experts // state.expert_parallel_size
+        first_expert = state.expert_parallel_rank * num_local
+        tensor_parallel = state.tensor_parallel_size > 1
+        h, f = c.hidden_size, config.expert_ffn_size // t_e
+        dtype, device = ctx.kwargs.get("dtype"), ctx.kwargs.get("device")
         self.gate_up = nn.Parameter(torch.empty(num_local, 2 * f, h, dtype=dtype, device=device))
         self.down = nn.Parameter(torch.empty(num_local, h, f, dtype=dtype, device=device))
         for param, std, sliced in (
-            (self.gate_up, init_std, ExpertSlice(1, 2, t_e, r_e)),  # [gate; up] rows
-            (self.down, output_init_std, ExpertSlice(2, 1, t_e, r_e)),  # columns
+            (self.gate_up, c.init_std, ExpertSlice(1, 2, t_e, r_e)),  # [gate; up] rows
+            (self.down, c.output_init_std, ExpertSlice(2, 1, t_e, r_e)),  # columns
         ):
             mark_parameter(param, std=std, sequence_parallel=tensor_parallel and t_e == 1)
             param.expert = True  # type: ignore[attr-defined]

@@ -33,13 +33,13 @@ from lightning_sp.model.fused import act_row_linear, activate, fused_column_line
 from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.model.moe.experts import SWIGLU, Experts
 from lightning_sp.model.moe.router import Router
+from lightning_sp.model.parts.base import BuildContext
 from lightning_sp.model.recompute import replaying
 from lightning_sp.model.spec import NormModule
 from lightning_sp.parallel.dispatch import combine, dispatch
 from lightning_sp.parallel.expert_rows import gather_rows, plan_rows, scatter_rows
 from lightning_sp.parallel.init import initialize_parameter
 from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from lightning_sp.parallel.state import ParallelState
 
 TOTALS = ("aux_loss", "z_loss", "dropped", "forwards")
 """The first entries of :attr:`MoE.totals`; the choices per expert ``[E]`` follow."""
@@ -78,19 +78,17 @@ class SharedExperts(nn.Module):
     """The shared experts as one SwiGLU MLP of width ``f_s``, tensor parallel like the dense
     MLP (``gate``/``up`` column parallel, ``fc2`` row parallel)."""
 
-    def __init__(
-        self, hidden_size: int, ffn_size: int, state: ParallelState, *, sequence_parallel: bool,
-        init_std: float, output_init_std: float, **kwargs: Any,
-    ) -> None:  # fmt: skip
+    def __init__(self, ctx: BuildContext, ffn_size: int) -> None:
         super().__init__()
+        c, sp = ctx.config, ctx.sequence_parallel
         for name in SWIGLU.inputs:
             self.add_module(name, ColumnParallelLinear(
-                hidden_size, ffn_size, state, sequence_parallel=sequence_parallel, bias=False,
-                init_std=init_std, **kwargs,
+                c.hidden_size, ffn_size, ctx.state, sequence_parallel=sp, bias=False,
+                init_std=c.init_std, **ctx.kwargs,
             ))  # fmt: skip
         self.fc2 = RowParallelLinear(
-            ffn_size, hidden_size, state, sequence_parallel=sequence_parallel, bias=False,
-            init_std=output_init_std, **kwargs,
+            ffn_size, c.hidden_size, ctx.state, sequence_parallel=sp, bias=False,
+            init_std=c.output_init_std, **ctx.kwargs,
         )  # fmt: skip
 
     def forward(self, x: Tensor, recompute_act: bool = False) -> Tensor:
@@ -111,23 +109,13 @@ class MoE(nn.Module):
     optimizer step, the step's routing sums; the router's ``expert_bias`` is a persistent
     buffer, which checkpoints save."""
 
-    def __init__(
-        self,
-        hidden_size: int,
-        config: MoEConfig,
-        state: ParallelState,
-        *,
-        sequence_parallel: bool,
-        init_std: float = 0.02,
-        output_init_std: float = 0.02,
-        recompute_act: bool = False,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
+    def __init__(self, ctx: BuildContext, config: MoEConfig) -> None:
+        """Built from ``ctx`` whole (the layer's sizes, initialisation, layout and ``mlp_act``
+        recompute module) with the part's ``config``."""
         super().__init__()
-        e, t = state.expert_parallel_size, state.tensor_parallel_size
+        state, sequence_parallel = ctx.state, ctx.sequence_parallel
         t_e = state.expert_tensor_parallel_size
-        self.recompute_act = recompute_act
+        self.recompute_act = ctx.recomputes("mlp_act")
         """The ``mlp_act`` recompute module: the experts' and shared experts' down projections
         save SwiGLU's input and replay it in backward."""
         self.config = config
@@ -137,23 +125,11 @@ class MoE(nn.Module):
         self.group = state.micro_batch_group(sequence_parallel)
         self.ep_group = state.ep_group
         self.reduce_groups = (state.tp_group if sequence_parallel else None, state.gradient_group)
-        kwargs: dict[str, Any] = {"dtype": dtype, "device": device}
-        self.router = Router(
-            hidden_size, config, sequence_parallel=sequence_parallel, init_std=init_std, **kwargs
-        )
-        local = config.num_experts // e
-        self.experts = Experts(
-            hidden_size, config.expert_ffn_size, local, state.expert_parallel_rank * local,
-            tensor_parallel=t > 1, init_std=init_std, output_init_std=output_init_std,
-            expert_tensor_parallel_size=t_e,
-            expert_tensor_parallel_rank=state.tensor_parallel_rank if t_e > 1 else 0, **kwargs,
-        )  # fmt: skip
+        self.router = Router(ctx, config)
+        self.experts = Experts(ctx, config)
         self.shared: SharedExperts | None = None
         if config.num_shared_experts:
-            self.shared = SharedExperts(
-                hidden_size, config.shared_ffn_size, state, sequence_parallel=sequence_parallel,
-                init_std=init_std, output_init_std=output_init_std, **kwargs,
-            )  # fmt: skip
+            self.shared = SharedExperts(ctx, config.shared_ffn_size)
         self.aux_loss_scale = 1.0
         self.metrics: dict[str, Tensor] = {}
         """The last forward's micro-batch values: ``aux_loss``, ``z_loss`` (unscaled),

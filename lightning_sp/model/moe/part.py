@@ -113,12 +113,7 @@ class MoEFeedForward(Part):
     config: MoEConfig
 
     def build(self, ctx: BuildContext) -> nn.Module:
-        c = ctx.config
-        return MoE(
-            c.hidden_size, self.config, ctx.state, sequence_parallel=c.sequence_parallel,
-            init_std=c.init_std, output_init_std=c.output_init_std,
-            recompute_act=ctx.recomputes("mlp_act"), **ctx.kwargs,
-        )  # fmt: skip
+        return MoE(ctx, self.config)
 
     def step_totals(self) -> StepTotals:
         """Each layer's routing sums (:data:`~lightning_sp.model.moe.layer.TOTALS`, then the

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_sp.model.moe.config import MoEConfig
+from lightning_sp.model.parts.base import BuildContext
 from lightning_sp.model.recompute import replaying
 from lightning_sp.parallel.comm import Group, all_gather_sequence, f_bar, group_rank, group_size
 from lightning_sp.parallel.dispatch import expert_counts
@@ -68,22 +69,18 @@ class Router(nn.Module):
     expert_bias: Tensor | None
     tokens_per_expert: Tensor | None
 
-    def __init__(
-        self,
-        hidden_size: int,
-        config: MoEConfig,
-        *,
-        sequence_parallel: bool,
-        init_std: float,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
+    def __init__(self, ctx: BuildContext, config: MoEConfig) -> None:
+        """The router of ``config``'s experts over ``ctx``'s hidden size, initialised as its
+        config says, replicated (its gradient reduced over the TP group under SP)."""
         super().__init__()
         self.config = config
+        device = ctx.kwargs.get("device")
         self.weight = nn.Parameter(
-            torch.empty(config.num_experts, hidden_size, dtype=dtype, device=device)
+            torch.empty(config.num_experts, ctx.config.hidden_size, **ctx.kwargs)
         )
-        mark_parameter(self.weight, std=init_std, sequence_parallel=sequence_parallel)
+        mark_parameter(
+            self.weight, std=ctx.config.init_std, sequence_parallel=ctx.sequence_parallel
+        )
         for name in self.FP32_BUFFERS:
             zeros = torch.zeros(config.num_experts, dtype=torch.float32, device=device)
             persistent = name == "expert_bias"

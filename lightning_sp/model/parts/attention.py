@@ -90,9 +90,7 @@ class SelfAttention(Part):
     def build(self, ctx: BuildContext) -> nn.Module:
         from lightning_sp.model.attention import Attention
 
-        return Attention(
-            ctx.config, ctx.state, ctx.rng, ctx.recomputes("core_attn"), ctx.rotary, **ctx.kwargs
-        )
+        return Attention(ctx)
 
     def saved_terms(self, x: ActivationShape) -> Terms:
         e, k = x.activation_bytes, x.mask_bytes

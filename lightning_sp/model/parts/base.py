@@ -28,6 +28,7 @@ its parts.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from torch import Tensor, nn
 
 from lightning_sp.model.ops import RopeScaling
 from lightning_sp.model.parts.weights import HFNames, Weight
-from lightning_sp.model.recompute import RecomputePolicy
+from lightning_sp.model.recompute import NO_RECOMPUTE, RecomputePolicy
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.random import RNGStreams
 from lightning_sp.parallel.state import ParallelState
@@ -107,6 +108,9 @@ class LayerConfig(Protocol):
 
     @property
     def output_init_std(self) -> float: ...
+
+    @property
+    def seed(self) -> int: ...
 
     def has_bias(self, projection: str) -> bool: ...
 
@@ -209,9 +213,11 @@ class Collective:
 
 @dataclass(frozen=True)
 class BuildContext:
-    """What a part's module needs besides the config: the layout, the dropout streams, its
-    layer's recompute policy, the shared RoPE tables and the tensor factory arguments
-    (``dtype``, ``device``)."""
+    """Everything a part's module is built from, passed whole to its constructor
+    (``Attention(ctx)``, ``MLP(ctx)``, ``MoE(ctx, moe)``, ``TransformerLayer(ctx, n)``): the
+    config, the layout, the dropout streams, its layer's recompute policy, the shared RoPE
+    tables and the tensor factory arguments (``dtype``, ``device``). The model makes one per
+    layer (:meth:`for_layer`); a test or a benchmark building one module alone, :meth:`of`."""
 
     config: LayerConfig
     state: ParallelState
@@ -219,7 +225,35 @@ class BuildContext:
     recompute: RecomputePolicy
     """The policy its layer runs (:meth:`recomputes` asks it)."""
     rotary: Any
+    """The model's shared RoPE tables (:class:`~lightning_sp.model.attention.Rotary`), or None
+    (learned positions, or a module that rotates nothing)."""
     kwargs: dict[str, Any]
+    """The tensor factory arguments of every parameter: ``dtype``, ``device``."""
+
+    @classmethod
+    def of(
+        cls,
+        config: LayerConfig,
+        state: ParallelState,
+        recompute: RecomputePolicy = NO_RECOMPUTE,
+        *,
+        dtype: Any = None,
+        device: Any = None,
+    ) -> BuildContext:
+        """A context for one module built alone: ``config``'s dropout streams (chunk 0), no
+        RoPE tables, the state's device unless ``device`` is given."""
+        rng = RNGStreams(config.seed, state)
+        device = state.device if device is None else device
+        return cls(config, state, rng, recompute, None, {"dtype": dtype, "device": device})
+
+    def for_layer(self, recompute: RecomputePolicy) -> BuildContext:
+        """This context for a layer that runs ``recompute``."""
+        return dataclasses.replace(self, recompute=recompute)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the residual stream is sharded along the sequence (the config's)."""
+        return self.config.sequence_parallel
 
     def recomputes(self, module: str) -> bool:
         """Whether the recompute module ``module`` (``core_attn``, ``mlp_act`` ...) acts in

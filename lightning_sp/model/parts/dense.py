@@ -6,7 +6,6 @@ column parallel: ``fc1``, or SwiGLU's ``gate`` and ``up``) -> activation -> ``f 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from torch import Tensor, nn
 
@@ -16,7 +15,6 @@ from lightning_sp.model.parts.base import (
     OUTSIDE,
     BuildContext,
     Gemm,
-    LayerConfig,
     MemoryOp,
     Part,
     PartLinear,
@@ -28,7 +26,6 @@ from lightning_sp.model.parts.weights import HFNames, WeightMap, convention, lin
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.model.spec import ACTIVATIONS, NORMS, ActivationKind, NormModule
 from lightning_sp.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from lightning_sp.parallel.state import ParallelState
 
 HF_MLP: dict[str, dict[str, str]] = {
     "gpt2": {"fc1": "mlp.c_fc", "fc2": "mlp.c_proj"},
@@ -43,19 +40,17 @@ class MLP(nn.Module):
     ``up``) -> activation -> h (``fc2``, row parallel)."""
 
     def __init__(
-        self,
-        config: LayerConfig,
-        state: ParallelState,
-        recompute_act: bool = False,
-        bias_in: bool | None = None,
-        bias_out: bool | None = None,
-        **kwargs: Any,
+        self, ctx: BuildContext, bias_in: bool | None = None, bias_out: bool | None = None
     ) -> None:
+        """Built from ``ctx`` whole (its config's sizes and activation, its layout, its
+        layer's ``mlp_act`` recompute module); ``bias_in`` / ``bias_out`` (the part's; None:
+        the config's ``fc1`` / ``fc2`` biases)."""
         super().__init__()
+        config, state, kwargs = ctx.config, ctx.state, ctx.kwargs
         sp = config.sequence_parallel
         self.kind = ACTIVATIONS[config.activation]
         self.norm_kind = NORMS[config.normalization]
-        self.recompute_act = recompute_act
+        self.recompute_act = ctx.recomputes("mlp_act")
         """Whether the activation is recomputed in fc2's backward (``mlp_act``)."""
         bias_in = config.has_bias("fc1") if bias_in is None else bias_in
         bias_out = config.has_bias("fc2") if bias_out is None else bias_out
@@ -113,10 +108,7 @@ class DenseMLP(Part):
         return ACTIVATIONS[self.activation]
 
     def build(self, ctx: BuildContext) -> nn.Module:
-        return MLP(
-            ctx.config, ctx.state, ctx.recomputes("mlp_act"), self.bias_in, self.bias_out,
-            **ctx.kwargs,
-        )  # fmt: skip
+        return MLP(ctx, self.bias_in, self.bias_out)
 
     def saved_terms(self, x: ActivationShape) -> Terms:
         e, sbf = x.activation_bytes, x.s * x.b * x.ffn
