@@ -23,7 +23,11 @@ from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.callbacks.memory import ActivationMemoryMonitor
 from lightning_sp.callbacks.progress import ProgressBar, si_format
 from lightning_sp.callbacks.throughput import MFUMonitor
-from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
+from lightning_sp.memory.flops import (
+    causal_half_model_flops_per_iteration,
+    hardware_flops_per_iteration,
+    model_flops_per_iteration,
+)
 from lightning_sp.memory.formulas import activation_bytes_per_layer
 from lightning_sp.model.shape import ActivationShape
 
@@ -43,6 +47,8 @@ THROUGHPUT_METRICS = [
     "throughput/hardware_tflops_per_sec",
     "throughput/mfu",
     "throughput/hfu",
+    "throughput/model_tflops_per_sec_causal_half",
+    "throughput/mfu_causal_half",
 ]
 
 
@@ -171,6 +177,15 @@ def test_monitors_in_a_real_trainer(recompute: str, tmp_path: Path) -> None:
     assert last["mfu"] == pytest.approx(last["model_tflops_per_sec"] * 1e12 / PEAK, rel=1e-6)
     assert last["model_tflops_per_sec"] * 1e12 == pytest.approx(
         last["tokens_per_sec"] * model_flops / (B * S), rel=1e-6
+    )
+    # mfu counts attention whole; mfu_causal_half counts causal attention's cores at half
+    half = causal_half_model_flops_per_iteration(module.config, B) / model_flops
+    assert half < 1, "the tiny model is causal: halving its attention cores lowers the count"
+    assert last["mfu_causal_half"] == pytest.approx(last["mfu"] * half, rel=1e-6), (
+        "mfu_causal_half is not mfu in Megatron-LM's convention"
+    )
+    assert last["model_tflops_per_sec_causal_half"] == pytest.approx(
+        last["model_tflops_per_sec"] * half, rel=1e-6
     )
 
 

@@ -404,3 +404,21 @@ def test_force_balanced_is_refused_in_fit(tmp_path) -> None:
         GPTConfig.of("llama", moe=MoEConfig(force_balanced=True), feed_forward="moe")
     )
     _raises(r"^moe.force_balanced=True", module.on_fit_start)
+
+
+def test_moe_sft_with_accumulation_is_refused_before_launch(tmp_path) -> None:
+    """Loss masks with auxiliary losses cannot accumulate batches (the step's token count
+    scales the auxiliary losses before its first backward): ``fit`` refuses it before launch,
+    not at the first step after both ranks started."""
+    from lightning_sp.cli import main as cli
+
+    from cli_runs import ROOT
+
+    message = _raises(
+        r"^trainer.accumulate_grad_batches=2 with per-token loss masks and auxiliary losses",
+        cli.main,
+        ["fit", "--config", str(ROOT / "configs" / "moe_tiny.yaml"), "--data.eod_mask_loss",
+         "true", "--trainer.accumulate_grad_batches", "2",
+         "--trainer.default_root_dir", str(tmp_path)],
+    )  # fmt: skip
+    assert message.endswith("or num_microbatches with pipeline parallelism)"), message

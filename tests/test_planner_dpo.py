@@ -43,3 +43,32 @@ def test_estimate_prints_the_reference(tmp_path, capsys) -> None:
     assert report_main(read_estimate_args, args) == 0
     out = capsys.readouterr().out
     assert "DPO reference copy: forward" in out and "GB per GPU" in out, out[-400:]
+
+
+def test_reference_forward_prices_the_heads_log_probabilities(tmp_path) -> None:
+    """The reference's per-token log-probabilities are the vocab-parallel cross entropy's
+    forward (sequence_logps): its passes over the ``s·b·v/t`` logits (38 bytes a logit), the
+    final norm, the embedding and one TP collective at each end are priced per micro-batch
+    beside the layers and the logits GEMM."""
+    from lightning_sp.planner.kernels import gather_seconds, gemm_seconds, memory_seconds
+    from lightning_sp.planner.layertime import layer_time
+    from lightning_sp.planner.ops import ACT, embedding_memory_ops, head_gemms, head_memory_ops
+
+    layout = read_estimate_args(_layout(tmp_path, "--model.dpo.beta=0.1")).layout
+    cluster = load_cluster("a100-80gb")
+    config, t, b = layout.config, layout.tensor_parallel_size, layout.micro_batch_size
+    assert layout.pipeline_parallel_size == 1 and config.sequence_parallel
+    n, s, h = layout.microbatches_per_step, config.seq_length, config.hidden_size
+    logits = s * b * config.padded_vocab_size(t) // t
+    ops = [*head_memory_ops(config, t, b, True), *embedding_memory_ops(config, t, b, True)]
+    assert next(op for op in ops if op.name == "cross_entropy").forward_bytes == 38 * logits
+    layers = config.num_layers * sum(layer_time(layout.shape_of(config), cluster).forward.values())
+    ends = (
+        gemm_seconds(cluster, head_gemms(config, t, b)[0])
+        + sum(memory_seconds(cluster, op.forward_bytes) for op in ops)
+        + 2 * gather_seconds(cluster, ACT * s * b * h, t, True)
+    )
+    got = reference_cost(layout, "copy", cluster).seconds
+    assert got == pytest.approx(n * (layers + ends), rel=1e-12), (
+        f"reference forward {got} s, by hand {n * (layers + ends)} s (layers {n * layers} s)"
+    )

@@ -109,3 +109,16 @@ def test_estimate_prints_lora_beside_full(tmp_path, capsys: pytest.CaptureFixtur
     assert "LoRA r=8 on query, value" in out and "full fine-tune" in out, out
     for label in ("model state", "activations per layer", "first-stage activations", "iteration"):
         assert label in out, f"{label} missing: {out}"
+
+
+def test_estimate_json_keeps_lora_on_stderr(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--format json`` prints the rows as one JSON document on stdout and the LoRA run's
+    pricing on stderr (it was dropped before)."""
+    import json
+
+    args = _layout(tmp_path, "--model.lora.r=8", "--formula_only=true", "--format=json")
+    assert report_main(read_estimate_args, args) == 0
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)
+    assert isinstance(rows, list) and rows, "stdout is the rows' JSON"
+    assert "LoRA r=8 on query, value" in captured.err, f"LoRA pricing missing: {captured.err}"

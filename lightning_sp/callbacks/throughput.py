@@ -16,6 +16,7 @@ from typing_extensions import override
 from lightning_sp.callbacks.monitoring import batch_shape, check_every, gpt_of, is_due
 from lightning_sp.callbacks.progress import si_format
 from lightning_sp.memory.flops import (
+    causal_half_model_flops_per_iteration,
     hardware_flops_per_iteration,
     model_flops_per_iteration,
     peak_flops,
@@ -105,6 +106,16 @@ class MFUMonitor(Callback):
     * ``throughput/hardware_tflops_per_sec``: hardware TFLOP/s per device
     * ``throughput/mfu``: model FLOP/s per device / peak FLOP/s of a device
     * ``throughput/hfu``: hardware FLOP/s per device / peak FLOP/s of a device (>= mfu)
+    * ``throughput/model_tflops_per_sec_causal_half``, ``throughput/mfu_causal_half``: the
+      same with causal attention's cores counted at half
+      (:func:`~lightning_sp.memory.flops.causal_half_model_flops_per_iteration`)
+
+    Which FLOP convention: ``mfu``, ``hfu`` and the TFLOP/s without a suffix count attention
+    **whole** (the paper's Appendix A, torchtitan's count, Megatron-Core's until 2025), as
+    ``estimate``'s ``mfu`` does; Megatron-LM since 2025 and MaxText count causal attention at
+    half, which is what the ``_causal_half`` metrics report (``estimate``'s ``½causal``
+    columns, ``mfu_causal_half`` in its JSON). Compare a published MFU with the metric of the
+    source's convention (docs/planner.md, "Two FLOP conventions").
 
     ``peak_flops_per_device=None`` resolves the peak once, at the first ``on_train_start``,
     with :func:`~lightning_sp.memory.flops.peak_flops` for the device and compute dtype (the
@@ -149,9 +160,11 @@ class MFUMonitor(Callback):
         self.prog_bar = prog_bar
         self._model: Throughput | None = None
         self._hardware: Throughput | None = None
+        self._half: Throughput | None = None  # model FLOPs, causal attention at half
         self._clock = _StepClock()
-        # steps timed since the last logging step: (sequences, tokens, model, hardware FLOPs)
-        self._steps: list[tuple[int, int, float, float]] = []
+        # steps timed since the last logging step: (sequences, tokens, model, hardware,
+        # causal-half model FLOPs)
+        self._steps: list[tuple[int, int, float, float, float]] = []
         self._step = 0
         self._busy_time = 0.0
         self._batches = 0
@@ -188,8 +201,8 @@ class MFUMonitor(Callback):
         if self.peak_flops_per_device is None:
             self.peak_flops_per_device = self._resolve_peak(trainer, gpt)
         world_size = gpt.state.world_size
-        self._model, self._hardware = (
-            Throughput(self.peak_flops_per_device, world_size, self.window_size) for _ in range(2)
+        self._model, self._hardware, self._half = (
+            Throughput(self.peak_flops_per_device, world_size, self.window_size) for _ in range(3)
         )
         self._clock = _StepClock()
         self._steps = []
@@ -215,6 +228,7 @@ class MFUMonitor(Callback):
     ) -> None:
         if not self._clock.stop() or self._model is None or self._hardware is None:
             return
+        assert self._half is not None
         gpt = gpt_of(pl_module)
         b, s = batch_shape(batch)
         state = gpt.state
@@ -227,11 +241,15 @@ class MFUMonitor(Callback):
             hardware_flops_per_iteration(config, global_batch, layers_per_chunk=len(gpt.layers))
             / state.world_size
         )
-        self._steps.append((global_batch, global_batch * s, model_flops, hardware_flops))
+        half_flops = causal_half_model_flops_per_iteration(config, global_batch) / state.world_size
+        self._steps.append(
+            (global_batch, global_batch * s, model_flops, hardware_flops, half_flops)
+        )
         if not is_due(trainer, self.log_every_n_steps, self._step):
             return
         self._update()
         model, hardware = self._model.compute(), self._hardware.compute()
+        half = self._half.compute()
         if "device/mfu" not in model or "device/items_per_sec" not in model:
             return  # window not full yet
         metrics = {
@@ -240,6 +258,8 @@ class MFUMonitor(Callback):
             "hardware_tflops_per_sec": hardware["device/flops_per_sec"] / 1e12,
             "mfu": model["device/mfu"],
             "hfu": hardware["device/mfu"],
+            "model_tflops_per_sec_causal_half": half["device/flops_per_sec"] / 1e12,
+            "mfu_causal_half": half["device/mfu"],
         }
         self.last_metrics = {k: float(v) for k, v in metrics.items()}
         for name, value in self.last_metrics.items():
@@ -259,7 +279,8 @@ class MFUMonitor(Callback):
         """Feed the steps timed since the last logging step into the two windows (the clock's
         one synchronisation on CUDA happens here)."""
         assert self._model is not None and self._hardware is not None
-        for seconds, (sequences, tokens, model_flops, hardware_flops) in zip(
+        assert self._half is not None
+        for seconds, (sequences, tokens, model_flops, hardware_flops, half_flops) in zip(
             self._clock.drain(), self._steps, strict=True
         ):
             # Throughput takes cumulative counts; these are global (the whole data-parallel
@@ -275,6 +296,7 @@ class MFUMonitor(Callback):
             )  # fmt: skip
             self._model.update(**common, flops=model_flops)  # type: ignore[arg-type]
             self._hardware.update(**common, flops=hardware_flops)  # type: ignore[arg-type]
+            self._half.update(**common, flops=half_flops)  # type: ignore[arg-type]
         self._steps = []
 
     def progress_bar_items(self) -> dict[str, str]:

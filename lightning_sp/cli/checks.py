@@ -194,6 +194,14 @@ def _lora(model: Any) -> Any:
     return lora if isinstance(lora, LoRAConfig) else LoRAConfig(**dict(vars(lora)))
 
 
+def _masked(data: Any) -> bool:
+    """Whether the data section gives batches with per-token loss masks: chat SFT rows (a
+    ``chat_template_dir`` without ``preference``) or ``eod_mask_loss``."""
+    get = data.get if hasattr(data, "get") else lambda k, d=None: getattr(data, k, d)
+    chat = get("chat_template_dir") is not None and not get("preference", False)
+    return bool(chat or get("eod_mask_loss", False))
+
+
 def check_fit_config(config: Any, subcommand: str | None = None) -> None:
     """Every check that needs only a parsed ``fit`` / ``validate`` / ``test`` / ``predict``
     config (a jsonargparse Namespace): strategy arguments, precision, layout against the
@@ -204,6 +212,7 @@ def check_fit_config(config: Any, subcommand: str | None = None) -> None:
     from lightning_sp.model.config import GPTConfig
     from lightning_sp.model.config_checks import check_model_layout
     from lightning_sp.parallel.config import ParallelConfig
+    from lightning_sp.training.batches import check_masked_accumulation
 
     trainer = config.trainer
     args = _strategy_init_args(trainer.strategy)
@@ -211,6 +220,9 @@ def check_fit_config(config: Any, subcommand: str | None = None) -> None:
     layout = ParallelConfig()  # another strategy: data parallelism, the whole model per rank
     if subcommand in (None, "fit") and model_config.moe is not None:
         model_config.moe.check_trainable()
+        data = getattr(config, "data", None)
+        if model_config.moe.adds_auxiliary_losses and data is not None and _masked(data):
+            check_masked_accumulation(int(trainer.accumulate_grad_batches or 1))
     if args is not None:
         layout = check_strategy_args(**args)
         check_precision(trainer.precision)

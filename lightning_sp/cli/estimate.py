@@ -311,18 +311,25 @@ def main(read: Callable[[list[str]], FitLayoutCLI], argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # a LoRA run beside its full fine-tune, a DPO run's reference: after the table, or on
+    # stderr beside the JSON rows (stdout stays one JSON document)
+    extras = []
+    lora = getattr(parsed, "lora", None)
+    if lora is not None:
+        extras.append(format_lora(lora_estimate(parsed.layout, lora, cluster)))
+    reference = getattr(parsed, "reference", None)
+    if reference is not None:
+        extras.append(format_reference(reference_cost(parsed.layout, reference, cluster)))
     if options.format == "json":
         print(json.dumps([to_json(r) for r in result.rows], indent=2))
         if result.choice is not None:
             print(result.choice.describe(), file=sys.stderr)
+        for extra in extras:
+            print(extra, file=sys.stderr)
     else:
         print(format_table(result))
-        lora = getattr(parsed, "lora", None)
-        if lora is not None:
-            print(format_lora(lora_estimate(parsed.layout, lora, cluster)))
-        reference = getattr(parsed, "reference", None)
-        if reference is not None:
-            print(format_reference(reference_cost(parsed.layout, reference, cluster)))
+        for extra in extras:
+            print(extra)
     if options.plot:
         plot_ladder(result, options.plot)
         if options.format == "table":

@@ -15,7 +15,16 @@ matmuls of the whole model over the global batch: a third of the model FLOPs of 
 without recompute). Its seconds per GPU are the layer's forward
 (:func:`~lightning_sp.planner.layertime.layer_time`, its exposed TP and CP collectives
 included) on each stage's ``L/p`` layers for the ``n`` micro-batches and the forward
-schedule's ``(p-1)/m`` bubble, plus the output layer's logits GEMM ``n`` times.
+schedule's ``(p-1)/m`` bubble, plus per micro-batch the model's ends: the output layer's
+logits GEMM, the final norm and the vocab-parallel cross entropy's forward passes over the
+``s·b·v/t`` logits (the reference's per-token log-probabilities are that cross entropy's,
+:func:`~lightning_sp.model.sequence_logps.sequence_logps`: 38 bytes a logit,
+:func:`~lightning_sp.planner.ops.head_memory_ops`), the embedding's forward
+(:func:`~lightning_sp.planner.ops.embedding_memory_ops`) and their TP collectives (under SP
+the embedding's reduce-scatter and the head's all-gather, without it the embedding's
+all-reduce); with a pipeline the embedding is on the first stage and the head on the last,
+so the slower of the two is on the steady state's path, as in
+:func:`~lightning_sp.planner.steptime.step_time`.
 """
 
 from __future__ import annotations
@@ -29,10 +38,10 @@ from lightning_sp.memory.model_state import (
     parameters_per_rank,
 )
 from lightning_sp.planner.cluster import Cluster, load_cluster
-from lightning_sp.planner.kernels import gemm_seconds
+from lightning_sp.planner.kernels import gather_seconds, gemm_seconds, memory_seconds
 from lightning_sp.planner.layertime import layer_time
 from lightning_sp.planner.layout import Layout
-from lightning_sp.planner.ops import head_gemms
+from lightning_sp.planner.ops import ACT, embedding_memory_ops, head_gemms, head_memory_ops
 
 KINDS = ("copy", "adapters", "precomputed")
 """The resolved reference kinds (``auto`` resolved by the run: ``adapters`` with LoRA, else
@@ -74,8 +83,19 @@ def reference_cost(
     )
     b, c, n = layout.micro_batch_size, layout.context_parallel_size, layout.microbatches_per_step
     layer = sum(layer_time(layout.shape_of(config), hardware).forward.values())
-    logits = gemm_seconds(hardware, head_gemms(config, t, b, c)[0])
-    seconds = (n + (p - 1) / m) * config.num_layers / p * layer + n * logits
+    sp, s = config.sequence_parallel, config.seq_length // c  # s: this rank's tokens
+    # one TP collective of the [s, b, h] activation at each end (module docstring)
+    unit = gather_seconds(hardware, ACT * s * b * config.hidden_size, t, hardware.within_node(t))
+    head = gemm_seconds(hardware, head_gemms(config, t, b, c)[0]) + sum(
+        memory_seconds(hardware, op.forward_bytes) for op in head_memory_ops(config, t, b, sp, c)
+    )
+    embedding = sum(
+        memory_seconds(hardware, op.forward_bytes)
+        for op in embedding_memory_ops(config, t, b, sp, c)
+    )
+    head, embedding = head + (unit if sp else 0.0), embedding + (unit if sp else 2 * unit)
+    ends = head + embedding if p == 1 else max(head, embedding)
+    seconds = (n + (p - 1) / m) * config.num_layers / p * layer + n * ends
     weights = 0.0
     if kind == "copy":
         weights = parameters_per_rank(config, layout) * precision.param_bytes

@@ -151,10 +151,12 @@ def _gpt(h: int, a: int, layers: int, t: int, **kw: object) -> GPTConfig:
     """Megatron-LM's GPT of the H100 table: LayerNorm, GeLU MLP of 4h, learned positions,
     vocabulary 131072, s = 4096, untied embeddings (the table's parameter counts are those of
     untied input and output embeddings: 1.7B = 12·L·h² + 2·v·h), flash attention, no
-    recomputation, sequence parallelism at t > 1 (``--tp-comm-overlap`` needs it)."""
+    recomputation, sequence parallelism at t > 1 (``--tp-comm-overlap`` needs it), attention
+    and hidden dropout 0.1 (the README sets neither flag: Megatron's defaults at the table's
+    commit, as in its GPT example script, ``examples/gpt3/train_gpt3_175b_distributed.sh``)."""
     fields: dict[str, object] = dict(
         vocab_size=131072, seq_length=4096, hidden_size=h, num_layers=layers, num_heads=a,
-        tie_embeddings=False, hidden_dropout=0.0, attention_dropout=0.0, attention="sdpa",
+        tie_embeddings=False, hidden_dropout=0.1, attention_dropout=0.1, attention="sdpa",
         recompute=NO_RECOMPUTE, sequence_parallel=t > 1,
     )  # fmt: skip
     return GPTConfig(**{**fields, **kw})  # type: ignore[arg-type]
@@ -165,7 +167,8 @@ def _megatron_h100(
 ) -> PublishedRun:
     """One row of Megatron-LM's H100 weak-scaling table: d = 48, global batch 192·t·p/8
     (4·p sequences per replica), micro-batch 1 (not stated: with it the pipelined rows have
-    the 4·p micro-batches their batch implies), the distributed optimizer
+    the 4·p micro-batches their batch implies, and Megatron's GPT example script at that
+    commit runs ``--micro-batch-size 1``), the distributed optimizer
     (``--overlap-param-gather`` requires it), gradient reduce, parameter gather and TP
     communication overlapped, as the README states."""
     d, batch = 48, 4 * p  # per replica
@@ -179,7 +182,7 @@ def _megatron_h100(
         name=f"megatron-h100-{name}", group="Megatron-LM H100 weak scaling",
         source=MEGATRON_LM_H100, preset="h100-80gb", layout=layout,
         execution=MEGATRON_CORE_OVERLAPS, role="check", tflops_per_gpu=tflops,
-        assumed="micro-batch 1; no dropout, no recomputation (not stated)",
+        assumed="micro-batch 1; Megatron's defaults: dropout 0.1, no recomputation",
     )  # fmt: skip
 
 

@@ -44,6 +44,20 @@ def step_inputs(batch: dict[str, Tensor], model: Pipeline) -> tuple[Tensor, Tens
     return ids, labels, packing
 
 
+def check_masked_accumulation(accumulation: int) -> None:
+    """A run whose batches carry loss masks and whose model adds auxiliary losses cannot
+    accumulate batches (:func:`scale_auxiliary_losses_to_token_mean` needs the step's token
+    count before its first backward): ``ConfigError`` (one line) for ``accumulation > 1``.
+    Called before launch (``cli.checks``) and at the step."""
+    if accumulation > 1:
+        raise ConfigError(
+            f"trainer.accumulate_grad_batches={accumulation} with per-token loss masks and "
+            "auxiliary losses (moe.aux_loss_coef or moe.z_loss_coef > 0): the step's token "
+            "count must be known before its first backward; use accumulate_grad_batches=1 "
+            "(a larger data.batch_size, or num_microbatches with pipeline parallelism)"
+        )
+
+
 def scale_auxiliary_losses_to_token_mean(
     model: Pipeline, labels: Tensor, accumulation: int
 ) -> None:
@@ -63,13 +77,7 @@ def scale_auxiliary_losses_to_token_mean(
     losses."""
     if not auxiliary_losses_on(model):
         return
-    if accumulation > 1:
-        raise ConfigError(
-            f"trainer.accumulate_grad_batches={accumulation} with per-token loss masks and "
-            "auxiliary losses (moe.aux_loss_coef or moe.z_loss_coef > 0): the step's token "
-            "count must be known before its first backward; use accumulate_grad_batches=1 "
-            "(a larger data.batch_size, or num_microbatches with pipeline parallelism)"
-        )
+    check_masked_accumulation(accumulation)
     state = model.state
     count = torch.tensor(float(counted_tokens(labels)), dtype=torch.float64, device=state.device)
     if state.dp_group is not None:

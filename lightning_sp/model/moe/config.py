@@ -112,6 +112,11 @@ class MoETraining:
     are still the chosen scores), so every expert gets the same rows; for memory and speed
     measurements, never for training (``fit`` refuses it)."""
 
+    @property
+    def adds_auxiliary_losses(self) -> bool:
+        """Whether the load-balancing or z loss has a coefficient > 0."""
+        return bool(self.aux_loss_coef or self.z_loss_coef)
+
     def __post_init__(self) -> None:
         if self.capacity_factor is not None:
             finite_number(

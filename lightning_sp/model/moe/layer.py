@@ -217,7 +217,7 @@ class MoE(nn.Module):
     def adds_auxiliary_losses(self) -> bool:
         """Whether the load-balancing or z loss has a coefficient > 0 (the hook
         :class:`~lightning_sp.model.hooks.AuxiliaryLosses`)."""
-        return bool(self.config.aux_loss_coef or self.config.z_loss_coef)
+        return self.config.adds_auxiliary_losses
 
     def after_optimizer_step(self) -> None:
         """The auxiliary-loss-free bias update with ``expert_bias`` (:meth:`update_expert_bias`;
