@@ -14,6 +14,10 @@
 #            and compiled per layer, plain PyTorch SDPA eager and compiled, cli.py fit vs a plain
 #            loop (speed/gpu.md), then the MLP's GEMMs in bf16 and FP8 tensorwise / rowwise, ours
 #            and torchao's, eager and compiled (fp8_gpu.md; torchao among .gpu/'s wheels); ~5 min
+#   fp8      python -m benchmarks.fp8_step: the 1.2B GPT's training step with its linears in bf16,
+#            FP8 tensorwise and FP8 rowwise (fp8_step.md/.json: tokens/s, the ratio to bf16 with a
+#            95% CI, the first loss, bytes kept per layer vs the formula); about 2 minutes; without
+#            CUDA it exits 2 with one line
 # Results go to $OUT (default benchmarks/results/gpu), everything printed to $OUT/session.log. Each
 # step has its own limit (SIGABRT at the limit: Python prints every thread's stack), cut to what is
 # left of $BUDGET seconds (560), so one that fails or hangs leaves the others' results.
@@ -21,7 +25,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu}
 BUDGET=${BUDGET:-560}
-PARTS=${*:-models fit planner moe speed}
+PARTS=${*:-models fit planner moe speed fp8}
 mkdir -p "$OUT"
 log="$OUT/session.log"
 [ -f .gpu/setup-on-gpu.sh ] && source .gpu/setup-on-gpu.sh >>"$log" 2>&1
@@ -53,7 +57,8 @@ for part in $PARTS; do
       step 240 "compile + plain + fit" python -m benchmarks.gpu --only models,fit --backends sdpa \
         --policies none,selective --dropout 0 --out "$OUT/speed" --warmup 2 --steps 6
       step 90 "fp8 GEMMs" python -m benchmarks.fp8_gpu --out "$OUT" ;;
-    *) echo "unknown part $part (models, fit, planner, moe, speed)"; exit 2 ;;
+    fp8) step 150 "fp8 GPT step" python -m benchmarks.fp8_step --out "$OUT" ;;
+    *) echo "unknown part $part (models, fit, planner, moe, speed, fp8)"; exit 2 ;;
   esac
 done
 grep -av "it/s\]" "$log" | grep -a "===\|MFU\|TFLOP\|ratio\|wrote\|rror" | tail -40

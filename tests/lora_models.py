@@ -89,6 +89,18 @@ def full_adapters(config: GPTConfig, lora: LoRAConfig, seed: int = 5) -> dict[st
     }
 
 
+class FixedDropout(torch.nn.Module):
+    """Dropout with a given keep-mask: ``x · mask / (1 - p)`` (plain autograd), in place of
+    peft's ``nn.Dropout`` so that it drops what ours drew."""
+
+    def __init__(self, mask: torch.Tensor, p: float) -> None:
+        super().__init__()
+        self.mask, self.p = mask, p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.mask.to(x.dtype) / (1.0 - self.p)
+
+
 def peft_reference(
     directory: Path,
     config: GPTConfig,
@@ -97,13 +109,15 @@ def peft_reference(
     lora: LoRAConfig = LORA,
     targets: list[str] | None = None,
     prepare: Any = None,
+    masks: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """``peft`` on the saved model (Llama, or any family ``config`` reads) with ``adapters``
     (``lora``'s settings on the Hugging Face linears ``targets``, default every one of
     Llama's): logits, loss, and every adapter's gradient by our global name (float64;
     ``wide``: float64 norms; an MoE model's experts run transformers' eager loop, as
     ``torch._grouped_mm`` refuses float64; ``prepare(model)``: a last change to the
-    transformers model, e.g. a wider router)."""
+    transformers model, e.g. a wider router; ``masks``: ``lora.lora_dropout`` applied with
+    these keep-masks, ``[b, s, k]`` by our linear's global name, as :class:`FixedDropout`)."""
     import peft
     import transformers
 
@@ -116,7 +130,7 @@ def peft_reference(
         prepare(hf)
     settings = peft.LoraConfig(
         r=lora.r, lora_alpha=lora.lora_alpha, target_modules=targets or HF_TARGETS,
-        use_rslora=lora.use_rslora,
+        use_rslora=lora.use_rslora, lora_dropout=lora.lora_dropout,
     )  # fmt: skip
     model = peft.get_peft_model(hf, settings).double()
     modules = hf_modules(model_type_for(config), config)
@@ -127,6 +141,10 @@ def peft_reference(
             linear, _, which = name.rpartition(".lora.")
             keys[name] = peft_name(linear, which, modules).replace(".weight", ".default.weight")
             theirs[keys[name]].copy_(value)
+    for linear, mask in (masks or {}).items():  # peft's dropout module, with our mask
+        layer = keys[f"{linear}.lora.A"].removesuffix(".lora_A.default.weight")
+        dropout = model.get_submodule(layer).lora_dropout
+        dropout["default"] = FixedDropout(mask, lora.lora_dropout)
     ids, labels = tokens()
     logits = model(ids).logits
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())

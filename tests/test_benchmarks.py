@@ -241,3 +241,22 @@ def test_moe_gpu_benchmark_plumbing_on_cpu(tmp_path: Path) -> None:
         layers["hf"].experts.down_proj.mul_(2.0)  # type: ignore[operator]
     with pytest.raises(AssertionError, match="moe and hf disagree on the output"):
         moe.check_agreement(layers, x, torch.randn_like(x), moe.REL_TOL[torch.float32])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lora_benchmark_smoke(tmp_path: Path) -> None:
+    """``python -m benchmarks.lora --smoke``: our LoRA step, our full fine-tuning step and
+    peft + transformers' LoRA step ran (their losses agreed first), each ratio lies in its
+    interval, and each variant's peak memory was measured in its own process (the timings
+    themselves are not asserted)."""
+    from benchmarks import lora
+
+    out = lora.main(["--smoke", "--out", str(tmp_path)])
+    assert (tmp_path / "lora.json").is_file() and (tmp_path / "lora.md").is_file()
+    assert set(out["ratios"]) == {"lora_over_full", "lora_over_peft"}
+    for ratio, low, high in out["ratios"].values():
+        assert 0 < low <= ratio <= high
+    assert out["loss_relative_error_vs_peft"] <= lora.LOSS_RTOL
+    for variant in lora.VARIANTS:
+        assert out["memory"][variant]["peak_rss_mib"] > 0, f"{variant}: no peak measured"

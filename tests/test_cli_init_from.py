@@ -135,3 +135,36 @@ def test_fit_trains_a_saved_qwen3_from_a_config_without_sizes(qwen3: Path, tmp_p
     assert wrong.returncode == 2 and "Traceback" not in wrong.stderr, wrong.stderr[-2000:]
     errors = error_lines(wrong.stderr)
     assert len(errors) == 1 and "num_layers=3 does not match" in errors[0], wrong.stderr[-2000:]
+
+
+@pytest.mark.slow  # builds the demo's tokenizer and base (transformers)
+def test_the_lora_chat_demo_is_the_sft_demo_with_adapters(tmp_path: Path) -> None:
+    """``configs/llama_lora_tiny.yaml`` names no size (its model is ``examples/
+    sft_tiny_setup.py``'s base, read from init_from), trains r = 8 adapters on every linear, and
+    reads the SFT demo's data as ``configs/llama_sft_tiny.yaml`` does."""
+    import importlib.util
+
+    from lightning_sp.model.lora import LoRAConfig
+
+    from cli_runs import ROOT
+
+    spec = importlib.util.spec_from_file_location(
+        "sft_setup", ROOT / "examples" / "sft_tiny_setup.py"
+    )
+    assert spec is not None and spec.loader is not None
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)
+    setup.main(tmp_path / "sft")
+    path = ROOT / "configs" / "llama_lora_tiny.yaml"
+    demo, sft = (yaml.safe_load((ROOT / "configs" / name).read_text())
+                 for name in ("llama_lora_tiny.yaml", "llama_sft_tiny.yaml"))  # fmt: skip
+    stated = set(demo["model"]["config"])
+    assert stated <= {"seq_length", "hidden_dropout", "attention_dropout", "recompute"}, stated
+    assert demo["data"] == sft["data"] and demo["model"]["init_from"] == sft["model"]["init_from"]
+    parsed = read_estimate_args(
+        ["--config", str(path), "--model.init_from", str(tmp_path / "sft" / "base"),
+         "--formula_only", "true"]
+    )  # fmt: skip
+    assert parsed.lora == LoRAConfig(r=8, lora_alpha=16, target_modules=["all-linear"])
+    wanted = read_hf_config(tmp_path / "sft" / "base").architecture
+    assert parsed.layout.config.architecture == wanted, "not the SFT demo's base"

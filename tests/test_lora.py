@@ -11,6 +11,7 @@ the same base and adapter weights (adapters on every linear, B non-zero), float6
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from typing import Any
 
@@ -24,11 +25,12 @@ from lightning_sp.model.lora import LoRAConfig, apply_lora, lora_parameters
 from lightning_sp.optim.adamw import build_adamw
 from lightning_sp.parallel.grads import finalize_grads
 from lightning_sp.parallel.init import local_slice
+from lightning_sp.parallel.lora import LoRA
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.testing.spawn import run_distributed
 
-from hf_models import TOLERANCE, full_logits, relative, save_random_llama
+from hf_models import TOLERANCE, full_logits, relative, save_random_llama, tokens
 from models import context_shards
 
 
@@ -133,6 +135,77 @@ def test_base_frozen_bit_identical_adapters_train(reference: dict[str, Any]) -> 
             assert id(param) not in held and param not in optimizer.state, f"{name} optimized"
         else:
             assert not torch.equal(param, adapters[name]), f"adapter {name} did not move"
+
+
+def test_dropout_matches_peft_with_the_same_masks(reference: dict[str, Any]) -> None:
+    """``lora_dropout`` > 0 in training, one process, float64 norms: every keep-mask our
+    adapters draw (from the model's RNG streams) is handed to peft's model, whose dropout
+    modules apply it in its own forward (x · mask / (1 - p), plain autograd); the loss and
+    every adapter gradient (through our backward's dropped input and input gradient) <= 1e-10
+    against peft's; the loss is not the undropped one."""
+    lora = dataclasses.replace(LORA, lora_dropout=0.3)
+    config = llama_config()
+    drawn: dict[str, torch.Tensor] = {}
+    draw = LoRA.mask
+
+    def recorded(self: LoRA, like: torch.Tensor) -> torch.Tensor | None:
+        mask = draw(self, like)
+        assert mask is not None and self.name not in drawn, "one mask per adapter and step"
+        drawn[self.name] = mask.transpose(0, 1)  # [s, b, k] -> transformers' [b, s, k]
+        return mask
+
+    with wide_norms():
+        (model,) = adapted_shard(config, ParallelState.single(), reference["directory"],
+                                 reference["adapters"], lora=lora)  # fmt: skip
+        for name, module in model.named_modules():
+            if isinstance(module, LoRA):
+                module.name = model.global_name(name.removesuffix(".lora"))  # type: ignore[assignment]
+        ids, labels = reference["wide"]["ids"], reference["wide"]["labels"]
+        LoRA.mask = recorded  # type: ignore[method-assign]
+        try:
+            loss = model.train()(ids, labels)
+        finally:
+            LoRA.mask = draw  # type: ignore[method-assign]
+        loss.backward()
+    assert len(drawn) == 7 * config.num_layers, f"masks drawn: {sorted(drawn)}"
+    ref = peft_reference(reference["directory"], config, reference["adapters"], wide=True,
+                         lora=lora, masks=drawn)  # fmt: skip
+    err = relative(loss.detach(), ref["loss"])
+    assert err <= TOLERANCE, f"lora_dropout=0.3: loss relative error {err:.2e}"
+    assert relative(loss.detach(), reference["wide"]["loss"]) > 1e-4, "dropout changed nothing"
+    assert _check_grads([model], ref["grads"], "lora_dropout=0.3") == 14 * config.num_layers
+
+
+def test_bf16_base_stays_bf16_adapters_train_on_fp32_masters() -> None:
+    """A bf16 model with adapters: the frozen base stays bf16, bit-identical, with no master,
+    gradient or optimizer state; the optimizer holds fp32 masters of the adapters only, with
+    fp32 moments, and writes them back rounded to the bf16 adapters."""
+    config = llama_config(num_layers=1)
+    model = GPT(config, ParallelState.single(), dtype=torch.bfloat16)
+    apply_lora(model, LORA)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    adapters = lora_parameters(model)
+    optimizer = build_adamw(model, 1e-2, 0.1, (0.9, 0.95), 1e-8)
+    ids, labels = tokens(batch=2)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(ids, labels).backward()  # into fp32 main_grad, the adapters' only
+        optimizer.step()
+    masters = [p for group in optimizer.param_groups for p in group["params"]]
+    assert len(masters) == len(adapters) > 0, "the optimizer holds more than the adapters"
+    for master, param in zip(masters, optimizer.model_params, strict=True):  # type: ignore[attr-defined]
+        assert any(param is p for p in adapters.values()), "a base weight is optimized"
+        assert master.dtype == torch.float32 and param.dtype == torch.bfloat16, "master dtype"
+        assert param.main_grad.dtype == torch.float32, "adapter gradient not fp32"  # type: ignore[attr-defined]
+        state = optimizer.state[master]
+        for field in ("exp_avg", "exp_avg_sq"):
+            assert state[field].dtype == torch.float32, f"adapter {field} is {state[field].dtype}"
+        assert torch.equal(param, master.to(torch.bfloat16)), "adapter is not its master rounded"
+    for name, param in model.named_parameters():
+        if name in base:
+            assert param.dtype == torch.bfloat16, f"frozen {name} is {param.dtype}"
+            assert torch.equal(param, base[name]) and param.grad is None, f"frozen {name} moved"
+            assert not hasattr(param, "main_grad"), f"frozen {name} has a gradient buffer"
 
 
 @pytest.mark.parametrize(

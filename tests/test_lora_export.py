@@ -9,6 +9,7 @@ stated ``r`` the directory does not have, and ``--adapter`` of a full fine-tune.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -16,24 +17,34 @@ import lightning as L
 import pytest
 import torch
 from hf_families import save_random_family
+from jsonargparse import Namespace
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_sp import GPTModule, OptimizerConfig
-from lightning_sp.checkpoint.verify import check_checkpoint
+from lightning_sp import GPTModule, MegatronSPStrategy, OptimizerConfig
+from lightning_sp.checkpoint.verify import check_checkpoint, read_lightning
+from lightning_sp.cli.checks import check_resume, checkpoint_adapters
 from lightning_sp.cli.export import (
     CheckpointModel,
     export_adapter,
     export_checkpoint,
     open_checkpoint,
 )
+from lightning_sp.data import BYTE_EOS_ID
 from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import read_hf_config
-from lightning_sp.interop.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
+from lightning_sp.interop.peft import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    PEFT_PREFIX,
+    base_fingerprint,
+)
 from lightning_sp.model.lora import LoRAConfig, lora_parameters
 
 from hf_models import full_logits, relative, tokens
-from test_trainer import data, trainer
+from test_trainer import data, logged, trainer
 
 pytestmark = pytest.mark.slow  # Lightning runs (a fit, a resume on each base)
 
@@ -46,8 +57,9 @@ FP32 = 2e-6
 ~3e-7 here)."""
 
 
-def _module(base: Path, **kwargs: object) -> GPTModule:
-    config = read_hf_config(base, seq_length=64, hidden_dropout=0.0, attention_dropout=0.0)
+def _module(base: Path, config_overrides: dict | None = None, **kwargs: object) -> GPTModule:
+    config = read_hf_config(base, seq_length=64, hidden_dropout=0.0, attention_dropout=0.0,
+                            **(config_overrides or {}))  # fmt: skip
     kwargs.setdefault("lora", LORA)
     return GPTModule(config, OptimizerConfig(lr=1e-2, warmup_steps=0), init_from=str(base),
                      **kwargs)  # type: ignore[arg-type]  # fmt: skip
@@ -178,9 +190,134 @@ def test_adapter_mistakes_are_one_line(run: dict, tmp_path: Path) -> None:
         export_adapter(full, tmp_path / "none", overwrite=False)
 
 
+def test_adapter_checkpoint_holds_the_adapters_and_their_state_only(run: dict) -> None:
+    """A LoRA run from init_from saves no frozen weight: its tensors are the adapters, their
+    Adam moments and steps (and RNG state); it records its base (path and fingerprint)."""
+    stored = FileSystemReader(str(Path(run["ckpt"]).resolve())).read_metadata()
+    tensors = [
+        k
+        for k, v in stored.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata) and k.startswith(("model.", "optim."))
+    ]
+    assert tensors, "the checkpoint holds no tensor"
+    base = [k for k in tensors if ".lora." not in k]
+    assert not base, f"the adapter checkpoint holds frozen base tensors: {base[:3]}"
+    adapters = {f"model.{name}" for name in run["adapters"]}
+    assert adapters == {k for k in tensors if k.startswith("model.")}, "adapters missing"
+    moments = {k for k in tensors if k.endswith(".exp_avg_sq")}
+    assert len(moments) == len(adapters), "the adapters' optimizer state is not all saved"
+    record = read_lightning(Path(run["ckpt"]))["lora_base"]
+    assert record == {"init_from": str(run["base"]), "sha256": base_fingerprint(run["base"])}
+
+
+class StartLogits(Seen):
+    """Rank 0 saves the full logits on ``ids`` when a resumed fit starts (every rank
+    computes them: the gather is collective)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: GPTModule) -> None:
+        chunks = pl_module.chunks
+        with torch.no_grad():
+            logits = full_logits(chunks, chunks[0].state, self.ids)
+        if trainer.global_rank == 0:
+            torch.save({"logits": logits}, self.path)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: GPTModule) -> None:
+        pass
+
+
+def test_adapter_checkpoint_resumes_in_another_layout(run: dict, tmp_path: Path) -> None:
+    """The t = 1 adapter checkpoint resumed at t = 2 + SP: the base read again from
+    init_from on each rank, the adapters resharded, the model the trained one (its logits),
+    and the run steps on (the adapters' optimizer state loaded)."""
+    module = _module(run["base"], config_overrides={"sequence_parallel": True})
+    seen = StartLogits(run["ids"], tmp_path / "start.pt")
+    trainer(tmp_path, "tp2", "tp2-sp", max_steps=5, callbacks=[seen]).fit(
+        module, data(run["corpus"]), ckpt_path=str(run["ckpt"])
+    )
+    err = relative(seen.seen()["logits"], run["logits"])
+    assert err <= FP32, f"resumed at t=2+SP from adapters only: logits relative error {err:.2e}"
+    steps = logged(tmp_path, "tp2", "train/loss")
+    assert len(steps) == 1, f"the resumed run did not take step 5 alone: {steps}"
+
+
+def test_generate_on_an_adapter_checkpoint(run: dict, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """``generate`` on the adapter checkpoint, its config naming no size and no adapters
+    (the base's sizes from init_from, the adapters from the checkpoint): greedy text equal to
+    peft's greedy generation with the exported adapter on the transformers base."""
+    from lightning_sp.cli.fit import GPTCLI
+    from lightning_sp.cli.generate import main as generate
+    from lightning_sp.data.prompts import Codec
+
+    prompt, new = "def add", 12
+    argv = ["--ckpt_path", str(run["ckpt"]), "--prompt", prompt, "--max_new_tokens", str(new),
+            "--temperature", "0", "--model.init_from", str(run["base"]),
+            "--model.config.seq_length", "64", "--trainer.accelerator", "cpu",
+            "--data.paths", str(run["corpus"])]  # fmt: skip
+    assert generate(argv, GPTCLI) == 0
+    printed = capsys.readouterr().out
+    adapter = export_adapter(open_checkpoint(run["ckpt"]), tmp_path / "adapter", overwrite=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(run["base"], attn_implementation="sdpa")
+    model = peft.PeftModel.from_pretrained(hf, adapter).eval()
+    codec = Codec(BYTE_EOS_ID)
+    ids = torch.tensor([codec.encode(prompt)])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, max_new_tokens=new, do_sample=False,
+                             eos_token_id=BYTE_EOS_ID, pad_token_id=BYTE_EOS_ID)  # fmt: skip
+    theirs = prompt + codec.decode(out[0, ids.shape[1] :].tolist())
+    assert printed.endswith(theirs + "\n"), f"generate printed {printed[-200:]!r}, peft: {theirs!r}"
+
+
+def test_validate_on_an_adapter_checkpoint(run: dict, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """``cli.py validate`` of a LoRA checkpoint with the run's config as written, which names
+    no adapters (the reported "checkpoint holds ...lora.A, which this model lacks"): the
+    checkpoint's adapters are used, giving the validation loss of a module that states them,
+    not the base's; a stated ``r`` other than the checkpoint's is one line."""
+    from lightning_sp.cli.main import main
+
+    argv = ["validate", "--model.init_from", str(run["base"]), "--model.config.seq_length", "64",
+            "--model.config.hidden_dropout", "0", "--model.config.attention_dropout", "0",
+            "--data.paths", str(run["corpus"]), "--data.batch_size", "4",
+            "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+            "--trainer.precision", "32-true", "--trainer.strategy", "megatron_sp",
+            "--trainer.logger", "false",
+            "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false",
+            "--trainer.default_root_dir", str(tmp_path),
+            "--ckpt_path", str(run["ckpt"])]  # fmt: skip
+    main(argv)
+    table = capsys.readouterr().out
+    found = re.search(r"val/loss\W+([0-9.]+)", table)
+    assert found, table[-2000:]
+    cli_loss = float(found.group(1))
+
+    def validated(module: GPTModule, ckpt: str | None) -> float:
+        (metrics,) = L.Trainer(
+            accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, limit_val_batches=2, default_root_dir=tmp_path,
+            strategy=MegatronSPStrategy(),
+        ).validate(module, data(run["corpus"]), ckpt_path=ckpt, verbose=False)  # fmt: skip
+        return float(metrics["val/loss"])
+
+    stated = validated(_module(run["base"]), str(run["ckpt"]))
+    base = validated(_module(run["base"]), None)  # B = 0: the base's loss
+    assert abs(cli_loss - stated) <= 1e-5 * stated, f"validate: {cli_loss} vs stated {stated}"
+    assert abs(cli_loss - base) > 1e-3, f"validate gave the base's loss {base}: no adapters"
+    stated_r = r"model\.lora\.r=8 but ckpt_path=.* holds adapters with r=4"
+    with pytest.raises(ConfigError, match=stated_r):
+        main([*argv, "--model.lora", "{r: 8, target_modules: [all-linear]}"])
+
+
 def test_adapter_checkpoint_resumes_only_onto_its_base(run: dict, tmp_path: Path) -> None:
     config = read_hf_config(run["base"], seq_length=64)
-    check_checkpoint(str(run["ckpt"]), config, LORA)  # the pre-launch check knows the adapters
+    check_checkpoint(str(run["ckpt"]), config, LORA, with_base=False)  # adapters only
+    with pytest.raises(ConfigError, match=r"the checkpoint has no model\.\S+, which this model"):
+        check_checkpoint(str(run["ckpt"]), config, LORA)  # the base is not in it
+    model = Namespace(lora=None, adapter_from=None, init_from=str(run["other"]))
+    checkpoint_adapters(model, str(run["ckpt"]))  # the config names none: the checkpoint's
+    assert LoRAConfig(**vars(model.lora)) == LORA, model.lora
+    with pytest.raises(ConfigError) as refused:  # before launch, in one line
+        check_resume(str(run["ckpt"]), model, config)
+    line = str(refused.value)
+    assert "adapters were trained on the base" in line and "\n" not in line, line
     with pytest.raises(ConfigError, match=r"lora\.[AB], which this model lacks"):
         check_checkpoint(str(run["ckpt"]), config)  # a full fine-tune cannot resume it
     trainer(tmp_path, "same", "single", max_steps=6).fit(  # onto its own base: resumes

@@ -17,8 +17,10 @@ from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
 from lightning_sp.model.lora import LoRAConfig, apply_lora, lora_parameters, with_adapters
 from lightning_sp.parallel.state import ParallelState
+from lightning_sp.planner.cluster import load_cluster
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.lora import adapter_parameters_per_rank, lora_estimate
+from lightning_sp.planner.search import base_key, search
 
 from models import layout_at
 
@@ -109,6 +111,32 @@ def test_estimate_prints_lora_beside_full(tmp_path, capsys: pytest.CaptureFixtur
     assert "LoRA r=8 on query, value" in out and "full fine-tune" in out, out
     for label in ("model state", "activations per layer", "first-stage activations", "iteration"):
         assert label in out, f"{label} missing: {out}"
+
+
+def test_search_ranks_the_lora_run(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``estimate --search`` of a LoRA config prices every layout as the LoRA run (the
+    estimate's LoRA column: frozen base, adapters' activations and step), not as a full
+    fine-tune; the configured layout's row is what ``estimate`` prints for it."""
+    cli = read_estimate_args(_layout(tmp_path, "--model.lora.r=8"))
+    layout, lora = cli.layout, cli.lora
+    assert lora is not None
+    cluster = load_cluster("a100-80gb")
+    found = search(layout, cluster, 80e9, lora=lora)
+    assert found.ranked, "no LoRA layout fits"
+    for x in found.ranked:
+        adapted = lora_estimate(x.layout, lora, cluster).adapted
+        assert x.row.total_bytes == int(adapted.total_bytes), f"{x.key()}: memory not LoRA's"
+        assert x.row.iteration_seconds == adapted.iteration_seconds, f"{x.key()}: step"
+    rank = found.rank_of(base_key(layout))
+    assert rank is not None, "the configured layout is not among the LoRA rows"
+    configured = lora_estimate(layout, lora, cluster).adapted
+    row = found.ranked[rank - 1].row
+    assert (row.total_bytes, row.iteration_seconds) == (
+        int(configured.total_bytes), configured.iteration_seconds,
+    ), "--search prices the configured layout otherwise than estimate"  # fmt: skip
+    args = _layout(tmp_path, "--model.lora.r=8", "--search=true", "--cluster=a100-80gb")
+    assert report_main(read_estimate_args, args) == 0
+    assert "LoRA r=8 on query, value: memory and step of the LoRA run" in capsys.readouterr().out
 
 
 def test_estimate_json_keeps_lora_on_stderr(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -147,6 +147,13 @@ def _failure_of(run: Callable[[], Any], final: Path) -> str | None:
     return None
 
 
+def holds_base(module: nn.Module) -> bool:
+    """Whether ``module``'s checkpoints hold its frozen weights: False for a module whose
+    ``checkpoint_holds_base`` says so (a LoRA run from ``init_from``: adapters only, the base
+    read again from ``init_from``), True otherwise."""
+    return bool(getattr(module, "checkpoint_holds_base", True))
+
+
 class Checkpointer:
     """One rank's side of saving and loading. Every rank calls every method, in step."""
 
@@ -187,7 +194,8 @@ class Checkpointer:
         commit.count_save(rank)
         token = _broadcast(f"{meta.step:09d}-{uuid.uuid4().hex[:8]}")
         data = commit.data_directory(final, token)
-        tensors, shards, _ = state_entries(module, optimizers, for_load=False)
+        with_base = holds_base(module)
+        tensors, shards, _ = state_entries(module, optimizers, for_load=False, with_base=with_base)
         state: dict[str, Any] = dict(tensors)
         state[rng[0]] = rng[1]
         state["optim.param_groups"] = [
@@ -295,7 +303,8 @@ class Checkpointer:
             if chunks:
                 lora = getattr(module, "lora", None)  # a LoRA run's adapters are saved too
                 check_architecture(metadata, meta, chunks[0].config, lora)
-            check_shapes(metadata, global_shapes(module), meta, model_config)
+            shapes = global_shapes(module, holds_base(module))
+            check_shapes(metadata, shapes, meta, model_config)
         except ConfigError as exc:
             error = str(exc)
         error = _first_error(error)

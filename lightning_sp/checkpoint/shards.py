@@ -15,7 +15,11 @@ rank ever gathers the full state and either optimizer loads the other's checkpoi
 
 A layer's persistent buffers (:func:`buffer_shards`: state a training run carries across
 steps, e.g. an MoE router's ``expert_bias``) are saved whole under ``model.<global name>``,
-as a replicated parameter is: every rank holding the layer holds the same values."""
+as a replicated parameter is: every rank holding the layer holds the same values.
+
+A LoRA run from ``init_from`` saves ``with_base=False``: its trainable parameters (the
+adapters) and their optimizer state only, not the frozen base, which a resume reads again
+from ``init_from`` (its fingerprint checked: :mod:`lightning_sp.training.adapters`)."""
 
 from __future__ import annotations
 
@@ -160,18 +164,25 @@ Install = tuple[torch.optim.Optimizer, Tensor, str, Tensor, str]
 
 
 def state_entries(
-    module: nn.Module, optimizers: list[torch.optim.Optimizer], *, for_load: bool
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    *,
+    for_load: bool,
+    with_base: bool = True,
 ) -> tuple[dict[str, Tensor], dict[str, Shard], list[Install]]:
     """The tensors of a checkpoint as DCP sees them (weights, persistent buffers, optimizer
     state): ``{entry: local tensor}`` and ``{entry: Shard}`` for the sharded ones. For a save,
-    the tied embedding's pipeline copy is left out; for a load, every parameter is a target,
-    and Adam states that do not exist yet are allocated (returned as installs, for
+    the tied embedding's pipeline copy is left out, and without ``with_base`` every frozen
+    parameter (``requires_grad`` off: a LoRA run's base); for a load, every parameter is a
+    target, and Adam states that do not exist yet are allocated (returned as installs, for
     :func:`install_states` after the load)."""
     tensors: dict[str, Tensor] = {}
     shards: dict[str, Shard] = {}
     by_param: dict[int, tuple[str, list[Shard]]] = {}
     for gname, param, shard in parameter_shards(module):
         if shard is None or (not for_load and getattr(param, "pipeline_copy", False)):
+            continue
+        if not for_load and not with_base and not param.requires_grad:
             continue
         by_param.setdefault(id(param), (gname, []))[1].append(shard)
     for gname, chunks in by_param.values():
@@ -322,10 +333,11 @@ def _add(tensors: dict[str, Tensor], shards: dict[str, Shard], key: str, shard: 
     tensors[key], shards[key] = shard.local, shard
 
 
-def global_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
-    """``{model.<global name>: full shape}`` of the parameters in ``module``."""
+def global_shapes(module: nn.Module, with_base: bool = True) -> dict[str, tuple[int, ...]]:
+    """``{model.<global name>: full shape}`` of the parameters in ``module`` (without
+    ``with_base``: of its trainable ones, what a LoRA run's checkpoint must hold)."""
     return {
         f"model.{gname}": shard.global_shape
-        for gname, _, shard in parameter_shards(module)
-        if shard is not None
+        for gname, param, shard in parameter_shards(module)
+        if shard is not None and (with_base or param.requires_grad)
     }

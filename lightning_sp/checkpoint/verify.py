@@ -188,13 +188,45 @@ def read_full(path: Path) -> dict[str, Any]:
     return state
 
 
-def check_checkpoint(ckpt_path: str, model_config: Any, lora: Any = None) -> None:
+def check_checkpoint(
+    ckpt_path: str, model_config: Any, lora: Any = None, with_base: bool = True
+) -> None:
     """The checkpoint exists, is intact, was trained with this model's architecture
     (:func:`check_architecture`; ``lora``: with those adapters), and its tensors have this
-    model's shapes."""
+    model's shapes (without ``with_base``, the adapters': a LoRA run from ``init_from``
+    saves no frozen weight)."""
     from lightning_sp.checkpoint.shards import global_shapes
 
     meta, metadata = verify(Path(ckpt_path))
     check_architecture(metadata, meta, model_config, lora)
     model = _shapes_model(model_config, lora)
-    check_shapes(metadata, global_shapes(model), meta, model_config.values())
+    check_shapes(metadata, global_shapes(model, with_base), meta, model_config.values())
+
+
+def saved_adapters(path: Path) -> Any:
+    """The ``LoRAConfig`` of the run that saved the checkpoint directory ``path``, from its
+    Lightning state (None: a full fine-tune's, or not a checkpoint this can read; the checks
+    that follow name what is wrong with it)."""
+    from lightning_sp.model.lora import LoRAConfig
+
+    if not (path.is_dir() and (path / META_FILE).is_file() and (path / DCP_METADATA).is_file()):
+        return None
+    try:
+        fields = (read_lightning(path).get("hyper_parameters") or {}).get("lora")
+    except Exception:  # unreadable: verify() names the file before anything loads
+        return None
+    return LoRAConfig(**fields) if fields else None
+
+
+def read_lightning(path: Path) -> dict[str, Any]:
+    """The Lightning state a checkpoint directory records (hyper-parameters, vocabulary, a
+    LoRA run's ``lora_base``, ...), read in one process without its tensors."""
+    import warnings
+
+    from torch.distributed.checkpoint import load as dcp_load
+
+    state: dict[str, Any] = {"lightning": None}
+    with warnings.catch_warnings():  # "no process group: loading in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_load(state, storage_reader=FileSystemReader(Path(path).resolve()), no_dist=True)
+    return state.get("lightning") or {}

@@ -194,6 +194,58 @@ def _lora(model: Any) -> Any:
     return lora if isinstance(lora, LoRAConfig) else LoRAConfig(**dict(vars(lora)))
 
 
+def checkpoint_adapters(model: Any, ckpt_path: Any) -> None:
+    """A parsed ``model`` section given a LoRA run's checkpoint (``ckpt_path``, a directory)
+    runs with the adapters it holds: ``model.lora`` left out (and no ``model.adapter_from``)
+    becomes the checkpoint's settings, so ``validate`` / ``test`` / ``generate`` / a resume
+    take the run's own config without restating them; a ``model.lora`` that states another
+    ``r``, ``lora_alpha`` or ``use_rslora`` than the checkpoint's is one line (its weights
+    would mean something else). A full fine-tune's checkpoint changes nothing."""
+    import dataclasses
+    from pathlib import Path
+
+    from jsonargparse import Namespace
+
+    from lightning_sp.checkpoint.verify import saved_adapters
+    from lightning_sp.training.adapters import STATED
+
+    if not ckpt_path or ckpt_path in ("last", "hpc", "best", "registry"):
+        return
+    saved = saved_adapters(Path(ckpt_path))
+    if saved is None:
+        return
+    stated = _lora(model)
+    if stated is None:
+        model.lora = Namespace(**dataclasses.asdict(saved))
+        return
+    for name in STATED:
+        ours, theirs = getattr(stated, name), getattr(saved, name)
+        if ours != theirs:
+            raise ConfigError(
+                f"model.lora.{name}={ours!r} but ckpt_path={str(ckpt_path)!r} holds adapters "
+                f"with {name}={theirs!r}; leave model.lora out or set {name}: {theirs!r}"
+            )
+
+
+def check_resume(ckpt_path: str, model: Any, model_config: Any) -> None:
+    """The checkpoint to resume (validate, test) is intact, of this architecture and shapes
+    (:func:`~lightning_sp.checkpoint.verify.check_checkpoint`: with the run's adapters; a
+    LoRA run from ``model.init_from`` needs only the adapters, its base read from there), and
+    a LoRA run's was trained on ``model.init_from`` (its recorded fingerprint: one line
+    otherwise, before anything starts)."""
+    from pathlib import Path
+
+    from lightning_sp.checkpoint.verify import check_checkpoint, read_lightning, verify
+    from lightning_sp.training.adapters import check_base
+
+    lora, init_from = _lora(model), getattr(model, "init_from", None)
+    if lora is not None and Path(ckpt_path).is_dir():
+        verify(Path(ckpt_path))  # intact, before its records are read
+        check_base(read_lightning(Path(ckpt_path)).get("lora_base"), init_from)
+    with_base = lora is None or init_from is None
+    check_checkpoint(ckpt_path, model_config, lora, with_base)
+
+
 def _masked(data: Any) -> bool:
     """Whether the data section gives batches with per-token loss masks: chat SFT rows (a
     ``chat_template_dir`` without ``preference``) or ``eod_mask_loss``."""
@@ -208,9 +260,9 @@ def check_fit_config(config: Any, subcommand: str | None = None) -> None:
     devices (``trainer.devices`` in any form, :func:`device_count`), model against the layout,
     optimizer values and, when resuming, the checkpoint (present, intact, the same
     architecture and shapes)."""
-    from lightning_sp.checkpoint.verify import check_checkpoint
     from lightning_sp.model.config import GPTConfig
     from lightning_sp.model.config_checks import check_model_layout
+    from lightning_sp.model.fp8 import check_fp8_launch
     from lightning_sp.parallel.config import ParallelConfig
     from lightning_sp.training.batches import check_masked_accumulation
 
@@ -231,7 +283,9 @@ def check_fit_config(config: Any, subcommand: str | None = None) -> None:
         if devices > 0:
             layout = layout.for_world_size(devices * int(trainer.num_nodes or 1))
     check_model_layout(model_config, layout)  # the one check of the model against the layout
+    lora = _lora(config.model) is not None
+    check_fp8_launch(model_config, trainer.accelerator, trainer.precision, lora)
     check_optimizer(config.model.optimizer)
     ckpt_path = getattr(config, "ckpt_path", None)
     if ckpt_path and ckpt_path not in ("last", "hpc", "best", "registry"):
-        check_checkpoint(ckpt_path, model_config, _lora(config.model))  # its adapters too
+        check_resume(ckpt_path, config.model, model_config)  # its adapters and base too

@@ -295,7 +295,8 @@ def main(read: Callable[[list[str]], FitLayoutCLI], argv: list[str]) -> int:
         options = parsed.options
         cluster = load_cluster(options.cluster)
         if options.search:
-            found = search(parsed.layout, cluster, options.device_bytes)
+            lora = getattr(parsed, "lora", None)  # priced as the LoRA run, as below
+            found = search(parsed.layout, cluster, options.device_bytes, lora=lora)
             if options.format == "json":
                 print(json.dumps([_candidate_json(x) for x in found.ranked[: options.top]]))
             else:

@@ -4,7 +4,9 @@ Hugging Face directory of the model type that holds its architecture (GPT-2 or L
 (``model.lora``) exports its adapters as a PEFT adapter directory (``--adapter DIR``:
 ``adapter_config.json`` + ``adapter_model.safetensors``, :mod:`lightning_sp.interop.peft`;
 ``base_model_name_or_path`` is the run's ``init_from``) and/or, with ``--output DIR``, the
-merged model (each adapted weight ``W + s·B A``) as a plain Hugging Face directory.
+merged model (each adapted weight ``W + s·B A``) as a plain Hugging Face directory; its
+checkpoint holds the adapters only, so the merge reads the base from the run's ``init_from``
+(checked to be the base it recorded).
 
 This module only *reads* the checkpoint (a ``megatron_sp`` DCP directory,
 :mod:`lightning_sp.checkpoint`, whose keys are global parameter names; or a
@@ -32,15 +34,20 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_sp.checkpoint import verify
-from lightning_sp.checkpoint.verify import check_architecture, saved_config
+from lightning_sp.checkpoint.shards import parameter_shards
+from lightning_sp.checkpoint.verify import check_architecture, read_lightning, saved_config
 from lightning_sp.cli.parser import OneLineArgumentParser
 from lightning_sp.data import BYTE_EOS_ID, EOS_TOKENS
 from lightning_sp.errors import ConfigError
+from lightning_sp.interop.hf import full_shapes, load_hf_weights
 from lightning_sp.interop.hf_export import save_hf
 from lightning_sp.interop.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, merged_tensors, save_adapter
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.gpt import GPT
 from lightning_sp.model.lora import LoRAConfig
 from lightning_sp.model.recompute import NO_RECOMPUTE
+from lightning_sp.parallel.state import ParallelState
+from lightning_sp.training.adapters import check_base
 
 
 def _config(fields: dict[str, Any]) -> GPTConfig:
@@ -61,6 +68,9 @@ class CheckpointModel:
     vocabulary: dict[str, Any]
     hyper_parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The module's hyper-parameters (``lora``, ``init_from``)."""
+    lora_base: dict[str, Any] | None = None
+    """A LoRA run's base (``init_from`` and its fingerprint:
+    :func:`~lightning_sp.training.adapters.base_record`)."""
 
     @property
     def lora(self) -> LoRAConfig | None:
@@ -90,9 +100,7 @@ def open_checkpoint(path: str | Path) -> CheckpointModel:
     meta, metadata = verify(path)  # one line if missing, incomplete or corrupt
     config = _config(saved_config(meta).values())
     data = path.resolve()
-    lightning: dict[str, Any] = {"lightning": None}  # Lightning's state: vocabulary, hparams
-    _dcp_read(lightning, data)
-    state = lightning.get("lightning") or {}
+    state = read_lightning(data)  # Lightning's state: vocabulary, hparams, a LoRA run's base
     vocabulary, hyper = state.get("vocabulary", {}), dict(state.get("hyper_parameters", {}))
     lora = hyper.get("lora")
     # a tensor this model (with the run's adapters) lacks: one line
@@ -102,7 +110,7 @@ def open_checkpoint(path: str | Path) -> CheckpointModel:
         for k, v in metadata.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
     }
-    return CheckpointModel(data, config, keys, vocabulary, hyper)
+    return CheckpointModel(data, config, keys, vocabulary, hyper, state.get("lora_base"))
 
 
 def _adapter(name: str) -> bool:
@@ -209,13 +217,41 @@ def merged_full_tensors(ckpt: CheckpointModel) -> Iterator[tuple[str, Tensor]]:
         yield from iter_full_tensors(ckpt)
         return
     adapters = dict(iter_full_tensors(ckpt, _adapter))  # r columns or rows each: small
-    for name, tensor in iter_full_tensors(ckpt, lambda name: not _adapter(name)):
+    for name, tensor in base_full_tensors(ckpt, next(iter(adapters.values())).dtype):
         linear = name.removesuffix(".weight")
         if f"{linear}.lora.A" not in adapters:
             yield name, tensor
             continue
         pair = {f"{linear}.lora.{w}": adapters[f"{linear}.lora.{w}"] for w in ("A", "B")}
         yield name, merged_tensors({name: tensor}, pair, lora)[name]
+
+
+def base_full_tensors(ckpt: CheckpointModel, dtype: torch.dtype) -> Iterator[tuple[str, Tensor]]:
+    """A LoRA run's frozen weights (and the checkpoint's buffers), full: the checkpoint's
+    when it holds them, else (a run from ``init_from`` saves its adapters only) read from
+    the run's ``init_from`` as ``dtype``, once its fingerprint is the one the checkpoint
+    records (one line otherwise). The base is then built whole in this process."""
+    if ckpt.path.is_file() or all(f"model.{n}" in ckpt.keys for n in full_shapes(ckpt.config)):
+        yield from iter_full_tensors(ckpt, lambda name: not _adapter(name))
+        return
+    base = ckpt.hyper_parameters.get("init_from")
+    if base is None:
+        raise ConfigError(
+            f"ckpt_path={str(ckpt.path)!r} holds adapters only and records no init_from to "
+            "merge them into; export --adapter DIR instead"
+        )
+    check_base(ckpt.lora_base, base)  # one line: another base than the run's
+    model = GPT(dataclasses.replace(ckpt.config, sequence_parallel=False),
+                ParallelState.single(), dtype=dtype)  # fmt: skip
+    load_hf_weights(model, base)
+    names = set()
+    for name, _, shard in parameter_shards(model):
+        assert shard is not None  # one process holds every row
+        names.add(name)
+        yield name, shard.local
+    for name, tensor in iter_full_tensors(ckpt, lambda name: not _adapter(name)):
+        if name not in names:  # persistent buffers (an MoE router's biases): the run's
+            yield name, tensor
 
 
 def export_adapter(ckpt: CheckpointModel, adapter: str | Path, overwrite: bool) -> Path:

@@ -11,7 +11,7 @@ from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
-from lightning_sp.cli.checks import check_before_launch, check_fit_config
+from lightning_sp.cli.checks import check_before_launch, check_fit_config, checkpoint_adapters
 from lightning_sp.cli.init_from import complete_from_directory
 from lightning_sp.cli.parser import OneLineErrorParser
 
@@ -44,6 +44,11 @@ class GPTCLI(LightningCLI):
     """LightningCLI for ``GPTModule`` + ``TextDataModule``, sequence length shared by both;
     the parsed config is checked before any class is instantiated."""
 
+    adapters_from_checkpoint: str | None = None
+    """A checkpoint a command without subcommands reads (``generate --ckpt_path``), whose
+    adapters ``model.lora`` takes when the config names none (a subcommand's own
+    ``ckpt_path`` does this for ``fit`` / ``validate`` / ``test`` / ``predict``)."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("parser_class", OneLineErrorParser)  # one line, a close match
         super().__init__(*args, **kwargs)
@@ -55,14 +60,20 @@ class GPTCLI(LightningCLI):
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse, take the architecture ``model.config`` leaves out from ``model.init_from``
-        (:mod:`lightning_sp.cli.init_from`), then check the config of ``fit`` / ``validate`` /
+        (:mod:`lightning_sp.cli.init_from`) and the adapters ``model.lora`` leaves out from a
+        LoRA run's ``ckpt_path`` (:func:`~lightning_sp.cli.checks.checkpoint_adapters`), then
+        check the config of ``fit`` / ``validate`` /
         ``test`` / ``predict`` before launch (one-line errors), before Lightning seeds (its
         "Seed set to" notice follows the checks, so that a bad config prints one line only)."""
         super().parse_arguments(parser, args)
         complete_from_directory(parser, args, self.config)
         subcommand = self.config.get("subcommand")
+        if subcommand is None and self.adapters_from_checkpoint is not None:
+            checkpoint_adapters(self.config.model, self.adapters_from_checkpoint)
         if subcommand is not None:
-            check_fit_config(self.config[subcommand], subcommand)
+            section = self.config[subcommand]
+            checkpoint_adapters(section.model, section.get("ckpt_path"))  # a LoRA run's
+            check_fit_config(section, subcommand)
             check_before_launch(self.config[subcommand])  # tokenizer, writable dirs
 
     @override

@@ -23,8 +23,7 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
-from lightning_sp.checkpoint.verify import check_checkpoint
-from lightning_sp.cli.checks import check_generate_layout
+from lightning_sp.cli.checks import check_generate_layout, check_resume
 from lightning_sp.cli.fit import Unseeded
 from lightning_sp.cli.parser import OneLineArgumentParser
 from lightning_sp.data import TextDataModule
@@ -114,8 +113,11 @@ def main(argv: list[str], cli_class: Any) -> int:
     t = positive_int("tensor_parallel_size", args.tensor_parallel_size)
 
     class Reader(Unseeded, cli_class):
-        """The config's model and data; no seed, no Trainer (this command builds its own,
-        after its checks: no banner before a one-line error)."""
+        """The config's model and data (with the checkpoint's adapters when the config names
+        none); no seed, no Trainer (this command builds its own, after its checks: no banner
+        before a one-line error)."""
+
+        adapters_from_checkpoint = args.ckpt_path
 
         @override
         def instantiate_trainer(self, **kwargs: Any) -> Any:
@@ -129,8 +131,8 @@ def main(argv: list[str], cli_class: Any) -> int:
     # one new token cannot be split along the sequence: the same weights, built without SP
     module.config = dataclasses.replace(module.config, sequence_parallel=False)
     check_generate_layout(module.config, t)  # before any rank starts
-    if Path(args.ckpt_path).is_dir():  # the architecture it was trained with
-        check_checkpoint(args.ckpt_path, module.config)
+    if Path(args.ckpt_path).is_dir():  # the architecture it was trained with (adapters, base)
+        check_resume(args.ckpt_path, cli.config.model, module.config)
     prompt = chat_prompt(data, args.prompt) if args.chat else args.prompt
     if args.chat:  # stop at the template's end of turn too, not only at end of document
         module.generation = generation = chat_generation(data, generation)

@@ -26,8 +26,8 @@ and optimizer states (CP shards none of them); the FLOPs (each rank does ``1/c``
 from __future__ import annotations
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.model.parts.base import INSIDE, OUTSIDE, REPLICATED
-from lightning_sp.model.parts.block import block_of_shape
+from lightning_sp.model.parts.base import EVERY_RANK, INSIDE, OUTSIDE, REPLICATED
+from lightning_sp.model.parts.block import block_of_shape, float8_scale
 from lightning_sp.model.recompute import RecomputePolicy, active_modules
 from lightning_sp.model.shape import ActivationShape
 
@@ -117,6 +117,8 @@ def layer_saved_terms(shape: ActivationShape) -> dict[str, tuple[float, str]]:
 def _per_rank(shape: ActivationShape, nbytes: float, region: str) -> float:
     """One rank's part of a whole-layer term: ``/t`` inside the TP region (and outside under
     sequence parallelism), ``/c`` everywhere (each CP rank holds ``s/c`` tokens)."""
+    if region == EVERY_RANK:
+        return nbytes
     if region == REPLICATED:
         return nbytes / shape.c
     split = region == INSIDE or shape.sequence_parallel
@@ -130,7 +132,8 @@ def dropped_bytes_per_layer(shape: ActivationShape, module: str) -> float:
     return sum(
         _per_rank(shape, *terms[term])
         for m in active_modules((module,), shape.attention)
-        for term in m.drops
+        for dropped in m.drops
+        for term in (dropped, float8_scale(dropped))  # an FP8 input's scale goes with it
         if term in terms  # a module names the terms of every part it acts on
     )
 
@@ -150,6 +153,7 @@ def activation_bytes_per_layer(shape: ActivationShape, recompute: object = "none
     if policy.full:
         return _per_rank(shape, shape.activation_bytes * shape.sbh, OUTSIDE)
     dropped = {term for m in active_modules(policy.modules, shape.attention) for term in m.drops}
+    dropped |= {float8_scale(term) for term in dropped}  # an FP8 input's scale goes with it
     return sum(
         _per_rank(shape, nbytes, region)
         for name, (nbytes, region) in layer_saved_terms(shape).items()

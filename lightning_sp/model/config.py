@@ -26,6 +26,7 @@ from lightning_sp.model.recompute import POLICIES, RecomputePolicy
 from lightning_sp.model.run_settings import RunSettings
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.config import ParallelConfig
+from lightning_sp.parallel.fp8 import FP8Config
 
 RECOMPUTE_POLICIES = POLICIES
 """The named policies: the presets ``none``, ``selective``, ``lean`` and ``full``."""
@@ -68,7 +69,7 @@ class GPTConfig(RunSettings, Architecture):
         plain = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for name in ("recompute", "recompute_rest"):
             plain[name] = plain[name].value
-        for name in ("moe", "rope_scaling"):
+        for name in ("moe", "rope_scaling", "fp8"):
             if plain[name] is not None:
                 plain[name] = dataclasses.asdict(plain[name])
         return plain
@@ -89,7 +90,8 @@ class GPTConfig(RunSettings, Architecture):
         :class:`~lightning_sp.model.ops.RopeScaling` and a
         :class:`~lightning_sp.model.moe.config.MoEConfig`."""
         fields = dict(values) if isinstance(values, dict) else dict(vars(values))
-        for name, record in (("rope_scaling", RopeScaling), ("moe", MoEConfig)):
+        records = (("rope_scaling", RopeScaling), ("moe", MoEConfig), ("fp8", FP8Config))
+        for name, record in records:
             given = fields.get(name)
             if given is not None and not isinstance(given, record):
                 fields[name] = record(**(dict(given) if isinstance(given, dict) else vars(given)))
@@ -162,6 +164,7 @@ class GPTConfig(RunSettings, Architecture):
             e=layout.expert_parallel_size,
             block=self.block(),
             etp=layout.expert_tensor_parallel_size,
+            fp8=self.fp8.recipe if self.fp8 is not None else None,
         )
 
     @property

@@ -12,6 +12,7 @@ from typing import Any
 
 from lightning_sp.errors import ConfigError, check_divisible, divisors, positive_int
 from lightning_sp.model.cores import check_attention
+from lightning_sp.model.fp8 import check_fp8_config, check_fp8_layout
 from lightning_sp.model.ops import ROPE_TYPES, RopeScaling
 from lightning_sp.model.parts.block import FEED_FORWARDS, PLACEMENTS
 from lightning_sp.model.qk_norm import QK_NORMS
@@ -47,6 +48,7 @@ def check_model_layout(config: Any, layout: ParallelConfig, *, split_sequence: b
         layout.check_sequence_length(config.seq_length, config.sequence_parallel)
     if config.feed_forward == "moe":
         config.moe.check_layout(layout, config.sequence_parallel)
+    check_fp8_layout(config, layout)
 
 
 def check_config(config: Any) -> None:
@@ -78,6 +80,7 @@ def check_config(config: Any) -> None:
                 f"feed_forward='moe' runs SwiGLU experts; activation={config.activation!r} "
                 "must be 'swiglu'"
             )
+    check_fp8_config(config)
     if not isinstance(config.bias, bool):
         unknown = [p for p in config.bias if p not in BIAS_PROJECTIONS]
         if unknown:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_sp.model.spec import ActivationKind, NormKind, NormModule
+from lightning_sp.parallel.fp8_linears import fp8_column_linear, fp8_row_matmul
 from lightning_sp.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -46,6 +47,20 @@ def fused_column_linear(
     saved; the norm is recomputed in backward. Same result and gradients as the modules applied
     in turn."""
     first = linears[0]
+    if first.fp8 is not None:  # float8 GEMMs, one per weight (no adapters: refused with FP8)
+        return fp8_column_linear(
+            x,
+            [linear.weight for linear in linears],
+            [linear.bias for linear in linears],
+            first.group,
+            first.sequence_parallel,
+            first.fp8,
+            norm=kind.functional if norm is not None and kind is not None else None,
+            norm_weight=norm.weight if norm is not None else None,
+            norm_bias=norm.bias if norm is not None else None,
+            eps=norm.eps if norm is not None else 0.0,
+            groups=groups,
+        )
     return column_parallel_linear(
         x,
         [linear.weight for linear in linears],
@@ -113,6 +128,8 @@ class _ActMatmul(torch.autograd.Function):
 def act_row_linear(z: Tensor, linear: RowParallelLinear, kind: ActivationKind) -> Tensor:
     """``linear(act(z))`` storing ``z`` instead of ``act(z)``: ``[s, b, f/t]`` (gated: ``[s, b,
     2f/t]``) ``-> [s/t or s, b, h]``."""
+    if linear.fp8 is not None:
+        return linear.reduce(fp8_row_matmul(z, linear.weight, linear.fp8, linear.group, _Act(kind)))
     adapter = linear.lora
     return linear.reduce(
         _ActMatmul.apply(z, linear.weight, kind, adapter, *adapter_tensors(adapter))
@@ -155,7 +172,38 @@ def _merge(heads: Tensor, b: int) -> Tensor:
 def heads_row_linear(heads: Tensor, linear: RowParallelLinear, b: int) -> Tensor:
     """``linear`` applied to the attention core's context ``[B, r, s, d]`` (heads merged to
     ``[s, b, h/t]``), storing that context itself: ``-> [s/t or s, b, h]``."""
+    if linear.fp8 is not None:
+        merge = _Heads(b)
+        return linear.reduce(fp8_row_matmul(heads, linear.weight, linear.fp8, linear.group, merge))
     adapter = linear.lora
     return linear.reduce(
         _HeadsMatmul.apply(heads, linear.weight, b, adapter, *adapter_tensors(adapter))
     )
+
+
+class _Act:
+    """The MLP activation as a float8 row linear's producer (its input ``z`` kept)."""
+
+    def __init__(self, kind: ActivationKind) -> None:
+        self.kind = kind
+
+    def forward(self, source: Tensor) -> Tensor:
+        return self.kind.forward(source)
+
+    def backward(self, grad: Tensor, source: Tensor) -> Tensor:
+        return self.kind.backward(grad, source)
+
+
+class _Heads:
+    """The attention heads' merge ``[B, r, s, d] -> [s, b, h/t]`` as a float8 row linear's
+    producer (the core's context kept as given, as :class:`_HeadsMatmul` keeps it)."""
+
+    def __init__(self, b: int) -> None:
+        self.b = b
+
+    def forward(self, source: Tensor) -> Tensor:
+        return _merge(source, self.b)
+
+    def backward(self, grad: Tensor, source: Tensor) -> Tensor:
+        n, r, s, d = source.shape
+        return grad.view(s, n, r, d).permute(1, 2, 0, 3)

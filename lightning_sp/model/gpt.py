@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from lightning_sp.model.attention import Attention, Rotary, token_positions
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.documents import Packing, Reduction
+from lightning_sp.model.fp8 import attach_fp8
 from lightning_sp.model.parts.base import BuildContext
 from lightning_sp.model.parts.dense import MLP
 from lightning_sp.model.parts.norm import Norm
@@ -195,6 +196,8 @@ class GPT(nn.Module):
             )
             for n in self.layer_range
         )
+        # float8 GEMMs in the layers' linears (the embeddings and the head stay as they are)
+        attach_fp8(self.layers, config, torch.device(device), dtype or torch.get_default_dtype())
         if self.has_head:
             ctx = BuildContext(config, state, self.rng, NO_RECOMPUTE, None, kwargs)
             self.final_norm = Norm(config.normalization, "final_norm").build(ctx)

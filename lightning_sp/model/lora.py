@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor, nn
 
 from lightning_sp.errors import ConfigError
+from lightning_sp.model.fp8 import refuse_with_lora
 from lightning_sp.model.parts.attention import HF_ATTENTION
 from lightning_sp.model.parts.dense import HF_MLP
 from lightning_sp.model.shape import ActivationShape, AdapterShape
@@ -183,6 +184,7 @@ def check_lora(config: LoRAConfig, model: GPTConfig) -> list[str]:
     from lightning_sp.parallel.state import ParallelState
 
     config.validate()
+    refuse_with_lora(model)
     one = dataclasses.replace(model, num_layers=1, recompute=NO_RECOMPUTE, sequence_parallel=False)
     layer = GPT(one, ParallelState.single(), device="meta").layers[0]
     return resolve_targets(list(config.target_modules), list(adaptable_linears(layer)))
@@ -220,6 +222,7 @@ def apply_lora(model: GPT, config: LoRAConfig) -> list[str]:
     ``peft`` initialises (``A`` kaiming-uniform, ``B`` zero), the same in every layout.
     Returns the adapted linears' global names (``layers.0.attention.query``)."""
     config.validate()
+    refuse_with_lora(model.config)
     layers = list(model.layers)
     paths = list(adaptable_linears(layers[0])) if layers else []
     chosen = resolve_targets(list(config.target_modules), paths)

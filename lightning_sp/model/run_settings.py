@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from lightning_sp.errors import finite_number
 from lightning_sp.model.recompute import RecomputePolicy
+from lightning_sp.parallel.fp8 import FP8Config
 
 SELECTIVE = RecomputePolicy("selective")
 
@@ -77,6 +78,15 @@ class RunSettings:
     seed: int = 1234
     """Seed of the weight initialisation and of the dropout streams. A model built from the
     same seed has the same weights under every parallel layout."""
+
+    fp8: FP8Config | None = None
+    """FP8 GEMMs in the layers' tensor-parallel linears (QKV, the attention projection, the
+    MLP's input projections and ``fc2``), ``torchao.float8``'s recipe (``tensorwise`` or
+    ``rowwise``) with agreed scales over the TP group; the embeddings, the LM head and the
+    norms stay in the run's precision, and so do the master weights. ``emulate: true`` runs
+    the float8 numerics without FP8 hardware (a CPU). Refused with a mixture of experts, LoRA,
+    context parallelism, fewer key/value groups than TP ranks and float64 (one line each);
+    ``null``: off. :mod:`lightning_sp.model.fp8`."""
 
     def __setattr__(self, name: str, value: object) -> None:
         """``recompute`` and ``recompute_rest`` are parsed whenever they are set (one

@@ -80,6 +80,10 @@ class ActivationShape:
     lora: AdapterShape | None = None
     """LoRA adapters with the base frozen (None: every weight trains): adapters add their
     low-rank activations and masks, a frozen linear without one keeps no input of its own."""
+    fp8: str | None = None
+    """The FP8 recipe of the layer's tensor-parallel linears (``tensorwise``, ``rowwise``;
+    None: off): what their GEMMs run at, and whether they keep their inputs in float8
+    (:data:`~lightning_sp.parallel.fp8.KEEPS_FLOAT8_INPUT`)."""
     block: object | None = field(default=None, compare=False, repr=False)
     """The layer's parts (a :class:`~lightning_sp.model.parts.block.Block`, which sits above
     this module and so is not named in the type); None: the

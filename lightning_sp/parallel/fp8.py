@@ -45,6 +45,11 @@ from lightning_sp.parallel.comm import Group, conjugate_op, g, group_size
 RECIPES = ("tensorwise", "rowwise")
 """``torchao.float8``'s recipe names this module implements."""
 
+KEEPS_FLOAT8_INPUT = {"tensorwise": True, "rowwise": False}
+"""Per recipe, whether a linear keeps its input for backward as the forward's float8 cast
+(:func:`keeps_float8_input`, which the recipe's built casts answer; this table is what the
+byte formulas read without importing torchao)."""
+
 MIN_CAPABILITY = (8, 9)
 """CUDA compute capability of the first FP8 tensor cores (Ada, Hopper)."""
 
@@ -153,6 +158,77 @@ LAYOUTS = {"column": (None, 1, 1), "row": (1, 0, None)}
 """Which dim of ``x [m, k]``, ``Wᵀ [k, n]`` and ``∇y [m, n]`` a TP rank holds a slice of."""
 
 
+def keeps_float8_input(recipe: Recipe) -> bool:
+    """Whether a linear may keep its input for backward as the forward's float8 cast: where the
+    recipe's cast of ``x`` for the weight-gradient GEMM is the forward's (``tensorwise``: one
+    e4m3 scale per tensor in both), that cast is what torchao's own backward would make again,
+    so keeping it (1 byte an element and a 4-byte scale) changes no number. ``rowwise`` scales
+    ``x`` per token forward and per feature for the weight gradient: it keeps ``x`` as given."""
+    from torchao.float8.config import ScalingGranularity
+
+    c = recipe.linear
+    forward, backward = c.cast_config_input, c.cast_config_input_for_grad_weight
+    return forward == backward and forward.scaling_granularity is ScalingGranularity.TENSORWISE
+
+
+def cast_input(x2: Tensor, recipe: Recipe, group: Group, sharded: int | None) -> Any:
+    """``x`` ``[m, k]`` cast for the forward GEMM (``sharded``: the dim a TP rank holds a slice
+    of, whose amax is agreed; ``None``: whole on every rank)."""
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    config = recipe.linear.cast_config_input
+    return _cast(x2, config, recipe, GemmInputRole.INPUT, -1, sharded, group)
+
+
+def float8_input(data: Tensor, scale: Tensor, dtype: torch.dtype, recipe: Recipe) -> Any:
+    """A kept float8 input (its ``data`` and ``scale``, as :func:`cast_input` made them) as
+    torchao's tensor again, for the weight-gradient GEMM."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+    return Float8TrainingTensor(data, scale, dtype, recipe.mm, GemmInputRole.INPUT, None)
+
+
+def forward_gemm(a: Any, weight: Tensor, recipe: Recipe, group: Group, layout: str) -> Tensor:
+    """``a Wᵀ``: ``a`` the cast input ``[m, k]``, ``weight`` ``[n, k]`` (this rank's slice as
+    ``layout`` holds it) -> ``[m, n]``."""
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    config, w_dim = recipe.linear.cast_config_weight, LAYOUTS[layout][1]
+    w = _cast(weight.t(), config, recipe, GemmInputRole.WEIGHT, 0, w_dim, group)
+    return torch.mm(a, w)
+
+
+def input_grad_gemm(
+    g2: Tensor, weight: Tensor, recipe: Recipe, group: Group, layout: str
+) -> Tensor:
+    """``∇y W``: ``g2`` ``[m, n]``, ``weight`` ``[n, k]`` -> ``[m, k]`` (a partial sum over
+    the TP group for the column layout)."""
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    c, (_, w_dim, g_dim) = recipe.linear, LAYOUTS[layout]
+    out, wgt = GemmInputRole.GRAD_OUTPUT, GemmInputRole.WEIGHT
+    g_in = _cast(g2, c.cast_config_grad_output, recipe, out, -1, g_dim, group)
+    w_in = _cast(weight.t(), c.cast_config_weight_for_grad_input, recipe, wgt, -1, w_dim, group)
+    return torch.mm(g_in, w_in.t())
+
+
+def weight_grad_gemm(
+    g2: Tensor, x2: Tensor | None, kept: Any, recipe: Recipe, group: Group, layout: str
+) -> Tensor:
+    """``∇yᵀ x``: ``g2`` ``[m, n]`` and the input, ``x2`` ``[m, k]`` in high precision (cast
+    here for the weight gradient) or ``kept``, its forward float8 cast
+    (:func:`keeps_float8_input`) -> ``[n, k]``."""
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    c, (x_dim, _, g_dim) = recipe.linear, LAYOUTS[layout]
+    out, inp = GemmInputRole.GRAD_OUTPUT, GemmInputRole.INPUT
+    g_w = _cast(g2, c.cast_config_grad_output_for_grad_weight, recipe, out, 0, g_dim, group)
+    if kept is None:
+        assert x2 is not None
+        kept = _cast(x2, c.cast_config_input_for_grad_weight, recipe, inp, 0, x_dim, group)
+    return torch.mm(g_w.t(), kept)
+
+
 class _FP8Matmul(torch.autograd.Function):
     """``x Wᵀ`` with the three GEMMs in float8 (see the module docstring); saves ``x`` and
     ``W`` in high precision, as ``Float8Linear`` does, and casts again in backward."""
@@ -161,32 +237,21 @@ class _FP8Matmul(torch.autograd.Function):
     def forward(
         ctx: Any, x: Tensor, weight: Tensor, recipe: Recipe, group: Group, layout: str
     ) -> Tensor:
-        from torchao.float8.float8_training_tensor import GemmInputRole
-
         ctx.recipe, ctx.group, ctx.layout = recipe, group, layout
         ctx.save_for_backward(x, weight)
-        c, (x_dim, w_dim, _) = recipe.linear, LAYOUTS[layout]
         x2 = x.reshape(-1, x.shape[-1])  # [m, k]
-        a = _cast(x2, c.cast_config_input, recipe, GemmInputRole.INPUT, -1, x_dim, group)
-        w = _cast(weight.t(), c.cast_config_weight, recipe, GemmInputRole.WEIGHT, 0, w_dim, group)
-        return torch.mm(a, w).reshape(*x.shape[:-1], weight.shape[0])
+        a = cast_input(x2, recipe, group, LAYOUTS[layout][0])
+        out = forward_gemm(a, weight, recipe, group, layout)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None, None]:
-        from torchao.float8.float8_training_tensor import GemmInputRole
-
         x, weight = ctx.saved_tensors
-        recipe, group = ctx.recipe, ctx.group
-        c, (x_dim, w_dim, g_dim) = recipe.linear, LAYOUTS[ctx.layout]
-        out, inp, wgt = GemmInputRole.GRAD_OUTPUT, GemmInputRole.INPUT, GemmInputRole.WEIGHT
+        recipe, group, layout = ctx.recipe, ctx.group, ctx.layout
         g2 = grad.reshape(-1, grad.shape[-1])  # [m, n]
         x2 = x.reshape(-1, x.shape[-1])  # [m, k]
-        g_in = _cast(g2, c.cast_config_grad_output, recipe, out, -1, g_dim, group)
-        w_in = _cast(weight.t(), c.cast_config_weight_for_grad_input, recipe, wgt, -1, w_dim, group)
-        grad_x = torch.mm(g_in, w_in.t()).reshape(*x.shape)
-        g_w = _cast(g2, c.cast_config_grad_output_for_grad_weight, recipe, out, 0, g_dim, group)
-        x_w = _cast(x2, c.cast_config_input_for_grad_weight, recipe, inp, 0, x_dim, group)
-        grad_w = torch.mm(g_w.t(), x_w)
+        grad_x = input_grad_gemm(g2, weight, recipe, group, layout).reshape(*x.shape)
+        grad_w = weight_grad_gemm(g2, x2, None, recipe, group, layout)
         return grad_x, grad_w.to(weight.dtype), None, None, None
 
 

@@ -15,7 +15,7 @@ The vocabulary-parallel embedding and cross entropy are :mod:`lightning_sp.paral
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +29,7 @@ from lightning_sp.parallel.comm import (
     group_size,
     reduce_scatter_sequence,
 )
+from lightning_sp.parallel.fp8_linears import fp8_column_linear, fp8_row_matmul
 from lightning_sp.parallel.init import ShardSpec, mark_parameter
 from lightning_sp.parallel.lora import (
     LoRA,
@@ -41,6 +42,9 @@ from lightning_sp.parallel.lora import (
     row_forward,
 )
 from lightning_sp.parallel.state import ParallelState
+
+if TYPE_CHECKING:
+    from lightning_sp.parallel.fp8 import Recipe
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -311,8 +315,14 @@ class ColumnParallelLinear(nn.Module):
         )
         self.lora: LoRA | None = None
         """A LoRA adapter on this linear (:mod:`lightning_sp.parallel.lora`), if one is attached."""
+        self.fp8: Recipe | None = None
+        """Its GEMMs in float8 with this recipe (:mod:`lightning_sp.parallel.fp8_linears`)."""
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fp8 is not None:
+            return fp8_column_linear(
+                x, [self.weight], [self.bias], self.group, self.sequence_parallel, self.fp8
+            )
         return column_parallel_linear(
             x, self.weight, self.bias, self.group, self.sequence_parallel, adapters=[self.lora]
         )
@@ -361,6 +371,8 @@ class RowParallelLinear(nn.Module):
         self.lora: LoRA | None = None
         """A LoRA adapter on this linear (:mod:`lightning_sp.parallel.lora`), if one is attached:
         its partial product joins the linear's before :meth:`reduce`."""
+        self.fp8: Recipe | None = None
+        """Its GEMMs in float8 with this recipe (:mod:`lightning_sp.parallel.fp8_linears`)."""
 
     def reduce(self, partial: Tensor) -> Tensor:
         """Sum this layer's partial products over the group (ḡ or f̄) and add the replicated
@@ -370,6 +382,8 @@ class RowParallelLinear(nn.Module):
         return out + self.bias if self.bias is not None else out
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fp8 is not None:
+            return self.reduce(fp8_row_matmul(x, self.weight, self.fp8, self.group))
         if self.lora is None:
             return self.reduce(torch.matmul(x, self.weight.t()))  # [s, b, out] partial per rank
         return self.reduce(

@@ -16,7 +16,8 @@ Sources (quoted by the comments below):
   compute fabric, one per GPU (25 GB/s each way per GPU). Selene, the paper's machine, is a
   DGX SuperPOD of DGX A100 nodes.
 * [H100-DS] NVIDIA H100 Tensor Core GPU datasheet (2022): SXM5 80GB, 989 TFLOP/s dense BF16
-  (1,979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (both directions).
+  (1,979 with sparsity), 1,979 TFLOP/s dense FP8 (3,958 with sparsity), 80 GB HBM3 at
+  3.35 TB/s, NVLink 900 GB/s (both directions).
 * [H200-DS] NVIDIA H200 Tensor Core GPU datasheet (2024): SXM 141 GB HBM3e at 4.8 TB/s, the
   H100 SXM's compute (989 TFLOP/s dense BF16) and NVLink (900 GB/s both directions); DGX H200
   nodes have the DGX H100's eight ConnectX-7 400 Gb/s adapters, one per GPU.
@@ -182,6 +183,10 @@ class Cluster:
     """Fraction of ``peak_flops`` a fused (flash) attention kernel reaches, forward +
     backward (``attention: sdpa``)."""
 
+    fp8_peak_flops: float | None = None
+    """Dense FP8 Tensor Core peak of one GPU, FLOP/s (datasheet); None: no FP8 GEMMs (an
+    A100). What an ``fp8`` run's linears are priced at (:mod:`lightning_sp.planner.fp8`)."""
+
     gemm_tile: tuple[int, int] = (256, 128)
     """Output tile of one thread block, ``(rows, cols)``; either orientation is tried."""
 
@@ -207,6 +212,9 @@ class Cluster:
                 raise ConfigError(f"{where}: {f.name}={value!r} must be a positive {kind}")
             if f.name.endswith("efficiency") and not 0 < value <= 1:
                 raise ConfigError(f"{where}: {f.name}={value!r} must be in (0, 1]")
+        fp8 = self.fp8_peak_flops
+        if fp8 is not None and _bad_number(fp8):
+            raise ConfigError(f"{where}: fp8_peak_flops={fp8!r} must be a positive finite number")
         tile = self.gemm_tile
         if (
             not isinstance(tile, tuple)
@@ -271,6 +279,7 @@ A100_80GB = Cluster(
 H100_80GB = Cluster(
     name="h100-80gb",
     peak_flops=989e12,  # [H100-DS] dense BF16
+    fp8_peak_flops=1979e12,  # [H100-DS] dense FP8
     hbm_bytes=80 * GB,  # [H100-DS]
     hbm_bandwidth=3350 * GB,  # [H100-DS] HBM3
     num_sms=132,  # [H100-WP]

@@ -51,9 +51,11 @@ from lightning_sp.memory.model_state import (
     parameters_per_rank,
 )
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.fp8 import fp8_recipe
 from lightning_sp.model.recompute import AUTO, RecomputePolicy, policy_name
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.cluster import Cluster, load_cluster
+from lightning_sp.planner.fp8 import check_fp8_cluster
 from lightning_sp.planner.layout import DEFAULT_DEVICE_BYTES, Layout, runs
 from lightning_sp.planner.records import (
     COMBINATIONS,
@@ -94,6 +96,7 @@ def estimate(
     layout.validate()
     hardware = load_cluster(cluster)
     cfg, t = layout.config, layout.tensor_parallel_size
+    check_fp8_cluster(hardware, fp8_recipe(cfg))  # before any work
     e = layout.expert_parallel_size
     n_params = parameters_per_rank(cfg, layout)
     experts = expert_parameters_per_rank(cfg, layout)  # sharded over d·c/e, the rest d·c
@@ -143,6 +146,7 @@ def estimate(
         model_parameters=model_parameter_count(cfg),
         seconds=time.perf_counter() - start,
         cluster=hardware.name,
+        fp8_peak_flops=hardware.fp8_peak_flops,
     )
     if layout.recompute.auto:
         result.choice = _choose(result, acts[configured_sp(layout)], state_bytes, hardware)

@@ -63,6 +63,7 @@ from lightning_sp.model.recompute import (
 )
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.planner.cluster import Cluster
+from lightning_sp.planner.fp8 import check_fp8_cluster, fp8_gemm_seconds
 from lightning_sp.planner.kernels import (
     all_to_all_seconds,
     collective_seconds,
@@ -198,6 +199,12 @@ def _layer_time(shape: ActivationShape, cluster: Cluster) -> LayerTime:
     wgrad = {name: gemm_seconds(cluster, w) for name, (_, w) in grads.items()}
     core_tags = ("core_attn", CP_CORE)
     core = [name for name, g in gemms.items() if g.tag in core_tags]
+    if shape.fp8 is not None:  # the linears' GEMMs in float8 (every GEMM but the core's)
+        check_fp8_cluster(cluster, shape.fp8)
+        for name in (n for n in gemms if n not in core):
+            (dg, wg), price = grads[name], fp8_gemm_seconds
+            secs[name] = price(cluster, timed[name])
+            dgrad[name], wgrad[name] = price(cluster, dg), price(cluster, wg)
     ops = [_busiest_op(op, skew) for op in layer_memory_ops(shape)]
     core_memory = [op for op in ops if op.tag in core_tags]
     attn_fwd, attn_bwd = _core_seconds(shape, cluster, gemms, (secs, dgrad, wgrad), core_memory)

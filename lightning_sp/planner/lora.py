@@ -63,6 +63,7 @@ from lightning_sp.planner.kernels import (
 )
 from lightning_sp.planner.layout import Layout
 from lightning_sp.planner.ops import backward_gemms, head_gemms
+from lightning_sp.planner.records import EstimateRow
 from lightning_sp.planner.rows import first_stage_bytes, formula_activations, optimizer_shards
 from lightning_sp.planner.steptime import (
     GRAD_BYTES,
@@ -244,6 +245,42 @@ def lora_estimate(
         iteration_seconds=seconds,
     )
     return LoRAEstimate(lora=lora, full=full, adapted=adapted, recompute=recompute)
+
+
+def lora_row(row: EstimateRow, layout: Layout, lora: LoRAConfig, cluster: Cluster) -> EstimateRow:
+    """``row`` (of ``layout``, whose config has the row's SP and recompute policy) priced as
+    the LoRA run :func:`lora_estimate` prices: its model state, activations and iteration
+    time, tokens per second from that time; MFU and HFU 0 (not stated for LoRA: the paper's
+    FLOPs count assumes every weight trains). What ``estimate --search`` ranks a LoRA run
+    by."""
+    adapted = lora_estimate(layout, lora, cluster).adapted
+    seconds = adapted.iteration_seconds
+    tokens = layout.global_batch_size * layout.config.seq_length
+    return dataclasses.replace(
+        row,
+        activation_bytes_per_layer=int(adapted.activation_bytes_per_layer),
+        formula_bytes_per_layer=int(adapted.activation_bytes_per_layer),
+        first_stage_activation_bytes=int(adapted.first_stage_activation_bytes),
+        formula_first_stage_activation_bytes=int(adapted.first_stage_activation_bytes),
+        model_state_bytes=int(adapted.model_state_bytes),
+        total_bytes=int(adapted.total_bytes),
+        iteration_seconds=seconds,
+        tokens_per_second=tokens / seconds,
+        model_tflops_per_gpu=0.0,
+        mfu=0.0,
+        model_tflops_per_gpu_causal_half=0.0,
+        mfu_causal_half=0.0,
+        hfu=0.0,
+    )
+
+
+def lora_note(lora: LoRAConfig) -> str:
+    """The line ``estimate --search`` prints under its header for a LoRA run."""
+    return (
+        f"LoRA r={lora.r} on {', '.join(lora.target_modules)}: memory and step of the LoRA "
+        "run (frozen base: weights only; adapters trained), by formula; MFU and HFU not "
+        "stated (0)"
+    )
 
 
 def format_lora(result: LoRAEstimate) -> str:

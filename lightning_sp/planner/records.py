@@ -222,6 +222,9 @@ class Estimate:
     cluster: str = ""
     """The cluster the step times are predicted for (its name)."""
 
+    fp8_peak_flops: float | None = None
+    """The cluster's dense FP8 peak, FLOP/s, that an ``fp8`` run's linears are priced at."""
+
     def row(self, sequence_parallel: bool, recompute: str) -> EstimateRow:
         """The row of one of :data:`COMBINATIONS` (every layer on ``recompute``)."""
         for r in self.rows:

@@ -16,6 +16,8 @@ from lightning_sp.memory.model_state import (
     model_active_parameter_count,
     model_state_bytes,
 )
+from lightning_sp.model.fp8 import fp8_recipe
+from lightning_sp.parallel.fp8 import KEEPS_FLOAT8_INPUT
 from lightning_sp.planner.estimate import no_gain_notes
 from lightning_sp.planner.records import Estimate, EstimateRow, gigabytes
 
@@ -99,6 +101,20 @@ def _active_parameters(result: Estimate) -> str:
     return f" in all, {active / 1e9:.1f}B active per token"
 
 
+def _fp8_line(result: Estimate) -> list[str]:
+    """With ``fp8``: what the rows price in float8 (:mod:`lightning_sp.planner.fp8`)."""
+    recipe = fp8_recipe(result.layout.config)
+    if recipe is None:
+        return []
+    kept = "float8 (1 byte + a 4-byte scale)" if KEEPS_FLOAT8_INPUT[recipe] else "as bf16"
+    peak = result.fp8_peak_flops or 0.0
+    return [
+        f"FP8 {recipe}: the layers' linear GEMMs at {peak / 1e12:.0f} TFLOP/s dense FP8 peak "
+        "x the BF16 best-shape fraction, plus their operands' casts (5 B/element); the "
+        f"attention core and the head in BF16; the linears' saved inputs in {kept}"
+    ]
+
+
 def format_table(result: Estimate) -> str:
     """The human-readable report: the layout, the rows, Figure 7 and the verdict."""
     layout, cfg = result.layout, result.layout.config
@@ -132,6 +148,7 @@ def format_table(result: Estimate) -> str:
         f"holds {lif:g} layers' worth = L x {lif / cfg.num_layers:.4f}"
         + (" (1 + (p-1)/(p*m))" if m > 1 else " (eq. 5)"),
         _model_state_line(result),
+        *_fp8_line(result),
     ]
     if result.measurements:
         any_m = next(iter(result.measurements.values()))

@@ -19,11 +19,13 @@ import time
 from dataclasses import dataclass, replace
 
 from lightning_sp.errors import ConfigError, divisors
+from lightning_sp.model.lora import LoRAConfig
 from lightning_sp.model.recompute import NO_RECOMPUTE
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.layout import Layout, runs
+from lightning_sp.planner.lora import lora_note, lora_row
 from lightning_sp.planner.records import EstimateRow
 
 CONTEXT_PARALLEL_SIZES: tuple[int, ...] = (1, 2, 4, 8)
@@ -77,6 +79,9 @@ class SearchResult:
     rows: int
     """Rows (x SP x recompute) estimated."""
     seconds: float
+    lora: LoRAConfig | None = None
+    """A LoRA run's adapters: every row priced as :func:`~lightning_sp.planner.lora.lora_row`
+    prices it (a frozen base)."""
 
     def rank_of(self, key: Key) -> int | None:
         """1-based rank of the candidate with :meth:`Candidate.key` ``key`` (``None``: it did
@@ -152,10 +157,12 @@ def search(
     cluster: Cluster,
     device_bytes: float,
     max_micro_batch: int = MAX_MICRO_BATCH,
+    lora: LoRAConfig | None = None,
 ) -> SearchResult:
     """Estimate every layout of ``base``'s GPU count and global batch (``base``'s model),
     keep the rows that fit ``device_bytes``, fastest first (sequence parallelism only where
-    t > 1)."""
+    t > 1); with ``lora``, each row priced as that LoRA run (:func:`~lightning_sp.planner.
+    lora.lora_row`: frozen base, the adapters' activations and GEMMs)."""
     start = time.perf_counter()
     ranked, rows, layouts = [], 0, _layouts(base, max_micro_batch)
     for layout, c in layouts:
@@ -167,15 +174,16 @@ def search(
             if row.sequence_parallel and layout.tensor_parallel_size == 1:
                 continue
             rows += 1
+            chosen = dataclasses.replace(
+                layout, config=layout.with_policy(row.sequence_parallel, row.recompute)
+            )
+            if lora is not None:
+                row = lora_row(row, chosen, lora, cluster)
             if row.fits:
-                chosen = dataclasses.replace(
-                    layout, config=layout.with_policy(row.sequence_parallel, row.recompute)
-                )
                 ranked.append(Candidate(chosen, c, row))
     ranked.sort(key=lambda x: x.row.iteration_seconds)
-    return SearchResult(
-        base, cluster, device_bytes, ranked, len(layouts), rows, time.perf_counter() - start
-    )
+    seconds = time.perf_counter() - start
+    return SearchResult(base, cluster, device_bytes, ranked, len(layouts), rows, seconds, lora)
 
 
 def format_search(result: SearchResult, top: int) -> str:
@@ -197,6 +205,8 @@ def format_search(result: SearchResult, top: int) -> str:
         f"{'recompute':<9} {'dist-opt':<8} {'memory GB':>9} {'step s':>8} {'tokens/s':>10} "
         f"{'MFU':>6} {'HFU':>6} {'vs 1st':>7}",
     ]
+    if result.lora is not None:
+        lines.insert(1, lora_note(result.lora))
     key = base_key(base)
     first = result.ranked[0].row.iteration_seconds if result.ranked else 1.0
     for i, x in enumerate(result.ranked[:top], 1):

@@ -35,6 +35,16 @@ class CheckpointHooks(LightningModule):
     lora: LoRAConfig | None
     init_from: str | None
 
+    @property
+    def checkpoint_holds_base(self) -> bool:
+        """Whether this run's checkpoints hold its frozen weights. A LoRA run from
+        ``init_from`` saves its adapters and their optimizer state only (plus ``lora_base``:
+        the base's path and fingerprint); a resume reads the base from ``init_from`` again,
+        in any layout, and refuses another base (:func:`~lightning_sp.training.adapters.
+        check_base`). A full fine-tune has nothing frozen; a LoRA run on a seeded base saves
+        it (nothing else could restore it)."""
+        return self.lora is None or self.init_from is None
+
     def stage_model(self) -> Pipeline:
         """This rank's model chunks (``GPTModule.stage_model``)."""
         raise NotImplementedError

@@ -120,6 +120,10 @@ INSIDE, OUTSIDE, REPLICATED = "inside", "outside", "replicated"
 (replicated over t, or split by t under sequence parallelism), or replicated on every TP rank
 whatever the layout (per-token statistics of a norm over a sharded dimension)."""
 
+EVERY_RANK = "every_rank"
+"""A saved tensor of the same size on every rank whatever the layout (a float8 input's
+scale: 4 bytes)."""
+
 Terms = dict[str, tuple[float, str]]
 """Saved tensors of a part: ``name -> (bytes for the whole layer before any split, region)``."""
 

@@ -21,6 +21,7 @@ from lightning_sp.model.moe.part import MoEFeedForward
 from lightning_sp.model.parts.attention import SelfAttention
 from lightning_sp.model.parts.base import (
     ACT,
+    EVERY_RANK,
     INSIDE,
     MASK,
     OUTSIDE,
@@ -37,6 +38,7 @@ from lightning_sp.model.parts.dense import DenseMLP
 from lightning_sp.model.parts.norm import Norm
 from lightning_sp.model.parts.weights import HFNames, Weight, under
 from lightning_sp.model.shape import ActivationShape
+from lightning_sp.parallel.fp8 import KEEPS_FLOAT8_INPUT
 
 PLACEMENTS = ("pre", "post")
 """Where a sublayer's norm goes, by ``GPTConfig.norm_placement`` name."""
@@ -99,12 +101,16 @@ class Block:
             mixer = sub.mixer.saved_terms(x)
             adapters, frozen = sub.mixer.adapter_terms(x, sub.name)  # LoRA: x.lora
             mixer = {n: v for n, v in mixer.items() if n not in frozen} | adapters
+            kept = {lin.input_term for lin in sub.mixer.linears(x) if lin.input_term}
             if sub.placement == "post" and sub.mixer.input_term in mixer:
                 mixer[f"{sub.name}_input"] = mixer.pop(sub.mixer.input_term)
+                kept = {f"{sub.name}_input" if n == sub.mixer.input_term else n for n in kept}
+            if x.fp8 is not None and KEEPS_FLOAT8_INPUT[x.fp8]:
+                mixer = _float8_inputs(mixer, kept, x.activation_bytes)
             terms.update(sub.norm.saved_terms(x))
             terms.update(mixer)
             terms.update(sub.residual_terms(x))
-        order = (OUTSIDE, INSIDE, REPLICATED)
+        order = (OUTSIDE, INSIDE, REPLICATED, EVERY_RANK)
         return {n: v for region in order for n, v in terms.items() if v[1] == region}
 
     def stats_terms(self, x: ActivationShape, norms_recomputed: bool = False) -> Terms:
@@ -220,3 +226,24 @@ def block_of_shape(x: ActivationShape) -> Block:
             Sublayer("mlp", Norm(x.norm, "ln2"), mlp, "mlp_residual_mask"),
         )
     )
+
+
+def float8_scale(term: str) -> str:
+    """The name of the scale kept beside ``term``'s float8 input: dropped with ``term``."""
+    return f"{term}_scale"
+
+
+def _float8_inputs(terms: Terms, kept: set[str], e: float) -> Terms:
+    """``terms`` with each input its linears keep in float8 (an FP8 recipe that keeps its
+    forward cast, :data:`~lightning_sp.parallel.fp8.KEEPS_FLOAT8_INPUT`): ``e·N`` bytes become
+    ``N`` (1 byte an element), and its 4-byte fp32 scale, ``<term>_scale``, is kept on every
+    rank (:data:`~lightning_sp.model.parts.base.EVERY_RANK`), named :func:`float8_scale` (a
+    recompute module that drops the input drops its scale)."""
+    out: Terms = {}
+    for name, (nbytes, region) in terms.items():
+        if name in kept:
+            out[name] = (nbytes / e, region)
+            out[float8_scale(name)] = (4.0, EVERY_RANK)
+        else:
+            out[name] = (nbytes, region)
+    return out

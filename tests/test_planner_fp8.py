@@ -1,0 +1,80 @@
+"""The planner prices FP8 (:mod:`lightning_sp.planner.fp8`): the layers' linear GEMMs at the
+cluster's dense FP8 peak (the H100 datasheet's 1,979 TFLOP/s, inherited by ``h200``) with
+their operands' casts, the attention core as BF16; the activation bytes the FP8 formulas state;
+``estimate`` says so in its report, and refuses FP8 on a cluster without FP8 GEMMs (an A100)
+in one line, before any work."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lightning_sp import ConfigError, GPTConfig
+from lightning_sp.memory.formulas import activation_bytes_per_layer
+from lightning_sp.parallel.fp8 import FP8Config
+from lightning_sp.planner.cluster import PRESETS, cluster_from_dict
+from lightning_sp.planner.estimate import estimate
+from lightning_sp.planner.fp8 import CAST_BYTES, fp8_gemm_seconds
+from lightning_sp.planner.kernels import gemm_seconds, wave_efficiency
+from lightning_sp.planner.layertime import layer_time
+from lightning_sp.planner.layout import Layout
+from lightning_sp.planner.ops import layer_gemms
+from lightning_sp.planner.report import format_table
+
+from models import layout_at
+
+H100 = PRESETS["h100-80gb"]
+
+
+def _llama(fp8: FP8Config | None) -> GPTConfig:
+    """Llama 3 8B's layer at s = 8192, t = 4 + SP."""
+    return GPTConfig.of(
+        "llama", vocab_size=128256, seq_length=8192, hidden_size=4096, num_layers=32,
+        num_heads=32, num_query_groups=8, ffn_hidden_size=14336, sequence_parallel=True,
+        attention="sdpa", recompute="none", fp8=fp8,
+    )  # fmt: skip
+
+
+def test_fp8_presets_are_the_datasheets() -> None:
+    assert H100.fp8_peak_flops == 1979e12, "H100 SXM dense FP8 (datasheet, no sparsity)"
+    assert PRESETS["h200"].fp8_peak_flops == H100.fp8_peak_flops, "the H200 is the H100's chip"
+    assert PRESETS["a100-80gb"].fp8_peak_flops is None, "an A100 has no FP8 tensor cores"
+    with pytest.raises(ConfigError, match=r"^cluster x: fp8_peak_flops=-1.0 must be a positive"):
+        cluster_from_dict({"base": "h100-80gb", "fp8_peak_flops": -1.0}, "x").validate()
+
+
+def test_layer_time_prices_the_linears_at_the_fp8_peak_and_the_core_as_bf16() -> None:
+    bf16 = _llama(None).activation_shape(layout_at(4), 1)
+    fp8 = _llama(FP8Config("tensorwise")).activation_shape(layout_at(4), 1)
+    slow, fast = layer_time(bf16, H100), layer_time(fp8, H100)
+    linears = [g for g in layer_gemms(fp8) if not g.tag]
+    assert {g.name for g in linears} == {"qkv", "projection", "gate", "up", "fc2"}, linears
+    assert fast.forward["gemm"] == pytest.approx(sum(fp8_gemm_seconds(H100, g) for g in linears))
+    assert slow.forward["gemm"] == pytest.approx(sum(gemm_seconds(H100, g) for g in linears))
+    assert fast.forward["attention"] == slow.forward["attention"], "the core is not FP8"
+    # the largest GEMM: compute at twice BF16's peak, plus 5 B per operand element of casts
+    fc2 = next(g for g in linears if g.name == "fc2")
+    operands = fc2.m * fc2.k + fc2.k * fc2.n
+    waves = wave_efficiency(H100, fc2.m, fc2.n)
+    compute = fc2.flops / (1979e12 * H100.gemm_efficiency * waves)
+    casts = CAST_BYTES * operands / H100.memory_rate
+    assert fp8_gemm_seconds(H100, fc2) == pytest.approx(compute + casts, rel=1e-12)
+    ratio = slow.seconds("none", "sdpa") / fast.seconds("none", "sdpa")
+    assert 1.05 < ratio < 2.0, f"an FP8 layer should be faster, not 2x (ratio {ratio:.3f})"
+
+
+def test_estimate_prices_fp8_and_says_so() -> None:
+    config = dataclasses.replace(_llama(FP8Config("tensorwise")), num_layers=2)
+    layout = Layout(tensor_parallel_size=4, config=config, source="fp8")
+    result = estimate(layout, measure=False, cluster="h100-80gb")
+    shape = config.activation_shape(layout_at(4), 1)
+    row = result.row(True, "none")
+    assert row.formula_bytes_per_layer == activation_bytes_per_layer(shape, "none")
+    bf16 = estimate(dataclasses.replace(layout, config=_llama(None)), measure=False,
+                    cluster="h100-80gb")  # fmt: skip
+    assert row.iteration_seconds < bf16.row(True, "none").iteration_seconds
+    assert "FP8 tensorwise: the layers' linear GEMMs at 1979 TFLOP/s" in format_table(result)
+    with pytest.raises(ConfigError, match=r"^fp8.recipe='tensorwise' on cluster a100-80gb: it "
+                       r"has no FP8 GEMMs"):  # fmt: skip
+        estimate(layout, measure=False, cluster="a100-80gb")
