@@ -100,8 +100,14 @@ def _install(tmp_path: Path, extras: tuple[str, ...] = ()) -> Path:
     return env_dir
 
 
-def test_pip_install_ships_the_commands(tmp_path: Path) -> None:
-    env_dir = _install(tmp_path)
+@pytest.fixture(scope="module")
+def core_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The core install (no extras), one for the module: no test changes the venv."""
+    return _install(tmp_path_factory.mktemp("core"))
+
+
+def test_pip_install_ships_the_commands(tmp_path: Path, core_install: Path) -> None:
+    env_dir = core_install
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     python, script = env_dir / "bin" / "python", env_dir / "bin" / "lightning-sp"
@@ -146,11 +152,12 @@ def _prepare_chat(env_dir: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def test_chat_sft_needs_the_chat_extra_and_says_so(tmp_path: Path) -> None:
+def test_chat_sft_needs_the_chat_extra_and_says_so(tmp_path: Path, core_install: Path) -> None:
     """Issue 40: chat SFT imports transformers, which the core install does not declare. On
     the core install it is one line naming the extra; with ``lightning-sp[chat]`` the chat
     corpus prepares."""
-    core = _prepare_chat(_install(tmp_path / "core"), tmp_path / "core")
+    (tmp_path / "core").mkdir()
+    core = _prepare_chat(core_install, tmp_path / "core")
     assert core.returncode == 2, core.stderr[-3000:]
     assert (core.stdout + core.stderr).splitlines() == [
         "error: chat SFT (data.chat_template_dir) renders conversations with a Hugging Face "

@@ -105,27 +105,28 @@ def test_training_reduces_loss_and_keeps_replicas_in_sync(
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2-sp", "pp2-interleaved", "dp2-zero1"])
 def test_resume_is_exact(tmp_path: Path, corpus: Path, layout: str) -> None:
-    every_10 = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1,
+    """8 steps straight equal 4 + resume + 4 (the resume past the warm-up's end, step 5)."""
+    every_4 = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1,
                                filename="{step}")  # fmt: skip
-    trainer(tmp_path, "straight", layout, max_steps=20, callbacks=[every_10]).fit(
+    trainer(tmp_path, "straight", layout, max_steps=8, callbacks=[every_4]).fit(
         model(num_layers=4), data(corpus)
     )
-    at_10, at_20 = tmp_path / "ckpt" / "step=10.ckpt", tmp_path / "ckpt" / "step=20.ckpt"
-    assert at_10.is_dir() and at_20.is_dir()
+    at_4, at_8 = tmp_path / "ckpt" / "step=4.ckpt", tmp_path / "ckpt" / "step=8.ckpt"
+    assert at_4.is_dir() and at_8.is_dir()
 
-    again = ModelCheckpoint(dirpath=tmp_path / "resumed", every_n_train_steps=10, save_top_k=-1,
+    again = ModelCheckpoint(dirpath=tmp_path / "resumed", every_n_train_steps=4, save_top_k=-1,
                             filename="{step}")  # fmt: skip
-    trainer(tmp_path, "resumed", layout, max_steps=20, callbacks=[again]).fit(
-        model(num_layers=4), data(corpus), ckpt_path=str(at_10)
+    trainer(tmp_path, "resumed", layout, max_steps=8, callbacks=[again]).fit(
+        model(num_layers=4), data(corpus), ckpt_path=str(at_4)
     )
     straight, resumed = (
         logged(tmp_path, "straight", "train/loss"),
         logged(tmp_path, "resumed", "train/loss"),
     )
-    assert min(resumed) == 10, "the resumed run did not start at step 10"
-    for step in range(10, 20):
+    assert min(resumed) == 4, "the resumed run did not start at step 4"
+    for step in range(4, 8):
         assert resumed[step] == pytest.approx(straight[step], abs=1e-6), f"step {step}"
-    a, b = read_full(at_20), read_full(tmp_path / "resumed" / "step=20.ckpt")
+    a, b = read_full(at_8), read_full(tmp_path / "resumed" / "step=8.ckpt")
 
     def tensors_of(full: dict) -> set[str]:
         return {k for k in full if k.startswith(("model.", "optim.")) and torch.is_tensor(full[k])}

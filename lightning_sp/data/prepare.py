@@ -23,12 +23,9 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
-import pyarrow.compute as pc
-from tqdm.auto import tqdm
 
 from lightning_sp.data.sources import Source, load_documents
 from lightning_sp.data.tokenizer import Tokenize, TokenizerInfo
@@ -41,9 +38,17 @@ SPLITS = ("train", "val")
 SHARD_TOKENS = 1 << 28
 """Tokens per shard file (512 MiB at uint16)."""
 
-_TOKEN_IDS = datasets.Features(
-    {"input_ids": (getattr(datasets, "List", None) or datasets.Sequence)(datasets.Value("int32"))}
-)
+if TYPE_CHECKING:  # imported where a corpus is prepared: `datasets` takes seconds to import
+    import datasets
+    from tqdm.auto import tqdm
+
+
+def _token_ids() -> datasets.Features:
+    """The tokenized column's features: ``input_ids``, a list of int32."""
+    import datasets
+
+    int32_list = getattr(datasets, "List", None) or datasets.Sequence
+    return datasets.Features({"input_ids": int32_list(datasets.Value("int32"))})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +117,8 @@ def _write_split(
     tokenized: datasets.Dataset, directory: str, dtype: np.dtype, shard_tokens: int, bar: tqdm
 ) -> dict[str, int]:
     """Stream ``input_ids`` rows into shard files; returns token and document counts."""
+    import pyarrow.compute as pc
+
     os.makedirs(directory)
     shards: list[dict[str, Any]] = []
     total = documents = 0
@@ -146,6 +153,8 @@ def _write_split(
 
 def _check_not_empty(docs: datasets.Dataset, source: Source) -> None:
     """Fail before tokenizing when the corpus holds no text at all."""
+    import pyarrow.compute as pc
+
     size = pc.sum(pc.binary_length(docs.data.column("text"))).as_py() if len(docs) else 0
     if not size:
         raise ConfigError(
@@ -170,6 +179,8 @@ def prepare(
         ConfigError: ``directory`` holds something else (another source, tokenizer or files),
             the corpus is empty, or a document lacks the text field.
     """
+    from tqdm.auto import tqdm
+
     directory = os.path.abspath(os.path.expanduser(directory))
     identity = {
         "fingerprint": source.fingerprint(),
@@ -212,7 +223,7 @@ def prepare(
                     batch_size=256,
                     num_proc=settings.num_proc if settings.num_proc > 1 else None,
                     remove_columns=["text"],
-                    features=_TOKEN_IDS,
+                    features=_token_ids(),
                     cache_file_name=os.path.join(tmp, "cache", f"{split}.arrow"),
                     desc=f"Tokenizing {split}",
                 )

@@ -15,12 +15,13 @@ import os
 import random
 import sysconfig
 from collections.abc import Iterator
-
-import datasets
-import pyarrow as pa
-import pyarrow.compute as pc
+from typing import TYPE_CHECKING
 
 from lightning_sp.errors import ConfigError
+
+if TYPE_CHECKING:  # imported where documents are loaded: `datasets` takes seconds to import
+    import datasets
+    import pyarrow as pa
 
 KINDS = {  # file name ending -> datasets loader
     ".jsonl": "json",
@@ -180,6 +181,9 @@ def _row_to_line(path: str, row: int) -> int:
 
 def _check_text_field(ds: datasets.Dataset, where: str, path: str, kind: str, field: str) -> None:
     """Every row has a string ``field``, else one line naming the file and line (row)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     hint = "set data.text_field to the field holding the text"
     if field not in ds.column_names:
         place = f"{where} line 1" if kind == "json" else where
@@ -213,6 +217,8 @@ def _check_text_field(ds: datasets.Dataset, where: str, path: str, kind: str, fi
 def _first_invalid_utf8(column: pa.ChunkedArray) -> tuple[int, str] | None:
     """``(row, reason)`` of the first value of a string ``column`` that is not valid UTF-8
     (Arrow's JSON and CSV readers let such bytes through), else None."""
+    import pyarrow as pa
+
     base = 0
     for chunk in column.chunks:
         try:
@@ -244,6 +250,8 @@ def _first_non_text(column: pa.ChunkedArray) -> tuple[int, str]:
 
 def _load_entry(path: str, kind: str, field: str, cache_dir: str | None) -> datasets.Dataset:
     """One local file or saved directory as a ``text`` dataset."""
+    import datasets
+
     try:
         if kind == "saved":
             ds = datasets.load_from_disk(path)
@@ -281,6 +289,8 @@ def load_documents(source: Source, cache_dir: str | None = None) -> datasets.Dat
         ConfigError: an entry cannot be read, lacks the text field (file and line named), or
             the Hub dataset cannot be loaded.
     """
+    import datasets
+
     parts: list[datasets.Dataset] = []
     if source.dataset_name is not None:
         try:

@@ -66,20 +66,50 @@ def release_process_groups(seconds: float = RELEASE_SECONDS) -> bool:
     """Destroy this process's process groups and free them now, while the interpreter is
     alive: each gloo group's destructor waits for its workers' last works and joins them (see
     the module docstring). True when no gloo worker thread is left; False when one is (a
-    collective still waits for a peer after ``seconds``, or an object still holds a group):
-    then the caller must leave without the interpreter's finalization (``os._exit`` after
-    flushing), the one way out that cannot abort."""
+    collective still waits for a peer, or an object still holds a group, ``seconds`` after the
+    release last made progress): then the caller must leave without the interpreter's
+    finalization (``os._exit`` after flushing), the one way out that cannot abort.
+
+    The garbage is collected only when a worker outlives the destroy (a group held by a cycle),
+    and a collection still running (it spends CPU; seconds on a large heap and a busy machine)
+    is waited for: only a release that is blocked runs out of time."""
     done = threading.Event()
 
     def release() -> None:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        gc.collect()  # groups held by garbage cycles (a model's state, its autograd graph)
+        if gloo_workers():
+            gc.collect()  # groups held by garbage cycles (a model's state, its autograd graph)
         done.set()
 
     # a worker blocked in a collective blocks its group's destructor: wait for it apart
-    threading.Thread(target=release, name="lightning-sp-release", daemon=True).start()
-    return done.wait(seconds) and gloo_workers() == 0
+    thread = threading.Thread(target=release, name="lightning-sp-release", daemon=True)
+    thread.start()
+    return _wait_while_working(done, thread, seconds) and gloo_workers() == 0
+
+
+def _wait_while_working(done: threading.Event, thread: threading.Thread, seconds: float) -> bool:
+    """Wait for ``done``: for ``seconds``, and again while ``thread`` spent CPU time over the
+    last wait (it is working, not blocked); at most 20 waits."""
+    spent = _cpu_ticks(thread)
+    for _ in range(20):
+        if done.wait(seconds):
+            return True
+        now = _cpu_ticks(thread)
+        if spent is None or now is None or now <= spent:
+            return False
+        spent = now
+    return done.is_set()
+
+
+def _cpu_ticks(thread: threading.Thread) -> int | None:
+    """The CPU time ``thread`` has spent (clock ticks, Linux; ``None`` where ``/proc`` is not)."""
+    try:
+        with open(f"/proc/self/task/{thread.native_id}/stat", encoding="utf-8") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12])  # utime + stime: fields 14 and 15 of stat
 
 
 def leave(code: int) -> NoReturn:

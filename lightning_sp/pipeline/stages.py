@@ -33,12 +33,11 @@ from __future__ import annotations
 import datetime
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.documents import Packing, Reduction
@@ -55,7 +54,10 @@ from lightning_sp.pipeline.split import (
     chunk_layer_ranges,
 )
 
-_Schedule = Schedule1F1B | ScheduleInterleaved1F1B
+if TYPE_CHECKING:  # imported where a schedule is built: it loads torch._dynamo (~2 s a process)
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+
+_Schedule: TypeAlias = "Schedule1F1B | ScheduleInterleaved1F1B"
 
 
 class Pipeline(nn.Module):
@@ -187,6 +189,12 @@ class Pipeline(nn.Module):
         key = (micro_batch, seq, input_ids.dtype)
         if key in self._schedules:
             return self._schedules[key]
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleInterleaved1F1B,
+        )
+
         p, m = self.state.pipeline_parallel_size, self.virtual_pipeline_size
         param = next(self.chunks[0].parameters())
         hidden = torch.empty(  # what every stage sends on: [s/t or s, b, h]
