@@ -140,7 +140,7 @@ def run(shape: BytesShape) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     ours_only: list[dict[str, Any]] = []
     for t in shape.sizes:
-        ranks = run_distributed(_worker, t, shape, start_method="fork")
+        ranks = run_distributed(_worker, t, shape, start_method="fork", held_groups=True)
         for sp in (False, True):
             for policy in POLICIES:
                 key = f"{int(sp)}:{policy}"

@@ -203,7 +203,13 @@ def run(shape: LayerShape) -> dict[str, Any]:
     the layers compared ran seconds apart (ours and DTensor back to back). The rounds used
     are the clean ones, or the ``repeats`` least disturbed.
     """
-    measured = run_distributed(_worker, shape.t, shape, start_method="fork")[0]  # slower rank's
+    measured = run_distributed(
+        _worker,
+        shape.t,
+        shape,
+        start_method="fork",
+        held_groups=True,  # DTensor's
+    )[0]  # slower rank's
     rounds = sorted(measured["rounds"], key=_round_share)
     clean = [r for r in rounds if _round_share(r) < _cpu.CLEAN_SHARE]
     used = clean if len(clean) >= shape.repeats else rounds[: shape.repeats]

@@ -283,7 +283,7 @@ def _train(
 ) -> list[dict[str, Any]]:
     return run_distributed(
         _train_worker, shape.t, which, shape, _free_port(), cache_dir, mmap_threshold,
-        init_group=False, start_method="fork",
+        init_group=False, start_method="fork", held_groups=True,  # DTensor's (spawn.py)
     )  # fmt: skip
 
 

@@ -154,7 +154,9 @@ def test_dtensor_reference_is_our_gpt(sp: bool) -> None:
     gradients (float64): the benchmarks compare implementations of one model."""
     for policy in ("none", "selective", "full"):
         for rank, errors in enumerate(
-            run_distributed(_equivalence_worker, 2, sp, policy, start_method="fork")
+            run_distributed(
+                _equivalence_worker, 2, sp, policy, start_method="fork", held_groups=True
+            )
         ):
             worst = max(errors, key=errors.__getitem__)
             assert errors[worst] < 1e-12, f"{policy} rank {rank}: {worst} differs ({errors[worst]})"
