@@ -79,6 +79,34 @@ def tensor_parallel_weight(
     return mark_parameter(weight, shard=shard, std=init_std), shard
 
 
+class TensorParallelModule(nn.Module):
+    """A module holding ``weight``, this rank's shard of a ``full_shape`` weight split along
+    ``dim`` over the tensor-parallel group (:func:`tensor_parallel_weight`; ``shard`` says where
+    it sits), the group (``group``) and whether its activations are sequence-parallel."""
+
+    def __init__(
+        self, full_shape: tuple[int, int], dim: int, state: ParallelState, what: str, *,
+        sequence_parallel: bool, init_std: float, replicas: int = 1,
+        dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.group, self.sequence_parallel = state.tp_group, sequence_parallel
+        self.weight, self.shard = tensor_parallel_weight(
+            full_shape, dim, state, what, init_std=init_std, replicas=replicas, dtype=dtype,
+            device=device,
+        )  # fmt: skip
+
+    def zero_bias(self, rows: int, bias: bool, **marks: Any) -> nn.Parameter | None:
+        """A bias of ``rows`` in the weight's dtype and device, marked to start at zero (and
+        with ``marks``: :func:`~lightning_sp.parallel.init.mark_parameter`); None without
+        ``bias``."""
+        if not bias:
+            return None
+        weight = self.weight
+        empty = torch.empty(rows, dtype=weight.dtype, device=weight.device)
+        return mark_parameter(nn.Parameter(empty), init="zeros", **marks)
+
+
 NormFn = Callable[[Tensor, Tensor, Tensor | None, float], Tensor]
 """``norm(x, weight, bias, eps)``, differentiable by autograd (LayerNorm, RMSNorm)."""
 
@@ -268,7 +296,7 @@ def column_parallel_linear(
     )
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(TensorParallelModule):
     """A linear layer whose output features are split over the tensor-parallel group.
 
     Weight shard ``[out/t, in]``; input replicated ``[s, b, in]`` or, with
@@ -292,27 +320,10 @@ class ColumnParallelLinear(nn.Module):
         rank then holds ``out·replicas/t`` rows; its gradient is summed over them by
         :func:`~lightning_sp.parallel.grads.finalize_grads`). Grouped-query attention with
         fewer key/value heads than ranks uses it."""
-        super().__init__()
-        self.group, self.sequence_parallel = state.tp_group, sequence_parallel
-        self.weight, shard = tensor_parallel_weight(
-            (out_features, in_features),
-            0,
-            state,
-            "out_features * replicas",
-            init_std=init_std,
-            replicas=replicas,
-            dtype=dtype,
-            device=device,
-        )
-        self.bias = (
-            mark_parameter(
-                nn.Parameter(torch.empty(self.weight.shape[0], dtype=dtype, device=device)),
-                shard=shard,
-                init="zeros",
-            )
-            if bias
-            else None
-        )
+        super().__init__((out_features, in_features), 0, state, "out_features * replicas",
+                         sequence_parallel=sequence_parallel, init_std=init_std,
+                         replicas=replicas, dtype=dtype, device=device)  # fmt: skip
+        self.bias = self.zero_bias(self.weight.shape[0], bias, shard=self.shard)
         self.lora: LoRA | None = None
         """A LoRA adapter on this linear (:mod:`lightning_sp.parallel.lora`), if one is attached."""
         self.fp8: Recipe | None = None
@@ -328,7 +339,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(TensorParallelModule):
     """A linear layer whose input features are split over the tensor-parallel group.
 
     Weight shard ``[out, in/t]``; input ``[s, b, in/t]``; the partial products are summed by
@@ -348,26 +359,10 @@ class RowParallelLinear(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
-        self.group, self.sequence_parallel = state.tp_group, sequence_parallel
-        self.weight, _ = tensor_parallel_weight(
-            (out_features, in_features),
-            1,
-            state,
-            "in_features",
-            init_std=init_std,
-            dtype=dtype,
-            device=device,
-        )
-        self.bias = (
-            mark_parameter(
-                nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)),
-                init="zeros",
-                sequence_parallel=sequence_parallel,
-            )
-            if bias
-            else None
-        )
+        super().__init__((out_features, in_features), 1, state, "in_features",
+                         sequence_parallel=sequence_parallel, init_std=init_std, dtype=dtype,
+                         device=device)  # fmt: skip
+        self.bias = self.zero_bias(out_features, bias, sequence_parallel=sequence_parallel)
         self.lora: LoRA | None = None
         """A LoRA adapter on this linear (:mod:`lightning_sp.parallel.lora`), if one is attached:
         its partial product joins the linear's before :meth:`reduce`."""

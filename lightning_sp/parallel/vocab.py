@@ -16,11 +16,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_sp.parallel.comm import Group, f_bar, g_bar, group_size
-from lightning_sp.parallel.layers import tensor_parallel_weight
+from lightning_sp.parallel.layers import TensorParallelModule
 from lightning_sp.parallel.state import ParallelState
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(TensorParallelModule):
     """An embedding table whose rows (the vocabulary) are split over the tensor-parallel group.
 
     Input token ids ``[s, b]``; each rank looks up the ids in its row range and zeroes the
@@ -39,18 +39,11 @@ class VocabParallelEmbedding(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
-        self.group, self.sequence_parallel = state.tp_group, sequence_parallel
-        self.weight, shard = tensor_parallel_weight(
-            (padded_vocab_size, hidden_size),
-            0,
-            state,
-            "padded_vocab_size",
-            init_std=init_std,
-            dtype=dtype,
-            device=device,
-        )
-        self.vocab_start, self.vocab_end = shard.start, shard.start + self.weight.shape[0]
+        super().__init__((padded_vocab_size, hidden_size), 0, state, "padded_vocab_size",
+                         sequence_parallel=sequence_parallel, init_std=init_std, dtype=dtype,
+                         device=device)  # fmt: skip
+        self.vocab_start = self.shard.start
+        self.vocab_end = self.shard.start + self.weight.shape[0]
 
     def forward(self, ids: Tensor) -> Tensor:
         if group_size(self.group) == 1:
