@@ -80,6 +80,23 @@ def parser(
     return result
 
 
+def arguments(doc: str, argv: list[str] | None, smoke: str, **options: Any) -> argparse.Namespace:
+    """A benchmark's parsed command line: :func:`parser` (``smoke`` the help of ``--smoke``) and
+    ``--NAME`` per option (``_`` written ``-``), given as its default or as ``(default, smoke
+    value[, help])``: its type the default's; with ``--smoke`` the smoke value replaces it."""
+    result = parser(doc, smoke)
+    for name, value in options.items():
+        full, *rest = value if isinstance(value, tuple) else (value,)
+        help_ = rest[1] if len(rest) > 1 else None
+        result.add_argument(f"--{name.replace('_', '-')}", type=type(full), default=full,
+                            help=help_)  # fmt: skip
+    args = result.parse_args(argv)
+    for name, value in options.items():
+        if args.smoke and isinstance(value, tuple):
+            setattr(args, name, value[1])
+    return args
+
+
 def save(
     args: argparse.Namespace, argv: list[str] | None, name: str, result: dict[str, Any],
     markdown: str, **meta: Any,

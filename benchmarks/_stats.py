@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from benchmarks import _cpu
+
 RESAMPLES = 2000
 LEVEL = 0.95
 
@@ -51,21 +53,27 @@ def ratio_of_medians_ci(
 
 def interleaved(
     steps: Mapping[str, Callable[[], object]], warmup: int, rounds: int,
-    sync: Callable[[], None] = lambda: None, *, slowest_rank: bool = False,
+    sync: Callable[[], None] = lambda: None, *, slowest_rank: bool = False, rotate: bool = False,
+    shares: list[float] | None = None,
 ) -> dict[str, list[float]]:  # fmt: skip
     """Seconds of each step per round: ``warmup`` untimed rounds, then ``rounds`` rounds each
-    running every step once in order, each timed between two ``sync()`` calls (so that a drift
-    of the machine's speed hits every step of a round alike). ``slowest_rank`` (collective:
-    every rank of the default process group calls it): each step starts after a barrier and
-    counts the slowest rank's seconds."""
+    running every step once in order (``rotate``: the order rotated by one step each round),
+    each timed between two ``sync()`` calls (so that a drift of the machine's speed hits every
+    step of a round alike). ``slowest_rank`` (collective: every rank of the default process
+    group calls it): each step starts after a barrier and counts the slowest rank's seconds.
+    ``shares``: appended, per timed round, the share of the CPUs other processes took
+    (:func:`benchmarks._cpu.foreign_share`, collective where a process group is up)."""
     seconds: dict[str, list[float]] = {name: [] for name in steps}
+    names = list(steps)
     for r in range(warmup + rounds):
-        for name, step in steps.items():
+        before = _cpu.sample()
+        shift = r % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
             if slowest_rank:
                 dist.barrier()
             sync()
             start = time.perf_counter()
-            step()
+            steps[name]()
             sync()
             elapsed = time.perf_counter() - start
             if slowest_rank:
@@ -74,6 +82,8 @@ def interleaved(
                 elapsed = elapsed_max.item()
             if r >= warmup:
                 seconds[name].append(elapsed)
+        if shares is not None and r >= warmup:
+            shares.append(_cpu.foreign_share(before, _cpu.sample()))
     return seconds
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._format import ci, parser, save, table
+from benchmarks._format import arguments, ci, save, table
 from benchmarks._stats import interleaved, ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.checkpoint import Checkpointer, Meta
@@ -64,12 +64,8 @@ def _rank(rank: int, world_size: int, rounds: int, every: int, folder: str) -> d
 
 
 def main(argv: list[str] | None = None) -> None:
-    parse = parser(__doc__, smoke="2 rounds of 2 steps")
-    parse.add_argument("--rounds", type=int, default=6)
-    parse.add_argument("--every", type=int, default=5, help="steps between checkpoints")
-    args = parse.parse_args(argv)
-    if args.smoke:
-        args.rounds, args.every = 2, 2
+    every = (5, 2, "steps between checkpoints")
+    args = arguments(__doc__, argv, "2 rounds of 2 steps", rounds=(6, 2), every=every)
     with tempfile.TemporaryDirectory() as folder:
         times = run_distributed(_rank, 2, args.rounds, args.every, folder, threads=1)[0]
     base = times["none"]

@@ -22,7 +22,7 @@ import statistics
 
 import torch
 
-from benchmarks._format import ci, fixed, parser, save, table
+from benchmarks._format import arguments, ci, fixed, save, table
 from benchmarks._stats import interleaved, ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.model.recompute import NO_RECOMPUTE
@@ -74,13 +74,8 @@ def _rank(rank: int, world_size: int, rounds: int, seq_length: int, hidden: int)
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Run, print the ratio and write ``context.json`` + ``context.md``; returns ``{"ratio",
     "low", "high", "c1_ms", "c2_ms"}``."""
-    parse = parser(__doc__, smoke="2 rounds of s=64, hidden 64")
-    parse.add_argument("--rounds", type=int, default=20)
-    parse.add_argument("--seq-length", type=int, default=1024)
-    parse.add_argument("--hidden", type=int, default=256)
-    args = parse.parse_args(argv)
-    if args.smoke:
-        args.rounds, args.seq_length, args.hidden = 2, 64, 64
+    args = arguments(__doc__, argv, "2 rounds of s=64, hidden 64",
+                     rounds=(20, 2), seq_length=(1024, 64), hidden=(256, 64))  # fmt: skip
     result = run_distributed(_rank, 2, args.rounds, args.seq_length, args.hidden, threads=1)[0]
     c1, c2 = result["times"]["c1"], result["times"]["c2"]
     ratio, lo, hi = ratio_of_medians_ci(c2, c1)

@@ -20,7 +20,7 @@ import statistics
 
 import torch
 
-from benchmarks._format import ci, fixed, parser, save, table
+from benchmarks._format import arguments, ci, fixed, save, table
 from benchmarks._stats import interleaved, ratio_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.model.documents import Packing
@@ -40,14 +40,9 @@ def documents_of(batch: int, seq: int, min_doc: int, max_doc: int, seed: int) ->
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
-    parse = parser(__doc__, smoke="s=128, 1 layer, 2 rounds")
-    for name, default in (("seq", 1024), ("batch", 1), ("hidden", 256), ("heads", 8),
-                          ("layers", 2), ("min-doc", 16), ("max-doc", 256), ("rounds", 15),
-                          ("warmup", 2), ("threads", 1)):  # fmt: skip
-        parse.add_argument(f"--{name}", type=int, default=default)
-    args = parse.parse_args(argv)
-    if args.smoke:
-        args.seq, args.layers, args.rounds, args.warmup, args.max_doc = 128, 1, 2, 1, 64
+    args = arguments(__doc__, argv, "s=128, 1 layer, 2 rounds", seq=(1024, 128), batch=1,
+                     hidden=256, heads=8, layers=(2, 1), min_doc=16, max_doc=(256, 64),
+                     rounds=(15, 2), warmup=(2, 1), threads=1)  # fmt: skip
     torch.set_num_threads(args.threads)
     ids = torch.randint(0, 1000, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     documents = documents_of(args.batch, args.seq, args.min_doc, args.max_doc, seed=1)

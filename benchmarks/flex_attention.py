@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from benchmarks._format import parser, save, table
+from benchmarks._format import arguments, save, table
 from benchmarks._stats import median_ci
 from benchmarks.documents import documents_of
 from lightning_sp.model.cores import attention_core, sdpa_core
@@ -33,12 +33,7 @@ def _first_line(exc: Exception) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
-    parse = parser(__doc__, smoke="s=128, 2 rounds")
-    parse.add_argument("--seq", type=int, default=1024)
-    parse.add_argument("--rounds", type=int, default=15)
-    args = parse.parse_args(argv)
-    if args.smoke:
-        args.seq, args.rounds = 128, 2
+    args = arguments(__doc__, argv, "s=128, 2 rounds", seq=(1024, 128), rounds=(15, 2))
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     b, heads, s, d = 2, 8, args.seq, 64

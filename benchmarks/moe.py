@@ -30,6 +30,7 @@ and ratios on a GPU (:func:`measure_on`, bf16 at h=2048): ``python -m benchmarks
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -40,7 +41,7 @@ from torch import Tensor, nn
 
 from benchmarks import _cpu
 from benchmarks._format import ci, fixed, parser, save, table
-from benchmarks._stats import median_ci
+from benchmarks._stats import interleaved, median_ci
 from lightning_sp import GPTConfig, ParallelState
 from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.model.moe.layer import MoE
@@ -156,30 +157,26 @@ def check_agreement(
 
 def time_rounds(
     layers: dict[str, nn.Module], x: Tensor, grad: Tensor, shape: MoEShape,
-    clocks: dict[str, Callable[[], float]], sync: Callable[[], None] = lambda: None,
+    sync: Callable[[], None] = lambda: None,
 ) -> tuple[dict[str, dict[str, list[float]]], list[float]]:  # fmt: skip
-    """``warmup + rounds`` rounds, each running every layer once (forward and backward) in an
-    order rotated round by round, ``sync()`` before and after each: the seconds per token of
-    each layer per clock after the warm-up, ``{clock: {layer: [per round]}}``, and per round the
+    """``warmup + rounds`` rounds (:func:`benchmarks._stats.interleaved`), each running every
+    layer once (forward and backward) in an order rotated round by round, ``sync()`` before and
+    after each: the seconds per token of each layer after the warm-up by the wall clock and by
+    this process's CPU time, ``{"wall" | "cpu": {layer: [per round]}}``, and per round the
     share of the CPUs other processes took (:mod:`benchmarks._cpu`)."""
-    seconds: dict[str, dict[str, list[float]]] = {
-        c: {n: [] for n in IMPLEMENTATIONS} for c in clocks
-    }
+    cpu: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
+
+    def timed(name: str) -> None:
+        start = time.process_time()
+        step(layers[name], x, grad, hf=name.startswith("hf"))
+        cpu[name].append(time.process_time() - start)
+
+    steps = {name: functools.partial(timed, name) for name in IMPLEMENTATIONS}
     shares: list[float] = []
-    for r in range(shape.warmup + shape.rounds):
-        before = _cpu.sample()
-        times: dict[tuple[str, str], float] = {}
-        for name in IMPLEMENTATIONS[r % 4 :] + IMPLEMENTATIONS[: r % 4]:
-            sync()
-            start = {c: clock() for c, clock in clocks.items()}
-            step(layers[name], x, grad, hf=name.startswith("hf"))
-            sync()
-            for c, clock in clocks.items():
-                times[c, name] = (clock() - start[c]) / shape.tokens
-        if r >= shape.warmup:
-            shares.append(_cpu.foreign_share(before, _cpu.sample()))
-            for (c, name), value in times.items():
-                seconds[c][name].append(value)
+    wall = interleaved(steps, shape.warmup, shape.rounds, sync, rotate=True, shares=shares)
+    cpu = {name: values[shape.warmup :] for name, values in cpu.items()}
+    seconds = {clock: {name: [v / shape.tokens for v in values] for name, values in s.items()}
+               for clock, s in (("wall", wall), ("cpu", cpu))}  # fmt: skip
     return seconds, shares
 
 
@@ -199,8 +196,7 @@ def measure(shape: MoEShape) -> dict[str, Any]:
     medians with 95% intervals."""
     layers, x, grad = _inputs(shape, torch.device("cpu"), torch.float32)
     check_agreement(layers, x, grad)
-    clocks = {"wall": time.perf_counter, "cpu": time.process_time}
-    seconds, shares = time_rounds(layers, x, grad, shape, clocks)
+    seconds, shares = time_rounds(layers, x, grad, shape)
     clean = [i for i, share in enumerate(shares) if share < _cpu.CLEAN_SHARE]
     used = clean if 2 * len(clean) >= len(shares) else list(range(len(shares)))
     return {
@@ -209,8 +205,8 @@ def measure(shape: MoEShape) -> dict[str, Any]:
         "rounds_used": len(used),
         "clean": len(used) == len(clean),
         "other_processes_share": shares,
-        **{f"us_per_token_{c}": medians(seconds[c], used) for c in clocks},
-        **{f"ratios_{c}": ratios(seconds[c], used) for c in clocks},
+        **{f"us_per_token_{c}": medians(seconds[c], used) for c in seconds},
+        **{f"ratios_{c}": ratios(seconds[c], used) for c in seconds},
         "samples": seconds,
         "targets": {"moe_over_dense": 1.3, "moe_over_hf": 1.0},
     }
@@ -224,7 +220,7 @@ def measure_on(shape: MoEShape, device: torch.device, dtype: torch.dtype) -> dic
     layers, x, grad = _inputs(shape, device, dtype)
     errors = check_agreement(layers, x, grad, REL_TOL[dtype])
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    seconds = time_rounds(layers, x, grad, shape, {"wall": time.perf_counter}, sync)[0]["wall"]
+    seconds = time_rounds(layers, x, grad, shape, sync)[0]["wall"]
     rounds = list(range(shape.rounds))
     return {
         "shape": dataclasses.asdict(shape),

@@ -3,23 +3,25 @@
 
 2 gloo ranks, data parallel d=2, a small fp32 GPT, gradients in a
 :class:`~lightning_sp.parallel.buffer.GradBuffer`. Two models (overlap on and off, same init,
-same buckets) step in interleaved rounds (AB AB ...), so the machine's drift hits both alike.
-A step's time is the slower rank's wall time of zero-grad + forward + backward + finish +
-AdamW. Reported: the median step time overlapped over not (with a 95% bootstrap interval), and
-the share of communication hidden: ``(T_off - T_on) / C`` where ``C`` is the median time the
-non-overlapped run spends in :meth:`GradBuffer.finish` (all of its reduction).
+same buckets) step in interleaved rounds (AB AB ..., :func:`benchmarks._stats.interleaved`),
+so the machine's drift hits both alike. A step's time is the slower rank's wall time of
+zero-grad + forward + backward + finish + AdamW. Reported: the median step time overlapped
+over not (with a 95% bootstrap interval), and the share of communication hidden:
+``(T_off - T_on) / C`` where ``C`` is the median time the non-overlapped run spends in
+:meth:`GradBuffer.finish` (all of its reduction).
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from benchmarks._format import ci, fixed, parser, save, table
-from benchmarks._stats import ratio_of_medians_ci
+from benchmarks._format import arguments, ci, fixed, save, table
+from benchmarks._stats import interleaved, ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.model.recompute import NO_RECOMPUTE
 from lightning_sp.optim.adamw import build_adamw
@@ -42,37 +44,30 @@ def _rank(rank: int, world_size: int, rounds: int, hidden: int, bucket: int) -> 
         for name in MODES
     }  # fmt: skip
     tokens = torch.randint(0, 257, (4, 129), generator=torch.Generator().manual_seed(rank))
-    times: dict[str, list[float]] = {name: [] for name in MODES}
-    comm: list[float] = []
-    for r in range(rounds + 1):  # round 0 warms up
-        for name in MODES:
-            model, optimizer = models[name], optimizers[name]
-            dist.barrier()
-            start = time.perf_counter()
-            optimizer.zero_grad()
-            model(tokens[:, :-1], tokens[:, 1:]).backward()
-            finish_start = time.perf_counter()
-            finalize_grads(model, state, optimizer.grad_buffer)  # type: ignore[attr-defined]
-            finish = time.perf_counter() - finish_start
-            optimizer.step()
-            elapsed = torch.tensor([time.perf_counter() - start, finish])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if r > 0:
-                times[name].append(elapsed[0].item())
-                if name == "after":
-                    comm.append(elapsed[1].item())
+    comm: list[float] = []  # seconds in finish, the non-overlapped run's
+
+    def step(name: str) -> None:
+        model, optimizer = models[name], optimizers[name]
+        optimizer.zero_grad()
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        finish_start = time.perf_counter()
+        finalize_grads(model, state, optimizer.grad_buffer)  # type: ignore[attr-defined]
+        if name == "after":
+            comm.append(time.perf_counter() - finish_start)
+        optimizer.step()
+
+    steps = {name: functools.partial(step, name) for name in MODES}
+    times = interleaved(steps, 1, rounds, slowest_rank=True)  # round 0 warms up
+    slowest = torch.tensor(comm[1:], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     buckets = len(optimizers["overlap"].grad_buffer.buckets)  # type: ignore[attr-defined]
-    return {"times": times, "comm": comm, "buckets": buckets}
+    return {"times": times, "comm": slowest.tolist(), "buckets": buckets}
 
 
 def main(argv: list[str] | None = None) -> None:
-    parse = parser(__doc__, smoke="3 rounds of a hidden-128 model")
-    parse.add_argument("--rounds", type=int, default=20)
-    parse.add_argument("--hidden", type=int, default=512)
-    parse.add_argument("--bucket", type=int, default=1_000_000, help="elements per bucket")
-    args = parse.parse_args(argv)
-    if args.smoke:
-        args.rounds, args.hidden, args.bucket = 3, 128, 50_000
+    bucket = (1_000_000, 50_000, "elements per bucket")
+    args = arguments(__doc__, argv, "3 rounds of a hidden-128 model",
+                     rounds=(20, 3), hidden=(512, 128), bucket=bucket)  # fmt: skip
     result = run_distributed(_rank, 2, args.rounds, args.hidden, args.bucket)[0]
     on, off, comm = result["times"]["overlap"], result["times"]["after"], result["comm"]
     ratio, lo, hi = ratio_of_medians_ci(on, off)
