@@ -9,6 +9,7 @@ import datetime
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,24 @@ def arguments(doc: str, argv: list[str] | None, smoke: str, **options: Any) -> a
     return args
 
 
+def add_only(
+    parser: argparse.ArgumentParser, sections: Sequence[str], default: Sequence[str]
+) -> None:
+    """``--only A,B``: some of ``sections`` (``default`` when not given); an unknown name is
+    argparse's one-line error naming the valid ones."""
+
+    def names(value: str) -> list[str]:
+        chosen = [name.strip() for name in value.split(",") if name.strip()]
+        if unknown := sorted(set(chosen) - set(sections)):
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(unknown)}; valid: {', '.join(sections)}"
+            )
+        return chosen
+
+    help_ = f"some of {','.join(sections)} (default: {','.join(default)})"
+    parser.add_argument("--only", type=names, default=list(default), help=help_)
+
+
 def save(
     args: argparse.Namespace, argv: list[str] | None, name: str, result: dict[str, Any],
     markdown: str, **meta: Any,
@@ -123,8 +142,16 @@ def stamp() -> dict[str, Any]:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
-        "loadavg": " / ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "loadavg": loadavg(),
     }
+
+
+def loadavg() -> str:
+    """The load average now, ``"1 / 5 / 15 min"``, or ``"n/a"`` where unknown."""
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
 
 
 def command(module: str, argv: list[str] | None) -> str:

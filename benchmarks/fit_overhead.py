@@ -381,11 +381,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the sections; ``{"meta": ..., "measured": ... (fit), "cases": ... (compile)}``."""
     parser = _format.parser(__doc__, "tiny shapes, a few rounds (seconds)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (40; compile 12)")
-    parser.add_argument("--only", type=lambda v: v.split(","), default=["fit"],
-                        help=f"some of {','.join(SECTIONS)} (default: fit)")  # fmt: skip
+    _format.add_only(parser, SECTIONS, ["fit"])
     args = parser.parse_args(argv)
-    if unknown := sorted(set(args.only) - set(SECTIONS)):
-        parser.error(f"--only: unknown {', '.join(unknown)}; valid: {', '.join(SECTIONS)}")
     meta = {
         "command": _format.command("benchmarks.fit_overhead", argv),
         **_format.stamp(),

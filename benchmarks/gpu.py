@@ -37,7 +37,7 @@ from torch import nn
 
 from benchmarks import dtensor_gpt, fp8_gpu, moe
 from benchmarks._fit import Shape, fit_section, seconds_per_step
-from benchmarks._format import add_out_argument, command, out_dir, stamp, table, write
+from benchmarks._format import add_only, add_out_argument, command, out_dir, stamp, table, write
 from lightning_sp.callbacks.memory import ActivationMemoryMonitor
 from lightning_sp.memory.flops import measure_peak_flops, model_flops_per_iteration
 from lightning_sp.memory.saved import SavedTensorTracker
@@ -219,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--smoke", action="store_true", help="tiny shapes (seconds)")
     add("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a plumbing check (--smoke)")
     add_out_argument(parser)
-    add("--only", type=_names, default=list(DEFAULT_SECTIONS),
-        help=f"some of {','.join(SECTIONS)} (default: {','.join(DEFAULT_SECTIONS)})")  # fmt: skip
+    add_only(parser, SECTIONS, DEFAULT_SECTIONS)
     add("--warmup", type=int, default=None, help="untimed steps (3; smoke 1)")
     add("--steps", type=int, default=None, help="timed steps (10; smoke 2)")
     add("--dropout", type=float, default=0.1, help="hidden and attention")
@@ -230,8 +229,6 @@ def main(argv: list[str] | None = None) -> int:
     add("--no-plain", dest="plain", action="store_false", help="skip the plain PyTorch GPTs")
     add("--dtype", default="bf16", choices=sorted(DTYPES), help="of the MoE layers")
     args = parser.parse_args(argv)
-    if unknown := sorted(set(args.only) - set(SECTIONS)):
-        parser.error(f"--only: unknown {', '.join(unknown)}; valid: {', '.join(SECTIONS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: benchmarks.gpu needs a CUDA device and torch.cuda.is_available() is False "
               "(for a CPU plumbing check: --device cpu --smoke)", file=sys.stderr)  # fmt: skip

@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks import _cpu, dtensor_gpt
 from benchmarks._format import ci, fixed, pct_ci, table
-from benchmarks._stats import median_ci
+from benchmarks._stats import interleaved, median_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.testing.spawn import run_distributed
@@ -174,8 +174,9 @@ def _round_share(round_: dict[str, list[float]]) -> float:
 
 
 def _time_collectives(shape: LayerShape, t: int, repeats: int = 9) -> dict[str, float]:
-    """Median seconds of the collectives a layer runs on ``[s, b, h]`` fp32 activations: the
-    all-gather and reduce-scatter of sequence parallelism and the all-reduce without it."""
+    """Median seconds (the slower rank's, :func:`benchmarks._stats.interleaved`) of the
+    collectives a layer runs on ``[s, b, h]`` fp32 activations: the all-gather and
+    reduce-scatter of sequence parallelism and the all-reduce without it."""
     full = torch.randn(shape.s, shape.b, shape.h)
     shard = torch.randn(shape.s // t, shape.b, shape.h)
     ops = {
@@ -183,16 +184,8 @@ def _time_collectives(shape: LayerShape, t: int, repeats: int = 9) -> dict[str, 
         "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
         "all_reduce": lambda: dist.all_reduce(full),
     }
-    out = {}
-    for name, op in ops.items():
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            op()
-            times.append(time.perf_counter() - t0)
-        out[name] = statistics.median(times)
-    return out
+    times = interleaved(ops, 0, repeats, slowest_rank=True)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def run(shape: LayerShape) -> dict[str, Any]:

@@ -19,7 +19,6 @@ orchestrates and never runs a multi-threaded kernel itself (fork safety).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
@@ -34,8 +33,7 @@ from typing import Any
 import lightning
 import torch
 
-from benchmarks import _cpu, activation_bytes, flops, layer_time, throughput
-from benchmarks._format import add_out_argument, command, out_dir, write
+from benchmarks import _cpu, _format, activation_bytes, flops, layer_time, throughput
 
 SECTIONS = {"activation_bytes": activation_bytes, "layer_time": layer_time, "flops": flops,
             "throughput": throughput}  # fmt: skip
@@ -61,14 +59,7 @@ def _machine() -> dict[str, Any]:
         memory = 0.0
     cpu = cpu or platform.processor() or platform.machine()
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": memory,
-            "platform": platform.platform(), "loadavg_start": _loadavg()}  # fmt: skip
-
-
-def _loadavg() -> str:
-    try:
-        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
+            "platform": platform.platform(), "loadavg_start": _format.loadavg()}  # fmt: skip
 
 
 def _cpu_seconds() -> tuple[float, float]:
@@ -126,30 +117,12 @@ def _run_sections(
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmarks and write ``SECTION.json`` + ``SECTION.md`` per section; returns
     ``{"meta": ..., SECTION: result, ...}``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.run", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, 1 repeat (seconds)")
-    add_out_argument(parser)
-    parser.add_argument(
-        "--wait-idle",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="first wait up to SECONDS for the machine to be idle (timings need an idle machine)",
-    )
-    parser.add_argument(
-        "--only",
-        default=",".join(SECTIONS),
-        help=f"comma-separated subset of {', '.join(SECTIONS)}",
-    )
+    parser = _format.parser(__doc__, "tiny shapes, 1 repeat (seconds)")
+    parser.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                        help="first wait up to SECONDS for the machine to be idle")  # fmt: skip
+    _format.add_only(parser, list(SECTIONS), list(SECTIONS))
     args = parser.parse_args(argv)
-    only = [s.strip() for s in args.only.split(",") if s.strip()]
-    unknown = sorted(set(only) - set(SECTIONS))
-    if unknown:
-        parser.error(
-            f"--only: unknown section(s) {', '.join(unknown)}; valid: {', '.join(SECTIONS)}"
-        )
+    only = args.only
     warnings.filterwarnings("ignore")
     waited = wait_until_idle(args.wait_idle) if args.wait_idle > 0 else 0.0
     started = time.time()
@@ -157,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="benchmarks-data-") as cache:  # tokenized corpus
         results, section_seconds, foreign_share = _run_sections(only, args.smoke, cache)
     meta = {
-        "command": command("benchmarks.run", argv),
+        "command": _format.command("benchmarks.run", argv),
         "smoke": args.smoke,
         "started": datetime.datetime.fromtimestamp(started)
         .astimezone()
@@ -169,11 +142,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "lightning": lightning.__version__,
         "python": platform.python_version(),
-        "machine": {**machine, "loadavg_end": _loadavg()},
+        "machine": {**machine, "loadavg_end": _format.loadavg()},
     }
-    out = out_dir(args.out, args.smoke)
+    out = _format.out_dir(args.out, args.smoke)
     for name, result in results.items():
-        write(out, name, {"meta": meta, **result}, SECTIONS[name].markdown(result))
+        _format.write(out, name, {"meta": meta, **result}, SECTIONS[name].markdown(result))
     print(f"[benchmarks] wrote {', '.join(results)} (.json, .md) to {out}", file=sys.stderr)
     return {"meta": meta, **results}
 
