@@ -307,13 +307,12 @@ def run(
     their ratios. The GEMM peak is measured before and after the training runs (the best)."""
     config = model_config(shape)
     cache = str(cache_dir)
-    peaks = [run_distributed(_peak_worker, shape.t, peak_seconds, peak_rounds, start_method="fork")]
+    args = (_peak_worker, shape.t, peak_seconds, peak_rounds)
+    peaks = [run_distributed(*args, start_method="fork")]
     segments: dict[str, list[list[dict[str, Any]]]] = {which: [] for which in STRATEGIES}
     for which in ORDER:
         segments[which].append(_train(which, shape, cache))
-    peaks.append(
-        run_distributed(_peak_worker, shape.t, peak_seconds, peak_rounds, start_method="fork")
-    )
+    peaks.append(run_distributed(*args, start_method="fork"))
     peak_per_rank = [max(values) for values in zip(*peaks, strict=True)]
     peak = float(sum(peak_per_rank))
     tokens_per_step = shape.b * shape.s
