@@ -20,7 +20,7 @@ again in backward (the same values: the cast is deterministic).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -42,9 +42,7 @@ from lightning_sp.parallel.fp8 import (
     keeps_float8_input,
     weight_grad_gemm,
 )
-
-NormFn = Callable[[Tensor, Tensor, Tensor | None, float], Tensor]
-"""``norm(x, weight, bias, eps)`` (:data:`lightning_sp.parallel.layers.NormFn`)."""
+from lightning_sp.parallel.fused_norm import NormFn, column_grads, norm_with_graph
 
 
 def _gathered_input(
@@ -168,17 +166,7 @@ class _FP8ColumnFn(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, norm_weight, norm_bias, data, scale, *weights = ctx.saved_tensors
         recipe, group, sp, groups = ctx.recipe, ctx.group, ctx.sequence_parallel, ctx.groups
-        leaves: list[Tensor] = []
-        y = x
-        if ctx.norm is not None:
-            with torch.enable_grad():  # the norm again, this time with a graph
-                leaves = [
-                    t.detach().requires_grad_(True)
-                    for t in (x, norm_weight, norm_bias)
-                    if t is not None
-                ]
-                bias = leaves[2] if norm_bias is not None else None
-                y = ctx.norm(leaves[0], leaves[1], bias, ctx.eps)
+        y, leaves = norm_with_graph(ctx.norm, ctx.eps, x, norm_weight, norm_bias)
         sizes = [w.shape[0] for w in weights]
         g2 = grad.reshape(-1, grad.shape[-1])  # [s·b, Σn/t]
         parts = _split_columns(g2, sizes, groups)  # [s·b, nᵢ/t] each
@@ -204,15 +192,7 @@ class _FP8ColumnFn(torch.autograd.Function):
         if any(ctx.has_bias):
             summed = [p[0] for p in _split_columns(g2.sum(0)[None], sizes, groups)]
             grad_bs = [g if has else None for g, has in zip(summed, ctx.has_bias, strict=True)]
-        params: list[Tensor | None] = []
-        for w_grad, b_grad in zip(grad_ws, grad_bs, strict=True):
-            params += [w_grad, b_grad]
-        grad_x, grad_nw, grad_nb = grad_y, None, None
-        if ctx.norm is not None:
-            grads = torch.autograd.grad(y, leaves, grad_y)
-            grad_x, grad_nw = grads[0], grads[1]
-            grad_nb = grads[2] if norm_bias is not None else None
-        return (grad_x, grad_nw, grad_nb, None, None, None, None, None, None, *params)
+        return column_grads(y, leaves, grad_y, norm_bias is not None, grad_ws, grad_bs)
 
 
 def fp8_column_linear(

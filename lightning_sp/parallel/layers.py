@@ -14,7 +14,7 @@ The vocabulary-parallel embedding and cross entropy are :mod:`lightning_sp.paral
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +30,7 @@ from lightning_sp.parallel.comm import (
     reduce_scatter_sequence,
 )
 from lightning_sp.parallel.fp8_linears import fp8_column_linear, fp8_row_matmul
+from lightning_sp.parallel.fused_norm import NormFn, column_grads, norm_with_graph
 from lightning_sp.parallel.init import ShardSpec, mark_parameter
 from lightning_sp.parallel.lora import (
     LoRA,
@@ -105,10 +106,6 @@ class TensorParallelModule(nn.Module):
         weight = self.weight
         empty = torch.empty(rows, dtype=weight.dtype, device=weight.device)
         return mark_parameter(nn.Parameter(empty), init="zeros", **marks)
-
-
-NormFn = Callable[[Tensor, Tensor, Tensor | None, float], Tensor]
-"""``norm(x, weight, bias, eps)``, differentiable by autograd (LayerNorm, RMSNorm)."""
 
 
 def weight_grad(grad: Tensor, x: Tensor) -> Tensor:
@@ -212,17 +209,7 @@ class _ColumnParallelFn(torch.autograd.Function):
         low, masks = (rest[0], rest[1 : 1 + len(adapted)]) if adapted else (None, [])
         weights = rest[1 + len(adapted) :] if adapted else rest
         group, sp, groups = ctx.group, ctx.sequence_parallel, ctx.groups
-        leaves: list[Tensor] = []
-        y = x
-        if ctx.norm is not None:
-            with torch.enable_grad():  # the norm again, this time with a graph
-                leaves = [
-                    t.detach().requires_grad_(True)
-                    for t in (x, norm_weight, norm_bias)
-                    if t is not None
-                ]
-                bias = leaves[2] if norm_bias is not None else None
-                y = ctx.norm(leaves[0], leaves[1], bias, ctx.eps)
+        y, leaves = norm_with_graph(ctx.norm, ctx.eps, x, norm_weight, norm_bias)
         weight = interleave(weights, groups)
         sizes = [w.shape[0] for w in weights]
         first = 9  # the index of the first weight among forward's inputs
@@ -251,15 +238,8 @@ class _ColumnParallelFn(torch.autograd.Function):
         if any(ctx.has_bias):  # no reduction over every token for a bias-free model
             summed = deinterleave(grad.reshape(-1, grad.shape[-1]).sum(0), sizes, groups)
             grad_bs = [g if has else None for g, has in zip(summed, ctx.has_bias, strict=True)]
-        params: list[Tensor | None] = []
-        for w_grad, b_grad in zip(grad_ws, grad_bs, strict=True):
-            params += [w_grad, b_grad]
-        grad_x, grad_nw, grad_nb = grad_y, None, None
-        if ctx.norm is not None:
-            grads = torch.autograd.grad(y, leaves, grad_y)
-            grad_x, grad_nw = grads[0], grads[1]
-            grad_nb = grads[2] if norm_bias is not None else None
-        return (grad_x, grad_nw, grad_nb, None, None, None, None, None, None, *params, *lora_grads)
+        grads = column_grads(y, leaves, grad_y, norm_bias is not None, grad_ws, grad_bs)
+        return (*grads, *lora_grads)
 
 
 def column_parallel_linear(
