@@ -83,7 +83,7 @@ def _parallel_worker(rank: int, world_size: int) -> None:
 
 @pytest.mark.slow
 def test_inductor_at_t2_sp_and_p2_gives_the_eager_float64_loss_and_gradients() -> None:
-    run_distributed(_parallel_worker, 2)
+    run_distributed(_parallel_worker, 2, held_groups=True)  # compiled code's (spawn.py)
 
 
 @pytest.mark.parametrize(

@@ -173,4 +173,4 @@ def _compiled_layouts_worker(rank: int, world_size: int) -> None:
 
 @pytest.mark.slow
 def test_compiled_layers_in_parallel_layouts_give_the_eager_loss_and_gradients() -> None:
-    run_distributed(_compiled_layouts_worker, 2)
+    run_distributed(_compiled_layouts_worker, 2, held_groups=True)  # compiled code's (spawn.py)

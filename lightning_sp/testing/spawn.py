@@ -31,6 +31,13 @@ from lightning_sp.parallel.threads import threads_per_rank
 TIMEOUT = datetime.timedelta(seconds=300)
 """How long any collective of a spawned rank may wait."""
 
+RELEASE_SECONDS = 30.0
+"""How long a finished rank waits for its gloo workers to be joined before its group counts as
+held (:data:`UNRELEASED`). Every rank has passed a barrier by then, so no collective waits for
+a peer and the release only needs the CPU: with 4 ranks on 2 busy cores the package's 3 s
+(``lightning_sp.parallel.release.RELEASE_SECONDS``, sized for a stopped run that must leave
+promptly) failed ranks that had nothing held."""
+
 
 def _worker(
     rank: int,
@@ -64,7 +71,7 @@ def _worker(
     # the groups destroyed and freed now, gloo's workers joined after their last works: not
     # during the interpreter's finalization, where a worker freeing a tensor aborts the
     # process (lightning_sp.parallel.release)
-    released = release_process_groups()
+    released = release_process_groups(RELEASE_SECONDS)
     if not released and result[0] == "ok" and not held_groups:  # the product's exit too
         result = ("error", f"rank {rank}: {UNRELEASED}")
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as fh:
@@ -99,10 +106,11 @@ def run_distributed(
     interpreters; ``fork`` reuses the parent's imports, which saves seconds per rank, and is
     safe only while the parent has run no multi-threaded kernels. ``held_groups``: a rank
     whose process group outlives its release (:data:`UNRELEASED`) still succeeds, leaving
-    without the interpreter's finalization; for ``fn`` that run DTensor's ``redistribute``,
-    which keeps its mesh's group alive in C++ past ``destroy_process_group`` (torch 2.13, once
-    ``torch._dynamo`` is loaded; our own code holds none, and every other caller keeps the
-    check).
+    without the interpreter's finalization (the package's own exit does the same, safely); for
+    ``fn`` that hold a group through torch's own caches, out of the garbage collector's reach
+    (torch 2.13): DTensor's ``redistribute`` once ``torch._dynamo`` is loaded, and layers
+    compiled by ``torch.compile`` around collectives (neither ``torch._dynamo.reset()`` nor
+    emptying DTensor's caches frees it). Every other caller keeps the check.
     """
     lazy = os.environ.get("LIGHTNING_SP_LAZY")
     # the ranks import Lightning only if the test module uses its names (5 s a rank here)
