@@ -12,6 +12,7 @@ step, checkpoints) is the subclass's.
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,6 +34,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_sp.parallel.release import release_process_groups
 from lightning_sp.parallel.threads import set_rank_threads
 from lightning_sp.runtime import shutdown
 
@@ -207,3 +209,8 @@ class ProcessGroupStrategy(ParallelStrategy):
         if _distributed_is_initialized() and not self._failed:
             dist.barrier()
         super().teardown()
+        if self._start_method == "spawn" and multiprocessing.parent_process() is not None:
+            # a rank the spawn launcher started ends when its function returns, by the
+            # interpreter's finalization, where a gloo worker freeing a tensor aborts it
+            # (SIGABRT: lightning_sp.parallel.release): its groups are ended here, while alive
+            release_process_groups()
