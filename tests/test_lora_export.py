@@ -9,6 +9,7 @@ stated ``r`` the directory does not have, and ``--adapter`` of a full fine-tune.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -324,6 +325,7 @@ def test_adapter_checkpoint_resumes_only_onto_its_base(run: dict, tmp_path: Path
         _module(run["base"]), data(run["corpus"]), ckpt_path=str(run["ckpt"])
     )
     module = _module(run["other"])
+    os.environ.pop("MASTER_PORT", None)  # the run above's port: a fresh rendezvous (EADDRINUSE)
     # raised in the spawned rank, re-raised in this process with its traceback
     with pytest.raises(Exception) as error:
         trainer(tmp_path, "resumed", "single", max_steps=6).fit(
