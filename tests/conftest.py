@@ -20,8 +20,15 @@ os.environ["XDG_CACHE_HOME"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 
+# What a launcher leaves in ``os.environ``: a later Trainer in this process takes a leftover
+# MASTER_PORT as its rendezvous port, which another process may have taken since (EADDRINUSE).
+_LAUNCH = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+
+
 def _restored() -> Iterator[None]:
     before = dict(os.environ)
+    for name in _LAUNCH:  # each test rendezvouses afresh, whatever a module fixture left
+        os.environ.pop(name, None)
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
