@@ -31,6 +31,7 @@ import gc
 import os
 import sys
 import threading
+import time
 from typing import NoReturn
 
 import torch.distributed as dist
@@ -44,6 +45,17 @@ RELEASE_SECONDS = 3.0
 """How long :func:`release_process_groups` waits for the workers' last collectives: a
 finished run's are done at once; a stopped run's fail within a second once the stopped peers
 are gone."""
+
+SETTLE_SECONDS = 1.0
+"""How long, once the release itself has finished, :func:`release_process_groups` polls for
+gloo workers still listed (collecting the garbage again first): a group freed by a later
+collection (a finalizer run by one collection releasing the object that held it), or a joined
+worker the kernel lists until it has finished exiting. A group that is really held keeps its
+workers: this only bounds how long that takes to say."""
+
+COLLECTIONS = 2
+"""How many more garbage collections :func:`release_process_groups` runs while gloo workers
+are still listed after the release."""
 
 
 def gloo_workers() -> int:
@@ -67,7 +79,8 @@ def release_process_groups(seconds: float = RELEASE_SECONDS) -> bool:
     alive: each gloo group's destructor waits for its workers' last works and joins them (see
     the module docstring). True when no gloo worker thread is left; False when one is (a
     collective still waits for a peer, or an object still holds a group, ``seconds`` after the
-    release last made progress): then the caller must leave without the interpreter's
+    release last made progress, and after :data:`COLLECTIONS` more collections and
+    :data:`SETTLE_SECONDS` of polling): then the caller must leave without the interpreter's
     finalization (``os._exit`` after flushing), the one way out that cannot abort.
 
     The garbage is collected only when a worker outlives the destroy (a group held by a cycle),
@@ -85,7 +98,25 @@ def release_process_groups(seconds: float = RELEASE_SECONDS) -> bool:
     # a worker blocked in a collective blocks its group's destructor: wait for it apart
     thread = threading.Thread(target=release, name="lightning-sp-release", daemon=True)
     thread.start()
-    return _wait_while_working(done, thread, seconds) and gloo_workers() == 0
+    return _wait_while_working(done, thread, seconds) and _workers_gone(
+        min(seconds, SETTLE_SECONDS)
+    )
+
+
+def _workers_gone(seconds: float) -> bool:
+    """Whether every gloo worker is gone: at once (the usual case), or after up to
+    :data:`COLLECTIONS` more garbage collections and ``seconds`` of polling (see
+    :data:`SETTLE_SECONDS`)."""
+    for _ in range(COLLECTIONS):
+        if not gloo_workers():
+            return True
+        gc.collect()
+    deadline = time.monotonic() + seconds
+    while gloo_workers():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)  # a poll of the workers' exit, bounded by the deadline
+    return True
 
 
 def _wait_while_working(done: threading.Event, thread: threading.Thread, seconds: float) -> bool:
@@ -125,4 +156,12 @@ def leave(code: int) -> NoReturn:
     sys.exit(code)
 
 
-__all__ = ["RELEASE_SECONDS", "WORKER_THREAD", "gloo_workers", "leave", "release_process_groups"]
+__all__ = [
+    "COLLECTIONS",
+    "RELEASE_SECONDS",
+    "SETTLE_SECONDS",
+    "WORKER_THREAD",
+    "gloo_workers",
+    "leave",
+    "release_process_groups",
+]

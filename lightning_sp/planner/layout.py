@@ -154,15 +154,20 @@ class Layout(ParallelConfig):
     ) -> GPTConfig:
         """The model config for one ``(sequence_parallel, recompute)`` combination; with
         ``recompute_num_layers``, the other layers run ``recompute_rest`` (``None``: as
-        configured)."""
-        rest = self.config.recompute_rest if recompute_rest is None else recompute_rest
-        return dataclasses.replace(
-            self.config,
-            sequence_parallel=sequence_parallel,
-            recompute=RecomputePolicy.parse(recompute),
-            recompute_num_layers=recompute_num_layers,
-            recompute_rest=RecomputePolicy.parse(rest, "recompute_rest", rest=True),
-        )
+        configured). Built once per combination and layout (a search asks for each row's
+        several times; building one checks the whole config): do not change what it returns."""
+        key = (sequence_parallel, recompute, recompute_num_layers, recompute_rest)
+        built: dict[tuple[object, ...], GPTConfig] = self.__dict__.setdefault("_with_policy", {})
+        if key not in built:
+            rest = self.config.recompute_rest if recompute_rest is None else recompute_rest
+            built[key] = dataclasses.replace(
+                self.config,
+                sequence_parallel=sequence_parallel,
+                recompute=RecomputePolicy.parse(recompute),
+                recompute_num_layers=recompute_num_layers,
+                recompute_rest=RecomputePolicy.parse(rest, "recompute_rest", rest=True),
+            )
+        return built[key]
 
 
 def runs(config: GPTConfig, layout: ParallelConfig) -> bool:

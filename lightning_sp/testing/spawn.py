@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -27,6 +28,7 @@ import torch.multiprocessing as mp
 
 from lightning_sp.parallel.release import leave, release_process_groups
 from lightning_sp.parallel.threads import threads_per_rank
+from lightning_sp.testing.holders import group_holders
 
 TIMEOUT = datetime.timedelta(seconds=300)
 """How long any collective of a spawned rank may wait."""
@@ -73,10 +75,17 @@ def _worker(
     # process (lightning_sp.parallel.release)
     released = release_process_groups(RELEASE_SECONDS)
     if not released and result[0] == "ok" and not held_groups:  # the product's exit too
-        result = ("error", f"rank {rank}: {UNRELEASED}")
+        holders = group_holders()
+        named = "; ".join(holders) if holders else NO_HOLDER
+        result = ("error", f"rank {rank}: {UNRELEASED}; held by: {named}")
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as fh:
         pickle.dump(result, fh)
-    leave(0 if result[0] == "ok" else 1)  # the package's own way out
+    code = 0 if result[0] == "ok" else 1
+    if not released:  # leave() would try the same release again before this exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    leave(code)  # the package's own way out
 
 
 UNRELEASED = (
@@ -84,6 +93,10 @@ UNRELEASED = (
     "release: an object holds the group, or a collective still waits for a peer); such a rank "
     "can abort at exit with 'terminate called without an active exception'"
 )
+
+NO_HOLDER = "no Python object (a C++ holder: torch's own caches, or a collective still waiting)"
+"""What the message says when no object the garbage collector sees refers to a group
+(:func:`~lightning_sp.testing.holders.group_holders`)."""
 
 
 def run_distributed(
