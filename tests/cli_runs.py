@@ -27,15 +27,33 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
 
 
+RENDEZVOUS_TRIES = 3
+"""How many times :func:`run` starts a run whose rendezvous found its port taken."""
+
+
+def port_taken(stderr: str) -> bool:
+    """Whether a run failed because rank 0's rendezvous could not listen on its port: Lightning's
+    launcher picks a free port (bind to port 0, close) and rank 0 binds it again later; another
+    test's connection can take it in between (EADDRINUSE). Nothing has run then: no rank got
+    past the rendezvous."""
+    return "EADDRINUSE" in stderr and "failed to listen" in stderr
+
+
 def run(
     args: list[str], cwd: Path, timeout: float = 240, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """``python *args`` in ``cwd`` to its end (stdout and stderr captured as text), with
-    ``env`` added to the environment."""
-    return subprocess.run(
-        [sys.executable, *args], cwd=cwd, env={**_env(), **(env or {})}, capture_output=True,
-        text=True, timeout=timeout,
-    )  # fmt: skip
+    ``env`` added to the environment; started again (up to :data:`RENDEZVOUS_TRIES` in all)
+    when its rendezvous port was taken (:func:`port_taken`), the test machine's race, not the
+    run's."""
+    for _ in range(RENDEZVOUS_TRIES):
+        result = subprocess.run(
+            [sys.executable, *args], cwd=cwd, env={**_env(), **(env or {})},
+            capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        if result.returncode == 0 or not port_taken(result.stderr):
+            break
+    return result
 
 
 def start(args: list[str], cwd: Path) -> subprocess.Popen:
