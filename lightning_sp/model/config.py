@@ -28,6 +28,9 @@ from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.fp8 import FP8Config
 
+ONE_RANK = ParallelConfig()
+"""The layout of one rank (a frozen record, built once: the FLOP counts ask for it per call)."""
+
 RECOMPUTE_POLICIES = POLICIES
 """The named policies: the presets ``none``, ``selective``, ``lean`` and ``full``."""
 
@@ -147,7 +150,7 @@ class GPTConfig(RunSettings, Architecture):
         ``s/c`` under CP); ``documents``: attention masked by packed documents
         (``data.document_mask``). Built once per (model, layout, micro-batch) and passed
         whole; its ``block`` is this config's parts."""
-        layout = ParallelConfig() if layout is None else layout
+        layout = ONE_RANK if layout is None else layout
         return ActivationShape(
             s=seq_length or self.seq_length,
             b=micro_batch_size,
