@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_runs import CLI, ROOT, TINY, error_lines, run
+from cli_runs import CLI, ROOT, TINY, error_lines, run, run_many
 
 QUICK = ["--trainer.max_steps", "4", "--data.max_documents", "30",
          "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "2",
@@ -213,8 +213,8 @@ def test_pre_launch_errors_of_estimate_prepare_generate_are_one_line(tmp_path: P
         (["generate", "--ckpt_path", str(tmp_path), "--prompt", "x"],
          f"error: ckpt_path={str(tmp_path)!r} is not a complete checkpoint"),
     ]  # fmt: skip
-    for args, start in cases:
-        result = run([CLI, args[0], "--config", TINY, *args[1:]], tmp_path)
+    commands = [[CLI, args[0], "--config", TINY, *args[1:]] for args, _ in cases]
+    for (args, start), result in zip(cases, run_many(commands, tmp_path), strict=True):
         lines = (result.stdout + result.stderr).splitlines()
         assert result.returncode == 2 and len(lines) == 1, (args[0], lines)
         assert lines[0].startswith(start), lines

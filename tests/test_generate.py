@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +31,7 @@ from lightning_sp.model.generate import (
 )
 from lightning_sp.testing.spawn import run_distributed
 
-from cli_runs import ROOT, error_lines
+from cli_runs import ROOT, error_lines, run_many
 from models import relative_error, tiny_config
 
 PROMPT = [5, 17, 99, 3, 250]
@@ -196,26 +194,30 @@ def test_predict_and_cli_generate_from_a_checkpoint(tmp_path: Path) -> None:
         f"model:\n  config: {json.dumps(CONFIG)}\n"
         f"data:\n  paths: {json.dumps(str(corpus))}\n"
     )
-    cli = [sys.executable, str(ROOT / "cli.py"), "generate", "--config", str(config)]
+    cli = [str(ROOT / "cli.py"), "generate", "--config", str(config)]
     options = ["--prompt", "def ", "--max_new_tokens", "10", "--temperature", "1.0",
                "--seed", "11"]  # fmt: skip
     # a fresh rendezvous: this process's finished runs left MASTER_PORT etc. in its environment
-    launch = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in launch} | {"OMP_NUM_THREADS": "1"}
-    result = subprocess.run([*cli, "--ckpt_path", str(ckpt), *options], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    # (the test's environment is restored after it: tests/conftest.py)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        os.environ.pop(name, None)
+    # the three runs at once (independent: they read the checkpoint), as cli_runs.run runs each
+    result, resharded, missing = run_many(
+        [
+            [*cli, "--ckpt_path", str(ckpt), *options],
+            # the same checkpoint (saved at t=1) resharded into t=2 on load: the same text
+            [*cli, "--ckpt_path", str(ckpt), *options, "--tensor_parallel_size", "2"],
+            [*cli, "--ckpt_path", "nowhere.ckpt", *options],
+        ],
+        tmp_path,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout == "def " + predicted[0]["completion"] + "\n"
 
-    # the same checkpoint (saved at t=1) resharded into t=2 on load: the same text
-    resharded = subprocess.run([*cli, "--ckpt_path", str(ckpt), *options,
-                                "--tensor_parallel_size", "2"], cwd=tmp_path, env=env,
-                               capture_output=True, text=True, timeout=300)  # fmt: skip
     assert resharded.returncode == 0, resharded.stderr[-3000:]
     assert resharded.stdout == result.stdout
 
-    missing = subprocess.run([*cli, "--ckpt_path", "nowhere.ckpt", *options], cwd=tmp_path,
-                             env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     errors = error_lines(missing.stderr)
     assert missing.returncode != 0 and len(errors) == 1, missing.stderr[-2000:]
     assert "ckpt_path='nowhere.ckpt' does not exist" in errors[0]
