@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +26,7 @@ from lightning_sp.data import (
 )
 from lightning_sp.errors import ConfigError
 
-from cli_runs import ROOT
+from cli_runs import ROOT, run_many
 from corpora import bpe_tokenizer, document, jsonl, text_files, word_tokenizer
 
 
@@ -150,12 +148,6 @@ def test_atomic_reuse_and_conflicts(tmp_path: Path) -> None:
     assert "\n" not in str(e.value)
 
 
-def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(ROOT / "cli.py"), "prepare", *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-
-
 @pytest.mark.slow
 def test_cli_prepare_reads_the_fit_config_and_overrides(tmp_path: Path) -> None:
     corpus = jsonl(tmp_path / "c.jsonl", [{"body": document(i, 20)} for i in range(30)])
@@ -163,16 +155,18 @@ def test_cli_prepare_reads_the_fit_config_and_overrides(tmp_path: Path) -> None:
     args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--data.paths", str(corpus),
             "--data.text_field", "body", "--data.tokenizer", str(tok),
             "--data.prepared_dir", str(tmp_path / "prepared"), "--data.num_proc", "2"]  # fmt: skip
-    done = _cli(args, tmp_path)
+    # a tokenizer larger than the model's vocabulary fails before any work, in one line: the
+    # two runs at once (independent; each process's imports take one core)
+    big = word_tokenizer(tmp_path, 1000)
+    prepare = [str(ROOT / "cli.py"), "prepare"]
+    done, bad = run_many([[*prepare, *args], [*prepare, *args[:-6], "--data.tokenizer", str(big),
+                          "--data.prepared_dir", str(tmp_path / "never")]],
+                         tmp_path, timeout=300, env={"PYTHONPATH": str(ROOT)})  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "tokens/s" in done.stdout + done.stderr
     meta = read_metadata(str(tmp_path / "prepared"))
     assert meta is not None and meta["documents"] == 30
     assert meta["tokenizer"]["digest"] == tokenizer_info(str(tok)).digest
-    # a tokenizer larger than the model's vocabulary fails before any work, in one line
-    big = word_tokenizer(tmp_path, 1000)
-    bad = _cli([*args[:-6], "--data.tokenizer", str(big), "--data.prepared_dir",
-                str(tmp_path / "never")], tmp_path)  # fmt: skip
     assert bad.returncode != 0
     assert "model.config.vocab_size=257 is smaller than the tokenizer's vocabulary of 1000" in (
         bad.stderr

@@ -48,14 +48,13 @@ are gone."""
 
 SETTLE_SECONDS = 1.0
 """How long, once the release itself has finished, :func:`release_process_groups` polls for
-gloo workers still listed (collecting the garbage again first): a group freed by a later
-collection (a finalizer run by one collection releasing the object that held it), or a joined
-worker the kernel lists until it has finished exiting. A group that is really held keeps its
-workers: this only bounds how long that takes to say."""
+gloo workers still listed: a joined worker the kernel lists until it has finished exiting. A
+group that is really held keeps its workers: this only bounds how long that takes to say."""
 
-COLLECTIONS = 2
-"""How many more garbage collections :func:`release_process_groups` runs while gloo workers
-are still listed after the release."""
+COLLECTIONS = 3
+"""How many garbage collections :func:`release_process_groups` runs at most while gloo workers
+are still listed after the destroy (one frees the cycles; a finalizer it runs can release the
+last holder of a group, which the next frees)."""
 
 
 def gloo_workers() -> int:
@@ -79,11 +78,11 @@ def release_process_groups(seconds: float = RELEASE_SECONDS) -> bool:
     alive: each gloo group's destructor waits for its workers' last works and joins them (see
     the module docstring). True when no gloo worker thread is left; False when one is (a
     collective still waits for a peer, or an object still holds a group, ``seconds`` after the
-    release last made progress, and after :data:`COLLECTIONS` more collections and
+    release last made progress, after up to :data:`COLLECTIONS` collections and
     :data:`SETTLE_SECONDS` of polling): then the caller must leave without the interpreter's
     finalization (``os._exit`` after flushing), the one way out that cannot abort.
 
-    The garbage is collected only when a worker outlives the destroy (a group held by a cycle),
+    The garbage is collected only while a worker outlives the destroy (a group held by a cycle),
     and a collection still running (it spends CPU; seconds on a large heap and a busy machine)
     is waited for: only a release that is blocked runs out of time."""
     done = threading.Event()
@@ -91,26 +90,22 @@ def release_process_groups(seconds: float = RELEASE_SECONDS) -> bool:
     def release() -> None:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        if gloo_workers():
+        for _ in range(COLLECTIONS):  # while a worker outlives the destroy
+            if not gloo_workers():
+                break
             gc.collect()  # groups held by garbage cycles (a model's state, its autograd graph)
         done.set()
 
     # a worker blocked in a collective blocks its group's destructor: wait for it apart
     thread = threading.Thread(target=release, name="lightning-sp-release", daemon=True)
     thread.start()
-    return _wait_while_working(done, thread, seconds) and _workers_gone(
-        min(seconds, SETTLE_SECONDS)
-    )
+    released = _wait_while_working(done, thread, seconds)
+    return released and _workers_gone(min(seconds, SETTLE_SECONDS))
 
 
 def _workers_gone(seconds: float) -> bool:
-    """Whether every gloo worker is gone: at once (the usual case), or after up to
-    :data:`COLLECTIONS` more garbage collections and ``seconds`` of polling (see
-    :data:`SETTLE_SECONDS`)."""
-    for _ in range(COLLECTIONS):
-        if not gloo_workers():
-            return True
-        gc.collect()
+    """Whether every gloo worker is gone: at once (the usual case), or within ``seconds`` of
+    polling (see :data:`SETTLE_SECONDS`)."""
     deadline = time.monotonic() + seconds
     while gloo_workers():
         if time.monotonic() >= deadline:
