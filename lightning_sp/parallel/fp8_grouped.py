@@ -77,6 +77,7 @@ class _FP8GroupedFn(torch.autograd.Function):
         ctx.producer = producer
         x = producer.forward(source) if producer is not None else source  # [N, k]
         ctx.dtype = x.dtype
+        keep = producer is None and keeps_float8_input(recipe)  # one scale per expert
         outs, data, scales = [], [], []
         for rows, ws in zip(x.split(counts), _weights(weight, splits), strict=True):
             if not rows.shape[0]:
@@ -85,9 +86,10 @@ class _FP8GroupedFn(torch.autograd.Function):
                 continue
             a = cast_input(rows, recipe, group, LAYOUTS[layout][0])  # [m_i, k]
             outs.append(torch.cat([forward_gemm(a, w, recipe, group, layout) for w in ws], 1))
-            data.append(a._data)
-            scales.append(a._scale.reshape(()))
-        if producer is None and keeps_float8_input(recipe):
+            if keep:
+                data.append(a._data)
+                scales.append(a._scale.reshape(()))
+        if keep:
             kept = torch.cat(data) if data else x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
             ctx.save_for_backward(None, kept, torch.stack(scales), weight)
         else:
