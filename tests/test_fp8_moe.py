@@ -20,15 +20,17 @@ import dataclasses
 
 import pytest
 import torch
-from models import moe_context
 from torch import nn
 
+from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
+from lightning_sp.memory.formulas import activation_bytes_per_layer, layernorm_stats_bytes_per_layer
 from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.model.moe.experts import Experts
 from lightning_sp.parallel import fp8
 from lightning_sp.parallel.fp8 import FP8Config, Recipe
-from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.spawn import run_distributed
+
+from models import layout_at, moe_context
 
 pytest.importorskip("torchao")
 
@@ -92,7 +94,7 @@ def _ours(
         experts.gate_up.copy_(torch.cat([t["gate"][mine, inner], t["up"][mine, inner]], 1))
         experts.down.copy_(t["down"][mine][:, :, inner])
     experts.fp8 = Recipe.build(FP8Config(recipe, emulate=True)) if recipe else None
-    start, stop = sum(COUNTS[: first]), sum(COUNTS[: first + local])
+    start, stop = sum(COUNTS[:first]), sum(COUNTS[: first + local])
     x = t["x"][start:stop].clone().requires_grad_(True)
     y = experts(x, list(COUNTS[mine]), recompute_act)  # [N_local, h], partial sums under etp
     (y * t["target"][start:stop]).sum().backward()
@@ -102,8 +104,14 @@ def _ours(
         for partial in (y, grad_x):
             torch.distributed.all_reduce(partial, group=state.tp_group)
     gate, up = experts.gate_up.grad.chunk(2, dim=1)
-    return {"y": y, "x": grad_x, "gate": gate, "up": up, "down": experts.down.grad,
-            "where": torch.tensor([start, stop, first, first + local, inner.start, inner.stop])}
+    return {
+        "y": y,
+        "x": grad_x,
+        "gate": gate,
+        "up": up,
+        "down": experts.down.grad,
+        "where": torch.tensor([start, stop, first, first + local, inner.start, inner.stop]),
+    }
 
 
 def _errors(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -160,3 +168,59 @@ def test_fp8_experts_equal_torchao_float8_linear_per_expert_at_e2_and_etp2() -> 
                     f"rank {rank} {case}: {worst} off torchao's per-expert Float8Linear by "
                     f"{errors[worst]:.3g} (tolerance {TOLERANCE})"
                 )
+
+
+# -- bytes --------------------------------------------------------------------------------
+
+S, B, BYTES_H = 16, 2, 32
+BYTES_MOE = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=32, num_shared_experts=1,
+                      shared_expert_ffn_size=32, force_balanced=True)  # fmt: skip
+BYTE_ROWS = ("tensorwise-none", "tensorwise-mlp_act", "rowwise-none")
+
+
+def _byte_config(row: str, t: int) -> GPTConfig:
+    recipe, recompute = row.split("-")  # mlp_act: the experts' down inputs (and scales) go
+    return GPTConfig.of(
+        "llama", vocab_size=64, seq_length=S, hidden_size=BYTES_H, num_layers=1, num_heads=4,
+        num_query_groups=4, feed_forward="moe", moe=BYTES_MOE,
+        recompute=[recompute] if recompute != "none" else recompute,
+        sequence_parallel=t > 1, fp8=FP8Config(recipe, emulate=True),
+    )  # fmt: skip
+
+
+def _byte_check(state: ParallelState, rows: tuple[str, ...] = BYTE_ROWS) -> list[str]:
+    """Each row's measured bytes of the layer against the formula (the layer's terms and the
+    norms' statistics); the misses."""
+    t, etp = state.tensor_parallel_size, state.expert_tensor_parallel_size
+    ids = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(0))
+    misses = []
+    for row in rows:
+        config = _byte_config(row, t)
+        model = GPT(config, state, dtype=torch.bfloat16).train()
+        with SavedTensorTracker.for_model(model) as tracker:
+            loss = model(ids, ids)
+        loss.backward()  # the saved tensors were real: backward runs on them
+        got = tracker.report.bytes_of("layers.0")
+        shape = config.activation_shape(layout_at(t, etp=etp), B)
+        expected = activation_bytes_per_layer(shape, config.recompute)
+        expected += layernorm_stats_bytes_per_layer(shape, config.recompute)
+        if got != expected:
+            misses.append(f"t={t} etp={etp} {row}: measured {got}, formula {expected}")
+    return misses
+
+
+@pytest.mark.parametrize("row", BYTE_ROWS)
+def test_fp8_moe_bytes_one_process(row: str) -> None:
+    misses = _byte_check(ParallelState.single(), (row,))
+    assert not misses, "; ".join(misses)
+
+
+def _byte_worker(rank: int, world_size: int) -> list[str]:
+    state = ParallelState.from_process_group(tensor_parallel_size=2, expert_tensor_parallel_size=2)
+    return _byte_check(state)
+
+
+@pytest.mark.slow
+def test_fp8_moe_bytes_at_t2_etp2() -> None:
+    misses = [m for result in run_distributed(_byte_worker, 2) for m in result]
+    assert not misses, "; ".join(misses)

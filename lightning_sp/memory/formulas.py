@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from lightning_sp.errors import ConfigError
 from lightning_sp.model.parts.base import EVERY_RANK, INSIDE, OUTSIDE, REPLICATED
-from lightning_sp.model.parts.block import block_of_shape, float8_scale
+from lightning_sp.model.parts.block import block_of_shape
+from lightning_sp.model.parts.float8 import float8_scale
 from lightning_sp.model.recompute import RecomputePolicy, active_modules
 from lightning_sp.model.shape import ActivationShape
 

@@ -120,12 +120,12 @@ class _FP8GroupedFn(torch.autograd.Function):
                 grad_x = grad_x + input_grad_gemm(p, w, recipe, group, layout)
             grad_xs.append(grad_x)  # [m_i, k] (a partial sum over the group: column)
             if need_w:
-                rows, kept = None, None
+                rows, kept, stop = None, None, start + g.shape[0]
                 if data is not None:
-                    kept = float8_input(data[start : start + g.shape[0]], scales[i], ctx.dtype, recipe)
+                    kept = float8_input(data[start:stop], scales[i], ctx.dtype, recipe)
                 else:
                     assert x is not None
-                    rows = x[start : start + g.shape[0]]
+                    rows = x[start:stop]
                     if keeps_float8_input(recipe):
                         kept = cast_input(rows, recipe, group, LAYOUTS[layout][0])
                 grad_ws.append(torch.cat([

@@ -51,6 +51,7 @@ from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.model.moe.layer import TOTALS, MoE
 from lightning_sp.model.moe.metrics import routing_metrics
 from lightning_sp.model.parts.base import (
+    EVERY_RANK,
     INSIDE,
     OUTSIDE,
     REPLICATED,
@@ -66,6 +67,7 @@ from lightning_sp.model.parts.base import (
     activation_op,
     tokens,
 )
+from lightning_sp.model.parts.float8 import float8_inputs, float8_scale
 from lightning_sp.model.parts.weights import (
     ExpertWeightMap,
     HFNames,
@@ -148,6 +150,28 @@ class MoEFeedForward(Part):
             terms["shared_act_input"] = (2 * e * t * cfg.shared_ffn_size, INSIDE)
             terms["shared_down_input"] = (e * t * cfg.shared_ffn_size, INSIDE)
         return terms
+
+    def float8_terms(self, x: ActivationShape, terms: Terms, kept: set[str]) -> Terms:
+        """Under an FP8 recipe that keeps its forward casts (``tensorwise``): each routed
+        expert is its own float8 linear (:mod:`lightning_sp.parallel.fp8_grouped`), so
+        ``expert_input`` ``N·h`` and ``expert_down_input`` ``N·f_e`` keep 1 byte an element
+        and each a ``[E/e]`` fp32 scale per local expert (``4E/e`` bytes on every rank; the
+        ``mlp_act`` module drops the down input's with it); the shared experts are dense
+        float8 linears: ``shared_down_input`` ``T·f_s`` and its scale, and their gate/up keep
+        the float8 cast of the layer's input, ``shared_input`` ``T·h`` and a scale, a term
+        of its own, since the router keeps that input in high precision (``moe_input``
+        unchanged). Everything else (router, SwiGLU's input, indices, combine) is as in
+        high precision."""
+        e, local = x.activation_bytes, self.config.num_experts // x.e
+        out = float8_inputs(terms, kept & {"shared_down_input"}, e)
+        for name in ("expert_input", "expert_down_input"):
+            nbytes, region = out[name]
+            out[name] = (nbytes / e, region)
+            out[float8_scale(name)] = (4.0 * local, EVERY_RANK)
+        if self.config.num_shared_experts:
+            out["shared_input"] = (float(x.s * x.b * x.h), OUTSIDE)
+            out[float8_scale("shared_input")] = (4.0, EVERY_RANK)
+        return out
 
     def gemms(self, x: ActivationShape) -> list[Gemm]:
         """Router ``T_local x h -> E`` (``T_local`` the tokens of the rank's own sequence

@@ -409,6 +409,16 @@ class Part(ABC):
         dropped = frozenset(lin.input_term for lin in linears if lin.input_term) - kept
         return terms, dropped
 
+    def float8_terms(self, x: ActivationShape, terms: Terms, kept: set[str]) -> Terms:
+        """Its :meth:`saved_terms` (as the layer holds them, ``terms``) under an FP8 recipe
+        that keeps a linear's forward cast of its input (``x.fp8``,
+        :data:`~lightning_sp.parallel.fp8.KEEPS_FLOAT8_INPUT`); ``kept``: the terms its
+        linears' inputs are held under. Default: each of those as its float8 cast with one
+        scale (:func:`~lightning_sp.model.parts.float8.float8_inputs`)."""
+        from lightning_sp.model.parts.float8 import float8_inputs  # it imports this module
+
+        return float8_inputs(terms, kept, x.activation_bytes)
+
     def stats_terms(self, x: ActivationShape) -> Terms:
         """Per-row statistics it saves besides :meth:`saved_terms` (a norm's mean and rstd,
         ``O(sb)``: Table 2 leaves them out), as terms; recomputing the norm drops them."""
