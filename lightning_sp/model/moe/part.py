@@ -179,13 +179,14 @@ class MoEFeedForward(Part):
         rank's ``E/e`` experts gets ``k·T_local/E`` rows from each of the ``x.e`` ranks of its
         EP group, and under expert tensor parallelism from each of the ``t`` ranks of its TP
         group: a batch of ``E/e`` GEMMs of ``k·T_local·e·etp/E`` rows, ``f_e/etp`` wide); the
-        shared experts' TP-split GEMMs over the gathered tokens."""
+        shared experts' TP-split GEMMs over the gathered tokens. Under ``fp8`` all but the
+        router run in float8 (each expert its own float8 linear: the batch's GEMMs)."""
         cfg, h = self.config, x.h
         mine = tokens(x) // (x.t if x.sequence_parallel else 1)  # tokens this rank routes
         local, f = cfg.num_experts // x.e, cfg.expert_ffn_size // x.etp
         rows = -(-cfg.top_k * mine * x.e * x.etp // cfg.num_experts)  # per expert (fullest's)
         gemms = [
-            Gemm("router", mine, cfg.num_experts, h),
+            Gemm("router", mine, cfg.num_experts, h, high_precision=True),  # never float8
             Gemm("expert_gate_up", rows, 2 * f, h, batch=local, routed=True),
             Gemm("expert_down", rows, h, f, batch=local, routed=True),
         ]

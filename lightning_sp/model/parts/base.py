@@ -147,6 +147,9 @@ class Gemm:
     """Whether it runs on the tokens routed to this rank (a mixture of experts' experts): its
     rows follow the tokens the rank receives, which an imbalanced router sets above the mean
     the shape states (the step-time model's ``expert_load_imbalance``)."""
+    high_precision: bool = False
+    """Whether it stays in the run's precision under ``fp8`` (a mixture of experts' router),
+    as the attention core (``tag``) does."""
 
     @property
     def flops(self) -> float:
