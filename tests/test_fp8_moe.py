@@ -153,6 +153,16 @@ def _worker(rank: int, world_size: int) -> dict[str, dict[str, float]]:
     return results
 
 
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_fp8_experts_equal_torchao_float8_linear_per_expert_one_process(recipe: str) -> None:
+    t = _inputs()
+    errors = _errors(_ours(recipe, t, ParallelState.single(), False), _reference(recipe, t))
+    worst = max(errors, key=errors.__getitem__)
+    assert errors[worst] <= TOLERANCE, (
+        f"{recipe}: {worst} off torchao's per-expert Float8Linear by {errors[worst]:.3g}"
+    )
+
+
 @pytest.mark.slow
 def test_fp8_experts_equal_torchao_float8_linear_per_expert_at_e2_and_etp2() -> None:
     for rank, result in enumerate(run_distributed(_worker, 2)):
