@@ -65,9 +65,9 @@ from lightning_sp.model.parts.base import (
     StepTotals,
     Terms,
     activation_op,
+    float8_scale,
     tokens,
 )
-from lightning_sp.model.parts.float8 import float8_inputs, float8_scale
 from lightning_sp.model.parts.weights import (
     ExpertWeightMap,
     HFNames,
@@ -163,7 +163,7 @@ class MoEFeedForward(Part):
         unchanged). Everything else (router, SwiGLU's input, indices, combine) is as in
         high precision."""
         e, local = x.activation_bytes, self.config.num_experts // x.e
-        out = float8_inputs(terms, kept & {"shared_down_input"}, e)
+        out = super().float8_terms(x, terms, kept & {"shared_down_input"})
         for name in ("expert_input", "expert_down_input"):
             nbytes, region = out[name]
             out[name] = (nbytes / e, region)
