@@ -102,8 +102,8 @@ class _FP8GroupedFn(torch.autograd.Function):
         recipe, group, layout, producer = ctx.recipe, ctx.group, ctx.layout, ctx.producer
         counts, splits = ctx.counts, ctx.splits
         need_w = ctx.needs_input_grad[1]
-        x = None
-        if data is None:
+        x = None  # the input again, for a weight gradient without a kept float8 cast
+        if data is None and need_w:
             x = producer.forward(source) if producer is not None else source  # [N, k]
         grad = grad.contiguous()
         k = weight.shape[2]
