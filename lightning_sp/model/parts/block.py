@@ -116,11 +116,13 @@ class Block:
     def stats_terms(self, x: ActivationShape, norms_recomputed: bool = False) -> Terms:
         """The norms' per-row statistics, left out of :meth:`saved_terms` (Table 2 neglects
         them); ``norms_recomputed`` (the ``layernorm`` module): the pre-norms' are not kept
-        (they are recomputed whole inside their consumers' backward)."""
+        (they are recomputed whole inside their consumers' backward) where the mixer's linears
+        read the norm (an ``input_term``); an MoE layer's norm feeds the router as well, which
+        keeps its output, so that norm runs as it is and keeps its statistics."""
         return {
             n: v
             for sub in self.sublayers
-            if not (norms_recomputed and sub.placement == "pre")
+            if not (norms_recomputed and sub.placement == "pre" and sub.mixer.input_term)
             for p in sub.parts
             for n, v in p.stats_terms(x).items()
         }
