@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 RESULTS = Path(__file__).resolve().parent / "results"
 """Where a full run writes by default; a ``--smoke`` run writes under ``results/smoke/``
 (ignored by git), so its meaningless numbers never replace a measurement."""
@@ -137,8 +139,6 @@ def out_dir(out: Path | None, smoke: bool) -> Path:
 def stamp() -> dict[str, Any]:
     """When and on what a benchmark ran, for its JSON's ``meta``: UTC date, torch's version and
     the load average at the start."""
-    import torch
-
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
@@ -157,3 +157,33 @@ def loadavg() -> str:
 def command(module: str, argv: list[str] | None) -> str:
     """The command line that ran a benchmark, for its JSON's ``meta``."""
     return " ".join([f"python -m {module}", *(sys.argv[1:] if argv is None else argv)])
+
+
+# -- the GPU benchmarks ------------------------------------------------------------------------
+
+PLUMBING = "**Plumbing check on CPU: the numbers mean nothing.**\n\n"
+"""The first line of a GPU benchmark's table when it ran on the CPU (``--device cpu --smoke``)."""
+
+
+def add_device(parser: argparse.ArgumentParser) -> None:
+    """``--device cuda|cpu`` of a GPU benchmark (``cpu``: a plumbing check, with ``--smoke``)."""
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: a plumbing check (--smoke)")  # fmt: skip
+
+
+def refused(args: argparse.Namespace, name: str, needs: str = "a CUDA device") -> bool:
+    """Whether ``benchmarks.NAME`` must not run with ``args`` (printed in one line on stderr):
+    CUDA asked for and absent, or ``--device cpu`` without ``--smoke``."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"error: benchmarks.{name} needs {needs} and torch.cuda.is_available() is False "
+              "(for a CPU plumbing check: --device cpu --smoke)", file=sys.stderr)  # fmt: skip
+        return True
+    if args.device == "cpu" and not args.smoke:
+        print("error: --device cpu is a plumbing check only; add --smoke", file=sys.stderr)
+        return True
+    return False
+
+
+def device_name(device: torch.device, cpu: str = "CPU") -> str:
+    """The GPU's name, or ``cpu`` where ``device`` is the CPU."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from benchmarks._format import ci, table
-from benchmarks._stats import interleaved, ratio_ci
+from benchmarks._format import PLUMBING, ci, device_name, table
+from benchmarks._stats import device_sync, interleaved, ratio_ci
 from lightning_sp.parallel.fp8 import (
     RECIPES,
     FP8Config,
@@ -113,11 +113,10 @@ def measure(shape: MLPShape, device: torch.device, compile_too: bool) -> dict[st
         if label.startswith("ours"):
             ref = outputs[label.replace("ours", "torchao")].float()
             agreement[label] = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-    sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
-    seconds = interleaved(steps, shape.warmup, shape.rounds, sync or (lambda: None))
+    seconds = interleaved(steps, shape.warmup, shape.rounds, device_sync(device))
     flops = 3 * 2 * 2 * shape.tokens * shape.h * shape.f  # two GEMMs, forward + 2 backward
     return {
-        "device_name": torch.cuda.get_device_name(device) if sync else "CPU (emulated)",
+        "device_name": device_name(device, "CPU (emulated)"),
         "shape": dataclasses.asdict(shape),
         "rows": [
             {
@@ -141,11 +140,10 @@ def markdown(found: dict[str, Any]) -> str:
         rows.append([r["variant"], *cells, "" if diff is None else f"{diff:.1e}"])
     header = ["variant", "ms", "TFLOP/s", "/ bf16 eager (95% CI)", "vs torchao (max rel)"]
     name, s = found["device_name"], found["shape"]
-    emulated = "emulated" in name
-    note = "**Plumbing check on CPU: the numbers mean nothing.**\n\n" if emulated else ""
     return (
-        f"{note}FP8 MLP forward + backward on {name}: {s['tokens']} tokens, h={s['h']}, "
-        f"f={s['f']}, bf16, {s['rounds']} interleaved rounds.\n\n" + table(header, rows)
+        f"{PLUMBING if 'emulated' in name else ''}FP8 MLP forward + backward on {name}: "
+        f"{s['tokens']} tokens, h={s['h']}, f={s['f']}, bf16, {s['rounds']} interleaved rounds.\n\n"
+        + table(header, rows)
     )
 
 

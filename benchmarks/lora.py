@@ -28,18 +28,17 @@ resident set before the model was built (the import's).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks import _cpu
 from benchmarks._format import ci, fixed, parser, save, stamp, table
-from benchmarks._stats import median_ci
+from benchmarks._stats import clean_rounds, interleaved, ratios_over
 from lightning_sp.interop.hf import load_hf_weights, read_hf_config
 from lightning_sp.interop.hf_types import model_type_for
 from lightning_sp.interop.peft import hf_modules, peft_name
@@ -219,39 +218,21 @@ def measure(shape: LoRAShape) -> dict[str, Any]:
         first = {v: steps[v](ids, labels).item() for v in ("lora", "peft")}
         error = abs(first["lora"] - first["peft"]) / abs(first["peft"])
         assert error <= LOSS_RTOL, f"lora and peft disagree: losses {first} ({error:.2e})"
-        seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
         shares: list[float] = []
-        for r in range(shape.warmup + shape.rounds):
-            before = _cpu.sample()
-            times = {}
-            for variant in VARIANTS[r % 3 :] + VARIANTS[: r % 3]:
-                start = time.perf_counter()
-                steps[variant](ids, labels)
-                times[variant] = time.perf_counter() - start
-            if r >= shape.warmup:
-                shares.append(_cpu.foreign_share(before, _cpu.sample()))
-                for variant, value in times.items():
-                    seconds[variant].append(value)
-        del steps
+        steps_ = {v: functools.partial(steps[v], ids, labels) for v in VARIANTS}
+        seconds = interleaved(steps_, shape.warmup, shape.rounds, rotate=True, shares=shares)
+        del steps, steps_
         memory = peak_memory(shape, base)
-    clean = [i for i, share in enumerate(shares) if share < _cpu.CLEAN_SHARE]
-    used = clean if 2 * len(clean) >= len(shares) else list(range(len(shares)))
+    used, rounds = clean_rounds(shares)
     return {
         "shape": dataclasses.asdict(shape),
         "threads": torch.get_num_threads(),
         "loss_relative_error_vs_peft": error,
-        "rounds_used": len(used),
-        "clean": len(used) == len(clean),
-        "other_processes_share": shares,
+        **rounds,
         "ms_per_step": {
             v: 1e3 * statistics.median([s[i] for i in used]) for v, s in seconds.items()
         },
-        "ratios": {
-            f"lora_over_{other}": list(
-                median_ci([seconds["lora"][i] / seconds[other][i] for i in used])
-            )
-            for other in ("full", "peft")
-        },
+        "ratios": ratios_over(seconds, "lora", ("full", "peft"), used),
         "memory": memory,
         "samples": seconds,
     }

@@ -39,9 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from benchmarks import _cpu
 from benchmarks._format import ci, fixed, parser, save, table
-from benchmarks._stats import interleaved, median_ci
+from benchmarks._stats import clean_rounds, device_sync, interleaved, ratios_over
 from lightning_sp import GPTConfig, ParallelState
 from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.model.moe.layer import MoE
@@ -50,6 +49,7 @@ from lightning_sp.model.parts.dense import MLP
 from lightning_sp.parallel.init import initialize_parameter
 
 IMPLEMENTATIONS = ("moe", "dense", "hf", "hf_eager")
+OTHERS = IMPLEMENTATIONS[1:]
 RTOL, ATOL = 1e-4, 1e-5
 """fp32 agreement of outputs and input gradients (sums of ``h`` or ``f_e`` products)."""
 
@@ -197,16 +197,13 @@ def measure(shape: MoEShape) -> dict[str, Any]:
     layers, x, grad = _inputs(shape, torch.device("cpu"), torch.float32)
     check_agreement(layers, x, grad)
     seconds, shares = time_rounds(layers, x, grad, shape)
-    clean = [i for i, share in enumerate(shares) if share < _cpu.CLEAN_SHARE]
-    used = clean if 2 * len(clean) >= len(shares) else list(range(len(shares)))
+    used, rounds = clean_rounds(shares)
     return {
         "shape": dataclasses.asdict(shape),
         "threads": torch.get_num_threads(),
-        "rounds_used": len(used),
-        "clean": len(used) == len(clean),
-        "other_processes_share": shares,
+        **rounds,
         **{f"us_per_token_{c}": medians(seconds[c], used) for c in seconds},
-        **{f"ratios_{c}": ratios(seconds[c], used) for c in seconds},
+        **{f"ratios_{c}": ratios_over(seconds[c], "moe", OTHERS, used) for c in seconds},
         "samples": seconds,
         "targets": {"moe_over_dense": 1.3, "moe_over_hf": 1.0},
     }
@@ -219,8 +216,7 @@ def measure_on(shape: MoEShape, device: torch.device, dtype: torch.dtype) -> dic
     (medians) and our layer over each (median ratio, 95% CI)."""
     layers, x, grad = _inputs(shape, device, dtype)
     errors = check_agreement(layers, x, grad, REL_TOL[dtype])
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    seconds = time_rounds(layers, x, grad, shape, sync)[0]["wall"]
+    seconds = time_rounds(layers, x, grad, shape, device_sync(device))[0]["wall"]
     rounds = list(range(shape.rounds))
     return {
         "shape": dataclasses.asdict(shape),
@@ -229,7 +225,7 @@ def measure_on(shape: MoEShape, device: torch.device, dtype: torch.dtype) -> dic
         "torch": torch.__version__,
         "relative_errors": errors,
         "us_per_token": medians(seconds, rounds),
-        "ratios": ratios(seconds, rounds),
+        "ratios": ratios_over(seconds, "moe", OTHERS, rounds),
         "samples": seconds,
     }
 
@@ -237,14 +233,6 @@ def measure_on(shape: MoEShape, device: torch.device, dtype: torch.dtype) -> dic
 def medians(seconds: dict[str, list[float]], used: list[int]) -> dict[str, float]:
     """µs per token of each implementation: the median over the rounds ``used``."""
     return {n: 1e6 * statistics.median([v[i] for i in used]) for n, v in seconds.items()}
-
-
-def ratios(seconds: dict[str, list[float]], used: list[int]) -> dict[str, list[float]]:
-    """``moe_over_X``: the median of the per-round ratios ours / X, with its 95% interval."""
-    return {
-        f"moe_over_{other}": list(median_ci([seconds["moe"][i] / seconds[other][i] for i in used]))
-        for other in IMPLEMENTATIONS[1:]
-    }
 
 
 def markdown(result: dict[str, Any]) -> str:
