@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from benchmarks._stats import device_sync
 from lightning_sp.memory.saved import SavedTensorTracker
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.optim.adamw import configure_adamw
 from lightning_sp.training.gpt_module import GPTModule
 
@@ -36,11 +37,21 @@ class Shape:
     vocab: int
     b: int
 
-    def config(self, **fields: Any) -> GPTConfig:
-        return GPTConfig(
-            vocab_size=self.vocab, seq_length=self.s, hidden_size=self.h,
-            num_layers=self.layers, num_heads=self.heads, **fields,
-        )  # fmt: skip
+    def config(self, recompute: str = "none", dropout: float = 0.1, **fields: Any) -> GPTConfig:
+        """:func:`gpt_config` of this shape."""
+        return gpt_config(self.vocab, self.s, self.h, self.layers, self.heads, recompute, dropout,
+                          **fields)  # fmt: skip
+
+
+def gpt_config(
+    vocab: int, s: int, h: int, layers: int, heads: int, recompute: str = "none",
+    dropout: float = 0.1, **fields: Any,
+) -> GPTConfig:  # fmt: skip
+    """Our GPT of these sizes, ``dropout`` on the hidden states and the attention probabilities,
+    ``recompute`` the policy's name, and ``fields`` (``sequence_parallel``, ``attention`` ...)."""
+    return GPTConfig(vocab_size=vocab, seq_length=s, hidden_size=h, num_layers=layers,
+                     num_heads=heads, hidden_dropout=dropout, attention_dropout=dropout,
+                     recompute=RecomputePolicy.parse(recompute), **fields)  # fmt: skip
 
 
 FULL = Shape(s=2048, h=2048, layers=24, heads=16, vocab=51200, b=4)

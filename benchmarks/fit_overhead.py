@@ -65,13 +65,12 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from benchmarks import _cpu, _format
-from benchmarks._fit import Shape, fit_argv, plain_step, profile_parts
+from benchmarks._fit import Shape, batch, fit_argv, plain_step, profile_parts, train_step
 from benchmarks._format import ci, table
 from benchmarks._stats import device_sync, interleaved, ratio_ci
 from lightning_sp.data import TextDataModule
 from lightning_sp.model.compile import CompileOptions, compile_layers
 from lightning_sp.model.gpt import GPT
-from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.host_reads import HostReads
 from lightning_sp.training.gpt_module import GPTModule
@@ -207,8 +206,7 @@ def measure(
     from lightning_sp.cli.fit import GPTCLI
 
     total = shape.warmup + shape.rounds + shape.counted_steps + shape.profiled_steps
-    config = shape.config(recompute=RecomputePolicy.parse(shape.recompute),
-                          hidden_dropout=dropout, attention_dropout=dropout)  # fmt: skip
+    config = shape.config(shape.recompute, dropout)
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
     bare = plain_step(config, total, device, dtype)  # each its own copy of the seeded model
     fwd_bwd = plain_step(config, total, device, dtype, optimizer_step=False)
@@ -329,22 +327,16 @@ COMPILE_SMOKE = CompileShape(s=32, h=32, layers=1, heads=2, b=2, policies=("none
 
 def compile_case(shape: CompileShape, recompute: str, dropout: float) -> dict[str, Any]:
     """One (policy, dropout): the compiled model's first step, then interleaved rounds."""
-    config = shape.config(recompute=RecomputePolicy.parse(recompute), hidden_dropout=dropout,
-                          attention_dropout=dropout)  # fmt: skip
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, shape.vocab, (shape.b, shape.s + 1), generator=generator)
-    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    config = shape.config(recompute, dropout)
+    ids, labels = batch(shape.vocab, shape.b, shape.s)
     models = {name: GPT(config, ParallelState.single()) for name in ("eager", "compiled")}
     compile_layers(models["compiled"].layers, CompileOptions())
-
-    def step(model: GPT) -> None:
-        model(ids, labels).backward()
-        model.zero_grad(set_to_none=True)
-
     first = time.perf_counter()
-    step(models["compiled"])  # compiles forward and backward
+    train_step(models["compiled"], ids, labels)  # compiles forward and backward
     first = time.perf_counter() - first
-    steps = {name: functools.partial(step, model) for name, model in models.items()}
+    steps = {
+        name: functools.partial(train_step, model, ids, labels) for name, model in models.items()
+    }
     interleaved(steps, 0, shape.warmup)
     before = _cpu.sample()
     times = interleaved(steps, 0, shape.rounds)

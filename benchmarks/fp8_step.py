@@ -44,10 +44,8 @@ def measure(shape: Shape, device: torch.device, warmup: int, rounds: int) -> dic
     steps = {}
     for recipe in (None, *RECIPES):
         name = recipe or "bf16"
-        config = shape.config(
-            attention="sdpa", recompute="none", hidden_dropout=0.0, attention_dropout=0.0,
-            fp8=FP8Config(recipe, emulate=device.type != "cuda") if recipe else None,
-        )  # fmt: skip
+        fp8 = FP8Config(recipe, emulate=device.type != "cuda") if recipe else None
+        config = shape.config("none", 0.0, attention="sdpa", fp8=fp8)
         model = GPT(config, ParallelState.single(device), dtype=torch.bfloat16, device=device)
         held, loss = held_per_layer(model.train(), ids, labels)
         loss.backward()

@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
+from benchmarks._fit import gpt_config
 from benchmarks._format import ci, fixed, parser, save, table
 from benchmarks._stats import median_ci, ratio_of_medians_ci
-from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp import GPT, ParallelState
 from lightning_sp.model.generate import GenerationConfig, generate
 
 
@@ -52,10 +53,9 @@ def _tokens_per_second(
 
 def measure(shape: GenerateShape) -> dict[str, Any]:
     """tokens/s of each mode (every sample), and the cached / uncached ratio."""
-    config = GPTConfig(vocab_size=257, seq_length=shape.prompt_tokens + shape.new_tokens,
-                       hidden_size=shape.hidden_size, num_layers=shape.num_layers,
-                       num_heads=shape.num_heads, hidden_dropout=0.0, attention_dropout=0.0,
-                       init_std=0.5)  # fmt: skip
+    s = shape.prompt_tokens + shape.new_tokens
+    config = gpt_config(257, s, shape.hidden_size, shape.num_layers, shape.num_heads,
+                        "selective", 0.0, init_std=0.5)  # fmt: skip
     model = GPT(config, ParallelState.single(), dtype=torch.float32)
     prompt = torch.randint(
         0, 256, (shape.prompt_tokens,), generator=torch.Generator().manual_seed(0)

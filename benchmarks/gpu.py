@@ -117,8 +117,7 @@ def models_section(shape: Shape, args: argparse.Namespace, peak: float) -> list[
         cases += [("plain PyTorch", "math", "none", False)]
     rows: list[dict[str, Any]] = []
     for name, attention, policy, compiled in cases:
-        dropout = {"hidden_dropout": args.dropout, "attention_dropout": args.dropout}
-        config = shape.config(recompute=policy, attention=attention, **dropout)
+        config = shape.config(policy, args.dropout, attention=attention)
         torch.manual_seed(0)
         model: nn.Module
         if name == "lightning-sp":

@@ -41,10 +41,10 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks import _cpu, dtensor_gpt
+from benchmarks._fit import gpt_config
 from benchmarks._format import ci, fixed, pct_ci, table
 from benchmarks._stats import interleaved, median_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
-from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.testing.spawn import run_distributed
 
 POLICIES = ("none", "selective", "full")
@@ -86,12 +86,10 @@ SMOKE = LayerShape(s=64, b=1, h=64, a=4, warmup=1, repeats=1, max_tries=1, atten
 def layer_config(
     shape: LayerShape, sp: bool, policy: str, attention: str = "math", s: int | None = None
 ) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=128 * shape.t, seq_length=s or shape.s, hidden_size=shape.h, num_layers=1,
-        num_heads=shape.a, hidden_dropout=0.1,
-        attention_dropout=0.1 if s is None else 0.0, sequence_parallel=sp,
-        recompute=RecomputePolicy.parse(policy), attention=attention,
-    )  # fmt: skip
+    """One layer; with ``s`` (the attention comparison) no attention dropout."""
+    config = gpt_config(128 * shape.t, s or shape.s, shape.h, 1, shape.a, policy,
+                        sequence_parallel=sp, attention=attention)  # fmt: skip
+    return config if s is None else dataclasses.replace(config, attention_dropout=0.0)
 
 
 def _build(impl: str, config: GPTConfig, state: ParallelState, mesh: Any) -> nn.Module:

@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from benchmarks import _cpu, dtensor_gpt
+from benchmarks._fit import gpt_config
 from benchmarks._format import fixed, pct, table
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, GPTModule, MegatronSPStrategy, OptimizerConfig
@@ -65,7 +66,6 @@ from lightning_sp.memory.flops import (
     measure_peak_flops,
     model_flops_per_iteration,
 )
-from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.optim.adamw import configure_adamw
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.spawn import run_distributed
@@ -104,12 +104,8 @@ SMOKE = ThroughputShape(
 
 
 def model_config(shape: ThroughputShape) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=shape.vocab, seq_length=shape.s, hidden_size=shape.h,
-        num_layers=shape.layers, num_heads=shape.a, hidden_dropout=0.1,
-        attention_dropout=0.1, sequence_parallel=shape.sequence_parallel,
-        recompute=RecomputePolicy.parse(shape.recompute),
-    )  # fmt: skip
+    return gpt_config(shape.vocab, shape.s, shape.h, shape.layers, shape.a, shape.recompute,
+                      sequence_parallel=shape.sequence_parallel)  # fmt: skip
 
 
 OPTIMIZER = OptimizerConfig(lr=3e-4, warmup_steps=2, min_lr=3e-5)
