@@ -10,7 +10,7 @@ to one transformer layer (both layers agree; the largest over layers and ranks i
 Implementations, identical math and inputs:
 
 * ``ours``: :class:`lightning_sp.GPT`.
-* ``dtensor``: :class:`benchmarks.dtensor_gpt.DTensorGPT` parallelised with
+* ``dtensor``: :class:`lightning_sp.testing.dtensor_gpt.DTensorGPT` parallelised with
   ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` / ``PrepareModuleInput``,
   ``F.dropout``, ``torch.utils.checkpoint`` — what a PyTorch user writes.
 * ``dtensor_native_dropout``: the same with ``torch.native_dropout`` (1-byte ``bool`` masks),
@@ -28,12 +28,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from benchmarks import dtensor_gpt
 from benchmarks._fit import batch, gpt_config, held_per_layer
 from benchmarks._format import fixed, table
 from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
 from lightning_sp.memory.formulas import activation_bytes_per_layer
 from lightning_sp.model.shape import ActivationShape
+from lightning_sp.testing import dtensor_gpt
 from lightning_sp.testing.spawn import run_distributed
 
 POLICIES = ("none", "selective", "full")

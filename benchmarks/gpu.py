@@ -4,10 +4,11 @@ On one CUDA device (default GPT: the issue's shape, s=2048 h=2048 L=24 a=16 v=51
 
 * ``models``: forward + backward of our ``GPT`` (t=1) per attention backend x recompute policy,
   eager, and compiled per layer (``torch.compile``) without recomputation; of the same GPT in
-  plain PyTorch (:class:`benchmarks.dtensor_gpt.DTensorGPT`, not parallelised) with SDPA, eager
-  and compiled, and with the math core. Each: tokens/s, MFU against the bf16 GEMM rate measured
-  in the run (8192² matmuls), peak memory and bytes held per layer (saved-tensor hooks, beside
-  the ActivationMemoryMonitor's formula); ``warmup`` steps, then ``steps`` between two syncs.
+  plain PyTorch (:class:`lightning_sp.testing.dtensor_gpt.DTensorGPT`, not parallelised) with
+  SDPA, eager and compiled, and with the math core. Each: tokens/s, MFU against the bf16 GEMM
+  rate measured in the run (8192² matmuls), peak memory and bytes held per layer (saved-tensor
+  hooks, beside the ActivationMemoryMonitor's formula); ``warmup`` steps, then ``steps``
+  between two syncs.
 * ``fit``: ``cli.py fit``'s path (the CLI's parser and defaults, ``Trainer``, ``megatron_sp``,
   ``bf16-true``, the monitors, the progress bar) against a plain loop over the same
   ``GPTModule`` (forward, backward, AdamW, schedule) on the same batches, ``recompute:
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks import _fit, _format, dtensor_gpt, fit_overhead, fp8_gpu, moe
+from benchmarks import _fit, _format, fit_overhead, fp8_gpu, moe
 from benchmarks._fit import FULL, Shape
 from benchmarks._format import ci, command, device_name, out_dir, stamp, table, write
 from benchmarks.fit_overhead import FitShape
@@ -47,6 +48,7 @@ from lightning_sp.model.config import RECOMPUTE_POLICIES, GPTConfig
 from lightning_sp.model.cores import ATTENTION_BACKENDS
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.state import ParallelState
+from lightning_sp.testing import dtensor_gpt
 
 SECTIONS = ("models", "fit", "moe", "fp8")
 DEFAULT_SECTIONS = SECTIONS[:3]

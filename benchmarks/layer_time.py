@@ -40,11 +40,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from benchmarks import _cpu, dtensor_gpt
+from benchmarks import _cpu
 from benchmarks._fit import gpt_config
 from benchmarks._format import ci, fixed, pct_ci, table
 from benchmarks._stats import interleaved, median_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.testing import dtensor_gpt
 from lightning_sp.testing.spawn import run_distributed
 
 POLICIES = ("none", "selective", "full")

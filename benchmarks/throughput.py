@@ -55,7 +55,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from benchmarks import _cpu, dtensor_gpt
+from benchmarks import _cpu
 from benchmarks._fit import gpt_config
 from benchmarks._format import fixed, pct, table
 from benchmarks._stats import ratio_of_medians_ci
@@ -68,6 +68,7 @@ from lightning_sp.memory.flops import (
 )
 from lightning_sp.optim.adamw import configure_adamw
 from lightning_sp.parallel.state import ParallelState
+from lightning_sp.testing import dtensor_gpt
 from lightning_sp.testing.spawn import run_distributed
 
 TIMEOUT_SECONDS = 300.0
