@@ -58,6 +58,13 @@ def foreign_share(before: tuple[float, float, float], after: tuple[float, float,
     return max(0.0, busy_all - own_all) / max(wall_mean * cores, 1e-9)
 
 
+def rss_kib(field: str) -> int:
+    """This process's ``/proc/self/status`` ``field`` in KiB: ``VmRSS`` (the resident set
+    now), ``VmHWM`` (its peak)."""
+    with open("/proc/self/status") as fh:
+        return next((int(line.split()[1]) for line in fh if line.startswith(field + ":")), 0)
+
+
 # -- glibc malloc ------------------------------------------------------------------------------
 
 M_TRIM_THRESHOLD = -1

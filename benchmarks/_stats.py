@@ -108,6 +108,13 @@ def clean_rounds(shares: Sequence[float]) -> tuple[list[int], dict[str, Any]]:
     return used, summary
 
 
+def medians(
+    seconds: Mapping[str, Sequence[float]], used: Sequence[int], scale: float = 1.0
+) -> dict[str, float]:
+    """Each sample's median over the rounds ``used``, times ``scale``."""
+    return {n: scale * statistics.median([v[i] for i in used]) for n, v in seconds.items()}
+
+
 def ratios_over(
     seconds: Mapping[str, Sequence[float]], ours: str, others: Sequence[str], used: Sequence[int]
 ) -> dict[str, list[float]]:

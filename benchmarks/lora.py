@@ -30,15 +30,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import multiprocessing
-import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import _cpu
+from benchmarks._fit import batch
 from benchmarks._format import ci, fixed, parser, save, stamp, table
-from benchmarks._stats import clean_rounds, interleaved, ratios_over
+from benchmarks._stats import clean_rounds, interleaved, medians, ratios_over
 from lightning_sp.interop.hf import load_hf_weights, read_hf_config
 from lightning_sp.interop.hf_types import model_type_for
 from lightning_sp.interop.peft import hf_modules, peft_name
@@ -161,22 +162,6 @@ def build(shape: LoRAShape, base: Path, variant: str) -> tuple[Any, torch.optim.
     return ours, optimizer, our_step
 
 
-def batch(shape: LoRAShape) -> tuple[torch.Tensor, torch.Tensor]:
-    """A seeded batch ``[b, s]`` of ids and its next-token labels."""
-    generator = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, shape.vocab_size, (shape.batch, shape.seq_length + 1),
-                        generator=generator)  # fmt: skip
-    return ids[:, :-1], ids[:, 1:]
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
 def _peak_memory(shape: LoRAShape, base: str, variant: str, queue: Any) -> None:
     """In a fresh process: ``memory_steps`` steps of ``variant``; puts ``(peak RSS, peak less
     the RSS before building)`` in MiB on ``queue``."""
@@ -184,12 +169,12 @@ def _peak_memory(shape: LoRAShape, base: str, variant: str, queue: Any) -> None:
     import peft  # noqa: F401  (imported before the baseline, as transformers by the reader)
     import transformers  # noqa: F401
 
-    before = _rss_kib("VmRSS")
+    before = _cpu.rss_kib("VmRSS")
     _, _, step = build(shape, Path(base), variant)
-    ids, labels = batch(shape)
+    ids, labels = batch(shape.vocab_size, shape.batch, shape.seq_length, seed=2)
     for _ in range(shape.memory_steps):
         step(ids, labels)
-    peak = _rss_kib("VmHWM")
+    peak = _cpu.rss_kib("VmHWM")
     queue.put((peak / 1024, (peak - before) / 1024))
 
 
@@ -214,7 +199,7 @@ def measure(shape: LoRAShape) -> dict[str, Any]:
         base = Path(tmp) / "base"
         save_base(shape, base)
         steps = {v: build(shape, base, v)[2] for v in VARIANTS}
-        ids, labels = batch(shape)
+        ids, labels = batch(shape.vocab_size, shape.batch, shape.seq_length, seed=2)
         first = {v: steps[v](ids, labels).item() for v in ("lora", "peft")}
         error = abs(first["lora"] - first["peft"]) / abs(first["peft"])
         assert error <= LOSS_RTOL, f"lora and peft disagree: losses {first} ({error:.2e})"
@@ -229,9 +214,7 @@ def measure(shape: LoRAShape) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "loss_relative_error_vs_peft": error,
         **rounds,
-        "ms_per_step": {
-            v: 1e3 * statistics.median([s[i] for i in used]) for v, s in seconds.items()
-        },
+        "ms_per_step": medians(seconds, used, 1e3),
         "ratios": ratios_over(seconds, "lora", ("full", "peft"), used),
         "memory": memory,
         "samples": seconds,

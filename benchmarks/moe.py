@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks._format import ci, fixed, parser, save, table
-from benchmarks._stats import clean_rounds, device_sync, interleaved, ratios_over
+from benchmarks._stats import clean_rounds, device_sync, interleaved, medians, ratios_over
 from lightning_sp import GPTConfig, ParallelState
 from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.model.moe.layer import MoE
@@ -202,7 +201,7 @@ def measure(shape: MoEShape) -> dict[str, Any]:
         "shape": dataclasses.asdict(shape),
         "threads": torch.get_num_threads(),
         **rounds,
-        **{f"us_per_token_{c}": medians(seconds[c], used) for c in seconds},
+        **{f"us_per_token_{c}": medians(seconds[c], used, 1e6) for c in seconds},
         **{f"ratios_{c}": ratios_over(seconds[c], "moe", OTHERS, used) for c in seconds},
         "samples": seconds,
         "targets": {"moe_over_dense": 1.3, "moe_over_hf": 1.0},
@@ -224,15 +223,10 @@ def measure_on(shape: MoEShape, device: torch.device, dtype: torch.dtype) -> dic
         "dtype": str(dtype),
         "torch": torch.__version__,
         "relative_errors": errors,
-        "us_per_token": medians(seconds, rounds),
+        "us_per_token": medians(seconds, rounds, 1e6),
         "ratios": ratios_over(seconds, "moe", OTHERS, rounds),
         "samples": seconds,
     }
-
-
-def medians(seconds: dict[str, list[float]], used: list[int]) -> dict[str, float]:
-    """µs per token of each implementation: the median over the rounds ``used``."""
-    return {n: 1e6 * statistics.median([v[i] for i in used]) for n, v in seconds.items()}
 
 
 def markdown(result: dict[str, Any]) -> str:

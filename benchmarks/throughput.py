@@ -150,12 +150,6 @@ class DTensorGPTModule(L.LightningModule):
         return configure_adamw(self.model, self.optimizer_config, self.trainer.max_steps)
 
 
-def _rss_bytes() -> int:
-    """Current resident set size of this process."""
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 class StepTimer(Callback):
     """Wall time of every training step, other processes' CPU share during it, its loss, and
     this rank's memory. Stops training once ``clean_steps`` clean steps follow the warm-up.
@@ -173,7 +167,7 @@ class StepTimer(Callback):
         self._before = (0.0, 0.0, 0.0)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.rss_at_setup = _rss_bytes()
+        self.rss_at_setup = 1024 * _cpu.rss_kib("VmRSS")
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._before = _cpu.sample()
