@@ -72,6 +72,23 @@ def train_step(model: nn.Module, ids: Tensor, labels: Tensor) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def layer_step(
+    layer: nn.Module, x: Tensor, grad: Tensor, batch_first: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Forward of a fresh leaf ``x`` ``[s, b, h]`` through ``layer`` (``[b, s, h]`` with
+    ``batch_first``, as transformers' blocks take), backward of ``grad``, the parameters'
+    gradients dropped first: ``(output, input gradient)`` in ``x``'s layout."""
+    for param in layer.parameters():
+        param.grad = None
+    leaf = (x.transpose(0, 1) if batch_first else x).detach().requires_grad_()
+    out = layer(leaf)
+    out.backward(grad.transpose(0, 1) if batch_first else grad)
+    assert leaf.grad is not None
+    if batch_first:
+        return out.detach().transpose(0, 1), leaf.grad.transpose(0, 1)
+    return out.detach(), leaf.grad
+
+
 def held_per_layer(model: nn.Module, ids: Tensor, labels: Tensor) -> tuple[list[int], Tensor]:
     """The bytes each of ``model.layers`` keeps for backward in one forward
     (:class:`~lightning_sp.memory.saved.SavedTensorTracker`), and that forward's loss."""

@@ -62,24 +62,16 @@ def write(out_dir: Path, name: str, result: dict[str, Any], markdown: str) -> No
     print(f"{out_dir / name}.json, .md:\n{markdown.rstrip()}", flush=True)
 
 
-def add_out_argument(parser: argparse.ArgumentParser) -> None:
-    """``--out DIR``: where ``NAME.json`` and ``NAME.md`` go (see :func:`out_dir`)."""
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="output directory (default benchmarks/results; benchmarks/results/smoke with --smoke)",
-    )
-
-
 def parser(
     doc: str, smoke: str = "tiny shapes, seconds; its numbers mean nothing"
 ) -> argparse.ArgumentParser:
     """A benchmark's command line: ``doc``'s first line as its description, ``--smoke``
-    (``smoke`` its help) and ``--out`` (:func:`add_out_argument`)."""
+    (``smoke`` its help) and ``--out DIR``, where ``NAME.json`` and ``NAME.md`` go
+    (:func:`out_dir`)."""
     result = argparse.ArgumentParser(description=doc.splitlines()[0])
     result.add_argument("--smoke", action="store_true", help=smoke)
-    add_out_argument(result)
+    result.add_argument("--out", type=Path, default=None, help="output directory (default "
+                        "benchmarks/results; benchmarks/results/smoke with --smoke)")  # fmt: skip
     return result
 
 

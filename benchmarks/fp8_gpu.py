@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from benchmarks._fit import layer_step
 from benchmarks._format import PLUMBING, ci, device_name, table
 from benchmarks._stats import device_sync, interleaved, ratio_ci
 from lightning_sp.parallel.fp8 import (
@@ -88,26 +89,19 @@ def _variants(shape: MLPShape, device: torch.device, emulate: bool) -> dict[str,
     return variants
 
 
-def _step(fn: Any, x: Tensor, grad: Tensor) -> Tensor:
-    """Forward + backward of ``fn`` on a fresh leaf ``x``; the output."""
-    out = fn(x.detach().requires_grad_(True))
-    out.backward(grad)
-    return out.detach()
-
-
 def measure(shape: MLPShape, device: torch.device, compile_too: bool) -> dict[str, Any]:
     """Every variant checked against torchao's of its recipe, then timed in interleaved rounds."""
     emulate = device.type != "cuda"
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(shape.tokens, 1, shape.h, generator=generator).to(device, torch.bfloat16)
     grad = torch.randn(shape.tokens, 1, shape.h, generator=generator).to(device, torch.bfloat16)
-    steps: dict[str, Callable[[], Tensor]] = {}
+    steps: dict[str, Callable[[], tuple[Tensor, Tensor]]] = {}
     for name, model in _variants(shape, device, emulate).items():
         for compiled in (False, True) if compile_too else (False,):
             fn = torch.compile(model) if compiled else model
             label = f"{name}{' compiled' if compiled else ''}"
-            steps[label] = functools.partial(_step, fn, x, grad)
-    outputs = {label: step() for label, step in steps.items()}  # compiles
+            steps[label] = functools.partial(layer_step, fn, x, grad)
+    outputs = {label: step()[0] for label, step in steps.items()}  # compiles
     agreement = {}
     for label, out in outputs.items():
         if label.startswith("ours"):

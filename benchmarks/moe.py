@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from benchmarks._fit import layer_step
 from benchmarks._format import ci, fixed, parser, save, table
 from benchmarks._stats import clean_rounds, device_sync, interleaved, medians, ratios_over
 from lightning_sp import GPTConfig, ParallelState
@@ -117,30 +118,16 @@ def build(shape: MoEShape) -> dict[str, nn.Module]:
     return layers
 
 
-def step(layer: nn.Module, x: Tensor, grad: Tensor, hf: bool) -> tuple[Tensor, Tensor]:
-    """Forward and backward of ``x`` ``[T, 1, h]``; ``(output, input gradient)`` in that
-    layout (transformers' block takes ``[b, s, h]``)."""
-    for param in layer.parameters():
-        param.grad = None
-    leaf = (x.transpose(0, 1) if hf else x).detach().requires_grad_()
-    out = layer(leaf)
-    out.backward(grad.transpose(0, 1) if hf else grad)
-    assert leaf.grad is not None
-    if hf:
-        return out.detach().transpose(0, 1), leaf.grad.transpose(0, 1)
-    return out.detach(), leaf.grad
-
-
 def check_agreement(
     layers: dict[str, nn.Module], x: Tensor, grad: Tensor, rel_tol: float | None = None
 ) -> dict[str, float]:
     """Our layer's output and input gradient against each transformers block's, on the timed
     input: their relative (Frobenius) errors, or AssertionError when they disagree: beyond fp32
     tolerance (``RTOL``, ``ATOL``), or with ``rel_tol`` a relative error at or above it."""
-    ours = step(layers["moe"], x, grad, hf=False)
+    ours = layer_step(layers["moe"], x, grad)
     errors = {}
     for name in ("hf", "hf_eager"):
-        theirs = step(layers[name], x, grad, hf=True)
+        theirs = layer_step(layers[name], x, grad, batch_first=True)
         for what, a, b in zip(("output", "input_grad"), ours, theirs, strict=True):
             error = ((a.float() - b.float()).norm() / b.float().norm()).item()
             errors[f"{name}_{what}"] = error
@@ -167,7 +154,7 @@ def time_rounds(
 
     def timed(name: str) -> None:
         start = time.process_time()
-        step(layers[name], x, grad, hf=name.startswith("hf"))
+        layer_step(layers[name], x, grad, name.startswith("hf"))
         cpu[name].append(time.process_time() - start)
 
     steps = {name: functools.partial(timed, name) for name in IMPLEMENTATIONS}
