@@ -98,7 +98,7 @@ def measure(shape: MLPShape, device: torch.device, compile_too: bool) -> dict[st
     steps: dict[str, Callable[[], tuple[Tensor, Tensor]]] = {}
     for name, model in _variants(shape, device, emulate).items():
         for compiled in (False, True) if compile_too else (False,):
-            fn = torch.compile(model) if compiled else model
+            fn: nn.Module = torch.compile(model) if compiled else model  # type: ignore[assignment]
             label = f"{name}{' compiled' if compiled else ''}"
             steps[label] = functools.partial(layer_step, fn, x, grad)
     outputs = {label: step()[0] for label, step in steps.items()}  # compiles
