@@ -93,10 +93,11 @@ def arguments(doc: str, argv: list[str] | None, smoke: str, **options: Any) -> a
 
 
 def add_only(
-    parser: argparse.ArgumentParser, sections: Sequence[str], default: Sequence[str]
-) -> None:
-    """``--only A,B``: some of ``sections`` (``default`` when not given); an unknown name is
-    argparse's one-line error naming the valid ones."""
+    parser: argparse.ArgumentParser, sections: Sequence[str], default: Sequence[str],
+    flag: str = "only",
+) -> None:  # fmt: skip
+    """``--only A,B`` (``--FLAG``): some of ``sections`` (``default`` when not given); an unknown
+    name is argparse's one-line error naming the valid ones."""
 
     def names(value: str) -> list[str]:
         chosen = [name.strip() for name in value.split(",") if name.strip()]
@@ -107,7 +108,7 @@ def add_only(
         return chosen
 
     help_ = f"some of {','.join(sections)} (default: {','.join(default)})"
-    parser.add_argument("--only", type=names, default=list(default), help=help_)
+    parser.add_argument(f"--{flag}", type=names, default=list(default), help=help_)
 
 
 def save(

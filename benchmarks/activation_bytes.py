@@ -80,11 +80,6 @@ def _local(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _config(shape: BytesShape, sp: bool, policy: str) -> GPTConfig:
-    return gpt_config(shape.vocab, shape.s, shape.h, shape.layers, shape.a, policy,
-                      sequence_parallel=sp)  # fmt: skip
-
-
 def _measure_ours(config: GPTConfig, state: ParallelState, ids: tuple[Tensor, Tensor]) -> list[int]:
     held, loss = held_per_layer(GPT(config, state, dtype=torch.bfloat16).train(), *ids)
     loss.backward()
@@ -113,15 +108,16 @@ def _worker(rank: int, world_size: int, shape: BytesShape) -> dict[str, list[int
     mesh = init_device_mesh("cpu", (t,))
     ids = batch(shape.vocab, shape.b, shape.s)
     out: dict[str, list[int]] = {}
+    sizes = shape.vocab, shape.s, shape.h, shape.layers, shape.a
     for sp in (False, True):
         for policy in POLICIES:
-            config = _config(shape, sp, policy)
+            config = gpt_config(*sizes, policy, sequence_parallel=sp)
             key = f"{int(sp)}:{policy}"
             out[f"ours:{key}"] = _measure_ours(config, state, ids)
             out[f"dtensor:{key}"] = _measure_dtensor(config, mesh, ids, native=False)
             out[f"dtensor_native_dropout:{key}"] = _measure_dtensor(config, mesh, ids, native=True)
     for name, (policy, attention) in OURS_ONLY.items():
-        config = dataclasses.replace(_config(shape, True, policy), attention=attention)
+        config = gpt_config(*sizes, policy, sequence_parallel=True, attention=attention)
         if attention == "sdpa":  # the fused kernel: on CPU, dropout would leave it
             config.attention_dropout = 0.0
         out[f"ours_only:{name}"] = _measure_ours(config, state, ids)

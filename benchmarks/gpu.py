@@ -229,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     add("--steps", type=int, default=None, help="timed steps (10; smoke 2)")
     add("--dropout", type=float, default=0.1, help="hidden and attention")
     add("--no-compile", dest="compile", action="store_false", help="skip torch.compile variants")
-    add("--backends", type=_names, default=attention_backends(), help="of our GPT (default: all)")
-    add("--policies", type=_names, default=RECOMPUTE_POLICIES, help="of our GPT (default: all)")
+    _format.add_only(parser, attention_backends(), attention_backends(), "backends")
+    _format.add_only(parser, RECOMPUTE_POLICIES, RECOMPUTE_POLICIES, "policies")
     add("--no-plain", dest="plain", action="store_false", help="skip the plain PyTorch GPTs")
     add("--dtype", default="bf16", choices=sorted(DTYPES), help="of the MoE layers")
     args = parser.parse_args(argv)
@@ -267,10 +267,6 @@ def main(argv: list[str] | None = None) -> int:
         write(out, "fp8_gpu", {"meta": {**meta, **stamp(), "smoke": args.smoke}, **found},
               fp8_gpu.markdown(found))  # fmt: skip
     return 0
-
-
-def _names(value: str) -> list[str]:
-    return value.split(",")
 
 
 if __name__ == "__main__":

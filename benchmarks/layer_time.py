@@ -134,21 +134,23 @@ def _worker(rank: int, world_size: int, shape: LayerShape) -> dict[str, Any]:
     state = ParallelState.from_process_group(tensor_parallel_size=t)
     mesh = init_device_mesh("cpu", (t,))
     generator = torch.Generator().manual_seed(1 + rank)
+
+    def case(impl: str, config: GPTConfig, rows: int) -> tuple[nn.Module, Tensor, Tensor]:
+        """The layer, its input ``[rows, b, h]`` and the output gradient."""
+        x = torch.randn(rows, shape.b, shape.h, generator=generator).requires_grad_()
+        grad = torch.randn(rows, shape.b, shape.h, generator=generator)
+        return _build(impl, config, state, mesh), x, grad
+
     cases: dict[str, tuple[nn.Module, Tensor, Tensor]] = {}
     for sp in (False, True):
         for policy in POLICIES:
             for impl in IMPLEMENTATIONS:  # ours and DTensor back to back: a paired comparison
-                config = layer_config(shape, sp, policy)
                 rows = shape.s // t if sp else shape.s
-                x = torch.randn(rows, shape.b, shape.h, generator=generator).requires_grad_()
-                grad = torch.randn(rows, shape.b, shape.h, generator=generator)
-                cases[_key(impl, sp, policy)] = (_build(impl, config, state, mesh), x, grad)
+                cases[_key(impl, sp, policy)] = case(impl, layer_config(shape, sp, policy), rows)
     for name, (policy, attention, long) in EXTRA_CASES.items():
         s = shape.attention_s if long else shape.s
         config = layer_config(shape, True, policy, attention, s if long else None)
-        x = torch.randn(s // t, shape.b, shape.h, generator=generator).requires_grad_()
-        grad = torch.randn(s // t, shape.b, shape.h, generator=generator)
-        cases[f"extra:{name}"] = (_build("ours", config, state, mesh), x, grad)
+        cases[f"extra:{name}"] = case("ours", config, s // t)
     for _ in range(shape.warmup):
         for case in cases.values():
             _iteration(*case)

@@ -80,11 +80,6 @@ REL_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 """Relative Frobenius error allowed between our layer and transformers' in :func:`measure_on`."""
 
 
-def _initialise(module: nn.Module, seed: int) -> None:
-    for name, param in module.named_parameters():
-        initialize_parameter(param, name, seed)
-
-
 def build(shape: MoEShape) -> dict[str, nn.Module]:
     """The four layers, fp32: ours (seeded), the dense SwiGLU of width ``k·f_e`` (seeded), and
     transformers' block in both expert implementations holding ours' weights."""
@@ -101,7 +96,8 @@ def build(shape: MoEShape) -> dict[str, nn.Module]:
     moe = MoE(BuildContext.of(moe_config, single, dtype=torch.float32), config)
     moe.reset_parameters(0)
     dense = MLP(BuildContext.of(dense_config, single, dtype=torch.float32))
-    _initialise(dense, 0)
+    for name, param in dense.named_parameters():
+        initialize_parameter(param, name, 0)
     layers: dict[str, nn.Module] = {"moe": moe, "dense": dense}
     for name, implementation in (("hf", "grouped_mm"), ("hf_eager", "eager")):
         hf_config = transformers.MixtralConfig(
