@@ -135,7 +135,7 @@ def _worker(rank: int, world_size: int, shape: LayerShape) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (t,))
     generator = torch.Generator().manual_seed(1 + rank)
 
-    def case(impl: str, config: GPTConfig, rows: int) -> tuple[nn.Module, Tensor, Tensor]:
+    def built(impl: str, config: GPTConfig, rows: int) -> tuple[nn.Module, Tensor, Tensor]:
         """The layer, its input ``[rows, b, h]`` and the output gradient."""
         x = torch.randn(rows, shape.b, shape.h, generator=generator).requires_grad_()
         grad = torch.randn(rows, shape.b, shape.h, generator=generator)
@@ -146,11 +146,11 @@ def _worker(rank: int, world_size: int, shape: LayerShape) -> dict[str, Any]:
         for policy in POLICIES:
             for impl in IMPLEMENTATIONS:  # ours and DTensor back to back: a paired comparison
                 rows = shape.s // t if sp else shape.s
-                cases[_key(impl, sp, policy)] = case(impl, layer_config(shape, sp, policy), rows)
+                cases[_key(impl, sp, policy)] = built(impl, layer_config(shape, sp, policy), rows)
     for name, (policy, attention, long) in EXTRA_CASES.items():
         s = shape.attention_s if long else shape.s
         config = layer_config(shape, True, policy, attention, s if long else None)
-        cases[f"extra:{name}"] = case("ours", config, s // t)
+        cases[f"extra:{name}"] = built("ours", config, s // t)
     for _ in range(shape.warmup):
         for case in cases.values():
             _iteration(*case)
