@@ -531,9 +531,9 @@ MUTATIONS = (
         (
             (
                 "lightning_sp/training/gpt_module.py",
-                "            if self._token_mean is None or batch_idx % "
-                "self.trainer.accumulate_grad_batches == 0:",
-                "            if True:",
+                "            self._token_mean is None or batch_idx % "
+                "self.trainer.accumulate_grad_batches == 0\n        ):",
+                "            True\n        ):",
             ),
         ),
         ("tests/test_token_mean.py", "-k", "accumulation"),
