@@ -58,6 +58,21 @@ def foreign_share(before: tuple[float, float, float], after: tuple[float, float,
     return max(0.0, busy_all - own_all) / max(wall_mean * cores, 1e-9)
 
 
+def proc_line(path: str, prefix: str) -> str:
+    """The rest of the first line of ``path`` that starts with ``prefix`` ("" if none)."""
+    try:
+        with open(path) as fh:
+            return next((line[len(prefix) :] for line in fh if line.startswith(prefix)), "")
+    except OSError:
+        return ""
+
+
+def rss_kib(field: str) -> int:
+    """This process's ``/proc/self/status`` ``field`` in KiB: ``VmRSS`` (the resident set
+    now), ``VmHWM`` (its peak); 0 where unknown."""
+    return int((proc_line("/proc/self/status", field + ":").split() or ["0"])[0])
+
+
 # -- glibc malloc ------------------------------------------------------------------------------
 
 M_TRIM_THRESHOLD = -1

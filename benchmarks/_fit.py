@@ -1,27 +1,27 @@
-"""What the fit benchmarks share (:mod:`benchmarks.gpu`'s ``fit`` section and
-:mod:`benchmarks.fit_overhead`): the GPT's shape, ``cli.py fit``'s arguments for it, a plain
-loop's step over the same ``GPTModule``, timing between device synchronisations, and the split
-of a profiled fit step into its parts."""
+"""What the benchmarks that train our GPT share: the GPT's shape, a seeded batch, a timed step
+(also between device synchronisations) and the bytes its layers keep; and for
+:mod:`benchmarks.fit_overhead` (also :mod:`benchmarks.gpu`'s ``fit`` section) ``cli.py fit``'s
+arguments, a plain loop's step over the same ``GPTModule``, and the split of a profiled fit
+step into its parts."""
 
 from __future__ import annotations
 
-import argparse
 import collections
 import cProfile
 import dataclasses
 import os
 import pstats
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
-from typing_extensions import override
+from torch import Tensor, nn
 
-from lightning_sp.data import TextDataModule
+from benchmarks._stats import device_sync
+from lightning_sp.memory.saved import SavedTensorTracker
 from lightning_sp.model.config import GPTConfig
+from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.optim.adamw import configure_adamw
 from lightning_sp.training.gpt_module import GPTModule
 
@@ -37,16 +37,65 @@ class Shape:
     vocab: int
     b: int
 
-    def config(self, **fields: Any) -> GPTConfig:
-        return GPTConfig(
-            vocab_size=self.vocab, seq_length=self.s, hidden_size=self.h,
-            num_layers=self.layers, num_heads=self.heads, **fields,
-        )  # fmt: skip
+    def config(self, recompute: str = "none", dropout: float = 0.1, **fields: Any) -> GPTConfig:
+        """:func:`gpt_config` of this shape."""
+        return gpt_config(self.vocab, self.s, self.h, self.layers, self.heads, recompute, dropout,
+                          **fields)  # fmt: skip
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def gpt_config(
+    vocab: int, s: int, h: int, layers: int, heads: int, recompute: str = "none",
+    dropout: float = 0.1, **fields: Any,
+) -> GPTConfig:  # fmt: skip
+    """Our GPT of these sizes, ``dropout`` on the hidden states and the attention probabilities,
+    ``recompute`` the policy's name, and ``fields`` (``sequence_parallel``, ``attention`` ...)."""
+    return GPTConfig(vocab_size=vocab, seq_length=s, hidden_size=h, num_layers=layers,
+                     num_heads=heads, hidden_dropout=dropout, attention_dropout=dropout,
+                     recompute=RecomputePolicy.parse(recompute), **fields)  # fmt: skip
+
+
+FULL = Shape(s=2048, h=2048, layers=24, heads=16, vocab=51200, b=4)
+"""The 1.2B GPT of the GPU benchmarks (:mod:`benchmarks.gpu`, :mod:`benchmarks.fp8_step`)."""
+
+
+def batch(
+    vocab: int, b: int, s: int, device: torch.device | None = None, seed: int = 0
+) -> tuple[Tensor, Tensor]:
+    """Seeded token ids ``[b, s]`` and their next-token labels, on ``device``."""
+    tokens = torch.randint(0, vocab, (b, s + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def train_step(model: nn.Module, ids: Tensor, labels: Tensor) -> None:
+    """Forward and backward of ``model``'s loss, then its gradients dropped: one timed step."""
+    model(ids, labels).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def layer_step(
+    layer: nn.Module, x: Tensor, grad: Tensor, batch_first: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Forward of a fresh leaf ``x`` ``[s, b, h]`` through ``layer`` (``[b, s, h]`` with
+    ``batch_first``, as transformers' blocks take), backward of ``grad``, the parameters'
+    gradients dropped first: ``(output, input gradient)`` in ``x``'s layout."""
+    for param in layer.parameters():
+        param.grad = None
+    leaf = (x.transpose(0, 1) if batch_first else x).detach().requires_grad_()
+    out = layer(leaf)
+    out.backward(grad.transpose(0, 1) if batch_first else grad)
+    assert leaf.grad is not None
+    if batch_first:
+        return out.detach().transpose(0, 1), leaf.grad.transpose(0, 1)
+    return out.detach(), leaf.grad
+
+
+def held_per_layer(model: nn.Module, ids: Tensor, labels: Tensor) -> tuple[list[int], Tensor]:
+    """The bytes each of ``model.layers`` keeps for backward in one forward
+    (:class:`~lightning_sp.memory.saved.SavedTensorTracker`), and that forward's loss."""
+    with SavedTensorTracker.for_model(model) as tracker:
+        loss = model(ids, labels)
+    layers = len(model.layers)  # type: ignore[arg-type]
+    return [tracker.report.bytes_of(f"layers.{i}") for i in range(layers)], loss
 
 
 def seconds_per_step(
@@ -55,40 +104,13 @@ def seconds_per_step(
     """Mean seconds of ``step`` over ``steps`` calls after ``warmup`` (two syncs in all)."""
     for _ in range(warmup):
         step()
-    _synchronize(device)
+    sync = device_sync(device)
+    sync()
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    _synchronize(device)
+    sync()
     return (time.perf_counter() - start) / steps
-
-
-class StepWindow(Callback):
-    """Wall time from the start of training step ``warmup`` to the end of the last one."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-        self.start: float | None = None
-        self.end: float | None = None
-        self.steps = 0
-
-    @override
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if trainer.global_step == self.warmup and self.start is None:
-            _synchronize(pl_module.device)
-            self.start = time.perf_counter()
-
-    @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int
-    ) -> None:
-        if self.start is not None:
-            self.steps += 1
-        if trainer.global_step == trainer.max_steps:
-            _synchronize(pl_module.device)
-            self.end = time.perf_counter()
 
 
 def fit_argv(
@@ -109,20 +131,6 @@ def fit_argv(
         "--trainer.callbacks+=lightning_sp.ActivationMemoryMonitor",
         "--trainer.callbacks+=lightning_sp.MFUMonitor",
     ]  # fmt: skip
-
-
-def _fit_tokens_per_sec(shape: Shape, args: argparse.Namespace) -> float:
-    from lightning_sp.cli.fit import GPTCLI
-
-    accelerator = "gpu" if args.device == "cuda" else "cpu"
-    argv = fit_argv(shape, "selective", args.dropout, accelerator, "bf16-true",
-                    args.warmup + args.steps)  # fmt: skip
-    cli = GPTCLI(GPTModule, TextDataModule, args=argv, run=False)
-    window = StepWindow(args.warmup)
-    cli.trainer.callbacks.append(window)  # type: ignore[attr-defined]
-    cli.trainer.fit(cli.model, cli.datamodule)
-    assert window.start is not None and window.end is not None
-    return window.steps * shape.b * shape.s / (window.end - window.start)
 
 
 def plain_step(
@@ -155,39 +163,6 @@ def plain_step(
             gpt.zero_grad(set_to_none=True)
 
     return step
-
-
-def _loop_tokens_per_sec(shape: Shape, args: argparse.Namespace) -> float:
-    device = torch.device(args.device)
-    config = shape.config(
-        recompute="selective", hidden_dropout=args.dropout, attention_dropout=args.dropout
-    )
-    plain = plain_step(config, args.warmup + args.steps, device, torch.bfloat16)
-    data = TextDataModule(seq_length=shape.s, batch_size=shape.b)
-    data.prepare_data()
-    data.setup("fit")
-    batches = iter(data.train_dataloader())
-
-    def step() -> None:
-        batch = next(batches, None)
-        assert batch is not None, "the corpus has fewer batches than the benchmark's steps"
-        plain(batch)
-
-    return shape.b * shape.s / seconds_per_step(step, device, args.warmup, args.steps)
-
-
-def fit_section(shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
-    """tokens/s of ``cli.py fit`` and of the plain loop, and their ratio."""
-    cwd = os.getcwd()
-    with tempfile.TemporaryDirectory() as tmp:  # the CLI's logs and saved config go here
-        os.chdir(tmp)
-        try:
-            fit = _fit_tokens_per_sec(shape, args)
-        finally:
-            os.chdir(cwd)
-    loop = _loop_tokens_per_sec(shape, args)
-    return {"recompute": "selective", "fit_tokens_per_sec": fit, "loop_tokens_per_sec": loop,
-            "ratio": fit / loop}  # fmt: skip
 
 
 # -- the profile's parts -----------------------------------------------------------------------

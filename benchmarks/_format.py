@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 RESULTS = Path(__file__).resolve().parent / "results"
 """Where a full run writes by default; a ``--smoke`` run writes under ``results/smoke/``
 (ignored by git), so its meaningless numbers never replace a measurement."""
@@ -60,24 +62,16 @@ def write(out_dir: Path, name: str, result: dict[str, Any], markdown: str) -> No
     print(f"{out_dir / name}.json, .md:\n{markdown.rstrip()}", flush=True)
 
 
-def add_out_argument(parser: argparse.ArgumentParser) -> None:
-    """``--out DIR``: where ``NAME.json`` and ``NAME.md`` go (see :func:`out_dir`)."""
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="output directory (default benchmarks/results; benchmarks/results/smoke with --smoke)",
-    )
-
-
 def parser(
     doc: str, smoke: str = "tiny shapes, seconds; its numbers mean nothing"
 ) -> argparse.ArgumentParser:
     """A benchmark's command line: ``doc``'s first line as its description, ``--smoke``
-    (``smoke`` its help) and ``--out`` (:func:`add_out_argument`)."""
+    (``smoke`` its help) and ``--out DIR``, where ``NAME.json`` and ``NAME.md`` go
+    (:func:`out_dir`)."""
     result = argparse.ArgumentParser(description=doc.splitlines()[0])
     result.add_argument("--smoke", action="store_true", help=smoke)
-    add_out_argument(result)
+    result.add_argument("--out", type=Path, default=None, help="output directory (default "
+                        "benchmarks/results; benchmarks/results/smoke with --smoke)")  # fmt: skip
     return result
 
 
@@ -99,10 +93,11 @@ def arguments(doc: str, argv: list[str] | None, smoke: str, **options: Any) -> a
 
 
 def add_only(
-    parser: argparse.ArgumentParser, sections: Sequence[str], default: Sequence[str]
-) -> None:
-    """``--only A,B``: some of ``sections`` (``default`` when not given); an unknown name is
-    argparse's one-line error naming the valid ones."""
+    parser: argparse.ArgumentParser, sections: Sequence[str], default: Sequence[str],
+    flag: str = "only",
+) -> None:  # fmt: skip
+    """``--only A,B`` (``--FLAG``): some of ``sections`` (``default`` when not given); an unknown
+    name is argparse's one-line error naming the valid ones."""
 
     def names(value: str) -> list[str]:
         chosen = [name.strip() for name in value.split(",") if name.strip()]
@@ -113,7 +108,7 @@ def add_only(
         return chosen
 
     help_ = f"some of {','.join(sections)} (default: {','.join(default)})"
-    parser.add_argument("--only", type=names, default=list(default), help=help_)
+    parser.add_argument(f"--{flag}", type=names, default=list(default), help=help_)
 
 
 def save(
@@ -137,8 +132,6 @@ def out_dir(out: Path | None, smoke: bool) -> Path:
 def stamp() -> dict[str, Any]:
     """When and on what a benchmark ran, for its JSON's ``meta``: UTC date, torch's version and
     the load average at the start."""
-    import torch
-
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
@@ -157,3 +150,33 @@ def loadavg() -> str:
 def command(module: str, argv: list[str] | None) -> str:
     """The command line that ran a benchmark, for its JSON's ``meta``."""
     return " ".join([f"python -m {module}", *(sys.argv[1:] if argv is None else argv)])
+
+
+# -- the GPU benchmarks ------------------------------------------------------------------------
+
+PLUMBING = "**Plumbing check on CPU: the numbers mean nothing.**\n\n"
+"""The first line of a GPU benchmark's table when it ran on the CPU (``--device cpu --smoke``)."""
+
+
+def add_device(parser: argparse.ArgumentParser) -> None:
+    """``--device cuda|cpu`` of a GPU benchmark (``cpu``: a plumbing check, with ``--smoke``)."""
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: a plumbing check (--smoke)")  # fmt: skip
+
+
+def refused(args: argparse.Namespace, name: str, needs: str = "a CUDA device") -> bool:
+    """Whether ``benchmarks.NAME`` must not run with ``args`` (printed in one line on stderr):
+    CUDA asked for and absent, or ``--device cpu`` without ``--smoke``."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"error: benchmarks.{name} needs {needs} and torch.cuda.is_available() is False "
+              "(for a CPU plumbing check: --device cpu --smoke)", file=sys.stderr)  # fmt: skip
+        return True
+    if args.device == "cpu" and not args.smoke:
+        print("error: --device cpu is a plumbing check only; add --smoke", file=sys.stderr)
+        return True
+    return False
+
+
+def device_name(device: torch.device, cpu: str = "CPU") -> str:
+    """The GPU's name, or ``cpu`` where ``device`` is the CPU."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu

@@ -3,10 +3,12 @@ samples)."""
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,3 +94,41 @@ def ratio_ci(
 ) -> tuple[float, float, float]:
     """:func:`median_ci` of the per-round ratios ``numerator[i] / denominator[i]``."""
     return median_ci([n / d for n, d in zip(numerator, denominator, strict=True)])
+
+
+def clean_rounds(shares: Sequence[float]) -> tuple[list[int], dict[str, Any]]:
+    """The rounds the medians use: those in which other processes took under
+    :data:`benchmarks._cpu.CLEAN_SHARE` of the machine (``shares``, per round) when at least
+    half are, else all; and what a result records of them (``rounds_used``, ``clean``: whether
+    those are the clean ones, ``other_processes_share``)."""
+    clean = [i for i, share in enumerate(shares) if share < _cpu.CLEAN_SHARE]
+    used = clean if 2 * len(clean) >= len(shares) else list(range(len(shares)))
+    summary = {"rounds_used": len(used), "clean": len(used) == len(clean),
+               "other_processes_share": list(shares)}  # fmt: skip
+    return used, summary
+
+
+def medians(
+    seconds: Mapping[str, Sequence[float]], used: Sequence[int], scale: float = 1.0
+) -> dict[str, float]:
+    """Each sample's median over the rounds ``used``, times ``scale``."""
+    return {n: scale * statistics.median([v[i] for i in used]) for n, v in seconds.items()}
+
+
+def ratios_over(
+    seconds: Mapping[str, Sequence[float]], ours: str, others: Sequence[str], used: Sequence[int]
+) -> dict[str, list[float]]:
+    """``OURS_over_OTHER``: :func:`median_ci` of the per-round ratios ``ours / other`` over the
+    rounds ``used``."""
+    mine = seconds[ours]
+    return {
+        f"{ours}_over_{other}": list(median_ci([mine[i] / seconds[other][i] for i in used]))
+        for other in others
+    }
+
+
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What waits for ``device``'s queued work (``torch.cuda.synchronize``; nothing on a CPU)."""
+    if device.type == "cuda":
+        return functools.partial(torch.cuda.synchronize, device)
+    return lambda: None

@@ -10,7 +10,7 @@ to one transformer layer (both layers agree; the largest over layers and ranks i
 Implementations, identical math and inputs:
 
 * ``ours``: :class:`lightning_sp.GPT`.
-* ``dtensor``: :class:`benchmarks.dtensor_gpt.DTensorGPT` parallelised with
+* ``dtensor``: :class:`lightning_sp.testing.dtensor_gpt.DTensorGPT` parallelised with
   ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` / ``PrepareModuleInput``,
   ``F.dropout``, ``torch.utils.checkpoint`` — what a PyTorch user writes.
 * ``dtensor_native_dropout``: the same with ``torch.native_dropout`` (1-byte ``bool`` masks),
@@ -28,12 +28,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from benchmarks import dtensor_gpt
+from benchmarks._fit import batch, gpt_config, held_per_layer
 from benchmarks._format import fixed, table
 from lightning_sp import GPT, GPTConfig, ParallelState, SavedTensorTracker
 from lightning_sp.memory.formulas import activation_bytes_per_layer
-from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.model.shape import ActivationShape
+from lightning_sp.testing import dtensor_gpt
 from lightning_sp.testing.spawn import run_distributed
 
 POLICIES = ("none", "selective", "full")
@@ -80,24 +80,15 @@ def _local(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _config(shape: BytesShape, sp: bool, policy: str) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=shape.vocab, seq_length=shape.s, hidden_size=shape.h,
-        num_layers=shape.layers, num_heads=shape.a, hidden_dropout=0.1,
-        attention_dropout=0.1, sequence_parallel=sp, recompute=RecomputePolicy.parse(policy),
-    )  # fmt: skip
-
-
-def _measure_ours(config: GPTConfig, state: ParallelState, ids: Tensor) -> list[int]:
-    model = GPT(config, state, dtype=torch.bfloat16)
-    model.train()
-    with SavedTensorTracker.for_model(model) as tracker:
-        loss = model(ids[:, :-1], ids[:, 1:])
+def _measure_ours(config: GPTConfig, state: ParallelState, ids: tuple[Tensor, Tensor]) -> list[int]:
+    held, loss = held_per_layer(GPT(config, state, dtype=torch.bfloat16).train(), *ids)
     loss.backward()
-    return [tracker.report.bytes_of(f"layers.{i}") for i in range(config.num_layers)]
+    return held
 
 
-def _measure_dtensor(config: GPTConfig, mesh: Any, ids: Tensor, native: bool) -> list[int]:
+def _measure_dtensor(
+    config: GPTConfig, mesh: Any, ids: tuple[Tensor, Tensor], native: bool
+) -> list[int]:
     torch.manual_seed(0)
     model = dtensor_gpt.DTensorGPT(config, native_dropout=native).to(torch.bfloat16)
     dtensor_gpt.parallelize(model, mesh, config.sequence_parallel)
@@ -105,7 +96,7 @@ def _measure_dtensor(config: GPTConfig, mesh: Any, ids: Tensor, native: bool) ->
     modules = {f"layers.{i}": layer for i, layer in enumerate(model.layers)}
     exclude = [*model.parameters(), *model.buffers()]
     with DTensorSavedTensorTracker(modules, exclude) as tracker:
-        loss = model(ids[:, :-1], ids[:, 1:])
+        loss = model(*ids)
     with loss_parallel():
         loss.backward()
     return [tracker.report.bytes_of(f"layers.{i}") for i in range(config.num_layers)]
@@ -115,19 +106,18 @@ def _worker(rank: int, world_size: int, shape: BytesShape) -> dict[str, list[int
     t = world_size
     state = ParallelState.from_process_group(tensor_parallel_size=t)
     mesh = init_device_mesh("cpu", (t,))
-    ids = torch.randint(
-        0, shape.vocab, (shape.b, shape.s + 1), generator=torch.Generator().manual_seed(0)
-    )
+    ids = batch(shape.vocab, shape.b, shape.s)
     out: dict[str, list[int]] = {}
+    sizes = shape.vocab, shape.s, shape.h, shape.layers, shape.a
     for sp in (False, True):
         for policy in POLICIES:
-            config = _config(shape, sp, policy)
+            config = gpt_config(*sizes, policy, sequence_parallel=sp)
             key = f"{int(sp)}:{policy}"
             out[f"ours:{key}"] = _measure_ours(config, state, ids)
             out[f"dtensor:{key}"] = _measure_dtensor(config, mesh, ids, native=False)
             out[f"dtensor_native_dropout:{key}"] = _measure_dtensor(config, mesh, ids, native=True)
     for name, (policy, attention) in OURS_ONLY.items():
-        config = dataclasses.replace(_config(shape, True, policy), attention=attention)
+        config = gpt_config(*sizes, policy, sequence_parallel=True, attention=attention)
         if attention == "sdpa":  # the fused kernel: on CPU, dropout would leave it
             config.attention_dropout = 0.0
         out[f"ours_only:{name}"] = _measure_ours(config, state, ids)

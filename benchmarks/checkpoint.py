@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks._fit import gpt_config
 from benchmarks._format import arguments, ci, save, table
 from benchmarks._stats import interleaved, ratio_of_medians_ci
-from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp import GPT, ParallelState
 from lightning_sp.checkpoint import Checkpointer, Meta
-from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.optim.adamw import build_adamw
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.grads import finalize_grads
@@ -32,10 +32,7 @@ SCHEDULES = ("none", "async", "sync")
 
 
 def _rank(rank: int, world_size: int, rounds: int, every: int, folder: str) -> dict:
-    config = GPTConfig(vocab_size=257, seq_length=256, hidden_size=256, num_layers=4,
-                       num_heads=8, hidden_dropout=0.0, attention_dropout=0.0,
-                       sequence_parallel=True,
-                       recompute=RecomputePolicy.parse("selective"))  # fmt: skip
+    config = gpt_config(257, 256, 256, 4, 8, "selective", 0.0, sequence_parallel=True)
     state = ParallelState.from_process_group(2)
     model = GPT(config, state)
     optimizer = build_adamw(model, 1e-4, 0.1, (0.9, 0.95), 1e-8)

@@ -22,10 +22,10 @@ import statistics
 
 import torch
 
+from benchmarks._fit import gpt_config
 from benchmarks._format import arguments, ci, fixed, save, table
 from benchmarks._stats import interleaved, ratio_of_medians_ci
-from lightning_sp import GPT, GPTConfig, ParallelState
-from lightning_sp.model.recompute import NO_RECOMPUTE
+from lightning_sp import GPT, ParallelState
 from lightning_sp.parallel.context import shard_for_context_parallel
 from lightning_sp.parallel.grads import average_data_parallel_grads, sum_context_parallel_grads
 from lightning_sp.testing.spawn import run_distributed
@@ -33,16 +33,8 @@ from lightning_sp.testing.spawn import run_distributed
 LAYOUTS = ("c1", "c2")
 
 
-def _config(seq_length: int, hidden: int) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=257, seq_length=seq_length, hidden_size=hidden, num_layers=4,
-        num_heads=8, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=False,
-        recompute=NO_RECOMPUTE, attention="math",
-    )  # fmt: skip
-
-
 def _rank(rank: int, world_size: int, rounds: int, seq_length: int, hidden: int) -> dict:
-    config = _config(seq_length, hidden)
+    config = gpt_config(257, seq_length, hidden, 4, 8, dropout=0.0, attention="math")
     states = {
         "c1": ParallelState.from_process_group(),
         "c2": ParallelState.from_process_group(context_parallel_size=world_size),

@@ -35,7 +35,7 @@ import lightning as L
 import numpy as np
 from lightning.pytorch.callbacks import Callback
 
-from benchmarks._format import fixed, parser, save, table
+from benchmarks._format import arguments, fixed, save, table
 from lightning_sp import GPTConfig, GPTModule, MegatronSPStrategy, OptimizerConfig
 from lightning_sp.data import (
     PrepareSettings,
@@ -188,13 +188,9 @@ def prepare_throughput(work: Path, documents: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parse = parser(__doc__, smoke="tiny sizes; numbers mean nothing")
-    parse.add_argument("--large-tokens", type=float, default=1e9)
-    parse.add_argument("--small-tokens", type=float, default=1e6)
-    parse.add_argument("--documents", type=int, default=300, help="prepare: stdlib files")
-    args = parse.parse_args(argv)
-    if args.smoke:
-        args.large_tokens, args.small_tokens, args.documents = 2e5, 1e5, 20
+    documents = (300, 20, "prepare: stdlib files")
+    args = arguments(__doc__, argv, "tiny sizes; numbers mean nothing", large_tokens=(1e9, 2e5),
+                     small_tokens=(1e6, 1e5), documents=documents)  # fmt: skip
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
         s = startup(Path(tmp) / "s", int(args.small_tokens), int(args.large_tokens))

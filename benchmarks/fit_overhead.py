@@ -65,13 +65,12 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from benchmarks import _cpu, _format
-from benchmarks._fit import Shape, fit_argv, plain_step, profile_parts
+from benchmarks._fit import Shape, batch, fit_argv, plain_step, profile_parts, train_step
 from benchmarks._format import ci, table
-from benchmarks._stats import interleaved, median_ci, ratio_ci
+from benchmarks._stats import device_sync, interleaved, ratio_ci
 from lightning_sp.data import TextDataModule
 from lightning_sp.model.compile import CompileOptions, compile_layers
 from lightning_sp.model.gpt import GPT
-from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.testing.host_reads import HostReads
 from lightning_sp.training.gpt_module import GPTModule
@@ -101,6 +100,7 @@ class FitShape(Shape):
 
 
 FULL = FitShape()
+CPU = torch.device("cpu")
 SMOKE = FitShape(s=32, b=2, h=32, layers=1, heads=2, warmup=2, rounds=4, profiled_steps=2)
 
 
@@ -117,9 +117,10 @@ class Rounds(Callback):
     reads, then profiles (see the module docstring)."""
 
     def __init__(
-        self, shape: FitShape, bare: Callable[[Any], None], fwd_bwd: Callable[[Any], None]
-    ):
-        self.shape = shape
+        self, shape: FitShape, bare: Callable[[Any], None], fwd_bwd: Callable[[Any], None],
+        sync: Callable[[], None],
+    ):  # fmt: skip
+        self.shape, self.sync = shape, sync
         self.bare, self.fwd_bwd = bare, fwd_bwd
         self.fit: list[float] = []
         self.bare_seconds: list[float] = []
@@ -148,6 +149,7 @@ class Rounds(Callback):
     def _close(self) -> None:
         """End whatever the previous fit step was measured by."""
         if self._mark is not None:
+            self.sync()
             now = _cpu.sample()
             self.fit.append(now[0] - self._mark[0])
             self.foreign.append(_cpu.foreign_share(self._mark, now))
@@ -173,8 +175,10 @@ class Rounds(Callback):
                 (self.bare, self.bare_seconds),
                 (self.fwd_bwd, self.fwd_bwd_seconds),
             ):
+                self.sync()
                 start = time.perf_counter()
                 fn(batch)
+                self.sync()
                 seconds.append(time.perf_counter() - start)
             self._mark = _cpu.sample()
         elif phase == "counted":
@@ -194,24 +198,27 @@ class Rounds(Callback):
         self._close()
 
 
-def measure(shape: FitShape) -> dict[str, Any]:
-    """Run the fit with :class:`Rounds` inside it; everything measured."""
+def measure(
+    shape: FitShape, device: torch.device = CPU, precision: str = "32-true", dropout: float = 0.0
+) -> dict[str, Any]:
+    """Run the fit on ``device`` (one CPU rank, or one GPU: :mod:`benchmarks.gpu`'s ``fit``
+    section) with :class:`Rounds` inside it; everything measured."""
     from lightning_sp.cli.fit import GPTCLI
 
     total = shape.warmup + shape.rounds + shape.counted_steps + shape.profiled_steps
-    config = shape.config(recompute=RecomputePolicy.parse(shape.recompute), hidden_dropout=0.0,
-                          attention_dropout=0.0)  # fmt: skip
-    cpu, fp32 = torch.device("cpu"), torch.float32  # each its own copy of the seeded model
-    bare = plain_step(config, total, cpu, fp32)
-    fwd_bwd = plain_step(config, total, cpu, fp32, optimizer_step=False)
-    args = fit_argv(shape, shape.recompute, 0.0, "cpu", "32-true", total)
+    config = shape.config(shape.recompute, dropout)
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
+    bare = plain_step(config, total, device, dtype)  # each its own copy of the seeded model
+    fwd_bwd = plain_step(config, total, device, dtype, optimizer_step=False)
+    accelerator = "gpu" if device.type == "cuda" else "cpu"
+    args = fit_argv(shape, shape.recompute, dropout, accelerator, precision, total)
     args += [f"--data.max_documents={shape.max_documents}", "--trainer.gradient_clip_val=1.0"]
     cwd = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:  # the CLI's logs go here
         os.chdir(tmp)
         try:
             cli = GPTCLI(GPTModule, TextDataModule, args=args, run=False)
-            rounds = Rounds(shape, bare, fwd_bwd)
+            rounds = Rounds(shape, bare, fwd_bwd, device_sync(device))
             cli.trainer.callbacks.insert(0, rounds)  # type: ignore[attr-defined]
             started = time.perf_counter()
             cli.trainer.fit(cli.model, cli.datamodule)
@@ -232,9 +239,9 @@ def measure(shape: FitShape) -> dict[str, Any]:
         "bare_seconds": bare_s,
         "fwd_bwd_seconds": fb,
         "foreign_share": rounds.foreign[:n],
-        "fit_over_bare": median_ci([f / b for f, b in zip(fit, bare_s, strict=True)]),
-        "bare_over_fwd_bwd": median_ci([b / f for b, f in zip(bare_s, fb, strict=True)]),
-        "fit_over_fwd_bwd": median_ci([f / g for f, g in zip(fit, fb, strict=True)]),
+        "fit_over_bare": ratio_ci(fit, bare_s),
+        "bare_over_fwd_bwd": ratio_ci(bare_s, fb),
+        "fit_over_fwd_bwd": ratio_ci(fit, fb),
         "median_seconds": {
             "fit": statistics.median(fit),
             "bare": statistics.median(bare_s),
@@ -320,22 +327,16 @@ COMPILE_SMOKE = CompileShape(s=32, h=32, layers=1, heads=2, b=2, policies=("none
 
 def compile_case(shape: CompileShape, recompute: str, dropout: float) -> dict[str, Any]:
     """One (policy, dropout): the compiled model's first step, then interleaved rounds."""
-    config = shape.config(recompute=RecomputePolicy.parse(recompute), hidden_dropout=dropout,
-                          attention_dropout=dropout)  # fmt: skip
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, shape.vocab, (shape.b, shape.s + 1), generator=generator)
-    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    config = shape.config(recompute, dropout)
+    ids, labels = batch(shape.vocab, shape.b, shape.s)
     models = {name: GPT(config, ParallelState.single()) for name in ("eager", "compiled")}
     compile_layers(models["compiled"].layers, CompileOptions())
-
-    def step(model: GPT) -> None:
-        model(ids, labels).backward()
-        model.zero_grad(set_to_none=True)
-
     first = time.perf_counter()
-    step(models["compiled"])  # compiles forward and backward
+    train_step(models["compiled"], ids, labels)  # compiles forward and backward
     first = time.perf_counter() - first
-    steps = {name: functools.partial(step, model) for name, model in models.items()}
+    steps = {
+        name: functools.partial(train_step, model, ids, labels) for name, model in models.items()
+    }
     interleaved(steps, 0, shape.warmup)
     before = _cpu.sample()
     times = interleaved(steps, 0, shape.rounds)

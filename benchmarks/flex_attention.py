@@ -15,7 +15,6 @@ Writes ``flex_attention.json`` and ``flex_attention.md`` (``--out``, ``--smoke``
 from __future__ import annotations
 
 import statistics
-import time
 import warnings
 from collections.abc import Callable
 
@@ -23,7 +22,7 @@ import torch
 from torch import Tensor
 
 from benchmarks._format import arguments, save, table
-from benchmarks._stats import median_ci
+from benchmarks._stats import interleaved, ratio_ci
 from benchmarks.documents import documents_of
 from lightning_sp.model.cores import attention_core, sdpa_core
 
@@ -58,26 +57,11 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
         # timed first: dynamo caches per code object, and the failed compilations below
         # (float64, backward) would spend its recompilation limit and leave it eager
-        def seconds(run: Callable[[Tensor, Tensor, Tensor], Tensor]) -> float:
-            inputs = qkv(torch.float32)
-            start = time.perf_counter()
-            run(*inputs)
-            return time.perf_counter() - start
-
         compiled = torch.compile(flex_attention)
-
-        def run_flex(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return flex(compiled, q, k, v)
-
-        def run_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return sdpa_core(q, k, v, 0.0, generator, False, documents)
-
-        for _ in range(3):  # warm-up (compilation)
-            seconds(run_flex), seconds(run_sdpa)
-        flex_s, sdpa_s = [], []
-        for _ in range(args.rounds):
-            flex_s.append(seconds(run_flex))
-            sdpa_s.append(seconds(run_sdpa))
+        q, k, v = qkv(torch.float32)
+        steps = {"flex": lambda: flex(compiled, q, k, v),
+                 "sdpa": lambda: sdpa_core(q, k, v, 0.0, generator, False, documents)}  # fmt: skip
+        times = interleaved(steps, 3, args.rounds)  # 3 warm-up rounds (compilation)
         for dtype in (torch.float64, torch.float32):
             q, k, v = qkv(dtype)
             reference = attention_core(q, k, v, 0.0, generator, False, documents)
@@ -97,10 +81,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         except Exception as exc:
             result["backward"] = _first_line(exc)
 
-    ratio = median_ci([f / p for f, p in zip(flex_s, sdpa_s, strict=True)])
+    ratio = ratio_ci(times["flex"], times["sdpa"])
     result["flex_over_sdpa_forward"] = [round(x, 3) for x in ratio]
-    result["flex_ms"] = round(1e3 * statistics.median(flex_s), 1)
-    result["sdpa_per_document_ms"] = round(1e3 * statistics.median(sdpa_s), 1)
+    result["flex_ms"] = round(1e3 * statistics.median(times["flex"]), 1)
+    result["sdpa_per_document_ms"] = round(1e3 * statistics.median(times["sdpa"]), 1)
     rows = [[key, value] for key, value in result.items()]
     save(args, argv, "flex_attention", result, table(["measure", "value"], rows), seq=args.seq)
     return result

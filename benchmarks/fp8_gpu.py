@@ -31,8 +31,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from benchmarks._format import ci, table
-from benchmarks._stats import interleaved, ratio_ci
+from benchmarks._fit import layer_step
+from benchmarks._format import PLUMBING, ci, device_name, table
+from benchmarks._stats import device_sync, interleaved, ratio_ci
 from lightning_sp.parallel.fp8 import (
     RECIPES,
     FP8Config,
@@ -88,36 +89,28 @@ def _variants(shape: MLPShape, device: torch.device, emulate: bool) -> dict[str,
     return variants
 
 
-def _step(fn: Any, x: Tensor, grad: Tensor) -> Tensor:
-    """Forward + backward of ``fn`` on a fresh leaf ``x``; the output."""
-    out = fn(x.detach().requires_grad_(True))
-    out.backward(grad)
-    return out.detach()
-
-
 def measure(shape: MLPShape, device: torch.device, compile_too: bool) -> dict[str, Any]:
     """Every variant checked against torchao's of its recipe, then timed in interleaved rounds."""
     emulate = device.type != "cuda"
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(shape.tokens, 1, shape.h, generator=generator).to(device, torch.bfloat16)
     grad = torch.randn(shape.tokens, 1, shape.h, generator=generator).to(device, torch.bfloat16)
-    steps: dict[str, Callable[[], Tensor]] = {}
+    steps: dict[str, Callable[[], tuple[Tensor, Tensor]]] = {}
     for name, model in _variants(shape, device, emulate).items():
         for compiled in (False, True) if compile_too else (False,):
-            fn = torch.compile(model) if compiled else model
+            fn: nn.Module = torch.compile(model) if compiled else model  # type: ignore[assignment]
             label = f"{name}{' compiled' if compiled else ''}"
-            steps[label] = functools.partial(_step, fn, x, grad)
-    outputs = {label: step() for label, step in steps.items()}  # compiles
+            steps[label] = functools.partial(layer_step, fn, x, grad)
+    outputs = {label: step()[0] for label, step in steps.items()}  # compiles
     agreement = {}
     for label, out in outputs.items():
         if label.startswith("ours"):
             ref = outputs[label.replace("ours", "torchao")].float()
             agreement[label] = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-    sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else None
-    seconds = interleaved(steps, shape.warmup, shape.rounds, sync or (lambda: None))
+    seconds = interleaved(steps, shape.warmup, shape.rounds, device_sync(device))
     flops = 3 * 2 * 2 * shape.tokens * shape.h * shape.f  # two GEMMs, forward + 2 backward
     return {
-        "device_name": torch.cuda.get_device_name(device) if sync else "CPU (emulated)",
+        "device_name": device_name(device, "CPU (emulated)"),
         "shape": dataclasses.asdict(shape),
         "rows": [
             {
@@ -141,11 +134,10 @@ def markdown(found: dict[str, Any]) -> str:
         rows.append([r["variant"], *cells, "" if diff is None else f"{diff:.1e}"])
     header = ["variant", "ms", "TFLOP/s", "/ bf16 eager (95% CI)", "vs torchao (max rel)"]
     name, s = found["device_name"], found["shape"]
-    emulated = "emulated" in name
-    note = "**Plumbing check on CPU: the numbers mean nothing.**\n\n" if emulated else ""
     return (
-        f"{note}FP8 MLP forward + backward on {name}: {s['tokens']} tokens, h={s['h']}, "
-        f"f={s['f']}, bf16, {s['rounds']} interleaved rounds.\n\n" + table(header, rows)
+        f"{PLUMBING if 'emulated' in name else ''}FP8 MLP forward + backward on {name}: "
+        f"{s['tokens']} tokens, h={s['h']}, f={s['f']}, bf16, {s['rounds']} interleaved rounds.\n\n"
+        + table(header, rows)
     )
 
 

@@ -13,14 +13,15 @@ positions, so the ratio grows with the generated length.
 from __future__ import annotations
 
 import dataclasses
-import time
+import functools
 from typing import Any
 
 import torch
 
+from benchmarks._fit import gpt_config
 from benchmarks._format import ci, fixed, parser, save, table
-from benchmarks._stats import median_ci, ratio_of_medians_ci
-from lightning_sp import GPT, GPTConfig, ParallelState
+from benchmarks._stats import interleaved, median_ci, ratio_of_medians_ci
+from lightning_sp import GPT, ParallelState
 from lightning_sp.model.generate import GenerationConfig, generate
 
 
@@ -42,33 +43,25 @@ SMOKE = GenerateShape(hidden_size=32, num_layers=2, num_heads=4, prompt_tokens=8
                       new_tokens=16, repeats=2)  # fmt: skip
 
 
-def _tokens_per_second(
-    model: GPT, prompt: list[int], config: GenerationConfig
-) -> tuple[float, list[int]]:
-    start = time.perf_counter()
-    tokens = generate(model, prompt, config)
-    return len(tokens) / (time.perf_counter() - start), tokens
-
-
 def measure(shape: GenerateShape) -> dict[str, Any]:
     """tokens/s of each mode (every sample), and the cached / uncached ratio."""
-    config = GPTConfig(vocab_size=257, seq_length=shape.prompt_tokens + shape.new_tokens,
-                       hidden_size=shape.hidden_size, num_layers=shape.num_layers,
-                       num_heads=shape.num_heads, hidden_dropout=0.0, attention_dropout=0.0,
-                       init_std=0.5)  # fmt: skip
+    s = shape.prompt_tokens + shape.new_tokens
+    config = gpt_config(257, s, shape.hidden_size, shape.num_layers, shape.num_heads,
+                        "selective", 0.0, init_std=0.5)  # fmt: skip
     model = GPT(config, ParallelState.single(), dtype=torch.float32)
     prompt = torch.randint(
         0, 256, (shape.prompt_tokens,), generator=torch.Generator().manual_seed(0)
     )
-    greedy = {"cache": True, "no_cache": False}
-    rates: dict[str, list[float]] = {mode: [] for mode in greedy}
     outputs: dict[str, list[int]] = {}
-    for _ in range(shape.repeats):
-        for mode, use_cache in greedy.items():
-            settings = GenerationConfig(max_new_tokens=shape.new_tokens, temperature=0.0,
-                                        use_cache=use_cache)  # fmt: skip
-            rate, outputs[mode] = _tokens_per_second(model, prompt.tolist(), settings)
-            rates[mode].append(rate)
+
+    def run(mode: str) -> None:
+        settings = GenerationConfig(max_new_tokens=shape.new_tokens, temperature=0.0,
+                                    use_cache=mode == "cache")  # fmt: skip
+        outputs[mode] = generate(model, prompt.tolist(), settings)
+
+    steps = {mode: functools.partial(run, mode) for mode in ("cache", "no_cache")}
+    seconds = interleaved(steps, 0, shape.repeats)
+    rates = {mode: [len(outputs[mode]) / t for t in values] for mode, values in seconds.items()}
     if outputs["cache"] != outputs["no_cache"]:
         raise AssertionError("the cached and uncached greedy tokens differ")
     ratio, low, high = ratio_of_medians_ci(rates["cache"], rates["no_cache"])

@@ -4,14 +4,16 @@ On one CUDA device (default GPT: the issue's shape, s=2048 h=2048 L=24 a=16 v=51
 
 * ``models``: forward + backward of our ``GPT`` (t=1) per attention backend x recompute policy,
   eager, and compiled per layer (``torch.compile``) without recomputation; of the same GPT in
-  plain PyTorch (:class:`benchmarks.dtensor_gpt.DTensorGPT`, not parallelised) with SDPA, eager
-  and compiled, and with the math core. Each: tokens/s, MFU against the bf16 GEMM rate measured
-  in the run (8192² matmuls), peak memory and bytes held per layer (saved-tensor hooks, beside
-  the ActivationMemoryMonitor's formula); ``warmup`` steps, then ``steps`` between two syncs.
+  plain PyTorch (:class:`lightning_sp.testing.dtensor_gpt.DTensorGPT`, not parallelised) with
+  SDPA, eager and compiled, and with the math core. Each: tokens/s, MFU against the bf16 GEMM
+  rate measured in the run (8192² matmuls), peak memory and bytes held per layer (saved-tensor
+  hooks, beside the ActivationMemoryMonitor's formula); ``warmup`` steps, then ``steps``
+  between two syncs.
 * ``fit``: ``cli.py fit``'s path (the CLI's parser and defaults, ``Trainer``, ``megatron_sp``,
   ``bf16-true``, the monitors, the progress bar) against a plain loop over the same
   ``GPTModule`` (forward, backward, AdamW, schedule) on the same batches, ``recompute:
-  selective``; each timed from the start of step ``warmup`` to the end of the last.
+  selective``: :func:`benchmarks.fit_overhead.measure` on the device, ``steps`` interleaved
+  rounds after ``warmup`` fit steps, each step between two device synchronisations.
 * ``moe``: :func:`benchmarks.moe.measure_on`, the MoE layer beside a dense SwiGLU and
   transformers' block in ``--dtype`` at h=2048, E=8, f_e=4096, top-2, 16,384 tokens.
 * ``fp8`` (only when named; ``python -m benchmarks.fp8_gpu`` is the same):
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import sys
 from collections.abc import Callable
@@ -35,23 +38,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks import dtensor_gpt, fp8_gpu, moe
-from benchmarks._fit import Shape, fit_section, seconds_per_step
-from benchmarks._format import add_only, add_out_argument, command, out_dir, stamp, table, write
+from benchmarks import _fit, _format, fit_overhead, fp8_gpu, moe
+from benchmarks._fit import FULL, Shape
+from benchmarks._format import ci, command, device_name, out_dir, stamp, table, write
+from benchmarks.fit_overhead import FitShape
 from lightning_sp.callbacks.memory import ActivationMemoryMonitor
 from lightning_sp.memory.flops import measure_peak_flops, model_flops_per_iteration
-from lightning_sp.memory.saved import SavedTensorTracker
 from lightning_sp.model.config import RECOMPUTE_POLICIES, GPTConfig
 from lightning_sp.model.cores import ATTENTION_BACKENDS
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.state import ParallelState
+from lightning_sp.testing import dtensor_gpt
 
 SECTIONS = ("models", "fit", "moe", "fp8")
 DEFAULT_SECTIONS = SECTIONS[:3]
 """``fp8`` (:mod:`benchmarks.fp8_gpu`, needs torchao) runs only when named."""
 
 
-FULL = Shape(s=2048, h=2048, layers=24, heads=16, vocab=51200, b=4)
 SMOKE = Shape(s=128, h=128, layers=2, heads=4, vocab=512, b=2)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -67,21 +70,11 @@ def measure_model(
 ) -> dict[str, Any]:  # fmt: skip
     """Tokens/s, MFU, peak memory and bytes per layer of forward + backward of ``model``."""
     device = torch.device(args.device)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, shape.vocab, (shape.b, shape.s + 1), generator=generator)
-    ids, labels = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    ids, labels = _fit.batch(shape.vocab, shape.b, shape.s, device)
     model.train()
-
-    def step() -> None:
-        model(ids, labels).backward()
-        model.zero_grad(set_to_none=True)
-
     result: dict[str, Any] = {}
     if held_bytes:  # before any compiled call: saved-tensor hooks see the eager layers
-        with SavedTensorTracker.for_model(model) as tracker:
-            loss = model(ids, labels)
-        del loss
-        per_layer = [tracker.report.bytes_of(f"layers.{i}") for i in range(shape.layers)]
+        per_layer = _fit.held_per_layer(model, ids, labels)[0]
         sbh = shape.s * shape.b * shape.h
         result["held_sbh_per_layer"] = statistics.mean(per_layer) / sbh
         if formula is not None:
@@ -89,7 +82,8 @@ def measure_model(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        seconds = seconds_per_step(step, device, args.warmup, args.steps)
+        step = functools.partial(_fit.train_step, model, ids, labels)
+        seconds = _fit.seconds_per_step(step, device, args.warmup, args.steps)
     except Exception as error:  # a variant that cannot run here is reported, not fatal
         return {**result, "error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
     flops = model_flops_per_iteration(config, shape.b)
@@ -125,8 +119,7 @@ def models_section(shape: Shape, args: argparse.Namespace, peak: float) -> list[
         cases += [("plain PyTorch", "math", "none", False)]
     rows: list[dict[str, Any]] = []
     for name, attention, policy, compiled in cases:
-        dropout = {"hidden_dropout": args.dropout, "attention_dropout": args.dropout}
-        config = shape.config(recompute=policy, attention=attention, **dropout)
+        config = shape.config(policy, args.dropout, attention=attention)
         torch.manual_seed(0)
         model: nn.Module
         if name == "lightning-sp":
@@ -146,6 +139,20 @@ def models_section(shape: Shape, args: argparse.Namespace, peak: float) -> list[
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def fit_section(shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`benchmarks.fit_overhead.measure` on the device, ``bf16-true``, ``selective``: the
+    tokens/s of ``cli.py fit`` and of the plain loop (medians over interleaved rounds), and the
+    ratio of the two."""
+    fit = FitShape(**dataclasses.asdict(shape), warmup=args.warmup, rounds=args.steps,
+                   counted_steps=1, profiled_steps=1)  # fmt: skip
+    measured = fit_overhead.measure(fit, torch.device(args.device), "bf16-true", args.dropout)
+    seconds = measured["median_seconds"]
+    tokens = shape.b * shape.s
+    return {"recompute": fit.recompute, "fit_tokens_per_sec": tokens / seconds["fit"],
+            "loop_tokens_per_sec": tokens / seconds["bare"],
+            "ratio": seconds["bare"] / seconds["fit"], "measured": measured}  # fmt: skip
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -179,8 +186,7 @@ def _markdown(result: dict[str, Any]) -> str:
     meta = result["meta"]
     lines = ["## One GPU: lightning-sp vs plain PyTorch, and the Trainer path\n"]
     if meta["device"] != "cuda":
-        lines.append("**Plumbing check on CPU (`--device cpu`), not a GPU measurement: the numbers "
-                     "below mean nothing.**\n")  # fmt: skip
+        lines.append(_format.PLUMBING)
     shape = " ".join(f"{k}={v}" for k, v in meta["shape"].items())
     lines.append(
         f"{meta['device_name']}, torch {meta['torch']}; GPT {shape}, bf16, dropout "
@@ -207,34 +213,28 @@ def _markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"\n`cli.py fit` ({fit['recompute']}): {fit['fit_tokens_per_sec']:,.0f} tokens/s; "
             f"a plain loop over the same GPTModule: {fit['loop_tokens_per_sec']:,.0f} tokens/s; "
-            f"ratio {fit['ratio']:.3f} (goal >= 0.95)."
+            f"ratio {fit['ratio']:.3f} (goal >= 0.95; fit / loop step time, median of the rounds' "
+            f"ratios: {ci(fit['measured']['fit_over_bare'])})."
         )
     return "\n".join(lines + [f"- {goal}" for goal in result.get("goals", [])]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__)
+    parser = _format.parser(__doc__, "tiny shapes (seconds)")
     add = parser.add_argument
-    add("--smoke", action="store_true", help="tiny shapes (seconds)")
-    add("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a plumbing check (--smoke)")
-    add_out_argument(parser)
-    add_only(parser, SECTIONS, DEFAULT_SECTIONS)
+    _format.add_device(parser)
+    _format.add_only(parser, SECTIONS, DEFAULT_SECTIONS)
     add("--warmup", type=int, default=None, help="untimed steps (3; smoke 1)")
     add("--steps", type=int, default=None, help="timed steps (10; smoke 2)")
     add("--dropout", type=float, default=0.1, help="hidden and attention")
     add("--no-compile", dest="compile", action="store_false", help="skip torch.compile variants")
-    add("--backends", type=_names, default=attention_backends(), help="of our GPT (default: all)")
-    add("--policies", type=_names, default=RECOMPUTE_POLICIES, help="of our GPT (default: all)")
+    _format.add_only(parser, attention_backends(), attention_backends(), "backends")
+    _format.add_only(parser, RECOMPUTE_POLICIES, RECOMPUTE_POLICIES, "policies")
     add("--no-plain", dest="plain", action="store_false", help="skip the plain PyTorch GPTs")
     add("--dtype", default="bf16", choices=sorted(DTYPES), help="of the MoE layers")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: benchmarks.gpu needs a CUDA device and torch.cuda.is_available() is False "
-              "(for a CPU plumbing check: --device cpu --smoke)", file=sys.stderr)  # fmt: skip
-        return 2
-    if args.device == "cpu" and not args.smoke:
-        print("error: --device cpu is a plumbing check only; add --smoke", file=sys.stderr)
+    if _format.refused(args, "gpu"):
         return 2
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
     args.steps = args.steps if args.steps is not None else (2 if args.smoke else 10)
@@ -244,9 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     if "models" in args.only or "fit" in args.only:
         peak = measure_peak_flops(torch.bfloat16, device, size=256 if args.smoke else 8192)
         print(f"bf16 GEMM rate: {peak / 1e12:.1f} TFLOP/s", flush=True)
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         result: dict[str, Any] = {"meta": {
-            **meta, "device": device.type, "device_name": name, "torch": torch.__version__,
+            **meta, "device": device.type, "device_name": device_name(device),
+            "torch": torch.__version__,
             "shape": dataclasses.asdict(shape), "smoke": args.smoke, "dropout": args.dropout,
             "warmup": args.warmup, "steps": args.steps, "gemm_tflops": peak / 1e12,
             "backends": attention_backends(),
@@ -267,10 +267,6 @@ def main(argv: list[str] | None = None) -> int:
         write(out, "fp8_gpu", {"meta": {**meta, **stamp(), "smoke": args.smoke}, **found},
               fp8_gpu.markdown(found))  # fmt: skip
     return 0
-
-
-def _names(value: str) -> list[str]:
-    return value.split(",")
 
 
 if __name__ == "__main__":

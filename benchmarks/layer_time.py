@@ -40,11 +40,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from benchmarks import _cpu, dtensor_gpt
+from benchmarks import _cpu
+from benchmarks._fit import gpt_config
 from benchmarks._format import ci, fixed, pct_ci, table
 from benchmarks._stats import interleaved, median_ci
 from lightning_sp import GPT, GPTConfig, ParallelState
-from lightning_sp.model.recompute import RecomputePolicy
+from lightning_sp.testing import dtensor_gpt
 from lightning_sp.testing.spawn import run_distributed
 
 POLICIES = ("none", "selective", "full")
@@ -86,12 +87,10 @@ SMOKE = LayerShape(s=64, b=1, h=64, a=4, warmup=1, repeats=1, max_tries=1, atten
 def layer_config(
     shape: LayerShape, sp: bool, policy: str, attention: str = "math", s: int | None = None
 ) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=128 * shape.t, seq_length=s or shape.s, hidden_size=shape.h, num_layers=1,
-        num_heads=shape.a, hidden_dropout=0.1,
-        attention_dropout=0.1 if s is None else 0.0, sequence_parallel=sp,
-        recompute=RecomputePolicy.parse(policy), attention=attention,
-    )  # fmt: skip
+    """One layer; with ``s`` (the attention comparison) no attention dropout."""
+    config = gpt_config(128 * shape.t, s or shape.s, shape.h, 1, shape.a, policy,
+                        sequence_parallel=sp, attention=attention)  # fmt: skip
+    return config if s is None else dataclasses.replace(config, attention_dropout=0.0)
 
 
 def _build(impl: str, config: GPTConfig, state: ParallelState, mesh: Any) -> nn.Module:
@@ -135,21 +134,23 @@ def _worker(rank: int, world_size: int, shape: LayerShape) -> dict[str, Any]:
     state = ParallelState.from_process_group(tensor_parallel_size=t)
     mesh = init_device_mesh("cpu", (t,))
     generator = torch.Generator().manual_seed(1 + rank)
+
+    def built(impl: str, config: GPTConfig, rows: int) -> tuple[nn.Module, Tensor, Tensor]:
+        """The layer, its input ``[rows, b, h]`` and the output gradient."""
+        x = torch.randn(rows, shape.b, shape.h, generator=generator).requires_grad_()
+        grad = torch.randn(rows, shape.b, shape.h, generator=generator)
+        return _build(impl, config, state, mesh), x, grad
+
     cases: dict[str, tuple[nn.Module, Tensor, Tensor]] = {}
     for sp in (False, True):
         for policy in POLICIES:
             for impl in IMPLEMENTATIONS:  # ours and DTensor back to back: a paired comparison
-                config = layer_config(shape, sp, policy)
                 rows = shape.s // t if sp else shape.s
-                x = torch.randn(rows, shape.b, shape.h, generator=generator).requires_grad_()
-                grad = torch.randn(rows, shape.b, shape.h, generator=generator)
-                cases[_key(impl, sp, policy)] = (_build(impl, config, state, mesh), x, grad)
+                cases[_key(impl, sp, policy)] = built(impl, layer_config(shape, sp, policy), rows)
     for name, (policy, attention, long) in EXTRA_CASES.items():
         s = shape.attention_s if long else shape.s
         config = layer_config(shape, True, policy, attention, s if long else None)
-        x = torch.randn(s // t, shape.b, shape.h, generator=generator).requires_grad_()
-        grad = torch.randn(s // t, shape.b, shape.h, generator=generator)
-        cases[f"extra:{name}"] = (_build("ours", config, state, mesh), x, grad)
+        cases[f"extra:{name}"] = built("ours", config, s // t)
     for _ in range(shape.warmup):
         for case in cases.values():
             _iteration(*case)

@@ -28,18 +28,18 @@ resident set before the model was built (the import's).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing
-import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks import _cpu
+from benchmarks._fit import batch
 from benchmarks._format import ci, fixed, parser, save, stamp, table
-from benchmarks._stats import median_ci
+from benchmarks._stats import clean_rounds, interleaved, medians, ratios_over
 from lightning_sp.interop.hf import load_hf_weights, read_hf_config
 from lightning_sp.interop.hf_types import model_type_for
 from lightning_sp.interop.peft import hf_modules, peft_name
@@ -162,22 +162,6 @@ def build(shape: LoRAShape, base: Path, variant: str) -> tuple[Any, torch.optim.
     return ours, optimizer, our_step
 
 
-def batch(shape: LoRAShape) -> tuple[torch.Tensor, torch.Tensor]:
-    """A seeded batch ``[b, s]`` of ids and its next-token labels."""
-    generator = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, shape.vocab_size, (shape.batch, shape.seq_length + 1),
-                        generator=generator)  # fmt: skip
-    return ids[:, :-1], ids[:, 1:]
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
 def _peak_memory(shape: LoRAShape, base: str, variant: str, queue: Any) -> None:
     """In a fresh process: ``memory_steps`` steps of ``variant``; puts ``(peak RSS, peak less
     the RSS before building)`` in MiB on ``queue``."""
@@ -185,12 +169,12 @@ def _peak_memory(shape: LoRAShape, base: str, variant: str, queue: Any) -> None:
     import peft  # noqa: F401  (imported before the baseline, as transformers by the reader)
     import transformers  # noqa: F401
 
-    before = _rss_kib("VmRSS")
+    before = _cpu.rss_kib("VmRSS")
     _, _, step = build(shape, Path(base), variant)
-    ids, labels = batch(shape)
+    ids, labels = batch(shape.vocab_size, shape.batch, shape.seq_length, seed=2)
     for _ in range(shape.memory_steps):
         step(ids, labels)
-    peak = _rss_kib("VmHWM")
+    peak = _cpu.rss_kib("VmHWM")
     queue.put((peak / 1024, (peak - before) / 1024))
 
 
@@ -215,43 +199,23 @@ def measure(shape: LoRAShape) -> dict[str, Any]:
         base = Path(tmp) / "base"
         save_base(shape, base)
         steps = {v: build(shape, base, v)[2] for v in VARIANTS}
-        ids, labels = batch(shape)
+        ids, labels = batch(shape.vocab_size, shape.batch, shape.seq_length, seed=2)
         first = {v: steps[v](ids, labels).item() for v in ("lora", "peft")}
         error = abs(first["lora"] - first["peft"]) / abs(first["peft"])
         assert error <= LOSS_RTOL, f"lora and peft disagree: losses {first} ({error:.2e})"
-        seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
         shares: list[float] = []
-        for r in range(shape.warmup + shape.rounds):
-            before = _cpu.sample()
-            times = {}
-            for variant in VARIANTS[r % 3 :] + VARIANTS[: r % 3]:
-                start = time.perf_counter()
-                steps[variant](ids, labels)
-                times[variant] = time.perf_counter() - start
-            if r >= shape.warmup:
-                shares.append(_cpu.foreign_share(before, _cpu.sample()))
-                for variant, value in times.items():
-                    seconds[variant].append(value)
-        del steps
+        steps_ = {v: functools.partial(steps[v], ids, labels) for v in VARIANTS}
+        seconds = interleaved(steps_, shape.warmup, shape.rounds, rotate=True, shares=shares)
+        del steps, steps_
         memory = peak_memory(shape, base)
-    clean = [i for i, share in enumerate(shares) if share < _cpu.CLEAN_SHARE]
-    used = clean if 2 * len(clean) >= len(shares) else list(range(len(shares)))
+    used, rounds = clean_rounds(shares)
     return {
         "shape": dataclasses.asdict(shape),
         "threads": torch.get_num_threads(),
         "loss_relative_error_vs_peft": error,
-        "rounds_used": len(used),
-        "clean": len(used) == len(clean),
-        "other_processes_share": shares,
-        "ms_per_step": {
-            v: 1e3 * statistics.median([s[i] for i in used]) for v, s in seconds.items()
-        },
-        "ratios": {
-            f"lora_over_{other}": list(
-                median_ci([seconds["lora"][i] / seconds[other][i] for i in used])
-            )
-            for other in ("full", "peft")
-        },
+        **rounds,
+        "ms_per_step": medians(seconds, used, 1e3),
+        "ratios": ratios_over(seconds, "lora", ("full", "peft"), used),
         "memory": memory,
         "samples": seconds,
     }

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,9 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from benchmarks import _cpu
+from benchmarks._fit import layer_step
 from benchmarks._format import ci, fixed, parser, save, table
-from benchmarks._stats import interleaved, median_ci
+from benchmarks._stats import clean_rounds, device_sync, interleaved, medians, ratios_over
 from lightning_sp import GPTConfig, ParallelState
 from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.model.moe.layer import MoE
@@ -50,6 +49,7 @@ from lightning_sp.model.parts.dense import MLP
 from lightning_sp.parallel.init import initialize_parameter
 
 IMPLEMENTATIONS = ("moe", "dense", "hf", "hf_eager")
+OTHERS = IMPLEMENTATIONS[1:]
 RTOL, ATOL = 1e-4, 1e-5
 """fp32 agreement of outputs and input gradients (sums of ``h`` or ``f_e`` products)."""
 
@@ -80,11 +80,6 @@ REL_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 """Relative Frobenius error allowed between our layer and transformers' in :func:`measure_on`."""
 
 
-def _initialise(module: nn.Module, seed: int) -> None:
-    for name, param in module.named_parameters():
-        initialize_parameter(param, name, seed)
-
-
 def build(shape: MoEShape) -> dict[str, nn.Module]:
     """The four layers, fp32: ours (seeded), the dense SwiGLU of width ``k·f_e`` (seeded), and
     transformers' block in both expert implementations holding ours' weights."""
@@ -101,7 +96,8 @@ def build(shape: MoEShape) -> dict[str, nn.Module]:
     moe = MoE(BuildContext.of(moe_config, single, dtype=torch.float32), config)
     moe.reset_parameters(0)
     dense = MLP(BuildContext.of(dense_config, single, dtype=torch.float32))
-    _initialise(dense, 0)
+    for name, param in dense.named_parameters():
+        initialize_parameter(param, name, 0)
     layers: dict[str, nn.Module] = {"moe": moe, "dense": dense}
     for name, implementation in (("hf", "grouped_mm"), ("hf_eager", "eager")):
         hf_config = transformers.MixtralConfig(
@@ -118,30 +114,16 @@ def build(shape: MoEShape) -> dict[str, nn.Module]:
     return layers
 
 
-def step(layer: nn.Module, x: Tensor, grad: Tensor, hf: bool) -> tuple[Tensor, Tensor]:
-    """Forward and backward of ``x`` ``[T, 1, h]``; ``(output, input gradient)`` in that
-    layout (transformers' block takes ``[b, s, h]``)."""
-    for param in layer.parameters():
-        param.grad = None
-    leaf = (x.transpose(0, 1) if hf else x).detach().requires_grad_()
-    out = layer(leaf)
-    out.backward(grad.transpose(0, 1) if hf else grad)
-    assert leaf.grad is not None
-    if hf:
-        return out.detach().transpose(0, 1), leaf.grad.transpose(0, 1)
-    return out.detach(), leaf.grad
-
-
 def check_agreement(
     layers: dict[str, nn.Module], x: Tensor, grad: Tensor, rel_tol: float | None = None
 ) -> dict[str, float]:
     """Our layer's output and input gradient against each transformers block's, on the timed
     input: their relative (Frobenius) errors, or AssertionError when they disagree: beyond fp32
     tolerance (``RTOL``, ``ATOL``), or with ``rel_tol`` a relative error at or above it."""
-    ours = step(layers["moe"], x, grad, hf=False)
+    ours = layer_step(layers["moe"], x, grad)
     errors = {}
     for name in ("hf", "hf_eager"):
-        theirs = step(layers[name], x, grad, hf=True)
+        theirs = layer_step(layers[name], x, grad, batch_first=True)
         for what, a, b in zip(("output", "input_grad"), ours, theirs, strict=True):
             error = ((a.float() - b.float()).norm() / b.float().norm()).item()
             errors[f"{name}_{what}"] = error
@@ -168,7 +150,7 @@ def time_rounds(
 
     def timed(name: str) -> None:
         start = time.process_time()
-        step(layers[name], x, grad, hf=name.startswith("hf"))
+        layer_step(layers[name], x, grad, name.startswith("hf"))
         cpu[name].append(time.process_time() - start)
 
     steps = {name: functools.partial(timed, name) for name in IMPLEMENTATIONS}
@@ -197,16 +179,13 @@ def measure(shape: MoEShape) -> dict[str, Any]:
     layers, x, grad = _inputs(shape, torch.device("cpu"), torch.float32)
     check_agreement(layers, x, grad)
     seconds, shares = time_rounds(layers, x, grad, shape)
-    clean = [i for i, share in enumerate(shares) if share < _cpu.CLEAN_SHARE]
-    used = clean if 2 * len(clean) >= len(shares) else list(range(len(shares)))
+    used, rounds = clean_rounds(shares)
     return {
         "shape": dataclasses.asdict(shape),
         "threads": torch.get_num_threads(),
-        "rounds_used": len(used),
-        "clean": len(used) == len(clean),
-        "other_processes_share": shares,
-        **{f"us_per_token_{c}": medians(seconds[c], used) for c in seconds},
-        **{f"ratios_{c}": ratios(seconds[c], used) for c in seconds},
+        **rounds,
+        **{f"us_per_token_{c}": medians(seconds[c], used, 1e6) for c in seconds},
+        **{f"ratios_{c}": ratios_over(seconds[c], "moe", OTHERS, used) for c in seconds},
         "samples": seconds,
         "targets": {"moe_over_dense": 1.3, "moe_over_hf": 1.0},
     }
@@ -219,8 +198,7 @@ def measure_on(shape: MoEShape, device: torch.device, dtype: torch.dtype) -> dic
     (medians) and our layer over each (median ratio, 95% CI)."""
     layers, x, grad = _inputs(shape, device, dtype)
     errors = check_agreement(layers, x, grad, REL_TOL[dtype])
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    seconds = time_rounds(layers, x, grad, shape, sync)[0]["wall"]
+    seconds = time_rounds(layers, x, grad, shape, device_sync(device))[0]["wall"]
     rounds = list(range(shape.rounds))
     return {
         "shape": dataclasses.asdict(shape),
@@ -228,22 +206,9 @@ def measure_on(shape: MoEShape, device: torch.device, dtype: torch.dtype) -> dic
         "dtype": str(dtype),
         "torch": torch.__version__,
         "relative_errors": errors,
-        "us_per_token": medians(seconds, rounds),
-        "ratios": ratios(seconds, rounds),
+        "us_per_token": medians(seconds, rounds, 1e6),
+        "ratios": ratios_over(seconds, "moe", OTHERS, rounds),
         "samples": seconds,
-    }
-
-
-def medians(seconds: dict[str, list[float]], used: list[int]) -> dict[str, float]:
-    """µs per token of each implementation: the median over the rounds ``used``."""
-    return {n: 1e6 * statistics.median([v[i] for i in used]) for n, v in seconds.items()}
-
-
-def ratios(seconds: dict[str, list[float]], used: list[int]) -> dict[str, list[float]]:
-    """``moe_over_X``: the median of the per-round ratios ours / X, with its 95% interval."""
-    return {
-        f"moe_over_{other}": list(median_ci([seconds["moe"][i] / seconds[other][i] for i in used]))
-        for other in IMPLEMENTATIONS[1:]
     }
 
 

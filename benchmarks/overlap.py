@@ -20,10 +20,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks._fit import gpt_config
 from benchmarks._format import arguments, ci, fixed, save, table
 from benchmarks._stats import interleaved, ratio_of_medians_ci
-from lightning_sp import GPT, GPTConfig, ParallelState
-from lightning_sp.model.recompute import NO_RECOMPUTE
+from lightning_sp import GPT, ParallelState
 from lightning_sp.optim.adamw import build_adamw
 from lightning_sp.parallel.buffer import GradBufferConfig
 from lightning_sp.parallel.grads import finalize_grads
@@ -33,9 +33,7 @@ MODES = ("overlap", "after")
 
 
 def _rank(rank: int, world_size: int, rounds: int, hidden: int, bucket: int) -> dict:
-    config = GPTConfig(vocab_size=257, seq_length=128, hidden_size=hidden, num_layers=4,
-                       num_heads=8, hidden_dropout=0.0, attention_dropout=0.0,
-                       sequence_parallel=False, recompute=NO_RECOMPUTE)  # fmt: skip
+    config = gpt_config(257, 128, hidden, 4, 8, dropout=0.0)
     state = ParallelState.from_process_group()
     models = {name: GPT(config, state) for name in MODES}
     optimizers = {

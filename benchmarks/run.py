@@ -41,18 +41,9 @@ SECTIONS = {"activation_bytes": activation_bytes, "layer_time": layer_time, "flo
 table."""
 
 
-def _read(path: str, prefix: str) -> str | None:
-    """The rest of the first line of ``path`` that starts with ``prefix`` (None if none)."""
-    try:
-        with open(path) as fh:
-            return next((line[len(prefix) :] for line in fh if line.startswith(prefix)), None)
-    except OSError:
-        return None
-
-
 def _machine() -> dict[str, Any]:
     """The CPU's name, its cores, the memory, the platform and the load average now."""
-    cpu = (_read("/proc/cpuinfo", "model name") or "").partition(":")[2].strip()
+    cpu = _cpu.proc_line("/proc/cpuinfo", "model name").partition(":")[2].strip()
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError):

@@ -55,7 +55,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from benchmarks import _cpu, dtensor_gpt
+from benchmarks import _cpu
+from benchmarks._fit import gpt_config
 from benchmarks._format import fixed, pct, table
 from benchmarks._stats import ratio_of_medians_ci
 from lightning_sp import GPT, GPTConfig, GPTModule, MegatronSPStrategy, OptimizerConfig
@@ -65,9 +66,9 @@ from lightning_sp.memory.flops import (
     measure_peak_flops,
     model_flops_per_iteration,
 )
-from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.optim.adamw import configure_adamw
 from lightning_sp.parallel.state import ParallelState
+from lightning_sp.testing import dtensor_gpt
 from lightning_sp.testing.spawn import run_distributed
 
 TIMEOUT_SECONDS = 300.0
@@ -104,12 +105,8 @@ SMOKE = ThroughputShape(
 
 
 def model_config(shape: ThroughputShape) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=shape.vocab, seq_length=shape.s, hidden_size=shape.h,
-        num_layers=shape.layers, num_heads=shape.a, hidden_dropout=0.1,
-        attention_dropout=0.1, sequence_parallel=shape.sequence_parallel,
-        recompute=RecomputePolicy.parse(shape.recompute),
-    )  # fmt: skip
+    return gpt_config(shape.vocab, shape.s, shape.h, shape.layers, shape.a, shape.recompute,
+                      sequence_parallel=shape.sequence_parallel)  # fmt: skip
 
 
 OPTIMIZER = OptimizerConfig(lr=3e-4, warmup_steps=2, min_lr=3e-5)
@@ -153,12 +150,6 @@ class DTensorGPTModule(L.LightningModule):
         return configure_adamw(self.model, self.optimizer_config, self.trainer.max_steps)
 
 
-def _rss_bytes() -> int:
-    """Current resident set size of this process."""
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 class StepTimer(Callback):
     """Wall time of every training step, other processes' CPU share during it, its loss, and
     this rank's memory. Stops training once ``clean_steps`` clean steps follow the warm-up.
@@ -176,7 +167,7 @@ class StepTimer(Callback):
         self._before = (0.0, 0.0, 0.0)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.rss_at_setup = _rss_bytes()
+        self.rss_at_setup = 1024 * _cpu.rss_kib("VmRSS")
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._before = _cpu.sample()

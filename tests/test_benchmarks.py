@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import dtensor_gpt
+from lightning_sp.testing import dtensor_gpt
 from lightning_sp.testing.spawn import run_distributed
 
 from cli_runs import ROOT

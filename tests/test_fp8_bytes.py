@@ -1,5 +1,5 @@
 """FP8's saved activation bytes per layer per rank equal the parts' stated terms to the byte
-(:func:`~lightning_sp.model.parts.block._float8_inputs`, ``ActivationShape.fp8``): bf16, s=32
+(:meth:`~lightning_sp.model.parts.base.Part.float8_terms`, ``ActivationShape.fp8``): bf16, s=32
 b=2 h=64 a=4 g=2 f=96, measured with saved-tensor hooks while the real model runs forward and
 backward, at t = 1 and t = 2 + SP.
 

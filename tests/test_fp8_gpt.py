@@ -179,7 +179,10 @@ def _refusal(case: str) -> None:
     config = tiny_config("llama", fp8=tensorwise)
     if case == "moe":
         moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=32)
-        tiny_config("llama", feed_forward="moe", moe=moe, fp8=tensorwise).validate()
+        moe_config = tiny_config(
+            "llama", feed_forward="moe", moe=moe, fp8=tensorwise, sequence_parallel=True
+        )
+        check_model_layout(moe_config, ParallelConfig(tensor_parallel_size=2))
     elif case == "context":
         check_model_layout(config, ParallelConfig(context_parallel_size=2))
     elif case == "replicas":
@@ -203,8 +206,9 @@ def _refusal(case: str) -> None:
 @pytest.mark.parametrize(
     ("case", "message"),
     [
-        ("moe", r"fp8.recipe='tensorwise' with feed_forward='moe': the grouped expert GEMMs "
-                r"have no FP8 path \(docs/fp8.md\); set fp8: null"),
+        ("moe", r"fp8.recipe='tensorwise' with feed_forward='moe', tensor_parallel_size=2 and "
+                r"expert_tensor_parallel_size=1: an expert's FP8 scales would be one sequence "
+                r"shard's \(docs/fp8.md\); set expert_tensor_parallel_size=2 or fp8: null"),
         ("context", r"fp8.recipe='tensorwise' with context_parallel_size=2: the FP8 scales are "
                     r"not agreed"),
         ("replicas", r"fp8.recipe='tensorwise' with num_query_groups=2 < tensor_parallel_size=4"),

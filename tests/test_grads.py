@@ -10,8 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_sp import GPT, ParallelState
-from lightning_sp.parallel.grads import clip_grad_norm_, finalize_grads, global_grad_norm
+from lightning_sp import GPT, GPTConfig, ParallelState
+from lightning_sp.parallel.buffer import GradBuffer
+from lightning_sp.parallel.grads import (
+    clip_grad_norm_,
+    counted_flat_grads,
+    finalize_grads,
+    flat_grads,
+    global_grad_norm,
+    grad_of,
+)
 from lightning_sp.testing.spawn import run_distributed
 
 from models import assert_matches_reference, batch, reference_model, tiny_config
@@ -57,3 +65,41 @@ def _worker(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_dp_tp_gradients_norm_and_clipping_match_single_process() -> None:
     run_distributed(_worker, 4)
+
+
+def _buffered(config: GPTConfig) -> tuple[GPT, GradBuffer]:
+    """A float64 GPT on one process whose gradients live in a :class:`GradBuffer`, after one
+    backward."""
+    model = GPT(config, ParallelState.single(), dtype=torch.float64)
+    buffer = GradBuffer(model.parameters(), model.state)
+    model(*batch(config, batch_size=2)).backward()
+    return model, buffer
+
+
+def test_the_buffer_read_whole_norms_and_clips_as_its_parameters_do() -> None:
+    """Clipping reads the gradient buffer's flat storage (a kernel per dtype) instead of the
+    parameters one by one: the same norm and the same clipped gradients; and it is offered
+    only where it holds every gradient and the norm counts each once."""
+    config = tiny_config()
+    (whole, flat_buffer), (each, _) = _buffered(config), _buffered(config)
+    state = whole.state
+    flat = counted_flat_grads(whole.parameters(), flat_buffer, state)
+    assert flat == list(flat_buffer.buffers.values()), "t = 1: the storage is read whole"
+    norm = global_grad_norm(each.parameters(), state)
+    assert abs(global_grad_norm([], state, flat=flat) - norm) <= 1e-12 * norm, (
+        "the norm of the flat storage differs from the parameters' global norm"
+    )
+    max_norm = 0.5 * norm.item()
+    clipped = clip_grad_norm_(whole.parameters(), max_norm, state, flat=flat)
+    clip_grad_norm_(each.parameters(), max_norm, state)
+    assert abs(clipped - norm) <= 1e-12 * norm, "clipping returned another norm"
+    for (name, a), b in zip(whole.named_parameters(), each.parameters(), strict=True):
+        torch.testing.assert_close(grad_of(a), grad_of(b), rtol=1e-12, atol=0, msg=name)
+    outside = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    assert flat_grads([*whole.parameters(), outside], flat_buffer) is None, (
+        "a trainable parameter outside the buffer must send clipping back to the parameters"
+    )
+    next(whole.parameters()).pipeline_copy = True  # type: ignore[attr-defined]
+    assert counted_flat_grads(whole.parameters(), flat_buffer, state) is None, (
+        "a gradient the norm does not count (a tied copy) must not be read whole"
+    )

@@ -8,6 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_sp.parallel.buffer import GradBuffer
+from lightning_sp.parallel.grads import flat_grads
+from lightning_sp.parallel.state import ParallelState
 from lightning_sp.runtime.guard import NonFiniteError, NonFiniteGuard
 from lightning_sp.testing.spawn import run_distributed
 
@@ -47,3 +50,24 @@ def test_ranks_agree_on_a_gradient_infinite_on_one_rank_only() -> None:
     for _, message, _ in runs["stop"]:  # every rank names the poisoned one
         assert f"non-finite gradient norm (rank {POISONED_RANK}) at step 5" in message, message
     assert all(zeroed for _, _, zeroed in runs["skip"]), "a skipped step kept its gradients"
+
+
+def test_the_guard_reads_a_gradient_buffer_whole() -> None:
+    """Given the gradient buffer's flat storage (as the strategy passes it), the guard reads
+    it instead of the parameters: a finite step passes, an Inf in the storage stops the run
+    naming the gradient norm."""
+    layer = torch.nn.Linear(4, 4)
+    buffer = GradBuffer(layer.parameters(), ParallelState.single())
+    layer(torch.randn(2, 4)).sum().backward()
+    flat = flat_grads(layer.parameters(), buffer)
+    assert flat is not None, "the buffer holds every gradient of the layer"
+    guard, optimizer, loss = (
+        NonFiniteGuard("stop"),
+        torch.optim.SGD(layer.parameters()),
+        torch.ones(()),
+    )
+    assert guard.check(loss, layer, optimizer, step=3, grads=flat), "a finite step was refused"
+    layer.bias.main_grad[1] = float("inf")  # type: ignore[index]
+    del layer.bias.main_grad  # the parameters alone no longer show it: only the storage does
+    with pytest.raises(NonFiniteError, match=r"non-finite gradient norm .* at step 3"):
+        guard.check(loss, layer, optimizer, step=3, grads=flat)

@@ -316,3 +316,37 @@ def test_estimate_counts_the_expert_parallel_regroup_indices() -> None:
     indices = 16 * 2 * 64 * 2 // 2
     assert rows[2].formula_bytes_per_layer - rows[1].formula_bytes_per_layer == indices
     assert rows[2].activation_bytes_per_layer - rows[1].activation_bytes_per_layer == indices
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "lean", "layernorm", "mlp_act"])
+def test_moe_layer_of_a_gpt_equals_its_formula_under_each_recompute(recompute: str) -> None:
+    """A whole MoE layer of a GPT (bf16, one process) saves its formula's bytes plus its norms'
+    statistics under every preset and module. Under ``layernorm`` the attention's norm is
+    replayed inside the QKV linear's backward, while the MoE layer's norm, whose output the
+    router keeps, runs as it is and keeps its fp32 statistics (``4sb``): a formula that
+    dropped both norms' statistics was 128 bytes short here."""
+    import dataclasses
+
+    from lightning_sp import GPT, GPTConfig
+    from lightning_sp.memory.formulas import (
+        activation_bytes_per_layer,
+        layernorm_stats_bytes_per_layer,
+    )
+
+    s, b, h = 16, 2, 32
+    moe = dataclasses.replace(CONFIG, num_experts=4, aux_loss_coef=0.0, z_loss_coef=0.0)
+    config = GPTConfig.of(
+        "llama", vocab_size=64, seq_length=s, hidden_size=h, num_layers=1, num_heads=4,
+        num_query_groups=4, feed_forward="moe", moe=moe,
+        recompute=recompute if recompute in ("none", "selective", "lean") else [recompute],
+    )  # fmt: skip
+    model = GPT(config, ParallelState.single(), dtype=torch.bfloat16).train()
+    ids = torch.randint(0, 64, (b, s), generator=torch.Generator().manual_seed(0))
+    with SavedTensorTracker.for_model(model) as tracker:
+        loss = model(ids, ids)
+    loss.backward()  # the saved tensors were real
+    measured = tracker.report.bytes_of("layers.0")
+    shape = config.activation_shape(layout_at(1), b)
+    expected = activation_bytes_per_layer(shape, config.recompute)
+    expected += layernorm_stats_bytes_per_layer(shape, config.recompute)
+    assert measured == expected, f"{recompute}: measured {measured} bytes, formula {expected}"

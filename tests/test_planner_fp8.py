@@ -12,6 +12,7 @@ import pytest
 
 from lightning_sp import ConfigError, GPTConfig
 from lightning_sp.memory.formulas import activation_bytes_per_layer
+from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.fp8 import FP8Config
 from lightning_sp.planner.cluster import PRESETS, cluster_from_dict
 from lightning_sp.planner.estimate import estimate
@@ -78,3 +79,31 @@ def test_estimate_prices_fp8_and_says_so() -> None:
     with pytest.raises(ConfigError, match=r"^fp8.recipe='tensorwise' on cluster a100-80gb: it "
                        r"has no FP8 GEMMs"):  # fmt: skip
         estimate(layout, measure=False, cluster="a100-80gb")
+
+
+def test_layer_time_prices_the_experts_in_fp8_and_keeps_the_router_bf16() -> None:
+    """A mixture of experts under ``fp8``: the experts' grouped GEMMs (a batch of ``E/e``,
+    each expert its own float8 linear) at the FP8 peak with their casts, the router at BF16."""
+    from lightning_sp.model.moe.config import MoEConfig
+
+    moe = MoEConfig(num_experts=8, top_k=2, expert_ffn_size=14336)
+
+    def shape(fp8: FP8Config | None) -> ActivationShape:
+        config = dataclasses.replace(_llama(fp8), feed_forward="moe", moe=moe)
+        return config.activation_shape(layout_at(4, e=2, etp=4), 1)
+
+    cluster = dataclasses.replace(
+        H100, execution=dataclasses.replace(H100.execution, expert_load_imbalance=1.0)
+    )
+    slow, fast = layer_time(shape(None), cluster), layer_time(shape(FP8Config("rowwise")), cluster)
+    gemms = [g for g in layer_gemms(shape(FP8Config("rowwise"))) if not g.tag]
+    router = next(g for g in gemms if g.name == "router")
+    experts = [g for g in gemms if g.name.startswith("expert_")]
+    assert router.high_precision and all(not g.high_precision for g in experts), gemms
+    assert all(g.batch == 4 for g in experts), "E/e = 4 experts on a rank: a batch of 4 GEMMs"
+    expected = gemm_seconds(cluster, router) + sum(
+        fp8_gemm_seconds(cluster, g) for g in gemms if g is not router
+    )
+    assert fast.forward["gemm"] == pytest.approx(expected), "router BF16, the rest FP8"
+    assert slow.forward["gemm"] == pytest.approx(sum(gemm_seconds(cluster, g) for g in gemms))
+    assert fast.forward["gemm"] < slow.forward["gemm"], "the experts' GEMMs got no faster"

@@ -165,6 +165,8 @@ class MFUMonitor(Callback):
         # steps timed since the last logging step: (sequences, tokens, model, hardware,
         # causal-half model FLOPs)
         self._steps: list[tuple[int, int, float, float, float]] = []
+        # each batch shape's counts (_step_counts), worked out once per fit
+        self._counts: dict[tuple[int, int], tuple[int, int, float, float, float]] = {}
         self._step = 0
         self._busy_time = 0.0
         self._batches = 0
@@ -206,6 +208,7 @@ class MFUMonitor(Callback):
         )
         self._clock = _StepClock()
         self._steps = []
+        self._counts = {}
         self._busy_time = 0.0
         self._batches = self._samples = self._tokens = 0
         self.last_metrics = {}
@@ -229,22 +232,11 @@ class MFUMonitor(Callback):
         if not self._clock.stop() or self._model is None or self._hardware is None:
             return
         assert self._half is not None
-        gpt = gpt_of(pl_module)
         b, s = batch_shape(batch)
-        state = gpt.state
-        global_batch = b * state.data_parallel_size
-        config = gpt.config
-        if s != config.seq_length:
-            config = dataclasses.replace(config, seq_length=s)
-        model_flops = model_flops_per_iteration(config, global_batch) / state.world_size
-        hardware_flops = (
-            hardware_flops_per_iteration(config, global_batch, layers_per_chunk=len(gpt.layers))
-            / state.world_size
-        )
-        half_flops = causal_half_model_flops_per_iteration(config, global_batch) / state.world_size
-        self._steps.append(
-            (global_batch, global_batch * s, model_flops, hardware_flops, half_flops)
-        )
+        counts = self._counts.get((b, s))
+        if counts is None:  # once per batch shape: the model does not change during a fit
+            counts = self._counts[(b, s)] = self._step_counts(gpt_of(pl_module), b, s)
+        self._steps.append(counts)
         if not is_due(trainer, self.log_every_n_steps, self._step):
             return
         self._update()
@@ -274,6 +266,24 @@ class MFUMonitor(Callback):
                 sync_dist=False,
                 batch_size=b,
             )
+
+    @staticmethod
+    def _step_counts(gpt: GPT, b: int, s: int) -> tuple[int, int, float, float, float]:
+        """A step's ``(sequences, tokens, model, hardware, causal-half model FLOPs per
+        device)`` for a batch ``[b, s]`` of each data-parallel rank (see the class
+        docstring)."""
+        state = gpt.state
+        global_batch = b * state.data_parallel_size
+        config = gpt.config
+        if s != config.seq_length:
+            config = dataclasses.replace(config, seq_length=s)
+        model_flops = model_flops_per_iteration(config, global_batch) / state.world_size
+        hardware_flops = (
+            hardware_flops_per_iteration(config, global_batch, layers_per_chunk=len(gpt.layers))
+            / state.world_size
+        )
+        half_flops = causal_half_model_flops_per_iteration(config, global_batch) / state.world_size
+        return global_batch, global_batch * s, model_flops, hardware_flops, half_flops
 
     def _update(self) -> None:
         """Feed the steps timed since the last logging step into the two windows (the clock's

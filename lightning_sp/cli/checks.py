@@ -207,7 +207,7 @@ def checkpoint_adapters(model: Any, ckpt_path: Any) -> None:
     from jsonargparse import Namespace
 
     from lightning_sp.checkpoint.verify import saved_adapters
-    from lightning_sp.training.adapters import STATED
+    from lightning_sp.training.adapters import first_difference
 
     if not ckpt_path or ckpt_path in ("last", "hpc", "best", "registry"):
         return
@@ -218,13 +218,12 @@ def checkpoint_adapters(model: Any, ckpt_path: Any) -> None:
     if stated is None:
         model.lora = Namespace(**dataclasses.asdict(saved))
         return
-    for name in STATED:
-        ours, theirs = getattr(stated, name), getattr(saved, name)
-        if ours != theirs:
-            raise ConfigError(
-                f"model.lora.{name}={ours!r} but ckpt_path={str(ckpt_path)!r} holds adapters "
-                f"with {name}={theirs!r}; leave model.lora out or set {name}: {theirs!r}"
-            )
+    if difference := first_difference(stated, saved):
+        name, ours, theirs = difference
+        raise ConfigError(
+            f"model.lora.{name}={ours!r} but ckpt_path={str(ckpt_path)!r} holds adapters "
+            f"with {name}={theirs!r}; leave model.lora out or set {name}: {theirs!r}"
+        )
 
 
 def check_resume(ckpt_path: str, model: Any, model_config: Any) -> None:

@@ -34,6 +34,7 @@ without the text field) is agreed by every rank and printed once
 from __future__ import annotations
 
 import difflib
+import importlib
 import os
 import sys
 import time
@@ -65,18 +66,6 @@ def _estimate(args: list[str]) -> int:
     return estimate(read_estimate_args, args)
 
 
-def _prepare(args: list[str]) -> int:
-    from lightning_sp.cli.prepare import main as prepare
-
-    return prepare(args)
-
-
-def _export(args: list[str]) -> int:
-    from lightning_sp.cli.export import main as export
-
-    return export(args)
-
-
 def _generate(args: list[str]) -> int:
     from lightning_sp.cli.fit import GPTCLI
     from lightning_sp.cli.generate import main as generate
@@ -84,25 +73,26 @@ def _generate(args: list[str]) -> int:
     return generate(args, GPTCLI)
 
 
-def _calibrate(args: list[str]) -> int:
-    from lightning_sp.cli.calibrate import main as calibrate
+def _main_of(module: str) -> Callable[[list[str]], int]:
+    """``lightning_sp.cli.MODULE.main``, imported when the command runs (so that another
+    command does not pay for its imports)."""
 
-    return calibrate(args)
+    def run(args: list[str]) -> int:
+        main: Callable[[list[str]], int] = importlib.import_module(
+            f"lightning_sp.cli.{module}"
+        ).main
+        return main(args)
 
-
-def _step_check(args: list[str]) -> int:
-    from lightning_sp.cli.step_check import main as step_check
-
-    return step_check(args)
+    return run
 
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "estimate": _estimate,
-    "prepare": _prepare,
-    "export": _export,
+    "prepare": _main_of("prepare"),
+    "export": _main_of("export"),
     "generate": _generate,
-    "calibrate": _calibrate,
-    "step-check": _step_check,
+    "calibrate": _main_of("calibrate"),
+    "step-check": _main_of("step_check"),
 }
 """The commands besides Lightning's own (:data:`LIGHTNING_COMMANDS`), each
 ``fn(args after the command) -> exit status``; imported on use."""

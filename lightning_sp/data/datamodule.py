@@ -360,12 +360,7 @@ class TextDataModule(pl.LightningDataModule):
             self._sampler.load_state_dict(self._resume)
             self._resume = None
         return ResumableLoader(
-            self.train_dataset,
-            batch_size=self.batch_size,
-            sampler=self._sampler,
-            drop_last=True,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            self.train_dataset, sampler=self._sampler, drop_last=True, **self._loading()
         )
 
     @override
@@ -375,13 +370,12 @@ class TextDataModule(pl.LightningDataModule):
         if self.val_dataset is None:
             self.setup("fit")
         assert self.val_dataset is not None
-        return DataLoader(
-            self.val_dataset,
-            batch_size=self.batch_size,
-            shuffle=False,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        return DataLoader(self.val_dataset, shuffle=False, **self._loading())
+
+    def _loading(self) -> dict[str, Any]:
+        """What the train and validation loaders share: the batch size and the workers."""
+        return {"batch_size": self.batch_size, "num_workers": self.num_workers,
+                "persistent_workers": self.num_workers > 0}  # fmt: skip
 
     @property
     def _predicting(self) -> bool:

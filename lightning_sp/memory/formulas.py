@@ -26,8 +26,14 @@ and optimizer states (CP shards none of them); the FLOPs (each rank does ``1/c``
 from __future__ import annotations
 
 from lightning_sp.errors import ConfigError
-from lightning_sp.model.parts.base import EVERY_RANK, INSIDE, OUTSIDE, REPLICATED
-from lightning_sp.model.parts.block import block_of_shape, float8_scale
+from lightning_sp.model.parts.base import (
+    EVERY_RANK,
+    INSIDE,
+    OUTSIDE,
+    REPLICATED,
+    float8_scale,
+)
+from lightning_sp.model.parts.block import block_of_shape
 from lightning_sp.model.recompute import RecomputePolicy, active_modules
 from lightning_sp.model.shape import ActivationShape
 

@@ -4,15 +4,19 @@
 It applies to every tensor-parallel linear of the layers: the attention's query, key, value
 (one float8 GEMM each, the fused QKV's input cast once) and projection, the MLP's input
 projections (``fc1``, or ``gate`` and ``up``) and ``fc2``
-(:mod:`lightning_sp.parallel.fp8_linears`). The embeddings, the LM head, the norms and the
-attention core stay in the run's precision, as the anchors keep them (torchtitan's
-``Float8Linear`` skips ``output``; Megatron-Core's FP8 leaves the embedding and head to bf16).
+(:mod:`lightning_sp.parallel.fp8_linears`), and a mixture of experts' routed experts (each
+expert's gate, up and down its own float8 linear,
+:mod:`lightning_sp.parallel.fp8_grouped`) and shared experts. The embeddings, the LM head, the
+norms, the attention core, the router and the combine stay in the run's precision, as the
+anchors keep them (torchtitan's ``Float8Linear`` skips ``output``; Megatron-Core's FP8 leaves
+the embedding and head to bf16; both keep the router's GEMM in high precision).
 
 Refused, one line each, before any step:
 
-* a mixture of experts (``feed_forward: moe``): the grouped expert GEMMs have no float8 path
-  here (torchao's grouped FP8 GEMM for MoE training is a CUDA-only prototype), and half an
-  FP8 layer (attention in float8, experts not) is not what any anchor runs;
+* a mixture of experts at ``tensor_parallel_size > 1`` with ``expert_tensor_parallel_size =
+  1``: each TP rank runs the experts on its own sequence shard's tokens, so an expert's
+  tensorwise input and gradient scales would be one shard's amax, not its tokens' (t = 2 would
+  not compute what t = 1 does); ``expert_tensor_parallel_size = t`` gathers the rows first;
 * LoRA adapters: the adapters would read the float8 linears' high-precision input, a
   combination torchao and peft do not define;
 * context parallelism: a tensorwise scale would be one CP rank's tokens' amax, not the
@@ -50,12 +54,6 @@ def check_fp8_config(config: Any) -> None:
     if config.fp8 is None:
         return
     config.fp8.validate()
-    recipe = fp8_recipe(config)
-    if recipe is not None and config.feed_forward == "moe":
-        raise ConfigError(
-            f"fp8.recipe={recipe!r} with feed_forward='moe': the grouped expert GEMMs have no "
-            "FP8 path (docs/fp8.md); set fp8: null"
-        )
 
 
 def check_fp8_layout(config: Any, layout: ParallelConfig) -> None:
@@ -69,6 +67,12 @@ def check_fp8_layout(config: Any, layout: ParallelConfig) -> None:
             f"fp8.recipe={recipe!r} with context_parallel_size={c}: the FP8 scales are not "
             "agreed over the context-parallel group (docs/fp8.md); set context_parallel_size=1 "
             "or fp8: null"
+        )
+    if config.feed_forward == "moe" and t > 1 and layout.expert_tensor_parallel_size == 1:
+        raise ConfigError(
+            f"fp8.recipe={recipe!r} with feed_forward='moe', tensor_parallel_size={t} and "
+            "expert_tensor_parallel_size=1: an expert's FP8 scales would be one sequence "
+            f"shard's (docs/fp8.md); set expert_tensor_parallel_size={t} or fp8: null"
         )
     if config.groups < t:
         raise ConfigError(
@@ -114,20 +118,22 @@ def check_fp8_launch(config: Any, accelerator: Any, precision: Any, lora: bool) 
 def attach_fp8(
     layers: Iterable[nn.Module], config: Any, device: torch.device, dtype: torch.dtype
 ) -> int:
-    """Turn every tensor-parallel linear of ``layers`` to float8 GEMMs with ``config.fp8``'s
-    recipe, after checking it can run on ``device`` with ``dtype`` parameters; returns how
-    many linears (0 when the setting is off)."""
+    """Turn every tensor-parallel linear and every rank's routed experts of ``layers`` to
+    float8 GEMMs with ``config.fp8``'s recipe, after checking it can run on ``device`` with
+    ``dtype`` parameters; returns how many modules (0 when the setting is off)."""
     recipe = fp8_recipe(config)
     if recipe is None:
         return 0
     if dtype == torch.float64:
         _refuse_float64(recipe)
     check_fp8(config.fp8, device)
+    from lightning_sp.model.moe.experts import Experts  # the parts import this module
+
     built = Recipe.build(config.fp8)
     count = 0
     for layer in layers:
         for module in layer.modules():
-            if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            if isinstance(module, ColumnParallelLinear | RowParallelLinear | Experts):
                 module.fp8 = built
                 count += 1
     return count

@@ -47,32 +47,21 @@ def fused_column_linear(
     saved; the norm is recomputed in backward. Same result and gradients as the modules applied
     in turn."""
     first = linears[0]
+    weights, biases = [linear.weight for linear in linears], [linear.bias for linear in linears]
+    normed: dict[str, Any] = {
+        "norm": kind.functional if norm is not None and kind is not None else None,
+        "norm_weight": norm.weight if norm is not None else None,
+        "norm_bias": norm.bias if norm is not None else None,
+        "eps": norm.eps if norm is not None else 0.0,
+        "groups": groups,
+    }
     if first.fp8 is not None:  # float8 GEMMs, one per weight (no adapters: refused with FP8)
         return fp8_column_linear(
-            x,
-            [linear.weight for linear in linears],
-            [linear.bias for linear in linears],
-            first.group,
-            first.sequence_parallel,
-            first.fp8,
-            norm=kind.functional if norm is not None and kind is not None else None,
-            norm_weight=norm.weight if norm is not None else None,
-            norm_bias=norm.bias if norm is not None else None,
-            eps=norm.eps if norm is not None else 0.0,
-            groups=groups,
+            x, weights, biases, first.group, first.sequence_parallel, first.fp8, **normed
         )
+    adapters = [linear.lora for linear in linears]
     return column_parallel_linear(
-        x,
-        [linear.weight for linear in linears],
-        [linear.bias for linear in linears],
-        first.group,
-        first.sequence_parallel,
-        norm=kind.functional if norm is not None and kind is not None else None,
-        norm_weight=norm.weight if norm is not None else None,
-        norm_bias=norm.bias if norm is not None else None,
-        eps=norm.eps if norm is not None else 0.0,
-        groups=groups,
-        adapters=[linear.lora for linear in linears],
+        x, weights, biases, first.group, first.sequence_parallel, **normed, adapters=adapters
     )
 
 

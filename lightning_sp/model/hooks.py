@@ -93,10 +93,18 @@ def scale_auxiliary_losses(module: nn.Module, scale: float) -> None:
         m.set_auxiliary_loss_scale(scale)  # type: ignore[operator]
 
 
-def after_optimizer_step(module: nn.Module) -> None:
+def stepped_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules of ``module`` with state moved per step (:class:`AfterOptimizerStep`): a
+    walk of every module with a protocol check each (~0.1 ms per layer on a CPU host), so
+    found once and handed to :func:`after_optimizer_step` at every step."""
+    return _modules(module, AfterOptimizerStep)
+
+
+def after_optimizer_step(module: nn.Module, stepped: list[nn.Module] | None = None) -> None:
     """After an optimizer step: every module of ``module`` with state moved per step updates
-    it. Collective: every rank of the stage calls it."""
-    for m in _modules(module, AfterOptimizerStep):
+    it (``stepped``: those modules, from :func:`stepped_modules`). Collective: every rank of
+    the stage calls it."""
+    for m in stepped if stepped is not None else stepped_modules(module):
         m.after_optimizer_step()  # type: ignore[operator]
 
 

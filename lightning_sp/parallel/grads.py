@@ -185,7 +185,10 @@ def _counted_once(param: Tensor, state: ParallelState) -> bool:
 
 
 def global_grad_norm(
-    params: Iterable[Tensor], state: ParallelState, sharded_over_dp: bool = False
+    params: Iterable[Tensor],
+    state: ParallelState,
+    sharded_over_dp: bool = False,
+    flat: list[Tensor] | None = None,
 ) -> Tensor:
     """The L2 norm of the whole model's gradient, over all TP and PP shards (an fp32 scalar;
     fp64 for fp64 gradients).
@@ -195,19 +198,26 @@ def global_grad_norm(
     buffer: each of the d·c ranks holds its own shard, zeros elsewhere) sums them too.
     Expert weights differ between the ranks of an expert-parallel group: their squares are
     summed over it as well (each expert counted once: on TP rank 0, or under expert tensor
-    parallelism each TP rank's slice).
+    parallelism each TP rank's slice). ``flat``: the gradient buffer's storage, read whole
+    instead of ``params`` (only as :func:`counted_flat_grads` gives it: every gradient counted
+    once, none an expert's); the same collectives run either way.
     """
-    params = list(params)
-    device = params[0].device if params else state.device
-    # fp32, or fp64 for fp64 gradients (so that float64 parity tests see no fp32 rounding)
-    wide = any((g := grad_of(p)) is not None and g.dtype == torch.float64 for p in params)
-    dtype = torch.float64 if wide else torch.float32
     dense: list[Tensor] = []
     expert: list[Tensor] = []
-    for p in params:
-        g = grad_of(p)
-        if g is not None and _counted_once(p, state):
-            (expert if is_expert(p) else dense).append(g.detach())
+    if flat is not None:
+        dense = flat
+        device = flat[0].device if flat else state.device
+        wide = any(g.dtype == torch.float64 for g in flat)
+    else:
+        params = list(params)
+        device = params[0].device if params else state.device
+        # fp32, or fp64 for fp64 gradients (so that float64 parity tests see no fp32 rounding)
+        wide = any((g := grad_of(p)) is not None and g.dtype == torch.float64 for p in params)
+        for p in params:
+            g = grad_of(p)
+            if g is not None and _counted_once(p, state):
+                (expert if is_expert(p) else dense).append(g.detach())
+    dtype = torch.float64 if wide else torch.float32
     total, experts = (_sum_of_squares(grads, dtype, device) for grads in (dense, expert))
     if state.ep_group is not None and not sharded_over_dp:  # sharded: the d·c sum below
         dist.all_reduce(experts, group=state.ep_group)
@@ -217,6 +227,33 @@ def global_grad_norm(
         if group is not None:
             dist.all_reduce(total, group=group)
     return total.sqrt()
+
+
+def flat_grads(params: Iterable[Tensor], buffer: GradBuffer | None) -> list[Tensor] | None:
+    """``buffer``'s flat storage (one tensor per gradient dtype, every ``main_grad`` a view
+    into it) when it holds the gradient of every parameter of ``params`` that requires one,
+    else ``None``: one tensor per dtype to read or scale instead of one per parameter. Loops
+    over ``params``: work it out once per run, not per step."""
+    if buffer is None:
+        return None
+    held = {id(p) for p in buffer.params}
+    if any(p.requires_grad and id(p) not in held for p in params):
+        return None
+    return list(buffer.buffers.values())
+
+
+def counted_flat_grads(
+    params: Iterable[Tensor], buffer: GradBuffer | None, state: ParallelState
+) -> list[Tensor] | None:
+    """:func:`flat_grads` when :func:`global_grad_norm` may read the storage whole: every
+    buffered gradient is counted once on this rank and none is an expert's (``t = 1``, no
+    tied copy on this stage, no experts), else ``None``. Once per run, as ``flat_grads``."""
+    flat = flat_grads(params, buffer)
+    if flat is None or buffer is None:
+        return None
+    if any(is_expert(p) or not _counted_once(p, state) for p in buffer.params):
+        return None
+    return flat
 
 
 def _sum_of_squares(grads: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -229,17 +266,24 @@ def _sum_of_squares(grads: list[Tensor], dtype: torch.dtype, device: torch.devic
 
 
 def clip_grad_norm_(
-    params: Iterable[Tensor], max_norm: float, state: ParallelState, sharded_over_dp: bool = False
+    params: Iterable[Tensor],
+    max_norm: float,
+    state: ParallelState,
+    sharded_over_dp: bool = False,
+    flat: list[Tensor] | None = None,
 ) -> Tensor:
-    """Scale every gradient so the global norm is at most ``max_norm``; return the norm."""
-    params = list(params)
-    norm = global_grad_norm(params, state, sharded_over_dp)
+    """Scale every gradient so the global norm is at most ``max_norm``; return the norm.
+    ``flat`` (:func:`counted_flat_grads`): norm and scale the buffer's storage whole, one
+    kernel each per dtype, instead of ``params`` one by one."""
+    grads = flat
+    if grads is None:
+        params = list(params)
+        grads = [g for p in params if (g := grad_of(p)) is not None]
+    norm = global_grad_norm(params, state, sharded_over_dp, flat)
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for p in params:
-        g = grad_of(p)
-        if g is not None:
-            by_dtype.setdefault(g.dtype, []).append(g)
-    for dtype, grads in by_dtype.items():  # one multi-tensor kernel per dtype
-        torch._foreach_mul_(grads, coefficient.to(dtype))
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, same in by_dtype.items():  # one multi-tensor kernel per dtype
+        torch._foreach_mul_(same, coefficient.to(dtype))
     return norm

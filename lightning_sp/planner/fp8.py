@@ -1,6 +1,9 @@
 """FP8 GEMMs priced on a :class:`~lightning_sp.planner.cluster.Cluster`: a run with ``fp8``
 (:mod:`lightning_sp.model.fp8`) runs its layers' linears (every GEMM of a layer but the
-attention core's) in float8, forward and both backward GEMMs.
+attention core's and those a part keeps in high precision, :attr:`~lightning_sp.model.parts.
+base.Gemm.high_precision`: a mixture of experts' router) in float8, forward and both backward
+GEMMs; a mixture of experts' grouped expert GEMMs are a batch of ``E/e`` float8 GEMMs (each
+expert its own float8 linear, its operands cast per expert: the same elements).
 
 A float8 GEMM is the roofline of :func:`~lightning_sp.planner.kernels.gemm_seconds` at the
 cluster's dense FP8 peak (``fp8_peak_flops``, a datasheet figure) times the same best-shape

@@ -199,9 +199,9 @@ def _layer_time(shape: ActivationShape, cluster: Cluster) -> LayerTime:
     wgrad = {name: gemm_seconds(cluster, w) for name, (_, w) in grads.items()}
     core_tags = ("core_attn", CP_CORE)
     core = [name for name, g in gemms.items() if g.tag in core_tags]
-    if shape.fp8 is not None:  # the linears' GEMMs in float8 (every GEMM but the core's)
+    if shape.fp8 is not None:  # the linears' GEMMs in float8 (but the core's and the router's)
         check_fp8_cluster(cluster, shape.fp8)
-        for name in (n for n in gemms if n not in core):
+        for name in (n for n in gemms if n not in core and not gemms[n].high_precision):
             (dg, wg), price = grads[name], fp8_gemm_seconds
             secs[name] = price(cluster, timed[name])
             dgrad[name], wgrad[name] = price(cluster, dg), price(cluster, wg)

@@ -111,7 +111,7 @@ def _fp8_line(result: Estimate) -> list[str]:
     return [
         f"FP8 {recipe}: the layers' linear GEMMs at {peak / 1e12:.0f} TFLOP/s dense FP8 peak "
         "x the BF16 best-shape fraction, plus their operands' casts (5 B/element); the "
-        f"attention core and the head in BF16; the linears' saved inputs in {kept}"
+        f"attention core, the router and the head in BF16; the linears' saved inputs in {kept}"
     ]
 
 

@@ -34,28 +34,30 @@ def _loss_of(result: Any) -> Tensor | None:
     return None
 
 
-def _grad_norm_nonfinite(module: nn.Module) -> Tensor | None:
-    """``True`` (a device tensor, not read here) where the norm of ``module``'s gradients is
-    not finite; ``None`` without gradients."""
-    grads = []
-    for param in module.parameters():
-        grad = getattr(param, "main_grad", None)
-        grad = grad if grad is not None else param.grad
-        if grad is not None:
-            grads.append(grad)
+def _grad_norm_nonfinite(module: nn.Module, grads: list[Tensor] | None) -> Tensor | None:
+    """``True`` (a device tensor, not read here) where the norm of ``module``'s gradients (or
+    of ``grads``, the storage that holds them all) is not finite; ``None`` without
+    gradients."""
+    if grads is None:
+        grads = []
+        for param in module.parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = grad if grad is not None else param.grad
+            if grad is not None:
+                grads.append(grad)
     if not grads:
         return None
     norms = torch._foreach_norm(grads)
     return ~torch.isfinite(torch.stack([n.float() for n in norms]).norm())
 
 
-def _nonfinite_code(loss: Tensor | None, module: nn.Module) -> int:
+def _nonfinite_code(loss: Tensor | None, module: nn.Module, grads: list[Tensor] | None) -> int:
     """``1·(loss not finite) + 2·(gradient norm not finite)``, read from the device once (the
     step's one host-device synchronisation)."""
     code: Tensor | None = None
     if loss is not None:
         code = (~torch.isfinite(loss.detach()).all()).to(torch.int32)
-    grad = _grad_norm_nonfinite(module)
+    grad = _grad_norm_nonfinite(module, grads)
     if grad is not None:
         grad = grad.to(torch.int32) * 2
         code = grad if code is None else code + grad.to(code.device)
@@ -73,13 +75,21 @@ class NonFiniteGuard:
         self.stop_signal = 0
 
     def check(
-        self, result: Any, module: nn.Module, optimizer: Any, step: int, stop_signal: int = 0
+        self,
+        result: Any,
+        module: nn.Module,
+        optimizer: Any,
+        step: int,
+        stop_signal: int = 0,
+        grads: list[Tensor] | None = None,
     ) -> bool:
         """True if the step may update the weights; False to skip it (its gradients are
         zeroed); raises :class:`NonFiniteError` to stop. ``stop_signal``: a signal this rank
         received (0: none), exchanged in the same all-gather; afterwards ``self.stop_signal``
-        holds the largest any rank reported, the same on every rank."""
-        code = _nonfinite_code(_loss_of(result), module)
+        holds the largest any rank reported, the same on every rank. ``grads``: tensors that
+        hold every gradient of ``module`` (a gradient buffer's flat storage), read instead of
+        the parameters one by one."""
+        code = _nonfinite_code(_loss_of(result), module, grads)
         flags = torch.tensor([code & 1, code >> 1, stop_signal], dtype=torch.int32)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world > 1:

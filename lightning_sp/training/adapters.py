@@ -37,6 +37,17 @@ STATED = ("r", "lora_alpha", "use_rslora")
 what its weights mean); ``lora_dropout`` is the run's own."""
 
 
+def first_difference(stated: LoRAConfig, saved: LoRAConfig) -> tuple[str, Any, Any] | None:
+    """The first of the :data:`STATED` settings in which a run's adapters (``stated``) differ
+    from saved ones (an adapter directory's, a checkpoint's): ``(name, stated value, saved
+    value)``; None where they agree. Each caller words its own error."""
+    return next(
+        ((name, getattr(stated, name), getattr(saved, name)) for name in STATED
+         if getattr(stated, name) != getattr(saved, name)),
+        None,
+    )  # fmt: skip
+
+
 def adapter_settings(
     lora: LoRAConfig | None, adapter_from: str | None, init_from: str | None, config: GPTConfig
 ) -> LoRAConfig | None:
@@ -54,14 +65,12 @@ def adapter_settings(
         check_adapter_base(adapter_from, init_from)
         if lora is None:
             lora = theirs
-        for name in STATED:
-            ours, stated = getattr(lora, name), getattr(theirs, name)
-            if ours != stated:
-                raise ConfigError(
-                    f"lora.{name}={ours!r} differs from adapter_from={adapter_from!r}, whose "
-                    f"adapters have {name}={stated!r}; leave model.lora out or set {name}: "
-                    f"{stated!r}"
-                )
+        if difference := first_difference(lora, theirs):
+            name, ours, stated = difference
+            raise ConfigError(
+                f"lora.{name}={ours!r} differs from adapter_from={adapter_from!r}, whose "
+                f"adapters have {name}={stated!r}; leave model.lora out or set {name}: {stated!r}"
+            )
     if lora is not None:
         check_lora(lora, config)
     return lora

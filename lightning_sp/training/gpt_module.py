@@ -40,12 +40,12 @@ from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.model.generate import GenerationConfig, generate
 from lightning_sp.model.gpt import GPT
-from lightning_sp.model.hooks import after_optimizer_step, step_metrics
+from lightning_sp.model.hooks import after_optimizer_step, step_metrics, stepped_modules
 from lightning_sp.model.lora import LoRAConfig
 from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
 from lightning_sp.parallel.config import ParallelConfig
-from lightning_sp.parallel.grads import clip_grad_norm_
+from lightning_sp.parallel.grads import clip_grad_norm_, counted_flat_grads
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.pipeline.token_mean import TokenMean, counted_tokens
@@ -148,6 +148,8 @@ class GPTModule(CheckpointHooks):
         self._configured: list[dict[str, Any]] | None = None  # this run's optimizer settings
         self._resumed_optimizer: dict[str, Any] | None = None  # the checkpoint's (resuming)
         self._token_mean: TokenMean | None = None  # the step's counts, with loss masks
+        self._clipped: tuple[object, list[Tensor] | None] | None = None  # buffer, flat: clipping
+        self._stepped: list[torch.nn.Module] | None = None  # see optimizer_step
 
     def _save_hyperparameters(self) -> None:
         """What ``hparams.yaml`` and checkpoints record of this module: its settings as they
@@ -312,12 +314,14 @@ class GPTModule(CheckpointHooks):
         optimizer: Optimizer | LightningOptimizer,
         optimizer_closure: Callable[[], Any] | None = None,
     ) -> None:
-        """The step, then the modules' state moved once per step
-        (:func:`~lightning_sp.model.hooks.after_optimizer_step`: the MoE routers'
-        auxiliary-loss-free biases): here, not in ``on_train_batch_end``, which Lightning calls
-        after the callbacks' (a checkpoint saved there must hold the state this step moved)."""
+        """The step, then the modules' state moved once per step (:func:`~lightning_sp.model.
+        hooks.after_optimizer_step`, those modules found once: the MoE routers' biases): here,
+        not in ``on_train_batch_end``, which Lightning calls after the callbacks' (a
+        checkpoint saved there must hold the state this step moved)."""
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        after_optimizer_step(self.stage_model())
+        if self._stepped is None:  # the model is built once (configure_model)
+            self._stepped = stepped_modules(self.stage_model())
+        after_optimizer_step(self.stage_model(), self._stepped)
 
     @override
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
@@ -437,7 +441,9 @@ class GPTModule(CheckpointHooks):
             raise ConfigError(
                 f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not supported; use 'norm'"
             )
-        buffer = grad_buffer_of(optimizer)
-        sharded = buffer is not None and buffer.distributed
-        norm = clip_grad_norm_(self.parameters(), gradient_clip_val, self.parallel_state, sharded)
+        buffer, state = grad_buffer_of(optimizer), self.parallel_state
+        if self._clipped is None or self._clipped[0] is not buffer:  # once per buffer
+            self._clipped = (buffer, counted_flat_grads(self.parameters(), buffer, state))  # whole
+        flat, sharded = self._clipped[1], buffer is not None and buffer.distributed
+        norm = clip_grad_norm_(self.parameters(), gradient_clip_val, state, sharded, flat)
         self.log("train/grad_norm", norm, prog_bar=False)

@@ -45,8 +45,8 @@ from lightning_sp.checkpoint import Checkpointer
 from lightning_sp.checkpoint.checkpointer import resumable_loader
 from lightning_sp.errors import ConfigError
 from lightning_sp.optim.adamw import grad_buffer_of
-from lightning_sp.parallel.buffer import DEFAULT_BUCKET_NUMEL, GradBufferConfig
-from lightning_sp.parallel.grads import finalize_grads
+from lightning_sp.parallel.buffer import DEFAULT_BUCKET_NUMEL, GradBuffer, GradBufferConfig
+from lightning_sp.parallel.grads import finalize_grads, flat_grads
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.runtime import shutdown
 from lightning_sp.runtime.guard import NonFiniteGuard
@@ -176,6 +176,9 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         self.grad_buffer = GradBufferConfig(bucket_size, overlap_grad_reduce, distributed_optimizer)
         """How gradients are bucketed and reduced; the module's optimizer builds its buffer
         from this record."""
+        self._guarded: tuple[GradBuffer, list[torch.Tensor] | None] | None = None
+        """The buffer the guard last read and its flat storage (``flat_grads``, once per
+        buffer: the per-parameter walk does not run every step)."""
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -256,7 +259,9 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         result = closure_then_reduce()
         pl_module = self.lightning_module
         step = pl_module.trainer.global_step if pl_module is not None else 0
-        ok = self.guard.check(result, module, optimizer, step, shutdown.received())
+        ok = self.guard.check(
+            result, module, optimizer, step, shutdown.received(), self._guard_grads(module, buffer)
+        )
         if self.guard.stop_signal and pl_module is not None:  # every rank stops after this step
             shutdown.agree(self.guard.stop_signal)
             pl_module.trainer.should_stop = True
@@ -265,6 +270,18 @@ class MegatronSPStrategy(ProcessGroupStrategy):
                 pl_module.log("train/skipped_steps", float(self.guard.total_skipped))
             return result
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+    def _guard_grads(
+        self, module: torch.nn.Module, buffer: GradBuffer | None
+    ) -> list[torch.Tensor] | None:
+        """The tensors holding all of ``module``'s gradients, for the guard: ``buffer``'s flat
+        storage when it holds them all (worked out once per buffer), else ``None`` (the guard
+        reads the parameters)."""
+        if buffer is None:
+            return None
+        if self._guarded is None or self._guarded[0] is not buffer:
+            self._guarded = (buffer, flat_grads(module.parameters(), buffer))
+        return self._guarded[1]
 
     @contextmanager
     @override

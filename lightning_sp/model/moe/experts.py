@@ -18,6 +18,12 @@ values under every expert-parallel size.
 :func:`grouped_linear` runs ``torch._grouped_mm`` where it can (fp32 and bf16 with 16-byte
 aligned rows) and a loop of per-expert matmuls otherwise (float64); both compute the same
 products, and the function saves only its input and weight.
+
+With an FP8 recipe (:attr:`Experts.fp8`, set by :func:`~lightning_sp.model.fp8.attach_fp8`)
+each expert's gate, up and down projections are their own ``Float8Linear``
+(:func:`~lightning_sp.parallel.fp8_grouped.fp8_grouped_linear`): ``gate_up`` column parallel,
+``down`` row parallel over the expert tensor parallel group, SwiGLU between them in high
+precision.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from lightning_sp.model.fused import activate
 from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.model.parts.base import BuildContext
 from lightning_sp.model.spec import ACTIVATIONS
+from lightning_sp.parallel.comm import Group
+from lightning_sp.parallel.fp8 import Recipe
+from lightning_sp.parallel.fp8_grouped import fp8_grouped_linear
 from lightning_sp.parallel.init import ExpertSlice, mark_parameter
 
 SWIGLU = ACTIVATIONS["swiglu"]
@@ -142,6 +151,11 @@ class Experts(nn.Module):
         tensor_parallel = state.tensor_parallel_size > 1
         h, f = c.hidden_size, config.expert_ffn_size // t_e
         dtype, device = ctx.kwargs.get("dtype"), ctx.kwargs.get("device")
+        self.fp8: Recipe | None = None
+        """The FP8 recipe of the experts' GEMMs (``None``: the run's precision)."""
+        self.group: Group = state.tp_group if t_e > 1 else None
+        """The expert tensor parallel group over which the FP8 scales spanning the experts'
+        slices are agreed (``None`` at ``t_e = 1``)."""
         self.gate_up = nn.Parameter(torch.empty(num_local, 2 * f, h, dtype=dtype, device=device))
         self.down = nn.Parameter(torch.empty(num_local, h, f, dtype=dtype, device=device))
         for param, std, sliced in (
@@ -156,8 +170,20 @@ class Experts(nn.Module):
     def forward(self, rows: Tensor, counts: list[int], recompute_act: bool = False) -> Tensor:
         """``recompute_act`` (the ``mlp_act`` recompute module): the down projection saves
         SwiGLU's input, replaying the activation in backward."""
+        if self.fp8 is not None:
+            return self._fp8_forward(rows, counts, recompute_act)
         z = grouped_linear(rows, self.gate_up, counts)  # [N, 2f]: [gate | up] per row
         if recompute_act and torch.is_grad_enabled():
             grouped = grouped_available(z.dtype, z.shape[1] // 2, self.down.shape[1])
             return _GroupedActLinear.apply(z, self.down, counts, grouped)  # [N, h]
         return grouped_linear(activate(z, SWIGLU), self.down, counts)  # [N, f] -> [N, h]
+
+    def _fp8_forward(self, rows: Tensor, counts: list[int], recompute_act: bool) -> Tensor:
+        """:meth:`forward` with each expert's three linears in float8 (:attr:`fp8`)."""
+        recipe, group = self.fp8, self.group
+        assert recipe is not None
+        z = fp8_grouped_linear(rows, self.gate_up, counts, recipe, group, "column", splits=2)
+        if recompute_act and torch.is_grad_enabled():  # [N, 2f]: saved, SwiGLU replayed
+            return fp8_grouped_linear(z, self.down, counts, recipe, group, "row", producer=SWIGLU)
+        act = activate(z, SWIGLU)  # [N, f]
+        return fp8_grouped_linear(act, self.down, counts, recipe, group, "row")  # [N, h]

@@ -51,6 +51,7 @@ from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.model.moe.layer import TOTALS, MoE
 from lightning_sp.model.moe.metrics import routing_metrics
 from lightning_sp.model.parts.base import (
+    EVERY_RANK,
     INSIDE,
     OUTSIDE,
     REPLICATED,
@@ -64,6 +65,7 @@ from lightning_sp.model.parts.base import (
     StepTotals,
     Terms,
     activation_op,
+    float8_scale,
     tokens,
 )
 from lightning_sp.model.parts.weights import (
@@ -149,19 +151,42 @@ class MoEFeedForward(Part):
             terms["shared_down_input"] = (e * t * cfg.shared_ffn_size, INSIDE)
         return terms
 
+    def float8_terms(self, x: ActivationShape, terms: Terms, kept: set[str]) -> Terms:
+        """Under an FP8 recipe that keeps its forward casts (``tensorwise``): each routed
+        expert is its own float8 linear (:mod:`lightning_sp.parallel.fp8_grouped`), so
+        ``expert_input`` ``N·h`` and ``expert_down_input`` ``N·f_e`` keep 1 byte an element
+        and each a ``[E/e]`` fp32 scale per local expert (``4E/e`` bytes on every rank; the
+        ``mlp_act`` module drops the down input's with it); the shared experts are dense
+        float8 linears: ``shared_down_input`` ``T·f_s`` and its scale, and their gate/up keep
+        the float8 cast of the layer's input, ``shared_input`` ``T·h`` and a scale, a term
+        of its own, since the router keeps that input in high precision (``moe_input``
+        unchanged). Everything else (router, SwiGLU's input, indices, combine) is as in
+        high precision."""
+        e, local = x.activation_bytes, self.config.num_experts // x.e
+        out = super().float8_terms(x, terms, kept & {"shared_down_input"})
+        for name in ("expert_input", "expert_down_input"):
+            nbytes, region = out[name]
+            out[name] = (nbytes / e, region)
+            out[float8_scale(name)] = (4.0 * local, EVERY_RANK)
+        if self.config.num_shared_experts:
+            out["shared_input"] = (float(x.s * x.b * x.h), OUTSIDE)
+            out[float8_scale("shared_input")] = (4.0, EVERY_RANK)
+        return out
+
     def gemms(self, x: ActivationShape) -> list[Gemm]:
         """Router ``T_local x h -> E`` (``T_local`` the tokens of the rank's own sequence
         shard); the experts' grouped GEMMs at their per-expert shapes (at balance each of the
         rank's ``E/e`` experts gets ``k·T_local/E`` rows from each of the ``x.e`` ranks of its
         EP group, and under expert tensor parallelism from each of the ``t`` ranks of its TP
         group: a batch of ``E/e`` GEMMs of ``k·T_local·e·etp/E`` rows, ``f_e/etp`` wide); the
-        shared experts' TP-split GEMMs over the gathered tokens."""
+        shared experts' TP-split GEMMs over the gathered tokens. Under ``fp8`` all but the
+        router run in float8 (each expert its own float8 linear: the batch's GEMMs)."""
         cfg, h = self.config, x.h
         mine = tokens(x) // (x.t if x.sequence_parallel else 1)  # tokens this rank routes
         local, f = cfg.num_experts // x.e, cfg.expert_ffn_size // x.etp
         rows = -(-cfg.top_k * mine * x.e * x.etp // cfg.num_experts)  # per expert (fullest's)
         gemms = [
-            Gemm("router", mine, cfg.num_experts, h),
+            Gemm("router", mine, cfg.num_experts, h, high_precision=True),  # never float8
             Gemm("expert_gate_up", rows, 2 * f, h, batch=local, routed=True),
             Gemm("expert_down", rows, h, f, batch=local, routed=True),
         ]

@@ -147,6 +147,9 @@ class Gemm:
     """Whether it runs on the tokens routed to this rank (a mixture of experts' experts): its
     rows follow the tokens the rank receives, which an imbalanced router sets above the mean
     the shape states (the step-time model's ``expert_load_imbalance``)."""
+    high_precision: bool = False
+    """Whether it stays in the run's precision under ``fp8`` (a mixture of experts' router),
+    as the attention core (``tag``) does."""
 
     @property
     def flops(self) -> float:
@@ -303,6 +306,11 @@ def outside_elements(x: ActivationShape) -> float:
     return x.s // x.c * x.b * x.h / (x.t if x.sequence_parallel else 1)
 
 
+def float8_scale(term: str) -> str:
+    """The name of the scale kept beside ``term``'s float8 input: dropped with ``term``."""
+    return f"{term}_scale"
+
+
 class Part(ABC):
     """One part of a transformer layer (see the module docstring). Subclasses are frozen
     dataclasses whose fields are the part's options."""
@@ -408,6 +416,20 @@ class Part(ABC):
         kept = {lin.input_term for lin in adapted}
         dropped = frozenset(lin.input_term for lin in linears if lin.input_term) - kept
         return terms, dropped
+
+    def float8_terms(self, x: ActivationShape, terms: Terms, kept: set[str]) -> Terms:
+        """Its :meth:`saved_terms` (as the layer holds them, ``terms``) under an FP8 recipe
+        that keeps a linear's forward cast of its input (``x.fp8``,
+        :data:`~lightning_sp.parallel.fp8.KEEPS_FLOAT8_INPUT`); ``kept``: the terms its
+        linears' inputs are held under. Default: each of those ``e·N`` bytes becomes ``N`` (1
+        byte an element) and its 4-byte fp32 scale, :func:`float8_scale`, is kept on every
+        rank (:data:`EVERY_RANK`; a recompute module that drops the input drops its scale)."""
+        out: Terms = {}
+        for name, (nbytes, region) in terms.items():
+            out[name] = (nbytes / x.activation_bytes, region) if name in kept else (nbytes, region)
+            if name in kept:
+                out[float8_scale(name)] = (4.0, EVERY_RANK)
+        return out
 
     def stats_terms(self, x: ActivationShape) -> Terms:
         """Per-row statistics it saves besides :meth:`saved_terms` (a norm's mean and rstd,

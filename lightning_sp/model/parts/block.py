@@ -106,7 +106,7 @@ class Block:
                 mixer[f"{sub.name}_input"] = mixer.pop(sub.mixer.input_term)
                 kept = {f"{sub.name}_input" if n == sub.mixer.input_term else n for n in kept}
             if x.fp8 is not None and KEEPS_FLOAT8_INPUT[x.fp8]:
-                mixer = _float8_inputs(mixer, kept, x.activation_bytes)
+                mixer = sub.mixer.float8_terms(x, mixer, kept)
             terms.update(sub.norm.saved_terms(x))
             terms.update(mixer)
             terms.update(sub.residual_terms(x))
@@ -116,11 +116,13 @@ class Block:
     def stats_terms(self, x: ActivationShape, norms_recomputed: bool = False) -> Terms:
         """The norms' per-row statistics, left out of :meth:`saved_terms` (Table 2 neglects
         them); ``norms_recomputed`` (the ``layernorm`` module): the pre-norms' are not kept
-        (they are recomputed whole inside their consumers' backward)."""
+        (they are recomputed whole inside their consumers' backward) where the mixer's linears
+        read the norm (an ``input_term``); an MoE layer's norm feeds the router as well, which
+        keeps its output, so that norm runs as it is and keeps its statistics."""
         return {
             n: v
             for sub in self.sublayers
-            if not (norms_recomputed and sub.placement == "pre")
+            if not (norms_recomputed and sub.placement == "pre" and sub.mixer.input_term)
             for p in sub.parts
             for n, v in p.stats_terms(x).items()
         }
@@ -226,24 +228,3 @@ def block_of_shape(x: ActivationShape) -> Block:
             Sublayer("mlp", Norm(x.norm, "ln2"), mlp, "mlp_residual_mask"),
         )
     )
-
-
-def float8_scale(term: str) -> str:
-    """The name of the scale kept beside ``term``'s float8 input: dropped with ``term``."""
-    return f"{term}_scale"
-
-
-def _float8_inputs(terms: Terms, kept: set[str], e: float) -> Terms:
-    """``terms`` with each input its linears keep in float8 (an FP8 recipe that keeps its
-    forward cast, :data:`~lightning_sp.parallel.fp8.KEEPS_FLOAT8_INPUT`): ``e·N`` bytes become
-    ``N`` (1 byte an element), and its 4-byte fp32 scale, ``<term>_scale``, is kept on every
-    rank (:data:`~lightning_sp.model.parts.base.EVERY_RANK`), named :func:`float8_scale` (a
-    recompute module that drops the input drops its scale)."""
-    out: Terms = {}
-    for name, (nbytes, region) in terms.items():
-        if name in kept:
-            out[name] = (nbytes / e, region)
-            out[float8_scale(name)] = (4.0, EVERY_RANK)
-        else:
-            out[name] = (nbytes, region)
-    return out

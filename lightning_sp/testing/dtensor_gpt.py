@@ -1,4 +1,5 @@
-"""The comparison: the same GPT written in plain PyTorch and parallelised with DTensor.
+"""The comparison: the same GPT written in plain PyTorch and parallelised with DTensor (what
+the benchmarks measure ours against; ``tests/test_benchmarks.py`` checks it equals our GPT).
 
 This is what a user who does not use this project would write: ``nn.Linear`` /
 ``nn.LayerNorm`` / ``nn.Embedding`` modules, ``F.dropout``, ``torch.utils.checkpoint`` for
@@ -36,8 +37,12 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from lightning_sp.model.config import GPTConfig
 from lightning_sp.parallel.layers import interleave
+
+GPTConfig = Any
+"""A :class:`lightning_sp.model.config.GPTConfig`, named loosely (``testing`` sits below
+``model`` in the layers of ``tests/test_imports.py``); read: the sizes, the dropouts,
+``attention``, ``layernorm_eps`` and ``layer_recompute(n).name``."""
 
 
 def dropout(x: Tensor, p: float, training: bool, native: bool = False) -> Tensor:
