@@ -283,8 +283,8 @@ MUTATIONS = (
         (
             (
                 "lightning_sp/training/gpt_module.py",
-                "sharded = buffer is not None and buffer.distributed",
-                "sharded = False",
+                "flat, sharded = self._clipped[1], buffer is not None and buffer.distributed",
+                "flat, sharded = self._clipped[1], False",
             ),
         ),
         ("tests/test_clipping.py",),
