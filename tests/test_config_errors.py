@@ -420,3 +420,37 @@ def test_moe_sft_with_accumulation_is_refused_before_launch(tmp_path) -> None:
          "--trainer.default_root_dir", str(tmp_path)],
     )  # fmt: skip
     assert message.endswith("or num_microbatches with pipeline parallelism)"), message
+
+
+def test_expert_sizes_on_a_dense_model_are_refused_before_launch(tmp_path) -> None:
+    """Issue 40: ``expert_parallel_size 2`` on a dense model trained without a word (the
+    layout's expert sizes were read only by an MoE part). The one model x layout check
+    refuses both expert sizes, so ``fit`` stops before launch with one line."""
+    from lightning_sp.cli import main as cli
+
+    from cli_runs import ROOT
+
+    dense = tiny_config(num_heads=4, hidden_size=32)
+    for name, layout in (
+        ("expert_parallel_size", ParallelConfig(expert_parallel_size=2, data_parallel_size=2)),
+        ("expert_tensor_parallel_size",
+         ParallelConfig(tensor_parallel_size=2, expert_tensor_parallel_size=2)),
+    ):  # fmt: skip
+        try:
+            check_model_layout(dense, layout)
+        except ConfigError as error:
+            message = str(error)
+        else:
+            raise AssertionError(f"a dense model took {name}=2 without a word (ignored)")
+        assert message == (
+            f"{name}=2 shares out the experts of a mixture-of-experts model, but "
+            f"feed_forward='dense' has none; set {name}=1 (or feed_forward: moe)"
+        ), f"a dense model took {name}=2 (ignored): {message}"
+    message = _raises(
+        r"^expert_parallel_size=2 shares out the experts", cli.main,
+        ["fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
+         "--trainer.strategy.init_args.tensor_parallel_size", "1",
+         "--trainer.strategy.init_args.expert_parallel_size", "2",
+         "--trainer.default_root_dir", str(tmp_path)],
+    )  # fmt: skip
+    assert message.endswith("set expert_parallel_size=1 (or feed_forward: moe)"), message

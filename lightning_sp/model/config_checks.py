@@ -48,7 +48,22 @@ def check_model_layout(config: Any, layout: ParallelConfig, *, split_sequence: b
         layout.check_sequence_length(config.seq_length, config.sequence_parallel)
     if config.feed_forward == "moe":
         config.moe.check_layout(layout, config.sequence_parallel)
+    else:
+        _check_no_experts(config.feed_forward, layout)
     check_fp8_layout(config, layout)
+
+
+def _check_no_experts(feed_forward: str, layout: ParallelConfig) -> None:
+    """A model without experts takes no expert layout: ``expert_parallel_size`` or
+    ``expert_tensor_parallel_size`` above 1 would be ignored (issue 40): :class:`ConfigError`,
+    one line."""
+    for name in ("expert_parallel_size", "expert_tensor_parallel_size"):
+        size = getattr(layout, name)
+        if size > 1:
+            raise ConfigError(
+                f"{name}={size} shares out the experts of a mixture-of-experts model, but "
+                f"feed_forward={feed_forward!r} has none; set {name}=1 (or feed_forward: moe)"
+            )
 
 
 def check_config(config: Any) -> None:

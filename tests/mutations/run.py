@@ -44,19 +44,14 @@ MUTATIONS = (
         (
             (
                 "lightning_sp/parallel/layers.py",
-                "        ctx.save_for_backward(x, norm_weight, norm_bias, *weights)\n",
-                "",
+                "        ctx.save_for_backward(kept, norm_weight, norm_bias, *saved, *weights)\n",
+                "        ctx.save_for_backward(kept, norm_weight, norm_bias, *saved, *weights, "
+                "full)\n",
             ),
             (
                 "lightning_sp/parallel/layers.py",
-                "  # [s, b, k]\n        out = torch.matmul(full,",
-                "  # [s, b, k]\n        ctx.save_for_backward(x, norm_weight, norm_bias, *weights, "
-                "full)\n        out = torch.matmul(full,",
-            ),
-            (
-                "lightning_sp/parallel/layers.py",
-                "        x, norm_weight, norm_bias, *weights = ctx.saved_tensors",
-                "        x, norm_weight, norm_bias, *weights, _ = ctx.saved_tensors",
+                "        x, norm_weight, norm_bias, *rest = ctx.saved_tensors\n",
+                "        x, norm_weight, norm_bias, *rest, _ = ctx.saved_tensors\n",
             ),
         ),
         ("tests/test_activation_bytes.py", "-k", "t2-tensor_sequence_parallel_selective"),
@@ -288,8 +283,8 @@ MUTATIONS = (
         (
             (
                 "lightning_sp/training/gpt_module.py",
-                "sharded = buffer is not None and buffer.distributed",
-                "sharded = False",
+                "flat, sharded = self._clipped[1], buffer is not None and buffer.distributed",
+                "flat, sharded = self._clipped[1], False",
             ),
         ),
         ("tests/test_clipping.py",),
@@ -536,9 +531,9 @@ MUTATIONS = (
         (
             (
                 "lightning_sp/training/gpt_module.py",
-                "            if self._token_mean is None or batch_idx % "
-                "self.trainer.accumulate_grad_batches == 0:",
-                "            if True:",
+                "            self._token_mean is None or batch_idx % "
+                "self.trainer.accumulate_grad_batches == 0\n        ):",
+                "            True\n        ):",
             ),
         ),
         ("tests/test_token_mean.py", "-k", "accumulation"),
@@ -696,6 +691,34 @@ MUTATIONS = (
         r"the pre-launch check dropped expert_tensor_parallel_size",
     ),
     # -- issue 44: the fit step's host reads, FP8's agreed scales ------------------------------
+    Mutation(
+        "resume_check_skips_moe",
+        "the resume check compares every architecture field but moe: a checkpoint of another "
+        "num_experts or top_k is accepted",
+        (
+            (
+                "lightning_sp/model/architecture.py",
+                "            if mine == theirs:\n                continue\n",
+                '            if mine == theirs or f.name == "moe":\n                continue\n',
+            ),
+        ),
+        ("tests/test_checkpoint_architecture.py", "-k", "another_moe_shape"),
+        r"the resume check accepted a checkpoint trained with another moe",
+    ),
+    Mutation(
+        "dense_takes_expert_layout",
+        "a dense model takes expert_parallel_size / expert_tensor_parallel_size > 1 without a "
+        "word (ignored)",
+        (
+            (
+                "lightning_sp/model/config_checks.py",
+                "    else:\n        _check_no_experts(config.feed_forward, layout)\n",
+                "",
+            ),
+        ),
+        ("tests/test_config_errors.py", "-k", "dense_model"),
+        r"a dense model took expert_parallel_size=2 without a word",
+    ),
     Mutation(
         "loss_on_the_bar_every_step",
         "train/loss logged with prog_bar=True again: Lightning reads it to a number at the end "
