@@ -71,3 +71,32 @@ def test_the_guard_reads_a_gradient_buffer_whole() -> None:
     del layer.bias.main_grad  # the parameters alone no longer show it: only the storage does
     with pytest.raises(NonFiniteError, match=r"non-finite gradient norm .* at step 3"):
         guard.check(loss, layer, optimizer, step=3, grads=flat)
+
+
+def test_state_moved_after_the_step_is_checked_before_the_next_update() -> None:
+    """Issue 40, item 3: the MoE routers' expert biases move after the optimizer step, outside
+    the gradients; a non-finite bias (an infinite ``bias_update_rate`` once saved
+    ``[nan, inf, ...]`` in last.ckpt) stops the run at the next step, in the same one read,
+    naming it; the walk finds the biases through the generic hook, not the MoE module."""
+    import dataclasses
+
+    from lightning_sp import GPT, GPTConfig
+    from lightning_sp.model.hooks import stepped_modules, stepped_state
+    from lightning_sp.model.moe.config import MoEConfig
+
+    moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=16, expert_bias=True)
+    config = GPTConfig.of("llama", vocab_size=64, seq_length=8, hidden_size=16, num_layers=2,
+                          num_heads=2, feed_forward="moe", moe=moe)  # fmt: skip
+    model = GPT(config, ParallelState.single(), dtype=torch.float32)
+    state = stepped_state(stepped_modules(model))
+    assert len(state) == 2, f"expected the 2 layers' expert biases, found {len(state)} tensors"
+    dense = GPT(dataclasses.replace(config, feed_forward="dense", moe=None), ParallelState.single())
+    assert stepped_state(stepped_modules(dense)) == [], "a dense model moves no state per step"
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = NonFiniteGuard("stop")
+    assert guard.check(torch.tensor(1.0), model, optimizer, step=3, state=state), "finite: steps"
+    state[1][2] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"state moved after the last optimizer step \(rank "
+                       r"0\) at step 4") as stopped:  # fmt: skip
+        guard.check(torch.tensor(1.0), model, optimizer, step=4, state=state)
+    assert "\n" not in str(stopped.value), "the stop is one line"

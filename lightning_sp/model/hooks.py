@@ -58,6 +58,10 @@ class AfterOptimizerStep(Protocol):
         every rank holding the module calls it (a no-op where the module's settings have no
         such state)."""
 
+    def stepped_state(self) -> list[Tensor]:
+        """The tensors :meth:`after_optimizer_step` moves (none where its settings move
+        nothing): the non-finite guard checks them at the next step, before its update."""
+
 
 @runtime_checkable
 class CountsStepTotals(Protocol):
@@ -106,6 +110,12 @@ def after_optimizer_step(module: nn.Module, stepped: list[nn.Module] | None = No
     the stage calls it."""
     for m in stepped if stepped is not None else stepped_modules(module):
         m.after_optimizer_step()  # type: ignore[operator]
+
+
+def stepped_state(stepped: list[nn.Module]) -> list[Tensor]:
+    """The tensors the modules ``stepped`` (from :func:`stepped_modules`) move after each
+    optimizer step."""
+    return [t for m in stepped for t in m.stepped_state()]  # type: ignore[operator]
 
 
 def step_metrics(module: nn.Module, state: ParallelState, config: GPTConfig) -> dict[str, Tensor]:

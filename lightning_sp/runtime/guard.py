@@ -1,9 +1,11 @@
 """The non-finite guard: a NaN or Inf loss or gradient never reaches the weights unnoticed.
 
 After forward, backward and the gradient reductions of a step, every rank tells every other
-whether its loss and its gradient norm are finite (one all-gather of two flags per rank, and
-of a stop signal it may have received: :mod:`lightning_sp.runtime.shutdown`). If any
-is not, the policy decides, identically on every rank:
+whether its loss, its gradient norm and the state moved after the previous optimizer step (the
+MoE routers' expert biases: :class:`~lightning_sp.model.hooks.AfterOptimizerStep`) are finite
+(one all-gather of three flags per rank, and of a stop signal it may have received:
+:mod:`lightning_sp.runtime.shutdown`). If any is not, the policy decides, identically on every
+rank:
 
 * ``stop``: raise :class:`NonFiniteError`, one line naming the step, the ranks and the
   quantity. The optimizer has not stepped and no checkpoint of that state is written.
@@ -51,17 +53,23 @@ def _grad_norm_nonfinite(module: nn.Module, grads: list[Tensor] | None) -> Tenso
     return ~torch.isfinite(torch.stack([n.float() for n in norms]).norm())
 
 
-def _nonfinite_code(loss: Tensor | None, module: nn.Module, grads: list[Tensor] | None) -> int:
-    """``1·(loss not finite) + 2·(gradient norm not finite)``, read from the device once (the
-    step's one host-device synchronisation)."""
-    code: Tensor | None = None
+def _nonfinite_code(
+    loss: Tensor | None, module: nn.Module, grads: list[Tensor] | None, state: list[Tensor]
+) -> int:
+    """``1·(loss not finite) + 2·(gradient norm not finite) + 4·(some tensor of state not
+    finite)``, read from the device once (the step's one host-device synchronisation)."""
+    flags: list[Tensor] = []
     if loss is not None:
-        code = (~torch.isfinite(loss.detach()).all()).to(torch.int32)
+        flags.append((~torch.isfinite(loss.detach()).all()).to(torch.int32))
     grad = _grad_norm_nonfinite(module, grads)
     if grad is not None:
-        grad = grad.to(torch.int32) * 2
-        code = grad if code is None else code + grad.to(code.device)
-    return 0 if code is None else int(code)
+        flags.append(grad.to(torch.int32) * 2)
+    if state:
+        bad = torch.stack([~torch.isfinite(t).all() for t in state]).any()
+        flags.append(bad.to(torch.int32) * 4)
+    if not flags:
+        return 0
+    return int(sum(f.to(flags[0].device) for f in flags[1:]) + flags[0])
 
 
 class NonFiniteGuard:
@@ -82,28 +90,31 @@ class NonFiniteGuard:
         step: int,
         stop_signal: int = 0,
         grads: list[Tensor] | None = None,
+        state: list[Tensor] | None = None,
     ) -> bool:
         """True if the step may update the weights; False to skip it (its gradients are
         zeroed); raises :class:`NonFiniteError` to stop. ``stop_signal``: a signal this rank
         received (0: none), exchanged in the same all-gather; afterwards ``self.stop_signal``
         holds the largest any rank reported, the same on every rank. ``grads``: tensors that
         hold every gradient of ``module`` (a gradient buffer's flat storage), read instead of
-        the parameters one by one."""
-        code = _nonfinite_code(_loss_of(result), module, grads)
-        flags = torch.tensor([code & 1, code >> 1, stop_signal], dtype=torch.int32)
+        the parameters one by one. ``state``: tensors moved after the previous optimizer step
+        (:func:`~lightning_sp.model.hooks.stepped_state`)."""
+        code = _nonfinite_code(_loss_of(result), module, grads, state or [])
+        flags = torch.tensor([code & 1, code >> 1 & 1, code >> 2, stop_signal], dtype=torch.int32)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world > 1:
             gathered = [torch.zeros_like(flags) for _ in range(world)]
             dist.all_gather(gathered, flags)
-            rows = [g.tolist() for g in gathered]  # [rank][(loss, grad, signal)]
+            rows = [g.tolist() for g in gathered]  # [rank][(loss, grad, state, signal)]
         else:
             rows = [flags.tolist()]
-        self.stop_signal = max(row[2] for row in rows)
-        if not any(row[0] or row[1] for row in rows):
+        self.stop_signal = max(row[3] for row in rows)
+        if not any(row[0] or row[1] or row[2] for row in rows):
             self.skipped = 0
             return True
         parts = []
-        for i, name in enumerate(("loss", "gradient norm")):
+        names = ("loss", "gradient norm", "state moved after the last optimizer step")
+        for i, name in enumerate(names):
             ranks = [rank for rank, row in enumerate(rows) if row[i]]
             if ranks:
                 parts.append(f"{name} (rank {', '.join(str(r) for r in ranks)})")

@@ -44,6 +44,7 @@ from typing_extensions import override
 from lightning_sp.checkpoint import Checkpointer
 from lightning_sp.checkpoint.checkpointer import resumable_loader
 from lightning_sp.errors import ConfigError
+from lightning_sp.model.hooks import stepped_modules, stepped_state
 from lightning_sp.optim.adamw import grad_buffer_of
 from lightning_sp.parallel.buffer import DEFAULT_BUCKET_NUMEL, GradBuffer, GradBufferConfig
 from lightning_sp.parallel.grads import finalize_grads, flat_grads
@@ -176,6 +177,8 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         self.grad_buffer = GradBufferConfig(bucket_size, overlap_grad_reduce, distributed_optimizer)
         """How gradients are bucketed and reduced; the module's optimizer builds its buffer
         from this record."""
+        self._stepped: tuple[torch.nn.Module, list[torch.Tensor]] | None = None
+        """The module the guard last read and the state it moves after each step."""
         self._guarded: tuple[GradBuffer, list[torch.Tensor] | None] | None = None
         """The buffer the guard last read and its flat storage (``flat_grads``, once per
         buffer: the per-parameter walk does not run every step)."""
@@ -260,8 +263,9 @@ class MegatronSPStrategy(ProcessGroupStrategy):
         pl_module = self.lightning_module
         step = pl_module.trainer.global_step if pl_module is not None else 0
         ok = self.guard.check(
-            result, module, optimizer, step, shutdown.received(), self._guard_grads(module, buffer)
-        )
+            result, module, optimizer, step, shutdown.received(),
+            self._guard_grads(module, buffer), self._guard_state(module),
+        )  # fmt: skip
         if self.guard.stop_signal and pl_module is not None:  # every rank stops after this step
             shutdown.agree(self.guard.stop_signal)
             pl_module.trainer.should_stop = True
@@ -270,6 +274,13 @@ class MegatronSPStrategy(ProcessGroupStrategy):
                 pl_module.log("train/skipped_steps", float(self.guard.total_skipped))
             return result
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+    def _guard_state(self, module: torch.nn.Module) -> list[torch.Tensor]:
+        """The tensors ``module``'s modules move after each optimizer step (the MoE routers'
+        expert biases), found once per module: the guard checks them finite at every step."""
+        if self._stepped is None or self._stepped[0] is not module:
+            self._stepped = (module, stepped_state(stepped_modules(module)))
+        return self._stepped[1]
 
     def _guard_grads(
         self, module: torch.nn.Module, buffer: GradBuffer | None

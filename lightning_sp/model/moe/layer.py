@@ -201,6 +201,12 @@ class MoE(nn.Module):
         if self.config.expert_bias:
             self.update_expert_bias()
 
+    def stepped_state(self) -> list[Tensor]:
+        """The router's expert biases where ``expert_bias`` moves them (the hook
+        :class:`~lightning_sp.model.hooks.AfterOptimizerStep`), else none."""
+        bias = self.router.expert_bias
+        return [bias] if bias is not None else []
+
     def take_step_totals(self) -> Tensor | None:
         """:attr:`totals`, then reset to zero (the hook :class:`~lightning_sp.model.hooks.
         CountsStepTotals`; the part declares their width and metrics:
