@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_sp.parallel.grads import grad_of
+
 POLICIES = ("stop", "skip")
 
 
@@ -41,12 +43,7 @@ def _grad_norm_nonfinite(module: nn.Module, grads: list[Tensor] | None) -> Tenso
     of ``grads``, the storage that holds them all) is not finite; ``None`` without
     gradients."""
     if grads is None:
-        grads = []
-        for param in module.parameters():
-            grad = getattr(param, "main_grad", None)
-            grad = grad if grad is not None else param.grad
-            if grad is not None:
-                grads.append(grad)
+        grads = [g for p in module.parameters() if (g := grad_of(p)) is not None]
     if not grads:
         return None
     norms = torch._foreach_norm(grads)
@@ -69,7 +66,7 @@ def _nonfinite_code(
         flags.append(bad.to(torch.int32) * 4)
     if not flags:
         return 0
-    return int(sum(f.to(flags[0].device) for f in flags[1:]) + flags[0])
+    return int(torch.stack([f.to(flags[0].device) for f in flags]).sum())
 
 
 class NonFiniteGuard:
