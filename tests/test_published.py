@@ -30,16 +30,16 @@ from lightning_sp.planner.report import to_json
 RUNS = {run.name: run for run in published_runs()}
 
 PINNED = {  # deviation on the row's preset, on the other preset of its hardware
-    "megatron-h100-1.7B": (-0.2758, -0.1834),
-    "megatron-h100-7.1B": (-0.2684, -0.1556),
-    "megatron-h100-16B": (-0.0717, +0.0282),
-    "megatron-h100-32B": (+0.2156, +0.3081),
-    "megatron-h100-70B": (-0.0597, +0.0488),
-    "megatron-h100-119B": (-0.1177, +0.0168),
-    "megatron-h100-177B": (-0.1337, +0.0101),
-    "megatron-h100-314B": (-0.0973, +0.0650),
-    "megatron-h100-462B": (-0.1248, +0.0423),
-    "mcore-mixtral-8x7b": (-0.2279, -0.0963),
+    "megatron-h100-1.7B": (-0.2507, -0.1583),
+    "megatron-h100-7.1B": (-0.2538, -0.1379),
+    "megatron-h100-16B": (-0.0617, +0.0382),
+    "megatron-h100-32B": (+0.2239, +0.3164),
+    "megatron-h100-70B": (-0.0506, +0.0579),
+    "megatron-h100-119B": (-0.1093, +0.0251),
+    "megatron-h100-177B": (-0.1261, +0.0177),
+    "megatron-h100-314B": (-0.0909, +0.0714),
+    "megatron-h100-462B": (-0.1191, +0.0480),
+    "mcore-mixtral-8x7b": (-0.2397, -0.1081),
     "paper-22B-full": (-0.0256, -0.1468),
     "paper-22B-sp-selective": (-0.0535, -0.1732),
     "paper-175B-full": (+0.0224, -0.1297),
@@ -60,7 +60,7 @@ OTHER = {"h100-80gb": "h100-realised", "selene": "a100-80gb"}
 WITHIN_10 = {
     "h100-realised": {
         "megatron-h100-16B", "megatron-h100-70B", "megatron-h100-119B", "megatron-h100-177B",
-        "megatron-h100-314B", "megatron-h100-462B", "mcore-mixtral-8x7b",
+        "megatron-h100-314B", "megatron-h100-462B",
     },
     "selene": {name for name in PINNED if name.startswith("paper-")},
 }  # fmt: skip
@@ -191,21 +191,21 @@ def test_table4_order() -> None:
 
 def test_megatron_h100_mfu_order() -> None:
     """Megatron-LM's H100 table orders its nine models by achieved TFLOP/s per GPU (16B
-    first, 1.7B last); the planner's order agrees only weakly (rho 0.35 on both H100
-    presets) and puts 16B third: the small non-pipelined rows are predicted too fast and 32B
-    too slow (docs/planner.md)."""
+    first, 1.7B last); the planner's order agrees only weakly (rho 0.25 on h100-80gb, 16B
+    fifth; 0.35 on h100-realised, 16B third): the small non-pipelined rows are predicted too
+    fast and 32B too slow (docs/planner.md)."""
     runs = [r for r in RUNS.values() if r.group.startswith("Megatron-LM")]
-    for preset in ("h100-80gb", "h100-realised"):
+    for preset, rho, lands in (("h100-80gb", 0.25, 5), ("h100-realised", 0.35, 3)):
         cmp = runs_comparison(runs, preset, per_flop=True)
-        assert cmp.rho == pytest.approx(0.35, abs=0.01), preset
-        assert cmp.published_best == "megatron-h100-16B" and cmp.best_lands == 3
+        assert cmp.rho == pytest.approx(rho, abs=0.01), preset
+        assert cmp.published_best == "megatron-h100-16B" and cmp.best_lands == lands, preset
 
 
 def test_32b_is_out_of_reach_at_micro_batch_one() -> None:
     """Megatron's 32B row (t = 8, p = 1, d = 48) as assumed, four accumulated micro-batches of
     one: its fp32 reduce-scatter (15.7 GB a rank) and bf16 all-gather run over one adapter per
     node and overlap only the last backward and the first forward. Even with every rate at
-    its upper bound (best-shape GEMMs, the adapters at their line rate) the step is 8.5%
+    its upper bound (best-shape GEMMs, the adapters at their line rate) the step is 9.3%
     longer than the published one, so the row stays outside (docs/planner.md, "The three rows
     still outside"); the exposed reduction is what a larger micro-batch would hide."""
     import dataclasses
@@ -218,7 +218,7 @@ def test_32b_is_out_of_reach_at_micro_batch_one() -> None:
     from lightning_sp.planner.steptime import step_time
 
     best = step_time(run.layout, ceiling)
-    assert best.iteration_seconds / run.published_seconds() - 1 == pytest.approx(0.085, abs=0.002)
-    assert best.parts["dp_exposed"] == pytest.approx(0.310, abs=0.002), best.parts["dp_exposed"]
+    assert best.iteration_seconds / run.published_seconds() - 1 == pytest.approx(0.093, abs=0.002)
+    assert best.parts["dp_exposed"] == pytest.approx(0.308, abs=0.002), best.parts["dp_exposed"]
     one = dataclasses.replace(run.layout, micro_batch_size=4, accumulate_grad_batches=1)
     assert step_time(one, ceiling).parts["dp_exposed"] == 0.0, "one micro-batch hides it all"

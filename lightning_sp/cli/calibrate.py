@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{cluster.calibration.device}: {len(cluster.calibration.kernels)} kernels measured; "
         f"best GEMM {cluster.gemm_flops / 1e12:.3g} TFLOP/s ({cluster.gemm_efficiency:.1%} of "
         f"{cluster.peak_flops / 1e12:.4g}), copy {cluster.memory_rate / 1e9:.4g} GB/s "
-        f"({cluster.hbm_efficiency:.1%}); wrote {args.out} "
+        f"({cluster.hbm_efficiency:.1%}), attention dropout x"
+        f"{cluster.flash_attention_dropout_cost:.3f}; wrote {args.out} "
         f"(lightning-sp estimate ... --cluster {args.out})"
     )
     return 0

@@ -9,7 +9,9 @@ Measures, in bf16 on a GPU (fp32 on a CPU, whose bf16 matmul is emulated):
   gradient; :func:`lightning_sp.planner.ops.layer_gemms`) and of its output layer, for each
   ``--tensor_parallel_sizes`` x ``--micro_batch_sizes``;
 * the fused attention core (``F.scaled_dot_product_attention``, causal, forward + backward)
-  at the same sizes;
+  at the same sizes, and, when the config has attention dropout, the same calls with its
+  ``dropout_p``: their total time over the total without is the cluster's
+  ``flash_attention_dropout_cost``;
 
 and writes a cluster YAML (``--out``): the ``--base`` preset's figures with the measured
 efficiencies, and the measured kernels as a calibration table. ``lightning-sp estimate
@@ -81,10 +83,17 @@ def gemm_time(gemm: Gemm, device: torch.device, seconds: float) -> float:
 
 
 def attention_time(
-    seq: int, head_dim: int, heads: int, device: torch.device, seconds: float
+    seq: int,
+    head_dim: int,
+    heads: int,
+    device: torch.device,
+    seconds: float,
+    dropout_p: float = 0.0,
 ) -> float:
     """Seconds of a causal ``scaled_dot_product_attention`` forward + backward over ``heads``
-    heads of ``seq x head_dim`` (:func:`dtype_for`)."""
+    heads of ``seq x head_dim`` (:func:`dtype_for`), with attention dropout ``dropout_p``.
+    The gradients are returned, not accumulated into the inputs (the model's core runs no
+    such adds)."""
     q, k, v = (
         torch.randn(
             1, heads, seq, head_dim, device=device, dtype=dtype_for(device), requires_grad=True
@@ -94,8 +103,10 @@ def attention_time(
     grad = torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype_for(device))
 
     def step() -> None:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out.backward(grad)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=True
+        )
+        torch.autograd.grad(out, (q, k, v), grad)
 
     return time_it(step, device, seconds)
 
@@ -132,6 +143,7 @@ def calibrate(
     )
     bandwidth = copy_bandwidth(device, copy_bytes, seconds)
     measured: dict[tuple[str, int, int, int, int], float] = {}
+    with_dropout: list[float] = []  # the attention shapes again, with the config's dropout
     for t in tensor_parallel_sizes:
         for b in micro_batch_sizes:
             for g in model_gemms(config, t, b):
@@ -141,9 +153,10 @@ def calibrate(
             heads = b * config.num_heads // t
             key = ("attention", config.seq_length, config.head_dim, 0, heads)
             if key not in measured:
-                measured[key] = attention_time(
-                    config.seq_length, config.head_dim, heads, device, seconds
-                )
+                shape = (config.seq_length, config.head_dim, heads, device, seconds)
+                measured[key] = attention_time(*shape)
+                if config.attention_dropout > 0:
+                    with_dropout.append(attention_time(*shape, config.attention_dropout))
     kernels = [
         {"kind": kind, "m": m, "n": n, "k": k, "batch": batch, "seconds": sec}
         for (kind, m, n, k, batch), sec in measured.items()
@@ -162,6 +175,9 @@ def calibrate(
             "hbm_bandwidth": bandwidth,
             "hbm_efficiency": 1.0,
         }
+    if with_dropout:  # the same shapes' total time with dropout over without
+        without = sum(sec for (kind, *_), sec in measured.items() if kind == "attention")
+        figures["flash_attention_dropout_cost"] = sum(with_dropout) / without
     return {
         "base": base.name,
         **figures,

@@ -49,7 +49,20 @@ Sources (quoted by the comments below):
   figure below is what it finds. It is fitted to Table 4 only, never to Table 5.
 * [FA2] T. Dao, *FlashAttention-2* (2023): forward + backward reaches 50-73% of the A100's
   peak (the low end is used). [FA3] J. Shah et al., *FlashAttention-3* (2024):
-  FlashAttention-2 reaches 35% of the H100's peak.
+  FlashAttention-2 reaches 35% of the H100's peak (what the Hopper presets used before
+  [H200-SDPA]).
+* [H200-SDPA] This project's measurement on one H200 (the H100 SXM's 132 SMs and dense BF16
+  peak; attention is compute-bound, so the figures carry to the H100 as the presets carry
+  A100 ratios), torch 2.11, PyTorch's SDPA flash kernel, causal, d = 128:
+  ``benchmarks/results/gpu/session3/step_profile.json`` (``python -m benchmarks.step_profile``),
+  torch.profiler kernel time per forward + backward of this project's GPT at Megatron-LM's
+  1.7B shape (s = 4096, h = 2048, 24 layers, 16 heads, b = 1): the fused attention kernels
+  took 13.52 ms without attention dropout (``published-1.7B-nodrop``) and 19.51 ms with
+  dropout 0.1 (``published-1.7B``), 1.443x. 13.52 ms over the 24 layers' 5.77 TFLOP (causal
+  half of ``4·s²·d`` per head forward, backward 2.5x) is 426.9 TFLOP/s, 43.2% of 989; at
+  s = 2048, b = 4 (``gpu_1b``, dropout 0) the same kernel ran 13.96 ms, 41.8%. (The
+  ``calibrate`` harness's 342 TFLOP/s at s = 2048 timed the call on the wall clock with the
+  gradients accumulated into the leaves: three extra adds the model does not run.)
 
 A cluster is a preset name (:data:`PRESETS`) or a YAML file of :class:`Cluster` fields
 (``base: a100-80gb`` starts from a preset); a calibration file written by
@@ -181,7 +194,15 @@ class Cluster:
 
     flash_attention_efficiency: float
     """Fraction of ``peak_flops`` a fused (flash) attention kernel reaches, forward +
-    backward (``attention: sdpa``)."""
+    backward (``attention: sdpa``), without attention dropout
+    (:attr:`flash_attention_dropout_cost` prices that)."""
+
+    flash_attention_dropout_cost: float = 1.0
+    """The fused attention kernel's forward + backward time with attention dropout over its
+    time without, at the same shapes: what drawing and applying a dropout mask per score
+    inside the kernel costs. Priced when a layout's ``attention_dropout > 0``
+    (:func:`~lightning_sp.planner.kernels.flash_attention_seconds`); 1.0 where unmeasured.
+    ``lightning-sp calibrate`` measures it when its config has attention dropout."""
 
     fp8_peak_flops: float | None = None
     """Dense FP8 Tensor Core peak of one GPU, FLOP/s (datasheet); None: no FP8 GEMMs (an
@@ -273,6 +294,7 @@ A100_80GB = Cluster(
     nvlink_efficiency=235 / 300,  # [NCCL-A100]
     network_efficiency=0.80,  # [NET80]
     flash_attention_efficiency=0.50,  # [FA2]
+    flash_attention_dropout_cost=1.0,  # unmeasured on A100: no published figure found
 )
 """The paper's Selene: DGX A100 80GB nodes of 8, 8 x HDR InfiniBand per node."""
 
@@ -290,7 +312,8 @@ H100_80GB = Cluster(
     hbm_efficiency=1.80 / 2.04,  # [HBM-A100], the same fraction
     nvlink_efficiency=365.6 / 450,  # [NCCL-H]
     network_efficiency=0.80,  # [NET80]
-    flash_attention_efficiency=0.35,  # [FA3]
+    flash_attention_efficiency=426.9 / 989,  # [H200-SDPA] no dropout, s = 4096
+    flash_attention_dropout_cost=19.51 / 13.52,  # [H200-SDPA] dropout 0.1 over none
 )
 """DGX H100 nodes of 8, 8 x NDR InfiniBand per node."""
 
@@ -300,7 +323,8 @@ of the paper's 2022 software (70.3% of peak) in place of the best-shape 85.9%.""
 
 H200 = dataclasses.replace(H100_80GB, name="h200", hbm_bytes=141 * GB, hbm_bandwidth=4800 * GB)
 """DGX H200 nodes of 8: ``h100-80gb`` with the H200's memory, 141 GB at 4.8 TB/s [H200-DS]; the
-efficiencies are the H100's (the same chip), not measured on an H200."""
+efficiencies are the H100's (the same chip); the fused attention kernel's rate and dropout cost,
+which both carry, were measured on an H200 ([H200-SDPA])."""
 
 H100_REALISED = dataclasses.replace(
     H100_80GB,

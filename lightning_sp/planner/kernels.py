@@ -58,18 +58,21 @@ def memory_seconds(cluster: Cluster, nbytes: float) -> float:
 
 
 def flash_attention_seconds(
-    cluster: Cluster, seq: int, head_dim: int, heads: int
+    cluster: Cluster, seq: int, head_dim: int, heads: int, dropout: bool = False
 ) -> tuple[float, float]:
     """``(forward, backward)`` seconds of a fused causal attention kernel over ``heads``
     (micro-batch x heads per rank) heads: measured if calibrated, else the FLOPs it executes
     (causal: half of ``4·s²·d`` per head forward; backward 2.5x forward, five matmuls to two,
-    one of them the recomputed ``QKᵀ``) at ``flash_attention_efficiency`` of the peak."""
+    one of them the recomputed ``QKᵀ``) at ``flash_attention_efficiency`` of the peak. With
+    ``dropout`` (attention dropout inside the kernel) both times ``x
+    flash_attention_dropout_cost`` (the calibration table's times are without dropout)."""
+    cost = cluster.flash_attention_dropout_cost if dropout else 1.0
     measured = cluster.calibration.lookup("attention", seq, head_dim, 0, heads)
     if measured is not None:
-        return measured / 3.5, measured * 2.5 / 3.5
+        return cost * measured / 3.5, cost * measured * 2.5 / 3.5
     forward = 0.5 * 4.0 * seq * seq * head_dim * heads
     rate = cluster.peak_flops * cluster.flash_attention_efficiency
-    return forward / rate, 2.5 * forward / rate
+    return cost * forward / rate, cost * 2.5 * forward / rate
 
 
 def masked_attention_seconds(
@@ -78,8 +81,9 @@ def masked_attention_seconds(
     """``(forward, backward)`` seconds of a fused attention kernel under an explicit mask over
     ``pairs`` query-key pairs per head (every pair computed, none skipped): ``4·pairs·d`` FLOPs
     per head forward, backward 2.5x, at ``flash_attention_efficiency`` of the peak (the
-    context-parallel core's ``sdpa`` chunks; no separate published figure for the
-    memory-efficient kernel a mask selects, so the flash one is used)."""
+    context-parallel core's ``sdpa`` chunks, which it runs without dropout; no separate
+    published figure for the memory-efficient kernel a mask selects, so the flash one is
+    used)."""
     forward = 4.0 * pairs * head_dim * heads
     rate = cluster.peak_flops * cluster.flash_attention_efficiency
     return forward / rate, 2.5 * forward / rate

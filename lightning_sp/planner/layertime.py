@@ -7,7 +7,8 @@ kernels, :mod:`lightning_sp.planner.kernels` times them):
 
 * **compute**: the forward GEMMs; backward, a data- and a weight-gradient GEMM for each; with
   ``attention: sdpa`` the attention core is one fused kernel instead of two GEMMs and the
-  softmax/dropout kernels;
+  softmax/dropout kernels (its attention dropout at the cluster's
+  ``flash_attention_dropout_cost``);
 * **memory-bound kernels**: LayerNorms, bias-dropout-adds, GeLU, softmax, attention dropout;
 * **recompute** in backward: ``full`` replays the layer's forward (its TP collectives
   included); a module set replays, for each active module, the kernels tagged with it, the
@@ -180,7 +181,9 @@ def _core_seconds(
         )
     elif c == 1:  # one fused kernel; its backward's own recomputation of QKᵀ is inside
         scores = gemms[core[0]]
-        forward, backward = flash_attention_seconds(cluster, scores.m, scores.k, scores.batch)
+        forward, backward = flash_attention_seconds(
+            cluster, scores.m, scores.k, scores.batch, shape.attention_dropout
+        )
     else:  # the CP chunks: fused kernels under a mask, every pair computed
         scores = gemms[core[0]]
         pairs = attention_pairs(shape.s, c)
