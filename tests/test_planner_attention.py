@@ -91,8 +91,8 @@ def test_calibrate_measures_the_dropout_cost_into_the_yaml(tmp_path: Path) -> No
     is carried."""
     tiny = GPTConfig(vocab_size=64, seq_length=64, hidden_size=64, num_layers=1, num_heads=4,
                      attention_dropout=0.1)  # fmt: skip
-    cpu = torch.device("cpu")
-    for config, written in ((tiny, True), (dataclasses.replace(tiny, attention_dropout=0.0), False)):
+    cpu, plain = torch.device("cpu"), dataclasses.replace(tiny, attention_dropout=0.0)
+    for config, written in ((tiny, True), (plain, False)):
         result = calibrate(config, H200, cpu, [1], [1], 0.001, 64, 1 << 16)
         path = tmp_path / f"cal{int(written)}.yaml"
         path.write_text(yaml.safe_dump(result, sort_keys=False))
