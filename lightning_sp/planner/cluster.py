@@ -1,9 +1,10 @@
 """The hardware a step-time estimate is made for: one GPU type, how GPUs are wired, and the
 efficiencies published (or measured on the device at hand) for its kernels and links.
 
-Every constant of the two presets is a vendor datasheet figure or a published measurement,
-with its source beside it. None is fitted to the paper's Table 5 (or to any step time): the
-step-time model (:mod:`lightning_sp.planner.steptime`) takes them as they are.
+Every constant of the presets is a vendor datasheet figure, a published measurement or a
+kernel measurement of this project's own on a lent GPU ([H200-SDPA]), with its source beside
+it. None is fitted to the paper's Table 5 (or to any step time): the step-time model
+(:mod:`lightning_sp.planner.steptime`) takes them as they are.
 
 Sources (quoted by the comments below):
 
@@ -51,18 +52,13 @@ Sources (quoted by the comments below):
   peak (the low end is used). [FA3] J. Shah et al., *FlashAttention-3* (2024):
   FlashAttention-2 reaches 35% of the H100's peak (what the Hopper presets used before
   [H200-SDPA]).
-* [H200-SDPA] This project's measurement on one H200 (the H100 SXM's 132 SMs and dense BF16
-  peak; attention is compute-bound, so the figures carry to the H100 as the presets carry
-  A100 ratios), torch 2.11, PyTorch's SDPA flash kernel, causal, d = 128:
-  ``benchmarks/results/gpu/session3/step_profile.json`` (``python -m benchmarks.step_profile``),
-  torch.profiler kernel time per forward + backward of this project's GPT at Megatron-LM's
-  1.7B shape (s = 4096, h = 2048, 24 layers, 16 heads, b = 1): the fused attention kernels
-  took 13.52 ms without attention dropout (``published-1.7B-nodrop``) and 19.51 ms with
-  dropout 0.1 (``published-1.7B``), 1.443x. 13.52 ms over the 24 layers' 5.77 TFLOP (causal
-  half of ``4·s²·d`` per head forward, backward 2.5x) is 426.9 TFLOP/s, 43.2% of 989; at
-  s = 2048, b = 4 (``gpu_1b``, dropout 0) the same kernel ran 13.96 ms, 41.8%. (The
-  ``calibrate`` harness's 342 TFLOP/s at s = 2048 timed the call on the wall clock with the
-  gradients accumulated into the leaves: three extra adds the model does not run.)
+* [H200-SDPA] This project's measurement on one H200 (the H100 SXM's SMs and BF16 peak, so it
+  carries to the H100), torch 2.11's SDPA flash kernel, causal, d = 128:
+  ``benchmarks/results/gpu/session3/step_profile.json``, torch.profiler kernel time of one
+  forward + backward of our GPT at Megatron-LM's 1.7B shape (s = 4096, 24 layers, 16 heads,
+  b = 1): 13.52 ms without attention dropout, 19.51 ms with 0.1 (1.443x); 13.52 ms for the 24
+  layers' 5.77 TFLOP is 426.9 TFLOP/s, 43.2% of 989 (41.8% at s = 2048, b = 4). See
+  docs/planner.md, "The rows still outside".
 
 A cluster is a preset name (:data:`PRESETS`) or a YAML file of :class:`Cluster` fields
 (``base: a100-80gb`` starts from a preset); a calibration file written by
