@@ -4,6 +4,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -19,6 +20,26 @@ _CACHE = tempfile.mkdtemp(prefix="lightning_sp_tests_")
 os.environ["XDG_CACHE_HOME"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
+
+def _attribute_docstrings_read_once() -> None:
+    """Each class's attribute docstrings (what ``--help`` prints for a config field) parsed once
+    per test session, not at every command-line parse: ``docstring_parser`` reads and parses the
+    class's source each time (about 1 s of each in-process ``cli.main`` here). The result is a
+    function of the source, which a session never changes."""
+    from docstring_parser import attrdoc
+
+    read = attrdoc.AttributeDocstrings.get_attr_docs
+    parsed: dict[Any, dict[str, Any]] = {}
+
+    def get_attr_docs(self: attrdoc.AttributeDocstrings, component: Any) -> dict[str, Any]:
+        if component not in parsed:
+            parsed[component] = read(self, component)
+        return dict(parsed[component])
+
+    attrdoc.AttributeDocstrings.get_attr_docs = get_attr_docs  # type: ignore[method-assign]
+
+
+_attribute_docstrings_read_once()
 
 # What a launcher leaves in ``os.environ``: a later Trainer in this process takes a leftover
 # MASTER_PORT as its rendezvous port, which another process may have taken since (EADDRINUSE).
