@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 # Two cores: keep every process (and every spawned rank) to one intra-op thread so four ranks
@@ -19,6 +20,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 _CACHE = tempfile.mkdtemp(prefix="lightning_sp_tests_")
 os.environ["XDG_CACHE_HOME"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+
+from lightning_sp.parallel.threads import threads_per_rank  # noqa: E402 (after XDG_CACHE_HOME)
+
+# torch was imported (its thread pool sized to every core) before OMP_NUM_THREADS was set: this
+# process keeps to one thread too, else its tiny kernels run on 2 threads that spin against the
+# ranks and other processes (one-process tests 10-40x slower under load)
+torch.set_num_threads(threads_per_rank(1))
 
 
 def _attribute_docstrings_read_once() -> None:
