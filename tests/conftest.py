@@ -4,8 +4,10 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 # Two cores: keep every process (and every spawned rank) to one intra-op thread so four ranks
@@ -19,6 +21,33 @@ _CACHE = tempfile.mkdtemp(prefix="lightning_sp_tests_")
 os.environ["XDG_CACHE_HOME"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
+from lightning_sp.parallel.threads import threads_per_rank  # noqa: E402 (after XDG_CACHE_HOME)
+
+# torch was imported (its thread pool sized to every core) before OMP_NUM_THREADS was set: this
+# process keeps to one thread too, else its tiny kernels run on 2 threads that spin against the
+# ranks and other processes (one-process tests 10-40x slower under load)
+torch.set_num_threads(threads_per_rank(1))
+
+
+def _attribute_docstrings_read_once() -> None:
+    """Each class's attribute docstrings (what ``--help`` prints for a config field) parsed once
+    per test session, not at every command-line parse: ``docstring_parser`` reads and parses the
+    class's source each time (about 1 s of each in-process ``cli.main`` here). The result is a
+    function of the source, which a session never changes."""
+    from docstring_parser import attrdoc
+
+    read = attrdoc.AttributeDocstrings.get_attr_docs
+    parsed: dict[Any, dict[str, Any]] = {}
+
+    def get_attr_docs(self: attrdoc.AttributeDocstrings, component: Any) -> dict[str, Any]:
+        if component not in parsed:
+            parsed[component] = read(self, component)
+        return dict(parsed[component])
+
+    attrdoc.AttributeDocstrings.get_attr_docs = get_attr_docs  # type: ignore[method-assign]
+
+
+_attribute_docstrings_read_once()
 
 # What a launcher leaves in ``os.environ``: a later Trainer in this process takes a leftover
 # MASTER_PORT as its rendezvous port, which another process may have taken since (EADDRINUSE).

@@ -1,6 +1,6 @@
-"""The benchmarks never rot: the one command runs in smoke mode (in the quick tier) and writes
-each section's JSON and table, and the DTensor model they compare against is the same GPT as
-ours.
+"""The benchmarks never rot: the one command runs in smoke mode and writes each section's JSON
+and table (all but the throughput section in the quick tier, the whole run in the slow tier), and
+the DTensor model they compare against is the same GPT as ours.
 
 The smoke run's timings mean nothing and are never asserted; its byte and FLOP counts are
 deterministic and are.
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +18,6 @@ import torch
 
 from lightning_sp.testing import dtensor_gpt
 from lightning_sp.testing.spawn import run_distributed
-
-from cli_runs import ROOT
 
 MEASURED = ("activation_bytes", "layer_time", "flops", "throughput")
 SECTIONS = ("meta", *MEASURED)
@@ -40,23 +36,45 @@ def _numbers(value: Any) -> list[float]:
     return []
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("bench")
-    subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(out)],
-        cwd=ROOT,
-        check=True,
-        timeout=240,
-        capture_output=True,
-    )
-    sections = {name: json.loads((out / f"{name}.json").read_text()) for name in MEASURED}
-    report = {"meta": sections["throughput"].pop("meta"), **sections}
-    for name in MEASURED[:-1]:
+QUICK = ("activation_bytes", "layer_time", "flops")
+"""The sections run in the quick tier (seconds; their byte and FLOP counts asserted there);
+the throughput section trains under Lightning on spawned ranks (half a minute): slow tier."""
+
+
+def _smoke_worker(rank: int, world_size: int, out: str, only: tuple[str, ...]) -> None:
+    from benchmarks import run
+
+    run.main(["--smoke", "--only", ",".join(only), "--out", out])
+
+
+def _smoke_run(out: Path, only: tuple[str, ...]) -> dict[str, Any]:
+    """``python -m benchmarks.run --smoke --only ONLY --out OUT`` in a fresh process (one forked
+    from the session's clean server, which has the imports already: the sections fork ranks of
+    their own, safe only from a process that never ran a multi-threaded kernel)."""
+    run_distributed(_smoke_worker, 1, str(out), only, init_group=False)
+    sections = {name: json.loads((out / f"{name}.json").read_text()) for name in only}
+    report = {"meta": sections[only[-1]].pop("meta"), **sections}
+    for name in only[:-1]:
         assert sections[name].pop("meta") == report["meta"], name
-    return out, report
+    return report
 
 
+@pytest.fixture(scope="module")
+def quick_smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The smoke run's :data:`QUICK` sections."""
+    out = tmp_path_factory.mktemp("bench")
+    return out, _smoke_run(out, QUICK)
+
+
+@pytest.fixture(scope="module")
+def smoke(quick_smoke: tuple[Path, dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    """The whole smoke run: the throughput section written next to :func:`quick_smoke`'s."""
+    out, quick = quick_smoke
+    rest = _smoke_run(out, tuple(name for name in MEASURED if name not in QUICK))
+    return out, {**quick, **rest}
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_smoke_run_writes_json_and_a_table_per_section(
     smoke: tuple[Path, dict[str, Any]],
@@ -81,8 +99,10 @@ def test_smoke_run_writes_json_and_a_table_per_section(
 
 
 @pytest.mark.timeout(300)
-def test_smoke_bytes_are_table2_and_dtensor_keeps_more(smoke: tuple[Path, dict[str, Any]]) -> None:
-    section = smoke[1]["activation_bytes"]
+def test_smoke_bytes_are_table2_and_dtensor_keeps_more(
+    quick_smoke: tuple[Path, dict[str, Any]],
+) -> None:
+    section = quick_smoke[1]["activation_bytes"]
     rows = section["rows"]
     assert {(r["sequence_parallel"], r["recompute"]) for r in rows} == {
         (sp, policy) for sp in (False, True) for policy in ("none", "selective", "full")
@@ -102,8 +122,8 @@ def test_smoke_bytes_are_table2_and_dtensor_keeps_more(smoke: tuple[Path, dict[s
 
 
 @pytest.mark.timeout(300)
-def test_smoke_flops_are_the_papers(smoke: tuple[Path, dict[str, Any]]) -> None:
-    section = smoke[1]["flops"]
+def test_smoke_flops_are_the_papers(quick_smoke: tuple[Path, dict[str, Any]]) -> None:
+    section = quick_smoke[1]["flops"]
     for r in section["layer"]:
         assert r["forward_flops"] == r["paper_forward_flops"]
         assert r["recompute_flops"] == r["paper_recompute_flops"]

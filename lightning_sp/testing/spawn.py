@@ -14,6 +14,7 @@ the rank, named, instead of aborting it at exit now and then.
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import pickle
 import sys
@@ -51,7 +52,11 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     held_groups: bool = False,
+    environ: dict[str, str] | None = None,
 ) -> None:
+    if environ is not None:  # a forkserver's child: the caller's environment, not the server's
+        os.environ.clear()
+        os.environ.update(environ)
     # the cores shared out among the ranks, as in runs, unless the caller says how many
     torch.set_num_threads(threads if threads is not None else threads_per_rank(world_size))
     if init_group:
@@ -99,13 +104,19 @@ NO_HOLDER = "no Python object (a C++ holder: torch's own caches, or a collective
 (:func:`~lightning_sp.testing.holders.group_holders`)."""
 
 
+PRELOAD = ("torch", "torch.distributed", "lightning", "lightning_sp", "lightning_sp.training",
+           "lightning_sp.checkpoint", "lightning_sp.testing.spawn")  # fmt: skip
+"""What the ``forkserver`` server imports once for every rank it forks (each spawned rank
+imported them itself: about 2 s for the package and 3 s more for Lightning, a rank)."""
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
     threads: int | None = None,
     init_group: bool = True,
-    start_method: str = "spawn",
+    start_method: str = "forkserver",
     held_groups: bool = False,
 ) -> list[Any]:
     """``[fn(rank, world_size, *args) for each rank]``, each rank in a fresh process.
@@ -115,11 +126,15 @@ def run_distributed(
     :func:`~lightning_sp.parallel.threads.threads_per_rank`, ``OMP_NUM_THREADS`` or
     cores // ``world_size``). ``init_group``: start the
     default gloo process group (with :data:`TIMEOUT`) before ``fn``; without it ``fn`` starts
-    its own (as Lightning's strategies do). ``start_method``: ``spawn`` (default) starts clean
-    interpreters; ``fork`` reuses the parent's imports, which saves seconds per rank, and is
-    safe only while the parent has run no multi-threaded kernels. ``held_groups``: a rank
-    whose process group outlives its release (:data:`UNRELEASED`) still succeeds, leaving
-    without the interpreter's finalization (the package's own exit does the same, safely); for
+    its own (as Lightning's strategies do). ``start_method``: ``spawn`` starts clean
+    interpreters, each paying the imports (seconds per rank); ``forkserver`` (default) forks
+    each rank from one server process of the session that has only imported
+    :data:`PRELOAD` and never run a kernel (so forking it is safe), each rank taking the
+    caller's ``os.environ`` of the moment as a spawned one does; ``fork`` reuses the parent's
+    imports and is safe only while the parent has run no multi-threaded kernels.
+    ``held_groups``: a rank whose process group outlives its release (:data:`UNRELEASED`)
+    still succeeds, leaving without the interpreter's finalization (the package's own exit
+    does the same, safely); for
     ``fn`` that hold a group through torch's own caches, out of the garbage collector's reach
     (torch 2.13): DTensor's ``redistribute`` once ``torch._dynamo`` is loaded, and layers
     compiled by ``torch.compile`` around collectives (neither ``torch._dynamo.reset()`` nor
@@ -130,10 +145,15 @@ def run_distributed(
     os.environ["LIGHTNING_SP_LAZY"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
+        environ = None
+        if start_method == "forkserver":
+            # read once, when the session's server starts; a no-op once it runs
+            multiprocessing.set_forkserver_preload(list(PRELOAD))
+            environ = dict(os.environ)
         try:
             mp.start_processes(
                 _worker,
-                args=(world_size, store, tmp, threads, init_group, fn, args, held_groups),
+                args=(world_size, store, tmp, threads, init_group, fn, args, held_groups, environ),
                 nprocs=world_size,
                 join=True,
                 start_method=start_method,
