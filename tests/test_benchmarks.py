@@ -216,6 +216,28 @@ def test_step_check_smoke_on_cpu(tmp_path: Path) -> None:
     assert predicted["full"] > predicted["selective"] >= predicted["none"]
 
 
+def test_step_check_runs_the_configs_micro_batch_unless_told(tmp_path: Path) -> None:
+    """``step-check --config`` times the config's ``data.batch_size`` sequences per forward
+    (what its fit runs), and ``--micro_batch_size`` overrides it."""
+    import dataclasses
+
+    import yaml
+
+    from lightning_sp.cli import step_check
+    from lightning_sp.planner.calibrate import SMOKE_CONFIG
+
+    model = {k: v for k, v in dataclasses.asdict(SMOKE_CONFIG).items() if k in (
+        "vocab_size", "seq_length", "hidden_size", "num_layers", "num_heads")}  # fmt: skip
+    config = tmp_path / "fit.yaml"
+    config.write_text(yaml.safe_dump({"model": {"config": model}, "data": {"batch_size": 3}}))
+    for extra, want in (([], 3), (["--micro_batch_size", "2"], 2)):
+        out = tmp_path / f"rows{want}.json"
+        args = ["--config", str(config), "--device", "cpu", "--seconds", "0.01", "--out", str(out)]
+        assert step_check.main(args + extra) == 0
+        got = json.loads(out.read_text())["micro_batch_size"]
+        assert got == want, f"step-check ran b={got} with {extra or 'the config'}; want {want}"
+
+
 def test_step_check_copies_the_first_models_weights_into_the_next() -> None:
     """``step-check`` draws the model once: a later policy's model, built on ``meta`` and
     materialised, holds the first one's parameters and buffers exactly, so it computes the

@@ -23,30 +23,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="a fit config whose model.config is run")
     parser.add_argument("--cluster", default="a100-80gb", help="a preset or a cluster YAML")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--micro_batch_size", type=int, default=1)
+    parser.add_argument(
+        "--micro_batch_size", type=int, default=None,
+        help="sequences per forward (default: the config's data.batch_size, else 1)",
+    )  # fmt: skip
     parser.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
     parser.add_argument("--out", help="write the rows here as JSON")
     parser.add_argument("--smoke", action="store_true", help="the tiny model, seconds on a CPU")
     args = parser.parse_args(argv)
     if args.smoke:
-        config, seconds = SMOKE_CONFIG, 0.05
+        config, seconds, batch = SMOKE_CONFIG, 0.05, 1
     else:
         if args.config is None:
             parser.error("--config is required (or --smoke)")
         with open(args.config) as fh:
-            config = GPTConfig.from_values(yaml.safe_load(fh)["model"]["config"])
-        seconds = args.seconds
+            values = yaml.safe_load(fh)
+        config = GPTConfig.from_values(values["model"]["config"])
+        seconds, batch = args.seconds, (values.get("data") or {}).get("batch_size", 1)
+    micro_batch = args.micro_batch_size or batch
     cluster = load_cluster(args.cluster)
     device = torch.device(args.device)
-    rows = check(config, args.micro_batch_size, cluster, device, seconds)
+    rows = check(config, micro_batch, cluster, device, seconds)
     for row in rows:
         print(
             f"{row['recompute']:10} predicted {1e3 * row['predicted_seconds']:9.3f} ms  "
             f"measured {1e3 * row['measured_seconds']:9.3f} ms  "
             f"measured / predicted {row['ratio']:.3f}"
         )
-    print(f"({device}, cluster {cluster.name}, b={args.micro_batch_size}, t=p=d=1)")
+    print(f"({device}, cluster {cluster.name}, b={micro_batch}, t=p=d=1)")
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"device": str(device), "cluster": cluster.name, "rows": rows}, fh)
+            found = {
+                "device": str(device),
+                "cluster": cluster.name,
+                "micro_batch_size": micro_batch,
+            }
+            json.dump({**found, "rows": rows}, fh)
     return 0
