@@ -91,6 +91,11 @@ def fit(
         if devices == 1:
             stack.enter_context(_process_settings_restored())
         trainer.fit(net, data, ckpt_path=ckpt_path)
+    return metrics(tmp_path, name)
+
+
+def metrics(tmp_path: Path, name: str) -> dict[str, dict[int, float]]:
+    """``{metric: {step: value}}`` as :func:`fit`'s run ``name`` logged them."""
     with open(tmp_path / name / "version_0" / "metrics.csv") as fh:
         rows = list(csv.DictReader(fh))
     return {

@@ -22,8 +22,8 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from test_context_trainer import STEPS, assert_same_tensors, fit, module
-from test_moe_trainer import moe_module
+from test_context_trainer import STEPS, assert_same_tensors, fit, metrics, module
+from test_moe_trainer import EP_STEPS, moe_module
 from test_resume import Notices
 
 from lightning_sp import GPT, GPTModule, ParallelState
@@ -180,14 +180,16 @@ def _relative(a: float, b: float) -> float:
 
 
 @pytest.mark.slow
-def test_moe_resume_equals_the_straight_run_and_reshards(tmp_path: Path, corpus: Path) -> None:
+def test_moe_resume_equals_the_straight_run_and_reshards(tmp_path: Path, moe_ep_run: Path) -> None:
     ep = {"tensor_parallel_size": 1, "expert_parallel_size": 2}
-    straight = fit(tmp_path, "straight", corpus, moe_module(), 2 * STEPS, devices=2, **ep)
-    half = tmp_path / "straight" / f"step={STEPS}.ckpt"
+    assert EP_STEPS == 2 * STEPS
+    straight = metrics(moe_ep_run, "ep")  # the straight run at d=2 e=2 (conftest.moe_ep_run)
+    corpus = moe_ep_run / "corpus"
+    half = moe_ep_run / "ep" / f"step={STEPS}.ckpt"
     saved = read_full(half)
     biases = {k: v for k, v in saved.items() if k.endswith(BIAS)}
     assert len(biases) == 2 and all(b.abs().min() > 0 for b in biases.values()), biases
-    reference = read_full(tmp_path / "straight" / f"step={2 * STEPS}.ckpt")
+    reference = read_full(moe_ep_run / "ep" / f"step={2 * STEPS}.ckpt")
     moved = [k for k in biases if not torch.equal(biases[k], reference[k])]
     assert moved, "the biases did not move after the checkpoint"
     layouts: dict[str, dict[str, Any]] = {
