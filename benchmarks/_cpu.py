@@ -50,8 +50,10 @@ def foreign_share(before: tuple[float, float, float], after: tuple[float, float,
     own = after[2] - before[2]
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     values = torch.tensor([busy if rank0 else 0.0, own, wall], dtype=torch.float64)
-    if dist.is_initialized():
+    if dist.is_initialized():  # NCCL reduces no CPU tensor: the current CUDA device's copy
+        values = values.cuda() if dist.get_backend() == "nccl" else values
         dist.all_reduce(values)
+        values = values.cpu()
         values[2] /= dist.get_world_size()
     busy_all, own_all, wall_mean = values.tolist()
     cores = os.cpu_count() or 1

@@ -51,6 +51,7 @@ def measure(shape: Shape, device: torch.device, warmup: int, rounds: int) -> dic
         loss.backward()
         model.zero_grad(set_to_none=True)
         formula = config.activation_shape(None, shape.b)
+        formula = formula.on_cuda() if device.type == "cuda" else formula
         rows[name] = {
             "loss": loss.item(),
             "held_bytes_per_layer": statistics.mean(held),

@@ -14,6 +14,9 @@
 #            and compiled per layer, plain PyTorch SDPA eager and compiled, cli.py fit vs a plain
 #            loop (speed/gpu.md), then the MLP's GEMMs in bf16 and FP8 tensorwise / rowwise, ours
 #            and torchao's, eager and compiled (fp8_gpu.md; torchao among .gpu/'s wheels); ~5 min
+#   profile  python -m benchmarks.step_profile: one micro-batch of Megatron-LM's published 1.7B row
+#            (and gpu_1b's) on this card by kernel kind beside the step-time model on h200
+#            (step_profile.md/.json; under a minute)
 #   fp8      python -m benchmarks.fp8_step: the 1.2B GPT's training step with its linears in bf16,
 #            FP8 tensorwise and FP8 rowwise (fp8_step.md/.json: tokens/s, the ratio to bf16 with a
 #            95% CI, the first loss, bytes kept per layer vs the formula); about 2 minutes; without
@@ -25,7 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu}
 BUDGET=${BUDGET:-560}
-PARTS=${*:-models fit planner moe speed fp8}
+PARTS=${*:-models fit planner moe speed profile fp8}
 mkdir -p "$OUT"
 log="$OUT/session.log"
 [ -f .gpu/setup-on-gpu.sh ] && source .gpu/setup-on-gpu.sh >>"$log" 2>&1
@@ -46,7 +49,8 @@ for part in $PARTS; do
     models) step 450 "benchmarks.gpu" python -m benchmarks.gpu --only models,fit --out "$OUT" \
       --warmup 2 --steps 6 ;;
     fit) step 150 "fit gpu_1b" python cli.py fit --config configs/gpu_1b.yaml --trainer.max_steps 30 \
-      --trainer.val_check_interval 30 --trainer.default_root_dir /tmp/fit_1b ;;
+      --trainer.val_check_interval 30 --trainer.default_root_dir /tmp/fit_1b \
+      --trainer.enable_checkpointing false ;;
     planner)
       step 60 "calibrate" python cli.py calibrate --config configs/gpu_1b.yaml --base h200 \
         --seconds 0.05 --out "$OUT/gpu_1b_cluster.yaml"
@@ -57,8 +61,9 @@ for part in $PARTS; do
       step 240 "compile + plain + fit" python -m benchmarks.gpu --only models,fit --backends sdpa \
         --policies none,selective --dropout 0 --out "$OUT/speed" --warmup 2 --steps 6
       step 90 "fp8 GEMMs" python -m benchmarks.fp8_gpu --out "$OUT" ;;
+    profile) step 90 "step profile" python -m benchmarks.step_profile --out "$OUT" ;;
     fp8) step 150 "fp8 GPT step" python -m benchmarks.fp8_step --out "$OUT" ;;
-    *) echo "unknown part $part (models, fit, planner, moe, speed, fp8)"; exit 2 ;;
+    *) echo "unknown part $part (models, fit, planner, moe, speed, profile, fp8)"; exit 2 ;;
   esac
 done
 grep -av "it/s\]" "$log" | grep -a "===\|MFU\|TFLOP\|ratio\|wrote\|rror" | tail -40

@@ -191,3 +191,28 @@ def test_sdpa_dropout_on_cpu_falls_back_and_says_so() -> None:
     assert any("falls back to its math path" in str(w.message) for w in caught)
     fused = activation_bytes_per_layer(config.activation_shape(layout_at(1), B), "none")
     assert tracker.report.bytes_of("layers.0") > fused + 2 * A * S * S * B  # s x s stored
+
+
+def test_the_cuda_terms_equal_what_an_h200_measured() -> None:
+    """What PyTorch's CUDA kernels save beside the CPU's terms (LayerNorm's mean and rstd in
+    fp32, the fused attention kernel's 16-byte Philox state; ``ActivationShape.on_cuda``)
+    against the bytes per layer an H200 measured with saved-tensor hooks for the 1.2B GPT of
+    ``benchmarks.fp8_step`` (bf16, SDPA, no recompute, every recipe): equal to the byte, and
+    ``8sb + 16`` over the CPU's formula, which the CPU measures exactly."""
+    from pathlib import Path
+
+    from benchmarks._fit import FULL
+    from lightning_sp.parallel.fp8 import FP8Config
+
+    found = Path(__file__).parents[1] / "benchmarks/results/gpu/session3/fp8_step.json"
+    for row in json.loads(found.read_text())["rows"]:
+        recipe = None if row["variant"] == "bf16" else row["variant"]
+        fp8 = FP8Config(recipe, emulate=True) if recipe else None
+        cpu = FULL.config("none", 0.0, attention="sdpa", fp8=fp8).activation_shape(None, FULL.b)
+        cuda = cpu.on_cuda()
+        per_layer = {
+            name: activation_bytes_per_layer(x, "none") + layernorm_stats_bytes_per_layer(x, "none")
+            for name, x in (("cpu", cpu), ("cuda", cuda))
+        }
+        assert per_layer["cuda"] == row["held_bytes_per_layer"], (row["variant"], per_layer)
+        assert per_layer["cuda"] - per_layer["cpu"] == 8 * cpu.s * cpu.b + 16, per_layer

@@ -196,6 +196,34 @@ def test_step_check_smoke_on_cpu(tmp_path: Path) -> None:
     assert predicted["full"] > predicted["selective"] >= predicted["none"]
 
 
+def test_step_check_copies_the_first_models_weights_into_the_next() -> None:
+    """``step-check`` draws the model once: a later policy's model, built on ``meta`` and
+    materialised, holds the first one's parameters and buffers exactly, so it computes the
+    same loss as a model drawn from the seed."""
+    import dataclasses
+
+    from lightning_sp.model.recompute import RecomputePolicy
+    from lightning_sp.planner.calibrate import SMOKE_CONFIG
+    from lightning_sp.planner.step_check import build_model
+
+    cpu = torch.device("cpu")
+    first = build_model(SMOKE_CONFIG, cpu)
+    full = dataclasses.replace(SMOKE_CONFIG, recompute=RecomputePolicy.parse("full"))
+    copied, drawn = build_model(full, cpu, like=first), build_model(full, cpu)
+    for (name, got), (_, want) in zip(
+        (*copied.named_parameters(), *copied.named_buffers()),
+        (*drawn.named_parameters(), *drawn.named_buffers()),
+        strict=True,
+    ):
+        assert torch.equal(got, want), f"{name} differs from the seeded draw"
+    tokens = torch.randint(0, SMOKE_CONFIG.vocab_size, (2, SMOKE_CONFIG.seq_length + 1))
+    torch.manual_seed(0)
+    loss_copied = copied(tokens[:, :-1], tokens[:, 1:])
+    torch.manual_seed(0)
+    loss_drawn = drawn(tokens[:, :-1], tokens[:, 1:])
+    assert torch.equal(loss_copied, loss_drawn), "the copied model computes another loss"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_moe_benchmark_smoke(tmp_path: Path) -> None:

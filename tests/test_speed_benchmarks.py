@@ -1,6 +1,6 @@
 """The speed benchmarks' plumbing at tiny shapes (their numbers mean nothing here; no timing is
 asserted): ``benchmarks.fit_overhead`` (its ``fit`` and ``compile`` sections),
-``benchmarks.fp8_gpu``."""
+``benchmarks.fp8_gpu``, ``benchmarks.step_profile``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import fit_overhead, fp8_gpu
+from benchmarks import fit_overhead, fp8_gpu, step_profile
 
 
 @pytest.mark.slow
@@ -47,3 +47,35 @@ def test_fp8_gpu_plumbing_on_cpu_agrees_with_torchao(tmp_path: Path) -> None:
 def test_fp8_gpu_refuses_without_cuda_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert fp8_gpu.main([]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_step_profile_names_each_kernel_kind() -> None:
+    """Kernel names of the forms cuBLAS, CUTLASS, PyTorch's flash kernels and ATen's
+    elementwise kernels have (the last two as the H200 profile of ``session3`` printed them),
+    and a CPU profile's op names, sorted by kind."""
+    names = {
+        "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_TNT": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "gemm",
+        "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>": "gemm",
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>": "attention",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>": "attention",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::GeluCUDAKernelImpl(a": (
+            "memory"
+        ),
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, ": (
+            "memory"
+        ),
+        "aten::mm": "gemm",
+        "aten::native_layer_norm": "memory",
+    }
+    got = {name: step_profile.kind(name) for name in names}
+    assert got == names, f"kinds: {got}"
+
+
+@pytest.mark.slow
+def test_step_profile_plumbing_on_cpu(tmp_path: Path) -> None:
+    assert step_profile.main(["--smoke", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "step_profile.json").read_text())["rows"]
+    assert row["predicted"]["total"] > 0 and row["measured_seconds"] > 0, row
+    assert set(row["kernel_seconds"]) == {"gemm", "attention", "memory"}, row
+    assert row["kernel_seconds"]["gemm"] > 0 and row["kernels_per_step"] > 0, row

@@ -244,6 +244,8 @@ class ActivationMemoryMonitor(Callback):
             documents=self._documents,
             activation_bytes=next(gpt.parameters()).element_size(),
         )
+        if next(gpt.parameters()).is_cuda:  # what CUDA's kernels save beside the CPU's terms
+            shape = shape.on_cuda()
         return sum(
             activation_bytes_per_layer(shape, config.layer_recompute(i))
             for i in range(len(gpt.layers))

@@ -106,7 +106,8 @@ def layer_saved_terms(shape: ActivationShape) -> dict[str, tuple[float, str]]:
     * the attention core, by backend: ``math`` keeps ``attention_scores``, the softmax
       output, its dropout mask and the dropout output, ``(2e + k)·as²b`` (the paper's
       ``5as²b``; ``e·as²b`` without attention dropout); ``sdpa`` keeps none, only the
-      kernel's fp32 logsumexp ``attention_lse``, ``4asb``.
+      kernel's fp32 logsumexp ``attention_lse``, ``4asb`` (and on CUDA its 16-byte Philox
+      state, ``attention_rng``: :meth:`ActivationShape.on_cuda`).
 
     The norms' per-row statistics (``O(sb)``) are neglected, as in the paper
     (:func:`layernorm_stats_bytes_per_layer` has them). For a Llama layer (no dropout, SwiGLU,

@@ -9,6 +9,7 @@ size.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from lightning_sp.model.spec import ACTIVATIONS, NORMS, ActivationKind, NormKind
@@ -84,11 +85,26 @@ class ActivationShape:
     """The FP8 recipe of the layer's tensor-parallel linears (``tensorwise``, ``rowwise``;
     None: off): what their GEMMs run at, and whether they keep their inputs in float8
     (:data:`~lightning_sp.parallel.fp8.KEEPS_FLOAT8_INPUT`)."""
+    norm_stats_bytes: float = 0
+    """Bytes per element of a LayerNorm's saved mean and rstd; 0 means ``activation_bytes``
+    (what PyTorch's CPU kernel saves). Its CUDA kernel saves them in its accumulate type,
+    fp32 for 2-byte activations (:meth:`on_cuda`)."""
+    kernel_rng_bytes: float = 0
+    """Bytes of generator state a fused attention kernel call saves (0 on a CPU; 16 on CUDA,
+    the Philox seed and offset as two int64, with or without dropout: :meth:`on_cuda`)."""
     block: object | None = field(default=None, compare=False, repr=False)
     """The layer's parts (a :class:`~lightning_sp.model.parts.block.Block`, which sits above
     this module and so is not named in the type); None: the
     pre-norm attention + dense MLP of ``norm`` and ``activation``. Not compared: the sizes
     and options above are what two shapes are compared by."""
+
+    def on_cuda(self) -> ActivationShape:
+        """This shape as PyTorch's CUDA kernels save it: LayerNorm's statistics in fp32 (fp64
+        for 8-byte activations) and the fused attention kernel's 16-byte Philox state. An H200
+        measured exactly these over the CPU's terms: 65,552 bytes per layer at s=2048, b=4,
+        h=2048 (``8sb + 16``; ``benchmarks/results/gpu/session3/fp8_step.json``)."""
+        stats = max(4.0, self.activation_bytes)
+        return dataclasses.replace(self, norm_stats_bytes=stats, kernel_rng_bytes=16)
 
     @property
     def ffn(self) -> int:

@@ -42,9 +42,10 @@ class NormKind:
     ``layernorm`` recompute replays in its consumer's backward)."""
     has_bias: bool
     stats_bytes_per_row: Callable[[float], float]
-    """Bytes of per-row statistics the standalone norm saves besides its input, given ``e``
-    (LayerNorm: mean and rstd in the activation dtype on CPU, ``2e``; RMSNorm: an fp32 rstd,
-    4). Table 2 leaves these out."""
+    """Bytes of per-row statistics the standalone norm saves besides its input, given the
+    bytes of a LayerNorm statistic (:attr:`ActivationShape.norm_stats_bytes`, else ``e``)
+    (LayerNorm: mean and rstd, ``2e`` on a CPU, 8 on CUDA for 2-byte activations; RMSNorm:
+    an fp32 rstd, 4). Table 2 leaves these out."""
 
     def build(self, hidden_size: int, eps: float, **kwargs: Any) -> NormModule:
         """The standalone module (``.weight``, ``.bias`` or None, ``.eps``)."""

@@ -64,6 +64,7 @@ from lightning_sp.training.checks import (
     check_optimizer,
     check_pipeline_batch,
     check_predict,
+    eager_fp8_warning,
 )
 from lightning_sp.training.dpo import PreferenceSteps, check_dpo
 from lightning_sp.training.preference import DPOConfig
@@ -248,6 +249,8 @@ class GPTModule(CheckpointHooks):
         self._load_init_from()
         if self.lora is not None:  # after the base weights: peft's init, or adapter_from's
             adapters.attach_adapters(self.pipeline.chunks, self.lora, self.adapter_from, config)
+        if (slow := eager_fp8_warning(config, self.compile_layers)) is not None:
+            rank_zero_warn(slow)
         if self.compile_layers:
             rank_zero_warn(COMPILED_MEMORY_WARNING)
             for chunk in self.pipeline.chunks:

@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_sp.model.cores import ATTENTION_BACKENDS
 from lightning_sp.model.parts.base import (
+    EVERY_RANK,
     INSIDE,
     OUTSIDE,
     REPLICATED,
@@ -67,8 +68,10 @@ class SelfAttention(Part):
       * ``qkv``: Q, K, V in one storage ``e·sb·d·(a + 2g')`` (inside; ``3e·sbh`` for
         multi-head attention with ``a·d = h``; rotated in place of the linear's output);
       * the core: ``math`` keeps ``attention_scores`` ``(2e + k)·as²b`` (``e·as²b`` without
-        attention dropout; the paper's 5as²b), ``sdpa`` an fp32 ``attention_lse`` ``4asb``;
-        under CP neither;
+        attention dropout; the paper's 5as²b), ``sdpa`` an fp32 ``attention_lse`` ``4asb``
+        and, on CUDA, the kernel's Philox state ``attention_rng`` (16 bytes per call: one
+        call, or one per document under a document mask, which is not counted); under CP
+        none;
       * ``proj_input``: the core's own output ``e·sb·a·d`` (inside);
       * ``document_context``: under a document mask with ``sdpa`` (one call per document), the
         concatenated context the projection keeps, ``e·sb·a·d`` (inside); 0 otherwise.
@@ -109,6 +112,10 @@ class SelfAttention(Part):
             "attention_lse": (
                 0.0 if keeps_scores or context_core else 4.0 * x.a * x.s * x.b,
                 INSIDE,
+            ),
+            "attention_rng": (
+                0.0 if keeps_scores or context_core else x.kernel_rng_bytes,
+                EVERY_RANK,
             ),
             "proj_input": (e * sb * x.a * d if x.d else e * x.sbh, INSIDE),
             "document_context": (self._document_context(x), INSIDE),

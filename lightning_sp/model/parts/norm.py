@@ -64,7 +64,7 @@ class Norm(Part):
         return {f"{self.name}_input": (x.activation_bytes * x.sbh, OUTSIDE)}
 
     def stats_terms(self, x: ActivationShape) -> Terms:
-        per_row = self.descriptor.stats_bytes_per_row(x.activation_bytes)
+        per_row = self.descriptor.stats_bytes_per_row(x.norm_stats_bytes or x.activation_bytes)
         return {f"{self.name}_stats": (per_row * x.s * x.b, OUTSIDE)}
 
     def memory_ops(self, x: ActivationShape) -> list[MemoryOp]:
