@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from corpora import python_files
+
 # Two cores: keep every process (and every spawned rank) to one intra-op thread so four ranks
 # do not oversubscribe the machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -102,18 +104,16 @@ def shutdown_handlers() -> Iterator[None]:
         shutdown._state.update(saved)
 
 
-TEXT = (
-    "def add(a, b):\n    return a + b\n\n"
-    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
-    "for i in range(10):\n    print(i * i)\n\n"
-)
-
-
 @pytest.fixture
 def corpus(tmp_path: Path) -> Path:
     """A folder of 8 small Python files for Trainer runs (byte-level or BPE)."""
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    for i in range(8):
-        (folder / f"doc{i}.py").write_text(TEXT * (4 + i))
-    return folder
+    return python_files(tmp_path / "corpus")
+
+
+@pytest.fixture(scope="session")
+def moe_ep_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``test_moe_trainer.ep_run``'s folder: the MoE run at d = 2 with e = 2 (one 2-rank spawn)
+    that test_moe_trainer compares with one process and test_moe_state resumes."""
+    from test_moe_trainer import ep_run
+
+    return ep_run(tmp_path_factory.mktemp("moe_ep"))

@@ -19,6 +19,21 @@ def document(i: int, words: int = 80) -> str:
     return f"document {i}: " + " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(words))
 
 
+TEXT = (
+    "def add(a, b):\n    return a + b\n\n"
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
+    "for i in range(10):\n    print(i * i)\n\n"
+)
+
+
+def python_files(folder: Path) -> Path:
+    """``folder``, made, holding 8 small Python files for Trainer runs (byte-level or BPE)."""
+    folder.mkdir()
+    for i in range(8):
+        (folder / f"doc{i}.py").write_text(TEXT * (4 + i))
+    return folder
+
+
 def text_files(root: Path, n: int = 6, words: int = 80) -> Path:
     """``n`` plain-text documents under ``root/docs``."""
     for i in range(n):

@@ -18,13 +18,18 @@ global batches (dropout 0, so every layout computes the same function):
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
@@ -64,7 +69,9 @@ def fit(
     **strategy: Any,
 ) -> dict[str, dict[int, float]]:
     """Train ``net`` in float64 on ``devices`` ranks; ``{metric: {step: value}}`` as logged.
-    The per-rank batch is the global batch over the data-parallel ranks."""
+    The per-rank batch is the global batch over the data-parallel ranks. One rank runs in this
+    process (the launcher starts no process for it: a spawned one costs seconds of imports),
+    more are spawned."""
     d = devices // (
         strategy.get("tensor_parallel_size", 1) * strategy.get("context_parallel_size", 1)
         * strategy.get("pipeline_parallel_size", 1)
@@ -73,14 +80,22 @@ def fit(
                               filename="{step}")  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, precision="64-true", max_steps=max_steps,
-        strategy=MegatronSPStrategy(start_method="spawn", **strategy),
+        strategy=MegatronSPStrategy(start_method="spawn" if devices > 1 else "popen", **strategy),
         logger=CSVLogger(tmp_path, name=name, version=0), log_every_n_steps=1,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0, gradient_clip_val=0.5, callbacks=[every_3, *(callbacks or [])],
     )  # fmt: skip
     data = TextDataModule(paths=str(corpus), seq_length=net.config.seq_length,
                           batch_size=GLOBAL_BATCH // d, val_fraction=0.1)  # fmt: skip
-    trainer.fit(net, data, ckpt_path=ckpt_path)
+    with contextlib.ExitStack() as stack:
+        if devices == 1:
+            stack.enter_context(_process_settings_restored())
+        trainer.fit(net, data, ckpt_path=ckpt_path)
+    return metrics(tmp_path, name)
+
+
+def metrics(tmp_path: Path, name: str) -> dict[str, dict[int, float]]:
+    """``{metric: {step: value}}`` as :func:`fit`'s run ``name`` logged them."""
     with open(tmp_path / name / "version_0" / "metrics.csv") as fh:
         rows = list(csv.DictReader(fh))
     return {
@@ -88,6 +103,35 @@ def fit(
         for key in rows[0]
         if key != "step"
     }
+
+
+@contextlib.contextmanager
+def _process_settings_restored() -> Iterator[None]:
+    """A run in this process rendezvouses on a port of its own (not the one an earlier spawn
+    left in ``os.environ``, which this process's store would then hold against the next
+    spawn), and what it changes is restored after it: the launcher's variables in
+    ``os.environ`` (a later Trainer would take them for an external launcher of world size 1),
+    the default process group, the strategy's signal handlers and shutdown
+    state, and its CPU threads per rank."""
+    from lightning_sp.runtime import shutdown
+
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    state, threads = dict(shutdown._state), torch.get_num_threads()
+    environ = dict(os.environ)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        os.environ.pop(name, None)  # an earlier spawn's port: rendezvous on a port of its own
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+        shutdown._state.clear()
+        shutdown._state.update(state)
+        torch.set_num_threads(threads)
 
 
 def assert_same_steps(got: dict[int, float], want: dict[int, float], what: str) -> None:

@@ -22,8 +22,9 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from test_context_trainer import STEPS, assert_same_tensors, fit, module
-from test_moe_trainer import moe_module
+from test_context_trainer import STEPS, assert_same_tensors, fit, metrics, module
+from test_moe_trainer import EP_STEPS, moe_module
+from test_resume import Notices
 
 from lightning_sp import GPT, GPTModule, ParallelState
 from lightning_sp.checkpoint import Checkpointer, Meta, read_full
@@ -179,14 +180,16 @@ def _relative(a: float, b: float) -> float:
 
 
 @pytest.mark.slow
-def test_moe_resume_equals_the_straight_run_and_reshards(tmp_path: Path, corpus: Path) -> None:
+def test_moe_resume_equals_the_straight_run_and_reshards(tmp_path: Path, moe_ep_run: Path) -> None:
     ep = {"tensor_parallel_size": 1, "expert_parallel_size": 2}
-    straight = fit(tmp_path, "straight", corpus, moe_module(), 2 * STEPS, devices=2, **ep)
-    half = tmp_path / "straight" / f"step={STEPS}.ckpt"
+    assert EP_STEPS == 2 * STEPS
+    straight = metrics(moe_ep_run, "ep")  # the straight run at d=2 e=2 (conftest.moe_ep_run)
+    corpus = moe_ep_run / "corpus"
+    half = moe_ep_run / "ep" / f"step={STEPS}.ckpt"
     saved = read_full(half)
     biases = {k: v for k, v in saved.items() if k.endswith(BIAS)}
     assert len(biases) == 2 and all(b.abs().min() > 0 for b in biases.values()), biases
-    reference = read_full(tmp_path / "straight" / f"step={2 * STEPS}.ckpt")
+    reference = read_full(moe_ep_run / "ep" / f"step={2 * STEPS}.ckpt")
     moved = [k for k in biases if not torch.equal(biases[k], reference[k])]
     assert moved, "the biases did not move after the checkpoint"
     layouts: dict[str, dict[str, Any]] = {
@@ -225,21 +228,20 @@ def test_moe_resume_equals_the_straight_run_and_reshards(tmp_path: Path, corpus:
 
 @pytest.mark.slow
 def test_a_checkpoint_without_router_biases_loads_them_as_zero_with_one_notice(
-    tmp_path: Path, corpus: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, corpus: Path
 ) -> None:
     fit(tmp_path, "old", corpus, moe_module(), STEPS, callbacks=[DropsBiasesFromCheckpoints()])
     old = tmp_path / "old" / f"step={STEPS}.ckpt"
     assert not [k for k in read_full(old) if k.endswith(BIAS)]
     zero = {f"model.layers.{i}.{BIAS}": torch.zeros(MOE.num_experts) for i in (0, 1)}
-    capfd.readouterr()
-    fit(tmp_path, "resumed", corpus, moe_module(), STEPS + 1, ckpt_path=str(old),
-        callbacks=[HoldsBiases(zero, tmp_path / "holds")])  # fmt: skip
-    printed = capfd.readouterr()  # the run's process (spawned) logs to its stderr
-    lines = [line for line in (printed.out + printed.err).splitlines() if "holds no" in line]
+    with Notices() as printed:  # the run is in this process: its rank_zero_info lines
+        fit(tmp_path, "resumed", corpus, moe_module(), STEPS + 1, ckpt_path=str(old),
+            callbacks=[HoldsBiases(zero, tmp_path / "holds")])  # fmt: skip
+    lines = printed.containing("holds no")
     assert lines == [
         f"{old} holds no model.layers.0.{BIAS} (nor 1 more buffers): saved before checkpoints "
         "held MoE router biases; they start at zero"
-    ], printed
+    ], printed.lines
     assert HoldsBiases.compared(tmp_path / "holds") == {"rank0": 2}
 
 
