@@ -218,3 +218,33 @@ def test_pre_launch_errors_of_estimate_prepare_generate_are_one_line(tmp_path: P
         lines = (result.stdout + result.stderr).splitlines()
         assert result.returncode == 2 and len(lines) == 1, (args[0], lines)
         assert lines[0].startswith(start), lines
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["step-check", "--micro_batch_size", "0"],
+         "argument --micro_batch_size: '0' is not a positive integer"),
+        (["step-check", "--seconds", "nan"],
+         "argument --seconds: 'nan' is not a positive finite number"),
+        (["calibrate", "--seconds", "-1"],
+         "argument --seconds: '-1' is not a positive finite number"),
+    ],
+)  # fmt: skip
+def test_bad_timing_arguments_are_one_line_before_any_work(
+    argv: list[str], line: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A micro-batch of 0 ran step-check at the config's batch size instead (the default
+    taken for any falsy value); a non-finite or negative time per measurement was taken as
+    it is. Each is now one line naming the option and the value, exit 2, before a model."""
+    from lightning_sp.cli.main import main
+
+    monkeypatch.setattr("sys.argv", ["/venv/bin/lightning-sp"])
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--config", TINY, "--device", "cpu"])
+    command = argv[0]
+    assert exited.value.code == 2, f"{argv}: exit {exited.value.code}"
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {line} (lightning-sp {command} --help lists every option)"
+    ], argv

@@ -8,7 +8,7 @@ import os
 import torch
 import yaml
 
-from lightning_sp.cli.parser import OneLineArgumentParser
+from lightning_sp.cli.parser import OneLineArgumentParser, positive
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.planner.calibrate import SMOKE_CONFIG, calibrate
 from lightning_sp.planner.cluster import PRESETS, load_cluster
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tensor_parallel_sizes", default="1,2,4,8")
     parser.add_argument("--micro_batch_sizes", default="1,2,4")
-    parser.add_argument("--seconds", type=float, default=0.2, help="time per kernel")
+    parser.add_argument("--seconds", type=positive(float), default=0.2, help="time per kernel")
     parser.add_argument("--out", default="benchmarks/results/cluster.yaml")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, seconds on a CPU")
     args = parser.parse_args(argv)

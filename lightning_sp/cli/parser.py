@@ -14,9 +14,11 @@ import argparse
 import difflib
 import importlib
 import inspect
+import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from jsonargparse.typing import register_type
@@ -174,6 +176,23 @@ def true_or_false(value: str) -> bool:
     if value.lower() in ("false", "0", "no"):
         return False
     raise argparse.ArgumentTypeError(f"{value!r} is not true or false")
+
+
+def positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
+    """An ``argparse`` type: ``kind`` of the text, finite and above 0, else a one-line
+    ``ArgumentTypeError`` naming the value and what is valid."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value <= 0:
+            what = "integer" if kind is int else "finite number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive {what}")
+        return value
+
+    return parse
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

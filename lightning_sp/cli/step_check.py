@@ -8,7 +8,7 @@ import json
 import torch
 import yaml
 
-from lightning_sp.cli.parser import OneLineArgumentParser
+from lightning_sp.cli.parser import OneLineArgumentParser, positive
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.planner.calibrate import SMOKE_CONFIG
 from lightning_sp.planner.cluster import load_cluster
@@ -24,10 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", default="a100-80gb", help="a preset or a cluster YAML")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
-        "--micro_batch_size", type=int, default=None,
+        "--micro_batch_size", type=positive(int), default=None,
         help="sequences per forward (default: the config's data.batch_size, else 1)",
     )  # fmt: skip
-    parser.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
+    parser.add_argument("--seconds", type=positive(float), default=1.0, help="time per measurement")
     parser.add_argument("--out", help="write the rows here as JSON")
     parser.add_argument("--smoke", action="store_true", help="the tiny model, seconds on a CPU")
     args = parser.parse_args(argv)
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             values = yaml.safe_load(fh)
         config = GPTConfig.from_values(values["model"]["config"])
         seconds, batch = args.seconds, (values.get("data") or {}).get("batch_size", 1)
-    micro_batch = args.micro_batch_size or batch
+    micro_batch = batch if args.micro_batch_size is None else args.micro_batch_size
     cluster = load_cluster(args.cluster)
     device = torch.device(args.device)
     rows = check(config, micro_batch, cluster, device, seconds)
