@@ -25,11 +25,13 @@ and the CPU draw of the model's own initialisation takes ~20 s at this size).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from typing import Any
 
 import torch
 
+from benchmarks._fit import batch, train_step
 from benchmarks._format import PLUMBING, add_device, device_name, parser, refused, save, table
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
@@ -147,15 +149,8 @@ def profiled(step: Any, device: torch.device, steps: int) -> dict[str, Any]:
 
 def measure(name: str, config: GPTConfig, b: int, device: torch.device, cluster: str,
             seconds: float, steps: int) -> dict[str, Any]:  # fmt: skip
-    model = build(config, device)
-    torch.manual_seed(0)
-    tokens = torch.randint(0, config.vocab_size, (b, config.seq_length + 1), device=device)
-    ids, labels = tokens[:, :-1], tokens[:, 1:]
-
-    def step() -> None:
-        model(ids, labels).backward()
-        model.zero_grad(set_to_none=True)
-
+    ids, labels = batch(config.vocab_size, b, config.seq_length, device)
+    step = functools.partial(train_step, build(config, device), ids, labels)
     wall = time_it(step, device, seconds)
     found = profiled(step, device, steps)
     model_parts = predicted(config, b, cluster)

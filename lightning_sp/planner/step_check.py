@@ -86,7 +86,7 @@ def check(
         predicted = predicted_seconds(policy_config, micro_batch, cluster)
         model = build_model(policy_config, device, like=first)
         measured = measured_seconds(model, micro_batch, seconds)
-        first = first or model
+        first = model if first is None else first
         del model
         rows.append(
             {
