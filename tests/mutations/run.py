@@ -775,6 +775,20 @@ MUTATIONS = (
         ("tests/test_lora.py", "-k", "rslora"),
         r"use_rslora: loss relative error \S+ against peft's",
     ),
+    Mutation(
+        "adapter_rslora_unchecked",
+        "model.lora with another use_rslora than adapter_from's directory is accepted (its "
+        "adapters then scale by another factor than they were trained with)",
+        (
+            (
+                "lightning_sp/training/adapters.py",
+                'STATED = ("r", "lora_alpha", "use_rslora")\n',
+                'STATED = ("r", "lora_alpha")\n',
+            ),
+        ),
+        ("tests/test_lora_export.py", "-k", "mistakes"),
+        r"another use_rslora: accepted without a word",
+    ),
 )
 
 
