@@ -789,6 +789,34 @@ MUTATIONS = (
         ("tests/test_lora_export.py", "-k", "mistakes"),
         r"another use_rslora: accepted without a word",
     ),
+    Mutation(
+        "peft_export_drops_rslora",
+        "a PEFT adapter directory of rank-stabilised adapters says use_rslora: false (peft then "
+        "scales them by lora_alpha / r)",
+        (
+            (
+                "lightning_sp/interop/peft.py",
+                '        "use_rslora": lora.use_rslora,\n',
+                '        "use_rslora": False,\n',
+            ),
+        ),
+        ("tests/test_lora_peft_dir.py", "-k", "rslora"),
+        r"adapter_config.json: \{",
+    ),
+    Mutation(
+        "peft_import_drops_rslora",
+        "a PEFT adapter directory's use_rslora: true is read as false (its adapters then scale "
+        "by lora_alpha / r)",
+        (
+            (
+                "lightning_sp/interop/peft.py",
+                '        use_rslora=bool(document.get("use_rslora", False)),\n',
+                "        use_rslora=False,\n",
+            ),
+        ),
+        ("tests/test_lora_peft_dir.py", "-k", "rslora"),
+        r"read back as LoRAConfig\(",
+    ),
 )
 
 
