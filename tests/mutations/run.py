@@ -817,6 +817,20 @@ MUTATIONS = (
         ("tests/test_lora_peft_dir.py", "-k", "rslora"),
         r"read back as LoRAConfig\(",
     ),
+    Mutation(
+        "dpo_copy_ignores_init_from",
+        "DPO's frozen reference copy is the seeded initialisation, not init_from's weights (a "
+        "fine-tune from a model directory compares its policy with a random model)",
+        (
+            (
+                "lightning_sp/training/dpo.py",
+                "    if init_from is not None:\n        for chunk in reference.chunks:\n",
+                "    if False:\n        for chunk in reference.chunks:\n",
+            ),
+        ),
+        ("tests/test_dpo.py", "-k", "copy_reference"),
+        r"the reference copy's \S+ is not init_from's",
+    ),
 )
 
 
