@@ -182,8 +182,9 @@ def test_expert_bias_moves_towards_balance_and_only_chooses() -> None:
 def _router(**fields: Any) -> Router:
     """A float64 router over 4 experts whose logits are the token's own 4 values (``weight``
     the identity), so the expected weights below are written by hand."""
-    config = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=F, score="sigmoid",
-                       router_dtype="fp64", **fields)  # fmt: skip
+    defaults = dict(num_experts=4, top_k=2, expert_ffn_size=F, score="sigmoid",
+                    router_dtype="fp64")  # fmt: skip
+    config = MoEConfig(**{**defaults, **fields})
     router = Router(moe_context(config, 4, dtype=torch.float64), config)
     with torch.no_grad():
         router.weight.copy_(torch.eye(4, dtype=torch.float64))
@@ -231,6 +232,26 @@ def test_expert_bias_chooses_but_does_not_weigh_top2(
     leaked = [0.9, 0.85] if not normalize else [0.9 / 1.75, 0.85 / 1.75]
     assert got != pytest.approx(leaked), f"the expert bias leaks into the combine weights: {got}"
     assert got == pytest.approx(expected, abs=1e-15), f"normalize_top_k={normalize}: {got}"
+
+
+def test_capacity_rounds_up_by_hand() -> None:
+    """``ceil(cf·T·k/E)`` where it is not an integer: 5 tokens, top-1 over 4 experts at
+    ``capacity_factor`` 1 give capacity ceil(1.25) = 2 (floor or round: 1). Sigmoid scores,
+    not renormalised, of logits 3, 2, 1 on expert 0 and 2, 1 on expert 1: expert 0 keeps its
+    two highest (tokens 0 and 1) and drops token 2; expert 1 keeps both."""
+    router = _router(top_k=1, normalize_top_k=False, capacity_factor=1.0)
+    logits = torch.zeros(5, 4, dtype=torch.float64)
+    logits[[0, 1, 2], 0] = torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64)
+    logits[[3, 4], 1] = torch.tensor([2.0, 1.0], dtype=torch.float64)
+    routed = router(logits, None)
+    assert routed.experts[:, 0].tolist() == [0, 0, 0, 1, 1], routed.experts
+    assert routed.keep is not None
+    kept = routed.keep[:, 0].tolist()
+    assert kept == [True, True, False, True, True] and routed.dropped == 1, (
+        f"capacity_factor 1 of 5 tokens x top-1 over 4 experts: kept {kept}, dropped "
+        f"{routed.dropped}; the capacity ceil(1.25) = 2 keeps tokens 0, 1 of expert 0 and "
+        "both of expert 1 (1 dropped): the capacity does not round up"
+    )
 
 
 @pytest.mark.parametrize(

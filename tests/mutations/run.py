@@ -831,6 +831,20 @@ MUTATIONS = (
         ("tests/test_dpo.py", "-k", "copy_reference"),
         r"the reference copy's \S+ is not init_from's",
     ),
+    Mutation(
+        "capacity_rounds_down",
+        "MoE capacity ceil(cf·T·k/E) rounded down: a non-integer capacity keeps one choice per "
+        "expert too few",
+        (
+            (
+                "lightning_sp/model/moe/router.py",
+                "        capacity = math.ceil(cfg.capacity_factor",
+                "        capacity = math.floor(cfg.capacity_factor",
+            ),
+        ),
+        ("tests/test_moe.py", "-k", "capacity"),
+        r"the capacity does not round up",
+    ),
 )
 
 
