@@ -254,6 +254,25 @@ def test_capacity_rounds_up_by_hand() -> None:
     )
 
 
+def test_router_losses_by_hand() -> None:
+    """One token of logits ln 9, ln 3, 0, -ln 3 over 4 experts, top-2, sigmoid scores 0.9,
+    0.75, 0.5, 0.25 (sum 2.4): the load-balancing loss ``E/T² · Σ_i counts_i · Σ_t p_i``
+    normalises each token's sigmoid scores first, 4 · (0.9 + 0.75) / 2.4 = 2.75 (unnormalised:
+    6.6); the z-loss is ``logsumexp(logits)²`` = ln(9 + 3 + 1 + 1/3)² = ln(40/3)² (ST-MoE)."""
+    routed = _router()(SIGMOID_LOGITS, None)
+    assert routed.experts.tolist() == [[0, 1]]
+    aux = float(routed.aux_loss)
+    assert aux == pytest.approx(4 * 1.65 / 2.4, rel=1e-14), (
+        f"sigmoid router's load-balancing loss {aux}, by hand 2.75: the sigmoid scores are not "
+        "normalised per token in the auxiliary loss (unnormalised: 6.6)"
+    )
+    z = float(routed.z_loss)
+    assert z == pytest.approx(math.log(40 / 3) ** 2, rel=1e-14), (
+        f"router z-loss {z}, by hand ln(40/3)² = {math.log(40 / 3) ** 2}: the z-loss is not the "
+        "mean over tokens of logsumexp(logits)²"
+    )
+
+
 @pytest.mark.parametrize(
     "fields,layout,message",
     [

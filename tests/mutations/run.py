@@ -845,6 +845,34 @@ MUTATIONS = (
         ("tests/test_moe.py", "-k", "capacity"),
         r"the capacity does not round up",
     ),
+    Mutation(
+        "sigmoid_aux_unnormalised",
+        "the load-balancing loss of a sigmoid router takes its raw scores, not each token's "
+        "scores normalised to sum 1",
+        (
+            (
+                "lightning_sp/model/moe/router.py",
+                '        if self.config.score == "sigmoid":\n'
+                "            scores = scores / scores.sum(dim=-1, keepdim=True)\n",
+                "",
+            ),
+        ),
+        ("tests/test_moe.py", "-k", "by_hand"),
+        r"the sigmoid scores are not normalised per token in the auxiliary loss",
+    ),
+    Mutation(
+        "z_loss_not_squared",
+        "the router z-loss is the mean of logsumexp(logits), not of its square",
+        (
+            (
+                "lightning_sp/model/moe/router.py",
+                "torch.logsumexp(logits, dim=-1).square().sum()",
+                "torch.logsumexp(logits, dim=-1).sum()",
+            ),
+        ),
+        ("tests/test_moe.py", "-k", "by_hand"),
+        r"the z-loss is not the mean over tokens of logsumexp\(logits\)²",
+    ),
 )
 
 
