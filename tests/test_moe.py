@@ -289,6 +289,25 @@ def test_bad_settings_one_line(fields: dict, layout: dict, message: str) -> None
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
+REFUSED = [
+    ({"num_shared_experts": -1}, "moe.num_shared_experts=-1 must be >= 0"),
+    ({"score": "relu"}, "moe.score='relu' is not one of softmax, sigmoid"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), REFUSED, ids=[next(iter(f)) for f, _ in REFUSED])
+def test_routing_settings_are_refused_when_built(fields: dict, message: str) -> None:
+    """A negative shared-expert count or an unknown score function is refused in one line when
+    the config is built (else the shared MLP's width is negative, and any score but softmax
+    routes silently as sigmoid)."""
+    try:
+        MoEConfig(**fields)
+    except ConfigError as error:
+        assert str(error) == message, f"{fields}: {error}"
+        return
+    pytest.fail(f"MoEConfig({fields}) was accepted; expected the one line {message!r}")
+
+
 def test_expert_parallel_size_must_divide_data_context_ranks() -> None:
     def check_expert_layout(data_context_ranks: int, e: int) -> int:
         layout = ParallelConfig(expert_parallel_size=e).for_world_size(data_context_ranks)

@@ -873,6 +873,34 @@ MUTATIONS = (
         ("tests/test_moe.py", "-k", "by_hand"),
         r"the z-loss is not the mean over tokens of logsumexp\(logits\)²",
     ),
+    Mutation(
+        "moe_score_unchecked",
+        "moe.score is not checked: any value but softmax routes silently as sigmoid",
+        (
+            (
+                "lightning_sp/model/moe/config.py",
+                '        if self.score not in ("softmax", "sigmoid"):\n'
+                '            raise ConfigError(f"moe.score={self.score!r} is not one of softmax, '
+                'sigmoid")\n',
+                "",
+            ),
+        ),
+        ("tests/test_moe.py", "-k", "refused_when_built"),
+        r"MoEConfig\(\{'score': 'relu'\}\) was accepted",
+    ),
+    Mutation(
+        "moe_shared_count_unchecked",
+        "a negative moe.num_shared_experts is accepted (a shared MLP of negative width)",
+        (
+            (
+                "lightning_sp/model/moe/config.py",
+                "        if self.num_shared_experts < 0:\n",
+                "        if False:\n",
+            ),
+        ),
+        ("tests/test_moe.py", "-k", "refused_when_built"),
+        r"MoEConfig\(\{'num_shared_experts': -1\}\) was accepted",
+    ),
 )
 
 
