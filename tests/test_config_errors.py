@@ -323,6 +323,20 @@ def test_checkpoint_truncated_file_is_named(saved, tmp_path) -> None:
     _raises(rf"file {shard} is truncated or corrupt", check_checkpoint, str(copy), saved[1])
 
 
+def test_checkpoint_missing_file_is_named(saved, tmp_path) -> None:
+    """A data file ``meta.json`` lists but the directory lacks (a shard lost in a copy) is
+    named before anything loads, not read as a checkpoint without it."""
+    copy = _copy(saved[0], tmp_path)
+    shard = sorted(copy.glob("*.distcp"))[0]
+    shard.unlink()
+    try:
+        check_checkpoint(str(copy), saved[1])
+    except ConfigError as error:
+        assert str(error).endswith(f"file {shard} is missing"), error
+        return
+    pytest.fail(f"check_checkpoint accepted a checkpoint whose data file {shard.name} is missing")
+
+
 def test_checkpoint_corrupt_metadata_is_named(saved, tmp_path) -> None:
     copy = _copy(saved[0], tmp_path)
     (copy / "meta.json").write_text("{not json")

@@ -901,6 +901,20 @@ MUTATIONS = (
         ("tests/test_moe.py", "-k", "refused_when_built"),
         r"MoEConfig\(\{'num_shared_experts': -1\}\) was accepted",
     ),
+    Mutation(
+        "checkpoint_missing_file_accepted",
+        "checkpoint verification skips a data file meta.json lists but the directory lacks (a "
+        "lost shard is not named before loading)",
+        (
+            (
+                "lightning_sp/checkpoint/verify.py",
+                '            raise ConfigError(f"{shown}: file {file} is missing")\n',
+                "            continue\n",
+            ),
+        ),
+        ("tests/test_config_errors.py", "-k", "checkpoint_missing_file"),
+        r"check_checkpoint accepted a checkpoint whose data file \S+ is missing",
+    ),
 )
 
 
