@@ -915,6 +915,35 @@ MUTATIONS = (
         ("tests/test_config_errors.py", "-k", "checkpoint_missing_file"),
         r"check_checkpoint accepted a checkpoint whose data file \S+ is missing",
     ),
+    Mutation(
+        "expert_load_counted_in_eval",
+        "the router counts an eval (validation) forward's choices into tokens_per_expert: "
+        "validation tokens move the auxiliary-loss-free biases",
+        (
+            (
+                "lightning_sp/model/moe/router.py",
+                "        if self.tokens_per_expert is not None and self.training and not "
+                "replaying():\n",
+                "        if self.tokens_per_expert is not None and not replaying():\n",
+            ),
+        ),
+        ("tests/test_moe_state.py", "-k", "eval_forward"),
+        r"an eval \(validation\) forward added its choices to tokens_per_expert",
+    ),
+    Mutation(
+        "step_totals_counted_in_eval",
+        "an MoE layer adds an eval (validation) forward to the step's routing totals (the "
+        "logged aux/z losses, drops and loads)",
+        (
+            (
+                "lightning_sp/model/moe/layer.py",
+                "        if self.training and not replaying():  # once per micro-batch",
+                "        if not replaying():  # once per micro-batch",
+            ),
+        ),
+        ("tests/test_moe_state.py", "-k", "eval_forward"),
+        r"an eval \(validation\) forward added to the step's routing totals",
+    ),
 )
 
 
