@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -335,6 +336,22 @@ def test_checkpoint_missing_file_is_named(saved, tmp_path) -> None:
         assert str(error).endswith(f"file {shard} is missing"), error
         return
     pytest.fail(f"check_checkpoint accepted a checkpoint whose data file {shard.name} is missing")
+
+
+def test_checkpoint_folder_copied_whole_reads_its_own_data(saved, tmp_path) -> None:
+    """A checkpoint folder copied (or moved) whole, links as links, is a checkpoint of its
+    own: its name links to the data beside it (a relative link), not to the original's."""
+    import shutil
+
+    folder = tmp_path / "copied"
+    shutil.copytree(saved[0].parent, folder, symlinks=True)
+    name = folder / saved[0].name
+    target = name.resolve()
+    assert target.parent == folder.resolve(), (
+        f"{name} links to {os.readlink(name)}, outside its folder: the checkpoint name is an "
+        "absolute link; a copied or moved checkpoint folder reads (or loses) the original's data"
+    )
+    check_checkpoint(str(name), saved[1])
 
 
 def test_checkpoint_corrupt_metadata_is_named(saved, tmp_path) -> None:

@@ -944,6 +944,20 @@ MUTATIONS = (
         ("tests/test_moe_state.py", "-k", "eval_forward"),
         r"an eval \(validation\) forward added to the step's routing totals",
     ),
+    Mutation(
+        "checkpoint_absolute_link",
+        "a checkpoint name is an absolute link to its data: a checkpoint folder copied or moved "
+        "whole reads (or loses) the original's data",
+        (
+            (
+                "lightning_sp/checkpoint/commit.py",
+                "    os.symlink(data.name, link)",
+                "    os.symlink(data.resolve(), link)",
+            ),
+        ),
+        ("tests/test_config_errors.py", "-k", "copied_whole"),
+        r"outside its folder: the checkpoint name is an absolute link",
+    ),
 )
 
 
