@@ -958,6 +958,21 @@ MUTATIONS = (
         ("tests/test_config_errors.py", "-k", "copied_whole"),
         r"outside its folder: the checkpoint name is an absolute link",
     ),
+    Mutation(
+        "replicated_moments_ignore_expert_slice",
+        "the replicated optimizer saves each block of an expert-tensor-parallel [gate; up] slice "
+        "from the slice's start: the up rows' Adam moments are the gate rows' (etp > 1)",
+        (
+            (
+                "lightning_sp/checkpoint/shards.py",
+                "    within = shard.within or (0,) * local.dim()\n",
+                "    within = (0,) * local.dim()\n",
+            ),
+        ),
+        ("tests/test_moe_parallel.py", "-k", "checkpoint"),
+        r"gate_up \(replicated optimizer\): a weight or Adam moment saved at etp = 2 loads into "
+        r"other rows",
+    ),
 )
 
 
