@@ -973,6 +973,20 @@ MUTATIONS = (
         r"gate_up \(replicated optimizer\): a weight or Adam moment saved at etp = 2 loads into "
         r"other rows",
     ),
+    Mutation(
+        "scatter_rows_rank0_count",
+        "expert TP: scatter_rows keeps TP rank 0's row count on every rank (a rank holding more "
+        "rows loses some; the quick tier's layouts hold equal counts)",
+        (
+            (
+                "lightning_sp/parallel/expert_rows.py",
+                "    return out[: sum(plan.per_rank[group_rank(plan.group)])]",
+                "    return out[: sum(plan.per_rank[0])]",
+            ),
+        ),
+        ("tests/test_two_ranks_quick.py",),
+        r"scatter_rows gave \[[^]]*\]; this rank's own 5 rows summed over the TP group",
+    ),
 )
 
 
