@@ -308,6 +308,19 @@ def test_routing_settings_are_refused_when_built(fields: dict, message: str) -> 
     pytest.fail(f"MoEConfig({fields}) was accepted; expected the one line {message!r}")
 
 
+def test_shared_experts_width_must_divide_tp() -> None:
+    """The shared experts are a TP MLP: their width 6 at t = 4 (with SP) is refused in one
+    line naming both values, before any model is built."""
+    moe = MoEConfig(num_shared_experts=1, expert_ffn_size=6)
+    try:
+        moe.check_layout(ParallelConfig(tensor_parallel_size=4), sequence_parallel=True)
+    except ConfigError as error:
+        expected = "moe.shared_expert_ffn_size=6 is not divisible by tensor_parallel_size=4"
+        assert str(error) == expected, error
+        return
+    pytest.fail("shared experts of width 6 at tensor_parallel_size=4 were accepted")
+
+
 def test_expert_parallel_size_must_divide_data_context_ranks() -> None:
     def check_expert_layout(data_context_ranks: int, e: int) -> int:
         layout = ParallelConfig(expert_parallel_size=e).for_world_size(data_context_ranks)

@@ -987,6 +987,19 @@ MUTATIONS = (
         ("tests/test_two_ranks_quick.py",),
         r"scatter_rows gave \[[^]]*\]; this rank's own 5 rows summed over the TP group",
     ),
+    Mutation(
+        "shared_width_unchecked",
+        "the shared experts' width is not checked against tensor_parallel_size",
+        (
+            (
+                "lightning_sp/model/moe/config.py",
+                "        if self.shared_ffn_size % t:\n",
+                "        if False:\n",
+            ),
+        ),
+        ("tests/test_moe.py", "-k", "shared_experts_width"),
+        r"shared experts of width 6 at tensor_parallel_size=4 were accepted",
+    ),
 )
 
 
