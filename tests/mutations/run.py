@@ -760,6 +760,35 @@ MUTATIONS = (
         ("tests/test_fp8_bytes.py", "-k", "one_process and llama-none-tensorwise"),
         r"llama-none-tensorwise: measured \d+ bytes \(\S+ sb\), formula",
     ),
+    Mutation(
+        "lora_rslora_ignored",
+        "LoRA: use_rslora is ignored (the update scaled by lora_alpha / r, not "
+        "lora_alpha / sqrt(r))",
+        (
+            (
+                "lightning_sp/model/lora.py",
+                "        return self.lora_alpha / "
+                "(math.sqrt(self.r) if self.use_rslora else self.r)\n",
+                "        return self.lora_alpha / self.r\n",
+            ),
+        ),
+        ("tests/test_lora.py", "-k", "rslora"),
+        r"use_rslora: loss relative error \S+ against peft's",
+    ),
+    Mutation(
+        "adapter_rslora_unchecked",
+        "model.lora with another use_rslora than adapter_from's directory is accepted (its "
+        "adapters then scale by another factor than they were trained with)",
+        (
+            (
+                "lightning_sp/training/adapters.py",
+                'STATED = ("r", "lora_alpha", "use_rslora")\n',
+                'STATED = ("r", "lora_alpha")\n',
+            ),
+        ),
+        ("tests/test_lora_export.py", "-k", "mistakes"),
+        r"another use_rslora: accepted without a word",
+    ),
 )
 
 
