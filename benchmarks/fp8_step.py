@@ -50,8 +50,7 @@ def measure(shape: Shape, device: torch.device, warmup: int, rounds: int) -> dic
         held, loss = held_per_layer(model.train(), ids, labels)
         loss.backward()
         model.zero_grad(set_to_none=True)
-        formula = config.activation_shape(None, shape.b)
-        formula = formula.on_cuda() if device.type == "cuda" else formula
+        formula = config.activation_shape(None, shape.b, device=device)
         rows[name] = {
             "loss": loss.item(),
             "held_bytes_per_layer": statistics.mean(held),

@@ -19,8 +19,9 @@
 #   fitloop  python -m benchmarks.gpu --only fit: cli.py fit's path vs a plain loop over the same
 #            module (speed/gpu.md; never measured on a GPU yet)
 #   profile  python -m benchmarks.step_profile: one micro-batch of Megatron-LM's published 1.7B row
-#            (and gpu_1b's) on this card by kernel kind beside the step-time model on h200
-#            (step_profile.md/.json; 37 s)
+#            (and gpu_1b's) on this card by kernel kind beside the step-time model on h200, eager
+#            and with the layers compiled (a fused stack's stand-in; step_profile.md/.json; the
+#            three eager cases took 37 s, the two compiled ones are unmeasured: limit 240 s)
 #   fp8      python -m benchmarks.fp8_step: the 1.2B GPT's training step with its linears in bf16,
 #            FP8 tensorwise and FP8 rowwise (fp8_step.md/.json: tokens/s, the ratio to bf16 with a
 #            95% CI, the first loss, bytes kept per layer vs the formula); 90 s; without
@@ -67,7 +68,7 @@ for part in $PARTS; do
       step 90 "fp8 GEMMs" python -m benchmarks.fp8_gpu --out "$OUT" ;;
     fitloop) step 240 "fit vs plain loop" python -m benchmarks.gpu --only fit --out "$OUT/speed" \
       --warmup 2 --steps 6 ;;
-    profile) step 90 "step profile" python -m benchmarks.step_profile --out "$OUT" ;;
+    profile) step 240 "step profile" python -m benchmarks.step_profile --out "$OUT" ;;
     fp8) step 150 "fp8 GPT step" python -m benchmarks.fp8_step --out "$OUT" ;;
     *) echo "unknown part $part (models, fit, planner, moe, speed, fitloop, profile, fp8)"; exit 2 ;;
   esac

@@ -9,7 +9,14 @@ Each case is our ``GPT`` on one device (t = p = d = 1, micro-batch ``b``), bf16,
   attention and hidden dropout 0.1, SDPA, b = 1), whose prediction is 18% short of the published
   step; ``published-1.7B-nodrop`` the same with dropout 0 (what dropout costs here);
 * ``gpu_1b``: ``configs/gpu_1b.yaml``'s model (s = 2048, h = 2048, 24 layers, v = 257, b = 4,
-  dropout 0).
+  dropout 0);
+* ``published-1.7B-nodrop-compiled`` and ``gpu_1b-compiled``: the same with each layer under
+  ``torch.compile`` (:func:`lightning_sp.model.compile.compile_layers`, inductor; without dropout
+  and recomputation a layer traces as one graph, so its norms, residual adds and GeLU run as
+  generated fused kernels): a measured stand-in for a stack that fuses its memory-bound kernels
+  (Megatron's TransformerEngine ones, which the step-time model prices at the HBM rate), and
+  where compiling our layers gains or does not (the embedding, the output layer and the cross
+  entropy stay eager).
 
 Per case: the median wall seconds of forward + backward (:func:`lightning_sp.planner.calibrate.
 time_it`), and from ``torch.profiler`` over a few steps the GPU kernel time per step by kind
@@ -33,6 +40,7 @@ import torch
 
 from benchmarks._fit import batch, train_step
 from benchmarks._format import PLUMBING, add_device, device_name, parser, refused, save, table
+from lightning_sp.model.compile import CompileOptions, compile_layers
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
 from lightning_sp.model.recompute import NO_RECOMPUTE
@@ -48,26 +56,17 @@ PUBLISHED_17B = GPTConfig(
     tie_embeddings=False, hidden_dropout=0.1, attention_dropout=0.1, attention="sdpa",
     recompute=NO_RECOMPUTE,
 )  # fmt: skip
-CASES: dict[str, tuple[GPTConfig, int]] = {
-    "published-1.7B": (PUBLISHED_17B, 1),
-    "published-1.7B-nodrop": (
-        dataclasses.replace(PUBLISHED_17B, hidden_dropout=0.0, attention_dropout=0.0),
-        1,
-    ),
-    "gpu_1b": (
-        GPTConfig(
-            vocab_size=257,
-            seq_length=2048,
-            hidden_size=2048,
-            num_layers=24,
-            num_heads=16,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            attention="sdpa",
-            recompute=NO_RECOMPUTE,
-        ),
-        4,
-    ),
+PUBLISHED_17B_NODROP = dataclasses.replace(PUBLISHED_17B, hidden_dropout=0.0, attention_dropout=0.0)
+GPU_1B = GPTConfig(
+    vocab_size=257, seq_length=2048, hidden_size=2048, num_layers=24, num_heads=16,
+    hidden_dropout=0.0, attention_dropout=0.0, attention="sdpa", recompute=NO_RECOMPUTE,
+)  # fmt: skip
+CASES: dict[str, tuple[GPTConfig, int, bool]] = {  # config, micro-batch, layers compiled
+    "published-1.7B": (PUBLISHED_17B, 1, False),
+    "published-1.7B-nodrop": (PUBLISHED_17B_NODROP, 1, False),
+    "gpu_1b": (GPU_1B, 4, False),
+    "published-1.7B-nodrop-compiled": (PUBLISHED_17B_NODROP, 1, True),
+    "gpu_1b-compiled": (GPU_1B, 4, True),
 }
 SMOKE = GPTConfig(
     vocab_size=512, seq_length=64, hidden_size=64, num_layers=2, num_heads=4, attention="sdpa",
@@ -90,8 +89,9 @@ def kind(kernel: str) -> str:
     return "memory"
 
 
-def build(config: GPTConfig, device: torch.device) -> GPT:
-    """``config``'s GPT on ``device`` with weights drawn there (see the module docstring)."""
+def build(config: GPTConfig, device: torch.device, compiled: str = "") -> GPT:
+    """``config``'s GPT on ``device`` with weights drawn there (see the module docstring);
+    with ``compiled`` (a ``torch.compile`` backend) each layer compiled with it."""
     model = GPT(config, ParallelState.single(device), dtype=dtype_for(device), device="meta")
     materialize(model, device)
     with torch.no_grad():
@@ -99,6 +99,8 @@ def build(config: GPTConfig, device: torch.device) -> GPT:
             param.normal_(0.0, 0.02)
         for buffer in model.buffers():
             buffer.zero_()
+    if compiled:
+        compile_layers(model.layers, CompileOptions(backend=compiled))
     return model.train()
 
 
@@ -148,13 +150,20 @@ def profiled(step: Any, device: torch.device, steps: int) -> dict[str, Any]:
 
 
 def measure(name: str, config: GPTConfig, b: int, device: torch.device, cluster: str,
-            seconds: float, steps: int) -> dict[str, Any]:  # fmt: skip
+            seconds: float, steps: int, compiled: str = "") -> dict[str, Any]:  # fmt: skip
+    """One case: wall time, profile and prediction; ``compiled``: the layers' ``torch.compile``
+    backend (``""``: eager). The first timed call compiles (``time_it``'s warm-up call)."""
+    from torch._dynamo.utils import counters
+
     ids, labels = batch(config.vocab_size, b, config.seq_length, device)
-    step = functools.partial(train_step, build(config, device), ids, labels)
+    step = functools.partial(train_step, build(config, device, compiled), ids, labels)
+    breaks = sum(counters["graph_break"].values())
     wall = time_it(step, device, seconds)
+    breaks = sum(counters["graph_break"].values()) - breaks  # 0 eager; compiled: 0 is one graph
     found = profiled(step, device, steps)
     model_parts = predicted(config, b, cluster)
-    return {"case": name, "b": b, "measured_seconds": wall, **found, "predicted": model_parts,
+    return {"case": name, "b": b, "compiled": compiled, "graph_breaks": breaks,
+            "measured_seconds": wall, **found, "predicted": model_parts,
             "measured_over_predicted": wall / model_parts["total"]}  # fmt: skip
 
 
@@ -196,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     if refused(args, "step_profile"):
         return 2
     device = torch.device(args.device)
-    cases = {"smoke": (SMOKE, 2)} if args.smoke else CASES
+    # the smoke compiles with aot_eager (traced, no code generated: seconds on a CPU)
+    smoke = {"smoke": (SMOKE, 2, False), "smoke-compiled": (SMOKE, 2, True)}
+    cases = smoke if args.smoke else CASES
     names = list(cases) if args.smoke else args.cases.split(",")
     if unknown := [n for n in names if n not in cases]:
         print(f"error: --cases: unknown {', '.join(unknown)}; valid: {', '.join(CASES)}",
@@ -204,9 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     for name in names:
-        config, b = cases[name]
+        config, b, compiled = cases[name]
         seconds, steps = (0.05, 1) if args.smoke else (args.seconds, args.steps)
-        rows.append(measure(name, config, b, device, args.cluster, seconds, steps))
+        backend = ("aot_eager" if args.smoke else "inductor") if compiled else ""
+        rows.append(measure(name, config, b, device, args.cluster, seconds, steps, backend))
         if device.type == "cuda":  # the case's model is gone: its blocks go back
             torch.cuda.empty_cache()
         print(f"{name}: {1e3 * rows[-1]['measured_seconds']:.1f} ms, "

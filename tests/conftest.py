@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from corpora import python_files
+from process_state import process_restored
 
 # Two cores: keep every process (and every spawned rank) to one intra-op thread so four ranks
 # do not oversubscribe the machine.
@@ -51,29 +51,16 @@ def _attribute_docstrings_read_once() -> None:
 
 _attribute_docstrings_read_once()
 
-# What a launcher leaves in ``os.environ``: a later Trainer in this process takes a leftover
-# MASTER_PORT as its rendezvous port, which another process may have taken since (EADDRINUSE).
-_LAUNCH = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
-
-
-def _restored() -> Iterator[None]:
-    before = dict(os.environ)
-    for name in _LAUNCH:  # each test rendezvouses afresh, whatever a module fixture left
-        os.environ.pop(name, None)
-    yield
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(before)
-
 
 @pytest.fixture(autouse=True)
 def _process_state_restored() -> Iterator[None]:
     """Each test leaves the process as it found it: an in-process Trainer run leaves Lightning's
     launcher variables (WORLD_SIZE, LOCAL_RANK, MASTER_PORT, ...) in ``os.environ`` and its
     default process group initialised, which a later Trainer would take for an external
-    launcher of world size 1 and a later fake-tensor measurement for a live group."""
-    yield from _restored()
+    launcher of world size 1 and a later fake-tensor measurement for a live group
+    (``process_state.process_restored``)."""
+    with process_restored():  # each test rendezvouses afresh, whatever a module fixture left
+        yield
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -81,27 +68,20 @@ def _module_state_restored() -> Iterator[None]:
     """The same for a module's fixtures: a module-scoped fixture that runs a Trainer does so
     before any test's snapshot, so without this its MASTER_PORT outlived the module and every
     later launch in the session rendezvoused on that port (EADDRINUSE while it was held)."""
-    yield from _restored()
+    with process_restored():
+        yield
 
 
 @pytest.fixture
 def shutdown_handlers() -> Iterator[None]:
     """``lightning_sp.runtime.shutdown``'s signal handlers installed in this process for the
-    test; the previous handlers and the module's state are restored after it."""
-    import signal
-
+    test; the previous handlers and the module's state are restored after it
+    (``process_state.process_restored``)."""
     from lightning_sp.runtime import shutdown
 
-    previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    saved = dict(shutdown._state)
-    shutdown.install()
-    try:
+    with process_restored():
+        shutdown.install()
         yield
-    finally:
-        signal.signal(signal.SIGINT, previous[0])
-        signal.signal(signal.SIGTERM, previous[1])
-        shutdown._state.clear()
-        shutdown._state.update(saved)
 
 
 @pytest.fixture

@@ -216,3 +216,20 @@ def test_the_cuda_terms_equal_what_an_h200_measured() -> None:
         }
         assert per_layer["cuda"] == row["held_bytes_per_layer"], (row["variant"], per_layer)
         assert per_layer["cuda"] - per_layer["cpu"] == 8 * cpu.s * cpu.b + 16, per_layer
+
+
+def test_a_cuda_device_gives_the_cuda_shape() -> None:
+    """``GPTConfig.activation_shape``'s ``device``: None (the default) or a CPU device gives the
+    CPU's shape, without CUDA's terms; a CUDA device gives exactly ``on_cuda()`` of it (what the
+    activation monitor and ``benchmarks.fp8_step`` compare a GPU's bytes with)."""
+    config = _config(*ROW_SETTINGS["sdpa_sequence_parallel"])
+    cpu = config.activation_shape(layout_at(2), B)
+    assert (cpu.norm_stats_bytes, cpu.kernel_rng_bytes) == (0, 0), (
+        f"the default (device=None) shape has CUDA's terms: {cpu}"
+    )
+    on_cpu = config.activation_shape(layout_at(2), B, device=torch.device("cpu"))
+    assert on_cpu == cpu, f"device=cpu gave {on_cpu}, not the default (CPU) shape {cpu}"
+    cuda = config.activation_shape(layout_at(2), B, device=torch.device("cuda", 1))
+    assert cuda == cpu.on_cuda(), (
+        f"device=cuda:1 gave {cuda}, not on_cuda() of the CPU's shape: {cpu.on_cuda()}"
+    )

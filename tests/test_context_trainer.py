@@ -20,16 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import os
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
@@ -43,6 +39,7 @@ from lightning_sp.memory.formulas import activation_bytes_per_layer
 from lightning_sp.parallel.config import ParallelConfig
 
 from models import layout_at, relative_error, tiny_config
+from process_state import process_restored
 
 RTOL = 1e-9
 """Float64 over three AdamW steps: one process and the CP layouts differ by the order of
@@ -71,7 +68,7 @@ def fit(
     """Train ``net`` in float64 on ``devices`` ranks; ``{metric: {step: value}}`` as logged.
     The per-rank batch is the global batch over the data-parallel ranks. One rank runs in this
     process (the launcher starts no process for it: a spawned one costs seconds of imports),
-    more are spawned."""
+    inside ``process_state.process_restored``; more are spawned."""
     d = devices // (
         strategy.get("tensor_parallel_size", 1) * strategy.get("context_parallel_size", 1)
         * strategy.get("pipeline_parallel_size", 1)
@@ -89,7 +86,7 @@ def fit(
                           batch_size=GLOBAL_BATCH // d, val_fraction=0.1)  # fmt: skip
     with contextlib.ExitStack() as stack:
         if devices == 1:
-            stack.enter_context(_process_settings_restored())
+            stack.enter_context(process_restored())
         trainer.fit(net, data, ckpt_path=ckpt_path)
     return metrics(tmp_path, name)
 
@@ -103,35 +100,6 @@ def metrics(tmp_path: Path, name: str) -> dict[str, dict[int, float]]:
         for key in rows[0]
         if key != "step"
     }
-
-
-@contextlib.contextmanager
-def _process_settings_restored() -> Iterator[None]:
-    """A run in this process rendezvouses on a port of its own (not the one an earlier spawn
-    left in ``os.environ``, which this process's store would then hold against the next
-    spawn), and what it changes is restored after it: the launcher's variables in
-    ``os.environ`` (a later Trainer would take them for an external launcher of world size 1),
-    the default process group, the strategy's signal handlers and shutdown
-    state, and its CPU threads per rank."""
-    from lightning_sp.runtime import shutdown
-
-    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    state, threads = dict(shutdown._state), torch.get_num_threads()
-    environ = dict(os.environ)
-    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-        os.environ.pop(name, None)  # an earlier spawn's port: rendezvous on a port of its own
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
-        signal.signal(signal.SIGINT, handlers[0])
-        signal.signal(signal.SIGTERM, handlers[1])
-        shutdown._state.clear()
-        shutdown._state.update(state)
-        torch.set_num_threads(threads)
 
 
 def assert_same_steps(got: dict[int, float], want: dict[int, float], what: str) -> None:

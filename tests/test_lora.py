@@ -176,6 +176,25 @@ def test_dropout_matches_peft_with_the_same_masks(reference: dict[str, Any]) -> 
     assert _check_grads([model], ref["grads"], "lora_dropout=0.3") == 14 * config.num_layers
 
 
+def test_rslora_scaling_matches_peft(reference: dict[str, Any]) -> None:
+    """``use_rslora``: the update scaled by ``lora_alpha / √r`` (8 / 2 = 4 here, where
+    ``lora_alpha / r`` is 2), one process, float64 norms: the loss and every adapter gradient
+    <= 1e-10 against peft's with ``use_rslora=True``; the loss is not the plain scaling's."""
+    lora = dataclasses.replace(LORA, use_rslora=True)
+    config = llama_config()
+    with wide_norms():
+        (model,) = adapted_shard(config, ParallelState.single(), reference["directory"],
+                                 reference["adapters"], lora=lora)  # fmt: skip
+        loss = model(reference["wide"]["ids"], reference["wide"]["labels"])
+        loss.backward()
+    ref = peft_reference(reference["directory"], config, reference["adapters"], wide=True,
+                         lora=lora)  # fmt: skip
+    err = relative(loss.detach(), ref["loss"])
+    assert err <= TOLERANCE, f"use_rslora: loss relative error {err:.2e} against peft's"
+    assert relative(loss.detach(), reference["wide"]["loss"]) > 1e-4, "use_rslora changed nothing"
+    assert _check_grads([model], ref["grads"], "use_rslora") == 14 * config.num_layers
+
+
 def test_bf16_base_stays_bf16_adapters_train_on_fp32_masters() -> None:
     """A bf16 model with adapters: the frozen base stays bf16, bit-identical, with no master,
     gradient or optimizer state; the optimizer holds fp32 masters of the adapters only, with

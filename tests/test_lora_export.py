@@ -8,6 +8,7 @@ stated ``r`` the directory does not have, and ``--adapter`` of a full fine-tune.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -179,12 +180,24 @@ def test_adapter_mistakes_are_one_line(run: dict, tmp_path: Path) -> None:
             dict(adapter_from=str(adapter), lora=LoRAConfig(r=8, target_modules=["all-linear"])),
             run["base"], "lora.r=8 differs from adapter_from",
         ),
+        "another lora_alpha": (
+            dict(adapter_from=str(adapter),
+                 lora=dataclasses.replace(LORA, lora_alpha=16.0)),
+            run["base"], "lora.lora_alpha=16.0 differs from adapter_from",
+        ),
+        "another use_rslora": (
+            dict(adapter_from=str(adapter), lora=dataclasses.replace(LORA, use_rslora=True)),
+            run["base"], "lora.use_rslora=True differs from adapter_from",
+        ),
     }  # fmt: skip
     for case, (kwargs, base, message) in cases.items():
         config = read_hf_config(run["base"], seq_length=64)
-        with pytest.raises(ConfigError) as error:
+        try:
             GPTModule(config, init_from=None if base is None else str(base), **kwargs)  # type: ignore[arg-type]
-        line = str(error.value)
+        except ConfigError as error:
+            line = str(error)
+        else:
+            raise AssertionError(f"{case}: accepted without a word (expected {message!r})")
         assert message in line and "\n" not in line, f"{case}: {line}"
     full = CheckpointModel(Path("ckpt"), read_hf_config(run["base"]), {}, {}, {})
     with pytest.raises(ConfigError, match=r"is a full fine-tune .* has no adapters"):

@@ -75,7 +75,15 @@ def test_step_profile_names_each_kernel_kind() -> None:
 @pytest.mark.slow
 def test_step_profile_plumbing_on_cpu(tmp_path: Path) -> None:
     assert step_profile.main(["--smoke", "--device", "cpu", "--out", str(tmp_path)]) == 0
-    (row,) = json.loads((tmp_path / "step_profile.json").read_text())["rows"]
-    assert row["predicted"]["total"] > 0 and row["measured_seconds"] > 0, row
-    assert set(row["kernel_seconds"]) == {"gemm", "attention", "memory"}, row
-    assert row["kernel_seconds"]["gemm"] > 0 and row["kernels_per_step"] > 0, row
+    rows = json.loads((tmp_path / "step_profile.json").read_text())["rows"]
+    compiled = {row["case"]: row["compiled"] for row in rows}
+    assert compiled == {"smoke": "", "smoke-compiled": "aot_eager"}, f"cases run: {compiled}"
+    breaks = {row["case"]: row["graph_breaks"] for row in rows}
+    assert breaks == {"smoke": 0, "smoke-compiled": 0}, (
+        f"graph breaks {breaks}: a compiled layer without dropout or recomputation is no longer "
+        "one graph, so the compiled case measures no fused stack"
+    )
+    for row in rows:
+        assert row["predicted"]["total"] > 0 and row["measured_seconds"] > 0, row
+        assert set(row["kernel_seconds"]) == {"gemm", "attention", "memory"}, row
+        assert row["kernel_seconds"]["gemm"] > 0 and row["kernels_per_step"] > 0, row

@@ -237,15 +237,15 @@ class ActivationMemoryMonitor(Callback):
     def _formula_per_layer(self, gpt: GPT, b: int, s: int) -> float:
         """Table 2 for this model, averaged over ``gpt``'s layers (see ``_record``)."""
         config, state = gpt.config, gpt.state
+        weight = next(gpt.parameters())
         shape = config.activation_shape(  # s: the whole sequence; a CP rank holds s/c of it
             state.layout,
             b,
             seq_length=s,
             documents=self._documents,
-            activation_bytes=next(gpt.parameters()).element_size(),
+            activation_bytes=weight.element_size(),
+            device=weight.device,  # CUDA's kernels save more than the CPU's terms
         )
-        if next(gpt.parameters()).is_cuda:  # what CUDA's kernels save beside the CPU's terms
-            shape = shape.on_cuda()
         return sum(
             activation_bytes_per_layer(shape, config.layer_recompute(i))
             for i in range(len(gpt.layers))

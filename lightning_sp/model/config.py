@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from lightning_sp.errors import ConfigError, divisors
 from lightning_sp.model.architecture import (
     Activation,
@@ -143,15 +145,19 @@ class GPTConfig(RunSettings, Architecture):
         activation_bytes: float = 2,
         mask_bytes: float = 1,
         documents: bool = False,
+        device: torch.device | None = None,
     ) -> ActivationShape:
         """The shape of this config's layers laid out as ``layout`` (its t, c, e and expert
         tensor parallel size; None: one rank) at micro-batch ``b`` (``seq_length`` overrides
         the config's, for shorter inputs; it is the whole sequence, of which a rank holds
         ``s/c`` under CP); ``documents``: attention masked by packed documents
-        (``data.document_mask``). Built once per (model, layout, micro-batch) and passed
-        whole; its ``block`` is this config's parts."""
+        (``data.document_mask``); ``device``: where the layers run, whose kernels decide what
+        they save beside the formula's terms: a CUDA device gives
+        :meth:`ActivationShape.on_cuda` (LayerNorm's statistics in fp32, the fused attention
+        kernel's Philox state), any other device or None the CPU's terms. Built once per
+        (model, layout, micro-batch) and passed whole; its ``block`` is this config's parts."""
         layout = ONE_RANK if layout is None else layout
-        return ActivationShape(
+        shape = ActivationShape(
             s=seq_length or self.seq_length,
             b=micro_batch_size,
             h=self.hidden_size,
@@ -175,6 +181,7 @@ class GPTConfig(RunSettings, Architecture):
             etp=layout.expert_tensor_parallel_size,
             fp8=self.fp8.recipe if self.fp8 is not None else None,
         )
+        return shape.on_cuda() if device is not None and device.type == "cuda" else shape
 
     @property
     def output_init_std(self) -> float:

@@ -102,7 +102,8 @@ class ActivationShape:
         """This shape as PyTorch's CUDA kernels save it: LayerNorm's statistics in fp32 (fp64
         for 8-byte activations) and the fused attention kernel's 16-byte Philox state. An H200
         measured exactly these over the CPU's terms: 65,552 bytes per layer at s=2048, b=4,
-        h=2048 (``8sb + 16``; ``benchmarks/results/gpu/session3/fp8_step.json``)."""
+        h=2048 (``8sb + 16``; ``benchmarks/results/gpu/session3/fp8_step.json``). What
+        :meth:`GPTConfig.activation_shape` returns for a CUDA ``device``."""
         stats = max(4.0, self.activation_bytes)
         return dataclasses.replace(self, norm_stats_bytes=stats, kernel_rng_bytes=16)
 

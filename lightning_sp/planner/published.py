@@ -165,8 +165,9 @@ def _gpt(h: int, a: int, layers: int, t: int, **kw: object) -> GPTConfig:
 def _megatron_h100(
     name: str, h: int, a: int, layers: int, t: int, p: int, tflops: float
 ) -> PublishedRun:
-    """One row of Megatron-LM's H100 weak-scaling table: d = 48, global batch 192·t·p/8
-    (4·p sequences per replica), micro-batch 1 (not stated: with it the pipelined rows have
+    """One row of Megatron-LM's H100 weak-scaling table: d = 48, global batch 192·p (the
+    table's "Batch size" column: 192 for the four p = 1 rows, then 384, 768, 1152, 1536,
+    3072; 4·p sequences per replica), micro-batch 1 (not stated: with it the pipelined rows have
     the 4·p micro-batches their batch implies, and Megatron's GPT example script at that
     commit runs ``--micro-batch-size 1``), the distributed optimizer
     (``--overlap-param-gather`` requires it), gradient reduce, parameter gather and TP

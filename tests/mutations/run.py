@@ -760,6 +760,63 @@ MUTATIONS = (
         ("tests/test_fp8_bytes.py", "-k", "one_process and llama-none-tensorwise"),
         r"llama-none-tensorwise: measured \d+ bytes \(\S+ sb\), formula",
     ),
+    Mutation(
+        "lora_rslora_ignored",
+        "LoRA: use_rslora is ignored (the update scaled by lora_alpha / r, not "
+        "lora_alpha / sqrt(r))",
+        (
+            (
+                "lightning_sp/model/lora.py",
+                "        return self.lora_alpha / "
+                "(math.sqrt(self.r) if self.use_rslora else self.r)\n",
+                "        return self.lora_alpha / self.r\n",
+            ),
+        ),
+        ("tests/test_lora.py", "-k", "rslora"),
+        r"use_rslora: loss relative error \S+ against peft's",
+    ),
+    Mutation(
+        "adapter_rslora_unchecked",
+        "model.lora with another use_rslora than adapter_from's directory is accepted (its "
+        "adapters then scale by another factor than they were trained with)",
+        (
+            (
+                "lightning_sp/training/adapters.py",
+                'STATED = ("r", "lora_alpha", "use_rslora")\n',
+                'STATED = ("r", "lora_alpha")\n',
+            ),
+        ),
+        ("tests/test_lora_export.py", "-k", "mistakes"),
+        r"another use_rslora: accepted without a word",
+    ),
+    Mutation(
+        "peft_export_drops_rslora",
+        "a PEFT adapter directory of rank-stabilised adapters says use_rslora: false (peft then "
+        "scales them by lora_alpha / r)",
+        (
+            (
+                "lightning_sp/interop/peft.py",
+                '        "use_rslora": lora.use_rslora,\n',
+                '        "use_rslora": False,\n',
+            ),
+        ),
+        ("tests/test_lora_peft_dir.py", "-k", "rslora"),
+        r"adapter_config.json: \{",
+    ),
+    Mutation(
+        "peft_import_drops_rslora",
+        "a PEFT adapter directory's use_rslora: true is read as false (its adapters then scale "
+        "by lora_alpha / r)",
+        (
+            (
+                "lightning_sp/interop/peft.py",
+                '        use_rslora=bool(document.get("use_rslora", False)),\n',
+                "        use_rslora=False,\n",
+            ),
+        ),
+        ("tests/test_lora_peft_dir.py", "-k", "rslora"),
+        r"read back as LoRAConfig\(",
+    ),
 )
 
 
