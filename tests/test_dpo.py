@@ -276,6 +276,22 @@ def test_dpo_on_moe_is_refused_before_work() -> None:
     assert "dpo with a mixture-of-experts model is not supported" in line and "\n" not in line
 
 
+def test_copy_reference_holds_init_from(tmp_path: Path) -> None:
+    """``dpo.reference='copy'`` starting from a model directory: the frozen copy holds the
+    directory's weights (not the seeded initialisation), every one equal to the policy's as
+    loaded, in its dtype, with no gradient."""
+    save_random_llama(tmp_path)
+    policy = _pipeline(ParallelState.single(), str(tmp_path))
+    steps = PreferenceSteps(DPOConfig(reference="copy"), lora=False)
+    steps.configure(llama_config(), policy, str(tmp_path))
+    (copy,) = steps.copy
+    mine = dict(policy.named_parameters())
+    for name, param in copy.named_parameters():
+        assert not param.requires_grad, f"the reference copy's {name} trains"
+        assert param.dtype == mine[name].dtype, f"{name}: {param.dtype}, policy {mine[name].dtype}"
+        assert torch.equal(param, mine[name]), f"the reference copy's {name} is not init_from's"
+
+
 def test_default_reference(tmp_path: Path) -> None:
     assert DPOConfig().resolved_reference(lora=True) == "adapters", "LoRA: adapters off"
     assert DPOConfig().resolved_reference(lora=False) == "copy", "no LoRA: a frozen copy"

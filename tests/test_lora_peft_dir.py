@@ -7,6 +7,7 @@ trained on another base is refused in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from lightning_sp.interop.peft import (
     check_adapter_base,
     load_adapter,
     merged_tensors,
+    read_adapter_config,
     save_adapter,
 )
 from lightning_sp.model.gpt import GPT
@@ -87,6 +89,40 @@ def test_merged_export_gives_our_logits_in_transformers(saved: dict[str, str]) -
         logits = hf.eval()(ours["ids"]).logits
     err = relative(ours["logits"], logits)
     assert err <= TOLERANCE, f"merged export: logits relative error {err:.2e}"
+
+
+def test_rslora_adapter_and_merge_give_our_logits(saved: dict[str, str], tmp_path: Path) -> None:
+    """``use_rslora``: the directory says so, and peft (from the directory) and transformers
+    (from the merged export, ``lora_alpha / √r`` folded into the weights) give our logits."""
+    lora = dataclasses.replace(LORA, use_rslora=True)
+    config = llama_config()
+    adapters = full_adapters(config, lora)
+    (model,) = adapted_shard(config, ParallelState.single(), saved["base"], adapters, lora=lora)
+    ids, _ = tokens()
+    with torch.no_grad():
+        ours = full_logits([model], model.state, ids)
+    names = {model.global_name(n): p for n, p in lora_parameters(model).items()}
+    save_adapter(config, lora, names.items(), tmp_path / "adapter", base=saved["base"])
+    plain = {n: p for n, p in model.named_parameters() if not getattr(p, "lora", False)}
+    save_hf(config, merged_tensors(plain, names, lora).items(), tmp_path / "merged")
+    document = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
+    assert document["use_rslora"] is True, f"adapter_config.json: {document}"
+    back = read_adapter_config(tmp_path / "adapter")
+    assert back.use_rslora and back.scaling == lora.scaling, f"read back as {back}"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        saved["base"], attn_implementation="sdpa", dtype=torch.float64
+    )
+    merged = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "merged", attn_implementation="sdpa", dtype=torch.float64
+    )
+    for what, reference in (
+        ("peft with our rslora adapter", peft.PeftModel.from_pretrained(hf, tmp_path / "adapter")),
+        ("merged rslora export", merged),
+    ):
+        with torch.no_grad():
+            logits = reference.eval()(ids).logits
+        err = relative(ours, logits)
+        assert err <= TOLERANCE, f"{what}: logits relative error {err:.2e}"
 
 
 def _read_back(rank: int, world_size: int, saved: dict[str, str], t: int) -> None:

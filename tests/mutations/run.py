@@ -282,7 +282,7 @@ MUTATIONS = (
         "norm and logs rank 0's as train/grad_norm",
         (
             (
-                "lightning_sp/training/gpt_module.py",
+                "lightning_sp/training/optimizer_hooks.py",
                 "flat, sharded = self._clipped[1], buffer is not None and buffer.distributed",
                 "flat, sharded = self._clipped[1], False",
             ),
@@ -447,7 +447,7 @@ MUTATIONS = (
         "nothing)",
         (
             (
-                "lightning_sp/training/gpt_module.py",
+                "lightning_sp/training/optimizer_hooks.py",
                 "        if not tokens:  # the same global count on every rank",
                 "        if False:  # the same global count on every rank",
             ),
@@ -788,6 +788,48 @@ MUTATIONS = (
         ),
         ("tests/test_lora_export.py", "-k", "mistakes"),
         r"another use_rslora: accepted without a word",
+    ),
+    Mutation(
+        "peft_export_drops_rslora",
+        "a PEFT adapter directory of rank-stabilised adapters says use_rslora: false (peft then "
+        "scales them by lora_alpha / r)",
+        (
+            (
+                "lightning_sp/interop/peft.py",
+                '        "use_rslora": lora.use_rslora,\n',
+                '        "use_rslora": False,\n',
+            ),
+        ),
+        ("tests/test_lora_peft_dir.py", "-k", "rslora"),
+        r"adapter_config.json: \{",
+    ),
+    Mutation(
+        "peft_import_drops_rslora",
+        "a PEFT adapter directory's use_rslora: true is read as false (its adapters then scale "
+        "by lora_alpha / r)",
+        (
+            (
+                "lightning_sp/interop/peft.py",
+                '        use_rslora=bool(document.get("use_rslora", False)),\n',
+                "        use_rslora=False,\n",
+            ),
+        ),
+        ("tests/test_lora_peft_dir.py", "-k", "rslora"),
+        r"read back as LoRAConfig\(",
+    ),
+    Mutation(
+        "dpo_copy_ignores_init_from",
+        "DPO's frozen reference copy is the seeded initialisation, not init_from's weights (a "
+        "fine-tune from a model directory compares its policy with a random model)",
+        (
+            (
+                "lightning_sp/training/dpo.py",
+                "    if init_from is not None:\n        for chunk in reference.chunks:\n",
+                "    if False:\n        for chunk in reference.chunks:\n",
+            ),
+        ),
+        ("tests/test_dpo.py", "-k", "copy_reference"),
+        r"the reference copy's \S+ is not init_from's",
     ),
 )
 
