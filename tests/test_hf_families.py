@@ -17,6 +17,8 @@ perturbed) is saved locally.
   ``max_position_embeddings``.
 * Names: the tensors our parts name are those transformers builds, for every dense family.
 * Generation: cached greedy decoding of Qwen3 and OLMo 2 equals transformers' greedy tokens.
+* Absent keys: a ``config.json`` of sizes only is read, in every family, with the norm epsilon,
+  RoPE base, tied embeddings and biases transformers' config class of that family takes.
 * Bad input: a family we do not read (Gemma, GPT-NeoX), a real sliding window, Qwen's
   ``use_sliding_window`` -> one ConfigError line naming it.
 """
@@ -324,3 +326,39 @@ def test_parts_name_every_tensor_of_the_family(model_type: str, fields: dict) ->
     if config.tie_embeddings:
         theirs.discard("lm_head.weight")  # the embedding's; save_pretrained writes it once
     assert set(hf_layout(family, config)) == theirs
+
+
+def test_absent_keys_read_as_transformers_reads_them() -> None:
+    """A ``config.json`` that gives only the sizes (older or hand-written files lack the keys
+    at their defaults): every family reads the norm epsilon, RoPE's base, the tied embeddings
+    and the biases as transformers' config class of that family does (OLMo 2's and OLMoE's
+    epsilon is 1e-5, Mixtral's base 1e6): the model then computes what transformers
+    computes."""
+    from lightning_sp.interop.hf_config import config_fields
+    from lightning_sp.interop.hf_types import HF_MODEL_TYPES
+
+    sizes = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 100,
+             "max_position_embeddings": 16, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 16, "num_local_experts": 4, "num_experts": 4,
+             "hidden_act": "silu"}  # fmt: skip
+    gpt2 = {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 100, "n_positions": 16,
+            "activation_function": "gelu_new"}  # fmt: skip
+    for model_type, family in HF_MODEL_TYPES.items():
+        given = {"model_type": model_type, **(gpt2 if model_type == "gpt2" else sizes)}
+        theirs = transformers.AutoConfig.for_model(**given)
+        ours = config_fields(family.config, given, f"a {model_type} config.json of sizes only")
+        expected = {
+            "layernorm_eps": getattr(theirs, "rms_norm_eps", None)
+            or getattr(theirs, "layer_norm_epsilon", None),
+            "tie_embeddings": theirs.tie_word_embeddings,
+        }
+        if model_type != "gpt2":
+            expected["rope_theta"] = theirs.rope_parameters["rope_theta"]
+            bias = bool(getattr(theirs, "attention_bias", model_type == "qwen2"))
+            expected["bias"] = ["qkv"] if model_type == "qwen2" and bias else bias
+        for field, value in expected.items():
+            assert ours[field] == value, (
+                f"{model_type}: a config.json without the key of {field} is read as "
+                f"{field}={ours[field]!r}; transformers reads {value!r}"
+            )

@@ -831,6 +831,50 @@ MUTATIONS = (
         ("tests/test_dpo.py", "-k", "copy_reference"),
         r"the reference copy's \S+ is not init_from's",
     ),
+    Mutation(
+        "hf_family_eps_default",
+        "Hugging Face import: a config.json without rms_norm_eps is read with Llama's 1e-6 in "
+        "every family (OLMo 2, OLMoE and Mixtral take 1e-5 in transformers)",
+        (
+            (
+                "lightning_sp/interop/hf_llama.py",
+                'ConfigField("layernorm_eps", "rms_norm_eps", default=rms_norm_eps),',
+                'ConfigField("layernorm_eps", "rms_norm_eps", default=1e-6),',
+            ),
+        ),
+        ("tests/test_hf_families.py", "-k", "absent_keys"),
+        r"a config\.json without the key of layernorm_eps is read as layernorm_eps=1e-06; "
+        r"transformers reads 1e-05",
+    ),
+    Mutation(
+        "hf_family_theta_default",
+        "Hugging Face import: a config.json without rope_theta is read with base 10000 in every "
+        "family (Mixtral's is 1e6 in transformers)",
+        (
+            (
+                "lightning_sp/interop/hf_llama.py",
+                'rope["rope_theta"] = hf.get("rope_theta", theta)',
+                'rope["rope_theta"] = hf.get("rope_theta", 10000.0)',
+            ),
+        ),
+        ("tests/test_hf_families.py", "-k", "absent_keys"),
+        r"mixtral: a config\.json without the key of rope_theta is read as rope_theta=10000\.0",
+    ),
+    Mutation(
+        "hf_tie_default_true",
+        "Hugging Face import: a Llama-style config.json without tie_word_embeddings is read as "
+        "tied (transformers unties these families by default)",
+        (
+            (
+                "lightning_sp/interop/hf_llama.py",
+                'ConfigField("tie_embeddings", "tie_word_embeddings", default=False),',
+                'ConfigField("tie_embeddings", "tie_word_embeddings", default=True),',
+            ),
+        ),
+        ("tests/test_hf_families.py", "-k", "absent_keys"),
+        r"without the key of tie_embeddings is read as tie_embeddings=True; transformers reads "
+        r"False",
+    ),
 )
 
 
