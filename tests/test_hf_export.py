@@ -12,6 +12,9 @@
   ``model.generate`` runs. A bad checkpoint fails with one line. The p = 2 checkpoint also
   generates in one process: greedy tokens equal transformers' greedy tokens from the exported
   model.
+* Token ids and dtype: a bf16 checkpoint of a run with a ``tokenizer.json`` exports its
+  end-of-document id as ``eos_token_id`` and ``bos_token_id``, that token as the tokenizer's
+  ``eos_token`` and ``bos_token``, and ``dtype: bfloat16`` (transformers loads it as bf16).
 """
 
 from __future__ import annotations
@@ -407,3 +410,42 @@ def test_export_refuses_a_used_directory_and_overwrites_only_model_files(tmp_pat
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 257
     with pytest.raises(ConfigError, match="is a file"):
         export_checkpoint(ckpt, out / "notes.txt", overwrite=True)
+
+
+def test_export_writes_the_runs_token_ids_tokenizer_and_dtype(tmp_path: Path) -> None:
+    """A one-process bf16 checkpoint of a run with a ``tokenizer.json`` (its end-of-document
+    token ``<|endoftext|>`` at id 3, not the byte-level 256): the export's ``config.json``
+    names that id as ``eos_token_id`` and ``bos_token_id`` (the end-of-document token also
+    begins documents), its ``tokenizer_config.json`` that token as ``eos_token`` and
+    ``bos_token``, and its ``dtype`` the tensors' bfloat16, which transformers loads as is."""
+    import hashlib
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "def": 1, "add": 2, "<|endoftext|>": 3, "x": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    digest = hashlib.sha256((tmp_path / "tokenizer.json").read_bytes()).hexdigest()[:16]
+    config = our_config(vocab_size=len(vocab))
+    model = GPT(config, ParallelState.single(torch.device("cpu")), dtype=torch.bfloat16)
+    weights = {f"gpt.{name}": p.detach() for name, p in model.named_parameters()}
+    torch.save({"hyper_parameters": {"config": dataclasses.asdict(config)},
+                "state_dict": weights,
+                "vocabulary": {"tokenizer": f"tokenizers:{digest}",
+                               "tokenizer_path": str(tmp_path / "tokenizer.json")}},
+               tmp_path / "model.ckpt")  # fmt: skip
+    out = export_checkpoint(tmp_path / "model.ckpt", tmp_path / "hf")
+    written = json.loads((out / "config.json").read_text())
+    for key in ("eos_token_id", "bos_token_id"):
+        assert written[key] == 3, f"config.json {key}={written[key]!r}, not <|endoftext|>'s id 3"
+    tokenizer = json.loads((out / "tokenizer_config.json").read_text())
+    for key in ("eos_token", "bos_token"):
+        assert tokenizer[key] == "<|endoftext|>", f"tokenizer_config.json {key}={tokenizer[key]!r}"
+    assert written["dtype"] == "bfloat16", f"config.json dtype={written['dtype']!r} of bf16 tensors"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.config.bos_token_id == loaded.config.eos_token_id == 3
+    dtypes = {p.dtype for p in loaded.parameters()}
+    assert dtypes == {torch.bfloat16}, f"the bf16 export loads as {dtypes}"
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tokenizer.bos_token_id == hf_tokenizer.eos_token_id == 3

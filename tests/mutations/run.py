@@ -875,6 +875,56 @@ MUTATIONS = (
         r"without the key of tie_embeddings is read as tie_embeddings=True; transformers reads "
         r"False",
     ),
+    Mutation(
+        "export_bos_token_id_none",
+        "export: config.json's bos_token_id is null, not the end-of-document id that also "
+        "begins documents (transformers' generate then has no token to start from)",
+        (
+            (
+                "lightning_sp/interop/hf_tables.py",
+                '"bos_token_id": eos_token_id,',
+                '"bos_token_id": None,',
+            ),
+        ),
+        ("tests/test_hf_export.py", "-k", "token_ids"),
+        r"config\.json bos_token_id=None, not <\|endoftext\|>'s id 3",
+    ),
+    Mutation(
+        "export_eos_byte_id",
+        "export of a run with a tokenizer.json: eos_token_id is the byte-level 256, not the "
+        "tokenizer's end-of-document id",
+        (
+            (
+                "lightning_sp/cli/export.py",
+                "return str(path), eos, eos_id if eos_id is not None else BYTE_EOS_ID",
+                "return str(path), eos, BYTE_EOS_ID",
+            ),
+        ),
+        ("tests/test_hf_export.py", "-k", "token_ids"),
+        r"config\.json eos_token_id=256, not <\|endoftext\|>'s id 3",
+    ),
+    Mutation(
+        "export_tokenizer_bos_none",
+        "export: tokenizer_config.json names no bos_token (the model's config.json does)",
+        (("lightning_sp/interop/hf_export.py", '"bos_token": eos_token,', '"bos_token": None,'),),
+        ("tests/test_hf_export.py", "-k", "token_ids"),
+        r"tokenizer_config\.json bos_token=None",
+    ),
+    Mutation(
+        "export_dtype_float32",
+        "export: config.json says dtype float32 whatever the tensors' dtype (a bf16 export loads "
+        "as fp32)",
+        (
+            (
+                "lightning_sp/interop/hf_export.py",
+                'hf["dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 '
+                'else "float32"',
+                'hf["dtype"] = "float32"',
+            ),
+        ),
+        ("tests/test_hf_export.py", "-k", "token_ids"),
+        r"config\.json dtype='float32' of bf16 tensors",
+    ),
 )
 
 
