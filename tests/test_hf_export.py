@@ -1,10 +1,10 @@
 """Hugging Face export (lightning_sp.interop.hf_export.save_hf, lightning_sp.cli.export,
 ``cli.py export``), GPT-2 and Llama.
 
-* Round trip: a random GPT-2 and a random Llama (GQA, untied; and tied with Llama 3.1 RoPE
-  scaling) imported into our model and exported again load in transformers as their class
-  with every tensor equal to the original's and the same config; the export reads back into
-  ours exactly.
+* Round trip: a random GPT-2 and a random Llama (GQA, untied; tied with Llama 3.1 RoPE
+  scaling; with linear RoPE scaling) imported into our model and exported again load in
+  transformers as their class with every tensor equal to the original's and the same config;
+  the export reads back into ours exactly.
 * A Trainer run (t = 2 + SP started from an imported random GPT-2 or Llama with a
   tokenizer.json; p = 2 from the seeded init) trains 3 steps and checkpoints; ``cli.py
   export`` writes a directory ``AutoModelForCausalLM`` loads, whose fp32 logits equal the
@@ -77,13 +77,15 @@ HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
                "high_freq_factor": 32.0, "original_max_position_embeddings": 512}  # fmt: skip
+LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
 
 
 @pytest.mark.parametrize(
     ("name", "overrides"),
     [("gpt2", {}), ("llama", {}),
-     ("llama", {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE})],
-    ids=["gpt2", "llama_untied", "llama_tied_llama3_rope"],
+     ("llama", {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE}),
+     ("llama", {"rope_parameters": LINEAR_ROPE})],
+    ids=["gpt2", "llama_untied", "llama_tied_llama3_rope", "llama_linear_rope"],
 )  # fmt: skip
 def test_round_trip_gives_back_every_tensor(tmp_path: Path, name: str, overrides: dict) -> None:
     """transformers -> ours (t = 1) -> save_hf -> transformers: the same class, every tensor

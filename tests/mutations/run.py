@@ -925,6 +925,20 @@ MUTATIONS = (
         ("tests/test_hf_export.py", "-k", "token_ids"),
         r"config\.json dtype='float32' of bf16 tensors",
     ),
+    Mutation(
+        "export_drops_linear_rope",
+        "export: linear RoPE scaling is written as none (a Llama with linear scaling cannot be "
+        "exported)",
+        (
+            (
+                "lightning_sp/interop/hf_llama.py",
+                'return {"rope_type": "linear", "factor": scaling.factor}',
+                "return None",
+            ),
+        ),
+        ("tests/test_hf_export.py", "-k", "round_trip_gives_back_every_tensor"),
+        r"rope_scaling=RopeScaling\(.*rope_type='linear'\) does not match rope_scaling=None",
+    ),
 )
 
 
