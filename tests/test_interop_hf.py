@@ -13,6 +13,8 @@ with 2 key/value groups, untied embeddings, rope_theta 500000, and is saved in s
   and three AdamW steps from it equal three steps of the one-process float64 model loaded the
   same way; each rank reads only its own slices. Llama 3.1's RoPE scaling read from
   ``config.json`` gives transformers' logits too.
+* OpenAI's GPT-2 file names (no ``transformer.`` prefix) read as the prefixed ones, as
+  transformers reads them.
 * Generation with RoPE: the cached greedy decoding of the imported Llama equals transformers'
   greedy ``generate``.
 * Bad input: not a supported model, a size or architecture mismatch, a missing or unreadable
@@ -183,6 +185,39 @@ def test_import_any_layout_equals_transformers(saved: dict, world_size: int, cas
     """t = 2 and 4 with SP (the Llama's 2 KV groups < t = 4), p = 2, t = 2 x p = 2."""
     assert LLAMA_GROUPS < 4
     run_distributed(_import_worker, world_size, saved, cases)
+
+
+def test_gpt2_without_the_transformer_prefix_equals_transformers(
+    tmp_path: Path, gpt2: tuple[Path, Path]
+) -> None:
+    """OpenAI's GPT-2 upload names its tensors without ``transformer.`` (``h.0.attn.c_attn``):
+    transformers reads such a file as the prefixed one, and so do we (the float64 loss and
+    logits of the reference)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    unprefixed = tmp_path / "openai"
+    unprefixed.mkdir()
+    (unprefixed / "config.json").write_text((gpt2[0] / "config.json").read_text())
+    with safe_open(str(gpt2[0] / "model.safetensors"), "pt") as f:
+        tensors = {k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    assert all(not k.startswith("transformer.") for k in tensors) and "h.0.ln_1.weight" in tensors
+    save_file(tensors, str(unprefixed / "model.safetensors"), metadata={"format": "pt"})
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(unprefixed).double().eval()
+    ref = torch.load(gpt2[1])
+    _, loss = hf_logits_and_loss(theirs, ref["ids"], ref["labels"])
+    assert relative(loss, ref["loss"]) <= TOLERANCE  # transformers: the same model
+    ours = GPT(our_config(), ParallelState.single(), dtype=torch.float64)
+    try:
+        load_hf_weights(ours, unprefixed)
+    except ConfigError as error:
+        raise AssertionError(
+            f"a GPT-2 file without the 'transformer.' prefix (OpenAI's) is not read: {error}"
+        ) from None
+    with torch.no_grad():
+        assert relative(ours(ref["ids"], ref["labels"]), ref["loss"]) <= TOLERANCE
+        err = relative(full_logits([ours], ours.state, ref["ids"]), ref["logits"])
+    assert err <= TOLERANCE, f"GPT-2 without the prefix: logits relative error {err:.2e}"
 
 
 def test_llama3_rope_scaling_equals_transformers(tmp_path: Path) -> None:

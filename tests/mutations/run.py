@@ -939,6 +939,20 @@ MUTATIONS = (
         ("tests/test_hf_export.py", "-k", "round_trip_gives_back_every_tensor"),
         r"rope_scaling=RopeScaling\(.*rope_type='linear'\) does not match rope_scaling=None",
     ),
+    Mutation(
+        "hf_gpt2_prefix_required",
+        "Hugging Face import: a GPT-2 file without the transformer. prefix (OpenAI's upload) is "
+        "refused",
+        (
+            (
+                "lightning_sp/interop/hf.py",
+                "short = name.removeprefix(prefix) if prefix else name",
+                "short = name",
+            ),
+        ),
+        ("tests/test_interop_hf.py", "-k", "without_the_transformer_prefix"),
+        r"a GPT-2 file without the 'transformer\.' prefix \(OpenAI's\) is not read",
+    ),
 )
 
 
