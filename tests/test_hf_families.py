@@ -18,7 +18,8 @@ perturbed) is saved locally.
 * Names: the tensors our parts name are those transformers builds, for every dense family.
 * Generation: cached greedy decoding of Qwen3 and OLMo 2 equals transformers' greedy tokens.
 * Absent keys: a ``config.json`` of sizes only is read, in every family, with the norm epsilon,
-  RoPE base, tied embeddings and biases transformers' config class of that family takes.
+  RoPE base, tied embeddings, biases and top-k renormalisation transformers' config class of
+  that family takes.
 * Bad input: a family we do not read (Gemma, GPT-NeoX), a real sliding window, Qwen's
   ``use_sliding_window`` -> one ConfigError line naming it.
 """
@@ -330,10 +331,10 @@ def test_parts_name_every_tensor_of_the_family(model_type: str, fields: dict) ->
 
 def test_absent_keys_read_as_transformers_reads_them() -> None:
     """A ``config.json`` that gives only the sizes (older or hand-written files lack the keys
-    at their defaults): every family reads the norm epsilon, RoPE's base, the tied embeddings
-    and the biases as transformers' config class of that family does (OLMo 2's and OLMoE's
-    epsilon is 1e-5, Mixtral's base 1e6): the model then computes what transformers
-    computes."""
+    at their defaults): every family reads the norm epsilon, RoPE's base, the tied embeddings,
+    the biases and the top-k renormalisation as transformers' config class of that family
+    does (OLMo 2's and OLMoE's epsilon is 1e-5, Mixtral's base 1e6): the model then computes
+    what transformers computes."""
     from lightning_sp.interop.hf_config import config_fields
     from lightning_sp.interop.hf_types import HF_MODEL_TYPES
 
@@ -357,6 +358,9 @@ def test_absent_keys_read_as_transformers_reads_them() -> None:
             expected["rope_theta"] = theirs.rope_parameters["rope_theta"]
             bias = bool(getattr(theirs, "attention_bias", model_type == "qwen2"))
             expected["bias"] = ["qkv"] if model_type == "qwen2" and bias else bias
+        if ours.get("moe") is not None:  # Mixtral has no key: it always renormalises
+            ours["moe.normalize_top_k"] = ours["moe"].normalize_top_k
+            expected["moe.normalize_top_k"] = getattr(theirs, "norm_topk_prob", True)
         for field, value in expected.items():
             assert ours[field] == value, (
                 f"{model_type}: a config.json without the key of {field} is read as "
