@@ -953,6 +953,63 @@ MUTATIONS = (
         ("tests/test_interop_hf.py", "-k", "without_the_transformer_prefix"),
         r"a GPT-2 file without the 'transformer\.' prefix \(OpenAI's\) is not read",
     ),
+    Mutation(
+        "hf_moe_normalize_default_true",
+        "Hugging Face import: a Qwen3-MoE / OLMoE config.json without norm_topk_prob is read as "
+        "renormalising the top-k weights (transformers: not)",
+        (
+            (
+                "lightning_sp/interop/hf_moe.py",
+                "normalize_top_k=self.normalize is None or bool(hf.get(self.normalize)),",
+                "normalize_top_k=self.normalize is None or bool(hf.get(self.normalize, True)),",
+            ),
+        ),
+        ("tests/test_hf_families.py", "-k", "absent_keys"),
+        r"without the key of moe\.normalize_top_k is read as moe\.normalize_top_k=True; "
+        r"transformers reads False",
+    ),
+    Mutation(
+        "hf_rotary_table_refused",
+        "Hugging Face import: an older Llama file's rotary table rotary_emb.inv_freq is refused "
+        "as a tensor with no place (transformers drops it without a word)",
+        (
+            (
+                "lightning_sp/interop/hf.py",
+                'IGNORED = re.compile(r"(^|\\.)h\\.\\d+\\.attn\\.bias$|rotary_emb\\.inv_freq$")',
+                'IGNORED = re.compile(r"(^|\\.)h\\.\\d+\\.attn\\.bias$")',
+            ),
+        ),
+        ("tests/test_interop_hf.py", "-k", "without_a_word"),
+        r"rotary_emb\.inv_freq: transformers loads the file without a word; we refuse it",
+    ),
+    Mutation(
+        "hf_tied_lm_head_refused",
+        "Hugging Face import: a tied model's file holding lm_head.weight is refused (transformers "
+        "loads it without a word)",
+        (
+            (
+                "lightning_sp/interop/hf.py",
+                'if config.tie_embeddings and key.removeprefix("model.") == "lm_head.weight":',
+                "if False:",
+            ),
+        ),
+        ("tests/test_interop_hf.py", "-k", "without_a_word"),
+        r"lm_head\.weight: transformers loads the file without a word; we refuse it",
+    ),
+    Mutation(
+        "hf_index_first_file_only",
+        "Hugging Face import: of a sharded directory only the first file its "
+        "model.safetensors.index.json names is read",
+        (
+            (
+                "lightning_sp/interop/hf.py",
+                'files = sorted(set(index["weight_map"].values()))',
+                'files = sorted(set(index["weight_map"].values()))[:1]',
+            ),
+        ),
+        ("tests/test_interop_hf.py", "-k", "every_file_of_its_index"),
+        r"a directory sharded in \d+ files is not read whole",
+    ),
 )
 
 
