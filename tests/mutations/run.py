@@ -1010,6 +1010,20 @@ MUTATIONS = (
         ("tests/test_interop_hf.py", "-k", "every_file_of_its_index"),
         r"a directory sharded in \d+ files is not read whole",
     ),
+    Mutation(
+        "export_tokenizer_unchecked",
+        "export: --tokenizer of another vocabulary than the run's is taken (its ids name other "
+        "tokens than the model was trained on)",
+        (
+            (
+                "lightning_sp/cli/export.py",
+                'if recorded not in (None, f"tokenizers:{digest[:16]}"):',
+                "if False:",
+            ),
+        ),
+        ("tests/test_hf_export.py", "-k", "another_tokenizer"),
+        r"export took another tokenizer\.json than the run's",
+    ),
 )
 
 
