@@ -13,7 +13,8 @@ perturbed) is saved locally.
 * Export: the model written back loads in ``AutoModelForCausalLM`` as that family's class
   and gives back every tensor of the original exactly.
 * Llama variants: ``attention_bias``, ``head_dim`` != h/a, RoPE scaling ``linear`` and
-  ``dynamic`` equal transformers; ``dynamic`` also where it acts, beyond
+  ``dynamic`` (and ``linear`` in transformers 4's ``rope_scaling: {type: ...}``) equal
+  transformers; ``dynamic`` also where it acts, beyond
   ``max_position_embeddings``.
 * Names: the tensors our parts name are those transformers builds, for every dense family.
 * Generation: cached greedy decoding of Qwen3 and OLMo 2 equals transformers' greedy tokens.
@@ -199,6 +200,34 @@ def test_llama_variants_equal_transformers(tmp_path: Path, overrides: dict) -> N
     load_hf_weights(model, tmp_path)
     ids, labels = tokens()
     logits, loss = hf_logits_and_loss(reference, ids, labels)
+    with torch.no_grad():
+        assert relative(model(ids, labels), loss) <= TOLERANCE
+        assert relative(full_logits([model], model.state, ids), logits) <= TOLERANCE
+
+
+def test_legacy_rope_scaling_type_key_equals_transformers(tmp_path: Path) -> None:
+    """An older Llama ``config.json`` (transformers 4) spells the scaling
+    ``rope_scaling: {"type": "linear", "factor": 2.0}`` beside a top-level ``rope_theta``:
+    transformers applies linear scaling from it, and so do we (float64 loss and logits)."""
+    from hf_models import save_random_llama
+
+    save_random_llama(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    theta = hf.pop("rope_parameters")["rope_theta"]
+    legacy = {**hf, "rope_theta": theta, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    (tmp_path / "config.json").write_text(json.dumps(legacy))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    assert reference.config.rope_parameters["rope_type"] == "linear"  # transformers' reading
+    config = read_hf_config(tmp_path, recompute="none", seq_length=32)
+    scaling = config.rope_scaling
+    assert scaling is not None and (scaling.rope_type, scaling.factor) == ("linear", 2.0), (
+        f"rope_scaling {{'type': 'linear', 'factor': 2.0}} read as rope_scaling={scaling}; "
+        "transformers applies linear scaling"
+    )
+    model = GPT(config, ParallelState.single(), dtype=torch.float64)
+    load_hf_weights(model, tmp_path)
+    ids, labels = tokens()
+    logits, loss = hf_logits_and_loss(reference.eval(), ids, labels)
     with torch.no_grad():
         assert relative(model(ids, labels), loss) <= TOLERANCE
         assert relative(full_logits([model], model.state, ids), logits) <= TOLERANCE

@@ -1024,6 +1024,21 @@ MUTATIONS = (
         ("tests/test_hf_export.py", "-k", "another_tokenizer"),
         r"export took another tokenizer\.json than the run's",
     ),
+    Mutation(
+        "hf_legacy_rope_type_ignored",
+        "Hugging Face import: transformers 4's rope_scaling {type: linear} is read as no scaling "
+        "(only rope_type is looked at)",
+        (
+            (
+                "lightning_sp/interop/hf_llama.py",
+                'kind = rope.get("rope_type", rope.get("type", "default"))',
+                'kind = rope.get("rope_type", "default")',
+            ),
+        ),
+        ("tests/test_hf_families.py", "-k", "legacy_rope"),
+        r"rope_scaling \{'type': 'linear', 'factor': 2\.0\} read as rope_scaling=None; "
+        r"transformers applies linear scaling",
+    ),
 )
 
 
