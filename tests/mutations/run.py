@@ -1000,6 +1000,214 @@ MUTATIONS = (
         ("tests/test_moe.py", "-k", "shared_experts_width"),
         r"shared experts of width 6 at tensor_parallel_size=4 were accepted",
     ),
+    Mutation(
+        "hf_family_eps_default",
+        "Hugging Face import: a config.json without rms_norm_eps is read with Llama's 1e-6 in "
+        "every family (OLMo 2, OLMoE and Mixtral take 1e-5 in transformers)",
+        (
+            (
+                "lightning_sp/interop/hf_llama.py",
+                'ConfigField("layernorm_eps", "rms_norm_eps", default=rms_norm_eps),',
+                'ConfigField("layernorm_eps", "rms_norm_eps", default=1e-6),',
+            ),
+        ),
+        ("tests/test_hf_families.py", "-k", "absent_keys"),
+        r"a config\.json without the key of layernorm_eps is read as layernorm_eps=1e-06; "
+        r"transformers reads 1e-05",
+    ),
+    Mutation(
+        "hf_family_theta_default",
+        "Hugging Face import: a config.json without rope_theta is read with base 10000 in every "
+        "family (Mixtral's is 1e6 in transformers)",
+        (
+            (
+                "lightning_sp/interop/hf_llama.py",
+                'rope["rope_theta"] = hf.get("rope_theta", theta)',
+                'rope["rope_theta"] = hf.get("rope_theta", 10000.0)',
+            ),
+        ),
+        ("tests/test_hf_families.py", "-k", "absent_keys"),
+        r"mixtral: a config\.json without the key of rope_theta is read as rope_theta=10000\.0",
+    ),
+    Mutation(
+        "hf_tie_default_true",
+        "Hugging Face import: a Llama-style config.json without tie_word_embeddings is read as "
+        "tied (transformers unties these families by default)",
+        (
+            (
+                "lightning_sp/interop/hf_llama.py",
+                'ConfigField("tie_embeddings", "tie_word_embeddings", default=False),',
+                'ConfigField("tie_embeddings", "tie_word_embeddings", default=True),',
+            ),
+        ),
+        ("tests/test_hf_families.py", "-k", "absent_keys"),
+        r"without the key of tie_embeddings is read as tie_embeddings=True; transformers reads "
+        r"False",
+    ),
+    Mutation(
+        "export_bos_token_id_none",
+        "export: config.json's bos_token_id is null, not the end-of-document id that also "
+        "begins documents (transformers' generate then has no token to start from)",
+        (
+            (
+                "lightning_sp/interop/hf_tables.py",
+                '"bos_token_id": eos_token_id,',
+                '"bos_token_id": None,',
+            ),
+        ),
+        ("tests/test_hf_export.py", "-k", "token_ids"),
+        r"config\.json bos_token_id=None, not <\|endoftext\|>'s id 3",
+    ),
+    Mutation(
+        "export_eos_byte_id",
+        "export of a run with a tokenizer.json: eos_token_id is the byte-level 256, not the "
+        "tokenizer's end-of-document id",
+        (
+            (
+                "lightning_sp/cli/export.py",
+                "return str(path), eos, eos_id if eos_id is not None else BYTE_EOS_ID",
+                "return str(path), eos, BYTE_EOS_ID",
+            ),
+        ),
+        ("tests/test_hf_export.py", "-k", "token_ids"),
+        r"config\.json eos_token_id=256, not <\|endoftext\|>'s id 3",
+    ),
+    Mutation(
+        "export_tokenizer_bos_none",
+        "export: tokenizer_config.json names no bos_token (the model's config.json does)",
+        (("lightning_sp/interop/hf_export.py", '"bos_token": eos_token,', '"bos_token": None,'),),
+        ("tests/test_hf_export.py", "-k", "token_ids"),
+        r"tokenizer_config\.json bos_token=None",
+    ),
+    Mutation(
+        "export_dtype_float32",
+        "export: config.json says dtype float32 whatever the tensors' dtype (a bf16 export loads "
+        "as fp32)",
+        (
+            (
+                "lightning_sp/interop/hf_export.py",
+                'hf["dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 '
+                'else "float32"',
+                'hf["dtype"] = "float32"',
+            ),
+        ),
+        ("tests/test_hf_export.py", "-k", "token_ids"),
+        r"config\.json dtype='float32' of bf16 tensors",
+    ),
+    Mutation(
+        "export_drops_linear_rope",
+        "export: linear RoPE scaling is written as none (a Llama with linear scaling cannot be "
+        "exported)",
+        (
+            (
+                "lightning_sp/interop/hf_llama.py",
+                'return {"rope_type": "linear", "factor": scaling.factor}',
+                "return None",
+            ),
+        ),
+        ("tests/test_hf_export.py", "-k", "round_trip_gives_back_every_tensor"),
+        r"rope_scaling=RopeScaling\(.*rope_type='linear'\) does not match rope_scaling=None",
+    ),
+    Mutation(
+        "hf_gpt2_prefix_required",
+        "Hugging Face import: a GPT-2 file without the transformer. prefix (OpenAI's upload) is "
+        "refused",
+        (
+            (
+                "lightning_sp/interop/hf.py",
+                "short = name.removeprefix(prefix) if prefix else name",
+                "short = name",
+            ),
+        ),
+        ("tests/test_interop_hf.py", "-k", "without_the_transformer_prefix"),
+        r"a GPT-2 file without the 'transformer\.' prefix \(OpenAI's\) is not read",
+    ),
+    Mutation(
+        "hf_moe_normalize_default_true",
+        "Hugging Face import: a Qwen3-MoE / OLMoE config.json without norm_topk_prob is read as "
+        "renormalising the top-k weights (transformers: not)",
+        (
+            (
+                "lightning_sp/interop/hf_moe.py",
+                "normalize_top_k=self.normalize is None or bool(hf.get(self.normalize)),",
+                "normalize_top_k=self.normalize is None or bool(hf.get(self.normalize, True)),",
+            ),
+        ),
+        ("tests/test_hf_families.py", "-k", "absent_keys"),
+        r"without the key of moe\.normalize_top_k is read as moe\.normalize_top_k=True; "
+        r"transformers reads False",
+    ),
+    Mutation(
+        "hf_rotary_table_refused",
+        "Hugging Face import: an older Llama file's rotary table rotary_emb.inv_freq is refused "
+        "as a tensor with no place (transformers drops it without a word)",
+        (
+            (
+                "lightning_sp/interop/hf.py",
+                'IGNORED = re.compile(r"(^|\\.)h\\.\\d+\\.attn\\.bias$|rotary_emb\\.inv_freq$")',
+                'IGNORED = re.compile(r"(^|\\.)h\\.\\d+\\.attn\\.bias$")',
+            ),
+        ),
+        ("tests/test_interop_hf.py", "-k", "without_a_word"),
+        r"rotary_emb\.inv_freq: transformers loads the file without a word; we refuse it",
+    ),
+    Mutation(
+        "hf_tied_lm_head_refused",
+        "Hugging Face import: a tied model's file holding lm_head.weight is refused (transformers "
+        "loads it without a word)",
+        (
+            (
+                "lightning_sp/interop/hf.py",
+                'if config.tie_embeddings and key.removeprefix("model.") == "lm_head.weight":',
+                "if False:",
+            ),
+        ),
+        ("tests/test_interop_hf.py", "-k", "without_a_word"),
+        r"lm_head\.weight: transformers loads the file without a word; we refuse it",
+    ),
+    Mutation(
+        "hf_index_first_file_only",
+        "Hugging Face import: of a sharded directory only the first file its "
+        "model.safetensors.index.json names is read",
+        (
+            (
+                "lightning_sp/interop/hf.py",
+                'files = sorted(set(index["weight_map"].values()))',
+                'files = sorted(set(index["weight_map"].values()))[:1]',
+            ),
+        ),
+        ("tests/test_interop_hf.py", "-k", "every_file_of_its_index"),
+        r"a directory sharded in \d+ files is not read whole",
+    ),
+    Mutation(
+        "export_tokenizer_unchecked",
+        "export: --tokenizer of another vocabulary than the run's is taken (its ids name other "
+        "tokens than the model was trained on)",
+        (
+            (
+                "lightning_sp/cli/export.py",
+                'if recorded not in (None, f"tokenizers:{digest[:16]}"):',
+                "if False:",
+            ),
+        ),
+        ("tests/test_hf_export.py", "-k", "another_tokenizer"),
+        r"export took another tokenizer\.json than the run's",
+    ),
+    Mutation(
+        "hf_legacy_rope_type_ignored",
+        "Hugging Face import: transformers 4's rope_scaling {type: linear} is read as no scaling "
+        "(only rope_type is looked at)",
+        (
+            (
+                "lightning_sp/interop/hf_llama.py",
+                'kind = rope.get("rope_type", rope.get("type", "default"))',
+                'kind = rope.get("rope_type", "default")',
+            ),
+        ),
+        ("tests/test_hf_families.py", "-k", "legacy_rope"),
+        r"rope_scaling \{'type': 'linear', 'factor': 2\.0\} read as rope_scaling=None; "
+        r"transformers applies linear scaling",
+    ),
 )
 
 
