@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from lightning_sp.optim.adamw import MasterWeightAdamW, build_adamw, kernel_options
+from lightning_sp.optim.adamw import (
+    MasterWeightAdamW,
+    OptimizerConfig,
+    build_adamw,
+    configure_adamw,
+    kernel_options,
+)
 
 
 def test_bf16_model_gets_fp32_masters_and_fp32_gradient_accumulation() -> None:
@@ -79,3 +86,65 @@ def test_fp32_model_gets_the_foreach_adamw_on_cpu() -> None:
 def test_kernel_options_pick_fused_on_cuda_and_foreach_elsewhere() -> None:
     assert kernel_options(torch.device("cuda", 0)) == {"fused": True}
     assert kernel_options(torch.device("cpu")) == {"foreach": True}
+
+
+def _lrs(cfg: OptimizerConfig, max_steps: int, steps: int) -> list[float]:
+    """The learning rate of each of the first ``steps`` optimizer steps, every param group's the
+    same, the scheduler stepped once per optimizer step (Lightning's ``interval: step``)."""
+    configured = configure_adamw(nn.Linear(2, 2), cfg, max_steps)
+    optimizer, schedule = configured["optimizer"], configured["lr_scheduler"]
+    assert isinstance(schedule, dict) and schedule["interval"] == "step"
+    lrs = []
+    for _ in range(steps):
+        (lr,) = {group["lr"] for group in optimizer.param_groups}
+        lrs.append(lr)
+        optimizer.step()
+        schedule["scheduler"].step()
+    return lrs
+
+
+def test_lr_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr() -> None:
+    """GPT-3's schedule as ``configure_adamw`` builds it: lr = 1e-3, min_lr = 1e-4, 4 warm-up
+    steps, the cosine ending at max_steps = 12 (no ``decay_steps``). Expected values by hand:
+    step k < 4 trains at (k + 1)/4 · lr; step k >= 4 at
+    min_lr + (lr - min_lr)/2 · (1 + cos(π (k - 4)/8)) (cos(π/8) = 0.9238795,
+    cos(π/4) = 0.7071068); from step 12 on, min_lr."""
+    lrs = _lrs(OptimizerConfig(lr=1e-3, min_lr=1e-4, warmup_steps=4), max_steps=12, steps=21)
+    expected = {
+        0: 2.5e-4, 1: 5.0e-4, 2: 7.5e-4, 3: 1.0e-3,  # warm-up: the peak at its last step
+        4: 1.0e-3,  # the cosine starts at the peak
+        5: 1e-4 + 4.5e-4 * 1.9238795,
+        6: 1e-4 + 4.5e-4 * 1.7071068,
+        8: 5.5e-4,  # half-way: (lr + min_lr) / 2
+        10: 1e-4 + 4.5e-4 * (1 - 0.7071068),
+        11: 1e-4 + 4.5e-4 * (1 - 0.9238795),
+        12: 1e-4, 13: 1e-4, 20: 1e-4,  # min_lr reached at max_steps and kept
+    }  # fmt: skip
+    for step, want in expected.items():
+        assert lrs[step] == pytest.approx(want, rel=1e-6), (
+            f"step {step}: lr {lrs[step]:.7g}, expected {want:.7g} (linear warm-up to lr over "
+            "warmup_steps, cosine to min_lr at max_steps)"
+        )
+    # decay_steps set: the cosine ends there, not at max_steps; no warm-up: the peak at step 0
+    lrs = _lrs(OptimizerConfig(lr=1e-3, min_lr=1e-4, warmup_steps=0, decay_steps=8), 100, 10)
+    assert lrs[0] == pytest.approx(1e-3) and lrs[4] == pytest.approx(5.5e-4), (
+        f"decay_steps=8 without warm-up: lr {lrs[0]:.4g} at step 0, {lrs[4]:.4g} at step 4; "
+        "expected 1e-3 and 5.5e-4"
+    )
+    assert lrs[8:] == pytest.approx([1e-4, 1e-4]), f"min_lr not reached at decay_steps: {lrs}"
+
+
+def test_weight_decay_skips_biases_and_norms_but_not_embeddings() -> None:
+    """Decay on the matrices (linear and embedding weights), none on 1-D parameters (biases,
+    LayerNorm weights and biases)."""
+    model = nn.ModuleDict(
+        {"embedding": nn.Embedding(8, 4), "norm": nn.LayerNorm(4), "linear": nn.Linear(4, 4)}
+    )
+    optimizer = build_adamw(model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay = {g["weight_decay"]: sorted(names[id(p)] for p in g["params"])
+             for g in optimizer.param_groups}  # fmt: skip
+    assert decay == {
+        0.1: ["embedding.weight", "linear.weight"],
+        0.0: ["linear.bias", "norm.bias", "norm.weight"],
+    }, f"weight-decay groups {decay}: decay on matrices only, none on biases and norms"

@@ -1208,6 +1208,32 @@ MUTATIONS = (
         r"rope_scaling \{'type': 'linear', 'factor': 2\.0\} read as rope_scaling=None; "
         r"transformers applies linear scaling",
     ),
+    Mutation(
+        "lr_warmup_off_by_one",
+        "the warm-up trains step k at k/warmup·lr: step 0 at lr 0, the peak one step late",
+        (
+            (
+                "lightning_sp/optim/adamw.py",
+                "        return (step + 1) / warmup\n",
+                "        return step / warmup\n",
+            ),
+        ),
+        ("tests/test_optim.py", "-k", "lr_schedule"),
+        r"step 0: lr 0, expected 0\.00025 \(linear warm-up",
+    ),
+    Mutation(
+        "lr_cosine_to_zero",
+        "the cosine decays from lr to 0, not to min_lr",
+        (
+            (
+                "lightning_sp/optim/adamw.py",
+                "    return (floor + 0.5 * (peak - floor) * (1.0 + math.cos(",
+                "    return (0.5 * (peak - floor) * (1.0 + math.cos(",
+            ),
+        ),
+        ("tests/test_optim.py", "-k", "lr_schedule"),
+        r"step 4: lr 0\.0009, expected 0\.001 \(linear warm-up",
+    ),
 )
 
 
