@@ -27,6 +27,7 @@ from lightning_sp.model.generate import (
     forward_cached,
     forward_full,
     generate,
+    sample,
     sequence_parallel_off,
 )
 from lightning_sp.testing.spawn import run_distributed
@@ -130,6 +131,59 @@ def test_prompt_longer_than_seq_length_is_one_line() -> None:
     model = _model(ParallelState.single(), sequence_parallel=False)
     with pytest.raises(ConfigError, match=r"^prompt is 33 tokens, longer than .*seq_length=32;"):
         generate(model, [1] * 33, GREEDY)
+
+
+# -- sampling ---------------------------------------------------------------------------------
+
+LOGITS = torch.tensor([0.0, 3.0, 1.0, 2.0])  # the argmax is token 1; token 3 the second
+
+
+def _frequencies(config: GenerationConfig, draws: int = 4000) -> list[float]:
+    generator = torch.Generator().manual_seed(0)
+    counts = [0] * LOGITS.numel()
+    for _ in range(draws):
+        counts[sample(LOGITS, config, generator)] += 1
+    return [count / draws for count in counts]
+
+
+def test_temperature_zero_is_greedy() -> None:
+    drawn = {sample(LOGITS, GenerationConfig(temperature=0.0), torch.Generator().manual_seed(s))
+             for s in range(20)}  # fmt: skip
+    assert drawn == {1}, f"temperature 0 drew tokens {sorted(drawn)}, not only the argmax 1"
+
+
+def test_sampling_follows_temperature_and_top_k() -> None:
+    """Frequencies of 4000 draws against softmax(logits / T) by hand (4000 draws: one standard
+    deviation <= 0.008, tolerance 0.03). T = 2, whole vocabulary: exp([0, 1.5, 0.5, 1]) =
+    [1, 4.481689, 1.648721, 2.718282], sum 9.848692. T = 1, top_k = 2: tokens 1 and 3 only,
+    e³ : e² = e : 1, so token 1 at e / (1 + e) = 0.731059."""
+    got = _frequencies(GenerationConfig(temperature=2.0, top_k=None))
+    want = [0.101536, 0.455050, 0.167405, 0.276004]
+    assert got == pytest.approx(want, abs=0.03), (
+        f"temperature 2: token frequencies {got}, expected softmax(logits / 2) = {want}"
+    )
+    got = _frequencies(GenerationConfig(temperature=1.0, top_k=2))
+    want = [0.0, 0.731059, 0.0, 0.268941]
+    assert got == pytest.approx(want, abs=0.03), (
+        f"top_k=2: token frequencies {got}, expected {want} (only the 2 most likely tokens, "
+        "renormalised)"
+    )
+    got = _frequencies(GenerationConfig(temperature=1.0, top_k=4))  # k = vocabulary: no cut
+    assert got[0] > 0.01, f"top_k=4 of 4 tokens never drew token 0: {got}"
+
+
+@pytest.mark.parametrize("temperature", [-0.5, float("nan"), float("inf")])
+def test_temperature_must_be_finite_and_not_negative(temperature: float) -> None:
+    try:
+        GenerationConfig(temperature=temperature).validate()
+    except ConfigError as error:
+        want = f"temperature={temperature!r} must be a finite number >= 0 (0 is greedy)"
+        assert str(error) == want, f"temperature={temperature!r}: {error} (expected: {want})"
+    else:
+        pytest.fail(
+            f"temperature={temperature!r} accepted: the check must refuse it before the "
+            "checkpoint is loaded (a nan fails in the sampler, inf samples uniformly)"
+        )
 
 
 # -- predict and cli.py generate --------------------------------------------------------------

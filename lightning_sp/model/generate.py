@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_sp.errors import ConfigError, positive_int
+from lightning_sp.errors import ConfigError, finite_number, positive_int
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.comm import all_gather_sequence
 
@@ -73,8 +73,8 @@ class GenerationConfig:
                 )
         if self.top_k is not None:
             positive_int("top_k", self.top_k)
-        if self.temperature < 0:
-            raise ConfigError(f"temperature={self.temperature!r} must be >= 0 (0 is greedy)")
+        finite_number("temperature", self.temperature, "a finite number >= 0 (0 is greedy)",
+                      lambda v: v >= 0)  # fmt: skip
 
 
 def sequence_parallel_off(model: GPT) -> GPT:

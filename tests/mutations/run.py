@@ -1234,6 +1234,62 @@ MUTATIONS = (
         ("tests/test_optim.py", "-k", "lr_schedule"),
         r"step 4: lr 0\.0009, expected 0\.001 \(linear warm-up",
     ),
+    Mutation(
+        "sample_temperature_zero_not_greedy",
+        "temperature 0 samples from the softmax instead of taking the argmax",
+        (
+            (
+                "lightning_sp/model/generate.py",
+                "        return int(logits.argmax())\n",
+                "        return int(torch.multinomial(torch.softmax(logits, -1), 1, "
+                "generator=generator))\n",
+            ),
+        ),
+        ("tests/test_generate.py", "-k", "temperature_zero"),
+        r"temperature 0 drew tokens \[.*\], not only the argmax 1",
+    ),
+    Mutation(
+        "sample_temperature_multiplies",
+        "the logits are multiplied by the temperature instead of divided",
+        (
+            (
+                "lightning_sp/model/generate.py",
+                "    logits = logits / config.temperature\n",
+                "    logits = logits * config.temperature\n",
+            ),
+        ),
+        ("tests/test_generate.py", "-k", "sampling"),
+        r"temperature 2: token frequencies \[.*\], expected softmax\(logits / 2\)",
+    ),
+    Mutation(
+        "sample_top_k_masks_to_zero",
+        "top_k sets the cut tokens' logits to 0 instead of -inf: they are still drawn",
+        (
+            (
+                "lightning_sp/model/generate.py",
+                'logits.masked_fill(logits < cutoff, float("-inf"))',
+                "logits.masked_fill(logits < cutoff, 0.0)",
+            ),
+        ),
+        ("tests/test_generate.py", "-k", "sampling"),
+        r"top_k=2: token frequencies \[.*\], expected \[.*\] \(only the 2 most likely",
+    ),
+    Mutation(
+        "generate_temperature_nan_accepted",
+        "generate's temperature checked >= 0 only: nan and inf pass the check and fail (or "
+        "sample uniformly) after the checkpoint is loaded",
+        (
+            (
+                "lightning_sp/model/generate.py",
+                '        finite_number("temperature", self.temperature, "a finite number >= 0 '
+                '(0 is greedy)",\n                      lambda v: v >= 0)  # fmt: skip\n',
+                '        if self.temperature < 0:\n            raise ConfigError(f"temperature='
+                '{self.temperature!r} must be a finite number >= 0 (0 is greedy)")\n',
+            ),
+        ),
+        ("tests/test_generate.py", "-k", "temperature_must"),
+        r"temperature=(nan|inf) accepted: the check must refuse it before the checkpoint",
+    ),
 )
 
 
