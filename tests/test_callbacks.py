@@ -236,6 +236,20 @@ def test_monitor_needs_a_gpt_attribute(tmp_path: Path) -> None:
         _fit(NoGPT(), tmp_path, [ActivationMemoryMonitor()])
 
 
+@pytest.mark.parametrize("peak", [0.0, -1e12, float("nan"), float("inf")])
+def test_mfu_peak_must_be_finite_and_positive(peak: float) -> None:
+    try:
+        MFUMonitor(peak_flops_per_device=peak)
+    except ValueError as error:  # ConfigError: one line
+        want = (
+            f"peak_flops_per_device={peak!r} must be a finite number > 0 (FLOP/s of one device; "
+            "null: measured)"
+        )
+        assert str(error) == want, f"peak_flops_per_device={peak!r}: {error} (expected: {want})"
+    else:
+        pytest.fail(f"peak_flops_per_device={peak!r} accepted: MFU would be logged as 0 or nan")
+
+
 def test_progress_bar_shows_short_names_and_units_and_reads_on_logging_steps(
     tmp_path: Path,
 ) -> None:

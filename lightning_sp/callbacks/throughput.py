@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_sp.callbacks.monitoring import batch_shape, check_every, gpt_of, is_due
 from lightning_sp.callbacks.progress import si_format
+from lightning_sp.errors import finite_number
 from lightning_sp.memory.flops import (
     causal_half_model_flops_per_iteration,
     hardware_flops_per_iteration,
@@ -150,8 +151,10 @@ class MFUMonitor(Callback):
         prog_bar: bool = True,
     ) -> None:
         super().__init__()
-        if peak_flops_per_device is not None and not peak_flops_per_device > 0:
-            raise ValueError(f"peak_flops_per_device={peak_flops_per_device!r} must be positive")
+        if peak_flops_per_device is not None:
+            finite_number("peak_flops_per_device", peak_flops_per_device,
+                          "a finite number > 0 (FLOP/s of one device; null: measured)",
+                          lambda v: v > 0)  # fmt: skip
         if not isinstance(window_size, int) or window_size < 2:
             raise ValueError(f"window_size={window_size!r} must be an integer >= 2")
         self.peak_flops_per_device = peak_flops_per_device

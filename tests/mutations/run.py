@@ -1290,6 +1290,19 @@ MUTATIONS = (
         ("tests/test_generate.py", "-k", "temperature_must"),
         r"temperature=(nan|inf) accepted: the check must refuse it before the checkpoint",
     ),
+    Mutation(
+        "mfu_peak_inf_accepted",
+        "MFUMonitor's peak_flops_per_device checked > 0 only: inf passes and MFU logs 0",
+        (
+            (
+                "lightning_sp/callbacks/throughput.py",
+                "        if peak_flops_per_device is not None:\n",
+                "        if peak_flops_per_device is not None and not peak_flops_per_device > 0:\n",
+            ),
+        ),
+        ("tests/test_callbacks.py", "-k", "peak_must"),
+        r"peak_flops_per_device=inf accepted: MFU would be logged as 0",
+    ),
 )
 
 
