@@ -100,3 +100,33 @@ def test_state_moved_after_the_step_is_checked_before_the_next_update() -> None:
                        r"0\) at step 4") as stopped:  # fmt: skip
         guard.check(torch.tensor(1.0), model, optimizer, step=4, state=state)
     assert "\n" not in str(stopped.value), "the stop is one line"
+
+
+def test_skip_counts_skips_in_a_row_and_stops_after_max_skipped_steps() -> None:
+    """``skip`` with max_skipped_steps = 2, one process: NaN, NaN (two skips), a finite step
+    (steps; the count of skips in a row starts again), NaN, NaN (two skips), NaN: the third
+    in a row stops. Every skipped step's gradients are zeroed."""
+    layer = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    guard = NonFiniteGuard("skip", max_skipped_steps=2)
+    nan = float("nan")
+    outcomes = []
+    for step, loss in enumerate([nan, nan, 1.0, nan, nan, nan]):
+        layer(torch.ones(1, 2)).sum().backward()
+        try:
+            stepped = guard.check(torch.tensor(loss), layer, optimizer, step=step)
+        except NonFiniteError as error:
+            outcomes.append(f"stopped: {error}")
+            break
+        outcomes.append("stepped" if stepped else "skipped")
+        if not stepped:
+            assert layer.weight.grad is None, f"step {step} skipped without zeroing the gradients"
+        optimizer.zero_grad()
+    want = ["skipped", "skipped", "stepped", "skipped", "skipped",
+            "stopped: non-finite loss (rank 0) at step 5, after 2 skipped steps in a row "
+            "(max_skipped_steps=2); the run stops"]  # fmt: skip
+    assert outcomes == want, (
+        f"skip policy with max_skipped_steps=2 over NaN, NaN, 1, NaN, NaN, NaN: {outcomes}, "
+        f"expected {want} (a finite step starts the count of skips in a row again)"
+    )
+    assert guard.total_skipped == 4, f"{guard.total_skipped} skipped steps in all, expected 4"

@@ -1303,6 +1303,48 @@ MUTATIONS = (
         ("tests/test_callbacks.py", "-k", "peak_must"),
         r"peak_flops_per_device=inf accepted: MFU would be logged as 0",
     ),
+    Mutation(
+        "guard_skips_never_reset",
+        "nonfinite='skip' never resets its count after a finite step: non-consecutive skips add up "
+        "to max_skipped_steps and stop the run",
+        (
+            (
+                "lightning_sp/runtime/guard.py",
+                "            self.skipped = 0\n            return True\n",
+                "            return True\n",
+            ),
+        ),
+        ("tests/test_guard.py", "-k", "skip_counts"),
+        r"skip policy with max_skipped_steps=2 over NaN, NaN, 1, NaN, NaN, NaN: .*'stopped: "
+        r"non-finite loss \(rank 0\) at step 3",
+    ),
+    Mutation(
+        "guard_skips_one_too_many",
+        "nonfinite='skip' allows max_skipped_steps + 1 skips in a row before it stops",
+        (
+            (
+                "lightning_sp/runtime/guard.py",
+                "self.skipped < self.max_skipped_steps",
+                "self.skipped <= self.max_skipped_steps",
+            ),
+        ),
+        ("tests/test_guard.py", "-k", "skip_counts"),
+        r"skip policy with max_skipped_steps=2 over NaN, NaN, 1, NaN, NaN, NaN: \[('\w+', ){5}"
+        r"'skipped'\]",
+    ),
+    Mutation(
+        "guard_skip_keeps_gradients",
+        "a skipped step keeps its non-finite gradients (not zeroed)",
+        (
+            (
+                "lightning_sp/runtime/guard.py",
+                "            optimizer.zero_grad()\n            return False\n",
+                "            return False\n",
+            ),
+        ),
+        ("tests/test_guard.py", "-k", "skip_counts"),
+        r"step 0 skipped without zeroing the gradients",
+    ),
 )
 
 
