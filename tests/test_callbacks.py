@@ -278,5 +278,19 @@ def test_progress_bar_shows_short_names_and_units_and_reads_on_logging_steps(
         assert _logged_values(rows, name), name  # raw numbers reach the logger
 
 
+def test_mfu_bar_items_are_percent_and_tokens_per_second() -> None:
+    """The MFU monitor's bar items from its last metrics: MFU 0.384 shows as 38%, 12345
+    tokens/s as 12.3k (not the TFLOP/s); nothing before the window is full or with prog_bar
+    off."""
+    mfu = MFUMonitor(peak_flops_per_device=PEAK)
+    assert mfu.progress_bar_items() == {}, "items before the first measurement"
+    mfu.last_metrics = {"mfu": 0.384, "tokens_per_sec": 12345.0, "model_tflops_per_sec": 7.5}
+    items = mfu.progress_bar_items()
+    assert items == {"MFU": "38%", "tok/s": "12.3k"}, f"bar items {items}, expected MFU 38%, 12.3k"
+    quiet = MFUMonitor(peak_flops_per_device=PEAK, prog_bar=False)
+    quiet.last_metrics = mfu.last_metrics
+    assert quiet.progress_bar_items() == {}, "prog_bar=False still offers bar items"
+
+
 def test_si_format() -> None:
     assert [si_format(v) for v in (12345.0, 999.0, 2.5e6, 0.5)] == ["12.3k", "999", "2.5M", "0.5"]

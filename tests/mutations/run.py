@@ -1345,6 +1345,19 @@ MUTATIONS = (
         ("tests/test_guard.py", "-k", "skip_counts"),
         r"step 0 skipped without zeroing the gradients",
     ),
+    Mutation(
+        "bar_mfu_not_percent",
+        "the progress bar shows MFU's fraction with a % sign (0.38 as 0%), not the percentage",
+        (
+            (
+                "lightning_sp/callbacks/throughput.py",
+                "{100 * last['mfu']:.0f}%",
+                "{last['mfu']:.0f}%",
+            ),
+        ),
+        ("tests/test_callbacks.py", "-k", "bar_items"),
+        r"bar items \{'MFU': '0%', 'tok/s': '12\.3k'\}, expected MFU 38%",
+    ),
 )
 
 
