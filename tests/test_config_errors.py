@@ -25,6 +25,7 @@ def _state(t: int) -> ParallelState:
 def _raises(match: str, fn, *args, **kwargs) -> str:
     with pytest.raises(ConfigError, match=match) as info:
         fn(*args, **kwargs)
+        pytest.fail(f"{getattr(fn, '__name__', fn)} accepted the value: no ConfigError {match!r}")
     message = str(info.value)
     assert "\n" not in message
     return message
@@ -267,6 +268,10 @@ OPTIMIZER_CASES = [
     ({"lr": 1e-4, "min_lr": 1e-3}, "model.optimizer.min_lr=0.001 exceeds model.optimizer.lr"),
     ({"warmup_steps": -5}, "model.optimizer.warmup_steps=-5 must be >= 0"),
     ({"decay_steps": 0}, "model.optimizer.decay_steps=0 must be a positive integer"),
+    (
+        {"warmup_steps": 10, "decay_steps": 10},
+        "model.optimizer.decay_steps=10 must exceed model.optimizer.warmup_steps=10",
+    ),
 ]
 
 

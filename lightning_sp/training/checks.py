@@ -146,6 +146,12 @@ def check_optimizer(optimizer: Any, field: str = "model.optimizer") -> None:
     decay = optimizer.decay_steps
     if decay is not None and (not isinstance(decay, int) or decay < 1):
         raise ConfigError(f"{field}.decay_steps={decay!r} must be a positive integer or null")
+    if decay is not None and decay <= optimizer.warmup_steps:  # Megatron asserts the same
+        raise ConfigError(
+            f"{field}.decay_steps={decay} must exceed {field}.warmup_steps="
+            f"{optimizer.warmup_steps} (the cosine runs from the end of the warm-up to "
+            "decay_steps; else the rate drops from lr to min_lr in one step)"
+        )
 
 
 def check_compile(state: ParallelState) -> None:

@@ -1358,6 +1358,20 @@ MUTATIONS = (
         ("tests/test_callbacks.py", "-k", "bar_items"),
         r"bar items \{'MFU': '0%', 'tok/s': '12\.3k'\}, expected MFU 38%",
     ),
+    Mutation(
+        "decay_steps_within_warmup_accepted",
+        "decay_steps <= warmup_steps accepted: the cosine never runs, the rate drops from lr to "
+        "min_lr in one step",
+        (
+            (
+                "lightning_sp/training/checks.py",
+                "    if decay is not None and decay <= optimizer.warmup_steps:",
+                "    if decay is not None and decay < optimizer.warmup_steps:",
+            ),
+        ),
+        ("tests/test_config_errors.py", "-k", "optimizer_values"),
+        r"check_optimizer accepted the value: no ConfigError .*decay_steps=10",
+    ),
 )
 
 
