@@ -240,6 +240,37 @@ def test_trainer_step_with_accumulation_is_the_global_token_mean(tmp_path: Path)
         assert err <= RTOL, f"{name}: gradient relative error {err:.2e}"
 
 
+def test_validation_with_loss_masks_is_the_token_mean_of_the_split() -> None:
+    """One process under Lightning: ``val/loss`` over two batches of 2 rows with different
+    counted tokens (one row none) equals one process's token mean over the 4 rows, not the
+    mean of the two batches' means (which the data makes differ)."""
+    config = tiny_config()
+    ids, labels = _global_batch(config, 4)
+    mask = labels != IGNORE_INDEX
+    rows = [{"input_ids": ids[i : i + 2], "labels": labels.clamp(min=0)[i : i + 2],
+             "loss_mask": mask[i : i + 2]} for i in (0, 2)]  # fmt: skip
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        reference = reference_model(config)
+        with torch.no_grad():
+            want = reference(ids, labels).item()
+            means = [reference(ids[i : i + 2], labels[i : i + 2]).item() for i in (0, 2)]
+        module = GPTModule(config, OptimizerConfig())
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False)  # fmt: skip
+        (metrics,) = trainer.validate(module, DataLoader(rows, batch_size=None), verbose=False)
+    finally:
+        torch.set_default_dtype(default)
+    mean_of_means = sum(means) / 2
+    assert abs(mean_of_means - want) > 1e-4 * want, "the data cannot tell the two means apart"
+    got = metrics["val/loss"]
+    assert abs(got - want) <= 1e-6 * want, (
+        f"val/loss {got:.6f}, the token mean over the split's 4 rows is {want:.6f} (the mean "
+        f"of the batches' means: {mean_of_means:.6f})"
+    )
+
+
 class _SaveStep(Callback):
     """In each spawned rank: this rank's gradients after the step (by global name) and the
     step's loss in float64 (the returned sum over the batch's counted tokens divided by their

@@ -1372,6 +1372,21 @@ MUTATIONS = (
         ("tests/test_config_errors.py", "-k", "optimizer_values"),
         r"check_optimizer accepted the value: no ConfigError .*decay_steps=10",
     ),
+    Mutation(
+        "val_loss_mean_of_batch_means",
+        "with loss masks, val/loss averages the batches' token means unweighted instead of the "
+        "split's token mean",
+        (
+            (
+                "lightning_sp/training/gpt_module.py",
+                "            self.val_loss.update(loss / tokens, weight=tokens)\n",
+                "            self.val_loss.update(loss / tokens)\n",
+            ),
+        ),
+        ("tests/test_token_mean.py", "-k", "validation_with"),
+        r"val/loss \d+\.\d+, the token mean over the split's 4 rows is \d+\.\d+ \(the mean of "
+        r"the batches' means",
+    ),
 )
 
 
