@@ -283,6 +283,30 @@ def test_optimizer_values(fields: dict, message: str) -> None:
     _raises(re.escape(message), GPTModule, tiny_config(), OptimizerConfig(**fields))
 
 
+CLIPPING_CASES = [
+    ((-1.0, None), "trainer.gradient_clip_val=-1.0 must be a finite number >= 0 (0 or null: no "
+     "clipping)"),
+    ((float("nan"), None), "trainer.gradient_clip_val=nan must be a finite number >= 0"),
+    ((float("inf"), "norm"), "trainer.gradient_clip_val=inf must be a finite number >= 0"),
+    ((1.0, "value"), "trainer.gradient_clip_algorithm='value' is not supported; use norm"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("given", "message"), CLIPPING_CASES, ids=["neg", "nan", "inf", "value"])
+def test_gradient_clipping_values(given: tuple[float, str | None], message: str) -> None:
+    """Lightning takes any gradient_clip_val: a negative one would flip the gradients' sign
+    (the clip coefficient max_norm / norm < 0), nan would make them NaN. Refused by the check
+    cli.py runs before launch and by the module's clipping hook (the Python API) before the
+    first clip."""
+    from lightning_sp import GPTModule
+
+    _raises(re.escape(message), validation.check_gradient_clipping, *given)
+    module = GPTModule(tiny_config(), OptimizerConfig())
+    _raises(re.escape(message), module.configure_gradient_clipping, None, *given)
+    for value, algorithm in ((None, None), (0.0, None), (1.0, "norm"), (0.5, "Norm")):
+        validation.check_gradient_clipping(value, algorithm)  # off, or by the norm
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory):
     """A real checkpoint of the tiny model (one process) and its config."""

@@ -64,6 +64,8 @@ CLI_CASES = [
      "accelerator does not take; give a count (trainer.devices=2)"),
     (["--model.config.num_query_groups", "0"], "num_query_groups=0 must be a positive integer "
      "dividing num_heads=8 (one of [1, 2, 4, 8]), or null for multi-head attention"),
+    (["--trainer.gradient_clip_val", "-1"], "trainer.gradient_clip_val=-1 must be a finite "
+     "number >= 0 (0 or null: no clipping)"),
     pytest.param(["--trainer.devices", "auto"], "world size 1 is not divisible by "
                  "tensor_parallel_size * pipeline_parallel_size = 2 * 1 = 2; t * p must be one "
                  "of [1]", marks=pytest.mark.slow),
@@ -72,7 +74,7 @@ CLI_CASES = [
 ]  # fmt: skip
 
 
-CLI_IDS = ["devices-3", "devices-0,1", "groups-0", "devices-auto", "factor"]
+CLI_IDS = ["devices-3", "devices-0,1", "groups-0", "clip-negative", "devices-auto", "factor"]
 
 
 @pytest.mark.parametrize(("args", "expected"), CLI_CASES, ids=CLI_IDS)

@@ -13,6 +13,7 @@ from typing import Any
 from lightning_sp.data.tokenizer import tokenizer_info
 from lightning_sp.errors import ConfigError, check_writable
 from lightning_sp.training.checks import (
+    check_gradient_clipping,
     check_optimizer,
     check_precision,
     check_strategy_args,
@@ -285,6 +286,7 @@ def check_fit_config(config: Any, subcommand: str | None = None) -> None:
     lora = _lora(config.model) is not None
     check_fp8_launch(model_config, trainer.accelerator, trainer.precision, lora)
     check_optimizer(config.model.optimizer)
+    check_gradient_clipping(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
     ckpt_path = getattr(config, "ckpt_path", None)
     if ckpt_path and ckpt_path not in ("last", "hpc", "best", "registry"):
         check_resume(ckpt_path, config.model, model_config)  # its adapters and base too

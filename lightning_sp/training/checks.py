@@ -18,7 +18,7 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_sp.errors import ConfigError
+from lightning_sp.errors import ConfigError, finite_number
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.parallel.buffer import DEFAULT_BUCKET_NUMEL, GradBufferConfig
 from lightning_sp.parallel.config import ParallelConfig
@@ -151,6 +151,22 @@ def check_optimizer(optimizer: Any, field: str = "model.optimizer") -> None:
             f"{field}.decay_steps={decay} must exceed {field}.warmup_steps="
             f"{optimizer.warmup_steps} (the cosine runs from the end of the warm-up to "
             "decay_steps; else the rate drops from lr to min_lr in one step)"
+        )
+
+
+def check_gradient_clipping(value: object, algorithm: object) -> None:
+    """The Trainer's ``gradient_clip_val`` (a finite number >= 0; 0 or null: no clipping;
+    Lightning takes any number, and a negative one would flip the gradients' sign) and
+    ``gradient_clip_algorithm`` (null or ``norm``: ``GPTModule`` clips by the global norm over
+    every shard)."""
+    if value is not None:
+        valid = "a finite number >= 0 (0 or null: no clipping)"
+        finite_number("trainer.gradient_clip_val", value, valid, lambda v: v >= 0)
+    name = getattr(algorithm, "value", algorithm)  # Lightning's GradClipAlgorithmType, or text
+    if name is not None and str(name).lower() != "norm":
+        raise ConfigError(
+            f"trainer.gradient_clip_algorithm={name!r} is not supported; use norm (clipping by "
+            "the global norm over every shard) or null"
         )
 
 

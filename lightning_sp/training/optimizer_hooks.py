@@ -26,6 +26,7 @@ from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
 from lightning_sp.parallel.grads import clip_grad_norm_, counted_flat_grads
 from lightning_sp.pipeline.token_mean import TokenMean
+from lightning_sp.training.checks import check_gradient_clipping
 from lightning_sp.training.dpo import PreferenceSteps
 from lightning_sp.training.protocol import BucketsGradients
 from lightning_sp.training.shard_module import ShardModule
@@ -130,13 +131,12 @@ class OptimizerHooks(ShardModule):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """Clip by the true global norm over all shards (replicated parameters counted once)."""
+        """Clip by the true global norm over all shards (replicated parameters counted once);
+        the values checked first (:func:`~lightning_sp.training.checks.check_gradient_clipping`,
+        which ``cli.py`` runs before launch)."""
+        check_gradient_clipping(gradient_clip_val, gradient_clip_algorithm)
         if not gradient_clip_val:
             return
-        if gradient_clip_algorithm not in (None, "norm"):
-            raise ConfigError(
-                f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not supported; use 'norm'"
-            )
         buffer, state = grad_buffer_of(optimizer), self.parallel_state
         if self._clipped is None or self._clipped[0] is not buffer:  # once per buffer
             self._clipped = (buffer, counted_flat_grads(self.parameters(), buffer, state))  # whole

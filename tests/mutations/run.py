@@ -1387,6 +1387,34 @@ MUTATIONS = (
         r"val/loss \d+\.\d+, the token mean over the split's 4 rows is \d+\.\d+ \(the mean of "
         r"the batches' means",
     ),
+    Mutation(
+        "clip_val_negative_accepted",
+        "a negative gradient_clip_val accepted (as Lightning does): the clip coefficient "
+        "max_norm / norm < 0 flips the gradients' sign",
+        (
+            (
+                "lightning_sp/training/checks.py",
+                'finite_number("trainer.gradient_clip_val", value, valid, lambda v: v >= 0)',
+                'finite_number("trainer.gradient_clip_val", value, valid, lambda v: True)',
+            ),
+        ),
+        ("tests/test_config_errors.py", "-k", "clipping"),
+        r"check_gradient_clipping accepted the value: no ConfigError .*gradient_clip_val=",
+    ),
+    Mutation(
+        "clip_hook_unchecked",
+        "GPTModule's clipping hook (the Python API, no cli.py check before it) clips by a "
+        "negative, nan or inf gradient_clip_val",
+        (
+            (
+                "lightning_sp/training/optimizer_hooks.py",
+                "        check_gradient_clipping(gradient_clip_val, gradient_clip_algorithm)\n",
+                "",
+            ),
+        ),
+        ("tests/test_config_errors.py", "-k", "clipping"),
+        r"configure_gradient_clipping accepted the value: no ConfigError",
+    ),
 )
 
 
