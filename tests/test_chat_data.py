@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from lightning_sp.data import TextDataModule
-from lightning_sp.data.chat import first_fit, prepare_chat
+from lightning_sp.data.chat import (
+    ASSISTANT,
+    START,
+    first_fit,
+    flags_to_sample,
+    loss_tokens,
+    prepare_chat,
+)
 from lightning_sp.errors import ConfigError
 
 from corpora import CHAT_TEMPLATE, chat_tokenizer, conversations, jsonl
@@ -335,3 +342,36 @@ def test_chat_sft_without_transformers_says_what_to_install(
         "template, which needs the package 'transformers': install the chat extra, pip install "
         "'lightning-sp[chat]' (transformers, jinja2)"
     )
+
+
+def test_flags_to_sample_and_loss_tokens_by_hand() -> None:
+    """A packed chat bin's fields from its tokens and flags, written out by hand: label ``j``
+    is token ``j + 1``, counted where that token is an assistant token of the same
+    conversation (not the first token of the next one, assistant or not); documents and
+    positions restart at each start flag. And :func:`loss_tokens`: the first token of a
+    conversation is nobody's label, so a conversation whose only assistant token is its first
+    trains nothing (it is dropped, not packed)."""
+    a, start = ASSISTANT, START
+    row = torch.arange(10, 18)  # s + 1 = 8 tokens
+    # conversation 0: tokens 0-3 (answer 2, 3); conversation 1: tokens 4-5, its first token an
+    # assistant token; padding: tokens 6-7
+    flags = torch.tensor([start, 0, a, a, start | a, a, start, 0], dtype=torch.uint8)
+    sample = flags_to_sample(row, flags)
+    assert sample["input_ids"].tolist() == list(range(10, 17)), "input_ids are not tokens 0..s-1"
+    assert sample["labels"].tolist() == list(range(11, 18)), "labels are not tokens 1..s"
+    want = [False, True, True, False, True, False, False]
+    assert sample["loss_mask"].tolist() == want, (
+        f"loss_mask {sample['loss_mask'].int().tolist()}, by hand {[int(w) for w in want]}: "
+        "label j must count where token j + 1 is an assistant token of the same conversation"
+    )
+    assert sample["documents"].tolist() == [0, 0, 0, 0, 1, 1, 2], (
+        f"documents {sample['documents'].tolist()}: not counted from the start flags"
+    )
+    assert sample["positions"].tolist() == [0, 1, 2, 3, 0, 1, 0], (
+        f"positions {sample['positions'].tolist()}: not restarting per conversation"
+    )
+    for mask, count in (([1, 0, 0], 0), ([0, 1, 1, 0], 2), ([1, 1], 1), ([1], 0)):
+        assert loss_tokens(mask) == count, (
+            f"loss_tokens({mask}) = {loss_tokens(mask)}, not {count}: the first token of a "
+            "conversation is nobody's label and counts for no loss token"
+        )

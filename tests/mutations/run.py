@@ -831,6 +831,21 @@ MUTATIONS = (
         ("tests/test_dpo.py", "-k", "copy_reference"),
         r"the reference copy's \S+ is not init_from's",
     ),
+    Mutation(
+        "chat_first_token_counts",
+        "chat SFT: a conversation's first token counts as a loss token (one whose only "
+        "assistant token is its first is packed, training nothing)",
+        (
+            (
+                "lightning_sp/data/chat.py",
+                "    return sum(1 for m in mask[1:] if m)\n",
+                "    return sum(1 for m in mask if m)\n",
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "by_hand"),
+        r"loss_tokens\(\[1, 0, 0\]\) = 1, not 0: the first token of a conversation is "
+        r"nobody's label",
+    ),
 )
 
 
