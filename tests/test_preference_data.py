@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_sp.data import TextDataModule
-from lightning_sp.data.preference import prepare_preference
+from lightning_sp.data.preference import fit_pair, prepare_preference
 from lightning_sp.errors import ConfigError
 
 from corpora import chat_tokenizer, jsonl
@@ -142,3 +142,28 @@ def test_long_pairs_truncated_with_one_notice_or_refused(tmp_path: Path) -> None
                               log=notices.append)  # fmt: skip
     assert meta["preference"]["truncated"] == 1, meta["preference"]
     assert sum("were truncated" in n for n in notices) == 1, notices
+
+
+def test_fit_pair_keeps_each_start_and_cuts_its_mask_alike() -> None:
+    """A pair longer than ``width`` tokens, cut by hand: each sequence keeps its start (the
+    prompt), the longer is cut first, neither below half unless the other is shorter, and
+    each answer mask is cut to its own sequence's length (a mask of another length shifts
+    every flag after it in the packed bin)."""
+    width = 11  # half = 5
+
+    def seq(first: int, n: int) -> tuple[list[int], list[int]]:
+        return list(range(first, first + n)), [0, 0] + [1] * (n - 2)
+
+    cases = [  # (chosen length, rejected length) -> kept lengths
+        ((4, 5), (4, 5)),  # fits: as is
+        ((3, 10), (3, 8)),  # chosen under half: rejected takes the rest
+        ((10, 4), (7, 4)),  # rejected under the other half: chosen takes the rest
+        ((9, 9), (5, 6)),  # both long: half each, the odd token to rejected
+    ]
+    for (n_c, n_r), (k_c, k_r) in cases:
+        got = fit_pair((seq(100, n_c), seq(200, n_r)), width)
+        want = (seq(100, k_c), seq(200, k_r))
+        assert got == want, (
+            f"fit_pair of chosen {n_c} + rejected {n_r} tokens into {width} must keep each "
+            f"sequence's start and cut its mask to its own length: got {got}, by hand {want}"
+        )

@@ -846,6 +846,35 @@ MUTATIONS = (
         r"loss_tokens\(\[1, 0, 0\]\) = 1, not 0: the first token of a conversation is "
         r"nobody's label",
     ),
+    Mutation(
+        "fit_pair_masks_crossed",
+        "preference truncation cuts each answer mask to the other sequence's length (the "
+        "flags of every later token in the bin shift)",
+        (
+            (
+                "lightning_sp/data/preference.py",
+                "    return (a[:cap_a], ma[:cap_a]), (b[:cap_b], mb[:cap_b])\n",
+                "    return (a[:cap_a], ma[:cap_b]), (b[:cap_b], mb[:cap_a])\n",
+            ),
+        ),
+        ("tests/test_preference_data.py", "-k", "fit_pair"),
+        r"fit_pair of chosen \d+ \+ rejected \d+ tokens into 11 must keep each sequence's start "
+        r"and cut its mask to its own length: got",
+    ),
+    Mutation(
+        "fit_pair_keeps_ends",
+        "preference truncation keeps each sequence's end, not its start (the prompt is cut away)",
+        (
+            (
+                "lightning_sp/data/preference.py",
+                "    return (a[:cap_a], ma[:cap_a]), (b[:cap_b], mb[:cap_b])\n",
+                "    return (a[-cap_a:], ma[-cap_a:]), (b[-cap_b:], mb[-cap_b:])\n",
+            ),
+        ),
+        ("tests/test_preference_data.py", "-k", "fit_pair"),
+        r"fit_pair of chosen \d+ \+ rejected \d+ tokens into 11 must keep each sequence's start "
+        r"and cut its mask to its own length: got",
+    ),
 )
 
 
