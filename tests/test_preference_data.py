@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_sp.data import TextDataModule
-from lightning_sp.data.preference import fit_pair, prepare_preference
+from lightning_sp.data.preference import fit_pair, prepare_preference, render_pair
 from lightning_sp.errors import ConfigError
 
 from corpora import chat_tokenizer, jsonl
@@ -166,4 +166,27 @@ def test_fit_pair_keeps_each_start_and_cuts_its_mask_alike() -> None:
         assert got == want, (
             f"fit_pair of chosen {n_c} + rejected {n_r} tokens into {width} must keep each "
             f"sequence's start and cut its mask to its own length: got {got}, by hand {want}"
+        )
+
+
+def test_answer_starts_where_either_answer_leaves_the_prompt(tmp_path: Path) -> None:
+    """TRL's rule: the prompt is the shortest common prefix of the tokenized prompt with each
+    tokenized prompt + answer. Here the chosen answer merges with the prompt's last word
+    ("the quick bro" + "wn fox": "brown" is one token), the rejected does not ("bro" stays
+    "br" "o"): both answers start after "quick", the tokens written out by hand."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_tokenizer(tmp_path)), local_files_only=True)
+    row = {"prompt": "the quick bro", "chosen": "wn fox", "rejected": " dog"}
+    chosen, rejected = render_pair(tokenizer, row, "row 1")
+    eos = "<|endoftext|>"
+    want = {
+        "chosen": (["the", "quick", "brown", "fox", eos], [0, 0, 1, 1, 1]),
+        "rejected": (["the", "quick", "br", "o", "dog", eos], [0, 0, 1, 1, 1, 1]),
+    }
+    for name, (ids, mask) in (("chosen", chosen), ("rejected", rejected)):
+        tokens = tokenizer.convert_ids_to_tokens(ids)
+        assert (tokens, mask) == want[name], (
+            f"{name}: the answer must start at the shortest common prefix of the prompt with "
+            f"either sequence: tokens {tokens} with answer mask {mask}, by hand {want[name]}"
         )

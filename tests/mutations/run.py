@@ -875,6 +875,22 @@ MUTATIONS = (
         r"fit_pair of chosen \d+ \+ rejected \d+ tokens into 11 must keep each sequence's start "
         r"and cut its mask to its own length: got",
     ),
+    Mutation(
+        "pair_answer_start_longest",
+        "preference pairs: the answers start at the longest common prefix of the prompt with "
+        "either sequence, not the shortest (TRL's): a chosen answer that merges with the "
+        "prompt's last word loses its first token's loss",
+        (
+            (
+                "lightning_sp/data/preference.py",
+                "    start = min(_common(head, full) for full in fulls)\n",
+                "    start = max(_common(head, full) for full in fulls)\n",
+            ),
+        ),
+        ("tests/test_preference_data.py", "-k", "answer_starts"),
+        r"chosen: the answer must start at the shortest common prefix of the prompt with either "
+        r"sequence",
+    ),
 )
 
 
