@@ -375,3 +375,36 @@ def test_flags_to_sample_and_loss_tokens_by_hand() -> None:
             f"loss_tokens({mask}) = {loss_tokens(mask)}, not {count}: the first token of a "
             "conversation is nobody's label and counts for no loss token"
         )
+
+
+def test_a_cut_or_missing_flags_file_is_one_line_at_open(tmp_path: Path) -> None:
+    """A chat split's ``flags.bin`` holds one byte per token: cut (or missing) it would shift
+    or drop the loss masks and document starts of the samples it no longer covers. Building
+    the data module says so in one line naming the file, before a token is read."""
+    tokenizer_dir = chat_tokenizer(tmp_path)
+    source = jsonl(tmp_path / "chat.jsonl", conversations(6))
+    out = tmp_path / "prepared"
+    prepare_chat([str(source)], str(tokenizer_dir), str(out), S, val_fraction=0,
+                 log=lambda _: None)  # fmt: skip
+    flags = out / "train" / "flags.bin"
+    whole = flags.read_bytes()
+    cases = [
+        (lambda: flags.write_bytes(whole[:-3]),
+         rf"^{flags} holds {len(whole) - 3} bytes, index.json says {len(whole)} tokens of 1 "
+         r"byte\(s\)"),
+        (lambda: flags.unlink(), rf"^{flags} is missing \({len(whole)} tokens by index.json\)"),
+    ]  # fmt: skip
+    for damage, match in cases:
+        flags.write_bytes(whole)
+        damage()
+        try:
+            TextDataModule(prepared_dir=str(out), tokenizer=str(tokenizer_dir / "tokenizer.json"),
+                           seq_length=S, batch_size=1)  # fmt: skip
+            line = None
+        except ConfigError as error:
+            line = str(error)
+        assert line is not None, (
+            "train/flags.bin cut or missing, and the data module opened the split without a "
+            "word (the flags file's size not checked against index.json)"
+        )
+        assert re.search(match, line) and "\n" not in line, line

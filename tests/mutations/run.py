@@ -891,6 +891,20 @@ MUTATIONS = (
         r"chosen: the answer must start at the shortest common prefix of the prompt with either "
         r"sequence",
     ),
+    Mutation(
+        "chat_flags_size_unchecked",
+        "prepared chat splits: flags.bin's size is not checked against index.json at open (a "
+        "cut or missing file shifts or drops the loss masks)",
+        (
+            (
+                "lightning_sp/data/tokens.py",
+                "            _check_size(self.flags_file, self.num_tokens, 1)\n",
+                "            pass\n",
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "flags_file"),
+        r"train/flags\.bin cut or missing, and the data module opened the split without a word",
+    ),
 )
 
 
