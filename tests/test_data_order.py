@@ -134,3 +134,44 @@ def test_sampler_state_resumes_mid_epoch_exactly() -> None:
     other = _sampler(SampleOrder([60, 91], [0.4, 0.6], seed=9), 1, 0)
     with pytest.raises(ConfigError, match="the checkpoint's data order"):
         other.load_state_dict(state)
+
+
+def test_a_resumed_sampler_counts_every_replicas_samples() -> None:
+    """Resumed mid-epoch, a sampler goes on counting the samples of all replicas: its next
+    state (the next checkpoint) is the resumed count plus what it trained on since, and a
+    second resume continues where the first left off. The state holds on another
+    data-parallel size: the positions of the epoch's order each replica reads are written out
+    by hand (20 samples consumed over 2 replicas; 150 per epoch)."""
+    order = SampleOrder([60, 90], [0.4, 0.6], seed=9)
+    for rank in range(2):
+        whole = list(_sampler(order, 2, rank))  # epoch 0
+        first = _sampler(order, 2, rank)
+        first.load_state_dict({"epoch": 0, "consumed_samples": 20, "epoch_samples": 150,
+                               "seed": 9})  # fmt: skip
+        assert list(first) == whole[10:], f"rank {rank}: the resume does not skip 10 samples"
+        first.load_state_dict({"epoch": 0, "consumed_samples": 20, "epoch_samples": 150,
+                               "seed": 9})  # fmt: skip
+        next(iter(first))  # the loader starts the resumed epoch
+        first.advance(5)
+        state = first.state_dict()
+        assert state["consumed_samples"] == 30, (
+            f"rank {rank}: resumed at 20 samples of 2 replicas, 5 more each: the next state "
+            f"says {state['consumed_samples']} consumed samples, not 30 (the resumed count "
+            "not counted over every replica: a second resume repeats samples)"
+        )
+        second = _sampler(order, 2, rank)
+        second.load_state_dict(state)
+        assert list(second) == whole[15:], f"rank {rank}: the second resume does not continue"
+    state = {"epoch": 0, "consumed_samples": 20, "epoch_samples": 150, "seed": 9}
+    for replicas, positions in (
+        (1, [list(range(20, 150))]),
+        (4, [[r + 4 * k for k in range(5, 37)] for r in range(4)]),
+    ):
+        for rank, want in enumerate(positions):
+            resumed = _sampler(order, replicas, rank)
+            resumed.load_state_dict(state)
+            got = list(resumed)
+            assert got == order(0, np.array(want)).tolist(), (
+                f"saved after 20 samples on 2 replicas, resumed on {replicas} replicas: rank "
+                f"{rank} does not read positions {want[0]}, {want[1]}, ... of the epoch's order"
+            )

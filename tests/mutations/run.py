@@ -905,6 +905,21 @@ MUTATIONS = (
         ("tests/test_chat_data.py", "-k", "flags_file"),
         r"train/flags\.bin cut or missing, and the data module opened the split without a word",
     ),
+    Mutation(
+        "resume_counts_one_replica",
+        "a resumed sampler restarts its count of consumed samples at this replica's own "
+        "(not times the data-parallel size): the next checkpoint repeats samples",
+        (
+            (
+                "lightning_sp/data/sampler.py",
+                "        self.consumed_samples = start * self.num_replicas\n",
+                "        self.consumed_samples = start\n",
+            ),
+        ),
+        ("tests/test_data_order.py", "-k", "counts_every"),
+        r"rank \d: resumed at 20 samples of 2 replicas, 5 more each: the next state says \d+ "
+        r"consumed samples, not 30",
+    ),
 )
 
 
