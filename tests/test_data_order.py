@@ -77,6 +77,18 @@ def test_quotas() -> None:
     assert quotas([7], [3.0]) == [7]
     assert quotas([10, 10, 10], [1, 1, 1]) == [10, 10, 10]
     assert sum(quotas([3, 5, 11], [0.33, 0.33, 0.34])) == 19
+    # largest remainder, by hand: 19 x (0.33, 0.33, 0.34) = (6.27, 6.27, 6.46); 20 x (0.26,
+    # 0.74) = (5.2, 14.8); 10 x (0.45, 0.37, 0.18) = (4.5, 3.7, 1.8)
+    for counts, weights, want in (
+        ([3, 5, 11], [0.33, 0.33, 0.34], [6, 6, 7]),
+        ([10, 10], [0.26, 0.74], [5, 15]),
+        ([4, 4, 2], [0.45, 0.37, 0.18], [4, 4, 2]),
+    ):
+        got = quotas(counts, weights)
+        assert got == want, (
+            f"quotas({counts}, {weights}) = {got}, by hand {want}: the samples left after "
+            "rounding down go to the largest remainders"
+        )
 
 
 @pytest.mark.parametrize(

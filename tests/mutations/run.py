@@ -920,6 +920,21 @@ MUTATIONS = (
         r"rank \d: resumed at 20 samples of 2 replicas, 5 more each: the next state says \d+ "
         r"consumed samples, not 30",
     ),
+    Mutation(
+        "quotas_smallest_remainders",
+        "blend quotas: the samples left after rounding down go to the smallest remainders, "
+        "not the largest",
+        (
+            (
+                "lightning_sp/data/order.py",
+                'order = np.argsort(-(exact - base), kind="stable")',
+                'order = np.argsort(exact - base, kind="stable")',
+            ),
+        ),
+        ("tests/test_data_order.py", "-k", "quotas"),
+        r"quotas\(.*\) = \[.*\], by hand \[.*\]: the samples left after rounding down go to "
+        r"the largest remainders",
+    ),
 )
 
 
