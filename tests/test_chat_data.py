@@ -5,6 +5,7 @@ format; and each bad input refused in one line before anything is written."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -408,3 +409,56 @@ def test_a_cut_or_missing_flags_file_is_one_line_at_open(tmp_path: Path) -> None
             "word (the flags file's size not checked against index.json)"
         )
         assert re.search(match, line) and "\n" not in line, line
+
+
+def test_a_truncated_conversation_keeps_its_mask_aligned(tmp_path: Path) -> None:
+    """``overflow: truncate`` cuts a long conversation's ids and its assistant mask alike: the
+    prepared split holds one flag per token, and read back, the truncated conversation's loss
+    mask is transformers' mask of its first ``seq_length + 1`` tokens (and every other
+    conversation's its own: nothing shifted)."""
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = chat_tokenizer(tmp_path)
+    long = {"prompt": "the quick brown fox", "completion": " ".join(["the lazy dog"] * 20)}
+    rows = [*conversations(4), long]
+    out = tmp_path / "prepared"
+    meta = prepare_chat([str(jsonl(tmp_path / "chat.jsonl", rows))], str(tokenizer_dir),
+                        str(out), S, val_fraction=0, log=lambda _: None)  # fmt: skip
+    assert meta["chat"]["truncated"] == 1, meta["chat"]
+    index = json.loads((out / "train" / "index.json").read_text())
+    flags = (out / "train" / "flags.bin").stat().st_size
+    assert flags == index["tokens"], (
+        f"train/flags.bin holds {flags} flags for {index['tokens']} tokens: a truncated "
+        "conversation's mask was not cut with its ids"
+    )
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    expected = {}
+    for row in rows:
+        messages = row.get("messages") or [
+            {"role": "user", "content": row["prompt"]},
+            {"role": "assistant", "content": row["completion"]},
+        ]
+        rendered = hf.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids, mask = rendered["input_ids"][: S + 1], rendered["assistant_masks"][: S + 1]
+        expected[tuple(ids)] = mask
+    data = TextDataModule(prepared_dir=str(out), tokenizer=str(tokenizer_dir / "tokenizer.json"),
+                          seq_length=S, batch_size=1)  # fmt: skip
+    found = 0
+    for sample in _samples(data):
+        row = torch.cat([sample["input_ids"], sample["labels"][-1:]])
+        documents = torch.cat([sample["documents"], sample["documents"][-1:]])
+        for doc in documents.unique():
+            where = (documents == doc).nonzero().squeeze(1)
+            ids = tuple(row[where].tolist())
+            if ids in expected:
+                got = sample["loss_mask"][where[:-1]].int().tolist()
+                want = expected.pop(ids)[1 : len(where)]
+                assert got == want, (
+                    f"a conversation of {len(ids)} tokens read back with loss mask {got}, "
+                    f"transformers' {want}: its flags are shifted"
+                )
+                found += 1
+    assert not expected, f"{len(expected)} conversations not found whole in the samples"
+    assert found == len(rows)

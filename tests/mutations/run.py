@@ -935,6 +935,21 @@ MUTATIONS = (
         r"quotas\(.*\) = \[.*\], by hand \[.*\]: the samples left after rounding down go to "
         r"the largest remainders",
     ),
+    Mutation(
+        "chat_truncate_mask_short",
+        "chat SFT: a truncated conversation's mask is cut one token shorter than its ids (every "
+        "later flag of its bin shifts)",
+        (
+            (
+                "lightning_sp/data/chat.py",
+                "                ids, mask = ids[:width], mask[:width]\n",
+                "                ids, mask = ids[:width], mask[: width - 1]\n",
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "keeps_its_mask"),
+        r"train/flags\.bin holds \d+ flags for \d+ tokens: a truncated conversation's mask was "
+        r"not cut with its ids",
+    ),
 )
 
 
