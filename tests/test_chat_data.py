@@ -21,6 +21,7 @@ from lightning_sp.data.chat import (
     loss_tokens,
     prepare_chat,
 )
+from lightning_sp.data.packing import split_members
 from lightning_sp.errors import ConfigError
 
 from corpora import CHAT_TEMPLATE, chat_tokenizer, conversations, jsonl
@@ -462,3 +463,21 @@ def test_a_truncated_conversation_keeps_its_mask_aligned(tmp_path: Path) -> None
                 found += 1
     assert not expected, f"{len(expected)} conversations not found whole in the samples"
     assert found == len(rows)
+
+
+def test_split_members_by_hand() -> None:
+    """The validation items of packed chat / preference data: ``val_fraction`` of the items,
+    at least one and one short of all (none at 0), drawn without overlapping the training
+    items (together each item once)."""
+    for count, fraction, n_val in ((10, 0.3, 3), (10, 0.01, 1), (2, 0.9, 1), (7, 0.0, 0)):
+        split = split_members(count, fraction, seed=5)
+        train, val = split["train"], split["val"]
+        assert len(val) == n_val, (
+            f"split_members({count}, {fraction}): {len(val)} validation items, not {n_val} "
+            "(val_fraction of the items, at least one and one short of all)"
+        )
+        assert sorted(train + val) == list(range(count)) and not set(train) & set(val), (
+            f"split_members({count}, {fraction}): train {train} and val {val} do not hold "
+            "each item exactly once (a validation item trained on, or one lost)"
+        )
+        assert train == sorted(train) and val == sorted(val), "items not in order"

@@ -950,6 +950,34 @@ MUTATIONS = (
         r"train/flags\.bin holds \d+ flags for \d+ tokens: a truncated conversation's mask was "
         r"not cut with its ids",
     ),
+    Mutation(
+        "packed_split_overlap",
+        "packed chat / preference data: the training items include one validation item "
+        "(trained on and validated on)",
+        (
+            (
+                "lightning_sp/data/packing.py",
+                '"train": sorted(order[n_val:].tolist())',
+                '"train": sorted(order[max(0, n_val - 1) :].tolist())',
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "split_members"),
+        r"split_members\(\d+, [\d.]+\): train .* and val .* do not hold each item exactly once",
+    ),
+    Mutation(
+        "packed_split_no_minimum",
+        "packed chat / preference data: a small val_fraction rounds the validation split to "
+        "no item (validation on nothing)",
+        (
+            (
+                "lightning_sp/data/packing.py",
+                "min(count - 1, max(1, round(val_fraction * count)))",
+                "min(count - 1, round(val_fraction * count))",
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "split_members"),
+        r"split_members\(10, 0\.01\): 0 validation items, not 1",
+    ),
 )
 
 
