@@ -187,3 +187,21 @@ def test_a_resumed_sampler_counts_every_replicas_samples() -> None:
                 f"saved after 20 samples on 2 replicas, resumed on {replicas} replicas: rank "
                 f"{rank} does not read positions {want[0]}, {want[1]}, ... of the epoch's order"
             )
+
+
+def test_a_resume_state_applies_to_its_own_epoch_only() -> None:
+    """A state saved mid-epoch 2 skips the consumed samples of epoch 2 only: a loader that
+    starts epoch 3 (a checkpoint taken as epoch 2 ended) reads epoch 3 whole."""
+    order = SampleOrder([60, 90], [0.4, 0.6], seed=9)
+    fresh = _sampler(order, 1, 0)
+    fresh.set_epoch(3)
+    whole = list(fresh)
+    resumed = _sampler(order, 1, 0)
+    resumed.load_state_dict({"epoch": 2, "consumed_samples": 10, "epoch_samples": 150,
+                             "seed": 9})  # fmt: skip
+    resumed.set_epoch(3)
+    got = list(resumed)
+    assert got == whole, (
+        f"resumed from a state of epoch 2 (10 samples consumed), epoch 3 reads {len(got)} "
+        f"samples, not its {len(whole)}: the skip applied to another epoch"
+    )

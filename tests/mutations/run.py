@@ -978,6 +978,21 @@ MUTATIONS = (
         ("tests/test_chat_data.py", "-k", "split_members"),
         r"split_members\(10, 0\.01\): 0 validation items, not 1",
     ),
+    Mutation(
+        "resume_skips_any_epoch",
+        "a resumed sampler skips the consumed samples of the saved epoch in whatever epoch it "
+        "starts (a checkpoint taken as an epoch ended loses the start of the next)",
+        (
+            (
+                "lightning_sp/data/sampler.py",
+                'if self._resume is not None and self._resume["epoch"] == self.epoch:',
+                "if self._resume is not None:",
+            ),
+        ),
+        ("tests/test_data_order.py", "-k", "own_epoch"),
+        r"resumed from a state of epoch 2 \(10 samples consumed\), epoch 3 reads \d+ samples, "
+        r"not its 150: the skip applied to another epoch",
+    ),
 )
 
 
