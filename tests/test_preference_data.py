@@ -190,3 +190,31 @@ def test_answer_starts_where_either_answer_leaves_the_prompt(tmp_path: Path) -> 
             f"{name}: the answer must start at the shortest common prefix of the prompt with "
             f"either sequence: tokens {tokens} with answer mask {mask}, by hand {want[name]}"
         )
+
+
+def test_a_pair_cut_to_an_answerless_sequence_is_refused(tmp_path: Path) -> None:
+    """A pair truncated so that one of its sequences keeps no answer token (its prompt fills
+    its half of the bin) is refused in one line naming the row, also when the other keeps
+    one: DPO compares the two answers' log-probabilities, and an empty one is no answer. Here
+    the prompt is 17 tokens, ``seq_length + 1 = 35``: chosen keeps 17 tokens (the prompt
+    only), rejected 18 (one answer token)."""
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = chat_tokenizer(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    assert len(hf(GOOD["prompt"])["input_ids"]) == 17, "the prompt is not 17 tokens"
+    long = {"prompt": GOOD["prompt"], "chosen": " two" * 10, "rejected": " three" * 10}
+    source = jsonl(tmp_path / "long.jsonl", [long])
+    try:
+        prepare_preference([str(source)], str(tokenizer_dir), str(tmp_path / "p"), 34,
+                           val_fraction=0, log=lambda _: None)  # fmt: skip
+        line = None
+    except ConfigError as error:
+        line = str(error)
+    assert line is not None, (
+        "row 1, truncated to a chosen sequence of its prompt only (no answer token), was "
+        "prepared without a word"
+    )
+    assert line.startswith("row 1: the prompt fills the pair's half", len(str(source)) + 1), line
+    assert "\n" not in line, line
+    assert not (tmp_path / "p").exists(), "something was written before the error"

@@ -993,6 +993,21 @@ MUTATIONS = (
         r"resumed from a state of epoch 2 \(10 samples consumed\), epoch 3 reads \d+ samples, "
         r"not its 150: the skip applied to another epoch",
     ),
+    Mutation(
+        "pair_cut_answerless_kept",
+        "preference truncation keeps a pair one of whose sequences lost every answer token "
+        "(refused only when both did)",
+        (
+            (
+                "lightning_sp/data/preference.py",
+                "if not all(sum(mask[1:]) for _, mask in pair):",
+                "if not any(sum(mask[1:]) for _, mask in pair):",
+            ),
+        ),
+        ("tests/test_preference_data.py", "-k", "answerless_sequence"),
+        r"row 1, truncated to a chosen sequence of its prompt only \(no answer token\), was "
+        r"prepared without a word",
+    ),
 )
 
 
