@@ -89,7 +89,10 @@ def test_assistant_mask_equals_transformers_and_packing_is_exact(tmp_path: Path)
             where = (documents == doc).nonzero().squeeze(1)
             ids = tuple(row[where].tolist())
             if ids not in expected:  # the padding document: end-of-document tokens, no loss
-                assert set(ids) == {hf.eos_token_id}, ids
+                assert set(ids) == {hf.eos_token_id}, (
+                    f"a document of tokens {ids} is neither a conversation nor the padding "
+                    "(the padding not a document of its own?)"
+                )
                 assert not sample["loss_mask"][where[where < S]].any()
                 continue
             seen.append(ids)

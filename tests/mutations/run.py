@@ -1008,6 +1008,50 @@ MUTATIONS = (
         r"row 1, truncated to a chosen sequence of its prompt only \(no answer token\), was "
         r"prepared without a word",
     ),
+    Mutation(
+        "chat_mask_of_inputs",
+        "chat SFT: a sample's loss mask is read from the input tokens' flags, not the labels' "
+        "(shifted by one: the answer's first label lost, the turn's closing one added)",
+        (
+            (
+                "lightning_sp/data/chat.py",
+                '"loss_mask": (flags[1:] & ASSISTANT).ne(0) & same,',
+                '"loss_mask": (flags[:-1] & ASSISTANT).ne(0) & same,',
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "by_hand"),
+        r"loss_mask \[.*\], by hand \[.*\]: label j must count where token j \+ 1 is an "
+        r"assistant token of the same conversation",
+    ),
+    Mutation(
+        "chat_mask_across_conversations",
+        "chat SFT: a conversation's last token's label (the next conversation's first token) "
+        "counts where that token is an assistant token",
+        (
+            (
+                "lightning_sp/data/chat.py",
+                '"loss_mask": (flags[1:] & ASSISTANT).ne(0) & same,',
+                '"loss_mask": (flags[1:] & ASSISTANT).ne(0),',
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "by_hand"),
+        r"loss_mask \[.*\], by hand \[.*\]: label j must count where token j \+ 1 is an "
+        r"assistant token of the same conversation",
+    ),
+    Mutation(
+        "padding_joins_last_document",
+        "packed bins: the padding gets no start flag (it joins the last conversation's "
+        "document: attended to, positions running on)",
+        (
+            (
+                "lightning_sp/data/packing.py",
+                "            flags[start] = START\n",
+                "",
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "packing_is_exact"),
+        r"a document of tokens .* is neither a conversation nor the padding",
+    ),
 )
 
 
