@@ -28,7 +28,9 @@ def test_single_set_epochs_are_fresh_permutations() -> None:
     order = SampleOrder([500], None, seed=1)
     first, second = order(0, np.arange(500)), order(1, np.arange(500))
     assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(500))
-    assert not np.array_equal(first, second)
+    assert not np.array_equal(first, second), (
+        "epochs 0 and 1 visit the samples in the same order: a pass not freshly shuffled"
+    )
     # any slice of positions gives the same answer as the whole (computed per index)
     assert np.array_equal(order(0, np.arange(100, 200)), first[100:200])
 
@@ -134,13 +136,18 @@ def test_sampler_state_resumes_mid_epoch_exactly() -> None:
             straight.advance(10)  # 10 samples trained on per replica
             state = straight.state_dict()
             assert state == {"epoch": 2, "consumed_samples": 10 * replicas,
-                             "epoch_samples": 150, "seed": 9}  # fmt: skip
+                             "epoch_samples": 150, "seed": 9}, (
+                f"10 samples trained on by each of {replicas} replicas: the state is {state}; "
+                "its consumed_samples counts every replica's"
+            )  # fmt: skip
             state = pickle.loads(pickle.dumps(state))  # a plain dict of ints
             resumed = _sampler(order, replicas, rank)
             resumed.load_state_dict(state)
             resumed.set_epoch(2)
             assert list(resumed) == whole[10:]
-            assert list(resumed) == whole  # the next pass over epoch 2 is whole again
+            assert list(resumed) == whole, (  # the next pass over epoch 2 is whole again
+                "the pass after the resumed one skips samples again: the resume applied twice"
+            )
             resumed.set_epoch(3)
             assert list(resumed) != whole
     other = _sampler(SampleOrder([60, 91], [0.4, 0.6], seed=9), 1, 0)

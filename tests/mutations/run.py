@@ -1052,6 +1052,48 @@ MUTATIONS = (
         ("tests/test_chat_data.py", "-k", "packing_is_exact"),
         r"a document of tokens .* is neither a conversation nor the padding",
     ),
+    Mutation(
+        "sampler_advance_one_replica",
+        "the sampler's advance counts one replica's samples, not every replica's (a resume on "
+        "more than one replica repeats samples)",
+        (
+            (
+                "lightning_sp/data/sampler.py",
+                "self.consumed_samples += samples * self.num_replicas",
+                "self.consumed_samples += samples",
+            ),
+        ),
+        ("tests/test_data_order.py", "-k", "resumes_mid_epoch"),
+        r"10 samples trained on by each of 2 replicas: the state is .*; its consumed_samples "
+        r"counts every replica's",
+    ),
+    Mutation(
+        "resume_applied_twice",
+        "the resume state is kept after the resumed pass: every later pass over that epoch "
+        "skips the samples again",
+        (
+            (
+                "lightning_sp/data/sampler.py",
+                "        self._resume = None\n        self.consumed",
+                "        self.consumed",
+            ),
+        ),
+        ("tests/test_data_order.py", "-k", "resumes_mid_epoch"),
+        r"the pass after the resumed one skips samples again: the resume applied twice",
+    ),
+    Mutation(
+        "epochs_same_shuffle",
+        "every pass over a set uses the same permutation (epochs not freshly shuffled)",
+        (
+            (
+                "lightning_sp/data/order.py",
+                "perm = Permutation(n, (self.seed, int(k), int(p)))",
+                "perm = Permutation(n, (self.seed, int(k), 0))",
+            ),
+        ),
+        ("tests/test_data_order.py", "-k", "fresh_permutations"),
+        r"epochs 0 and 1 visit the samples in the same order: a pass not freshly shuffled",
+    ),
 )
 
 
