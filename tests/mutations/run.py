@@ -1094,6 +1094,35 @@ MUTATIONS = (
         ("tests/test_data_order.py", "-k", "fresh_permutations"),
         r"epochs 0 and 1 visit the samples in the same order: a pass not freshly shuffled",
     ),
+    Mutation(
+        "eod_starts_next_document",
+        "packed pretraining samples: an end-of-document token starts the next document "
+        "instead of ending its own",
+        (
+            (
+                "lightning_sp/model/documents.py",
+                "return (eod.cumsum(-1, dtype=torch.int32) - eod).to(torch.int32)",
+                "return eod.cumsum(-1, dtype=torch.int32).to(torch.int32)",
+            ),
+        ),
+        ("tests/test_packed_data.py", "-k", "three_flags"),
+        r"documents \[.*\]: an end-of-document token belongs to the document it ends",
+    ),
+    Mutation(
+        "eod_loss_mask_on_labels",
+        "eod_mask_loss masks where the label is the end-of-document token, not the input "
+        "(the document's last token learns nothing; the EOD learns the next document)",
+        (
+            (
+                "lightning_sp/data/documents.py",
+                'sample["loss_mask"] = inputs != eod_id',
+                'sample["loss_mask"] = row[1:] != eod_id',
+            ),
+        ),
+        ("tests/test_packed_data.py", "-k", "three_flags"),
+        r"loss_mask \[.*\]: masked where the input \(not the label\) is the end-of-document "
+        r"token",
+    ),
 )
 
 
