@@ -1123,6 +1123,21 @@ MUTATIONS = (
         r"loss_mask \[.*\]: masked where the input \(not the label\) is the end-of-document "
         r"token",
     ),
+    Mutation(
+        "reference_stored_float32",
+        "dpo.reference: precomputed stores the reference log-probabilities as float32 (the "
+        "stored reference is no longer the live one's float64)",
+        (
+            (
+                "lightning_sp/data/preference.py",
+                "np.save(partial, np.asarray(values, dtype=np.float64))",
+                "np.save(partial, np.asarray(values, dtype=np.float32))",
+            ),
+        ),
+        ("tests/test_dpo_precomputed.py", "-k", "equals_live"),
+        r"train batch 0: the stored reference log-probabilities differ from the live "
+        r"reference's",
+    ),
 )
 
 
