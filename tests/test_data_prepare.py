@@ -298,3 +298,28 @@ def test_a_corrupt_sample_only_rank_1_reads_ends_the_run_with_its_line(tmp_path:
     assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert errors[0].startswith(f"error: {shard}: token id 999 (first bad id at token "), errors
     assert "prepare it again (found by rank 1)" in errors[0], errors[0]
+
+
+def test_a_token_id_equal_to_the_vocabulary_size_is_outside_it(tmp_path: Path) -> None:
+    """The vocabulary of 257 ids is ids 0 .. 256: id 257 (the size itself) is outside it and
+    named where read, like any larger id; 256 (the last id) is read as is."""
+    from lightning_sp.data.tokens import CorruptShardError
+
+    out = _prepared_bytes(tmp_path)
+    shard = out / "train" / "00000.bin"
+    ids = np.memmap(shard, dtype=np.uint16, mode="r+")
+    ids[5], ids[40] = 256, 257
+    ids.flush()
+    del ids
+    split = TokenSplit(str(out), "train", vocab_size=257)
+    assert split.read(0, 17)[5] == 256, "the last id of the vocabulary not read as is"
+    try:
+        split.read(34, 17)
+        message = None
+    except CorruptShardError as error:
+        message = str(error)
+    assert message is not None, (
+        "token id 257 of a vocabulary of 257 ids (0 .. 256) was read without a word: the check "
+        "lets the vocabulary size itself through"
+    )
+    assert "token id 257 (first bad id at token 40 of the shard)" in message, message

@@ -1138,6 +1138,20 @@ MUTATIONS = (
         r"train batch 0: the stored reference log-probabilities differ from the live "
         r"reference's",
     ),
+    Mutation(
+        "vocabulary_size_id_read",
+        "prepared shards: a token id equal to the vocabulary size passes the check where read "
+        "(> for >=)",
+        (
+            (
+                "lightning_sp/data/tokens.py",
+                "piece.size and int(piece.max()) >= self.vocab_size:",
+                "piece.size and int(piece.max()) > self.vocab_size:",
+            ),
+        ),
+        ("tests/test_data_prepare.py", "-k", "equal_to_the_vocabulary_size"),
+        r"token id 257 of a vocabulary of 257 ids \(0 \.\. 256\) was read without a word",
+    ),
 )
 
 
