@@ -17,7 +17,10 @@ from lightning_sp.errors import ConfigError
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 1000, 4097])
 def test_permutation_is_a_seeded_bijection(n: int) -> None:
     image = Permutation(n, (7, 0))(np.arange(n))
-    assert sorted(image.tolist()) == list(range(n))
+    assert sorted(image.tolist()) == list(range(n)), (
+        f"Permutation({n}) maps [0, {n}) onto {sorted(image.tolist())[:8]}...: not a "
+        "bijection of [0, n)"
+    )
     assert np.array_equal(image, Permutation(n, (7, 0))(np.arange(n)))
     if n >= 16:
         assert not np.array_equal(image, Permutation(n, (8, 0))(np.arange(n)))

@@ -1152,6 +1152,20 @@ MUTATIONS = (
         ("tests/test_data_prepare.py", "-k", "equal_to_the_vocabulary_size"),
         r"token id 257 of a vocabulary of 257 ids \(0 \.\. 256\) was read without a word",
     ),
+    Mutation(
+        "permutation_walks_past_n",
+        "the sample order's cycle walking stops at an image equal to n (> for >=): index n, "
+        "outside the data, is visited",
+        (
+            (
+                "lightning_sp/data/order.py",
+                "        outside = out >= self.n\n        while",
+                "        outside = out > self.n\n        while",
+            ),
+        ),
+        ("tests/test_data_order.py", "-k", "seeded_bijection"),
+        r"Permutation\(\d+\) maps \[0, \d+\) onto .*: not a bijection of \[0, n\)",
+    ),
 )
 
 
