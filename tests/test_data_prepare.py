@@ -323,3 +323,39 @@ def test_a_token_id_equal_to_the_vocabulary_size_is_outside_it(tmp_path: Path) -
         "lets the vocabulary size itself through"
     )
     assert "token id 257 (first bad id at token 40 of the shard)" in message, message
+
+
+def test_a_prepared_corpus_is_not_reused_for_another_source_or_split(tmp_path: Path) -> None:
+    """A prepared directory is reused only for the source and split it was prepared from: a
+    source file edited in place to the same size (its contents changed, its size not), or
+    another ``val_fraction`` or ``seed``, is refused in one line, not trained on as stale
+    tokens or another split."""
+    docs = text_files(tmp_path, n=4, words=10)
+    info = tokenizer_info(None)
+    _run(tmp_path, _source(str(docs)), info)
+    changed = {
+        "val_fraction 0.5 for 0.25": lambda: _run(tmp_path, _source(str(docs)), info,
+                                                  val_fraction=0.5),
+        "seed 4 for 3": lambda: _run(tmp_path, _source(str(docs)), info, seed=4),
+    }  # fmt: skip
+    first = docs / "doc00.txt"
+    text = first.read_text()
+    stamp = first.stat().st_mtime_ns
+
+    def edit() -> None:  # the same number of bytes, the first word another
+        first.write_text(text.replace(text.split()[2], text.split()[2][::-1], 1))
+        assert first.stat().st_size == len(text.encode()) and first.read_text() != text
+        os.utime(first, ns=(stamp + 10**9, stamp + 10**9))  # a later modification time
+        _run(tmp_path, _source(str(docs)), info)
+
+    changed["a source file edited to the same size"] = edit
+    for what, again in changed.items():
+        try:
+            again()
+            line = None
+        except ConfigError as error:
+            line = str(error)
+        assert line is not None, (
+            f"{what}: the prepared corpus was reused as up to date (its identity does not hold it)"
+        )
+        assert "already holds a corpus prepared from another" in line and "\n" not in line, line

@@ -1166,6 +1166,34 @@ MUTATIONS = (
         ("tests/test_data_order.py", "-k", "seeded_bijection"),
         r"Permutation\(\d+\) maps \[0, \d+\) onto .*: not a bijection of \[0, n\)",
     ),
+    Mutation(
+        "fingerprint_size_only",
+        "a source file's fingerprint is its size only: a file edited in place to the same size "
+        "leaves its prepared corpus reused as up to date (stale tokens trained on)",
+        (
+            (
+                "lightning_sp/data/sources.py",
+                "parts.append([entry, stat.st_size, stat.st_mtime_ns])",
+                "parts.append([entry, stat.st_size])",
+            ),
+        ),
+        ("tests/test_data_prepare.py", "-k", "not_reused"),
+        r"a source file edited to the same size: the prepared corpus was reused as up to date",
+    ),
+    Mutation(
+        "prepared_identity_without_val_fraction",
+        "a prepared corpus's identity leaves out val_fraction: one prepared with another "
+        "validation split is reused as up to date",
+        (
+            (
+                "lightning_sp/data/prepare.py",
+                '        "val_fraction": settings.val_fraction,\n',
+                "",
+            ),
+        ),
+        ("tests/test_data_prepare.py", "-k", "not_reused"),
+        r"val_fraction 0\.5 for 0\.25: the prepared corpus was reused as up to date",
+    ),
 )
 
 
