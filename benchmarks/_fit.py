@@ -181,11 +181,11 @@ PARTS: dict[str, tuple[str, ...]] = {
 
 _FILES: dict[str, tuple[str, ...]] = {
     "forward": ("lightning_sp/training/gpt_module.py",),
-    "backward": ("lightning_sp/training/gpt_module.py",),
+    "backward": ("lightning_sp/training/optimizer_hooks.py",),
     "gradient finalisation": ("lightning_sp/pipeline/stages.py", "lightning_sp/parallel/grads.py"),
     "non-finite guard": ("lightning_sp/runtime/guard.py",),
-    "clipping": ("lightning_sp/training/gpt_module.py",),
-    "routing metrics / token mean": ("lightning_sp/training/gpt_module.py",),
+    "clipping": ("lightning_sp/training/optimizer_hooks.py",),
+    "routing metrics / token mean": ("lightning_sp/training/optimizer_hooks.py",),
     "data loading": ("lightning/pytorch/loops/fetchers.py",),
     "logging": ("lightning/pytorch/core/module.py", "logger_connector/logger_connector.py"),
 }

@@ -37,67 +37,36 @@ backward, gradient finalisation, the guard, clipping, the optimizer update, the 
 logging, data loading, and the rest (Lightning's loop and hooks). Its seconds are inflated by
 the profiler (Python-heavy parts most); only the shares are reported.
 
-The ``compile`` section (only when named; ``compile_cpu.md``/``.json``): one process, ``t = 1``,
-fp32, forward + backward of the same seeded GPT, each transformer layer eager or compiled with
-inductor (:func:`lightning_sp.model.compile.compile_layers`, default options), per recompute
-policy and dropout. Rounds are interleaved (eager step, compiled step, ...) after the compiled
-model's warm-up (its compilation is timed apart); the ratio compiled / eager is the median over
-rounds of the per-round ratios with a 95% bootstrap interval (:mod:`benchmarks._stats`), and
-other processes' share of the CPUs over the rounds is recorded (:mod:`benchmarks._cpu`).
-Below 1: compiling pays.
+The ``compile`` section (only when named; ``compile_cpu.md``/``.json``): each transformer layer
+compiled with inductor against eager, forward + backward (:mod:`benchmarks._compile`).
 """
 
 from __future__ import annotations
 
 import collections
-import cProfile
 import dataclasses
-import functools
 import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
-from typing_extensions import override
 
-from benchmarks import _cpu, _format
-from benchmarks._fit import Shape, batch, fit_argv, plain_step, profile_parts, train_step
+from benchmarks import _format
+from benchmarks._compile import (
+    COMPILE_FULL,
+    COMPILE_SMOKE,
+    CompileShape,
+    compile_case,
+    compile_markdown,
+)
+from benchmarks._fit import fit_argv, plain_step, profile_parts
+from benchmarks._fit_rounds import FitShape, Rounds
 from benchmarks._format import ci, table
-from benchmarks._stats import device_sync, interleaved, ratio_ci
+from benchmarks._stats import device_sync, ratio_ci
 from lightning_sp.data import TextDataModule
-from lightning_sp.model.compile import CompileOptions, compile_layers
-from lightning_sp.model.gpt import GPT
-from lightning_sp.parallel.state import ParallelState
-from lightning_sp.testing.host_reads import HostReads
 from lightning_sp.training.gpt_module import GPTModule
-
-
-@dataclasses.dataclass(frozen=True)
-class FitShape(Shape):
-    """The GPT and run measured (small, so that the loop's own time shows beside the model's)."""
-
-    s: int = 128
-    h: int = 128
-    layers: int = 2
-    heads: int = 4
-    vocab: int = 257
-    b: int = 4
-    recompute: str = "selective"
-    warmup: int = 5
-    """Fit steps before the timed rounds (compilation of nothing, caches, the monitors' first
-    window)."""
-    rounds: int = 40
-    """Timed rounds: each one fit step, one bare step, one forward + backward."""
-    counted_steps: int = 3
-    """Steps whose host reads are counted (after the timed rounds)."""
-    profiled_steps: int = 10
-    """Fit steps under ``cProfile`` (after the counted ones)."""
-    max_documents: int = 60
-
 
 FULL = FitShape()
 CPU = torch.device("cpu")
@@ -105,97 +74,6 @@ SMOKE = FitShape(s=32, b=2, h=32, layers=1, heads=2, warmup=2, rounds=4, profile
 
 
 # -- the run -----------------------------------------------------------------------------------
-
-
-_SKIP = ("fit_overhead.py", "_fit.py")
-"""The benchmark's own frames, skipped when naming where a host read comes from."""
-
-
-class Rounds(Callback):
-    """At each fit step's start: one bare step and one forward + backward, timed; the fit
-    step is timed from the end of those to the next fit step's start. Then counts host
-    reads, then profiles (see the module docstring)."""
-
-    def __init__(
-        self, shape: FitShape, bare: Callable[[Any], None], fwd_bwd: Callable[[Any], None],
-        sync: Callable[[], None],
-    ):  # fmt: skip
-        self.shape, self.sync = shape, sync
-        self.bare, self.fwd_bwd = bare, fwd_bwd
-        self.fit: list[float] = []
-        self.bare_seconds: list[float] = []
-        self.fwd_bwd_seconds: list[float] = []
-        self.foreign: list[float] = []
-        self.fit_reads: list[HostReads] = []
-        self.bare_reads: list[HostReads] = []
-        self.profile = cProfile.Profile()
-        self.profiled = 0
-        self.profiled_seconds = 0.0
-        self._profile_start = 0.0
-        self._mark: tuple[float, float, float] | None = None
-        self._mode: HostReads | None = None
-        self._profiling = False
-
-    def _phase(self, step: int) -> str:
-        s = self.shape
-        if step < s.warmup:
-            return "warmup"
-        if step < s.warmup + s.rounds:
-            return "timed"
-        if step < s.warmup + s.rounds + s.counted_steps:
-            return "counted"
-        return "profiled"
-
-    def _close(self) -> None:
-        """End whatever the previous fit step was measured by."""
-        if self._mark is not None:
-            self.sync()
-            now = _cpu.sample()
-            self.fit.append(now[0] - self._mark[0])
-            self.foreign.append(_cpu.foreign_share(self._mark, now))
-            self._mark = None
-        if self._mode is not None:
-            self._mode.__exit__(None, None, None)
-            self.fit_reads.append(self._mode)
-            self._mode = None
-        if self._profiling:
-            self.profile.disable()
-            self.profiled_seconds += time.perf_counter() - self._profile_start
-            self.profiled += 1
-            self._profiling = False
-
-    @override
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self._close()
-        phase = self._phase(trainer.global_step)
-        if phase == "timed":
-            for fn, seconds in (
-                (self.bare, self.bare_seconds),
-                (self.fwd_bwd, self.fwd_bwd_seconds),
-            ):
-                self.sync()
-                start = time.perf_counter()
-                fn(batch)
-                self.sync()
-                seconds.append(time.perf_counter() - start)
-            self._mark = _cpu.sample()
-        elif phase == "counted":
-            reads = HostReads(skip=_SKIP)
-            with reads:
-                self.bare(batch)
-            self.bare_reads.append(reads)
-            self._mode = HostReads(skip=_SKIP)
-            self._mode.__enter__()
-        elif phase == "profiled":
-            self._profiling = True
-            self._profile_start = time.perf_counter()
-            self.profile.enable()
-
-    @override
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._close()
 
 
 def measure(
@@ -301,80 +179,6 @@ def _markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# -- compiled vs eager layers -------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class CompileShape(Shape):
-    """The GPT of the ``compile`` section and its rounds."""
-
-    s: int = 256
-    h: int = 256
-    layers: int = 4
-    heads: int = 8
-    vocab: int = 257
-    b: int = 4
-    policies: tuple[str, ...] = ("none", "selective")
-    dropouts: tuple[float, ...] = (0.0,)
-    warmup: int = 2
-    rounds: int = 12
-
-
-COMPILE_FULL = CompileShape()
-COMPILE_SMOKE = CompileShape(s=32, h=32, layers=1, heads=2, b=2, policies=("none",), warmup=1,
-                             rounds=3)  # fmt: skip
-
-
-def compile_case(shape: CompileShape, recompute: str, dropout: float) -> dict[str, Any]:
-    """One (policy, dropout): the compiled model's first step, then interleaved rounds."""
-    config = shape.config(recompute, dropout)
-    ids, labels = batch(shape.vocab, shape.b, shape.s)
-    models = {name: GPT(config, ParallelState.single()) for name in ("eager", "compiled")}
-    compile_layers(models["compiled"].layers, CompileOptions())
-    first = time.perf_counter()
-    train_step(models["compiled"], ids, labels)  # compiles forward and backward
-    first = time.perf_counter() - first
-    steps = {
-        name: functools.partial(train_step, model, ids, labels) for name, model in models.items()
-    }
-    interleaved(steps, 0, shape.warmup)
-    before = _cpu.sample()
-    times = interleaved(steps, 0, shape.rounds)
-    return {
-        "recompute": recompute,
-        "dropout": dropout,
-        "first_compiled_step_seconds": first,
-        "eager_seconds": statistics.median(times["eager"]),
-        "compiled_seconds": statistics.median(times["compiled"]),
-        "compiled_over_eager": ratio_ci(times["compiled"], times["eager"]),
-        "foreign_share": _cpu.foreign_share(before, _cpu.sample()),
-    }
-
-
-def _compile_markdown(result: dict[str, Any]) -> str:
-    header = ["recompute", "dropout", "compiled / eager (95% CI)", "eager s", "compiled s",
-              "first compiled step s", "others' CPU share"]  # fmt: skip
-    rows = [
-        [
-            c["recompute"],
-            c["dropout"],
-            ci(c["compiled_over_eager"]),
-            f"{c['eager_seconds']:.3f}",
-            f"{c['compiled_seconds']:.3f}",
-            f"{c['first_compiled_step_seconds']:.1f}",
-            f"{100 * c['foreign_share']:.0f}%",
-        ]
-        for c in result["cases"]
-    ]
-    s, loadavg = result["meta"]["shape"], result["meta"]["loadavg"]
-    return (
-        f"Compiled (inductor, per layer) vs eager forward + backward, one CPU process, fp32, "
-        f"GPT s={s['s']} h={s['h']} L={s['layers']} a={s['heads']} v={s['vocab']} b={s['b']}, "
-        f"{s['rounds']} interleaved rounds; load average at start {loadavg}.\n\n"
-        + table(header, rows)
-    )
-
-
 SECTIONS = ("fit", "compile")
 
 
@@ -406,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             assert isinstance(shape, CompileShape)
             result["cases"] = [compile_case(shape, p, d) for p in shape.policies
                                for d in shape.dropouts]  # fmt: skip
-            _format.write(out, "compile_cpu", result, _compile_markdown(result))
+            _format.write(out, "compile_cpu", result, compile_markdown(result))
         found.update(result)
     return found
 

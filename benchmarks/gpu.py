@@ -40,8 +40,8 @@ from torch import nn
 
 from benchmarks import _fit, _format, fit_overhead, fp8_gpu, moe
 from benchmarks._fit import FULL, Shape
+from benchmarks._fit_rounds import FitShape
 from benchmarks._format import ci, command, device_name, out_dir, stamp, table, write
-from benchmarks.fit_overhead import FitShape
 from lightning_sp.callbacks.memory import ActivationMemoryMonitor
 from lightning_sp.memory.flops import measure_peak_flops, model_flops_per_iteration
 from lightning_sp.model.config import RECOMPUTE_POLICIES, GPTConfig

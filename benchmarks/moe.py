@@ -44,7 +44,7 @@ from benchmarks._stats import clean_rounds, device_sync, interleaved, medians, r
 from lightning_sp import GPTConfig, ParallelState
 from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.model.moe.layer import MoE
-from lightning_sp.model.parts.base import BuildContext
+from lightning_sp.model.parts.build import BuildContext
 from lightning_sp.model.parts.dense import MLP
 from lightning_sp.parallel.init import initialize_parameter
 

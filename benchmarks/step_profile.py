@@ -47,8 +47,8 @@ from lightning_sp.model.recompute import NO_RECOMPUTE
 from lightning_sp.parallel.init import materialize
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.planner.calibrate import dtype_for, time_it
-from lightning_sp.planner.cluster import load_cluster
 from lightning_sp.planner.layout import Layout
+from lightning_sp.planner.presets import load_cluster
 from lightning_sp.planner.steptime import step_time
 
 PUBLISHED_17B = GPTConfig(

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_sp import GPT, GPTConfig, ParallelState
 from lightning_sp.model.moe.config import MoEConfig
-from lightning_sp.model.parts.base import BuildContext
+from lightning_sp.model.parts.build import BuildContext
 from lightning_sp.model.recompute import NO_RECOMPUTE, RecomputePolicy
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.config import ParallelConfig

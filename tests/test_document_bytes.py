@@ -195,7 +195,7 @@ def test_estimate_reads_the_data_options() -> None:
     import os
 
     from lightning_sp.cli.estimate import read_estimate_args
-    from lightning_sp.planner.cluster import load_cluster
+    from lightning_sp.planner.presets import load_cluster
     from lightning_sp.planner.search import search
 
     from cli_runs import ROOT

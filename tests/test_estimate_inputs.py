@@ -18,10 +18,10 @@ from lightning_sp.cli.estimate import main as report_main
 from lightning_sp.cli.estimate import read_estimate_args
 from lightning_sp.memory.flops import model_flops_per_iteration
 from lightning_sp.memory.model_state import parameters_per_rank
-from lightning_sp.planner.cluster import H100_80GB, load_cluster
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.kernels import all_reduce_seconds
 from lightning_sp.planner.layout import Layout
+from lightning_sp.planner.presets import H100_80GB, load_cluster
 from lightning_sp.planner.report import format_table
 from lightning_sp.planner.search import search
 from lightning_sp.planner.steptime import step_time

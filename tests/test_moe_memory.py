@@ -165,9 +165,9 @@ def test_step_time_prices_the_expert_all_to_alls() -> None:
     import dataclasses
 
     from lightning_sp import GPTConfig
-    from lightning_sp.planner.cluster import load_cluster
     from lightning_sp.planner.kernels import all_to_all_seconds
     from lightning_sp.planner.layout import Layout
+    from lightning_sp.planner.presets import load_cluster
     from lightning_sp.planner.steptime import layer_time, step_time
 
     config = GPTConfig.of(
@@ -252,9 +252,9 @@ def test_expert_tensor_parallel_size_reaches_the_estimate() -> None:
     from lightning_sp import ConfigError
     from lightning_sp.cli.estimate import read_estimate_args
     from lightning_sp.memory.model_state import parameters_per_rank
-    from lightning_sp.planner.cluster import load_cluster
     from lightning_sp.planner.estimate import estimate
     from lightning_sp.planner.ops import layer_gemms
+    from lightning_sp.planner.presets import load_cluster
     from lightning_sp.planner.steptime import layer_time
 
     path = str(Path(__file__).parent.parent / "configs" / "mixtral_8x7b.yaml")

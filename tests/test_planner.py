@@ -283,7 +283,7 @@ def test_search_175b_on_1024_gpus_ranks_the_papers_layout_high(
         "gpt175b", "--trainer.num_nodes", "128", "--model.config.attention", "math"
     )
     assert (layout.world_size, layout.global_batch_size) == (1024, 1024)
-    from lightning_sp.planner.cluster import A100_80GB
+    from lightning_sp.planner.presets import A100_80GB
 
     found = search(layout, A100_80GB, 80e9)
     times = [x.row.iteration_seconds for x in found.ranked]

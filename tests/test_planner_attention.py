@@ -15,9 +15,9 @@ import yaml
 from lightning_sp import GPTConfig
 from lightning_sp.model.recompute import NO_RECOMPUTE
 from lightning_sp.planner.calibrate import calibrate
-from lightning_sp.planner.cluster import A100_80GB, PRESETS, cluster_from_dict, load_cluster
 from lightning_sp.planner.kernels import flash_attention_seconds
 from lightning_sp.planner.layertime import layer_time
+from lightning_sp.planner.presets import A100_80GB, PRESETS, cluster_from_dict, load_cluster
 
 H200 = PRESETS["h200"]
 # Megatron-LM's published 1.7B row's model (benchmarks/step_profile.py's published-1.7B)

@@ -13,8 +13,8 @@ from lightning_sp.cli.estimate import read_estimate_args
 from lightning_sp.memory.flops import model_flops_per_iteration
 from lightning_sp.model.gpt import GPT
 from lightning_sp.parallel.state import ParallelState
-from lightning_sp.planner.cluster import load_cluster
 from lightning_sp.planner.dpo import reference_cost
+from lightning_sp.planner.presets import load_cluster
 from lightning_sp.planner.steptime import step_time
 
 

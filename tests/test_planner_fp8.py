@@ -14,13 +14,13 @@ from lightning_sp import ConfigError, GPTConfig
 from lightning_sp.memory.formulas import activation_bytes_per_layer
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.fp8 import FP8Config
-from lightning_sp.planner.cluster import PRESETS, cluster_from_dict
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.fp8 import CAST_BYTES, fp8_gemm_seconds
 from lightning_sp.planner.kernels import gemm_seconds, wave_efficiency
 from lightning_sp.planner.layertime import layer_time
 from lightning_sp.planner.layout import Layout
 from lightning_sp.planner.ops import layer_gemms
+from lightning_sp.planner.presets import PRESETS, cluster_from_dict
 from lightning_sp.planner.report import format_table
 
 from models import layout_at

@@ -17,9 +17,9 @@ from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
 from lightning_sp.model.lora import LoRAConfig, apply_lora, lora_parameters, with_adapters
 from lightning_sp.parallel.state import ParallelState
-from lightning_sp.planner.cluster import load_cluster
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.lora import adapter_parameters_per_rank, lora_estimate
+from lightning_sp.planner.presets import load_cluster
 from lightning_sp.planner.search import base_key, search
 
 from models import layout_at

@@ -15,8 +15,8 @@ from lightning_sp.memory.flops import (
     causal_half_model_flops_per_iteration,
     model_flops_per_iteration,
 )
-from lightning_sp.planner.cluster import PRESETS
 from lightning_sp.planner.estimate import estimate
+from lightning_sp.planner.presets import PRESETS
 from lightning_sp.planner.published import (
     MEGATRON_H100_ROWS,
     PublishedRun,

@@ -2,7 +2,7 @@
 calculations, its monotone directions, and the paper's Table 5 from the Table 3 configs.
 
 Table 5 is the paper's end-to-end iteration time on Selene (DGX A100 80GB). The model's
-constants are published hardware figures and efficiencies (``lightning_sp.planner.cluster``),
+constants are published hardware figures and efficiencies (``lightning_sp.planner.presets``),
 none fitted: it predicts iterations 9-17% shorter than the paper's (README, "Step time"), and
 the tests hold it to what it reaches (within 20%) and to the paper's speed-up of SP +
 selective over full recomputation (within 5%). On ``selene`` (the GEMM efficiency the paper's
@@ -29,7 +29,6 @@ from lightning_sp.memory.flops import (
 )
 from lightning_sp.memory.model_state import parameters_per_rank
 from lightning_sp.model.recompute import RECOMPUTE_MODULES
-from lightning_sp.planner.cluster import A100_80GB, H100_80GB, PRESETS, load_cluster
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.kernels import (
     all_reduce_seconds,
@@ -40,6 +39,7 @@ from lightning_sp.planner.kernels import (
 )
 from lightning_sp.planner.layout import Layout
 from lightning_sp.planner.ops import Gemm, backward_gemms, layer_collectives, layer_gemms
+from lightning_sp.planner.presets import A100_80GB, H100_80GB, PRESETS, load_cluster
 from lightning_sp.planner.steptime import layer_time, step_time
 
 from cli_runs import ROOT

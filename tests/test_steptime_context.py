@@ -12,7 +12,6 @@ import pytest
 from lightning_sp import ConfigError, GPTConfig
 from lightning_sp.cli.estimate import read_estimate_args
 from lightning_sp.memory.flops import hardware_flops_per_iteration, model_flops_per_iteration
-from lightning_sp.planner.cluster import A100_80GB, H100_80GB
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.layout import Layout
 from lightning_sp.planner.ops import (
@@ -22,6 +21,7 @@ from lightning_sp.planner.ops import (
     layer_gemms,
     layer_memory_ops,
 )
+from lightning_sp.planner.presets import A100_80GB, H100_80GB
 from lightning_sp.planner.search import search
 from lightning_sp.planner.steptime import layer_time, step_time
 

@@ -15,7 +15,6 @@ from lightning_sp.cli.estimate import read_estimate_args
 from lightning_sp.memory.flops import model_flops_per_iteration
 from lightning_sp.memory.model_state import parameters_per_rank
 from lightning_sp.model.moe.config import MoEConfig
-from lightning_sp.planner.cluster import H100_80GB
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.kernels import (
     COLLECTIVE_SECONDS,
@@ -31,6 +30,7 @@ from lightning_sp.planner.ops import (
     layer_gemms,
     layer_memory_ops,
 )
+from lightning_sp.planner.presets import H100_80GB
 from lightning_sp.planner.steptime import expert_exchange_seconds, layer_time, step_time
 
 from cli_runs import ROOT

@@ -22,11 +22,11 @@ from lightning_sp.memory.flops import (
 )
 from lightning_sp.memory.model_state import parameters_per_rank
 from lightning_sp.model.moe.config import MoEConfig
-from lightning_sp.planner.cluster import A100_80GB, H100_80GB, H100_REALISED, SELENE, load_cluster
 from lightning_sp.planner.execution import MEGATRON_CORE_OVERLAPS, Execution
 from lightning_sp.planner.kernels import gather_seconds, gemm_seconds, spread_gather_seconds
 from lightning_sp.planner.layout import Layout
 from lightning_sp.planner.ops import head_memory_ops, layer_gemms, layer_memory_ops
+from lightning_sp.planner.presets import A100_80GB, H100_80GB, H100_REALISED, SELENE, load_cluster
 from lightning_sp.planner.steptime import layer_time, step_time
 
 from models import layout_at, shape_at

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from lightning_sp.planner.cluster import A100_80GB, PRESETS, SELENE
+from lightning_sp.planner.presets import A100_80GB, PRESETS, SELENE
 from lightning_sp.planner.table4 import (
     TABLE4,
     fit_gemm_efficiency,

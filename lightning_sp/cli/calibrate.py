@@ -11,7 +11,7 @@ import yaml
 from lightning_sp.cli.parser import OneLineArgumentParser, positive
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.planner.calibrate import SMOKE_CONFIG, calibrate
-from lightning_sp.planner.cluster import PRESETS, load_cluster
+from lightning_sp.planner.presets import PRESETS, load_cluster
 
 DESCRIPTION = "Calibrate the step-time model on the device at hand (writes a cluster YAML)."
 

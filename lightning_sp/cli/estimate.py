@@ -34,11 +34,11 @@ from lightning_sp.errors import ConfigError, divisors, positive_int
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.lora import LoRAConfig
 from lightning_sp.parallel.config import ParallelConfig
-from lightning_sp.planner.cluster import load_cluster
 from lightning_sp.planner.dpo import format_reference, reference_cost
 from lightning_sp.planner.estimate import estimate
 from lightning_sp.planner.layout import Layout, PlannerOptions, parse_bytes
 from lightning_sp.planner.lora import format_lora, lora_estimate
+from lightning_sp.planner.presets import load_cluster
 from lightning_sp.planner.report import (
     _candidate_json,
     check_plot_path,

@@ -11,7 +11,7 @@ import yaml
 from lightning_sp.cli.parser import OneLineArgumentParser, positive
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.planner.calibrate import SMOKE_CONFIG
-from lightning_sp.planner.cluster import load_cluster
+from lightning_sp.planner.presets import load_cluster
 from lightning_sp.planner.step_check import check
 
 DESCRIPTION = "Predicted against measured step time on the device at hand."

@@ -5,7 +5,8 @@ Modules: ``sources`` (text/JSONL/Parquet/CSV/saved/Hub), ``tokenizer`` (bytes or
 ``tokenizer.json``), ``prepare`` (the prepared directory), ``tokens`` (memory-mapped samples),
 ``order`` (per-index permutations and blends), ``blend`` (Megatron-style weights),
 ``sampler`` (data-parallel, resumable), ``corpus`` (where the samples come from),
-``datamodule`` (the ``LightningDataModule``).
+``corpus_hooks`` (preparing it and mapping its splits), ``datamodule`` (the
+``LightningDataModule``).
 """
 
 from lightning_sp.data.blend import Blend, parse_blend

@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import is_fake
 from lightning_sp.model.cores import ATTENTION_BACKENDS, CoreFn
 from lightning_sp.model.fused import fused_column_linear, heads_row_linear
 from lightning_sp.model.ops import rope_inverse_frequencies, rope_tables, rotate_half
-from lightning_sp.model.parts.base import BuildContext, LayerConfig
+from lightning_sp.model.parts.build import BuildContext, LayerConfig
 from lightning_sp.model.qk_norm import QKNorm
 from lightning_sp.model.recompute import recompute
 from lightning_sp.model.spec import NORMS, POSITIONS, NormModule

@@ -39,7 +39,7 @@ from lightning_sp.model.attention import Attention, Rotary, token_positions
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.documents import Packing, Reduction
 from lightning_sp.model.fp8 import attach_fp8
-from lightning_sp.model.parts.base import BuildContext
+from lightning_sp.model.parts.build import BuildContext
 from lightning_sp.model.parts.dense import MLP
 from lightning_sp.model.parts.norm import Norm
 from lightning_sp.model.recompute import NO_RECOMPUTE, recompute

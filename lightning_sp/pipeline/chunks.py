@@ -1,4 +1,4 @@
-"""What a pipeline rank's stages are made of (:mod:`lightning_sp.pipeline.stages` runs them):
+"""What a pipeline rank's stages are made of (:mod:`lightning_sp.pipeline.steps` runs them):
 its model chunks (:class:`Chunks`, each a :class:`~lightning_sp.model.gpt.GPT` built with its
 ``layer_range``), the module ``PipelineStage`` runs for one chunk (:class:`StageModule`), and
 what the last stage may compute instead of the loss (:data:`Objective`).
@@ -19,7 +19,7 @@ Objective = Callable[[GPT, Tensor, Tensor], Tensor]
 target is the step's ``labels`` argument split into micro-batches along dim 0 (any trailing
 dims: a preference loss's slots and rows, :mod:`lightning_sp.training.preference`). In a
 training step the result is the micro-batch's loss (backward runs on it, undivided); in
-:meth:`~lightning_sp.pipeline.stages.Pipeline.outputs` any tensor, returned per micro-batch."""
+:meth:`~lightning_sp.pipeline.steps.PipelineSteps.outputs` any tensor, returned per micro-batch."""
 
 
 # -- stage modules --------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ The ``L`` layers are split into ``p·m`` chunks of ``L/(p·m)`` layers (``p`` pi
 pipeline rank ``r`` is virtual stage ``v = c·p + r`` and holds layers ``[v·L/(p·m),
 (v+1)·L/(p·m))``; with ``m = 1`` that is the plain split into ``p`` stages. The global batch
 ``[B, s]`` is split into ``n`` micro-batches along dim 0 (and over data-parallel replicas).
-The schedules that run these chunks are in :mod:`lightning_sp.pipeline.stages`.
+The schedules that run these chunks are in :mod:`lightning_sp.pipeline.steps`.
 """
 
 from __future__ import annotations

@@ -37,11 +37,12 @@ from lightning_sp.memory.model_state import (
     ModelStatePrecision,
     parameters_per_rank,
 )
-from lightning_sp.planner.cluster import Cluster, load_cluster
+from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.kernels import gather_seconds, gemm_seconds, memory_seconds
 from lightning_sp.planner.layertime import layer_time
 from lightning_sp.planner.layout import Layout
 from lightning_sp.planner.ops import ACT, embedding_memory_ops, head_gemms, head_memory_ops
+from lightning_sp.planner.presets import load_cluster
 
 KINDS = ("copy", "adapters", "precomputed")
 """The resolved reference kinds (``auto`` resolved by the run: ``adapters`` with LoRA, else

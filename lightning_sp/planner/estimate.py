@@ -54,9 +54,10 @@ from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.fp8 import fp8_recipe
 from lightning_sp.model.recompute import AUTO, RecomputePolicy, policy_name
 from lightning_sp.parallel.config import ParallelConfig
-from lightning_sp.planner.cluster import Cluster, load_cluster
+from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.fp8 import check_fp8_cluster
 from lightning_sp.planner.layout import DEFAULT_DEVICE_BYTES, Layout, runs
+from lightning_sp.planner.presets import load_cluster
 from lightning_sp.planner.records import (
     COMBINATIONS,
     LADDER,

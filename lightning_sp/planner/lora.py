@@ -54,7 +54,7 @@ from lightning_sp.model.parts.block import block_of_shape
 from lightning_sp.model.recompute import RecomputePolicy
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.parallel.config import ParallelConfig
-from lightning_sp.planner.cluster import Cluster, load_cluster
+from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.kernels import (
     all_reduce_seconds,
     gather_seconds,
@@ -63,6 +63,7 @@ from lightning_sp.planner.kernels import (
 )
 from lightning_sp.planner.layout import Layout
 from lightning_sp.planner.ops import backward_gemms, head_gemms
+from lightning_sp.planner.presets import load_cluster
 from lightning_sp.planner.records import EstimateRow
 from lightning_sp.planner.rows import first_stage_bytes, formula_activations, optimizer_shards
 from lightning_sp.planner.steptime import (

@@ -2,7 +2,7 @@
 
 Each :class:`PublishedRun` is one measured row of a public source (repository and path, or
 the paper): the model, the layout, the hardware (a preset of
-:mod:`lightning_sp.planner.cluster`), what the run overlapped (an
+:mod:`lightning_sp.planner.presets`), what the run overlapped (an
 :class:`~lightning_sp.planner.execution.Execution`, as the source states it) and the
 published figure (an iteration time, model TFLOP/s per GPU or MFU, in the source's FLOP
 convention). :func:`predict` prices the layout on a preset with the run's execution;
@@ -30,9 +30,9 @@ from lightning_sp.memory.flops import (
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.model.recompute import NO_RECOMPUTE, RecomputePolicy
-from lightning_sp.planner.cluster import PRESETS
 from lightning_sp.planner.execution import MEGATRON_CORE_OVERLAPS, Execution
 from lightning_sp.planner.layout import Layout
+from lightning_sp.planner.presets import PRESETS
 from lightning_sp.planner.steptime import StepTime, step_time
 
 MEGATRON_LM_H100 = (
@@ -83,7 +83,7 @@ class PublishedRun:
     source: str
     """Where it is published (repository + path + commit, or the paper)."""
     preset: str
-    """The hardware: a preset of :data:`~lightning_sp.planner.cluster.PRESETS`."""
+    """The hardware: a preset of :data:`~lightning_sp.planner.presets.PRESETS`."""
     layout: Layout
     """Model, layout and batch, as the source states them (the model's ``sequence_parallel``
     and ``recompute`` are the row's)."""

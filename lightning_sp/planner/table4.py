@@ -4,12 +4,12 @@ Table 4 of the paper is a measurement: forward and backward milliseconds of one 
 layer of the 22B model (``t = 8``, micro-batch 4, ``s = 2048``, ``h = 6144``, 64 heads, math
 attention) on the A100s of Selene, under five settings (no recompute, SP, full recompute,
 selective, SP + selective). The ``a100-80gb`` preset's GEMM efficiency is the best GEMM any
-shape reaches with 2023's cuBLAS (85.9%, [MAMF] in :mod:`lightning_sp.planner.cluster`); the
+shape reaches with 2023's cuBLAS (85.9%, [MAMF] in :mod:`lightning_sp.planner.presets`); the
 paper's layers ran slower than that. This module finds the one ``gemm_efficiency`` under which
 the step-time model (:func:`lightning_sp.planner.layertime.layer_time`) reproduces those ten
 times best (least squares of the relative errors), every other figure of the preset kept.
 
-The result is the ``selene`` preset (:data:`lightning_sp.planner.cluster.SELENE`; ``python -m
+The result is the ``selene`` preset (:data:`lightning_sp.planner.presets.SELENE`; ``python -m
 lightning_sp.planner.table4`` prints the fit beside the preset's figure, and
 ``tests/test_table4.py`` holds them equal). It is fitted to Table 4 only; Table 5 (whole
 iterations of the 22B, 175B, 530B and 1T models) is the check. The 22B row of Table 5 shares
@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.parallel.config import ParallelConfig
-from lightning_sp.planner.cluster import A100_80GB, SELENE, Cluster
+from lightning_sp.planner.cluster import Cluster
 from lightning_sp.planner.layertime import layer_time
+from lightning_sp.planner.presets import A100_80GB, SELENE
 
 TABLE4_CONFIG = GPTConfig(
     vocab_size=51200, seq_length=2048, hidden_size=6144, num_layers=48, num_heads=64,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -19,14 +18,14 @@ from lightning_sp.model.hooks import scale_auxiliary_losses
 from lightning_sp.model.lora import LoRAConfig
 from lightning_sp.optim import resume
 from lightning_sp.optim.adamw import OptimizerConfig
-from lightning_sp.pipeline import Pipeline
 from lightning_sp.training import adapters
 from lightning_sp.training.checks import check_vocabulary, vocabulary_identity
+from lightning_sp.training.shard_module import ShardModule
 
 
-class CheckpointHooks(LightningModule):
+class CheckpointHooks(ShardModule):
     """The checkpoint and fit-start hooks of a module that holds a GPT :class:`Pipeline`
-    (``GPTModule``, which sets the attributes below and implements :meth:`stage_model`)."""
+    (``GPTModule``, which sets the attributes below)."""
 
     config: GPTConfig
     optimizer_config: OptimizerConfig
@@ -44,10 +43,6 @@ class CheckpointHooks(LightningModule):
         check_base`). A full fine-tune has nothing frozen; a LoRA run on a seeded base saves
         it (nothing else could restore it)."""
         return self.lora is None or self.init_from is None
-
-    def stage_model(self) -> Pipeline:
-        """This rank's model chunks (``GPTModule.stage_model``)."""
-        raise NotImplementedError
 
     def _vocabulary_identity(self) -> dict[str, Any]:
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None

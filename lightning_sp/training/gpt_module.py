@@ -15,37 +15,33 @@ batch ``[b, s]`` and feeds its model only its two load-balanced chunks ``[b, s/c
 (:func:`~lightning_sp.training.batches.step_inputs`), in training, validation and the
 pipeline schedule alike; the loss the model returns, and the one logged, is the token
 mean over the whole sequences (equal on the CP ranks).
+
+Its bases hold the rest of its hooks: the shard and the protocol
+(:mod:`~lightning_sp.training.shard_module`), checkpoints and the start of a fit
+(:mod:`~lightning_sp.training.checkpoint_hooks`), backward, clipping and the optimizer
+(:mod:`~lightning_sp.training.optimizer_hooks`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor
-from torch.optim import Optimizer
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lightning_sp.data.prompts import Codec
-from lightning_sp.errors import ConfigError
 from lightning_sp.interop.hf import check_hf_directory, load_hf_weights
 from lightning_sp.model.compile import CompileOptions, check_compile_options, compile_layers
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.config_checks import check_model_layout
 from lightning_sp.model.generate import GenerationConfig, generate
-from lightning_sp.model.gpt import GPT
-from lightning_sp.model.hooks import after_optimizer_step, step_metrics, stepped_modules
 from lightning_sp.model.lora import LoRAConfig
-from lightning_sp.optim import resume
-from lightning_sp.optim.adamw import OptimizerConfig, configure_adamw, grad_buffer_of
+from lightning_sp.optim.adamw import OptimizerConfig
 from lightning_sp.parallel.config import ParallelConfig
-from lightning_sp.parallel.grads import clip_grad_norm_, counted_flat_grads
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.pipeline import Pipeline
 from lightning_sp.pipeline.token_mean import TokenMean, counted_tokens
@@ -67,8 +63,9 @@ from lightning_sp.training.checks import (
     eager_fp8_warning,
 )
 from lightning_sp.training.dpo import PreferenceSteps, check_dpo
+from lightning_sp.training.optimizer_hooks import OptimizerHooks
 from lightning_sp.training.preference import DPOConfig
-from lightning_sp.training.protocol import Batched, BucketsGradients
+from lightning_sp.training.protocol import Batched
 
 _DEFAULT_MODEL = GPTConfig()
 _DEFAULT_OPTIMIZER = OptimizerConfig()
@@ -76,7 +73,7 @@ _DEFAULT_GENERATION = GenerationConfig()
 _DEFAULT_COMPILE = CompileOptions()
 
 
-class GPTModule(CheckpointHooks):
+class GPTModule(CheckpointHooks, OptimizerHooks):
     """Trains a GPT shard: next-token loss, AdamW, validation loss and perplexity.
 
     Args:
@@ -169,47 +166,6 @@ class GPTModule(CheckpointHooks):
         )
 
     # -- model -------------------------------------------------------------------------------
-
-    supports_pipeline_parallel = True
-    """The strategy may run this module with ``pipeline_parallel_size > 1``."""
-
-    supports_context_parallel = True
-    """The strategy may run this module with ``context_parallel_size > 1`` (each CP rank
-    keeps its chunks of every batch)."""
-
-    def setup_parallel(self, state: ParallelState, config: ParallelConfig) -> None:
-        """Receive this rank's state and the run's layout from the strategy (the
-        ``ParallelModule`` protocol); ``configure_model`` builds the shard from them."""
-        self._parallel = (state, config)
-
-    def stage_model(self) -> Pipeline:
-        """This rank's model chunks (built in ``configure_model``)."""
-        if self.pipeline is None:
-            raise RuntimeError("the model is created in configure_model; run it through a Trainer")
-        return self.pipeline
-
-    @property
-    def parallel_state(self) -> ParallelState:
-        """The state the strategy pushed, else one process on the strategy's device."""
-        if self._parallel is not None:
-            return self._parallel[0]
-        # the device the strategy will run on (this module is still on the CPU while
-        # configure_model runs), so the model and its RNG streams are built there
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        device = strategy.root_device if strategy is not None else self.device
-        return ParallelState.single(device)
-
-    @property
-    def parallel_config(self) -> ParallelConfig:
-        """The layout the strategy pushed, else one process (every size 1)."""
-        if self._parallel is not None:
-            return self._parallel[1]
-        return ParallelConfig()
-
-    @property
-    def chunks(self) -> list[GPT]:
-        """This rank's model chunks (one :class:`GPT` when ``p = 1``)."""
-        return list(self.stage_model().chunks)
 
     @override
     def configure_model(self) -> None:
@@ -310,75 +266,6 @@ class GPTModule(CheckpointHooks):
         return loss
 
     @override
-    def optimizer_step(
-        self,
-        epoch: int,
-        batch_idx: int,
-        optimizer: Optimizer | LightningOptimizer,
-        optimizer_closure: Callable[[], Any] | None = None,
-    ) -> None:
-        """The step, then the modules' state moved once per step (:func:`~lightning_sp.model.
-        hooks.after_optimizer_step`, those modules found once: the MoE routers' biases): here,
-        not in ``on_train_batch_end``, which Lightning calls after the callbacks' (a
-        checkpoint saved there must hold the state this step moved)."""
-        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        if self._stepped is None:  # the model is built once (configure_model)
-            self._stepped = stepped_modules(self.stage_model())
-        after_optimizer_step(self.stage_model(), self._stepped)
-
-    @override
-    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
-        """Backward of the loss; under pipeline parallelism the schedule has already run it
-        inside ``training_step`` (the hooks around backward still run)."""
-        if not self.stage_model().runs_backward:
-            super().backward(loss, *args, **kwargs)
-
-    def _zero_grad(self) -> None:
-        """Zero the gradients now (before a pipeline schedule runs backward in a step)."""
-        optimizer = self.optimizers()
-        assert not isinstance(optimizer, list)  # configure_optimizers returns one
-        optimizer.zero_grad()
-
-    @override
-    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Optimizer) -> None:
-        """Lightning zeroes gradients between ``training_step`` and ``backward``; under
-        pipeline parallelism backward has already run by then, so ``training_step`` zeroes
-        them before the schedule instead."""
-        if not self.stage_model().runs_backward:
-            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
-
-    @override
-    def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
-        """The step's metrics the model's parts count over every micro-batch, replica and
-        stage (:func:`~lightning_sp.model.hooks.step_metrics`: an MoE model's routing metrics),
-        logged as ``train/<name>`` (``train/moe/*``).
-        With loss masks: divide the step's gradients (summed over its counted tokens) by
-        the global count and log ``train/loss``, the global token mean
-        (:meth:`TokenMean.finish`); a step whose global count is 0 is refused (one line, every
-        rank) before the optimizer steps. Runs after the gradients are finalised, before
-        clipping."""
-        model = self.stage_model()
-        for name, value in step_metrics(model, model.state, self.config).items():
-            self.log(f"train/{name}", value.float())
-        if self._preference is not None:  # TRL's names: train/rewards/chosen, ...
-            for name, mean in self._preference.step_metrics(model.state).items():
-                self.log(f"train/{name}", mean)
-        if self._token_mean is None:
-            return
-        accumulation = 1 if model.runs_backward else self.trainer.accumulate_grad_batches
-        loss = self._token_mean.finish(model, accumulation)
-        tokens, self._token_mean = self._token_mean.finished_tokens, None
-        if not tokens:  # the same global count on every rank: every rank raises this line
-            raise ConfigError(
-                f"step {self.trainer.global_step}: no label of the global batch counts in the "
-                "loss (every token masked: chat rows without an assistant answer, or only "
-                "end-of-document tokens under eod_mask_loss); the run stops rather than step "
-                "the optimizer on nothing: prepare the chat corpus again (conversations "
-                "without an answer are dropped)"
-            )
-        self.log("train/loss", loss.float())  # not prog_bar: see training_step
-
-    @override
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         if self._preference is not None:
             return self._preference.validation_step(self.stage_model(), batch)
@@ -417,36 +304,3 @@ class GPTModule(CheckpointHooks):
         self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/ppl", torch.exp(loss), prog_bar=True)
-
-    # -- optimisation ------------------------------------------------------------------------
-
-    @override
-    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
-        strategy = self.trainer.strategy
-        buffer = strategy.grad_buffer if isinstance(strategy, BucketsGradients) else None
-        configured = configure_adamw(
-            self.stage_model(), self.optimizer_config, self.trainer.max_steps, buffer
-        )
-        self._configured = resume.configured_settings(configured["optimizer"])
-        return configured
-
-    @override
-    def configure_gradient_clipping(
-        self,
-        optimizer: Optimizer,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str | None = None,
-    ) -> None:
-        """Clip by the true global norm over all shards (replicated parameters counted once)."""
-        if not gradient_clip_val:
-            return
-        if gradient_clip_algorithm not in (None, "norm"):
-            raise ConfigError(
-                f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not supported; use 'norm'"
-            )
-        buffer, state = grad_buffer_of(optimizer), self.parallel_state
-        if self._clipped is None or self._clipped[0] is not buffer:  # once per buffer
-            self._clipped = (buffer, counted_flat_grads(self.parameters(), buffer, state))  # whole
-        flat, sharded = self._clipped[1], buffer is not None and buffer.distributed
-        norm = clip_grad_norm_(self.parameters(), gradient_clip_val, state, sharded, flat)
-        self.log("train/grad_norm", norm, prog_bar=False)

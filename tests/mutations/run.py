@@ -282,7 +282,7 @@ MUTATIONS = (
         "norm and logs rank 0's as train/grad_norm",
         (
             (
-                "lightning_sp/training/gpt_module.py",
+                "lightning_sp/training/optimizer_hooks.py",
                 "flat, sharded = self._clipped[1], buffer is not None and buffer.distributed",
                 "flat, sharded = self._clipped[1], False",
             ),
@@ -447,7 +447,7 @@ MUTATIONS = (
         "nothing)",
         (
             (
-                "lightning_sp/training/gpt_module.py",
+                "lightning_sp/training/optimizer_hooks.py",
                 "        if not tokens:  # the same global count on every rank",
                 "        if False:  # the same global count on every rank",
             ),

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from lightning_sp.model.fused import activate
 from lightning_sp.model.moe.config import MoEConfig
-from lightning_sp.model.parts.base import BuildContext
+from lightning_sp.model.parts.build import BuildContext
 from lightning_sp.model.spec import ACTIVATIONS
 from lightning_sp.parallel.comm import Group
 from lightning_sp.parallel.fp8 import Recipe

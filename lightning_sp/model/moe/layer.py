@@ -33,7 +33,7 @@ from lightning_sp.model.fused import act_row_linear, activate, fused_column_line
 from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.model.moe.experts import SWIGLU, Experts
 from lightning_sp.model.moe.router import Router
-from lightning_sp.model.parts.base import BuildContext
+from lightning_sp.model.parts.build import BuildContext
 from lightning_sp.model.recompute import replaying
 from lightning_sp.model.spec import NormModule
 from lightning_sp.parallel.dispatch import combine, dispatch

@@ -55,7 +55,6 @@ from lightning_sp.model.parts.base import (
     INSIDE,
     OUTSIDE,
     REPLICATED,
-    BuildContext,
     Collective,
     CollectiveKind,
     Gemm,
@@ -68,6 +67,7 @@ from lightning_sp.model.parts.base import (
     float8_scale,
     tokens,
 )
+from lightning_sp.model.parts.build import BuildContext
 from lightning_sp.model.parts.weights import (
     ExpertWeightMap,
     HFNames,

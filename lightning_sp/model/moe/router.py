@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_sp.model.moe.config import MoEConfig
-from lightning_sp.model.parts.base import BuildContext
+from lightning_sp.model.parts.build import BuildContext
 from lightning_sp.model.recompute import replaying
 from lightning_sp.parallel.comm import Group, all_gather_sequence, f_bar, group_rank, group_size
 from lightning_sp.parallel.dispatch import expert_counts

@@ -1,8 +1,8 @@
-"""The parts a transformer layer is composed of (:mod:`.base`: the contract), and the layer
-as their composition (:mod:`.block`)."""
+"""The parts a transformer layer is composed of (:mod:`.base`: the contract; :mod:`.build`: what
+their modules are built from), and the layer as their composition (:mod:`.block`)."""
 
 from lightning_sp.model.parts.attention import SelfAttention
-from lightning_sp.model.parts.base import INSIDE, OUTSIDE, BuildContext, Gemm, MemoryOp, Part
+from lightning_sp.model.parts.base import INSIDE, OUTSIDE, Gemm, MemoryOp, Part
 from lightning_sp.model.parts.block import (
     FEED_FORWARDS,
     Block,
@@ -10,6 +10,7 @@ from lightning_sp.model.parts.block import (
     block_of,
     block_of_shape,
 )
+from lightning_sp.model.parts.build import BuildContext
 from lightning_sp.model.parts.dense import MLP, DenseMLP
 from lightning_sp.model.parts.norm import Norm
 

@@ -16,7 +16,6 @@ from lightning_sp.model.parts.base import (
     INSIDE,
     OUTSIDE,
     REPLICATED,
-    BuildContext,
     Collective,
     CollectiveKind,
     Gemm,
@@ -26,6 +25,7 @@ from lightning_sp.model.parts.base import (
     Terms,
     tokens,
 )
+from lightning_sp.model.parts.build import BuildContext
 from lightning_sp.model.parts.weights import HFNames, Weight, WeightMap, convention, join, linear
 from lightning_sp.model.shape import ActivationShape
 

@@ -28,12 +28,12 @@ from lightning_sp.model.parts.base import (
     REPLICATED,
     Collective,
     Gemm,
-    LayerConfig,
     MemoryOp,
     Part,
     Terms,
     outside_elements,
 )
+from lightning_sp.model.parts.build import LayerConfig
 from lightning_sp.model.parts.dense import DenseMLP
 from lightning_sp.model.parts.norm import Norm
 from lightning_sp.model.parts.weights import HFNames, Weight, under

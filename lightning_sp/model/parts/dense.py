@@ -13,7 +13,6 @@ from lightning_sp.model.fused import act_row_linear, activate, fused_column_line
 from lightning_sp.model.parts.base import (
     INSIDE,
     OUTSIDE,
-    BuildContext,
     Gemm,
     MemoryOp,
     Part,
@@ -22,6 +21,7 @@ from lightning_sp.model.parts.base import (
     activation_op,
     tokens,
 )
+from lightning_sp.model.parts.build import BuildContext
 from lightning_sp.model.parts.weights import HFNames, WeightMap, convention, linear
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.model.spec import ACTIVATIONS, NORMS, ActivationKind, NormModule

@@ -7,14 +7,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_sp.model.parts.base import (
-    OUTSIDE,
-    BuildContext,
-    MemoryOp,
-    Part,
-    Terms,
-    outside_elements,
-)
+from lightning_sp.model.parts.base import OUTSIDE, MemoryOp, Part, Terms, outside_elements
+from lightning_sp.model.parts.build import BuildContext
 from lightning_sp.model.parts.weights import HFNames, WeightMap, convention, norm
 from lightning_sp.model.shape import ActivationShape
 from lightning_sp.model.spec import NORMS, NormKind
