@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -321,6 +322,36 @@ def test_checkpoint_truncated_file_is_named(saved, tmp_path) -> None:
     with open(shard, "r+b") as fh:
         fh.truncate(shard.stat().st_size // 2)
     _raises(rf"file {shard} is truncated or corrupt", check_checkpoint, str(copy), saved[1])
+
+
+def test_checkpoint_missing_file_is_named(saved, tmp_path) -> None:
+    """A data file ``meta.json`` lists but the directory lacks (a shard lost in a copy) is
+    named before anything loads, not read as a checkpoint without it."""
+    copy = _copy(saved[0], tmp_path)
+    shard = sorted(copy.glob("*.distcp"))[0]
+    shard.unlink()
+    try:
+        check_checkpoint(str(copy), saved[1])
+    except ConfigError as error:
+        assert str(error).endswith(f"file {shard} is missing"), error
+        return
+    pytest.fail(f"check_checkpoint accepted a checkpoint whose data file {shard.name} is missing")
+
+
+def test_checkpoint_folder_copied_whole_reads_its_own_data(saved, tmp_path) -> None:
+    """A checkpoint folder copied (or moved) whole, links as links, is a checkpoint of its
+    own: its name links to the data beside it (a relative link), not to the original's."""
+    import shutil
+
+    folder = tmp_path / "copied"
+    shutil.copytree(saved[0].parent, folder, symlinks=True)
+    name = folder / saved[0].name
+    target = name.resolve()
+    assert target.parent == folder.resolve(), (
+        f"{name} links to {os.readlink(name)}, outside its folder: the checkpoint name is an "
+        "absolute link; a copied or moved checkpoint folder reads (or loses) the original's data"
+    )
+    check_checkpoint(str(name), saved[1])
 
 
 def test_checkpoint_corrupt_metadata_is_named(saved, tmp_path) -> None:

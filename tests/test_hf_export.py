@@ -1,10 +1,10 @@
 """Hugging Face export (lightning_sp.interop.hf_export.save_hf, lightning_sp.cli.export,
 ``cli.py export``), GPT-2 and Llama.
 
-* Round trip: a random GPT-2 and a random Llama (GQA, untied; and tied with Llama 3.1 RoPE
-  scaling) imported into our model and exported again load in transformers as their class
-  with every tensor equal to the original's and the same config; the export reads back into
-  ours exactly.
+* Round trip: a random GPT-2 and a random Llama (GQA, untied; tied with Llama 3.1 RoPE
+  scaling; with linear RoPE scaling) imported into our model and exported again load in
+  transformers as their class with every tensor equal to the original's and the same config;
+  the export reads back into ours exactly.
 * A Trainer run (t = 2 + SP started from an imported random GPT-2 or Llama with a
   tokenizer.json; p = 2 from the seeded init) trains 3 steps and checkpoints; ``cli.py
   export`` writes a directory ``AutoModelForCausalLM`` loads, whose fp32 logits equal the
@@ -12,6 +12,10 @@
   ``model.generate`` runs. A bad checkpoint fails with one line. The p = 2 checkpoint also
   generates in one process: greedy tokens equal transformers' greedy tokens from the exported
   model.
+* Token ids and dtype: a bf16 checkpoint of a run with a ``tokenizer.json`` exports its
+  end-of-document id as ``eos_token_id`` and ``bos_token_id``, that token as the tokenizer's
+  ``eos_token`` and ``bos_token``, and ``dtype: bfloat16`` (transformers loads it as bf16);
+  another tokenizer than the run's is refused in one line.
 """
 
 from __future__ import annotations
@@ -74,13 +78,15 @@ HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
                "high_freq_factor": 32.0, "original_max_position_embeddings": 512}  # fmt: skip
+LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
 
 
 @pytest.mark.parametrize(
     ("name", "overrides"),
     [("gpt2", {}), ("llama", {}),
-     ("llama", {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE})],
-    ids=["gpt2", "llama_untied", "llama_tied_llama3_rope"],
+     ("llama", {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE}),
+     ("llama", {"rope_parameters": LINEAR_ROPE})],
+    ids=["gpt2", "llama_untied", "llama_tied_llama3_rope", "llama_linear_rope"],
 )  # fmt: skip
 def test_round_trip_gives_back_every_tensor(tmp_path: Path, name: str, overrides: dict) -> None:
     """transformers -> ours (t = 1) -> save_hf -> transformers: the same class, every tensor
@@ -407,3 +413,75 @@ def test_export_refuses_a_used_directory_and_overwrites_only_model_files(tmp_pat
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 257
     with pytest.raises(ConfigError, match="is a file"):
         export_checkpoint(ckpt, out / "notes.txt", overwrite=True)
+
+
+def _word_tokenizer(path: Path, vocab: dict[str, int]) -> tuple[Path, str]:
+    """A word-level ``tokenizer.json`` of ``vocab`` at ``path`` and the digest a run records."""
+    import hashlib
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path, f"tokenizers:{hashlib.sha256(path.read_bytes()).hexdigest()[:16]}"
+
+
+def _tokenizer_ckpt(tmp_path: Path, record_path: bool = True) -> Path:
+    """A one-process bf16 ``.ckpt`` of a run with a word-level ``tokenizer.json`` (in
+    ``tmp_path``) whose ``<|endoftext|>`` is id 3; ``record_path``: the checkpoint records
+    where the tokenizer is (else only its digest)."""
+    vocab = {"[UNK]": 0, "def": 1, "add": 2, "<|endoftext|>": 3, "x": 4}
+    path, digest = _word_tokenizer(tmp_path / "tokenizer.json", vocab)
+    config = our_config(vocab_size=len(vocab))
+    model = GPT(config, ParallelState.single(torch.device("cpu")), dtype=torch.bfloat16)
+    weights = {f"gpt.{name}": p.detach() for name, p in model.named_parameters()}
+    vocabulary = {"tokenizer": digest, **({"tokenizer_path": str(path)} if record_path else {})}
+    torch.save({"hyper_parameters": {"config": dataclasses.asdict(config)},
+                "state_dict": weights, "vocabulary": vocabulary},
+               tmp_path / "model.ckpt")  # fmt: skip
+    return tmp_path / "model.ckpt"
+
+
+def test_export_writes_the_runs_token_ids_tokenizer_and_dtype(tmp_path: Path) -> None:
+    """A one-process bf16 checkpoint of a run with a ``tokenizer.json`` (its end-of-document
+    token ``<|endoftext|>`` at id 3, not the byte-level 256): the export's ``config.json``
+    names that id as ``eos_token_id`` and ``bos_token_id`` (the end-of-document token also
+    begins documents), its ``tokenizer_config.json`` that token as ``eos_token`` and
+    ``bos_token``, and its ``dtype`` the tensors' bfloat16, which transformers loads as is."""
+    out = export_checkpoint(_tokenizer_ckpt(tmp_path), tmp_path / "hf")
+    written = json.loads((out / "config.json").read_text())
+    for key in ("eos_token_id", "bos_token_id"):
+        assert written[key] == 3, f"config.json {key}={written[key]!r}, not <|endoftext|>'s id 3"
+    tokenizer = json.loads((out / "tokenizer_config.json").read_text())
+    for key in ("eos_token", "bos_token"):
+        assert tokenizer[key] == "<|endoftext|>", f"tokenizer_config.json {key}={tokenizer[key]!r}"
+    assert written["dtype"] == "bfloat16", f"config.json dtype={written['dtype']!r} of bf16 tensors"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.config.bos_token_id == loaded.config.eos_token_id == 3
+    dtypes = {p.dtype for p in loaded.parameters()}
+    assert dtypes == {torch.bfloat16}, f"the bf16 export loads as {dtypes}"
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tokenizer.bos_token_id == hf_tokenizer.eos_token_id == 3
+
+
+def test_export_refuses_another_tokenizer_with_one_line(tmp_path: Path) -> None:
+    """``--tokenizer`` of another vocabulary than the run's (its digest differs from the one
+    the checkpoint records), or none for a checkpoint that records no path: one line each,
+    before anything is written."""
+    ckpt = _tokenizer_ckpt(tmp_path)
+    other, _ = _word_tokenizer(tmp_path / "other.json", {"[UNK]": 0, "<|endoftext|>": 1})
+    try:
+        export_checkpoint(ckpt, tmp_path / "hf", tokenizer=str(other))
+    except ConfigError as error:
+        message = str(error)
+    else:
+        raise AssertionError("export took another tokenizer.json than the run's")
+    assert "\n" not in message and message.startswith(
+        f"tokenizer={str(other)!r} is not the tokenizer 'tokenizers:"
+    ), message
+    assert not (tmp_path / "hf").exists(), "the refused export wrote files"
+    unrecorded = tmp_path / "unrecorded"
+    unrecorded.mkdir()
+    with pytest.raises(ConfigError, match="does not record its path; give it with --tokenizer"):
+        export_checkpoint(_tokenizer_ckpt(unrecorded, record_path=False), tmp_path / "hf")

@@ -13,10 +13,14 @@ perturbed) is saved locally.
 * Export: the model written back loads in ``AutoModelForCausalLM`` as that family's class
   and gives back every tensor of the original exactly.
 * Llama variants: ``attention_bias``, ``head_dim`` != h/a, RoPE scaling ``linear`` and
-  ``dynamic`` equal transformers; ``dynamic`` also where it acts, beyond
+  ``dynamic`` (and ``linear`` in transformers 4's ``rope_scaling: {type: ...}``) equal
+  transformers; ``dynamic`` also where it acts, beyond
   ``max_position_embeddings``.
 * Names: the tensors our parts name are those transformers builds, for every dense family.
 * Generation: cached greedy decoding of Qwen3 and OLMo 2 equals transformers' greedy tokens.
+* Absent keys: a ``config.json`` of sizes only is read, in every family, with the norm epsilon,
+  RoPE base, tied embeddings, biases and top-k renormalisation transformers' config class of
+  that family takes.
 * Bad input: a family we do not read (Gemma, GPT-NeoX), a real sliding window, Qwen's
   ``use_sliding_window`` -> one ConfigError line naming it.
 """
@@ -201,6 +205,34 @@ def test_llama_variants_equal_transformers(tmp_path: Path, overrides: dict) -> N
         assert relative(full_logits([model], model.state, ids), logits) <= TOLERANCE
 
 
+def test_legacy_rope_scaling_type_key_equals_transformers(tmp_path: Path) -> None:
+    """An older Llama ``config.json`` (transformers 4) spells the scaling
+    ``rope_scaling: {"type": "linear", "factor": 2.0}`` beside a top-level ``rope_theta``:
+    transformers applies linear scaling from it, and so do we (float64 loss and logits)."""
+    from hf_models import save_random_llama
+
+    save_random_llama(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    theta = hf.pop("rope_parameters")["rope_theta"]
+    legacy = {**hf, "rope_theta": theta, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    (tmp_path / "config.json").write_text(json.dumps(legacy))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    assert reference.config.rope_parameters["rope_type"] == "linear"  # transformers' reading
+    config = read_hf_config(tmp_path, recompute="none", seq_length=32)
+    scaling = config.rope_scaling
+    assert scaling is not None and (scaling.rope_type, scaling.factor) == ("linear", 2.0), (
+        f"rope_scaling {{'type': 'linear', 'factor': 2.0}} read as rope_scaling={scaling}; "
+        "transformers applies linear scaling"
+    )
+    model = GPT(config, ParallelState.single(), dtype=torch.float64)
+    load_hf_weights(model, tmp_path)
+    ids, labels = tokens()
+    logits, loss = hf_logits_and_loss(reference.eval(), ids, labels)
+    with torch.no_grad():
+        assert relative(model(ids, labels), loss) <= TOLERANCE
+        assert relative(full_logits([model], model.state, ids), logits) <= TOLERANCE
+
+
 def test_dynamic_rope_above_max_position_embeddings_equals_transformers(tmp_path: Path) -> None:
     """Dynamic NTK RoPE where it acts: a Llama whose position table is 16 read with seq_length
     32, so the 32-token batch rescales RoPE's base from that length (transformers recomputes
@@ -324,3 +356,42 @@ def test_parts_name_every_tensor_of_the_family(model_type: str, fields: dict) ->
     if config.tie_embeddings:
         theirs.discard("lm_head.weight")  # the embedding's; save_pretrained writes it once
     assert set(hf_layout(family, config)) == theirs
+
+
+def test_absent_keys_read_as_transformers_reads_them() -> None:
+    """A ``config.json`` that gives only the sizes (older or hand-written files lack the keys
+    at their defaults): every family reads the norm epsilon, RoPE's base, the tied embeddings,
+    the biases and the top-k renormalisation as transformers' config class of that family
+    does (OLMo 2's and OLMoE's epsilon is 1e-5, Mixtral's base 1e6): the model then computes
+    what transformers computes."""
+    from lightning_sp.interop.hf_config import config_fields
+    from lightning_sp.interop.hf_types import HF_MODEL_TYPES
+
+    sizes = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 100,
+             "max_position_embeddings": 16, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 16, "num_local_experts": 4, "num_experts": 4,
+             "hidden_act": "silu"}  # fmt: skip
+    gpt2 = {"n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 100, "n_positions": 16,
+            "activation_function": "gelu_new"}  # fmt: skip
+    for model_type, family in HF_MODEL_TYPES.items():
+        given = {"model_type": model_type, **(gpt2 if model_type == "gpt2" else sizes)}
+        theirs = transformers.AutoConfig.for_model(**given)
+        ours = config_fields(family.config, given, f"a {model_type} config.json of sizes only")
+        expected = {
+            "layernorm_eps": getattr(theirs, "rms_norm_eps", None)
+            or getattr(theirs, "layer_norm_epsilon", None),
+            "tie_embeddings": theirs.tie_word_embeddings,
+        }
+        if model_type != "gpt2":
+            expected["rope_theta"] = theirs.rope_parameters["rope_theta"]
+            bias = bool(getattr(theirs, "attention_bias", model_type == "qwen2"))
+            expected["bias"] = ["qkv"] if model_type == "qwen2" and bias else bias
+        if ours.get("moe") is not None:  # Mixtral has no key: it always renormalises
+            ours["moe.normalize_top_k"] = ours["moe"].normalize_top_k
+            expected["moe.normalize_top_k"] = getattr(theirs, "norm_topk_prob", True)
+        for field, value in expected.items():
+            assert ours[field] == value, (
+                f"{model_type}: a config.json without the key of {field} is read as "
+                f"{field}={ours[field]!r}; transformers reads {value!r}"
+            )

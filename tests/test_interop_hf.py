@@ -13,6 +13,10 @@ with 2 key/value groups, untied embeddings, rope_theta 500000, and is saved in s
   and three AdamW steps from it equal three steps of the one-process float64 model loaded the
   same way; each rank reads only its own slices. Llama 3.1's RoPE scaling read from
   ``config.json`` gives transformers' logits too.
+* OpenAI's GPT-2 file names (no ``transformer.`` prefix) read as the prefixed ones, as
+  transformers reads them.
+* Files transformers loads without a word load here too: a tied model's ``lm_head.weight``, a
+  rotary table ``rotary_emb.inv_freq``; a sharded directory is read from every file of its index.
 * Generation with RoPE: the cached greedy decoding of the imported Llama equals transformers'
   greedy ``generate``.
 * Bad input: not a supported model, a size or architecture mismatch, a missing or unreadable
@@ -183,6 +187,39 @@ def test_import_any_layout_equals_transformers(saved: dict, world_size: int, cas
     """t = 2 and 4 with SP (the Llama's 2 KV groups < t = 4), p = 2, t = 2 x p = 2."""
     assert LLAMA_GROUPS < 4
     run_distributed(_import_worker, world_size, saved, cases)
+
+
+def test_gpt2_without_the_transformer_prefix_equals_transformers(
+    tmp_path: Path, gpt2: tuple[Path, Path]
+) -> None:
+    """OpenAI's GPT-2 upload names its tensors without ``transformer.`` (``h.0.attn.c_attn``):
+    transformers reads such a file as the prefixed one, and so do we (the float64 loss and
+    logits of the reference)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    unprefixed = tmp_path / "openai"
+    unprefixed.mkdir()
+    (unprefixed / "config.json").write_text((gpt2[0] / "config.json").read_text())
+    with safe_open(str(gpt2[0] / "model.safetensors"), "pt") as f:
+        tensors = {k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    assert all(not k.startswith("transformer.") for k in tensors) and "h.0.ln_1.weight" in tensors
+    save_file(tensors, str(unprefixed / "model.safetensors"), metadata={"format": "pt"})
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(unprefixed).double().eval()
+    ref = torch.load(gpt2[1])
+    _, loss = hf_logits_and_loss(theirs, ref["ids"], ref["labels"])
+    assert relative(loss, ref["loss"]) <= TOLERANCE  # transformers: the same model
+    ours = GPT(our_config(), ParallelState.single(), dtype=torch.float64)
+    try:
+        load_hf_weights(ours, unprefixed)
+    except ConfigError as error:
+        raise AssertionError(
+            f"a GPT-2 file without the 'transformer.' prefix (OpenAI's) is not read: {error}"
+        ) from None
+    with torch.no_grad():
+        assert relative(ours(ref["ids"], ref["labels"]), ref["loss"]) <= TOLERANCE
+        err = relative(full_logits([ours], ours.state, ref["ids"]), ref["logits"])
+    assert err <= TOLERANCE, f"GPT-2 without the prefix: logits relative error {err:.2e}"
 
 
 def test_llama3_rope_scaling_equals_transformers(tmp_path: Path) -> None:
@@ -402,6 +439,60 @@ def test_directories_transformers_reads_otherwise_fail_with_one_line(
         "'linear', 'factor': 2.0}; transformers applies rope_scaling and drops "
         "rope_parameters: keep one of the two keys"
     )
+
+
+def test_tensors_transformers_loads_without_a_word_load(tmp_path: Path) -> None:
+    """A tied Llama's file holding ``lm_head.weight`` (the embedding again, as tools other than
+    ``save_pretrained`` write it) and an older file's rotary table ``rotary_emb.inv_freq``:
+    transformers loads each without a word (no unexpected or missing key); so do we, to the
+    weights of the file without it."""
+    from safetensors import safe_open
+
+    save_random_llama(tmp_path / "tied", tie_word_embeddings=True)
+    config = read_hf_config(tmp_path / "tied", recompute="none")
+    assert config.tie_embeddings
+    clean = GPT(config, ParallelState.single(), dtype=torch.float64)
+    load_hf_weights(clean, tmp_path / "tied")
+    with safe_open(str(tmp_path / "tied" / "model.safetensors"), "pt") as f:
+        embedding = f.get_tensor("model.embed_tokens.weight")
+    for key, tensor in {
+        "lm_head.weight": embedding.clone(),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4),
+    }.items():
+        extra = _with_tensors(tmp_path / "tied", tmp_path / key, {key: tensor})
+        _, info = transformers.AutoModelForCausalLM.from_pretrained(extra, output_loading_info=True)
+        assert not info["unexpected_keys"] and not info["missing_keys"], (key, info)
+        ours = GPT(config, ParallelState.single(), dtype=torch.float64)
+        try:
+            load_hf_weights(ours, extra)
+        except ConfigError as error:
+            raise AssertionError(
+                f"{key}: transformers loads the file without a word; we refuse it: {error}"
+            ) from None
+        for (name, a), b in zip(clean.named_parameters(), ours.parameters(), strict=True):
+            assert torch.equal(a, b), f"{key} in the file: {name} read otherwise"
+
+
+def test_sharded_directory_reads_every_file_of_its_index(llama: tuple[Path, Path]) -> None:
+    """The Llama saved in shards: every file its ``model.safetensors.index.json`` names is
+    read, each tensor once (the elements read are all the files hold)."""
+    from safetensors import safe_open
+
+    index = json.loads((llama[0] / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1, files
+    total = 0
+    for file in files:
+        with safe_open(str(llama[0] / file), "pt") as f:
+            total += sum(torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys())  # noqa: SIM118
+    model = GPT(llama_config(), ParallelState.single(), dtype=torch.float64)
+    try:
+        read = load_hf_weights(model, llama[0])
+    except (ConfigError, AssertionError) as error:
+        raise AssertionError(
+            f"a directory sharded in {len(files)} files is not read whole: {error!r}"
+        ) from None
+    assert read == total, f"read {read} of the {total} elements its {len(files)} files hold"
 
 
 def test_export_picks_the_model_type_that_holds_the_config() -> None:

@@ -182,8 +182,9 @@ def test_expert_bias_moves_towards_balance_and_only_chooses() -> None:
 def _router(**fields: Any) -> Router:
     """A float64 router over 4 experts whose logits are the token's own 4 values (``weight``
     the identity), so the expected weights below are written by hand."""
-    config = MoEConfig(num_experts=4, top_k=2, expert_ffn_size=F, score="sigmoid",
-                       router_dtype="fp64", **fields)  # fmt: skip
+    defaults = dict(num_experts=4, top_k=2, expert_ffn_size=F, score="sigmoid",
+                    router_dtype="fp64")  # fmt: skip
+    config = MoEConfig(**{**defaults, **fields})
     router = Router(moe_context(config, 4, dtype=torch.float64), config)
     with torch.no_grad():
         router.weight.copy_(torch.eye(4, dtype=torch.float64))
@@ -233,6 +234,45 @@ def test_expert_bias_chooses_but_does_not_weigh_top2(
     assert got == pytest.approx(expected, abs=1e-15), f"normalize_top_k={normalize}: {got}"
 
 
+def test_capacity_rounds_up_by_hand() -> None:
+    """``ceil(cf·T·k/E)`` where it is not an integer: 5 tokens, top-1 over 4 experts at
+    ``capacity_factor`` 1 give capacity ceil(1.25) = 2 (floor or round: 1). Sigmoid scores,
+    not renormalised, of logits 3, 2, 1 on expert 0 and 2, 1 on expert 1: expert 0 keeps its
+    two highest (tokens 0 and 1) and drops token 2; expert 1 keeps both."""
+    router = _router(top_k=1, normalize_top_k=False, capacity_factor=1.0)
+    logits = torch.zeros(5, 4, dtype=torch.float64)
+    logits[[0, 1, 2], 0] = torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64)
+    logits[[3, 4], 1] = torch.tensor([2.0, 1.0], dtype=torch.float64)
+    routed = router(logits, None)
+    assert routed.experts[:, 0].tolist() == [0, 0, 0, 1, 1], routed.experts
+    assert routed.keep is not None
+    kept = routed.keep[:, 0].tolist()
+    assert kept == [True, True, False, True, True] and routed.dropped == 1, (
+        f"capacity_factor 1 of 5 tokens x top-1 over 4 experts: kept {kept}, dropped "
+        f"{routed.dropped}; the capacity ceil(1.25) = 2 keeps tokens 0, 1 of expert 0 and "
+        "both of expert 1 (1 dropped): the capacity does not round up"
+    )
+
+
+def test_router_losses_by_hand() -> None:
+    """One token of logits ln 9, ln 3, 0, -ln 3 over 4 experts, top-2, sigmoid scores 0.9,
+    0.75, 0.5, 0.25 (sum 2.4): the load-balancing loss ``E/T² · Σ_i counts_i · Σ_t p_i``
+    normalises each token's sigmoid scores first, 4 · (0.9 + 0.75) / 2.4 = 2.75 (unnormalised:
+    6.6); the z-loss is ``logsumexp(logits)²`` = ln(9 + 3 + 1 + 1/3)² = ln(40/3)² (ST-MoE)."""
+    routed = _router()(SIGMOID_LOGITS, None)
+    assert routed.experts.tolist() == [[0, 1]]
+    aux = float(routed.aux_loss)
+    assert aux == pytest.approx(4 * 1.65 / 2.4, rel=1e-14), (
+        f"sigmoid router's load-balancing loss {aux}, by hand 2.75: the sigmoid scores are not "
+        "normalised per token in the auxiliary loss (unnormalised: 6.6)"
+    )
+    z = float(routed.z_loss)
+    assert z == pytest.approx(math.log(40 / 3) ** 2, rel=1e-14), (
+        f"router z-loss {z}, by hand ln(40/3)² = {math.log(40 / 3) ** 2}: the z-loss is not the "
+        "mean over tokens of logsumexp(logits)²"
+    )
+
+
 @pytest.mark.parametrize(
     "fields,layout,message",
     [
@@ -247,6 +287,38 @@ def test_bad_settings_one_line(fields: dict, layout: dict, message: str) -> None
     with pytest.raises(ConfigError) as info:
         MoEConfig(**fields).check_layout(ParallelConfig(**layout), sequence_parallel=False)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+REFUSED = [
+    ({"num_shared_experts": -1}, "moe.num_shared_experts=-1 must be >= 0"),
+    ({"score": "relu"}, "moe.score='relu' is not one of softmax, sigmoid"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), REFUSED, ids=[next(iter(f)) for f, _ in REFUSED])
+def test_routing_settings_are_refused_when_built(fields: dict, message: str) -> None:
+    """A negative shared-expert count or an unknown score function is refused in one line when
+    the config is built (else the shared MLP's width is negative, and any score but softmax
+    routes silently as sigmoid)."""
+    try:
+        MoEConfig(**fields)
+    except ConfigError as error:
+        assert str(error) == message, f"{fields}: {error}"
+        return
+    pytest.fail(f"MoEConfig({fields}) was accepted; expected the one line {message!r}")
+
+
+def test_shared_experts_width_must_divide_tp() -> None:
+    """The shared experts are a TP MLP: their width 6 at t = 4 (with SP) is refused in one
+    line naming both values, before any model is built."""
+    moe = MoEConfig(num_shared_experts=1, expert_ffn_size=6)
+    try:
+        moe.check_layout(ParallelConfig(tensor_parallel_size=4), sequence_parallel=True)
+    except ConfigError as error:
+        expected = "moe.shared_expert_ffn_size=6 is not divisible by tensor_parallel_size=4"
+        assert str(error) == expected, error
+        return
+    pytest.fail("shared experts of width 6 at tensor_parallel_size=4 were accepted")
 
 
 def test_expert_parallel_size_must_divide_data_context_ranks() -> None:

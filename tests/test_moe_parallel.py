@@ -280,14 +280,15 @@ def _checkpoint_worker(rank: int, world_size: int, root: str) -> None:
                 Path(root) / "e1", target, [target_optimizer], meta=meta,
                 lightning_state={"global_step": 1}, rng=("rng.none", None),
             )  # fmt: skip
-    _expert_tensor_parallel_checkpoint(Path(root))
+    for distributed in (True, False):
+        _expert_tensor_parallel_checkpoint(Path(root), distributed)
 
 
-def _expert_tensor_parallel_checkpoint(root: Path) -> None:
-    """Saved at t = 2 + SP with the experts split over TP (etp = 2) and the distributed
-    optimizer (each expert slice of ``[gate; up]`` two chunks), loaded at t = 1 (whole experts,
-    e = 2, the replicated optimizer): every weight and Adam moment equals the saving rank's
-    slice of it."""
+def _expert_tensor_parallel_checkpoint(root: Path, distributed: bool) -> None:
+    """Saved at t = 2 + SP with the experts split over TP (etp = 2) and the ``distributed``
+    or the replicated optimizer (each expert slice of ``[gate; up]`` two chunks), loaded at
+    t = 1 (whole experts, e = 2, the replicated optimizer): every weight and Adam moment equals
+    the saving rank's slice of it."""
     from lightning_sp.checkpoint import Checkpointer, Meta
     from lightning_sp.optim.adamw import build_adamw
     from lightning_sp.parallel.buffer import GradBufferConfig
@@ -296,14 +297,15 @@ def _expert_tensor_parallel_checkpoint(root: Path) -> None:
     config = _gpt_config(sequence_parallel=True)
     state = ParallelState.from_process_group(tensor_parallel_size=2, expert_tensor_parallel_size=2)
     model = GPT(config, state, dtype=torch.float64)
-    optimizer = build_adamw(model, 1e-2, 0.1, (0.9, 0.95), 1e-8,
-                            GradBufferConfig(2000, overlap=False, distributed=True))  # fmt: skip
+    buffer = GradBufferConfig(2000, overlap=False, distributed=distributed)
+    optimizer = build_adamw(model, 1e-2, 0.1, (0.9, 0.95), 1e-8, buffer)
     model(*batch(config)).backward()
     finalize_grads(model, state, optimizer.grad_buffer)  # type: ignore[attr-defined]
     optimizer.step()
     layout = ParallelConfig(tensor_parallel_size=2, expert_tensor_parallel_size=2,
-                            distributed_optimizer=True)  # fmt: skip
+                            distributed_optimizer=distributed)  # fmt: skip
     meta = Meta(1, layout, dataclasses.asdict(config))
+    root = root / ("distributed" if distributed else "replicated")
     Checkpointer().save(root / "etp2", model, [optimizer], meta=meta,
                         lightning_state={"global_step": 1}, rng=("rng.none", None))  # fmt: skip
     whole = dataclasses.replace(config, sequence_parallel=False)
@@ -315,7 +317,10 @@ def _expert_tensor_parallel_checkpoint(root: Path) -> None:
         layout=ParallelConfig(data_parallel_size=2, expert_parallel_size=2),
         model_config=dataclasses.asdict(whole),
     )  # fmt: skip
-    moments = {id(s.param): s.state["exp_avg"] for s in optimizer.segments()}  # type: ignore[attr-defined]
+    if distributed:
+        moments = {id(s.param): s.state["exp_avg"] for s in optimizer.segments()}  # type: ignore[attr-defined]
+    else:
+        moments = {id(q): optimizer.state[q]["exp_avg"] for q in model.parameters()}
     experts = 0
     for (name, p), q in zip(target.named_parameters(), model.parameters(), strict=True):
         if not getattr(q, "expert", False):
@@ -327,14 +332,18 @@ def _expert_tensor_parallel_checkpoint(root: Path) -> None:
             (target_optimizer.state[p]["exp_avg"], moments[id(q)].view(q.shape)),
         ):
             held = sliced.take(got, q.shape[sliced.dim])
-            assert torch.equal(held, saved[experts_held]), name
+            assert torch.equal(held, saved[experts_held]), (
+                f"{name} ({'distributed' if distributed else 'replicated'} optimizer): a "
+                "weight or Adam moment saved at etp = 2 loads into other rows at t = 1"
+            )
             assert saved.abs().max() > 0, name
         experts += 1
     assert experts == 2 * config.num_layers
 
 
 def test_moe_checkpoint_reshards_between_expert_parallel_sizes(tmp_path: Path) -> None:
-    """e = 2 <-> e = 1 (2 ranks of d = 2), and etp = 2 at t = 2 -> t = 1, e = 2."""
+    """e = 2 <-> e = 1 (2 ranks of d = 2), and etp = 2 at t = 2 -> t = 1, e = 2 (saved by the
+    distributed and by the replicated optimizer)."""
     run_distributed(_checkpoint_worker, 2, str(tmp_path))
 
 

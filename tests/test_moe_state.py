@@ -274,3 +274,27 @@ def test_expert_bias_stays_fp32_under_a_bf16_module() -> None:
     assert router.expert_bias[0].item() == expected.item() != start[0].item()
     assert expected.item() == pytest.approx(0.55, abs=1e-5)
     assert rounded.item() == 0.5  # what the bf16 buffer did before
+
+
+def test_an_eval_forward_counts_no_load() -> None:
+    """A validation forward (the module in ``eval()``) routes without counting: the loads the
+    next bias update sums (``tokens_per_expert``) and the step's routing totals hold the
+    training forwards' choices only (T·k of them per forward)."""
+    moe = MoE(moe_context(MOE, 8, dtype=torch.float64), MOE)
+    moe.reset_parameters(0)
+    x = torch.randn(4, 2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    moe(x)
+    load, totals = moe.router.tokens_per_expert, moe.totals
+    assert load is not None and totals is not None
+    trained = load.clone(), totals.clone()
+    assert float(trained[0].sum()) == 4 * 2 * MOE.top_k
+    moe.eval()
+    with torch.no_grad():
+        moe(x)
+    assert torch.equal(load, trained[0]), (
+        f"an eval (validation) forward added its choices to tokens_per_expert: {load.tolist()} "
+        f"after, {trained[0].tolist()} before; validation tokens would move the expert biases"
+    )
+    assert moe.totals is not None and torch.equal(moe.totals, trained[1]), (
+        "an eval (validation) forward added to the step's routing totals"
+    )

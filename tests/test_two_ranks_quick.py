@@ -14,7 +14,11 @@ the quick tier:
   group, not a mean of the ranks' means;
 * **a checkpoint save that fails where only rank 0 acts** (its publishing rename, the fault
   point ``publish``): every rank raises the same one-line ``CheckpointSaveError`` naming rank
-  0, and ``last.ckpt`` still holds the previous save.
+  0, and ``last.ckpt`` still holds the previous save;
+* **the expert-tensor-parallel row exchange with unequal row counts per TP rank** (hand-written
+  rows): :func:`gather_rows` gives the TP group's rows expert-major, :func:`scatter_rows` gives
+  each rank the sums of its own rows (5 on one rank, 3 on the other), and the gather's backward
+  sums the gradient of each rank's rows over the group.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from lightning_sp.checkpoint.commit import FAULT_ENV
 from lightning_sp.optim.adamw import build_adamw
 from lightning_sp.parallel.config import ParallelConfig
 from lightning_sp.parallel.context import context_token_mean
+from lightning_sp.parallel.expert_rows import gather_rows, plan_rows, scatter_rows
 from lightning_sp.parallel.grads import clip_grad_norm_, finalize_grads, global_grad_norm
 from lightning_sp.testing.spawn import run_distributed
 
@@ -154,17 +159,50 @@ def _publish_fails_on_rank_zero(state: ParallelState, directory: str) -> str:
     return message
 
 
+def _expert_rows_uneven(state: ParallelState) -> str:
+    """TP rank 0 holds 1 and 2 rows of its two local experts, rank 1 holds 2 and 3; row ``i``
+    of rank ``r`` is ``10r + i + 1``. Gathered expert-major: 1 | 11 12 | 2 3 | 13 14 15. Each
+    rank's partial output is the gathered rows times ``r + 1``: scattered back, rank 0's rows
+    are 3·(1, 2, 3), rank 1's 3·(11, ..., 15); the gather's backward of a gradient ``r + 1``
+    gives each row 1 + 2 = 3."""
+    rank = state.tensor_parallel_rank
+    what = f"expert TP rows rank {rank}"
+    counts = ([1, 2], [2, 3])[rank]
+    mine = torch.arange(1.0, sum(counts) + 1, dtype=torch.float64) + 10 * rank
+    x = mine.unsqueeze(1).repeat(1, 2).requires_grad_()  # [n_r, h = 2]
+    plan = plan_rows(counts, state.tp_group, False, x.device)
+    gathered = gather_rows(x, plan)
+    expected = [1.0, 11, 12, 2, 3, 13, 14, 15]
+    assert plan.counts == [3, 5] and gathered[:, 0].tolist() == expected, (
+        f"{what}: gather_rows gave {gathered[:, 0].tolist()} ({plan.counts} per local expert); "
+        f"the TP group's rows expert-major are {expected}"
+    )
+    back = scatter_rows(gathered * (rank + 1), plan)
+    assert back[:, 0].tolist() == (3 * mine).tolist(), (
+        f"{what}: scatter_rows gave {back[:, 0].tolist()}; this rank's own {len(mine)} rows "
+        f"summed over the TP group are {(3 * mine).tolist()}"
+    )
+    gathered.backward(torch.full_like(gathered, rank + 1.0))
+    assert x.grad is not None and bool((x.grad == 3).all()), (
+        f"{what}: gather_rows' backward gave {x.grad}; each row's gradient summed over the two "
+        "ranks is 3"
+    )
+    return what
+
+
 def _worker(rank: int, world_size: int, directory: str) -> list[str]:
     checked = [_replicated_kv_heads(ParallelState.from_process_group(tensor_parallel_size=2))]
     cp = ParallelState.from_process_group(context_parallel_size=2)
     checked += [_context_dropout_derivative(cp, attention) for attention in ("math", "sdpa")]
     checked.append(_context_token_mean(cp))
+    tp = ParallelState.from_process_group(tensor_parallel_size=2, expert_tensor_parallel_size=2)
+    checked.append(_expert_rows_uneven(tp))
     checked.append(_publish_fails_on_rank_zero(ParallelState.from_process_group(), directory))
     return checked
 
 
 def test_two_ranks_quick(tmp_path: Path) -> None:
-    """The four checks above on two ranks; the save's failure line is the same on both."""
+    """The checks above on two ranks; the save's failure line is the same on both."""
     results = run_distributed(_worker, 2, str(tmp_path))
-    assert [len(r) for r in results] == [5, 5]
+    assert [len(r) for r in results] == [6, 6]
     assert results[0][-1] == results[1][-1]

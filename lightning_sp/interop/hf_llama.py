@@ -42,13 +42,13 @@ from lightning_sp.model.parts.weights import HFNames
 # -- config.json ----------------------------------------------------------------------------------
 
 
-def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
+def _rope(hf: Mapping[str, Any], theta: float = 10000.0) -> dict[str, Any]:
     """RoPE's parameters: ``rope_parameters`` (transformers 5) or the older ``rope_theta``
-    and ``rope_scaling``."""
+    and ``rope_scaling``; ``theta``: the family's base where the file gives none."""
     rope = dict(hf.get("rope_scaling") or {})
     rope.update(hf.get("rope_parameters") or {})
     if "rope_theta" not in rope:
-        rope["rope_theta"] = hf.get("rope_theta", 10000.0)
+        rope["rope_theta"] = hf.get("rope_theta", theta)
     return rope
 
 
@@ -163,12 +163,17 @@ def decoder_fields(
     bias: ConfigField,
     fixed: Mapping[str, Any],
     feed_forward: tuple[ConfigField, ...] = (DENSE_WIDTH,),
+    *,
+    rms_norm_eps: float = 1e-6,
+    rope_theta: float = 10000.0,
 ) -> tuple[ConfigField, ...]:
     """The fields every Llama-style family has (sizes, norms, positions, tied embeddings),
     with the family's bias field ``bias``, the values it fixes ``fixed`` (a dense
     feed-forward unless ``fixed`` says otherwise) and its feed-forward convention's fields
     ``feed_forward`` in the width's place (default :data:`DENSE_WIDTH`; a mixture of experts
-    passes none here and adds its own)."""
+    passes none here and adds its own). ``rms_norm_eps`` and ``rope_theta``: the values the
+    family's transformers config takes where ``config.json`` has no such key (OLMo 2's
+    epsilon is 1e-5, Mixtral's base 1e6)."""
     fixed = {"feed_forward": "dense", **fixed}
     return (
         ConfigField("vocab_size", "vocab_size"),
@@ -183,11 +188,13 @@ def decoder_fields(
         ),
         *feed_forward,
         ConfigField("seq_length", "max_position_embeddings", value=_positions, at_most=True),
-        ConfigField("layernorm_eps", "rms_norm_eps", default=1e-6),
+        ConfigField("layernorm_eps", "rms_norm_eps", default=rms_norm_eps),
         ConfigField("activation", "hidden_act", choices={"silu": "swiglu"}),
         ConfigField("normalization", default="rmsnorm"),
         ConfigField("position_embedding", default="rope"),
-        ConfigField("rope_theta", "rope_theta", read=lambda hf: _rope(hf)["rope_theta"]),
+        ConfigField(
+            "rope_theta", "rope_theta", read=lambda hf: _rope(hf, rope_theta)["rope_theta"]
+        ),
         ConfigField("rope_scaling", "rope_scaling", read=_rope_scaling, write=_write_rope_scaling),
         bias,
         ConfigField("tie_embeddings", "tie_word_embeddings", default=False),
@@ -317,7 +324,9 @@ OLMO2 = llama_family(
     model_type="olmo2",
     hf_class="Olmo2ForCausalLM",
     title="OLMo 2",
-    fields=decoder_fields(ATTENTION_BIAS, {"qk_norm": "projection", "norm_placement": "post"}),
+    fields=decoder_fields(
+        ATTENTION_BIAS, {"qk_norm": "projection", "norm_placement": "post"}, rms_norm_eps=1e-5
+    ),
     head_dim=False,
 )
 

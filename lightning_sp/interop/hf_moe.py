@@ -95,13 +95,15 @@ class MoEKeys:
 
 
 def _sparse_fields(
-    bias: ConfigField, qk_norm: str | None, keys: MoEKeys
+    bias: ConfigField, qk_norm: str | None, keys: MoEKeys, **defaults: float
 ) -> tuple[ConfigField, ...]:
     """The Llama-style fields of an all-sparse family: no dense width (``intermediate_size``
     is the experts' in Mixtral and OLMoE, unused in Qwen3-MoE), the ``moe`` feed-forward in
-    ``keys``, norms before the sublayers, ``qk_norm``."""
+    ``keys``, norms before the sublayers, ``qk_norm``; ``defaults``: the family's
+    ``rms_norm_eps`` / ``rope_theta`` where ``config.json`` has none
+    (:func:`~lightning_sp.interop.hf_llama.decoder_fields`)."""
     fixed = {"feed_forward": "moe", "norm_placement": "pre", "qk_norm": qk_norm}
-    return (*decoder_fields(bias, fixed, feed_forward=()), keys.field())
+    return (*decoder_fields(bias, fixed, feed_forward=(), **defaults), keys.field())
 
 
 MIXTRAL_NAMES = dataclasses.replace(NAMES, feed_forward="mixtral")
@@ -116,7 +118,7 @@ MIXTRAL = llama_family(
     model_type="mixtral",
     hf_class="MixtralForCausalLM",
     title="Mixtral",
-    fields=_sparse_fields(NO_BIAS, None, _MIXTRAL_KEYS),
+    fields=_sparse_fields(NO_BIAS, None, _MIXTRAL_KEYS, rms_norm_eps=1e-5, rope_theta=1e6),
     head_dim=True,
     window=MISTRAL_WINDOW,
     options=(Option.constant("router_jitter_noise", 0.0),),
@@ -141,7 +143,7 @@ OLMOE = llama_family(
     model_type="olmoe",
     hf_class="OlmoeForCausalLM",
     title="OLMoE",
-    fields=_sparse_fields(ATTENTION_BIAS, "projection", _OLMOE_KEYS),
+    fields=_sparse_fields(ATTENTION_BIAS, "projection", _OLMOE_KEYS, rms_norm_eps=1e-5),
     head_dim=False,
     options=(Option.constant("clip_qkv", None),),
     extra=_OLMOE_KEYS.written,

@@ -1194,6 +1194,383 @@ MUTATIONS = (
         ("tests/test_data_prepare.py", "-k", "not_reused"),
         r"val_fraction 0\.5 for 0\.25: the prepared corpus was reused as up to date",
     ),
+    Mutation(
+        "capacity_rounds_down",
+        "MoE capacity ceil(cf·T·k/E) rounded down: a non-integer capacity keeps one choice per "
+        "expert too few",
+        (
+            (
+                "lightning_sp/model/moe/router.py",
+                "        capacity = math.ceil(cfg.capacity_factor",
+                "        capacity = math.floor(cfg.capacity_factor",
+            ),
+        ),
+        ("tests/test_moe.py", "-k", "capacity"),
+        r"the capacity does not round up",
+    ),
+    Mutation(
+        "sigmoid_aux_unnormalised",
+        "the load-balancing loss of a sigmoid router takes its raw scores, not each token's "
+        "scores normalised to sum 1",
+        (
+            (
+                "lightning_sp/model/moe/router.py",
+                '        if self.config.score == "sigmoid":\n'
+                "            scores = scores / scores.sum(dim=-1, keepdim=True)\n",
+                "",
+            ),
+        ),
+        ("tests/test_moe.py", "-k", "by_hand"),
+        r"the sigmoid scores are not normalised per token in the auxiliary loss",
+    ),
+    Mutation(
+        "z_loss_not_squared",
+        "the router z-loss is the mean of logsumexp(logits), not of its square",
+        (
+            (
+                "lightning_sp/model/moe/router.py",
+                "torch.logsumexp(logits, dim=-1).square().sum()",
+                "torch.logsumexp(logits, dim=-1).sum()",
+            ),
+        ),
+        ("tests/test_moe.py", "-k", "by_hand"),
+        r"the z-loss is not the mean over tokens of logsumexp\(logits\)²",
+    ),
+    Mutation(
+        "moe_score_unchecked",
+        "moe.score is not checked: any value but softmax routes silently as sigmoid",
+        (
+            (
+                "lightning_sp/model/moe/config.py",
+                '        if self.score not in ("softmax", "sigmoid"):\n'
+                '            raise ConfigError(f"moe.score={self.score!r} is not one of softmax, '
+                'sigmoid")\n',
+                "",
+            ),
+        ),
+        ("tests/test_moe.py", "-k", "refused_when_built"),
+        r"MoEConfig\(\{'score': 'relu'\}\) was accepted",
+    ),
+    Mutation(
+        "moe_shared_count_unchecked",
+        "a negative moe.num_shared_experts is accepted (a shared MLP of negative width)",
+        (
+            (
+                "lightning_sp/model/moe/config.py",
+                "        if self.num_shared_experts < 0:\n",
+                "        if False:\n",
+            ),
+        ),
+        ("tests/test_moe.py", "-k", "refused_when_built"),
+        r"MoEConfig\(\{'num_shared_experts': -1\}\) was accepted",
+    ),
+    Mutation(
+        "checkpoint_missing_file_accepted",
+        "checkpoint verification skips a data file meta.json lists but the directory lacks (a "
+        "lost shard is not named before loading)",
+        (
+            (
+                "lightning_sp/checkpoint/verify.py",
+                '            raise ConfigError(f"{shown}: file {file} is missing")\n',
+                "            continue\n",
+            ),
+        ),
+        ("tests/test_config_errors.py", "-k", "checkpoint_missing_file"),
+        r"check_checkpoint accepted a checkpoint whose data file \S+ is missing",
+    ),
+    Mutation(
+        "expert_load_counted_in_eval",
+        "the router counts an eval (validation) forward's choices into tokens_per_expert: "
+        "validation tokens move the auxiliary-loss-free biases",
+        (
+            (
+                "lightning_sp/model/moe/router.py",
+                "        if self.tokens_per_expert is not None and self.training and not "
+                "replaying():\n",
+                "        if self.tokens_per_expert is not None and not replaying():\n",
+            ),
+        ),
+        ("tests/test_moe_state.py", "-k", "eval_forward"),
+        r"an eval \(validation\) forward added its choices to tokens_per_expert",
+    ),
+    Mutation(
+        "step_totals_counted_in_eval",
+        "an MoE layer adds an eval (validation) forward to the step's routing totals (the "
+        "logged aux/z losses, drops and loads)",
+        (
+            (
+                "lightning_sp/model/moe/layer.py",
+                "        if self.training and not replaying():  # once per micro-batch",
+                "        if not replaying():  # once per micro-batch",
+            ),
+        ),
+        ("tests/test_moe_state.py", "-k", "eval_forward"),
+        r"an eval \(validation\) forward added to the step's routing totals",
+    ),
+    Mutation(
+        "checkpoint_absolute_link",
+        "a checkpoint name is an absolute link to its data: a checkpoint folder copied or moved "
+        "whole reads (or loses) the original's data",
+        (
+            (
+                "lightning_sp/checkpoint/commit.py",
+                "    os.symlink(data.name, link)",
+                "    os.symlink(data.resolve(), link)",
+            ),
+        ),
+        ("tests/test_config_errors.py", "-k", "copied_whole"),
+        r"outside its folder: the checkpoint name is an absolute link",
+    ),
+    Mutation(
+        "replicated_moments_ignore_expert_slice",
+        "the replicated optimizer saves each block of an expert-tensor-parallel [gate; up] slice "
+        "from the slice's start: the up rows' Adam moments are the gate rows' (etp > 1)",
+        (
+            (
+                "lightning_sp/checkpoint/shards.py",
+                "    within = shard.within or (0,) * local.dim()\n",
+                "    within = (0,) * local.dim()\n",
+            ),
+        ),
+        ("tests/test_moe_parallel.py", "-k", "checkpoint"),
+        r"gate_up \(replicated optimizer\): a weight or Adam moment saved at etp = 2 loads into "
+        r"other rows",
+    ),
+    Mutation(
+        "scatter_rows_rank0_count",
+        "expert TP: scatter_rows keeps TP rank 0's row count on every rank (a rank holding more "
+        "rows loses some; the quick tier's layouts hold equal counts)",
+        (
+            (
+                "lightning_sp/parallel/expert_rows.py",
+                "    return out[: sum(plan.per_rank[group_rank(plan.group)])]",
+                "    return out[: sum(plan.per_rank[0])]",
+            ),
+        ),
+        ("tests/test_two_ranks_quick.py",),
+        r"scatter_rows gave \[[^]]*\]; this rank's own 5 rows summed over the TP group",
+    ),
+    Mutation(
+        "shared_width_unchecked",
+        "the shared experts' width is not checked against tensor_parallel_size",
+        (
+            (
+                "lightning_sp/model/moe/config.py",
+                "        if self.shared_ffn_size % t:\n",
+                "        if False:\n",
+            ),
+        ),
+        ("tests/test_moe.py", "-k", "shared_experts_width"),
+        r"shared experts of width 6 at tensor_parallel_size=4 were accepted",
+    ),
+    Mutation(
+        "hf_family_eps_default",
+        "Hugging Face import: a config.json without rms_norm_eps is read with Llama's 1e-6 in "
+        "every family (OLMo 2, OLMoE and Mixtral take 1e-5 in transformers)",
+        (
+            (
+                "lightning_sp/interop/hf_llama.py",
+                'ConfigField("layernorm_eps", "rms_norm_eps", default=rms_norm_eps),',
+                'ConfigField("layernorm_eps", "rms_norm_eps", default=1e-6),',
+            ),
+        ),
+        ("tests/test_hf_families.py", "-k", "absent_keys"),
+        r"a config\.json without the key of layernorm_eps is read as layernorm_eps=1e-06; "
+        r"transformers reads 1e-05",
+    ),
+    Mutation(
+        "hf_family_theta_default",
+        "Hugging Face import: a config.json without rope_theta is read with base 10000 in every "
+        "family (Mixtral's is 1e6 in transformers)",
+        (
+            (
+                "lightning_sp/interop/hf_llama.py",
+                'rope["rope_theta"] = hf.get("rope_theta", theta)',
+                'rope["rope_theta"] = hf.get("rope_theta", 10000.0)',
+            ),
+        ),
+        ("tests/test_hf_families.py", "-k", "absent_keys"),
+        r"mixtral: a config\.json without the key of rope_theta is read as rope_theta=10000\.0",
+    ),
+    Mutation(
+        "hf_tie_default_true",
+        "Hugging Face import: a Llama-style config.json without tie_word_embeddings is read as "
+        "tied (transformers unties these families by default)",
+        (
+            (
+                "lightning_sp/interop/hf_llama.py",
+                'ConfigField("tie_embeddings", "tie_word_embeddings", default=False),',
+                'ConfigField("tie_embeddings", "tie_word_embeddings", default=True),',
+            ),
+        ),
+        ("tests/test_hf_families.py", "-k", "absent_keys"),
+        r"without the key of tie_embeddings is read as tie_embeddings=True; transformers reads "
+        r"False",
+    ),
+    Mutation(
+        "export_bos_token_id_none",
+        "export: config.json's bos_token_id is null, not the end-of-document id that also "
+        "begins documents (transformers' generate then has no token to start from)",
+        (
+            (
+                "lightning_sp/interop/hf_tables.py",
+                '"bos_token_id": eos_token_id,',
+                '"bos_token_id": None,',
+            ),
+        ),
+        ("tests/test_hf_export.py", "-k", "token_ids"),
+        r"config\.json bos_token_id=None, not <\|endoftext\|>'s id 3",
+    ),
+    Mutation(
+        "export_eos_byte_id",
+        "export of a run with a tokenizer.json: eos_token_id is the byte-level 256, not the "
+        "tokenizer's end-of-document id",
+        (
+            (
+                "lightning_sp/cli/export.py",
+                "return str(path), eos, eos_id if eos_id is not None else BYTE_EOS_ID",
+                "return str(path), eos, BYTE_EOS_ID",
+            ),
+        ),
+        ("tests/test_hf_export.py", "-k", "token_ids"),
+        r"config\.json eos_token_id=256, not <\|endoftext\|>'s id 3",
+    ),
+    Mutation(
+        "export_tokenizer_bos_none",
+        "export: tokenizer_config.json names no bos_token (the model's config.json does)",
+        (("lightning_sp/interop/hf_export.py", '"bos_token": eos_token,', '"bos_token": None,'),),
+        ("tests/test_hf_export.py", "-k", "token_ids"),
+        r"tokenizer_config\.json bos_token=None",
+    ),
+    Mutation(
+        "export_dtype_float32",
+        "export: config.json says dtype float32 whatever the tensors' dtype (a bf16 export loads "
+        "as fp32)",
+        (
+            (
+                "lightning_sp/interop/hf_export.py",
+                'hf["dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 '
+                'else "float32"',
+                'hf["dtype"] = "float32"',
+            ),
+        ),
+        ("tests/test_hf_export.py", "-k", "token_ids"),
+        r"config\.json dtype='float32' of bf16 tensors",
+    ),
+    Mutation(
+        "export_drops_linear_rope",
+        "export: linear RoPE scaling is written as none (a Llama with linear scaling cannot be "
+        "exported)",
+        (
+            (
+                "lightning_sp/interop/hf_llama.py",
+                'return {"rope_type": "linear", "factor": scaling.factor}',
+                "return None",
+            ),
+        ),
+        ("tests/test_hf_export.py", "-k", "round_trip_gives_back_every_tensor"),
+        r"rope_scaling=RopeScaling\(.*rope_type='linear'\) does not match rope_scaling=None",
+    ),
+    Mutation(
+        "hf_gpt2_prefix_required",
+        "Hugging Face import: a GPT-2 file without the transformer. prefix (OpenAI's upload) is "
+        "refused",
+        (
+            (
+                "lightning_sp/interop/hf.py",
+                "short = name.removeprefix(prefix) if prefix else name",
+                "short = name",
+            ),
+        ),
+        ("tests/test_interop_hf.py", "-k", "without_the_transformer_prefix"),
+        r"a GPT-2 file without the 'transformer\.' prefix \(OpenAI's\) is not read",
+    ),
+    Mutation(
+        "hf_moe_normalize_default_true",
+        "Hugging Face import: a Qwen3-MoE / OLMoE config.json without norm_topk_prob is read as "
+        "renormalising the top-k weights (transformers: not)",
+        (
+            (
+                "lightning_sp/interop/hf_moe.py",
+                "normalize_top_k=self.normalize is None or bool(hf.get(self.normalize)),",
+                "normalize_top_k=self.normalize is None or bool(hf.get(self.normalize, True)),",
+            ),
+        ),
+        ("tests/test_hf_families.py", "-k", "absent_keys"),
+        r"without the key of moe\.normalize_top_k is read as moe\.normalize_top_k=True; "
+        r"transformers reads False",
+    ),
+    Mutation(
+        "hf_rotary_table_refused",
+        "Hugging Face import: an older Llama file's rotary table rotary_emb.inv_freq is refused "
+        "as a tensor with no place (transformers drops it without a word)",
+        (
+            (
+                "lightning_sp/interop/hf.py",
+                'IGNORED = re.compile(r"(^|\\.)h\\.\\d+\\.attn\\.bias$|rotary_emb\\.inv_freq$")',
+                'IGNORED = re.compile(r"(^|\\.)h\\.\\d+\\.attn\\.bias$")',
+            ),
+        ),
+        ("tests/test_interop_hf.py", "-k", "without_a_word"),
+        r"rotary_emb\.inv_freq: transformers loads the file without a word; we refuse it",
+    ),
+    Mutation(
+        "hf_tied_lm_head_refused",
+        "Hugging Face import: a tied model's file holding lm_head.weight is refused (transformers "
+        "loads it without a word)",
+        (
+            (
+                "lightning_sp/interop/hf.py",
+                'if config.tie_embeddings and key.removeprefix("model.") == "lm_head.weight":',
+                "if False:",
+            ),
+        ),
+        ("tests/test_interop_hf.py", "-k", "without_a_word"),
+        r"lm_head\.weight: transformers loads the file without a word; we refuse it",
+    ),
+    Mutation(
+        "hf_index_first_file_only",
+        "Hugging Face import: of a sharded directory only the first file its "
+        "model.safetensors.index.json names is read",
+        (
+            (
+                "lightning_sp/interop/hf.py",
+                'files = sorted(set(index["weight_map"].values()))',
+                'files = sorted(set(index["weight_map"].values()))[:1]',
+            ),
+        ),
+        ("tests/test_interop_hf.py", "-k", "every_file_of_its_index"),
+        r"a directory sharded in \d+ files is not read whole",
+    ),
+    Mutation(
+        "export_tokenizer_unchecked",
+        "export: --tokenizer of another vocabulary than the run's is taken (its ids name other "
+        "tokens than the model was trained on)",
+        (
+            (
+                "lightning_sp/cli/export.py",
+                'if recorded not in (None, f"tokenizers:{digest[:16]}"):',
+                "if False:",
+            ),
+        ),
+        ("tests/test_hf_export.py", "-k", "another_tokenizer"),
+        r"export took another tokenizer\.json than the run's",
+    ),
+    Mutation(
+        "hf_legacy_rope_type_ignored",
+        "Hugging Face import: transformers 4's rope_scaling {type: linear} is read as no scaling "
+        "(only rope_type is looked at)",
+        (
+            (
+                "lightning_sp/interop/hf_llama.py",
+                'kind = rope.get("rope_type", rope.get("type", "default"))',
+                'kind = rope.get("rope_type", "default")',
+            ),
+        ),
+        ("tests/test_hf_families.py", "-k", "legacy_rope"),
+        r"rope_scaling \{'type': 'linear', 'factor': 2\.0\} read as rope_scaling=None; "
+        r"transformers applies linear scaling",
+    ),
 )
 
 
