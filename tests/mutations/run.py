@@ -1208,6 +1208,20 @@ MUTATIONS = (
         r"rope_scaling \{'type': 'linear', 'factor': 2\.0\} read as rope_scaling=None; "
         r"transformers applies linear scaling",
     ),
+    Mutation(
+        "pipeline_overlap_one_layer",
+        "step-time model: an interleaved pipeline's transfer hides behind one layer's forward, "
+        "not the next chunk's L/(p·m) layers",
+        (
+            (
+                "lightning_sp/planner/steptime.py",
+                "            one = max(0.0, one - chunk * sum(layer.forward.values()))",
+                "            one = max(0.0, one - sum(layer.forward.values()))",
+            ),
+        ),
+        ("tests/test_steptime_overlap.py", "-k", "whole_chunk"),
+        r"interleaved pipeline_overlap: exposed p2p .* not one layer's",
+    ),
 )
 
 
