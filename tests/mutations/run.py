@@ -1222,6 +1222,49 @@ MUTATIONS = (
         ("tests/test_steptime_overlap.py", "-k", "whole_chunk"),
         r"interleaved pipeline_overlap: exposed p2p .* not one layer's",
     ),
+    Mutation(
+        "lora_saving_skips_bubble",
+        "LoRA step time: the frozen base's shorter backward is taken off the n micro-batches "
+        "only, not the pipeline bubble's (p-1)/m passes",
+        (
+            (
+                "lightning_sp/planner/lora.py",
+                '    seconds = parts["pipeline"] - (n + (p - 1) / m) * config.num_layers / p '
+                "* layer",
+                '    seconds = parts["pipeline"] - n * config.num_layers / p * layer',
+            ),
+        ),
+        ("tests/test_planner_lora.py", "-k", "bubble"),
+        r"LoRA at p = 2: the bubble's layers save",
+    ),
+    Mutation(
+        "lora_optimizer_unsharded",
+        "LoRA step time: Adam's step over every adapter parameter on each rank, not this "
+        "rank's distributed-optimizer shard",
+        (
+            (
+                "lightning_sp/planner/lora.py",
+                "    shard = adapters / shards if zero else adapters",
+                "    shard = adapters",
+            ),
+        ),
+        ("tests/test_planner_lora.py", "-k", "sharded"),
+        r"LoRA with the distributed optimizer over d = 4: the step is",
+    ),
+    Mutation(
+        "lora_full_experts_over_dp",
+        "LoRA estimate: the full fine-tune's routed experts' optimizer state sharded over the "
+        "d·c ranks, not the d·c/e holding the same experts",
+        (
+            (
+                "lightning_sp/planner/lora.py",
+                "    full_state += model_state_bytes(experts, precision, shards // e, zero)",
+                "    full_state += model_state_bytes(experts, precision, shards, zero)",
+            ),
+        ),
+        ("tests/test_planner_lora.py", "-k", "expert_data_ranks"),
+        r"full fine-tune at e = 2, d = 4, distributed optimizer: model state",
+    ),
 )
 
 
