@@ -1265,6 +1265,91 @@ MUTATIONS = (
         ("tests/test_planner_lora.py", "-k", "expert_data_ranks"),
         r"full fine-tune at e = 2, d = 4, distributed optimizer: model state",
     ),
+    Mutation(
+        "search_sp_at_t1",
+        "estimate --search ranks sequence parallelism at t = 1 (the SP-off row again, each such "
+        "layout twice)",
+        (
+            (
+                "lightning_sp/planner/search.py",
+                "            if row.sequence_parallel and layout.tensor_parallel_size == 1:\n"
+                "                continue\n",
+                "",
+            ),
+        ),
+        ("tests/test_estimate_inputs.py", "-k", "each_layout_once"),
+        r"search ranks sequence parallelism at t = 1",
+    ),
+    Mutation(
+        "dpo_reference_no_bubble",
+        "DPO reference forward priced for the n micro-batches only, not the forward "
+        "schedule's (p-1)/m bubble",
+        (
+            (
+                "lightning_sp/planner/dpo.py",
+                "    seconds = (n + (p - 1) / m) * config.num_layers / p * layer + n * ends",
+                "    seconds = n * config.num_layers / p * layer + n * ends",
+            ),
+        ),
+        ("tests/test_planner_dpo.py", "-k", "through_a_pipeline"),
+        r"DPO reference forward at p = 2, m = \d, SP off: .* by hand",
+    ),
+    Mutation(
+        "dpo_reference_ends_summed",
+        "DPO reference forward: under a pipeline the embedding (first stage) and the head "
+        "(last stage) both priced on the path, not the slower of the two",
+        (
+            (
+                "lightning_sp/planner/dpo.py",
+                "    ends = head + embedding if p == 1 else max(head, embedding)",
+                "    ends = head + embedding",
+            ),
+        ),
+        ("tests/test_planner_dpo.py", "-k", "through_a_pipeline"),
+        r"DPO reference forward at p = 2, m = \d, SP off: .* by hand",
+    ),
+    Mutation(
+        "packed_ids_in_flight",
+        "first-stage bytes: packed documents' ids and positions counted for the micro-batches "
+        "in flight, not all n of the step",
+        (
+            (
+                "lightning_sp/planner/rows.py",
+                "    total += acts.ids * n + acts.tables * in_flight",
+                "    total += acts.ids * in_flight + acts.tables * in_flight",
+            ),
+        ),
+        ("tests/test_document_bytes.py", "-k", "every_micro_batchs_ids"),
+        r"first stage at p = 2, n = 4 with packed documents: \d+ B more",
+    ),
+    Mutation(
+        "interleaved_in_flight_uncapped",
+        "interleaved first stage: the warm-up's p·m + p - 1 chunk forwards counted even when "
+        "the step has fewer (n·m)",
+        (
+            (
+                "lightning_sp/memory/formulas.py",
+                "    return min(p * m + p - 1, n * m)",
+                "    return p * m + p - 1",
+            ),
+        ),
+        ("tests/test_memory.py", "-k", "capped"),
+        r"interleaved p = 2, m = 2, n = 2: 5 chunk forwards in flight",
+    ),
+    Mutation(
+        "dpo_reference_embedding_half_all_reduce",
+        "DPO reference forward without SP: the embedding's TP all-reduce priced as one ring "
+        "pass (a reduce-scatter's), not two",
+        (
+            (
+                "lightning_sp/planner/dpo.py",
+                "embedding + (unit if sp else 2 * unit)",
+                "embedding + unit",
+            ),
+        ),
+        ("tests/test_planner_dpo.py", "-k", "through_a_pipeline"),
+        r"DPO reference forward at p = 1, m = 1, SP off: .* by hand",
+    ),
 )
 
 
