@@ -295,3 +295,16 @@ def test_pipeline_overlap_hides_behind_a_whole_chunk_by_hand() -> None:
         f"interleaved pipeline_overlap: exposed p2p {got:.3e} s, expected {expected:.3e} s "
         f"(each send beside the next chunk's {chunk} layers' forward, not one layer's)"
     )
+
+
+def test_pipeline_transfers_per_iteration_by_hand() -> None:
+    """1F1B over one node (t = 2 with SP, p = 2, d = 2), n = 4 micro-batches: per micro-batch
+    one forward and one backward send of the ``2sbh/t``-byte boundary activation over NVLink,
+    none hidden: ``parts["p2p"]`` is the iteration's ``n · 2 · send``."""
+    layout = Layout(config=GPT, tensor_parallel_size=2, pipeline_parallel_size=2,
+                    num_microbatches=4, data_parallel_size=2)  # fmt: skip
+    send = 2 * GPT.seq_length * GPT.hidden_size / 2 / NVLINK
+    got = step_time(layout, H100_80GB).parts["p2p"]
+    assert got == pytest.approx(4 * 2 * send, rel=1e-12), (
+        f"pipeline transfers per iteration: {got:.4e} s, by hand n·2·send = {8 * send:.4e} s"
+    )

@@ -1350,6 +1350,85 @@ MUTATIONS = (
         ("tests/test_planner_dpo.py", "-k", "through_a_pipeline"),
         r"DPO reference forward at p = 1, m = 1, SP off: .* by hand",
     ),
+    Mutation(
+        "search_json_drops_expert_sizes",
+        "estimate --search --format json rows leave out expert_parallel_size and "
+        "expert_tensor_parallel_size (rows differing only in the expert layout read alike)",
+        (
+            (
+                "lightning_sp/planner/report.py",
+                '        "expert_parallel_size": lay.expert_parallel_size,\n'
+                '        "expert_tensor_parallel_size": lay.expert_tensor_parallel_size,\n',
+                "",
+            ),
+        ),
+        ("tests/test_moe_memory.py", "-k", "names_each"),
+        r"search JSON row: \(e, etp\) = \(None, None\)",
+    ),
+    Mutation(
+        "fp8_gemm_output_one_byte",
+        "FP8 pricing: a float8 GEMM's output counted at 1 byte an element (it is bf16, 2)",
+        (
+            (
+                "lightning_sp/planner/fp8.py",
+                "    moved = operands + 2.0 * batch * m * n",
+                "    moved = operands + 1.0 * batch * m * n",
+            ),
+        ),
+        ("tests/test_planner_fp8.py", "-k", "two_byte"),
+        r"memory-bound float8 GEMM: .* expected .*a 2-byte output",
+    ),
+    Mutation(
+        "fp8_weight_gradient_bf16",
+        "FP8 pricing: the linears' weight-gradient GEMMs priced in bf16, not float8",
+        (
+            (
+                "lightning_sp/planner/layertime.py",
+                "            dgrad[name], wgrad[name] = price(cluster, dg), price(cluster, wg)",
+                "            dgrad[name] = price(cluster, dg)",
+            ),
+        ),
+        ("tests/test_planner_fp8.py", "-k", "both_backward"),
+        r"FP8 backward GEMMs: .* expected .*weight-gradient GEMMs of every linear in float8",
+    ),
+    Mutation(
+        "fits_strict",
+        "a row whose bytes fill the device exactly does not fit (< for <=)",
+        (
+            (
+                "lightning_sp/planner/records.py",
+                "        return self.total_bytes <= self.device_bytes\n\n"
+                "    @property\n    def label",
+                "        return self.total_bytes < self.device_bytes\n\n"
+                "    @property\n    def label",
+            ),
+        ),
+        ("tests/test_planner.py", "-k", "filling_the_device"),
+        r"a row of \d+ B on a \d+ B device: no fit",
+    ),
+    Mutation(
+        "experts_per_rank_all_stages",
+        "expert_parameters_per_rank counts every layer's experts, not the L/p of one pipeline "
+        "stage",
+        (
+            (
+                "lightning_sp/memory/model_state.py",
+                "        config.num_layers\n"
+                "        // layout.pipeline_parallel_size\n"
+                "        * (experts // layout.expert_parallel_size)",
+                "        config.num_layers\n        * (experts // layout.expert_parallel_size)",
+            ),
+        ),
+        ("tests/test_model_state.py", "-k", "expert_parameters_per_rank_by_hand"),
+        r"routed experts per rank at p = 2, e = \d: \d+, by hand",
+    ),
+    Mutation(
+        "p2p_part_per_micro_batch",
+        "step-time parts: p2p reported for one micro-batch, not the iteration's n",
+        (("lightning_sp/planner/steptime.py", '        "p2p": n * p2p,', '        "p2p": p2p,'),),
+        ("tests/test_steptime_overlap.py", "-k", "transfers_per_iteration"),
+        r"pipeline transfers per iteration: .* by hand n·2·send",
+    ),
 )
 
 
