@@ -5,6 +5,7 @@ format; and each bad input refused in one line before anything is written."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -12,7 +13,15 @@ import pytest
 import torch
 
 from lightning_sp.data import TextDataModule
-from lightning_sp.data.chat import first_fit, prepare_chat
+from lightning_sp.data.chat import (
+    ASSISTANT,
+    START,
+    first_fit,
+    flags_to_sample,
+    loss_tokens,
+    prepare_chat,
+)
+from lightning_sp.data.packing import split_members
 from lightning_sp.errors import ConfigError
 
 from corpora import CHAT_TEMPLATE, chat_tokenizer, conversations, jsonl
@@ -80,7 +89,10 @@ def test_assistant_mask_equals_transformers_and_packing_is_exact(tmp_path: Path)
             where = (documents == doc).nonzero().squeeze(1)
             ids = tuple(row[where].tolist())
             if ids not in expected:  # the padding document: end-of-document tokens, no loss
-                assert set(ids) == {hf.eos_token_id}, ids
+                assert set(ids) == {hf.eos_token_id}, (
+                    f"a document of tokens {ids} is neither a conversation nor the padding "
+                    "(the padding not a document of its own?)"
+                )
                 assert not sample["loss_mask"][where[where < S]].any()
                 continue
             seen.append(ids)
@@ -335,3 +347,140 @@ def test_chat_sft_without_transformers_says_what_to_install(
         "template, which needs the package 'transformers': install the chat extra, pip install "
         "'lightning-sp[chat]' (transformers, jinja2)"
     )
+
+
+def test_flags_to_sample_and_loss_tokens_by_hand() -> None:
+    """A packed chat bin's fields from its tokens and flags, written out by hand: label ``j``
+    is token ``j + 1``, counted where that token is an assistant token of the same
+    conversation (not the first token of the next one, assistant or not); documents and
+    positions restart at each start flag. And :func:`loss_tokens`: the first token of a
+    conversation is nobody's label, so a conversation whose only assistant token is its first
+    trains nothing (it is dropped, not packed)."""
+    a, start = ASSISTANT, START
+    row = torch.arange(10, 18)  # s + 1 = 8 tokens
+    # conversation 0: tokens 0-3 (answer 2, 3); conversation 1: tokens 4-5, its first token an
+    # assistant token; padding: tokens 6-7
+    flags = torch.tensor([start, 0, a, a, start | a, a, start, 0], dtype=torch.uint8)
+    sample = flags_to_sample(row, flags)
+    assert sample["input_ids"].tolist() == list(range(10, 17)), "input_ids are not tokens 0..s-1"
+    assert sample["labels"].tolist() == list(range(11, 18)), "labels are not tokens 1..s"
+    want = [False, True, True, False, True, False, False]
+    assert sample["loss_mask"].tolist() == want, (
+        f"loss_mask {sample['loss_mask'].int().tolist()}, by hand {[int(w) for w in want]}: "
+        "label j must count where token j + 1 is an assistant token of the same conversation"
+    )
+    assert sample["documents"].tolist() == [0, 0, 0, 0, 1, 1, 2], (
+        f"documents {sample['documents'].tolist()}: not counted from the start flags"
+    )
+    assert sample["positions"].tolist() == [0, 1, 2, 3, 0, 1, 0], (
+        f"positions {sample['positions'].tolist()}: not restarting per conversation"
+    )
+    for mask, count in (([1, 0, 0], 0), ([0, 1, 1, 0], 2), ([1, 1], 1), ([1], 0)):
+        assert loss_tokens(mask) == count, (
+            f"loss_tokens({mask}) = {loss_tokens(mask)}, not {count}: the first token of a "
+            "conversation is nobody's label and counts for no loss token"
+        )
+
+
+def test_a_cut_or_missing_flags_file_is_one_line_at_open(tmp_path: Path) -> None:
+    """A chat split's ``flags.bin`` holds one byte per token: cut (or missing) it would shift
+    or drop the loss masks and document starts of the samples it no longer covers. Building
+    the data module says so in one line naming the file, before a token is read."""
+    tokenizer_dir = chat_tokenizer(tmp_path)
+    source = jsonl(tmp_path / "chat.jsonl", conversations(6))
+    out = tmp_path / "prepared"
+    prepare_chat([str(source)], str(tokenizer_dir), str(out), S, val_fraction=0,
+                 log=lambda _: None)  # fmt: skip
+    flags = out / "train" / "flags.bin"
+    whole = flags.read_bytes()
+    cases = [
+        (lambda: flags.write_bytes(whole[:-3]),
+         rf"^{flags} holds {len(whole) - 3} bytes, index.json says {len(whole)} tokens of 1 "
+         r"byte\(s\)"),
+        (lambda: flags.unlink(), rf"^{flags} is missing \({len(whole)} tokens by index.json\)"),
+    ]  # fmt: skip
+    for damage, match in cases:
+        flags.write_bytes(whole)
+        damage()
+        try:
+            TextDataModule(prepared_dir=str(out), tokenizer=str(tokenizer_dir / "tokenizer.json"),
+                           seq_length=S, batch_size=1)  # fmt: skip
+            line = None
+        except ConfigError as error:
+            line = str(error)
+        assert line is not None, (
+            "train/flags.bin cut or missing, and the data module opened the split without a "
+            "word (the flags file's size not checked against index.json)"
+        )
+        assert re.search(match, line) and "\n" not in line, line
+
+
+def test_a_truncated_conversation_keeps_its_mask_aligned(tmp_path: Path) -> None:
+    """``overflow: truncate`` cuts a long conversation's ids and its assistant mask alike: the
+    prepared split holds one flag per token, and read back, the truncated conversation's loss
+    mask is transformers' mask of its first ``seq_length + 1`` tokens (and every other
+    conversation's its own: nothing shifted)."""
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = chat_tokenizer(tmp_path)
+    long = {"prompt": "the quick brown fox", "completion": " ".join(["the lazy dog"] * 20)}
+    rows = [*conversations(4), long]
+    out = tmp_path / "prepared"
+    meta = prepare_chat([str(jsonl(tmp_path / "chat.jsonl", rows))], str(tokenizer_dir),
+                        str(out), S, val_fraction=0, log=lambda _: None)  # fmt: skip
+    assert meta["chat"]["truncated"] == 1, meta["chat"]
+    index = json.loads((out / "train" / "index.json").read_text())
+    flags = (out / "train" / "flags.bin").stat().st_size
+    assert flags == index["tokens"], (
+        f"train/flags.bin holds {flags} flags for {index['tokens']} tokens: a truncated "
+        "conversation's mask was not cut with its ids"
+    )
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    expected = {}
+    for row in rows:
+        messages = row.get("messages") or [
+            {"role": "user", "content": row["prompt"]},
+            {"role": "assistant", "content": row["completion"]},
+        ]
+        rendered = hf.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids, mask = rendered["input_ids"][: S + 1], rendered["assistant_masks"][: S + 1]
+        expected[tuple(ids)] = mask
+    data = TextDataModule(prepared_dir=str(out), tokenizer=str(tokenizer_dir / "tokenizer.json"),
+                          seq_length=S, batch_size=1)  # fmt: skip
+    found = 0
+    for sample in _samples(data):
+        row = torch.cat([sample["input_ids"], sample["labels"][-1:]])
+        documents = torch.cat([sample["documents"], sample["documents"][-1:]])
+        for doc in documents.unique():
+            where = (documents == doc).nonzero().squeeze(1)
+            ids = tuple(row[where].tolist())
+            if ids in expected:
+                got = sample["loss_mask"][where[:-1]].int().tolist()
+                want = expected.pop(ids)[1 : len(where)]
+                assert got == want, (
+                    f"a conversation of {len(ids)} tokens read back with loss mask {got}, "
+                    f"transformers' {want}: its flags are shifted"
+                )
+                found += 1
+    assert not expected, f"{len(expected)} conversations not found whole in the samples"
+    assert found == len(rows)
+
+
+def test_split_members_by_hand() -> None:
+    """The validation items of packed chat / preference data: ``val_fraction`` of the items,
+    at least one and one short of all (none at 0), drawn without overlapping the training
+    items (together each item once)."""
+    for count, fraction, n_val in ((10, 0.3, 3), (10, 0.01, 1), (2, 0.9, 1), (7, 0.0, 0)):
+        split = split_members(count, fraction, seed=5)
+        train, val = split["train"], split["val"]
+        assert len(val) == n_val, (
+            f"split_members({count}, {fraction}): {len(val)} validation items, not {n_val} "
+            "(val_fraction of the items, at least one and one short of all)"
+        )
+        assert sorted(train + val) == list(range(count)) and not set(train) & set(val), (
+            f"split_members({count}, {fraction}): train {train} and val {val} do not hold "
+            "each item exactly once (a validation item trained on, or one lost)"
+        )
+        assert train == sorted(train) and val == sorted(val), "items not in order"

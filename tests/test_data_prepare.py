@@ -298,3 +298,64 @@ def test_a_corrupt_sample_only_rank_1_reads_ends_the_run_with_its_line(tmp_path:
     assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert errors[0].startswith(f"error: {shard}: token id 999 (first bad id at token "), errors
     assert "prepare it again (found by rank 1)" in errors[0], errors[0]
+
+
+def test_a_token_id_equal_to_the_vocabulary_size_is_outside_it(tmp_path: Path) -> None:
+    """The vocabulary of 257 ids is ids 0 .. 256: id 257 (the size itself) is outside it and
+    named where read, like any larger id; 256 (the last id) is read as is."""
+    from lightning_sp.data.tokens import CorruptShardError
+
+    out = _prepared_bytes(tmp_path)
+    shard = out / "train" / "00000.bin"
+    ids = np.memmap(shard, dtype=np.uint16, mode="r+")
+    ids[5], ids[40] = 256, 257
+    ids.flush()
+    del ids
+    split = TokenSplit(str(out), "train", vocab_size=257)
+    assert split.read(0, 17)[5] == 256, "the last id of the vocabulary not read as is"
+    try:
+        split.read(34, 17)
+        message = None
+    except CorruptShardError as error:
+        message = str(error)
+    assert message is not None, (
+        "token id 257 of a vocabulary of 257 ids (0 .. 256) was read without a word: the check "
+        "lets the vocabulary size itself through"
+    )
+    assert "token id 257 (first bad id at token 40 of the shard)" in message, message
+
+
+def test_a_prepared_corpus_is_not_reused_for_another_source_or_split(tmp_path: Path) -> None:
+    """A prepared directory is reused only for the source and split it was prepared from: a
+    source file edited in place to the same size (its contents changed, its size not), or
+    another ``val_fraction`` or ``seed``, is refused in one line, not trained on as stale
+    tokens or another split."""
+    docs = text_files(tmp_path, n=4, words=10)
+    info = tokenizer_info(None)
+    _run(tmp_path, _source(str(docs)), info)
+    changed = {
+        "val_fraction 0.5 for 0.25": lambda: _run(tmp_path, _source(str(docs)), info,
+                                                  val_fraction=0.5),
+        "seed 4 for 3": lambda: _run(tmp_path, _source(str(docs)), info, seed=4),
+    }  # fmt: skip
+    first = docs / "doc00.txt"
+    text = first.read_text()
+    stamp = first.stat().st_mtime_ns
+
+    def edit() -> None:  # the same number of bytes, the first word another
+        first.write_text(text.replace(text.split()[2], text.split()[2][::-1], 1))
+        assert first.stat().st_size == len(text.encode()) and first.read_text() != text
+        os.utime(first, ns=(stamp + 10**9, stamp + 10**9))  # a later modification time
+        _run(tmp_path, _source(str(docs)), info)
+
+    changed["a source file edited to the same size"] = edit
+    for what, again in changed.items():
+        try:
+            again()
+            line = None
+        except ConfigError as error:
+            line = str(error)
+        assert line is not None, (
+            f"{what}: the prepared corpus was reused as up to date (its identity does not hold it)"
+        )
+        assert "already holds a corpus prepared from another" in line and "\n" not in line, line

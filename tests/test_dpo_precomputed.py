@@ -51,7 +51,13 @@ def test_precomputed_reference_equals_live(tmp_path: Path) -> None:
             want = live._reference(policy, batch, targets, (ids, target, packing))
             got = stored._reference(policy, batch, targets, (ids, target, packing))
             assert want.abs().sum() > 0, f"{split}: the live reference is empty"
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-12, msg=f"{split} batch {seen}")
+            torch.testing.assert_close(
+                got, want, rtol=0, atol=1e-12,
+                msg=lambda m, split=split, seen=seen: (
+                    f"{split} batch {seen}: the stored reference log-probabilities differ from "
+                    f"the live reference's: {m}"
+                ),
+            )  # fmt: skip
             seen += 1
         assert seen > 0, f"{split}: no batches"
 

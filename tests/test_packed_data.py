@@ -23,9 +23,15 @@ def test_annotate_follows_megatrons_three_flags() -> None:
     sample = annotate(row, EOD, DocumentOptions(True, True, True))
     assert sample["input_ids"].tolist() == [1, 2, EOD, 3, 4, 5, EOD, 6]
     assert sample["labels"].tolist() == [2, EOD, 3, 4, 5, EOD, 6, 7]
-    assert sample["documents"].tolist() == [0, 0, 0, 1, 1, 1, 1, 2]  # EOD ends its document
+    assert sample["documents"].tolist() == [0, 0, 0, 1, 1, 1, 1, 2], (  # EOD ends its document
+        f"documents {sample['documents'].tolist()}: an end-of-document token belongs to the "
+        "document it ends"
+    )
     assert sample["positions"].tolist() == [0, 1, 2, 0, 1, 2, 3, 0]
-    assert sample["loss_mask"].tolist() == [1, 1, 0, 1, 1, 1, 0, 1]  # no loss from an EOD input
+    assert sample["loss_mask"].tolist() == [1, 1, 0, 1, 1, 1, 0, 1], (  # no loss from an EOD input
+        f"loss_mask {sample['loss_mask'].int().tolist()}: masked where the input (not the "
+        "label) is the end-of-document token"
+    )
     plain = annotate(row, EOD, DocumentOptions())
     assert set(plain) == {"input_ids", "labels"}
     only_positions = annotate(row, EOD, DocumentOptions(reset_position_ids=True))

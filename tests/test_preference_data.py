@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_sp.data import TextDataModule
-from lightning_sp.data.preference import prepare_preference
+from lightning_sp.data.preference import fit_pair, prepare_preference, render_pair
 from lightning_sp.errors import ConfigError
 
 from corpora import chat_tokenizer, jsonl
@@ -142,3 +142,79 @@ def test_long_pairs_truncated_with_one_notice_or_refused(tmp_path: Path) -> None
                               log=notices.append)  # fmt: skip
     assert meta["preference"]["truncated"] == 1, meta["preference"]
     assert sum("were truncated" in n for n in notices) == 1, notices
+
+
+def test_fit_pair_keeps_each_start_and_cuts_its_mask_alike() -> None:
+    """A pair longer than ``width`` tokens, cut by hand: each sequence keeps its start (the
+    prompt), the longer is cut first, neither below half unless the other is shorter, and
+    each answer mask is cut to its own sequence's length (a mask of another length shifts
+    every flag after it in the packed bin)."""
+    width = 11  # half = 5
+
+    def seq(first: int, n: int) -> tuple[list[int], list[int]]:
+        return list(range(first, first + n)), [0, 0] + [1] * (n - 2)
+
+    cases = [  # (chosen length, rejected length) -> kept lengths
+        ((4, 5), (4, 5)),  # fits: as is
+        ((3, 10), (3, 8)),  # chosen under half: rejected takes the rest
+        ((10, 4), (7, 4)),  # rejected under the other half: chosen takes the rest
+        ((9, 9), (5, 6)),  # both long: half each, the odd token to rejected
+    ]
+    for (n_c, n_r), (k_c, k_r) in cases:
+        got = fit_pair((seq(100, n_c), seq(200, n_r)), width)
+        want = (seq(100, k_c), seq(200, k_r))
+        assert got == want, (
+            f"fit_pair of chosen {n_c} + rejected {n_r} tokens into {width} must keep each "
+            f"sequence's start and cut its mask to its own length: got {got}, by hand {want}"
+        )
+
+
+def test_answer_starts_where_either_answer_leaves_the_prompt(tmp_path: Path) -> None:
+    """TRL's rule: the prompt is the shortest common prefix of the tokenized prompt with each
+    tokenized prompt + answer. Here the chosen answer merges with the prompt's last word
+    ("the quick bro" + "wn fox": "brown" is one token), the rejected does not ("bro" stays
+    "br" "o"): both answers start after "quick", the tokens written out by hand."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_tokenizer(tmp_path)), local_files_only=True)
+    row = {"prompt": "the quick bro", "chosen": "wn fox", "rejected": " dog"}
+    chosen, rejected = render_pair(tokenizer, row, "row 1")
+    eos = "<|endoftext|>"
+    want = {
+        "chosen": (["the", "quick", "brown", "fox", eos], [0, 0, 1, 1, 1]),
+        "rejected": (["the", "quick", "br", "o", "dog", eos], [0, 0, 1, 1, 1, 1]),
+    }
+    for name, (ids, mask) in (("chosen", chosen), ("rejected", rejected)):
+        tokens = tokenizer.convert_ids_to_tokens(ids)
+        assert (tokens, mask) == want[name], (
+            f"{name}: the answer must start at the shortest common prefix of the prompt with "
+            f"either sequence: tokens {tokens} with answer mask {mask}, by hand {want[name]}"
+        )
+
+
+def test_a_pair_cut_to_an_answerless_sequence_is_refused(tmp_path: Path) -> None:
+    """A pair truncated so that one of its sequences keeps no answer token (its prompt fills
+    its half of the bin) is refused in one line naming the row, also when the other keeps
+    one: DPO compares the two answers' log-probabilities, and an empty one is no answer. Here
+    the prompt is 17 tokens, ``seq_length + 1 = 35``: chosen keeps 17 tokens (the prompt
+    only), rejected 18 (one answer token)."""
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = chat_tokenizer(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    assert len(hf(GOOD["prompt"])["input_ids"]) == 17, "the prompt is not 17 tokens"
+    long = {"prompt": GOOD["prompt"], "chosen": " two" * 10, "rejected": " three" * 10}
+    source = jsonl(tmp_path / "long.jsonl", [long])
+    try:
+        prepare_preference([str(source)], str(tokenizer_dir), str(tmp_path / "p"), 34,
+                           val_fraction=0, log=lambda _: None)  # fmt: skip
+        line = None
+    except ConfigError as error:
+        line = str(error)
+    assert line is not None, (
+        "row 1, truncated to a chosen sequence of its prompt only (no answer token), was "
+        "prepared without a word"
+    )
+    assert line.startswith("row 1: the prompt fills the pair's half", len(str(source)) + 1), line
+    assert "\n" not in line, line
+    assert not (tmp_path / "p").exists(), "something was written before the error"

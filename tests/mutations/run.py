@@ -832,6 +832,369 @@ MUTATIONS = (
         r"the reference copy's \S+ is not init_from's",
     ),
     Mutation(
+        "chat_first_token_counts",
+        "chat SFT: a conversation's first token counts as a loss token (one whose only "
+        "assistant token is its first is packed, training nothing)",
+        (
+            (
+                "lightning_sp/data/chat.py",
+                "    return sum(1 for m in mask[1:] if m)\n",
+                "    return sum(1 for m in mask if m)\n",
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "by_hand"),
+        r"loss_tokens\(\[1, 0, 0\]\) = 1, not 0: the first token of a conversation is "
+        r"nobody's label",
+    ),
+    Mutation(
+        "fit_pair_masks_crossed",
+        "preference truncation cuts each answer mask to the other sequence's length (the "
+        "flags of every later token in the bin shift)",
+        (
+            (
+                "lightning_sp/data/preference.py",
+                "    return (a[:cap_a], ma[:cap_a]), (b[:cap_b], mb[:cap_b])\n",
+                "    return (a[:cap_a], ma[:cap_b]), (b[:cap_b], mb[:cap_a])\n",
+            ),
+        ),
+        ("tests/test_preference_data.py", "-k", "fit_pair"),
+        r"fit_pair of chosen \d+ \+ rejected \d+ tokens into 11 must keep each sequence's start "
+        r"and cut its mask to its own length: got",
+    ),
+    Mutation(
+        "fit_pair_keeps_ends",
+        "preference truncation keeps each sequence's end, not its start (the prompt is cut away)",
+        (
+            (
+                "lightning_sp/data/preference.py",
+                "    return (a[:cap_a], ma[:cap_a]), (b[:cap_b], mb[:cap_b])\n",
+                "    return (a[-cap_a:], ma[-cap_a:]), (b[-cap_b:], mb[-cap_b:])\n",
+            ),
+        ),
+        ("tests/test_preference_data.py", "-k", "fit_pair"),
+        r"fit_pair of chosen \d+ \+ rejected \d+ tokens into 11 must keep each sequence's start "
+        r"and cut its mask to its own length: got",
+    ),
+    Mutation(
+        "pair_answer_start_longest",
+        "preference pairs: the answers start at the longest common prefix of the prompt with "
+        "either sequence, not the shortest (TRL's): a chosen answer that merges with the "
+        "prompt's last word loses its first token's loss",
+        (
+            (
+                "lightning_sp/data/preference.py",
+                "    start = min(_common(head, full) for full in fulls)\n",
+                "    start = max(_common(head, full) for full in fulls)\n",
+            ),
+        ),
+        ("tests/test_preference_data.py", "-k", "answer_starts"),
+        r"chosen: the answer must start at the shortest common prefix of the prompt with either "
+        r"sequence",
+    ),
+    Mutation(
+        "chat_flags_size_unchecked",
+        "prepared chat splits: flags.bin's size is not checked against index.json at open (a "
+        "cut or missing file shifts or drops the loss masks)",
+        (
+            (
+                "lightning_sp/data/tokens.py",
+                "            _check_size(self.flags_file, self.num_tokens, 1)\n",
+                "            pass\n",
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "flags_file"),
+        r"train/flags\.bin cut or missing, and the data module opened the split without a word",
+    ),
+    Mutation(
+        "resume_counts_one_replica",
+        "a resumed sampler restarts its count of consumed samples at this replica's own "
+        "(not times the data-parallel size): the next checkpoint repeats samples",
+        (
+            (
+                "lightning_sp/data/sampler.py",
+                "        self.consumed_samples = start * self.num_replicas\n",
+                "        self.consumed_samples = start\n",
+            ),
+        ),
+        ("tests/test_data_order.py", "-k", "counts_every"),
+        r"rank \d: resumed at 20 samples of 2 replicas, 5 more each: the next state says \d+ "
+        r"consumed samples, not 30",
+    ),
+    Mutation(
+        "quotas_smallest_remainders",
+        "blend quotas: the samples left after rounding down go to the smallest remainders, "
+        "not the largest",
+        (
+            (
+                "lightning_sp/data/order.py",
+                'order = np.argsort(-(exact - base), kind="stable")',
+                'order = np.argsort(exact - base, kind="stable")',
+            ),
+        ),
+        ("tests/test_data_order.py", "-k", "quotas"),
+        r"quotas\(.*\) = \[.*\], by hand \[.*\]: the samples left after rounding down go to "
+        r"the largest remainders",
+    ),
+    Mutation(
+        "chat_truncate_mask_short",
+        "chat SFT: a truncated conversation's mask is cut one token shorter than its ids (every "
+        "later flag of its bin shifts)",
+        (
+            (
+                "lightning_sp/data/chat.py",
+                "                ids, mask = ids[:width], mask[:width]\n",
+                "                ids, mask = ids[:width], mask[: width - 1]\n",
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "keeps_its_mask"),
+        r"train/flags\.bin holds \d+ flags for \d+ tokens: a truncated conversation's mask was "
+        r"not cut with its ids",
+    ),
+    Mutation(
+        "packed_split_overlap",
+        "packed chat / preference data: the training items include one validation item "
+        "(trained on and validated on)",
+        (
+            (
+                "lightning_sp/data/packing.py",
+                '"train": sorted(order[n_val:].tolist())',
+                '"train": sorted(order[max(0, n_val - 1) :].tolist())',
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "split_members"),
+        r"split_members\(\d+, [\d.]+\): train .* and val .* do not hold each item exactly once",
+    ),
+    Mutation(
+        "packed_split_no_minimum",
+        "packed chat / preference data: a small val_fraction rounds the validation split to "
+        "no item (validation on nothing)",
+        (
+            (
+                "lightning_sp/data/packing.py",
+                "min(count - 1, max(1, round(val_fraction * count)))",
+                "min(count - 1, round(val_fraction * count))",
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "split_members"),
+        r"split_members\(10, 0\.01\): 0 validation items, not 1",
+    ),
+    Mutation(
+        "resume_skips_any_epoch",
+        "a resumed sampler skips the consumed samples of the saved epoch in whatever epoch it "
+        "starts (a checkpoint taken as an epoch ended loses the start of the next)",
+        (
+            (
+                "lightning_sp/data/sampler.py",
+                'if self._resume is not None and self._resume["epoch"] == self.epoch:',
+                "if self._resume is not None:",
+            ),
+        ),
+        ("tests/test_data_order.py", "-k", "own_epoch"),
+        r"resumed from a state of epoch 2 \(10 samples consumed\), epoch 3 reads \d+ samples, "
+        r"not its 150: the skip applied to another epoch",
+    ),
+    Mutation(
+        "pair_cut_answerless_kept",
+        "preference truncation keeps a pair one of whose sequences lost every answer token "
+        "(refused only when both did)",
+        (
+            (
+                "lightning_sp/data/preference.py",
+                "if not all(sum(mask[1:]) for _, mask in pair):",
+                "if not any(sum(mask[1:]) for _, mask in pair):",
+            ),
+        ),
+        ("tests/test_preference_data.py", "-k", "answerless_sequence"),
+        r"row 1, truncated to a chosen sequence of its prompt only \(no answer token\), was "
+        r"prepared without a word",
+    ),
+    Mutation(
+        "chat_mask_of_inputs",
+        "chat SFT: a sample's loss mask is read from the input tokens' flags, not the labels' "
+        "(shifted by one: the answer's first label lost, the turn's closing one added)",
+        (
+            (
+                "lightning_sp/data/chat.py",
+                '"loss_mask": (flags[1:] & ASSISTANT).ne(0) & same,',
+                '"loss_mask": (flags[:-1] & ASSISTANT).ne(0) & same,',
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "by_hand"),
+        r"loss_mask \[.*\], by hand \[.*\]: label j must count where token j \+ 1 is an "
+        r"assistant token of the same conversation",
+    ),
+    Mutation(
+        "chat_mask_across_conversations",
+        "chat SFT: a conversation's last token's label (the next conversation's first token) "
+        "counts where that token is an assistant token",
+        (
+            (
+                "lightning_sp/data/chat.py",
+                '"loss_mask": (flags[1:] & ASSISTANT).ne(0) & same,',
+                '"loss_mask": (flags[1:] & ASSISTANT).ne(0),',
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "by_hand"),
+        r"loss_mask \[.*\], by hand \[.*\]: label j must count where token j \+ 1 is an "
+        r"assistant token of the same conversation",
+    ),
+    Mutation(
+        "padding_joins_last_document",
+        "packed bins: the padding gets no start flag (it joins the last conversation's "
+        "document: attended to, positions running on)",
+        (
+            (
+                "lightning_sp/data/packing.py",
+                "            flags[start] = START\n",
+                "",
+            ),
+        ),
+        ("tests/test_chat_data.py", "-k", "packing_is_exact"),
+        r"a document of tokens .* is neither a conversation nor the padding",
+    ),
+    Mutation(
+        "sampler_advance_one_replica",
+        "the sampler's advance counts one replica's samples, not every replica's (a resume on "
+        "more than one replica repeats samples)",
+        (
+            (
+                "lightning_sp/data/sampler.py",
+                "self.consumed_samples += samples * self.num_replicas",
+                "self.consumed_samples += samples",
+            ),
+        ),
+        ("tests/test_data_order.py", "-k", "resumes_mid_epoch"),
+        r"10 samples trained on by each of 2 replicas: the state is .*; its consumed_samples "
+        r"counts every replica's",
+    ),
+    Mutation(
+        "resume_applied_twice",
+        "the resume state is kept after the resumed pass: every later pass over that epoch "
+        "skips the samples again",
+        (
+            (
+                "lightning_sp/data/sampler.py",
+                "        self._resume = None\n        self.consumed",
+                "        self.consumed",
+            ),
+        ),
+        ("tests/test_data_order.py", "-k", "resumes_mid_epoch"),
+        r"the pass after the resumed one skips samples again: the resume applied twice",
+    ),
+    Mutation(
+        "epochs_same_shuffle",
+        "every pass over a set uses the same permutation (epochs not freshly shuffled)",
+        (
+            (
+                "lightning_sp/data/order.py",
+                "perm = Permutation(n, (self.seed, int(k), int(p)))",
+                "perm = Permutation(n, (self.seed, int(k), 0))",
+            ),
+        ),
+        ("tests/test_data_order.py", "-k", "fresh_permutations"),
+        r"epochs 0 and 1 visit the samples in the same order: a pass not freshly shuffled",
+    ),
+    Mutation(
+        "eod_starts_next_document",
+        "packed pretraining samples: an end-of-document token starts the next document "
+        "instead of ending its own",
+        (
+            (
+                "lightning_sp/model/documents.py",
+                "return (eod.cumsum(-1, dtype=torch.int32) - eod).to(torch.int32)",
+                "return eod.cumsum(-1, dtype=torch.int32).to(torch.int32)",
+            ),
+        ),
+        ("tests/test_packed_data.py", "-k", "three_flags"),
+        r"documents \[.*\]: an end-of-document token belongs to the document it ends",
+    ),
+    Mutation(
+        "eod_loss_mask_on_labels",
+        "eod_mask_loss masks where the label is the end-of-document token, not the input "
+        "(the document's last token learns nothing; the EOD learns the next document)",
+        (
+            (
+                "lightning_sp/data/documents.py",
+                'sample["loss_mask"] = inputs != eod_id',
+                'sample["loss_mask"] = row[1:] != eod_id',
+            ),
+        ),
+        ("tests/test_packed_data.py", "-k", "three_flags"),
+        r"loss_mask \[.*\]: masked where the input \(not the label\) is the end-of-document "
+        r"token",
+    ),
+    Mutation(
+        "reference_stored_float32",
+        "dpo.reference: precomputed stores the reference log-probabilities as float32 (the "
+        "stored reference is no longer the live one's float64)",
+        (
+            (
+                "lightning_sp/data/preference.py",
+                "np.save(partial, np.asarray(values, dtype=np.float64))",
+                "np.save(partial, np.asarray(values, dtype=np.float32))",
+            ),
+        ),
+        ("tests/test_dpo_precomputed.py", "-k", "equals_live"),
+        r"train batch 0: the stored reference log-probabilities differ from the live "
+        r"reference's",
+    ),
+    Mutation(
+        "vocabulary_size_id_read",
+        "prepared shards: a token id equal to the vocabulary size passes the check where read "
+        "(> for >=)",
+        (
+            (
+                "lightning_sp/data/tokens.py",
+                "piece.size and int(piece.max()) >= self.vocab_size:",
+                "piece.size and int(piece.max()) > self.vocab_size:",
+            ),
+        ),
+        ("tests/test_data_prepare.py", "-k", "equal_to_the_vocabulary_size"),
+        r"token id 257 of a vocabulary of 257 ids \(0 \.\. 256\) was read without a word",
+    ),
+    Mutation(
+        "permutation_walks_past_n",
+        "the sample order's cycle walking stops at an image equal to n (> for >=): index n, "
+        "outside the data, is visited",
+        (
+            (
+                "lightning_sp/data/order.py",
+                "        outside = out >= self.n\n        while",
+                "        outside = out > self.n\n        while",
+            ),
+        ),
+        ("tests/test_data_order.py", "-k", "seeded_bijection"),
+        r"Permutation\(\d+\) maps \[0, \d+\) onto .*: not a bijection of \[0, n\)",
+    ),
+    Mutation(
+        "fingerprint_size_only",
+        "a source file's fingerprint is its size only: a file edited in place to the same size "
+        "leaves its prepared corpus reused as up to date (stale tokens trained on)",
+        (
+            (
+                "lightning_sp/data/sources.py",
+                "parts.append([entry, stat.st_size, stat.st_mtime_ns])",
+                "parts.append([entry, stat.st_size])",
+            ),
+        ),
+        ("tests/test_data_prepare.py", "-k", "not_reused"),
+        r"a source file edited to the same size: the prepared corpus was reused as up to date",
+    ),
+    Mutation(
+        "prepared_identity_without_val_fraction",
+        "a prepared corpus's identity leaves out val_fraction: one prepared with another "
+        "validation split is reused as up to date",
+        (
+            (
+                "lightning_sp/data/prepare.py",
+                '        "val_fraction": settings.val_fraction,\n',
+                "",
+            ),
+        ),
+        ("tests/test_data_prepare.py", "-k", "not_reused"),
+        r"val_fraction 0\.5 for 0\.25: the prepared corpus was reused as up to date",
+    ),
+    Mutation(
         "capacity_rounds_down",
         "MoE capacity ceil(cf·T·k/E) rounded down: a non-integer capacity keeps one choice per "
         "expert too few",
