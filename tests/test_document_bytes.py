@@ -19,7 +19,7 @@ import itertools
 
 import pytest
 import torch
-from test_activation_bytes import SBH, A, B, S, _config
+from test_activation_bytes import LAYERS, SBH, A, B, S, _config
 
 from lightning_sp import GPT, ParallelState, SavedTensorTracker
 from lightning_sp.data.documents import DocumentOptions, annotate
@@ -209,3 +209,30 @@ def test_estimate_reads_the_data_options() -> None:
                   data_parallel_size=2)  # fmt: skip
     ranked = search(tiny, load_cluster("h100-80gb"), 80e9).ranked
     assert ranked and all(candidate.layout.document_mask for candidate in ranked)
+
+
+def test_first_stage_holds_every_micro_batchs_ids_through_a_pipeline() -> None:
+    """p = 2, n = 4 micro-batches of b = 2 (formula): the step's packed ids and positions are
+    held for the whole step, ``4·b·s`` document ids + ``8·b·s`` positions for each of the n
+    micro-batches, while the layers (2 sbh more each under the mask, L/p = 1 of them) and the
+    per-token RoPE tables are held for the p micro-batches in flight (eq. 5)."""
+    config = _config(False, "none", "sdpa", "llama")
+    rows = {}
+    for mask in (False, True):
+        layout = Layout(
+            config=config, micro_batch_size=B, pipeline_parallel_size=2, num_microbatches=4,
+            document_mask=mask, reset_position_ids=mask,
+        )  # fmt: skip
+        rows[mask] = estimate(layout, measure=False).row(False, "none")
+    shape = config.activation_shape(layout_at(1), B, documents=True)
+    tables = packed_bytes(shape, document_mask=True, reset_position_ids=True, rotary=True).tables
+    ids = (4 + 8) * B * S
+    first = (
+        rows[True].formula_first_stage_activation_bytes
+        - rows[False].formula_first_stage_activation_bytes
+    )
+    expected = 2 * SBH * (LAYERS // 2) * 2 + 4 * ids + 2 * tables
+    assert first == expected, (
+        f"first stage at p = 2, n = 4 with packed documents: {first} B more than causal, "
+        f"expected {expected} B (the ids of all 4 micro-batches, the rest for 2 in flight)"
+    )

@@ -248,3 +248,18 @@ def test_bad_cluster_from_the_command_line_is_one_line(tmp_path: Path) -> None:
     errors = error_lines(proc.stderr)
     assert len(errors) == 1 and "calibration.kernels[0].seconds=-1.0" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr and "[rank0]" not in proc.stderr
+
+
+def test_search_ranks_each_layout_once() -> None:
+    """At t = 1 sequence parallelism splits nothing (the row is SP off's again): the search
+    ranks SP only where t > 1, so no two candidates share a key (t, p, m, c, b, SP,
+    recompute, distributed optimizer, e, etp)."""
+    base = Layout(config=SMALL, tensor_parallel_size=2, data_parallel_size=2)
+    found = search(base, H100_80GB, 80e9, max_micro_batch=2)
+    assert any(x.layout.tensor_parallel_size == 1 for x in found.ranked)
+    twins = [x.key() for x in found.ranked if x.row.sequence_parallel]
+    assert all(key[0] > 1 for key in twins), (
+        f"search ranks sequence parallelism at t = 1: {[k for k in twins if k[0] == 1][:3]}"
+    )
+    keys = [x.key() for x in found.ranked]
+    assert len(keys) == len(set(keys)), "search ranks a layout twice"

@@ -312,3 +312,15 @@ def test_fake_measurement_matches_formula_under_cp(
     assert got.per_layer_bytes == [expected] * 2
     one = activation_bytes_per_layer(config.activation_shape(layout_at(t), b), recompute)
     assert activation_bytes_per_layer(shape, recompute) <= one / c  # the core's scores go
+
+
+def test_interleaved_in_flight_capped_by_the_steps_chunk_forwards() -> None:
+    """Interleaved p = 2, m = 2 with n = p = 2 micro-batches: the warm-up would want
+    2(p-1) + (m-1)p + 1 = 5 chunk forwards, but the step has only n·m = 4; L = 8: 4 chunks
+    of L/(p·m) = 2 layers, 8 layers' worth (not 10)."""
+    got = chunk_forwards_in_flight(2, 2, 2)
+    assert got == 4, (
+        f"interleaved p = 2, m = 2, n = 2: {got} chunk forwards in flight, the step has 4"
+    )
+    assert layers_in_flight(8, 2, 2, num_microbatches=2) == 8
+    assert chunk_forwards_in_flight(2, 2, 4) == 5, "n = 4: the warm-up's 5"

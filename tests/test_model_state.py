@@ -69,3 +69,20 @@ def test_parameter_count_matches_real_gpt_shards() -> None:
             config, layout_at(2, p=2), 0
         )
     assert not dist.is_initialized()
+
+
+def test_expert_parameters_per_rank_by_hand() -> None:
+    """A SwiGLU mixture of experts (E = 4 experts of width f_e = 32, h = 64, L = 4, no
+    biases): each expert holds 3·h·f_e = 6144 parameters; a rank of pipeline stage p = 2 at
+    expert-parallel size e = 2 holds L/p = 2 layers' E/e = 2 experts: 4 · 6144 = 24576; at
+    p = 1, e = 1 all 16 of them."""
+    from lightning_sp.memory.model_state import expert_parameters_per_rank
+    from lightning_sp.model.moe.config import MoEConfig
+
+    config = GPTConfig.of(
+        "mistral", vocab_size=1000, seq_length=256, hidden_size=64, num_layers=4, num_heads=4,
+        feed_forward="moe", moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_size=32),
+    )  # fmt: skip
+    for (p, e), want in (((1, 1), 16 * 6144), ((2, 2), 4 * 6144), ((2, 1), 8 * 6144)):
+        got = expert_parameters_per_rank(config, layout_at(p=p, e=e))
+        assert got == want, f"routed experts per rank at p = {p}, e = {e}: {got}, by hand {want}"

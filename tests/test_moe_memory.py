@@ -350,3 +350,33 @@ def test_moe_layer_of_a_gpt_equals_its_formula_under_each_recompute(recompute: s
     expected = activation_bytes_per_layer(shape, config.recompute)
     expected += layernorm_stats_bytes_per_layer(shape, config.recompute)
     assert measured == expected, f"{recompute}: measured {measured} bytes, formula {expected}"
+
+
+def test_search_json_names_each_layouts_expert_sizes() -> None:
+    """``estimate --search --format json``: each row names its layout whole, e and etp
+    included, so two rows that differ only in the expert layout are told apart (the table
+    prints both columns)."""
+    from lightning_sp import GPTConfig
+    from lightning_sp.planner.layout import Layout
+    from lightning_sp.planner.presets import H100_80GB
+    from lightning_sp.planner.report import _candidate_json
+    from lightning_sp.planner.search import search
+
+    config = GPTConfig.of(
+        "mistral", vocab_size=1000, seq_length=256, hidden_size=64, num_layers=4, num_heads=4,
+        feed_forward="moe", sequence_parallel=True, recompute="none",
+        moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_size=32),
+    )  # fmt: skip
+    base = Layout(tensor_parallel_size=2, data_parallel_size=2, config=config)
+    found = search(base, H100_80GB, 80e9, max_micro_batch=1)
+    rows = [_candidate_json(x) for x in found.ranked]
+    for x, row in zip(found.ranked, rows, strict=True):
+        lay = x.layout
+        got = (row.get("expert_parallel_size"), row.get("expert_tensor_parallel_size"))
+        want = (lay.expert_parallel_size, lay.expert_tensor_parallel_size)
+        assert got == want, f"search JSON row: (e, etp) = {got}, the layout's {want}"
+    assert {r["expert_parallel_size"] for r in rows} == {1, 2, 4}
+    sizes = [tuple(v for k, v in r.items() if k.endswith("_size")) for r in rows]
+    named = [(*size, r["distributed_optimizer"], r["sequence_parallel"], r["recompute"])
+             for size, r in zip(sizes, rows, strict=True)]  # fmt: skip
+    assert len(set(named)) == len(named), "two search JSON rows name the same layout"

@@ -268,6 +268,19 @@ def test_auto_choice_is_the_fastest_row_that_fits() -> None:
         assert all(r.iteration_seconds > fastest for r in slower)
 
 
+def test_a_row_filling_the_device_exactly_fits() -> None:
+    """The memory limit is inclusive: with the device exactly the no-recompute row's total
+    bytes, that row fits, and auto (the fastest that fits) takes it."""
+    layout = _auto()
+    rows = estimate(layout, 1e15, measure=False).rows
+    none = next(r for r in rows if r.sequence_parallel and r.recompute == "none")
+    result = estimate(layout, none.total_bytes, measure=False)
+    again = result.row(True, "none")
+    assert again.total_bytes == again.device_bytes == none.total_bytes
+    assert again.fits, f"a row of {again.total_bytes} B on a {again.device_bytes} B device: no fit"
+    assert result.choice is not None and result.choice.recompute == "none"
+
+
 @pytest.mark.slow
 def test_search_175b_on_1024_gpus_ranks_the_papers_layout_high(
     capsys: pytest.CaptureFixture[str],

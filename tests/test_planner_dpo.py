@@ -4,6 +4,8 @@ FLOPs), precomputed costs nothing per step, and the command prints the line."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_planner_lora import _layout
@@ -71,4 +73,41 @@ def test_reference_forward_prices_the_heads_log_probabilities(tmp_path) -> None:
     got = reference_cost(layout, "copy", cluster).seconds
     assert got == pytest.approx(n * (layers + ends), rel=1e-12), (
         f"reference forward {got} s, by hand {n * (layers + ends)} s (layers {n * layers} s)"
+    )
+
+
+@pytest.mark.parametrize(("p", "m"), [(1, 1), (2, 1), (2, 2)])
+def test_reference_forward_through_a_pipeline_by_hand(tmp_path, p: int, m: int) -> None:
+    """p stages (m chunks), n = 4, t = 2 without SP: the layers' forward runs on each stage's
+    L/p layers for the n micro-batches and the forward schedule's (p-1)/m bubble; the
+    embedding (with its forward all-reduce over TP: two ring passes) and the head (no
+    collective without SP) run one after the other at p = 1; at p = 2 they are on different
+    stages, so only the slower of the two is on the steady state's path, n times."""
+    from lightning_sp.planner.kernels import gather_seconds, gemm_seconds, memory_seconds
+    from lightning_sp.planner.layertime import layer_time
+    from lightning_sp.planner.layout import Layout
+    from lightning_sp.planner.ops import ACT, embedding_memory_ops, head_gemms, head_memory_ops
+
+    base = read_estimate_args(_layout(tmp_path, "--model.dpo.beta=0.1")).layout
+    config = dataclasses.replace(base.config, sequence_parallel=False)
+    split = {"num_microbatches": 4} if p > 1 else {"accumulate_grad_batches": 4}
+    layout = Layout(config=config, tensor_parallel_size=2, pipeline_parallel_size=p,
+                    virtual_pipeline_size=m, **split)  # fmt: skip
+    cluster = load_cluster("a100-80gb")
+    t, b, s, h, n, L = 2, 1, config.seq_length, config.hidden_size, 4, config.num_layers
+    layer = sum(layer_time(layout.shape_of(config), cluster).forward.values())
+    head = gemm_seconds(cluster, head_gemms(config, t, b)[0]) + sum(
+        memory_seconds(cluster, op.forward_bytes) for op in head_memory_ops(config, t, b, False)
+    )
+    embedding = sum(
+        memory_seconds(cluster, op.forward_bytes)
+        for op in embedding_memory_ops(config, t, b, False)
+    ) + 2 * gather_seconds(cluster, ACT * s * b * h, t, True)
+    ends = head + embedding if p == 1 else max(head, embedding)
+    expected = (n + (p - 1) / m) * L / p * layer + n * ends
+    got = reference_cost(layout, "copy", cluster).seconds
+    assert got == pytest.approx(expected, rel=1e-12), (
+        f"DPO reference forward at p = {p}, m = {m}, SP off: {got:.4e} s, by hand "
+        f"{expected:.4e} s (bubble (p-1)/m, the slower end per micro-batch, the embedding's "
+        "all-reduce)"
     )

@@ -65,6 +65,45 @@ def test_layer_time_prices_the_linears_at_the_fp8_peak_and_the_core_as_bf16() ->
     assert 1.05 < ratio < 2.0, f"an FP8 layer should be faster, not 2x (ratio {ratio:.3f})"
 
 
+def test_fp8_prices_both_backward_gemms_in_float8() -> None:
+    """The backward of an FP8 layer runs each linear's data-gradient and weight-gradient GEMMs
+    in float8 (the core's stay bf16): the backward GEMM time differs from BF16's by exactly
+    those GEMMs' float8 less their bf16 seconds."""
+    from lightning_sp.planner.ops import backward_gemms
+
+    bf16 = _llama(None).activation_shape(layout_at(4), 1)
+    fp8 = _llama(FP8Config("tensorwise")).activation_shape(layout_at(4), 1)
+    slow, fast = layer_time(bf16, H100), layer_time(fp8, H100)
+    expected = 0.0
+    for g in (g for g in layer_gemms(fp8) if not g.tag):
+        for grad in backward_gemms(g):
+            expected += fp8_gemm_seconds(H100, grad) - gemm_seconds(H100, grad)
+    got = fast.backward["gemm"] - slow.backward["gemm"]
+    assert got == pytest.approx(expected, rel=1e-9), (
+        f"FP8 backward GEMMs: {got:.4e} s from BF16's, expected {expected:.4e} s (both the "
+        "data- and the weight-gradient GEMMs of every linear in float8)"
+    )
+
+
+def test_memory_bound_fp8_gemm_writes_a_two_byte_output() -> None:
+    """A thin GEMM (k = 16: 4096 x 4096 outputs from 16-wide operands) is memory bound in
+    float8: it streams its 1-byte operands and writes its bf16 output, 2 bytes an element,
+    then pays its operands' casts (5 B an element)."""
+    from lightning_sp.model.parts.base import Gemm
+
+    thin = Gemm("thin", 4096, 4096, 16)
+    operands = 4096 * 16 + 16 * 4096
+    streamed = (operands + 2 * 4096 * 4096) / H100.memory_rate
+    compute = thin.flops / (1979e12 * H100.gemm_efficiency * wave_efficiency(H100, 4096, 4096))
+    assert compute < streamed / 2, "the case needs a memory-bound GEMM"
+    expected = streamed + CAST_BYTES * operands / H100.memory_rate
+    got = fp8_gemm_seconds(H100, thin)
+    assert got == pytest.approx(expected, rel=1e-12), (
+        f"memory-bound float8 GEMM: {got:.4e} s, expected {expected:.4e} s (1-byte operands, "
+        "a 2-byte output, 5 B an operand element of casts)"
+    )
+
+
 def test_estimate_prices_fp8_and_says_so() -> None:
     config = dataclasses.replace(_llama(FP8Config("tensorwise")), num_layers=2)
     layout = Layout(tensor_parallel_size=4, config=config, source="fp8")

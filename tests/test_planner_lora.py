@@ -13,11 +13,14 @@ import torch
 from lightning_sp.cli.estimate import main as report_main
 from lightning_sp.cli.estimate import read_estimate_args
 from lightning_sp.memory.formulas import activation_bytes_per_layer
+from lightning_sp.memory.model_state import expert_parameters_per_rank, parameters_per_rank
 from lightning_sp.model.config import GPTConfig
 from lightning_sp.model.gpt import GPT
 from lightning_sp.model.lora import LoRAConfig, apply_lora, lora_parameters, with_adapters
+from lightning_sp.model.moe.config import MoEConfig
 from lightning_sp.parallel.state import ParallelState
 from lightning_sp.planner.estimate import estimate
+from lightning_sp.planner.layout import Layout
 from lightning_sp.planner.lora import adapter_parameters_per_rank, lora_estimate
 from lightning_sp.planner.presets import load_cluster
 from lightning_sp.planner.search import base_key, search
@@ -150,3 +153,76 @@ def test_estimate_json_keeps_lora_on_stderr(tmp_path, capsys: pytest.CaptureFixt
     rows = json.loads(captured.out)
     assert isinstance(rows, list) and rows, "stdout is the rows' JSON"
     assert "LoRA r=8 on query, value" in captured.err, f"LoRA pricing missing: {captured.err}"
+
+
+def _saved(layout: Layout, **change: int) -> float:
+    """What LoRA saves on ``layout`` (with ``change``): full fine-tune less LoRA, seconds."""
+    run = lora_estimate(dataclasses.replace(layout, **change), LORA, "a100-80gb")
+    return run.full.iteration_seconds - run.adapted.iteration_seconds
+
+
+def test_lora_saving_spans_the_pipeline_bubble() -> None:
+    """The frozen base shortens each layer's backward by some A and the output layer's by H, on
+    every stage alike, so the pipeline term ``n·T_max + (p-1)/m·T_mean`` (T: L/p layers) drops
+    by ``(n + (p-1)/m)·(L/p)·A + n·H``. At d = 1 (no data-parallel term) what else LoRA
+    changes does not depend on n or m, so from the saving's growth with n at p = 1
+    (``L·A + H`` per micro-batch) and at p = 2 (``(L/2)·A + H``), A follows, and halving the
+    bubble (m = 1 -> 2 at p = 2, n = 4) gives back ``(1/2)·(L/2)·A``. (At h = 256 the adapters'
+    small GEMMs outweigh the frozen weight gradients: A < 0; the relation is the same.)"""
+    cfg = dataclasses.replace(LLAMA, recompute="none", sequence_parallel=False)
+    L = cfg.num_layers
+    flat = Layout(config=cfg, accumulate_grad_batches=1)
+    e1 = _saved(flat, accumulate_grad_batches=2) - _saved(flat)  # L·A + H
+    piped = Layout(config=cfg, pipeline_parallel_size=2, num_microbatches=4)
+    e2 = _saved(piped, num_microbatches=8) - _saved(piped)  # 4·((L/2)·A + H)
+    a = (4 * e1 - e2) / (2 * L)
+    assert abs(a) > 1e-6, f"LoRA changes no layer's time (A = {a:.3e} s): the case tests nothing"
+    got = _saved(piped) - _saved(piped, virtual_pipeline_size=2)
+    assert got == pytest.approx(0.5 * (L / 2) * a, rel=1e-6), (
+        f"LoRA at p = 2: the bubble's layers save {got:.3e} s more at m = 1 than m = 2, "
+        f"expected (1/2)·(L/2)·A = {0.5 * (L / 2) * a:.3e} s (the frozen base's saving on "
+        "the bubble's (p-1)/m layers' passes)"
+    )
+
+
+def test_lora_optimizer_step_is_sharded_by_the_distributed_optimizer() -> None:
+    """LoRA's optimizer step streams 8 bytes per adapter parameter (norm, zeroing) and Adam's
+    30 per parameter of this rank's shard: with the distributed optimizer over d = 4 that is
+    ``30·(1 - 1/4)·adapters`` bytes less at the cluster's memory rate; the reduction is the
+    same all-reduce either way."""
+    layout = Layout(config=LLAMA, tensor_parallel_size=2, data_parallel_size=4,
+                    accumulate_grad_batches=2)  # fmt: skip
+    cluster = load_cluster("a100-80gb")
+    runs = [
+        lora_estimate(dataclasses.replace(layout, distributed_optimizer=z), LORA, cluster)
+        for z in (False, True)
+    ]
+    adapters = adapter_parameters_per_rank(LLAMA, LORA, layout_at(2))
+    expected = 30 * adapters * (1 - 1 / 4) / cluster.memory_rate
+    got = runs[0].adapted.iteration_seconds - runs[1].adapted.iteration_seconds
+    assert got == pytest.approx(expected, rel=1e-6), (
+        f"LoRA with the distributed optimizer over d = 4: the step is {got:.3e} s shorter, "
+        f"expected {expected:.3e} s (Adam's 30 bytes per adapter parameter over 4 shards)"
+    )
+
+
+def test_lora_full_fine_tune_shards_experts_over_expert_data_ranks() -> None:
+    """The full fine-tune beside a LoRA run of a mixture of experts at e = 2, d = 4 with the
+    distributed optimizer: 6 bytes a parameter replicated (bf16 weight, fp32 gradient), the
+    12 of master and moments over the 4 dp ranks for the dense parameters, over the
+    4/2 = 2 ranks that hold the same experts for the routed experts'."""
+    moe = GPTConfig.of(
+        "mistral", vocab_size=512, seq_length=256, hidden_size=128, num_layers=2, num_heads=4,
+        num_query_groups=2, feed_forward="moe", recompute="none",
+        moe=MoEConfig(num_experts=4, top_k=2, expert_ffn_size=256),
+    )  # fmt: skip
+    layout = Layout(config=moe, data_parallel_size=4, expert_parallel_size=2,
+                    distributed_optimizer=True)  # fmt: skip
+    params, experts = parameters_per_rank(moe, layout), expert_parameters_per_rank(moe, layout)
+    assert 0 < experts < params
+    expected = 6 * params + 12 * (params - experts) / 4 + 12 * experts / 2
+    got = lora_estimate(layout, LORA, "a100-80gb").full.model_state_bytes
+    assert got == pytest.approx(expected, rel=1e-12), (
+        f"full fine-tune at e = 2, d = 4, distributed optimizer: model state {got:.0f} B, "
+        f"expected {expected:.0f} B (experts' optimizer state over d/e = 2 ranks)"
+    )

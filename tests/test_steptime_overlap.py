@@ -273,3 +273,38 @@ def test_search_shows_the_margin_to_the_first(capsys: pytest.CaptureFixture[str]
     assert first.rstrip().endswith("+0.0%")
     second = found.ranked[1].row.iteration_seconds / found.ranked[0].row.iteration_seconds - 1
     assert f"the first two are {second:.1%} apart" in text
+
+
+def test_pipeline_overlap_hides_behind_a_whole_chunk_by_hand() -> None:
+    """Interleaved over two nodes (t = 1, p = 2, m = 2, d = 8: 16 GPUs), h = 256, b = 8: a
+    boundary send of ``2sbh`` bytes over the network outlasts one layer's forward but hides
+    behind the next chunk's L/(p·m) = 2 layers: per iteration ``n · 2m · max(0, send - 2 ·
+    layer forward)`` exposed, the send by hand from the network's rate."""
+    cfg = dataclasses.replace(GPT, hidden_size=256, num_heads=4)
+    layout = Layout(config=cfg, pipeline_parallel_size=2, virtual_pipeline_size=2,
+                    num_microbatches=4, data_parallel_size=8, micro_batch_size=8)  # fmt: skip
+    assert layout.world_size > H100_80GB.gpus_per_node, "the case needs two nodes"
+    run = dataclasses.replace(H100_80GB, execution=Execution(pipeline_overlap=True))
+    send = 2 * cfg.seq_length * 8 * cfg.hidden_size / NETWORK  # bf16 [s, b, h], between nodes
+    forward = sum(step_time(layout, run).layer.forward.values())
+    chunk = cfg.num_layers // (2 * 2)
+    assert send > forward, "the case needs a send longer than one layer's forward"
+    expected = 4 * 2 * 2 * max(0.0, send - chunk * forward)
+    got = step_time(layout, run).parts["p2p"]
+    assert got == pytest.approx(expected, rel=1e-9, abs=1e-12), (
+        f"interleaved pipeline_overlap: exposed p2p {got:.3e} s, expected {expected:.3e} s "
+        f"(each send beside the next chunk's {chunk} layers' forward, not one layer's)"
+    )
+
+
+def test_pipeline_transfers_per_iteration_by_hand() -> None:
+    """1F1B over one node (t = 2 with SP, p = 2, d = 2), n = 4 micro-batches: per micro-batch
+    one forward and one backward send of the ``2sbh/t``-byte boundary activation over NVLink,
+    none hidden: ``parts["p2p"]`` is the iteration's ``n · 2 · send``."""
+    layout = Layout(config=GPT, tensor_parallel_size=2, pipeline_parallel_size=2,
+                    num_microbatches=4, data_parallel_size=2)  # fmt: skip
+    send = 2 * GPT.seq_length * GPT.hidden_size / 2 / NVLINK
+    got = step_time(layout, H100_80GB).parts["p2p"]
+    assert got == pytest.approx(4 * 2 * send, rel=1e-12), (
+        f"pipeline transfers per iteration: {got:.4e} s, by hand n·2·send = {8 * send:.4e} s"
+    )

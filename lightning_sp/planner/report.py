@@ -59,7 +59,9 @@ def _candidate_json(candidate: Any) -> dict[str, Any]:
     """One ``--search --format json`` object: the layout's sizes, then its row.
     ``num_microbatches`` is the micro-batches of one step on a rank (``b·n·d`` is the global
     batch): the strategy's ``num_microbatches`` at p > 1; at p = 1 they are Lightning's
-    accumulation, ``accumulate_grad_batches`` beside it (the strategy's is then 1)."""
+    accumulation, ``accumulate_grad_batches`` beside it (the strategy's is then 1). A mixture
+    of experts' layouts differ by ``expert_parallel_size`` and ``expert_tensor_parallel_size``
+    too (1 for a dense model)."""
     lay = candidate.layout
     out = {
         "tensor_parallel_size": lay.tensor_parallel_size,
@@ -71,6 +73,8 @@ def _candidate_json(candidate: Any) -> dict[str, Any]:
         "num_microbatches": lay.microbatches_per_step,
         "accumulate_grad_batches": lay.accumulate_grad_batches,
         "distributed_optimizer": lay.distributed_optimizer,
+        "expert_parallel_size": lay.expert_parallel_size,
+        "expert_tensor_parallel_size": lay.expert_tensor_parallel_size,
     }
     return out | to_json(candidate.row)
 

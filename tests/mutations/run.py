@@ -1778,6 +1778,227 @@ MUTATIONS = (
         ("tests/test_config_errors.py", "-k", "clipping"),
         r"configure_gradient_clipping accepted the value: no ConfigError",
     ),
+    Mutation(
+        "pipeline_overlap_one_layer",
+        "step-time model: an interleaved pipeline's transfer hides behind one layer's forward, "
+        "not the next chunk's L/(p·m) layers",
+        (
+            (
+                "lightning_sp/planner/steptime.py",
+                "            one = max(0.0, one - chunk * sum(layer.forward.values()))",
+                "            one = max(0.0, one - sum(layer.forward.values()))",
+            ),
+        ),
+        ("tests/test_steptime_overlap.py", "-k", "whole_chunk"),
+        r"interleaved pipeline_overlap: exposed p2p .* not one layer's",
+    ),
+    Mutation(
+        "lora_saving_skips_bubble",
+        "LoRA step time: the frozen base's shorter backward is taken off the n micro-batches "
+        "only, not the pipeline bubble's (p-1)/m passes",
+        (
+            (
+                "lightning_sp/planner/lora.py",
+                '    seconds = parts["pipeline"] - (n + (p - 1) / m) * config.num_layers / p '
+                "* layer",
+                '    seconds = parts["pipeline"] - n * config.num_layers / p * layer',
+            ),
+        ),
+        ("tests/test_planner_lora.py", "-k", "bubble"),
+        r"LoRA at p = 2: the bubble's layers save",
+    ),
+    Mutation(
+        "lora_optimizer_unsharded",
+        "LoRA step time: Adam's step over every adapter parameter on each rank, not this "
+        "rank's distributed-optimizer shard",
+        (
+            (
+                "lightning_sp/planner/lora.py",
+                "    shard = adapters / shards if zero else adapters",
+                "    shard = adapters",
+            ),
+        ),
+        ("tests/test_planner_lora.py", "-k", "sharded"),
+        r"LoRA with the distributed optimizer over d = 4: the step is",
+    ),
+    Mutation(
+        "lora_full_experts_over_dp",
+        "LoRA estimate: the full fine-tune's routed experts' optimizer state sharded over the "
+        "d·c ranks, not the d·c/e holding the same experts",
+        (
+            (
+                "lightning_sp/planner/lora.py",
+                "    full_state += model_state_bytes(experts, precision, shards // e, zero)",
+                "    full_state += model_state_bytes(experts, precision, shards, zero)",
+            ),
+        ),
+        ("tests/test_planner_lora.py", "-k", "expert_data_ranks"),
+        r"full fine-tune at e = 2, d = 4, distributed optimizer: model state",
+    ),
+    Mutation(
+        "search_sp_at_t1",
+        "estimate --search ranks sequence parallelism at t = 1 (the SP-off row again, each such "
+        "layout twice)",
+        (
+            (
+                "lightning_sp/planner/search.py",
+                "            if row.sequence_parallel and layout.tensor_parallel_size == 1:\n"
+                "                continue\n",
+                "",
+            ),
+        ),
+        ("tests/test_estimate_inputs.py", "-k", "each_layout_once"),
+        r"search ranks sequence parallelism at t = 1",
+    ),
+    Mutation(
+        "dpo_reference_no_bubble",
+        "DPO reference forward priced for the n micro-batches only, not the forward "
+        "schedule's (p-1)/m bubble",
+        (
+            (
+                "lightning_sp/planner/dpo.py",
+                "    seconds = (n + (p - 1) / m) * config.num_layers / p * layer + n * ends",
+                "    seconds = n * config.num_layers / p * layer + n * ends",
+            ),
+        ),
+        ("tests/test_planner_dpo.py", "-k", "through_a_pipeline"),
+        r"DPO reference forward at p = 2, m = \d, SP off: .* by hand",
+    ),
+    Mutation(
+        "dpo_reference_ends_summed",
+        "DPO reference forward: under a pipeline the embedding (first stage) and the head "
+        "(last stage) both priced on the path, not the slower of the two",
+        (
+            (
+                "lightning_sp/planner/dpo.py",
+                "    ends = head + embedding if p == 1 else max(head, embedding)",
+                "    ends = head + embedding",
+            ),
+        ),
+        ("tests/test_planner_dpo.py", "-k", "through_a_pipeline"),
+        r"DPO reference forward at p = 2, m = \d, SP off: .* by hand",
+    ),
+    Mutation(
+        "packed_ids_in_flight",
+        "first-stage bytes: packed documents' ids and positions counted for the micro-batches "
+        "in flight, not all n of the step",
+        (
+            (
+                "lightning_sp/planner/rows.py",
+                "    total += acts.ids * n + acts.tables * in_flight",
+                "    total += acts.ids * in_flight + acts.tables * in_flight",
+            ),
+        ),
+        ("tests/test_document_bytes.py", "-k", "every_micro_batchs_ids"),
+        r"first stage at p = 2, n = 4 with packed documents: \d+ B more",
+    ),
+    Mutation(
+        "interleaved_in_flight_uncapped",
+        "interleaved first stage: the warm-up's p·m + p - 1 chunk forwards counted even when "
+        "the step has fewer (n·m)",
+        (
+            (
+                "lightning_sp/memory/formulas.py",
+                "    return min(p * m + p - 1, n * m)",
+                "    return p * m + p - 1",
+            ),
+        ),
+        ("tests/test_memory.py", "-k", "capped"),
+        r"interleaved p = 2, m = 2, n = 2: 5 chunk forwards in flight",
+    ),
+    Mutation(
+        "dpo_reference_embedding_half_all_reduce",
+        "DPO reference forward without SP: the embedding's TP all-reduce priced as one ring "
+        "pass (a reduce-scatter's), not two",
+        (
+            (
+                "lightning_sp/planner/dpo.py",
+                "embedding + (unit if sp else 2 * unit)",
+                "embedding + unit",
+            ),
+        ),
+        ("tests/test_planner_dpo.py", "-k", "through_a_pipeline"),
+        r"DPO reference forward at p = 1, m = 1, SP off: .* by hand",
+    ),
+    Mutation(
+        "search_json_drops_expert_sizes",
+        "estimate --search --format json rows leave out expert_parallel_size and "
+        "expert_tensor_parallel_size (rows differing only in the expert layout read alike)",
+        (
+            (
+                "lightning_sp/planner/report.py",
+                '        "expert_parallel_size": lay.expert_parallel_size,\n'
+                '        "expert_tensor_parallel_size": lay.expert_tensor_parallel_size,\n',
+                "",
+            ),
+        ),
+        ("tests/test_moe_memory.py", "-k", "names_each"),
+        r"search JSON row: \(e, etp\) = \(None, None\)",
+    ),
+    Mutation(
+        "fp8_gemm_output_one_byte",
+        "FP8 pricing: a float8 GEMM's output counted at 1 byte an element (it is bf16, 2)",
+        (
+            (
+                "lightning_sp/planner/fp8.py",
+                "    moved = operands + 2.0 * batch * m * n",
+                "    moved = operands + 1.0 * batch * m * n",
+            ),
+        ),
+        ("tests/test_planner_fp8.py", "-k", "two_byte"),
+        r"memory-bound float8 GEMM: .* expected .*a 2-byte output",
+    ),
+    Mutation(
+        "fp8_weight_gradient_bf16",
+        "FP8 pricing: the linears' weight-gradient GEMMs priced in bf16, not float8",
+        (
+            (
+                "lightning_sp/planner/layertime.py",
+                "            dgrad[name], wgrad[name] = price(cluster, dg), price(cluster, wg)",
+                "            dgrad[name] = price(cluster, dg)",
+            ),
+        ),
+        ("tests/test_planner_fp8.py", "-k", "both_backward"),
+        r"FP8 backward GEMMs: .* expected .*weight-gradient GEMMs of every linear in float8",
+    ),
+    Mutation(
+        "fits_strict",
+        "a row whose bytes fill the device exactly does not fit (< for <=)",
+        (
+            (
+                "lightning_sp/planner/records.py",
+                "        return self.total_bytes <= self.device_bytes\n\n"
+                "    @property\n    def label",
+                "        return self.total_bytes < self.device_bytes\n\n"
+                "    @property\n    def label",
+            ),
+        ),
+        ("tests/test_planner.py", "-k", "filling_the_device"),
+        r"a row of \d+ B on a \d+ B device: no fit",
+    ),
+    Mutation(
+        "experts_per_rank_all_stages",
+        "expert_parameters_per_rank counts every layer's experts, not the L/p of one pipeline "
+        "stage",
+        (
+            (
+                "lightning_sp/memory/model_state.py",
+                "        config.num_layers\n"
+                "        // layout.pipeline_parallel_size\n"
+                "        * (experts // layout.expert_parallel_size)",
+                "        config.num_layers\n        * (experts // layout.expert_parallel_size)",
+            ),
+        ),
+        ("tests/test_model_state.py", "-k", "expert_parameters_per_rank_by_hand"),
+        r"routed experts per rank at p = 2, e = \d: \d+, by hand",
+    ),
+    Mutation(
+        "p2p_part_per_micro_batch",
+        "step-time parts: p2p reported for one micro-batch, not the iteration's n",
+        (("lightning_sp/planner/steptime.py", '        "p2p": n * p2p,', '        "p2p": p2p,'),),
+        ("tests/test_steptime_overlap.py", "-k", "transfers_per_iteration"),
+        r"pipeline transfers per iteration: .* by hand n·2·send",
+    ),
 )
 
 
