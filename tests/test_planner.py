@@ -376,6 +376,8 @@ BAD = [  # (fit overrides of gpt175b.yaml, fragments the one-line message must c
     (["--trainer.devices", "auto"], ["trainer.devices='auto'"]),
     (["--layers", "0"], ["--layers=0", "positive"]),
     (["--device_memory", "lots"], ["--device_memory='lots'", "80GiB"]),
+    (["--device_memory", "1e400GB"], ["--device_memory='1e400GB'", "positive finite size"]),
+    (["--device_memory", "0GB"], ["--device_memory='0GB'", "positive finite size"]),
     (["--model.config.recompute", "some"], ["recompute='some'", "lean", "core_attn"]),
     (["--model.config.attention", "flash"], ["attention='flash'", "math, sdpa"]),
 ]

@@ -10,6 +10,7 @@ from a ``fit`` command line. :class:`PlannerOptions` holds the command's own opt
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -222,6 +223,6 @@ def parse_bytes(text: str) -> float:
     number, prefix, binary = match.groups()
     power = "_KMGT".index(prefix) if prefix else 0
     value = float(number) * (1024 if binary else 1000) ** power
-    if value <= 0:
-        raise ConfigError(f"--device_memory={text!r} must be positive")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"--device_memory={text!r} must be a positive finite size")
     return value
