@@ -532,3 +532,28 @@ def test_finetune_config_matches_gpt2_small() -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "init_from: gpt2" in result.stdout
+
+
+def test_loading_files_that_lack_a_tensor_is_one_line(tmp_path: Path) -> None:
+    """``load_hf_weights`` itself (the Python API; export's LoRA base) names a tensor the
+    files lack in one line, before any read (it was a bare ``AssertionError``)."""
+    from safetensors.torch import load_file, save_file
+
+    save_random_llama(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(str(path))
+    missing = "model.layers.0.mlp.up_proj.weight"
+    del tensors[missing]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    model = GPT(read_hf_config(tmp_path), ParallelState.single())
+    try:
+        load_hf_weights(model, tmp_path)
+    except ConfigError as error:
+        line = str(error)
+    except Exception as error:
+        raise AssertionError(
+            f"files lacking {missing}: {type(error).__name__}({error}), not one ConfigError line"
+        ) from error
+    else:
+        raise AssertionError(f"files lacking {missing} loaded without a word")
+    assert missing in line and "\n" not in line, f"files lacking {missing}: {line!r}"

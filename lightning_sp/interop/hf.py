@@ -330,11 +330,14 @@ def check_hf_directory(directory: str | Path, config: GPTConfig, field: str = "i
 def load_hf_weights(model: GPT, directory: str | Path, field: str = "init_from") -> int:
     """Set every parameter of ``model`` (one rank's shard, any t / p / m) to its slice of the
     Hugging Face weights in ``directory``, reading only that slice. Padded vocabulary rows
-    become 0. Returns the number of elements read from the files."""
+    become 0. Returns the number of elements read from the files. :class:`ConfigError` (one
+    line) before any read for files that are not ``model``'s (:func:`check_hf_directory`'s
+    checks)."""
     config = model.config
     elements = 0
     with HFWeights(directory, field) as weights:
         weights.check_config(config)
+        weights.check()  # a tensor missing or of another shape: one line, before any read
         weights.check_unused()
         layout = weights.layout()
         parts = {part.ours: (tensor, part) for tensor in layout.values() for part in tensor.parts}

@@ -1999,6 +1999,21 @@ MUTATIONS = (
         ("tests/test_steptime_overlap.py", "-k", "transfers_per_iteration"),
         r"pipeline transfers per iteration: .* by hand n·2·send",
     ),
+    Mutation(
+        "hf_load_skips_check",
+        "load_hf_weights reads without checking the files hold every tensor in shape (a tensor "
+        "the files lack is a bare AssertionError mid-load)",
+        (
+            (
+                "lightning_sp/interop/hf.py",
+                "        weights.check()  # a tensor missing or of another shape: one line, "
+                "before any read\n",
+                "",
+            ),
+        ),
+        ("tests/test_interop_hf.py", "-k", "lack_a_tensor"),
+        r"files lacking \S+: AssertionError\(\S+\), not one ConfigError line",
+    ),
 )
 
 
