@@ -37,6 +37,18 @@ def _samples(data: TextDataModule) -> list[dict[str, torch.Tensor]]:
     ]
 
 
+def _rendered(hf: object, row: dict) -> dict:
+    """transformers' rendering of one corpus row (``messages``, or prompt and completion),
+    with its assistant-token mask: the reference the prepared masks are checked against."""
+    messages = row.get("messages") or [
+        {"role": "user", "content": row["prompt"]},
+        {"role": "assistant", "content": row["completion"]},
+    ]
+    return hf.apply_chat_template(  # type: ignore[attr-defined]
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+
+
 def test_first_fit_places_every_item_once() -> None:
     lengths = [5, 9, 3, 7, 1, 10, 2]
     bins = first_fit(lengths, 10)
@@ -67,13 +79,7 @@ def test_assistant_mask_equals_transformers_and_packing_is_exact(tmp_path: Path)
     hf = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     expected = {}
     for row in rows:
-        messages = row.get("messages") or [
-            {"role": "user", "content": row["prompt"]},
-            {"role": "assistant", "content": row["completion"]},
-        ]
-        rendered = hf.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
+        rendered = _rendered(hf, row)
         assert any(rendered["assistant_masks"]) and not all(rendered["assistant_masks"])
         expected.setdefault(tuple(rendered["input_ids"]), []).append(rendered["assistant_masks"])
     data = TextDataModule(
@@ -438,13 +444,7 @@ def test_a_truncated_conversation_keeps_its_mask_aligned(tmp_path: Path) -> None
     hf = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     expected = {}
     for row in rows:
-        messages = row.get("messages") or [
-            {"role": "user", "content": row["prompt"]},
-            {"role": "assistant", "content": row["completion"]},
-        ]
-        rendered = hf.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
+        rendered = _rendered(hf, row)
         ids, mask = rendered["input_ids"][: S + 1], rendered["assistant_masks"][: S + 1]
         expected[tuple(ids)] = mask
     data = TextDataModule(prepared_dir=str(out), tokenizer=str(tokenizer_dir / "tokenizer.json"),
